@@ -1,0 +1,222 @@
+//! Validated configuration of the bus.
+//!
+//! Every setting has a documented default and is checked once, in [`BusBuilder::build`], so a
+//! running bus never meets an impossible value. (The WAL's configuration lives beside the WAL.)
+
+use std::time::Duration;
+
+use crate::error::ConfigError;
+
+/// Where endpoint threads run.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Pinning {
+    /// Threads float; the OS schedules them (the default, and the right choice when there are
+    /// more busy threads than cores).
+    #[default]
+    Off,
+    /// Each new endpoint thread is pinned to the next core, cycling over all cores.
+    RoundRobin,
+    /// Each new endpoint thread is pinned to the next core of this list, cycling.
+    Cores(Vec<usize>),
+}
+
+/// What an endpoint thread does when its inbox is empty.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Idle {
+    /// Spin for `spin`, then yield a few times, then park until a producer rings. Lowest
+    /// latency for `spin` after the last message; costs nothing while idle for long.
+    SpinThenPark {
+        /// How long to spin after the last message before yielding and parking.
+        spin: Duration,
+    },
+    /// Park as soon as the inbox is empty (yields the core at once; each wake-up costs a few
+    /// microseconds).
+    Park,
+}
+
+impl Default for Idle {
+    fn default() -> Self {
+        Self::SpinThenPark {
+            spin: Duration::from_micros(50),
+        }
+    }
+}
+
+/// Settings of a [`Bus`](crate::Bus); built by [`BusBuilder`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BusConfig {
+    /// Rings per endpoint inbox (default 4; 1 ..= 1024).
+    pub inbox_shards: usize,
+    /// Messages per ring, rounded up to a power of two (default 16384; 2 ..= 2^24). A full ring
+    /// makes `send` wait: this bounds memory per endpoint.
+    pub inbox_capacity: usize,
+    /// Thread placement (default [`Pinning::Off`]).
+    pub pinning: Pinning,
+    /// Idle strategy (default spin 50 us, then park).
+    pub idle: Idle,
+    /// Messages taken from one shard before moving to the next (default 256; at least 1).
+    pub drain_batch: usize,
+    /// Default timeout of [`Reply::wait`](crate::Reply::wait) (default 120 s, Spark's
+    /// `spark.rpc.askTimeout` default).
+    pub ask_timeout: Duration,
+    /// How long [`Bus::shutdown`](crate::Bus::shutdown) waits for endpoint threads to finish
+    /// (default 30 s).
+    pub shutdown_timeout: Duration,
+}
+
+impl Default for BusConfig {
+    fn default() -> Self {
+        Self {
+            inbox_shards: 4,
+            inbox_capacity: 1 << 14,
+            pinning: Pinning::Off,
+            idle: Idle::default(),
+            drain_batch: 256,
+            ask_timeout: Duration::from_secs(120),
+            shutdown_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+impl BusConfig {
+    /// Checks every setting.
+    ///
+    /// # Errors
+    /// [`ConfigError::Invalid`] naming the first setting out of range and its value.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        fn invalid(
+            setting: &'static str,
+            value: impl std::fmt::Debug,
+            reason: &'static str,
+        ) -> ConfigError {
+            ConfigError::Invalid {
+                setting,
+                value: format!("{value:?}"),
+                reason,
+            }
+        }
+        if !(1..=1024).contains(&self.inbox_shards) {
+            return Err(invalid(
+                "inbox_shards",
+                self.inbox_shards,
+                "must be 1 ..= 1024",
+            ));
+        }
+        if !(2..=1 << 24).contains(&self.inbox_capacity) {
+            return Err(invalid(
+                "inbox_capacity",
+                self.inbox_capacity,
+                "must be 2 ..= 2^24",
+            ));
+        }
+        if self.drain_batch == 0 {
+            return Err(invalid(
+                "drain_batch",
+                self.drain_batch,
+                "must be at least 1",
+            ));
+        }
+        if self.ask_timeout.is_zero() {
+            return Err(invalid("ask_timeout", self.ask_timeout, "must be positive"));
+        }
+        if let Pinning::Cores(cores) = &self.pinning {
+            if cores.is_empty() {
+                return Err(invalid(
+                    "pinning",
+                    cores,
+                    "Cores needs at least one core id",
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Builds a [`Bus`](crate::Bus); see [`BusConfig`] for each setting and its default.
+#[derive(Debug, Clone, Default)]
+pub struct BusBuilder {
+    config: BusConfig,
+}
+
+impl BusBuilder {
+    /// Rings per endpoint inbox.
+    pub fn inbox_shards(mut self, shards: usize) -> Self {
+        self.config.inbox_shards = shards;
+        self
+    }
+
+    /// Messages per ring.
+    pub fn inbox_capacity(mut self, capacity: usize) -> Self {
+        self.config.inbox_capacity = capacity;
+        self
+    }
+
+    /// Thread placement.
+    pub fn pinning(mut self, pinning: Pinning) -> Self {
+        self.config.pinning = pinning;
+        self
+    }
+
+    /// Idle strategy.
+    pub fn idle(mut self, idle: Idle) -> Self {
+        self.config.idle = idle;
+        self
+    }
+
+    /// Messages taken from one shard before moving to the next.
+    pub fn drain_batch(mut self, messages: usize) -> Self {
+        self.config.drain_batch = messages;
+        self
+    }
+
+    /// Default timeout of `Reply::wait`.
+    pub fn ask_timeout(mut self, timeout: Duration) -> Self {
+        self.config.ask_timeout = timeout;
+        self
+    }
+
+    /// How long shutdown waits for endpoint threads.
+    pub fn shutdown_timeout(mut self, timeout: Duration) -> Self {
+        self.config.shutdown_timeout = timeout;
+        self
+    }
+
+    /// The configuration as built so far.
+    pub fn config(&self) -> &BusConfig {
+        &self.config
+    }
+
+    /// Validates the settings and starts an empty bus.
+    ///
+    /// # Errors
+    /// [`ConfigError::Invalid`] for the first setting out of range.
+    pub fn build(self) -> Result<crate::Bus, ConfigError> {
+        self.config.validate()?;
+        Ok(crate::Bus::with_config(self.config))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn out_of_range_settings_are_named_with_their_value() {
+        let error = BusBuilder::default().inbox_shards(0).build().unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "inbox_shards = 0 is invalid: must be 1 ..= 1024"
+        );
+        let error = BusBuilder::default()
+            .pinning(Pinning::Cores(vec![]))
+            .build()
+            .unwrap_err();
+        assert!(error.to_string().starts_with("pinning = []"));
+        assert!(BusBuilder::default().inbox_capacity(1).build().is_err());
+        assert!(BusBuilder::default().drain_batch(0).build().is_err());
+        assert!(BusBuilder::default()
+            .ask_timeout(Duration::ZERO)
+            .build()
+            .is_err());
+    }
+}

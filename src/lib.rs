@@ -1,0 +1,69 @@
+//! # coordbus
+//!
+//! A lock-free message bus runtime hosting the driver-side coordinators of a stream-processing
+//! engine: the continuous-processing epoch coordinator, the state-store location coordinator and
+//! the received-block tracker, with a segmented write-ahead log for what must survive a crash.
+//!
+//! ## Data path
+//! A sender holds an [`EndpointRef`]. `send` writes the message into the endpoint's inbox: one
+//! of several bounded lock-free rings (`queue`), always the same one for the same sender thread,
+//! so one sender's messages keep their order. The endpoint's own thread (`runtime`) drains the
+//! rings in fair batches and calls the endpoint's handler one message at a time. `ask` travels
+//! the same lane with a one-shot reply channel inside; the handler answers at once, or keeps the
+//! [`Replier`] and answers later (for example once the WAL reports the work durable). When idle,
+//! the endpoint thread spins briefly, then yields, then parks until a sender rings its doorbell.
+//!
+//! ## Example
+//! ```
+//! use coordbus::{Ask, Bus, Context, Endpoint, HandlerError, Replier};
+//!
+//! /// Counts what it is sent.
+//! struct Counter(u64);
+//! struct Add(u64);
+//! struct Total;
+//! enum CounterRequest { Total(Replier<u64>) }
+//!
+//! impl Endpoint for Counter {
+//!     type Message = Add;
+//!     type Request = CounterRequest;
+//!     fn handle(&mut self, Add(n): Add, _: &Context<Self>) -> Result<(), HandlerError> {
+//!         self.0 += n;
+//!         Ok(())
+//!     }
+//!     fn handle_request(&mut self, request: CounterRequest, _: &Context<Self>)
+//!         -> Result<(), HandlerError> {
+//!         match request { CounterRequest::Total(reply) => reply.reply(self.0) }
+//!         Ok(())
+//!     }
+//! }
+//! impl Ask<Counter> for Total {
+//!     type Reply = u64;
+//!     fn into_request(self, reply: Replier<u64>) -> CounterRequest { CounterRequest::Total(reply) }
+//! }
+//!
+//! let bus = Bus::builder().inbox_shards(2).build()?;
+//! let counter = bus.register("counter", Counter(0))?;
+//! counter.send(Add(40))?;
+//! counter.send_batch(vec![Add(1), Add(1)])?;
+//! assert_eq!(counter.ask(Total).wait()?, 42); // the ask sees this thread's earlier sends
+//! bus.shutdown()?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! ## Modules
+//! * [`queue`]: the sharded lock-free inbox (the data plane).
+//! * `runtime` (re-exported at the root): [`Bus`], [`Endpoint`], [`EndpointRef`], replies.
+//! * [`clock`]: injectable time.
+
+pub mod clock;
+mod config;
+mod error;
+pub mod queue;
+mod runtime;
+pub(crate) mod sync;
+
+pub use crate::{
+    config::{BusBuilder, BusConfig, Idle, Pinning},
+    error::{AskError, BusError, ConfigError, Error, HandlerError, SendError},
+    runtime::{Ask, Bus, Context, Endpoint, EndpointRef, EndpointStats, Replier, Reply},
+};

@@ -1,0 +1,156 @@
+//! Parking and waking without lost wake-ups, in both directions.
+//!
+//! * [`Doorbell`]: the consumer (an endpoint thread) parks when idle; producers ring it after
+//!   publishing. The consumer raises `sleeping` and then re-checks the rings; a producer claims
+//!   its position and then reads `sleeping`. Both sides use sequentially consistent operations
+//!   (Dekker's pattern), so at least one of them sees the other: either the consumer finds the
+//!   message and does not park, or the producer sees `sleeping` and unparks it. On x86 the
+//!   producer's claim is a locked compare-exchange and its SeqCst load is a plain load, so the
+//!   fast path pays nothing extra; `sleeping` is read-mostly and stays shared in every cache.
+//! * [`ProducerWaiters`]: producers that find the inbox full register themselves and park; the
+//!   consumer, after freeing slots, wakes them. Same pattern with fences on both sides. Parking
+//!   always has a short timeout as well, so even a protocol bug could only cost latency, never a
+//!   hang.
+
+use std::time::Duration;
+
+use crossbeam_queue::SegQueue;
+use crossbeam_utils::CachePadded;
+
+use crate::sync::{current_thread, fence, park_timeout, AtomicBool, AtomicUsize, Ordering, Thread};
+
+/// The longest a parked producer sleeps before re-checking on its own.
+const PRODUCER_PARK_MAX: Duration = Duration::from_millis(1);
+
+/// Wakes a parked consumer.
+#[derive(Debug, Default)]
+pub(crate) struct Doorbell {
+    /// True while the consumer is parked or about to park. Written by the consumer (set) and by
+    /// the consumer or a producer (clear).
+    sleeping: CachePadded<AtomicBool>,
+    /// The consumer thread; bound once by the consumer before it first raises `sleeping`.
+    consumer: std::sync::OnceLock<Thread>,
+}
+
+impl Doorbell {
+    /// Consumer: records the calling thread as the one to unpark. Idempotent.
+    pub(crate) fn bind_consumer(&self) {
+        let _ = self.consumer.set(current_thread());
+    }
+
+    /// Consumer: parks for at most `timeout` unless `has_work` (re-checked after announcing the
+    /// intent to park) says there is something to do.
+    pub(crate) fn park_unless(&self, timeout: Duration, has_work: impl FnOnce() -> bool) {
+        debug_assert!(
+            self.consumer.get().is_some(),
+            "bind_consumer before parking"
+        );
+        self.sleeping.store(true, Ordering::SeqCst);
+        if !has_work() {
+            park_timeout(timeout);
+        }
+        self.sleeping.store(false, Ordering::Relaxed);
+    }
+
+    /// Producer: called after publishing; unparks the consumer if it is (about to be) parked.
+    #[inline]
+    pub(crate) fn ring(&self) {
+        if self.sleeping.load(Ordering::SeqCst) {
+            self.wake();
+        }
+    }
+
+    /// Unparks the consumer unconditionally (used on close).
+    #[cold]
+    pub(crate) fn wake(&self) {
+        self.sleeping.store(false, Ordering::Relaxed);
+        if let Some(consumer) = self.consumer.get() {
+            consumer.unpark();
+        }
+    }
+}
+
+/// Producers parked on a full inbox.
+#[derive(Debug, Default)]
+pub(crate) struct ProducerWaiters {
+    /// Number of producers between registering and leaving. Read by the consumer after it frees
+    /// slots; a stale registration only causes a spurious wake-up.
+    count: CachePadded<AtomicUsize>,
+    /// Threads to unpark. May hold threads that already left; unparking those is harmless.
+    threads: SegQueue<Thread>,
+}
+
+impl ProducerWaiters {
+    /// Producer: waits (parked, bounded) until `try_again` succeeds or says to stop.
+    ///
+    /// `try_again` returns `Some(result)` to finish, `None` to keep waiting; it is always called
+    /// after registering, so a consumer that frees a slot in between is sure to wake us.
+    pub(crate) fn wait_until<R>(&self, mut try_again: impl FnMut() -> Option<R>) -> R {
+        loop {
+            self.count.fetch_add(1, Ordering::SeqCst);
+            self.threads.push(current_thread());
+            fence(Ordering::SeqCst);
+            let outcome = try_again();
+            if outcome.is_none() {
+                park_timeout(PRODUCER_PARK_MAX);
+            }
+            self.count.fetch_sub(1, Ordering::Relaxed);
+            if let Some(result) = outcome {
+                return result;
+            }
+        }
+    }
+
+    /// Consumer: called after freeing slots (or closing); wakes every registered producer.
+    #[inline]
+    pub(crate) fn wake_all_if_any(&self) {
+        fence(Ordering::SeqCst);
+        if self.count.load(Ordering::Relaxed) > 0 {
+            self.wake_all();
+        }
+    }
+
+    /// Number of producers currently registered as waiting (tests).
+    #[cfg(test)]
+    pub(crate) fn registered(&self) -> usize {
+        self.count.load(Ordering::SeqCst)
+    }
+
+    #[cold]
+    fn wake_all(&self) {
+        while let Some(thread) = self.threads.pop() {
+            thread.unpark();
+        }
+    }
+}
+
+#[cfg(all(test, loom))]
+mod loom_tests {
+    use super::*;
+    use loom::{sync::Arc, thread};
+
+    /// A producer publishing while the consumer decides to park: the consumer either sees the
+    /// message before parking or is unparked (loom reports a deadlock if it sleeps forever).
+    #[test]
+    fn loom_doorbell_has_no_lost_wakeup() {
+        loom::model(|| {
+            let doorbell = Arc::new(Doorbell::default());
+            let published = Arc::new(AtomicBool::new(false));
+            doorbell.bind_consumer();
+            let producer = {
+                let doorbell = Arc::clone(&doorbell);
+                let published = Arc::clone(&published);
+                thread::spawn(move || {
+                    published.store(true, Ordering::SeqCst);
+                    doorbell.ring();
+                })
+            };
+            while !published.load(Ordering::SeqCst) {
+                doorbell.park_unless(Duration::from_millis(1), || {
+                    published.load(Ordering::SeqCst)
+                });
+            }
+            producer.join().unwrap();
+        });
+    }
+}

@@ -1,0 +1,397 @@
+//! The endpoint contract and the handles that reach an endpoint.
+//!
+//! * [`Endpoint`]: user code. Two typed handler tables (one-way messages, requests), start and
+//!   stop hooks, an error hook. The bus calls them from one thread, one message at a time.
+//! * [`Ask`]: a request type with its own reply type; it knows how to wrap itself, with its
+//!   [`Replier`], into the endpoint's request enum. The asker gets the reply type directly.
+//! * [`EndpointRef`]: a cheap, cloneable, thread-safe reference used to send and ask.
+//! * [`Context`]: what a handler may do to its own endpoint (stop it, learn its name).
+
+use std::{
+    sync::{Arc, Weak},
+    time::{Duration, Instant},
+};
+
+use super::{reply::Reply, BusShared, Replier};
+use crate::{
+    error::{AskError, HandlerError, SendError},
+    queue::{QueueError, ShardedQueue},
+};
+
+/// User code hosted on the bus. The bus guarantees: `on_start` runs before any message;
+/// messages are handled one at a time, each handler returning before the next starts; `on_stop`
+/// runs after the last message. Handlers therefore need no locks (SPEC A.3).
+///
+/// A request handler answers through the [`Replier`] inside the request, now or later.
+pub trait Endpoint: Send + Sized + 'static {
+    /// One-way messages (`send`). Use an enum for several kinds.
+    type Message: Send + 'static;
+    /// Request-reply messages (`ask`): usually an enum whose variants hold a typed [`Replier`].
+    type Request: Send + 'static;
+
+    /// Runs on the endpoint thread before the first message.
+    fn on_start(&mut self, _context: &Context<Self>) {}
+
+    /// Handles one one-way message. An `Err` goes to [`Endpoint::on_error`]; the sender is not
+    /// told (one-way).
+    ///
+    /// # Errors
+    /// Whatever the endpoint considers a failed message.
+    fn handle(
+        &mut self,
+        message: Self::Message,
+        context: &Context<Self>,
+    ) -> Result<(), HandlerError>;
+
+    /// Handles one request; answer through its [`Replier`]. An `Err` goes to
+    /// [`Endpoint::on_error`] (fail the replier as well if the asker should know).
+    ///
+    /// # Errors
+    /// Whatever the endpoint considers a failed request.
+    fn handle_request(
+        &mut self,
+        request: Self::Request,
+        context: &Context<Self>,
+    ) -> Result<(), HandlerError>;
+
+    /// Runs on the endpoint thread after the last message, once the endpoint was stopped.
+    fn on_stop(&mut self) {}
+
+    /// Called with every error a handler returns. Default: a `tracing` warning.
+    fn on_error(&mut self, error: &HandlerError) {
+        tracing::warn!(endpoint = std::any::type_name::<Self>(), %error, "handler failed");
+    }
+}
+
+/// A request of endpoint `E` with its own reply type.
+///
+/// ```
+/// # use coordbus::{Ask, Replier};
+/// # struct Counter; enum CounterRequest { Get(Replier<u64>) }
+/// struct Get;
+/// impl Ask<Counter> for Get {
+///     type Reply = u64;
+///     fn into_request(self, replier: Replier<u64>) -> CounterRequest {
+///         CounterRequest::Get(replier)
+///     }
+/// }
+/// # impl coordbus::Endpoint for Counter {
+/// #   type Message = (); type Request = CounterRequest;
+/// #   fn handle(&mut self, _: (), _: &coordbus::Context<Self>) -> Result<(), coordbus::HandlerError> { Ok(()) }
+/// #   fn handle_request(&mut self, r: CounterRequest, _: &coordbus::Context<Self>) -> Result<(), coordbus::HandlerError> {
+/// #       match r { CounterRequest::Get(reply) => reply.reply(0) } Ok(()) }
+/// # }
+/// ```
+pub trait Ask<E: Endpoint>: Send + 'static {
+    /// What the endpoint answers.
+    type Reply: Send + 'static;
+    /// Wraps the request and its replier into the endpoint's request type.
+    fn into_request(self, replier: Replier<Self::Reply>) -> E::Request;
+}
+
+/// What travels through an inbox.
+pub(crate) enum Envelope<E: Endpoint> {
+    Message(E::Message),
+    Request(E::Request),
+}
+
+/// Per-endpoint counters, written by the endpoint thread only.
+#[derive(Debug, Default)]
+pub(crate) struct EndpointCounters {
+    pub(crate) handled: std::sync::atomic::AtomicU64,
+    pub(crate) failed: std::sync::atomic::AtomicU64,
+    pub(crate) panicked: std::sync::atomic::AtomicU64,
+}
+
+/// A snapshot of an endpoint's counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct EndpointStats {
+    /// Messages accepted into the inbox (handled + queued).
+    pub received: u64,
+    /// Messages handled (including those whose handler failed or panicked).
+    pub handled: u64,
+    /// Handler calls that returned an error.
+    pub failed: u64,
+    /// Handler calls that panicked.
+    pub panicked: u64,
+    /// Messages queued now.
+    pub inbox_depth: u64,
+    /// Largest depth of one inbox shard seen so far.
+    pub inbox_depth_high_water: u64,
+}
+
+/// The shared state of one registered endpoint.
+pub(crate) struct Inbox<E: Endpoint> {
+    pub(crate) name: String,
+    /// Registration id; distinguishes this endpoint from a later one under the same name.
+    pub(crate) id: u64,
+    pub(crate) queue: ShardedQueue<Envelope<E>>,
+    pub(crate) counters: EndpointCounters,
+    pub(crate) bus: Weak<BusShared>,
+    pub(crate) ask_timeout: Duration,
+}
+
+thread_local! {
+    /// Address of the inbox whose handler runs on this thread (0: none).
+    static CURRENT_INBOX: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+impl<E: Endpoint> Inbox<E> {
+    fn address(&self) -> usize {
+        std::ptr::from_ref(self) as usize
+    }
+
+    /// Marks this thread as the endpoint's thread (for self-ask detection).
+    pub(crate) fn enter_thread(&self) {
+        CURRENT_INBOX.with(|current| current.set(self.address()));
+    }
+
+    /// Deregisters the name at once and closes the inbox; queued messages are still handled.
+    pub(crate) fn stop(&self) -> bool {
+        if let Some(bus) = self.bus.upgrade() {
+            bus.deregister(&self.name, self.id);
+        }
+        let first = self.queue.close();
+        if first {
+            tracing::debug!(endpoint = %self.name, "endpoint stopping");
+        }
+        first
+    }
+
+    fn stats(&self) -> EndpointStats {
+        use std::sync::atomic::Ordering::Relaxed;
+        let handled = self.counters.handled.load(Relaxed);
+        let depth = self.queue.len() as u64;
+        EndpointStats {
+            received: handled + depth,
+            handled,
+            failed: self.counters.failed.load(Relaxed),
+            panicked: self.counters.panicked.load(Relaxed),
+            inbox_depth: depth,
+            inbox_depth_high_water: self.queue.depth_high_water() as u64,
+        }
+    }
+}
+
+/// What a handler can do to its own endpoint.
+pub struct Context<E: Endpoint> {
+    pub(crate) inbox: Arc<Inbox<E>>,
+}
+
+impl<E: Endpoint> std::fmt::Debug for Context<E> {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("Context")
+            .field("endpoint", &self.inbox.name)
+            .finish()
+    }
+}
+
+impl<E: Endpoint> Context<E> {
+    /// The endpoint's registered name.
+    pub fn name(&self) -> &str {
+        &self.inbox.name
+    }
+
+    /// Stops this endpoint: the name is free at once, messages already queued are still
+    /// handled, then `on_stop` runs. Idempotent.
+    pub fn stop(&self) {
+        self.inbox.stop();
+    }
+
+    /// A reference to this endpoint (asking it from its own handler fails with
+    /// [`AskError::SelfAsk`]).
+    pub fn endpoint_ref(&self) -> EndpointRef<E> {
+        EndpointRef {
+            inbox: Arc::clone(&self.inbox),
+        }
+    }
+}
+
+/// A reference to a registered endpoint: cheap to clone, shareable between threads.
+///
+/// Per-sender order: all messages a thread sends or asks through any reference to the same
+/// endpoint are handled in the order the thread issued them; an `ask` therefore returns only
+/// after the same thread's earlier sends were handled (SPEC A.4).
+pub struct EndpointRef<E: Endpoint> {
+    pub(crate) inbox: Arc<Inbox<E>>,
+}
+
+impl<E: Endpoint> Clone for EndpointRef<E> {
+    fn clone(&self) -> Self {
+        Self {
+            inbox: Arc::clone(&self.inbox),
+        }
+    }
+}
+
+impl<E: Endpoint> std::fmt::Debug for EndpointRef<E> {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("EndpointRef")
+            .field("name", &self.inbox.name)
+            .field("stopped", &self.inbox.queue.is_closed())
+            .finish()
+    }
+}
+
+impl<E: Endpoint> EndpointRef<E> {
+    /// The endpoint's registered name.
+    pub fn name(&self) -> &str {
+        &self.inbox.name
+    }
+
+    /// Whether two references reach the same endpoint.
+    pub fn same_endpoint(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.inbox, &other.inbox)
+    }
+
+    fn send_error<T>(&self, error: QueueError<T>, timeout: Option<Duration>) -> SendError<T> {
+        let endpoint = self.inbox.name.clone();
+        match error {
+            QueueError::Full(message) => SendError::Full { endpoint, message },
+            QueueError::Closed(message) => SendError::Stopped { endpoint, message },
+            QueueError::Timeout(message) => SendError::Timeout {
+                endpoint,
+                timeout: timeout.unwrap_or_default(),
+                message,
+            },
+        }
+    }
+
+    /// Sends a one-way message, waiting for room while this sender's inbox shard is full.
+    ///
+    /// # Errors
+    /// [`SendError::Stopped`] (with the message) once the endpoint is stopped.
+    #[inline]
+    pub fn send(&self, message: impl Into<E::Message>) -> Result<(), SendError<E::Message>> {
+        self.inbox
+            .queue
+            .push(Envelope::Message(message.into()), None)
+            .map_err(|error| self.send_error(unwrap_message(error), None))
+    }
+
+    /// Sends without waiting.
+    ///
+    /// # Errors
+    /// [`SendError::Full`] with the message if this sender's shard is full;
+    /// [`SendError::Stopped`] once the endpoint is stopped.
+    #[inline]
+    pub fn try_send(&self, message: impl Into<E::Message>) -> Result<(), SendError<E::Message>> {
+        self.inbox
+            .queue
+            .try_push(Envelope::Message(message.into()))
+            .map_err(|error| self.send_error(unwrap_message(error), None))
+    }
+
+    /// Sends, waiting at most `timeout` for room.
+    ///
+    /// # Errors
+    /// [`SendError::Timeout`] or [`SendError::Stopped`], with the message.
+    pub fn send_timeout(
+        &self,
+        message: impl Into<E::Message>,
+        timeout: Duration,
+    ) -> Result<(), SendError<E::Message>> {
+        self.inbox
+            .queue
+            .push(
+                Envelope::Message(message.into()),
+                Some(Instant::now() + timeout),
+            )
+            .map_err(|error| self.send_error(unwrap_message(error), Some(timeout)))
+    }
+
+    /// Sends many one-way messages in order, claiming inbox slots for as many as fit with one
+    /// atomic operation (one publication per claim). Waits for room like [`send`](Self::send).
+    ///
+    /// # Errors
+    /// [`SendError::Stopped`] with the messages not sent (the earlier ones were).
+    pub fn send_batch(&self, messages: Vec<E::Message>) -> Result<(), SendError<Vec<E::Message>>> {
+        let envelopes = messages.into_iter().map(Envelope::Message).collect();
+        self.inbox
+            .queue
+            .push_batch(envelopes, None)
+            .map_err(|error| {
+                let unwrap_all = |envelopes: Vec<Envelope<E>>| {
+                    envelopes
+                        .into_iter()
+                        .filter_map(Envelope::into_message)
+                        .collect()
+                };
+                self.send_error(
+                    match error {
+                        QueueError::Full(rest) => QueueError::Full(unwrap_all(rest)),
+                        QueueError::Closed(rest) => QueueError::Closed(unwrap_all(rest)),
+                        QueueError::Timeout(rest) => QueueError::Timeout(unwrap_all(rest)),
+                    },
+                    None,
+                )
+            })
+    }
+
+    /// Asks: queues the request behind this sender's earlier messages and returns a handle to
+    /// wait on or await. Waits for room (up to the bus's `ask_timeout`) if the shard is full.
+    ///
+    /// Errors arrive through the handle: [`AskError::Stopped`] at once for a stopped endpoint,
+    /// [`AskError::SelfAsk`] when called from this endpoint's own handler.
+    pub fn ask<A: Ask<E>>(&self, request: A) -> Reply<A::Reply> {
+        if CURRENT_INBOX.with(std::cell::Cell::get) == self.inbox.address() {
+            return Reply::failed(AskError::SelfAsk {
+                endpoint: self.inbox.name.clone(),
+            });
+        }
+        let (sender, receiver) = oneshot::channel();
+        let envelope = Envelope::Request(request.into_request(Replier::from_sender(sender)));
+        let deadline = Instant::now() + self.inbox.ask_timeout;
+        match self.inbox.queue.push(envelope, Some(deadline)) {
+            Ok(()) => Reply::pending(receiver, self.inbox.ask_timeout),
+            Err(QueueError::Closed(_)) => Reply::failed(AskError::Stopped {
+                endpoint: self.inbox.name.clone(),
+            }),
+            Err(QueueError::Full(_) | QueueError::Timeout(_)) => Reply::failed(AskError::Timeout {
+                timeout: self.inbox.ask_timeout,
+            }),
+        }
+    }
+
+    /// Stops the endpoint: its name is free at once; messages already queued are still
+    /// handled, then `on_stop` runs; later sends and asks fail with `Stopped`. Idempotent;
+    /// returns `false` if it was already stopped.
+    pub fn stop(&self) -> bool {
+        self.inbox.stop()
+    }
+
+    /// Whether the endpoint was stopped.
+    pub fn is_stopped(&self) -> bool {
+        self.inbox.queue.is_closed()
+    }
+
+    /// The endpoint's counters, readable at any time.
+    pub fn stats(&self) -> EndpointStats {
+        self.inbox.stats()
+    }
+}
+
+impl<E: Endpoint> Envelope<E> {
+    fn into_message(self) -> Option<E::Message> {
+        match self {
+            Self::Message(message) => Some(message),
+            Self::Request(_) => None,
+        }
+    }
+}
+
+/// Unwraps the one-way message from a failed push of a `Message` envelope.
+fn unwrap_message<E: Endpoint>(error: QueueError<Envelope<E>>) -> QueueError<E::Message> {
+    let unwrap = |envelope: Envelope<E>| match envelope {
+        Envelope::Message(message) => message,
+        Envelope::Request(_) => unreachable!("send only pushes Message envelopes"),
+    };
+    match error {
+        QueueError::Full(envelope) => QueueError::Full(unwrap(envelope)),
+        QueueError::Closed(envelope) => QueueError::Closed(unwrap(envelope)),
+        QueueError::Timeout(envelope) => QueueError::Timeout(unwrap(envelope)),
+    }
+}

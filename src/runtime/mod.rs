@@ -1,0 +1,293 @@
+//! The bus: a registry of named endpoints, each on its own thread, fed by a sharded inbox.
+//!
+//! Parts:
+//! * `endpoint`: the [`Endpoint`] trait, typed requests ([`Ask`]), [`EndpointRef`], [`Context`].
+//! * `reply`: [`Replier`] and [`Reply`], the two halves of one request-reply exchange.
+//! * `worker`: the endpoint thread (drain loop, idle strategy, panic containment).
+//! * `pin`: optional pinning of endpoint threads to cores.
+//!
+//! The registry (a `DashMap` from name to endpoint) is touched only by `register`, `lookup` and
+//! `stop`; sending goes straight from an [`EndpointRef`] to the endpoint's inbox, with no lookup
+//! and no lock. Stopping removes the name at once (it can be registered again immediately)
+//! and closes the inbox; the endpoint thread drains what was queued, runs `on_stop`, and ends
+//! (SPEC A.5). Shutting the bus down stops every endpoint that way and joins every thread, each
+//! wait bounded by `shutdown_timeout`.
+
+mod endpoint;
+mod pin;
+mod reply;
+mod worker;
+
+use std::{
+    any::Any,
+    sync::{
+        atomic::{AtomicBool, AtomicU64, Ordering},
+        Arc, Mutex,
+    },
+    thread::JoinHandle,
+    time::Instant,
+};
+
+use dashmap::{mapref::entry::Entry, DashMap};
+
+use self::{endpoint::Inbox, pin::CorePlanner};
+pub use self::{
+    endpoint::{Ask, Context, Endpoint, EndpointRef, EndpointStats},
+    reply::{Replier, Reply},
+};
+use crate::{
+    config::{BusBuilder, BusConfig},
+    error::BusError,
+    queue::ShardedQueue,
+};
+
+/// Type-erased handle on a registered endpoint.
+struct Registration {
+    id: u64,
+    type_name: &'static str,
+    /// An `Arc<Inbox<E>>` for the endpoint's `E`.
+    inbox: Arc<dyn Any + Send + Sync>,
+    stop: Box<dyn Fn() -> bool + Send + Sync>,
+}
+
+/// State shared by the bus and (weakly) by every inbox, for deregistration.
+pub(crate) struct BusShared {
+    registry: DashMap<String, Registration>,
+    next_id: AtomicU64,
+    shut_down: AtomicBool,
+}
+
+impl BusShared {
+    /// Removes `name` if it still belongs to registration `id`.
+    pub(crate) fn deregister(&self, name: &str, id: u64) {
+        self.registry
+            .remove_if(name, |_, registration| registration.id == id);
+    }
+}
+
+/// A message bus hosting named endpoints. See the crate docs for an example.
+pub struct Bus {
+    config: BusConfig,
+    shared: Arc<BusShared>,
+    cores: CorePlanner,
+    threads: Mutex<Vec<(String, JoinHandle<()>)>>,
+}
+
+impl std::fmt::Debug for Bus {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("Bus")
+            .field("endpoints", &self.shared.registry.len())
+            .field("shut_down", &self.shared.shut_down.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+impl Bus {
+    /// A builder with every setting at its default.
+    pub fn builder() -> BusBuilder {
+        BusBuilder::default()
+    }
+
+    pub(crate) fn with_config(config: BusConfig) -> Self {
+        Self {
+            cores: CorePlanner::new(config.pinning.clone()),
+            config,
+            shared: Arc::new(BusShared {
+                registry: DashMap::new(),
+                next_id: AtomicU64::new(1),
+                shut_down: AtomicBool::new(false),
+            }),
+            threads: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The bus's settings.
+    pub fn config(&self) -> &BusConfig {
+        &self.config
+    }
+
+    /// Registers `endpoint` under `name` and starts its thread. Messages sent right away are
+    /// queued and handled after `on_start`.
+    ///
+    /// # Errors
+    /// [`BusError::DuplicateName`] if a live endpoint has the name; [`BusError::ShutDown`]
+    /// after [`Bus::shutdown`]; [`BusError::Spawn`] if the thread cannot be started.
+    pub fn register<E: Endpoint>(
+        &self,
+        name: impl Into<String>,
+        endpoint: E,
+    ) -> Result<EndpointRef<E>, BusError> {
+        let name = name.into();
+        if self.shared.shut_down.load(Ordering::SeqCst) {
+            return Err(BusError::ShutDown);
+        }
+        let inbox = match self.shared.registry.entry(name.clone()) {
+            Entry::Occupied(_) => return Err(BusError::DuplicateName { name }),
+            Entry::Vacant(vacant) => {
+                let inbox = Arc::new(Inbox::<E> {
+                    name: name.clone(),
+                    id: self.shared.next_id.fetch_add(1, Ordering::Relaxed),
+                    queue: ShardedQueue::new(self.config.inbox_shards, self.config.inbox_capacity),
+                    counters: Default::default(),
+                    bus: Arc::downgrade(&self.shared),
+                    ask_timeout: self.config.ask_timeout,
+                });
+                let stopper = Arc::clone(&inbox);
+                vacant.insert(Registration {
+                    id: inbox.id,
+                    type_name: std::any::type_name::<E>(),
+                    inbox: Arc::clone(&inbox) as Arc<dyn Any + Send + Sync>,
+                    stop: Box::new(move || stopper.stop()),
+                });
+                inbox
+            }
+        };
+        if let Err(error) = self.spawn_worker(endpoint, Arc::clone(&inbox)) {
+            inbox.stop();
+            return Err(error);
+        }
+        tracing::info!(endpoint = %name, "endpoint registered");
+        Ok(EndpointRef { inbox })
+    }
+
+    /// Registers `make()` under `name`, or, if an endpoint of type `E` already has the name,
+    /// returns a reference to it (Spark's "for driver" helper, SPEC C.5).
+    ///
+    /// # Errors
+    /// As [`Bus::register`] and [`Bus::lookup`].
+    pub fn register_or_lookup<E: Endpoint>(
+        &self,
+        name: &str,
+        make: impl FnOnce() -> E,
+    ) -> Result<EndpointRef<E>, BusError> {
+        match self.lookup::<E>(name) {
+            Ok(existing) => Ok(existing),
+            Err(BusError::NotFound { .. }) => match self.register(name, make()) {
+                Err(BusError::DuplicateName { .. }) => self.lookup(name),
+                outcome => outcome,
+            },
+            Err(error) => Err(error),
+        }
+    }
+
+    fn spawn_worker<E: Endpoint>(&self, endpoint: E, inbox: Arc<Inbox<E>>) -> Result<(), BusError> {
+        let name = inbox.name.clone();
+        let core = self.cores.next_core();
+        let idle = self.config.idle;
+        let drain_batch = self.config.drain_batch;
+        let thread_name: String = format!("cb-{name}").chars().take(15).collect();
+        let handle = std::thread::Builder::new()
+            .name(thread_name)
+            .spawn(move || {
+                if let Some(core) = core {
+                    pin::pin_current_thread(core, &inbox.name);
+                }
+                worker::run_endpoint(endpoint, inbox, idle, drain_batch);
+            })
+            .map_err(|error| BusError::Spawn {
+                name: name.clone(),
+                reason: error.to_string(),
+            })?;
+        self.threads
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push((name, handle));
+        Ok(())
+    }
+
+    /// A typed reference to the endpoint registered under `name`.
+    ///
+    /// # Errors
+    /// [`BusError::NotFound`] if no live endpoint has the name; [`BusError::WrongType`] if it
+    /// is not an `E`.
+    pub fn lookup<E: Endpoint>(&self, name: &str) -> Result<EndpointRef<E>, BusError> {
+        let registration = self
+            .shared
+            .registry
+            .get(name)
+            .ok_or_else(|| BusError::NotFound {
+                name: name.to_owned(),
+            })?;
+        let inbox = Arc::clone(&registration.inbox)
+            .downcast::<Inbox<E>>()
+            .map_err(|_| BusError::WrongType {
+                name: name.to_owned(),
+                expected: std::any::type_name::<E>(),
+                actual: registration.type_name,
+            })?;
+        Ok(EndpointRef { inbox })
+    }
+
+    /// Whether a live endpoint has `name`.
+    pub fn contains(&self, name: &str) -> bool {
+        self.shared.registry.contains_key(name)
+    }
+
+    /// Names of the live endpoints.
+    pub fn names(&self) -> Vec<String> {
+        self.shared
+            .registry
+            .iter()
+            .map(|entry| entry.key().clone())
+            .collect()
+    }
+
+    /// Stops the endpoint registered under `name` (see [`EndpointRef::stop`]).
+    ///
+    /// # Errors
+    /// [`BusError::NotFound`] if no live endpoint has the name.
+    pub fn stop(&self, name: &str) -> Result<(), BusError> {
+        let (_, registration) =
+            self.shared
+                .registry
+                .remove(name)
+                .ok_or_else(|| BusError::NotFound {
+                    name: name.to_owned(),
+                })?;
+        (registration.stop)();
+        Ok(())
+    }
+
+    /// Stops every endpoint (each drains what was queued, then runs `on_stop`) and joins every
+    /// endpoint thread this bus started, waiting at most `shutdown_timeout` in all. Later
+    /// registrations fail. Idempotent.
+    ///
+    /// # Errors
+    /// [`BusError::ThreadPanicked`] if an endpoint thread died outside a handler. Threads still
+    /// running at the deadline are left detached and logged.
+    pub fn shutdown(&self) -> Result<(), BusError> {
+        self.shared.shut_down.store(true, Ordering::SeqCst);
+        let names: Vec<String> = self.names();
+        for name in names {
+            let _already_gone = self.stop(&name);
+        }
+        let threads = std::mem::take(
+            &mut *self
+                .threads
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        );
+        let deadline = Instant::now() + self.config.shutdown_timeout;
+        let mut first_error = None;
+        for (name, handle) in threads {
+            while !handle.is_finished() && Instant::now() < deadline {
+                std::thread::sleep(std::time::Duration::from_micros(200));
+            }
+            if !handle.is_finished() {
+                tracing::error!(endpoint = %name, "endpoint thread did not finish; detached");
+                continue;
+            }
+            if handle.join().is_err() && first_error.is_none() {
+                first_error = Some(BusError::ThreadPanicked { name });
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+}
+
+impl Drop for Bus {
+    fn drop(&mut self) {
+        let _ = self.shutdown();
+    }
+}
