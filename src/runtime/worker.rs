@@ -33,9 +33,7 @@ pub(crate) fn run_endpoint<E: Endpoint>(
 ) {
     inbox.queue.bind_consumer();
     inbox.enter_thread();
-    let context = Context {
-        inbox: Arc::clone(&inbox),
-    };
+    let context = Context { inbox: Arc::clone(&inbox) };
     guarded_hook(&inbox.name, "on_start", || endpoint.on_start(&context));
     tracing::info!(endpoint = %inbox.name, "endpoint started");
 
@@ -45,13 +43,11 @@ pub(crate) fn run_endpoint<E: Endpoint>(
     loop {
         let handled = inbox.queue.drain_round(drain_batch, |envelope| {
             dispatch(&mut endpoint, &context, envelope);
+            // Single writer: a plain store, exact at every moment a reply can be observed.
+            handled_total += 1;
+            inbox.counters.handled.store(handled_total, Ordering::Relaxed);
         });
         if handled > 0 {
-            handled_total += handled as u64;
-            inbox
-                .counters
-                .handled
-                .store(handled_total, Ordering::Relaxed);
             idle_since = None;
             yields = 0;
             continue;
@@ -94,19 +90,11 @@ fn dispatch<E: Endpoint>(endpoint: &mut E, context: &Context<E>, envelope: Envel
     match outcome {
         Ok(Ok(())) => {}
         Ok(Err(error)) => {
-            context
-                .inbox
-                .counters
-                .failed
-                .fetch_add(1, Ordering::Relaxed);
+            context.inbox.counters.failed.fetch_add(1, Ordering::Relaxed);
             endpoint.on_error(&error);
         }
         Err(payload) => {
-            context
-                .inbox
-                .counters
-                .panicked
-                .fetch_add(1, Ordering::Relaxed);
+            context.inbox.counters.panicked.fetch_add(1, Ordering::Relaxed);
             let message = panic_message(payload.as_ref());
             tracing::error!(endpoint = %context.inbox.name, panic = %message, "handler panicked");
             fail_replies_orphaned_by_panic(&message);

@@ -1,0 +1,658 @@
+//! Bus contract tests (SCENARIOS.md section 6, BUS-01..BUS-07, and issue 2's list).
+//!
+//! Goal: prove through the public API that the bus loses and duplicates nothing, keeps
+//! per-sender order across one-way and request-reply messages, handles one message at a time,
+//! and stops, times out and survives panics as specified. Method: small test endpoints that
+//! record what they see; every wait is on a real condition (an ask reply, a channel message)
+//! with a bound, never a sleep.
+
+use std::{
+    cell::Cell,
+    sync::{
+        atomic::{AtomicBool, AtomicUsize, Ordering},
+        Arc, Barrier,
+    },
+    time::Duration,
+};
+
+use coordbus::{
+    Ask, AskError, Bus, BusError, Context, Endpoint, HandlerError, Idle, Replier, SendError,
+};
+
+const WAIT: Duration = Duration::from_secs(30);
+
+fn small_bus() -> Bus {
+    Bus::builder()
+        .inbox_shards(4)
+        .inbox_capacity(1024)
+        .idle(Idle::SpinThenPark { spin: Duration::from_micros(20) })
+        .ask_timeout(WAIT)
+        .build()
+        .unwrap()
+}
+
+// ---------------------------------------------------------------------------------------------
+// A recording endpoint.
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Seen {
+    Started,
+    Message(u64, u64),
+    Request(u64),
+    Stopped,
+}
+
+#[derive(Default)]
+struct Recorder {
+    seen: Vec<Seen>,
+    log: Option<crossbeam_channel::Sender<Seen>>,
+    /// Non-atomic counter and an "in handler" flag: a concurrent entry would be caught.
+    count: Cell<u64>,
+    in_handler: Cell<bool>,
+    overlap_detected: Arc<AtomicBool>,
+    /// If set, `on_start` waits for it: messages sent meanwhile are really queued.
+    start_gate: Option<crossbeam_channel::Receiver<()>>,
+}
+
+#[derive(Debug)]
+struct Note {
+    sender: u64,
+    sequence: u64,
+}
+
+enum RecorderRequest {
+    Count(Replier<u64>),
+    Seen(Replier<Vec<Seen>>),
+    Fail(Replier<u64>),
+    Panic(Replier<u64>),
+    NeverReply(Replier<u64>),
+    Mark(u64, Replier<()>),
+    AskSelf(Replier<String>),
+}
+
+struct CountQuery;
+impl Ask<Recorder> for CountQuery {
+    type Reply = u64;
+    fn into_request(self, replier: Replier<u64>) -> RecorderRequest {
+        RecorderRequest::Count(replier)
+    }
+}
+struct SeenQuery;
+impl Ask<Recorder> for SeenQuery {
+    type Reply = Vec<Seen>;
+    fn into_request(self, replier: Replier<Vec<Seen>>) -> RecorderRequest {
+        RecorderRequest::Seen(replier)
+    }
+}
+struct FailingRequest;
+impl Ask<Recorder> for FailingRequest {
+    type Reply = u64;
+    fn into_request(self, replier: Replier<u64>) -> RecorderRequest {
+        RecorderRequest::Fail(replier)
+    }
+}
+struct PanickingRequest;
+impl Ask<Recorder> for PanickingRequest {
+    type Reply = u64;
+    fn into_request(self, replier: Replier<u64>) -> RecorderRequest {
+        RecorderRequest::Panic(replier)
+    }
+}
+struct SilentRequest;
+impl Ask<Recorder> for SilentRequest {
+    type Reply = u64;
+    fn into_request(self, replier: Replier<u64>) -> RecorderRequest {
+        RecorderRequest::NeverReply(replier)
+    }
+}
+struct Mark(u64);
+impl Ask<Recorder> for Mark {
+    type Reply = ();
+    fn into_request(self, replier: Replier<()>) -> RecorderRequest {
+        RecorderRequest::Mark(self.0, replier)
+    }
+}
+struct AskSelf;
+impl Ask<Recorder> for AskSelf {
+    type Reply = String;
+    fn into_request(self, replier: Replier<String>) -> RecorderRequest {
+        RecorderRequest::AskSelf(replier)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("handler refused: {0}")]
+struct Refused(u64);
+
+impl Recorder {
+    fn record(&mut self, seen: Seen) {
+        if let Some(log) = &self.log {
+            let _ = log.send(seen.clone());
+        }
+        self.seen.push(seen);
+    }
+}
+
+impl Endpoint for Recorder {
+    type Message = Note;
+    type Request = RecorderRequest;
+
+    fn on_start(&mut self, _: &Context<Self>) {
+        if let Some(gate) = &self.start_gate {
+            let _ = gate.recv_timeout(WAIT);
+        }
+        self.record(Seen::Started);
+    }
+
+    fn handle(&mut self, note: Note, _: &Context<Self>) -> Result<(), HandlerError> {
+        if self.in_handler.replace(true) {
+            self.overlap_detected.store(true, Ordering::SeqCst);
+        }
+        let before = self.count.get();
+        if note.sequence % 1000 == 999 {
+            std::thread::yield_now(); // widen the window for a concurrent entry
+        }
+        self.count.set(before + 1);
+        if self.log.is_some() || self.seen.len() < 10_000 {
+            self.record(Seen::Message(note.sender, note.sequence));
+        }
+        self.in_handler.set(false);
+        if note.sequence == u64::MAX {
+            return Err(Box::new(Refused(note.sender)));
+        }
+        Ok(())
+    }
+
+    fn handle_request(
+        &mut self,
+        request: RecorderRequest,
+        context: &Context<Self>,
+    ) -> Result<(), HandlerError> {
+        match request {
+            RecorderRequest::Count(reply) => reply.reply(self.count.get()),
+            RecorderRequest::Seen(reply) => reply.reply(self.seen.clone()),
+            RecorderRequest::Fail(reply) => reply.fail(Refused(7)),
+            RecorderRequest::Panic(_reply) => panic!("deliberate panic in handler"),
+            RecorderRequest::NeverReply(reply) => std::mem::forget(reply),
+            RecorderRequest::Mark(id, reply) => {
+                self.record(Seen::Request(id));
+                reply.reply(());
+            }
+            RecorderRequest::AskSelf(reply) => {
+                let outcome = context.endpoint_ref().ask(CountQuery).wait_timeout(WAIT);
+                reply.reply(format!("{outcome:?}"));
+            }
+        }
+        Ok(())
+    }
+
+    fn on_stop(&mut self) {
+        self.record(Seen::Stopped);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn bus_01_names_are_unique_until_stopped() {
+    let bus = small_bus();
+    let first = bus.register("x", Recorder::default()).unwrap();
+    assert_eq!(
+        bus.register("x", Recorder::default()).unwrap_err(),
+        BusError::DuplicateName { name: "x".into() }
+    );
+    first.stop();
+    let second = bus.register("x", Recorder::default()).unwrap();
+    assert!(!first.same_endpoint(&second));
+    let looked_up = bus.lookup::<Recorder>("x").unwrap();
+    assert!(looked_up.same_endpoint(&second), "several references reach the same endpoint");
+    bus.shutdown().unwrap();
+}
+
+#[test]
+fn bus_02_one_message_at_a_time_and_no_lost_updates() {
+    let bus = small_bus();
+    let overlap = Arc::new(AtomicBool::new(false));
+    let recorder = Recorder { overlap_detected: Arc::clone(&overlap), ..Default::default() };
+    let endpoint = bus.register("counter", recorder).unwrap();
+    let senders: Vec<_> = (0..8)
+        .map(|sender| {
+            let endpoint = endpoint.clone();
+            std::thread::spawn(move || {
+                for sequence in 0..10_000 {
+                    endpoint.send(Note { sender, sequence }).unwrap();
+                }
+                // Barrier for this sender's own messages.
+                endpoint.ask(CountQuery).wait().unwrap()
+            })
+        })
+        .collect();
+    for sender in senders {
+        assert!(sender.join().unwrap() >= 10_000);
+    }
+    // Every sender's messages were handled before its ask; all senders are done.
+    assert_eq!(endpoint.ask(CountQuery).wait().unwrap(), 80_000);
+    assert!(!overlap.load(Ordering::SeqCst), "two handler invocations overlapped");
+    let stats = endpoint.stats();
+    assert!(stats.handled >= 80_000);
+    bus.shutdown().unwrap();
+}
+
+#[test]
+fn bus_03_per_sender_fifo_across_kinds_and_ask_is_a_barrier() {
+    let bus = small_bus();
+    let endpoint = bus.register("fifo", Recorder::default()).unwrap();
+    for sequence in 1..=1000 {
+        endpoint.send(Note { sender: 0, sequence }).unwrap();
+    }
+    endpoint.ask(Mark(1)).wait().unwrap();
+    let seen = endpoint.ask(SeenQuery).wait().unwrap();
+    let mut expected = vec![Seen::Started];
+    expected.extend((1..=1000).map(|sequence| Seen::Message(0, sequence)));
+    expected.push(Seen::Request(1));
+    assert_eq!(seen, expected);
+    bus.shutdown().unwrap();
+}
+
+#[test]
+fn per_sender_order_holds_under_concurrent_producers_with_batches() {
+    let bus = small_bus();
+    let (log, records) = crossbeam_channel::unbounded();
+    let recorder = Recorder { log: Some(log), ..Default::default() };
+    let endpoint = bus.register("order", recorder).unwrap();
+    const SENDERS: u64 = 4;
+    const PER_SENDER: u64 = 20_000;
+    let threads: Vec<_> = (0..SENDERS)
+        .map(|sender| {
+            let endpoint = endpoint.clone();
+            std::thread::spawn(move || {
+                let mut sequence = 0;
+                while sequence < PER_SENDER {
+                    if sequence % 3 == 0 {
+                        let batch = (sequence..(sequence + 50).min(PER_SENDER))
+                            .map(|sequence| Note { sender, sequence })
+                            .collect::<Vec<_>>();
+                        sequence += batch.len() as u64;
+                        endpoint.send_batch(batch).unwrap();
+                    } else {
+                        endpoint.send(Note { sender, sequence }).unwrap();
+                        sequence += 1;
+                    }
+                }
+                endpoint.ask(Mark(sender)).wait().unwrap();
+            })
+        })
+        .collect();
+    for thread in threads {
+        thread.join().unwrap();
+    }
+    bus.shutdown().unwrap();
+    let mut next = [0u64; SENDERS as usize];
+    let mut marks = 0;
+    for seen in records.try_iter() {
+        match seen {
+            Seen::Message(sender, sequence) => {
+                assert_eq!(sequence, next[sender as usize], "sender {sender} out of order");
+                next[sender as usize] += 1;
+            }
+            Seen::Request(sender) => {
+                assert_eq!(next[sender as usize], PER_SENDER, "mark before the sends");
+                marks += 1;
+            }
+            Seen::Started | Seen::Stopped => {}
+        }
+    }
+    assert_eq!(next, [PER_SENDER; SENDERS as usize], "nothing lost, nothing duplicated");
+    assert_eq!(marks, SENDERS);
+}
+
+#[test]
+fn four_producers_times_a_million_lose_and_duplicate_nothing() {
+    struct Tally {
+        sums: [u64; 4],
+        counts: [u64; 4],
+    }
+    #[derive(Debug)]
+    struct Producer(usize, u64);
+    struct Totals;
+    impl Ask<Tally> for Totals {
+        type Reply = ([u64; 4], [u64; 4]);
+        fn into_request(self, replier: Replier<Self::Reply>) -> Replier<Self::Reply> {
+            replier
+        }
+    }
+    impl Endpoint for Tally {
+        type Message = Producer;
+        type Request = Replier<([u64; 4], [u64; 4])>;
+        fn handle(
+            &mut self,
+            Producer(index, value): Producer,
+            _: &Context<Self>,
+        ) -> Result<(), HandlerError> {
+            // Sequence numbers must arrive in order per producer: count equals the value.
+            assert_eq!(self.counts[index], value, "producer {index} reordered or lost");
+            self.sums[index] += value;
+            self.counts[index] += 1;
+            Ok(())
+        }
+        fn handle_request(
+            &mut self,
+            reply: Self::Request,
+            _: &Context<Self>,
+        ) -> Result<(), HandlerError> {
+            reply.reply((self.sums, self.counts));
+            Ok(())
+        }
+    }
+    let per_producer: u64 = if cfg!(miri) { 1_000 } else { 1_000_000 };
+    let bus = small_bus();
+    let endpoint = bus.register("tally", Tally { sums: [0; 4], counts: [0; 4] }).unwrap();
+    let start = Arc::new(Barrier::new(4));
+    let threads: Vec<_> = (0..4)
+        .map(|index| {
+            let endpoint = endpoint.clone();
+            let start = Arc::clone(&start);
+            std::thread::spawn(move || {
+                start.wait();
+                let mut value = 0;
+                while value < per_producer {
+                    if index % 2 == 0 {
+                        endpoint.send(Producer(index, value)).unwrap();
+                        value += 1;
+                    } else {
+                        let end = (value + 64).min(per_producer);
+                        let batch = (value..end).map(|value| Producer(index, value)).collect();
+                        endpoint.send_batch(batch).unwrap();
+                        value = end;
+                    }
+                }
+                // Barrier: this producer's messages are all handled when the ask returns.
+                endpoint.ask(Totals).wait().unwrap();
+            })
+        })
+        .collect();
+    for thread in threads {
+        thread.join().unwrap();
+    }
+    let (sums, counts) = endpoint.ask(Totals).wait().unwrap();
+    let expected_sum = per_producer * (per_producer - 1) / 2;
+    assert_eq!(counts, [per_producer; 4]);
+    assert_eq!(sums, [expected_sum; 4]);
+    assert_eq!(endpoint.stats().panicked, 0, "the handler's order assertion never fired");
+    bus.shutdown().unwrap();
+}
+
+#[test]
+fn bus_04_stop_drains_the_queue_then_runs_on_stop() {
+    let bus = small_bus();
+    let (log, records) = crossbeam_channel::unbounded();
+    let (open_gate, gate) = crossbeam_channel::bounded(1);
+    let recorder = Recorder { log: Some(log), start_gate: Some(gate), ..Default::default() };
+    let endpoint = bus.register("drain", recorder).unwrap();
+    // on_start is held, so all 100 messages are queued when the endpoint is stopped.
+    for sequence in 0..100 {
+        endpoint.send(Note { sender: 1, sequence }).unwrap();
+    }
+    assert_eq!(endpoint.stats().inbox_depth, 100);
+    assert!(endpoint.stop());
+    assert!(!bus.contains("drain"), "the name is free immediately");
+    let replacement = bus.register("drain", Recorder::default());
+    assert!(replacement.is_ok(), "the name can be registered again right away");
+    match endpoint.send(Note { sender: 2, sequence: 0 }) {
+        Err(SendError::Stopped { endpoint: name, .. }) => assert_eq!(name, "drain"),
+        other => panic!("send after stop gave {other:?}"),
+    }
+    assert!(matches!(endpoint.ask(CountQuery).wait(), Err(AskError::Stopped { .. })));
+    assert!(matches!(bus.lookup::<Recorder>("missing").unwrap_err(), BusError::NotFound { .. }));
+    open_gate.send(()).unwrap();
+    bus.shutdown().unwrap(); // joins the endpoint thread: on_stop has run when this returns
+    let seen: Vec<Seen> = records.try_iter().collect();
+    let mut expected = vec![Seen::Started];
+    expected.extend((0..100).map(|sequence| Seen::Message(1, sequence)));
+    expected.push(Seen::Stopped);
+    assert_eq!(seen, expected);
+}
+
+#[test]
+fn bus_05_handler_errors_and_panics_fail_the_asker_and_the_endpoint_keeps_serving() {
+    let bus = small_bus();
+    let endpoint = bus.register("errors", Recorder::default()).unwrap();
+    match endpoint.ask(FailingRequest).wait() {
+        Err(AskError::Handler(cause)) => assert_eq!(cause.to_string(), "handler refused: 7"),
+        other => panic!("expected a handler error, got {other:?}"),
+    }
+    match endpoint.ask(PanickingRequest).wait() {
+        Err(AskError::HandlerPanicked { message }) => {
+            assert_eq!(message, "deliberate panic in handler")
+        }
+        other => panic!("expected a panic error, got {other:?}"),
+    }
+    // A failing one-way message: the sender is not told; the next message is handled.
+    endpoint.send(Note { sender: 3, sequence: u64::MAX }).unwrap();
+    endpoint.send(Note { sender: 3, sequence: 1 }).unwrap();
+    assert_eq!(endpoint.ask(CountQuery).wait().unwrap(), 2);
+    let stats = endpoint.stats();
+    assert_eq!(stats.failed, 1);
+    assert_eq!(stats.panicked, 1);
+    bus.shutdown().unwrap();
+}
+
+#[test]
+fn bus_06_ask_timeout_names_the_timeout_and_a_late_reply_is_harmless() {
+    let bus = small_bus();
+    let endpoint = bus.register("silent", Recorder::default()).unwrap();
+    let timeout = Duration::from_millis(200);
+    match endpoint.ask(SilentRequest).wait_timeout(timeout) {
+        Err(error @ AskError::Timeout { .. }) => {
+            assert!(error.to_string().contains("200ms"), "{error}");
+        }
+        other => panic!("expected a timeout, got {other:?}"),
+    }
+    // The endpoint is still fine afterwards.
+    assert_eq!(endpoint.ask(CountQuery).wait().unwrap(), 0);
+    // A reply after the asker gave up does nothing.
+    let (replier, reply) = Replier::<u64>::pair();
+    drop(reply);
+    assert!(replier.is_abandoned());
+    replier.reply(5);
+    bus.shutdown().unwrap();
+}
+
+#[test]
+fn dropped_replier_gives_no_reply_error_and_self_ask_is_an_error() {
+    let (replier, reply) = Replier::<u64>::pair();
+    drop(replier);
+    assert!(matches!(reply.wait_timeout(WAIT), Err(AskError::NoReply)));
+    let bus = small_bus();
+    let endpoint = bus.register("self", Recorder::default()).unwrap();
+    let outcome = endpoint.ask(AskSelf).wait().unwrap();
+    assert!(outcome.contains("SelfAsk"), "{outcome}");
+    bus.shutdown().unwrap();
+}
+
+#[test]
+fn bus_07_on_start_runs_before_the_first_message() {
+    let bus = small_bus();
+    let endpoint = bus.register("start", Recorder::default()).unwrap();
+    endpoint.send(Note { sender: 0, sequence: 0 }).unwrap();
+    let seen = endpoint.ask(SeenQuery).wait().unwrap();
+    assert_eq!(seen, vec![Seen::Started, Seen::Message(0, 0)]);
+    bus.shutdown().unwrap();
+}
+
+#[test]
+fn reply_is_a_future() {
+    let bus = small_bus();
+    let endpoint = bus.register("future", Recorder::default()).unwrap();
+    endpoint.send(Note { sender: 0, sequence: 0 }).unwrap();
+    let count = block_on(endpoint.ask(CountQuery)).unwrap();
+    assert_eq!(count, 1);
+    bus.shutdown().unwrap();
+}
+
+/// A minimal executor: polls the future, parking the thread between wake-ups.
+fn block_on<F: std::future::Future>(future: F) -> F::Output {
+    use std::task::{Context as TaskContext, Poll, Wake, Waker};
+    struct ThreadWaker(std::thread::Thread);
+    impl Wake for ThreadWaker {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = Waker::from(Arc::new(ThreadWaker(std::thread::current())));
+    let mut task = TaskContext::from_waker(&waker);
+    let mut future = std::pin::pin!(future);
+    loop {
+        if let Poll::Ready(output) = future.as_mut().poll(&mut task) {
+            return output;
+        }
+        std::thread::park_timeout(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn stop_releases_producers_blocked_on_a_full_inbox() {
+    struct Gate(crossbeam_channel::Receiver<()>);
+    impl Endpoint for Gate {
+        type Message = u64;
+        type Request = ();
+        fn handle(&mut self, value: u64, _: &Context<Self>) -> Result<(), HandlerError> {
+            if value == 0 {
+                // Block until the test has filled the inbox and stopped the endpoint.
+                let _ = self.0.recv_timeout(WAIT);
+            }
+            Ok(())
+        }
+        fn handle_request(&mut self, (): (), _: &Context<Self>) -> Result<(), HandlerError> {
+            Ok(())
+        }
+    }
+    let bus = Bus::builder().inbox_shards(1).inbox_capacity(4).build().unwrap();
+    let (open_gate, gate) = crossbeam_channel::bounded(1);
+    let endpoint = bus.register("gate", Gate(gate)).unwrap();
+    let blocked = Arc::new(AtomicUsize::new(0));
+    let producers: Vec<_> = (0..2)
+        .map(|_| {
+            let endpoint = endpoint.clone();
+            let blocked = Arc::clone(&blocked);
+            std::thread::spawn(move || {
+                let mut outcome = Ok(());
+                for value in 0..100u64 {
+                    if value == 2 {
+                        blocked.fetch_add(1, Ordering::SeqCst);
+                    }
+                    outcome = endpoint.send(value);
+                    if outcome.is_err() {
+                        break;
+                    }
+                }
+                outcome
+            })
+        })
+        .collect();
+    // Both producers got far enough that the 4-slot inbox is full (the handler is stuck on the
+    // first message), so at least one of them is blocked in `send`.
+    let deadline = std::time::Instant::now() + WAIT;
+    while (blocked.load(Ordering::SeqCst) < 2 || endpoint.stats().inbox_depth < 4)
+        && std::time::Instant::now() < deadline
+    {
+        std::thread::yield_now();
+    }
+    assert_eq!(endpoint.stats().inbox_depth, 4, "inbox is full");
+    endpoint.stop();
+    for producer in producers {
+        assert!(matches!(producer.join().unwrap(), Err(SendError::Stopped { .. })));
+    }
+    drop(open_gate); // every blocked handler call returns at once
+    bus.shutdown().unwrap();
+}
+
+#[test]
+fn try_send_hands_the_message_back_when_full_and_registering_after_shutdown_fails() {
+    let bus = Bus::builder().inbox_shards(1).inbox_capacity(2).idle(Idle::Park).build().unwrap();
+    struct Sink(crossbeam_channel::Receiver<()>);
+    impl Endpoint for Sink {
+        type Message = u64;
+        type Request = ();
+        fn on_start(&mut self, _: &Context<Self>) {
+            let _ = self.0.recv_timeout(WAIT);
+        }
+        fn handle(&mut self, _: u64, _: &Context<Self>) -> Result<(), HandlerError> {
+            Ok(())
+        }
+        fn handle_request(&mut self, (): (), _: &Context<Self>) -> Result<(), HandlerError> {
+            Ok(())
+        }
+    }
+    let (start, started) = crossbeam_channel::bounded(1);
+    let endpoint = bus.register("sink", Sink(started)).unwrap();
+    endpoint.try_send(1u64).unwrap();
+    endpoint.try_send(2u64).unwrap();
+    match endpoint.try_send(3u64) {
+        Err(SendError::Full { message, .. }) => assert_eq!(message, 3),
+        other => panic!("expected Full, got {other:?}"),
+    }
+    match endpoint.send_timeout(4u64, Duration::from_millis(10)) {
+        Err(SendError::Timeout { message, timeout, .. }) => {
+            assert_eq!((message, timeout), (4, Duration::from_millis(10)))
+        }
+        other => panic!("expected Timeout, got {other:?}"),
+    }
+    start.send(()).unwrap();
+    bus.shutdown().unwrap();
+    assert_eq!(bus.register("late", Recorder::default()).unwrap_err(), BusError::ShutDown);
+    assert!(matches!(bus.lookup::<Recorder>("sink"), Err(BusError::NotFound { .. })));
+}
+
+#[test]
+fn lookup_with_the_wrong_type_is_a_typed_error() {
+    let bus = small_bus();
+    bus.register("typed", Recorder::default()).unwrap();
+    struct Other;
+    impl Endpoint for Other {
+        type Message = ();
+        type Request = ();
+        fn handle(&mut self, (): (), _: &Context<Self>) -> Result<(), HandlerError> {
+            Ok(())
+        }
+        fn handle_request(&mut self, (): (), _: &Context<Self>) -> Result<(), HandlerError> {
+            Ok(())
+        }
+    }
+    assert!(matches!(bus.lookup::<Other>("typed"), Err(BusError::WrongType { .. })));
+    bus.shutdown().unwrap();
+}
+
+#[test]
+fn more_busy_threads_than_cores_still_make_progress() {
+    // Four endpoints and eight producers on a 2-core machine, endpoints spinning when idle.
+    let bus = Bus::builder()
+        .inbox_shards(2)
+        .inbox_capacity(256)
+        .idle(Idle::SpinThenPark { spin: Duration::from_millis(1) })
+        .build()
+        .unwrap();
+    let endpoints: Vec<_> = (0..4)
+        .map(|index| bus.register(format!("busy-{index}"), Recorder::default()).unwrap())
+        .collect();
+    let threads: Vec<_> = (0..8)
+        .map(|sender| {
+            let endpoints = endpoints.clone();
+            std::thread::spawn(move || {
+                for sequence in 0..5_000 {
+                    endpoints[(sequence % 4) as usize].send(Note { sender, sequence }).unwrap();
+                }
+                for endpoint in &endpoints {
+                    endpoint.ask(CountQuery).wait().unwrap(); // barrier for this sender
+                }
+            })
+        })
+        .collect();
+    for thread in threads {
+        thread.join().unwrap();
+    }
+    let total: u64 =
+        endpoints.iter().map(|endpoint| endpoint.ask(CountQuery).wait().unwrap()).sum();
+    assert_eq!(total, 40_000);
+    bus.shutdown().unwrap();
+}
