@@ -538,7 +538,7 @@ fn stop_releases_producers_blocked_on_a_full_inbox() {
             std::thread::spawn(move || {
                 let mut outcome = Ok(());
                 for value in 0..100u64 {
-                    if value == 2 {
+                    if value == 0 {
                         blocked.fetch_add(1, Ordering::SeqCst);
                     }
                     outcome = endpoint.send(value);
@@ -550,8 +550,8 @@ fn stop_releases_producers_blocked_on_a_full_inbox() {
             })
         })
         .collect();
-    // Both producers got far enough that the 4-slot inbox is full (the handler is stuck on the
-    // first message), so at least one of them is blocked in `send`.
+    // Both producers have started and the 4-slot inbox is full (the handler is stuck on the
+    // first message): every producer is blocked in `send` or about to be.
     let deadline = std::time::Instant::now() + WAIT;
     while (blocked.load(Ordering::SeqCst) < 2 || endpoint.stats().inbox_depth < 4)
         && std::time::Instant::now() < deadline
