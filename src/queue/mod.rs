@@ -27,14 +27,14 @@ use std::{
     time::{Duration, Instant},
 };
 
-use crossbeam_utils::Backoff;
+use crossbeam_utils::{Backoff, CachePadded};
 
 pub(crate) use self::ring::{ClaimError, PushError};
 use self::{
     ring::Ring,
     wake::{Doorbell, ProducerWaiters},
 };
-use crate::sync::{AtomicUsize, Ordering};
+use crate::sync::{AtomicBool, AtomicUsize, Ordering};
 
 /// Index of a producer thread, handed out once per thread; `index % shards` picks its shard.
 fn producer_index() -> usize {
@@ -74,6 +74,8 @@ pub struct ShardedQueue<T> {
     blocked_producers: ProducerWaiters,
     /// High-water mark of a single shard's depth, sampled by the consumer per drained batch.
     depth_high_water: AtomicUsize,
+    /// Set once by `close`, after every ring is closed; never written on the send path.
+    closed: CachePadded<AtomicBool>,
 }
 
 impl<T> std::fmt::Debug for ShardedQueue<T> {
@@ -98,6 +100,7 @@ impl<T> ShardedQueue<T> {
             doorbell: Doorbell::default(),
             blocked_producers: ProducerWaiters::default(),
             depth_high_water: AtomicUsize::new(0),
+            closed: CachePadded::new(AtomicBool::new(false)),
         }
     }
 
@@ -126,9 +129,9 @@ impl<T> ShardedQueue<T> {
         self.depth_high_water.load(Ordering::Relaxed)
     }
 
-    /// Whether the queue was closed.
+    /// Whether the queue was closed (a read-mostly flag, cheap to poll).
     pub fn is_closed(&self) -> bool {
-        self.shards[0].is_closed()
+        self.closed.load(Ordering::Acquire)
     }
 
     /// The shard of the calling thread.
@@ -251,6 +254,7 @@ impl<T> ShardedQueue<T> {
         for shard in self.shards.iter() {
             first |= shard.close();
         }
+        self.closed.store(true, Ordering::Release);
         self.doorbell.wake();
         self.blocked_producers.wake_all_if_any();
         first
@@ -287,11 +291,6 @@ impl<T> ShardedQueue<T> {
         self.doorbell.park_unless(timeout, || {
             self.is_closed() || self.shards.iter().any(|shard| !shard.is_empty_for_consumer())
         });
-    }
-
-    /// Consumer: whether any shard holds a claimed, unconsumed position.
-    pub fn has_pending(&self) -> bool {
-        self.shards.iter().any(|shard| !shard.is_empty_for_consumer())
     }
 
     /// Consumer: closed and every accepted message consumed.

@@ -52,13 +52,10 @@ pub(crate) fn run_endpoint<E: Endpoint>(
             yields = 0;
             continue;
         }
-        if inbox.queue.is_drained() {
+        // Idle. Touch only read-mostly state here: polling the rings' tails would steal the
+        // producers' hottest cache line on every turn of this loop.
+        if inbox.queue.is_closed() && inbox.queue.is_drained() {
             break;
-        }
-        if inbox.queue.has_pending() {
-            // A producer claimed a slot and is writing it: it is nanoseconds away.
-            std::hint::spin_loop();
-            continue;
         }
         let spin = match idle {
             Idle::SpinThenPark { spin } => spin,

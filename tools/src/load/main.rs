@@ -4,6 +4,7 @@
 //! returning the measured [`report::Figure`]s. With no subcommand, every workload runs briefly on
 //! an embedded default and one table (or JSON lines with `--json`) is printed.
 
+mod bus;
 mod report;
 
 use clap::{Parser, Subcommand};
@@ -23,13 +24,31 @@ struct Cli {
 }
 
 #[derive(Debug, Subcommand)]
-enum Workload {}
+enum Workload {
+    /// One-way messages from N producers into a no-op endpoint (send or send_batch).
+    Bus(bus::BusArgs),
+    /// Request-reply round trips, K in flight.
+    Ask(bus::AskArgs),
+}
+
+/// Every workload, briefly: the README's main command.
+fn run_all() -> anyhow::Result<Vec<report::Figure>> {
+    use bus::{quick_ask, quick_bus, BusBaseline};
+    let mut figures = Vec::new();
+    figures.extend(bus::run_bus(&quick_bus(1, 1, BusBaseline::Crossbeam))?);
+    figures.extend(bus::run_bus(&quick_bus(2, 1, BusBaseline::Crossbeam))?);
+    figures.extend(bus::run_bus(&quick_bus(1, 256, BusBaseline::Ring))?);
+    figures.extend(bus::run_ask(&quick_ask(1))?);
+    figures.extend(bus::run_ask(&quick_ask(64))?);
+    Ok(figures)
+}
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    let figures: Vec<report::Figure> = match cli.workload {
-        None => Vec::new(),
-        Some(workload) => match workload {},
+    let figures = match cli.workload {
+        None => run_all()?,
+        Some(Workload::Bus(args)) => bus::run_bus(&args)?,
+        Some(Workload::Ask(args)) => bus::run_ask(&args)?,
     };
     report::print(&figures, cli.json);
     Ok(())

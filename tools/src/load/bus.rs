@@ -1,0 +1,395 @@
+//! Workloads `bus` (one-way throughput) and `ask` (request-reply latency and throughput).
+//!
+//! `bus`: `--producers N` threads send `--messages M` 16-byte messages in total into a no-op
+//! endpoint, with `send` (`--batch 1`) or `send_batch` of B. The clock stops when every
+//! producer's closing ask (a barrier for its own sends) has returned. Baselines run the same
+//! producers and message count right after ours, in the same process:
+//! `crossbeam` (`crossbeam_channel::bounded` into one consumer thread) and `ring` (one `rtrb`
+//! SPSC ring per producer with chunked, batched publication: the ceiling, with no endpoint and
+//! no dispatch).
+//!
+//! `ask`: one thread keeps `--in-flight K` asks outstanding against an endpoint that answers at
+//! once, measuring each ask's round trip; the baseline is request-reply over crossbeam channels
+//! with a fresh one-shot channel per ask.
+
+use std::{
+    collections::VecDeque,
+    sync::{Arc, Barrier},
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context as _};
+use coordbus::{Ask, Bus, Context, Endpoint, EndpointRef, HandlerError, Idle, Pinning, Replier};
+use hdrhistogram::Histogram;
+
+use crate::report::{Figure, Percentiles};
+
+/// A 16-byte message.
+#[derive(Debug, Clone, Copy)]
+pub struct Payload([u64; 2]);
+
+/// Sums what it receives (so the work cannot be optimised away) and answers asks at once.
+#[derive(Default)]
+struct NoOp {
+    sum: u64,
+}
+
+/// Ask for the running sum.
+struct Sum;
+
+impl Ask<NoOp> for Sum {
+    type Reply = u64;
+    fn into_request(self, replier: Replier<u64>) -> Replier<u64> {
+        replier
+    }
+}
+
+impl Endpoint for NoOp {
+    type Message = Payload;
+    type Request = Replier<u64>;
+
+    #[inline]
+    fn handle(&mut self, Payload(words): Payload, _: &Context<Self>) -> Result<(), HandlerError> {
+        self.sum = self.sum.wrapping_add(words[0]);
+        Ok(())
+    }
+
+    fn handle_request(
+        &mut self,
+        reply: Replier<u64>,
+        _: &Context<Self>,
+    ) -> Result<(), HandlerError> {
+        reply.reply(self.sum);
+        Ok(())
+    }
+}
+
+/// Baselines of the `bus` workload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum BusBaseline {
+    /// No baseline.
+    None,
+    /// `crossbeam_channel::bounded` with the same producers.
+    Crossbeam,
+    /// One `rtrb` SPSC ring per producer, batched publication (the ceiling).
+    Ring,
+}
+
+/// Flags of `coordbus-load bus`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct BusArgs {
+    /// Producer threads.
+    #[arg(long, default_value_t = 1)]
+    pub producers: usize,
+    /// Messages per `send_batch` call (1 = plain `send`).
+    #[arg(long, default_value_t = 1)]
+    pub batch: usize,
+    /// Messages in total (over all producers).
+    #[arg(long, default_value_t = 100_000_000)]
+    pub messages: u64,
+    /// Baseline to run on the same workload right after ours.
+    #[arg(long, value_enum, default_value_t = BusBaseline::Crossbeam)]
+    pub baseline: BusBaseline,
+    /// Inbox rings per endpoint.
+    #[arg(long, default_value_t = 4)]
+    pub shards: usize,
+    /// Slots per inbox ring (and the capacity of the baselines' queues).
+    #[arg(long, default_value_t = 1 << 14)]
+    pub capacity: usize,
+    /// Pin the endpoint thread (round robin over cores).
+    #[arg(long)]
+    pub pin: bool,
+    /// How long the idle endpoint spins before parking, in microseconds.
+    #[arg(long, default_value_t = 50)]
+    pub spin_us: u64,
+}
+
+/// The quick version for the no-argument run.
+pub fn quick_bus(producers: usize, batch: usize, baseline: BusBaseline) -> BusArgs {
+    BusArgs {
+        producers,
+        batch,
+        messages: if batch > 1 { 100_000_000 } else { 20_000_000 },
+        baseline,
+        shards: 4,
+        capacity: 1 << 14,
+        pin: false,
+        spin_us: 50,
+    }
+}
+
+fn bus_for(shards: usize, capacity: usize, pin: bool, spin: Duration) -> anyhow::Result<Bus> {
+    Ok(Bus::builder()
+        .inbox_shards(shards)
+        .inbox_capacity(capacity)
+        .pinning(if pin { Pinning::RoundRobin } else { Pinning::Off })
+        .idle(Idle::SpinThenPark { spin })
+        .build()?)
+}
+
+/// Runs the `bus` workload.
+pub fn run_bus(args: &BusArgs) -> anyhow::Result<Vec<Figure>> {
+    if args.producers == 0 || args.batch == 0 || args.messages == 0 {
+        bail!("--producers, --batch and --messages must be at least 1");
+    }
+    let per_producer = args.messages / args.producers as u64;
+    let total = per_producer * args.producers as u64;
+    let ours = measure_bus(args, per_producer)?;
+    let mut figure = Figure::new("bus", total, ours.as_secs_f64())
+        .with("producers", args.producers)
+        .with("batch", args.batch)
+        .with("message_bytes", std::mem::size_of::<Payload>());
+    let baseline = match args.baseline {
+        BusBaseline::None => None,
+        BusBaseline::Crossbeam => Some(("crossbeam", measure_crossbeam(args, per_producer))),
+        BusBaseline::Ring => Some(("ring", measure_ring(args, per_producer))),
+    };
+    if let Some((name, elapsed)) = baseline {
+        figure = figure.with_baseline(name, total as f64 / elapsed.as_secs_f64());
+    }
+    Ok(vec![figure])
+}
+
+fn measure_bus(args: &BusArgs, per_producer: u64) -> anyhow::Result<Duration> {
+    let bus = bus_for(args.shards, args.capacity, args.pin, Duration::from_micros(args.spin_us))?;
+    let endpoint = bus.register("load-bus", NoOp::default())?;
+    let start = Arc::new(Barrier::new(args.producers + 1));
+    let producers: Vec<_> = (0..args.producers)
+        .map(|_| {
+            let endpoint = endpoint.clone();
+            let start = Arc::clone(&start);
+            let batch = args.batch;
+            std::thread::spawn(move || -> anyhow::Result<()> {
+                start.wait();
+                produce(&endpoint, per_producer, batch)?;
+                endpoint.ask(Sum).wait()?; // barrier: all of this producer's messages handled
+                Ok(())
+            })
+        })
+        .collect();
+    start.wait();
+    let began = Instant::now();
+    for producer in producers {
+        producer.join().map_err(|_| anyhow::anyhow!("producer panicked"))??;
+    }
+    let elapsed = began.elapsed();
+    bus.shutdown()?;
+    Ok(elapsed)
+}
+
+fn produce(endpoint: &EndpointRef<NoOp>, messages: u64, batch: usize) -> anyhow::Result<()> {
+    if batch == 1 {
+        for index in 0..messages {
+            endpoint.send(Payload([index, 0])).context("send")?;
+        }
+        return Ok(());
+    }
+    let mut sent = 0;
+    while sent < messages {
+        let len = (messages - sent).min(batch as u64);
+        let chunk: Vec<Payload> = (sent..sent + len).map(|index| Payload([index, 0])).collect();
+        endpoint.send_batch(chunk).map_err(|error| anyhow::anyhow!("send_batch: {error}"))?;
+        sent += len;
+    }
+    Ok(())
+}
+
+fn measure_crossbeam(args: &BusArgs, per_producer: u64) -> Duration {
+    let (sender, receiver) = crossbeam_channel::bounded::<Payload>(args.capacity);
+    let total = per_producer * args.producers as u64;
+    let start = Arc::new(Barrier::new(args.producers + 2));
+    let consumer = {
+        let start = Arc::clone(&start);
+        std::thread::spawn(move || {
+            start.wait();
+            let mut sum = 0u64;
+            for _ in 0..total {
+                let Payload(words) = receiver.recv().expect("producers outlive the consumer");
+                sum = sum.wrapping_add(words[0]);
+            }
+            sum
+        })
+    };
+    let producers: Vec<_> = (0..args.producers)
+        .map(|_| {
+            let sender = sender.clone();
+            let start = Arc::clone(&start);
+            std::thread::spawn(move || {
+                start.wait();
+                for index in 0..per_producer {
+                    sender.send(Payload([index, 0])).expect("consumer alive");
+                }
+            })
+        })
+        .collect();
+    start.wait();
+    let began = Instant::now();
+    for producer in producers {
+        producer.join().expect("baseline producer");
+    }
+    std::hint::black_box(consumer.join().expect("baseline consumer"));
+    began.elapsed()
+}
+
+fn measure_ring(args: &BusArgs, per_producer: u64) -> Duration {
+    let batch = args.batch.min(args.capacity);
+    let (producers, mut consumers): (Vec<_>, Vec<_>) =
+        (0..args.producers).map(|_| rtrb::RingBuffer::<Payload>::new(args.capacity)).unzip();
+    let total = per_producer * args.producers as u64;
+    let start = Arc::new(Barrier::new(args.producers + 2));
+    let consumer = {
+        let start = Arc::clone(&start);
+        std::thread::spawn(move || {
+            start.wait();
+            let mut sum = 0u64;
+            let mut received = 0u64;
+            while received < total {
+                for consumer in &mut consumers {
+                    let ready = consumer.slots();
+                    if ready == 0 {
+                        continue;
+                    }
+                    let chunk = consumer.read_chunk(ready).expect("slots are ready");
+                    for Payload(words) in chunk {
+                        sum = sum.wrapping_add(words[0]);
+                    }
+                    received += ready as u64;
+                }
+                std::hint::spin_loop();
+            }
+            sum
+        })
+    };
+    let threads: Vec<_> = producers
+        .into_iter()
+        .map(|mut producer| {
+            let start = Arc::clone(&start);
+            std::thread::spawn(move || {
+                start.wait();
+                let mut sent = 0u64;
+                while sent < per_producer {
+                    let want = (per_producer - sent).min(batch as u64) as usize;
+                    match producer.write_chunk_uninit(want) {
+                        Ok(chunk) => {
+                            let written =
+                                chunk.fill_from_iter((sent..).map(|index| Payload([index, 0])));
+                            sent += written as u64;
+                        }
+                        Err(_) => std::hint::spin_loop(),
+                    }
+                }
+            })
+        })
+        .collect();
+    start.wait();
+    let began = Instant::now();
+    for thread in threads {
+        thread.join().expect("ring producer");
+    }
+    std::hint::black_box(consumer.join().expect("ring consumer"));
+    began.elapsed()
+}
+
+/// Flags of `coordbus-load ask`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct AskArgs {
+    /// Asks kept outstanding at once (1 = synchronous round trips).
+    #[arg(long, default_value_t = 1)]
+    pub in_flight: usize,
+    /// Asks in total.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub messages: u64,
+    /// Run the crossbeam request-reply baseline (fresh one-shot channel per ask) too.
+    #[arg(long, value_enum, default_value_t = AskBaseline::Crossbeam)]
+    pub baseline: AskBaseline,
+    /// Pin the endpoint thread (round robin over cores).
+    #[arg(long)]
+    pub pin: bool,
+}
+
+/// Baselines of the `ask` workload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum AskBaseline {
+    /// No baseline.
+    None,
+    /// Request-reply over crossbeam channels, a fresh bounded(1) reply channel per ask.
+    Crossbeam,
+}
+
+/// The quick version for the no-argument run.
+pub fn quick_ask(in_flight: usize) -> AskArgs {
+    AskArgs { in_flight, messages: 500_000, baseline: AskBaseline::Crossbeam, pin: false }
+}
+
+/// Runs the `ask` workload.
+pub fn run_ask(args: &AskArgs) -> anyhow::Result<Vec<Figure>> {
+    if args.in_flight == 0 || args.messages == 0 {
+        bail!("--in-flight and --messages must be at least 1");
+    }
+    // The endpoint busy-polls for the whole run (the figure the issue asks for).
+    let bus = bus_for(1, 1 << 12, args.pin, Duration::from_secs(5))?;
+    let endpoint = bus.register("load-ask", NoOp::default())?;
+    let mut histogram = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?;
+    let began = Instant::now();
+    let mut outstanding = VecDeque::with_capacity(args.in_flight);
+    for _ in 0..args.messages {
+        if outstanding.len() == args.in_flight {
+            let (asked_at, reply): (Instant, coordbus::Reply<u64>) =
+                outstanding.pop_front().expect("in flight");
+            reply.wait()?;
+            histogram.saturating_record(asked_at.elapsed().as_nanos() as u64);
+        }
+        outstanding.push_back((Instant::now(), endpoint.ask(Sum)));
+    }
+    for (asked_at, reply) in outstanding {
+        reply.wait()?;
+        histogram.saturating_record(asked_at.elapsed().as_nanos() as u64);
+    }
+    let elapsed = began.elapsed();
+    bus.shutdown()?;
+    let mut figure = Figure::new("ask", args.messages, elapsed.as_secs_f64())
+        .with_latency(Percentiles::from_histogram(&histogram))
+        .with("in_flight", args.in_flight);
+    if args.baseline == AskBaseline::Crossbeam {
+        let (baseline_elapsed, baseline_histogram) = measure_crossbeam_ask(args);
+        figure = figure
+            .with_baseline("crossbeam", args.messages as f64 / baseline_elapsed.as_secs_f64())
+            .with("baseline_p50_ns", baseline_histogram.value_at_quantile(0.5))
+            .with("baseline_p99_ns", baseline_histogram.value_at_quantile(0.99));
+    }
+    Ok(vec![figure])
+}
+
+fn measure_crossbeam_ask(args: &AskArgs) -> (Duration, Histogram<u64>) {
+    type Request = crossbeam_channel::Sender<u64>;
+    let (requests, inbox) = crossbeam_channel::bounded::<Request>(1 << 12);
+    let server = std::thread::spawn(move || {
+        let mut answered = 0u64;
+        for reply in inbox {
+            let _ = reply.send(answered);
+            answered += 1;
+        }
+    });
+    let mut histogram =
+        Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).expect("static bounds");
+    let began = Instant::now();
+    let mut outstanding = VecDeque::with_capacity(args.in_flight);
+    let mut wait = |(asked_at, receiver): (Instant, crossbeam_channel::Receiver<u64>)| {
+        receiver.recv().expect("server answers");
+        histogram.saturating_record(asked_at.elapsed().as_nanos() as u64);
+    };
+    for _ in 0..args.messages {
+        if outstanding.len() == args.in_flight {
+            wait(outstanding.pop_front().expect("in flight"));
+        }
+        let (reply, receiver) = crossbeam_channel::bounded(1);
+        let asked_at = Instant::now();
+        requests.send(reply).expect("server alive");
+        outstanding.push_back((asked_at, receiver));
+    }
+    outstanding.into_iter().for_each(&mut wait);
+    let elapsed = began.elapsed();
+    drop(requests);
+    server.join().expect("baseline server");
+    (elapsed, histogram)
+}
