@@ -55,6 +55,11 @@
 //! * `runtime` (re-exported at the root): [`Bus`], [`Endpoint`], [`EndpointRef`], replies.
 //! * [`clock`]: injectable time.
 
+/// The README's examples, compiled and run as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
+
 pub mod clock;
 mod config;
 mod error;
@@ -65,5 +70,7 @@ pub(crate) mod sync;
 pub use crate::{
     config::{BusBuilder, BusConfig, Idle, Pinning},
     error::{AskError, BusError, ConfigError, Error, HandlerError, SendError},
-    runtime::{Ask, Bus, Context, Endpoint, EndpointRef, EndpointStats, Replier, Reply},
+    runtime::{
+        Ask, Bus, Context, Endpoint, EndpointRef, EndpointStats, Replier, Reply, TimeSummary,
+    },
 };

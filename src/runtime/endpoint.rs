@@ -101,6 +101,7 @@ pub(crate) struct EndpointCounters {
     pub(crate) handled: std::sync::atomic::AtomicU64,
     pub(crate) failed: std::sync::atomic::AtomicU64,
     pub(crate) panicked: std::sync::atomic::AtomicU64,
+    pub(crate) handler_time_ns: super::stats::Log2Histogram,
 }
 
 /// A snapshot of an endpoint's counters.
@@ -119,6 +120,8 @@ pub struct EndpointStats {
     pub inbox_depth: u64,
     /// Largest depth of one inbox shard seen so far.
     pub inbox_depth_high_water: u64,
+    /// Handler time of sampled messages (one in 64).
+    pub handler_time: super::stats::TimeSummary,
 }
 
 /// The shared state of one registered endpoint.
@@ -170,6 +173,7 @@ impl<E: Endpoint> Inbox<E> {
             panicked: self.counters.panicked.load(Relaxed),
             inbox_depth: depth,
             inbox_depth_high_water: self.queue.depth_high_water() as u64,
+            handler_time: self.counters.handler_time_ns.summary(),
         }
     }
 }

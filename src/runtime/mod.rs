@@ -16,6 +16,7 @@
 mod endpoint;
 mod pin;
 mod reply;
+mod stats;
 mod worker;
 
 use std::{
@@ -34,6 +35,7 @@ use self::{endpoint::Inbox, pin::CorePlanner};
 pub use self::{
     endpoint::{Ask, Context, Endpoint, EndpointRef, EndpointStats},
     reply::{Replier, Reply},
+    stats::TimeSummary,
 };
 use crate::{
     config::{BusBuilder, BusConfig},

@@ -16,6 +16,7 @@ use std::{
 use super::{
     endpoint::{Context, Endpoint, Envelope, Inbox},
     reply::fail_replies_orphaned_by_panic,
+    stats::HANDLER_TIME_SAMPLE_EVERY,
 };
 use crate::config::Idle;
 
@@ -42,7 +43,14 @@ pub(crate) fn run_endpoint<E: Endpoint>(
     let mut yields = 0u32;
     loop {
         let handled = inbox.queue.drain_round(drain_batch, |envelope| {
-            dispatch(&mut endpoint, &context, envelope);
+            if handled_total % HANDLER_TIME_SAMPLE_EVERY == 0 {
+                let began = Instant::now();
+                dispatch(&mut endpoint, &context, envelope);
+                let elapsed_ns = u64::try_from(began.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                inbox.counters.handler_time_ns.record(elapsed_ns);
+            } else {
+                dispatch(&mut endpoint, &context, envelope);
+            }
             // Single writer: a plain store, exact at every moment a reply can be observed.
             handled_total += 1;
             inbox.counters.handled.store(handled_total, Ordering::Relaxed);

@@ -134,8 +134,9 @@ pub fn run_bus(args: &BusArgs) -> anyhow::Result<Vec<Figure>> {
     }
     let per_producer = args.messages / args.producers as u64;
     let total = per_producer * args.producers as u64;
-    let ours = measure_bus(args, per_producer)?;
+    let (ours, stats) = measure_bus(args, per_producer)?;
     let mut figure = Figure::new("bus", total, ours.as_secs_f64())
+        .with_endpoint_stats("endpoint_stats", &stats)
         .with("producers", args.producers)
         .with("batch", args.batch)
         .with("message_bytes", std::mem::size_of::<Payload>());
@@ -150,7 +151,10 @@ pub fn run_bus(args: &BusArgs) -> anyhow::Result<Vec<Figure>> {
     Ok(vec![figure])
 }
 
-fn measure_bus(args: &BusArgs, per_producer: u64) -> anyhow::Result<Duration> {
+fn measure_bus(
+    args: &BusArgs,
+    per_producer: u64,
+) -> anyhow::Result<(Duration, coordbus::EndpointStats)> {
     let bus = bus_for(args.shards, args.capacity, args.pin, Duration::from_micros(args.spin_us))?;
     let endpoint = bus.register("load-bus", NoOp::default())?;
     let start = Arc::new(Barrier::new(args.producers + 1));
@@ -173,8 +177,9 @@ fn measure_bus(args: &BusArgs, per_producer: u64) -> anyhow::Result<Duration> {
         producer.join().map_err(|_| anyhow::anyhow!("producer panicked"))??;
     }
     let elapsed = began.elapsed();
+    let stats = endpoint.stats();
     bus.shutdown()?;
-    Ok(elapsed)
+    Ok((elapsed, stats))
 }
 
 fn produce(endpoint: &EndpointRef<NoOp>, messages: u64, batch: usize) -> anyhow::Result<()> {
@@ -346,9 +351,11 @@ pub fn run_ask(args: &AskArgs) -> anyhow::Result<Vec<Figure>> {
         histogram.saturating_record(asked_at.elapsed().as_nanos() as u64);
     }
     let elapsed = began.elapsed();
+    let stats = endpoint.stats();
     bus.shutdown()?;
     let mut figure = Figure::new("ask", args.messages, elapsed.as_secs_f64())
         .with_latency(Percentiles::from_histogram(&histogram))
+        .with_endpoint_stats("endpoint_stats", &stats)
         .with("in_flight", args.in_flight);
     if args.baseline == AskBaseline::Crossbeam {
         let (baseline_elapsed, baseline_histogram) = measure_crossbeam_ask(args);

@@ -19,6 +19,10 @@ struct Cli {
     /// Print one JSON object per measured figure, one per line, instead of a table.
     #[arg(long, global = true)]
     json: bool,
+    /// Add the endpoints' and WALs' counters (received, handled, inbox depth, handler time,
+    /// syncs...) to each figure.
+    #[arg(long, global = true)]
+    stats: bool,
     #[command(subcommand)]
     workload: Option<Workload>,
 }
@@ -43,8 +47,16 @@ fn run_all() -> anyhow::Result<Vec<report::Figure>> {
     Ok(figures)
 }
 
+static STATS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether `--stats` was given: workloads then attach their counters to their figures.
+pub fn stats_enabled() -> bool {
+    STATS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    STATS.store(cli.stats, std::sync::atomic::Ordering::Relaxed);
     let figures = match cli.workload {
         None => run_all()?,
         Some(Workload::Bus(args)) => bus::run_bus(&args)?,

@@ -83,6 +83,29 @@ impl Figure {
         self
     }
 
+    /// Attaches an endpoint's counters under `key` when `--stats` is on.
+    pub fn with_endpoint_stats(self, key: &str, stats: &coordbus::EndpointStats) -> Self {
+        if !crate::stats_enabled() {
+            return self;
+        }
+        let time = &stats.handler_time;
+        self.with(
+            key,
+            json!({
+                "received": stats.received,
+                "handled": stats.handled,
+                "failed": stats.failed,
+                "panicked": stats.panicked,
+                "inbox_depth": stats.inbox_depth,
+                "inbox_depth_high_water": stats.inbox_depth_high_water,
+                "handler_time_samples": time.samples,
+                "handler_time_p50_ns_at_most": time.p50_ns_at_most,
+                "handler_time_p99_ns_at_most": time.p99_ns_at_most,
+                "handler_time_max_ns_at_most": time.max_ns_at_most,
+            }),
+        )
+    }
+
     pub fn ratio(&self) -> Option<f64> {
         self.baseline
             .as_ref()
