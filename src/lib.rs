@@ -19,6 +19,7 @@
 //!
 //! /// Counts what it is sent.
 //! struct Counter(u64);
+//! #[derive(Debug)]
 //! struct Add(u64);
 //! struct Total;
 //! enum CounterRequest { Total(Replier<u64>) }
