@@ -5,6 +5,7 @@
 //! an embedded default and one table (or JSON lines with `--json`) is printed.
 
 mod bus;
+mod progress;
 mod report;
 
 use clap::{Parser, Subcommand};
@@ -35,15 +36,33 @@ enum Workload {
     Ask(bus::AskArgs),
 }
 
+/// One step of the no-argument run.
+type Step = (&'static str, Box<dyn Fn() -> anyhow::Result<Vec<report::Figure>>>);
+
 /// Every workload, briefly: the README's main command.
 fn run_all() -> anyhow::Result<Vec<report::Figure>> {
     use bus::{quick_ask, quick_bus, BusBaseline};
+    let steps: Vec<Step> = vec![
+        (
+            "bus: send, 1 producer",
+            Box::new(|| bus::run_bus(&quick_bus(1, 1, BusBaseline::Crossbeam))),
+        ),
+        (
+            "bus: send, 2 producers",
+            Box::new(|| bus::run_bus(&quick_bus(2, 1, BusBaseline::Crossbeam))),
+        ),
+        ("bus: send_batch 256", Box::new(|| bus::run_bus(&quick_bus(1, 256, BusBaseline::Ring)))),
+        ("ask: 1 in flight", Box::new(|| bus::run_ask(&quick_ask(1)))),
+        ("ask: 64 in flight", Box::new(|| bus::run_ask(&quick_ask(64)))),
+    ];
+    let mut progress = progress::Progress::new(steps.len() as u64);
     let mut figures = Vec::new();
-    figures.extend(bus::run_bus(&quick_bus(1, 1, BusBaseline::Crossbeam))?);
-    figures.extend(bus::run_bus(&quick_bus(2, 1, BusBaseline::Crossbeam))?);
-    figures.extend(bus::run_bus(&quick_bus(1, 256, BusBaseline::Ring))?);
-    figures.extend(bus::run_ask(&quick_ask(1))?);
-    figures.extend(bus::run_ask(&quick_ask(64))?);
+    for (name, step) in steps {
+        progress.start(name);
+        figures.extend(step()?);
+        progress.finish_step();
+    }
+    progress.finish();
     Ok(figures)
 }
 
