@@ -43,7 +43,7 @@ impl Default for Idle {
 /// Settings of a [`Bus`](crate::Bus); built by [`BusBuilder`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BusConfig {
-    /// Rings per endpoint inbox (default 4; 1 ..= 1024).
+    /// Rings per endpoint inbox, rounded up to a power of two (default 4; 1 ..= 1024).
     pub inbox_shards: usize,
     /// Messages per ring, rounded up to a power of two (default 16384; 2 ..= 2^24). A full ring
     /// makes `send` wait: this bounds memory per endpoint.

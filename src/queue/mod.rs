@@ -91,10 +91,10 @@ impl<T> std::fmt::Debug for ShardedQueue<T> {
 }
 
 impl<T> ShardedQueue<T> {
-    /// `shard_count` rings (at least 1) of `capacity_per_shard` slots each (rounded up to a
-    /// power of two, at least 2).
+    /// `shard_count` rings of `capacity_per_shard` slots each (both rounded up to a power of
+    /// two; at least 1 shard of 2 slots).
     pub fn new(shard_count: usize, capacity_per_shard: usize) -> Self {
-        let shard_count = shard_count.max(1);
+        let shard_count = shard_count.max(1).next_power_of_two();
         Self {
             shards: (0..shard_count).map(|_| Ring::with_capacity(capacity_per_shard)).collect(),
             doorbell: Doorbell::default(),
@@ -134,10 +134,11 @@ impl<T> ShardedQueue<T> {
         self.closed.load(Ordering::Acquire)
     }
 
-    /// The shard of the calling thread.
+    /// The shard of the calling thread (a mask, not a division: the shard count is a power of
+    /// two).
     #[inline]
     fn my_shard(&self) -> &Ring<T> {
-        &self.shards[producer_index() % self.shards.len()]
+        &self.shards[producer_index() & (self.shards.len() - 1)]
     }
 
     /// Pushes without waiting.

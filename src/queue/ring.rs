@@ -135,16 +135,57 @@ impl<T> Ring<T> {
         self.tail.fetch_or(CLOSED_BIT, Ordering::SeqCst) & CLOSED_BIT == 0
     }
 
-    /// Pushes one message, or hands it back.
+    /// Pushes one message, or hands it back. (The one-position case of [`Ring::claim`] and
+    /// [`Ring::fill`], written out because it is the hottest path of the crate.)
+    #[inline]
     pub(crate) fn push(&self, value: T) -> Result<(), PushError<T>> {
-        match self.claim(1) {
-            Ok(claim) => {
-                self.fill(claim, std::iter::once(value));
-                Ok(())
+        let mut tail = self.tail.load(Ordering::Relaxed);
+        loop {
+            if tail & CLOSED_BIT != 0 {
+                return Err(PushError::Closed(value));
             }
-            Err(ClaimError::Full) => Err(PushError::Full(value)),
-            Err(ClaimError::Closed) => Err(PushError::Closed(value)),
+            let slot = self.slot(tail);
+            let stamp = slot.stamp.load(Ordering::Acquire);
+            if stamp == tail {
+                // SeqCst: pairs with the consumer's "about to park" flag (see `claim`).
+                match self.tail.compare_exchange_weak(
+                    tail,
+                    tail + 1,
+                    Ordering::SeqCst,
+                    Ordering::Relaxed,
+                ) {
+                    Ok(_) => {
+                        slot.value.with_mut(|cell| {
+                            // SAFETY: as in `fill`: this producer won position `tail`, whose
+                            // slot the consumer has released (stamp == tail); nobody else
+                            // touches the cell until the stamp below publishes it.
+                            unsafe { (*cell).write(value) };
+                        });
+                        slot.stamp.store(tail + 1, Ordering::Release);
+                        return Ok(());
+                    }
+                    Err(current) => tail = current,
+                }
+            } else if stamp < tail {
+                let current = self.tail.load(Ordering::Relaxed);
+                if current == tail {
+                    return Err(PushError::Full(value));
+                }
+                tail = current;
+            } else {
+                crate::sync::spin_loop();
+                tail = self.tail.load(Ordering::Relaxed);
+            }
         }
+    }
+
+    /// The slot of `position`.
+    #[inline(always)]
+    fn slot(&self, position: usize) -> &Slot<T> {
+        // `slots.len() == mask + 1`, so the index is always in bounds; the explicit `get`
+        // keeps the bounds check cheap and the invariant visible.
+        debug_assert_eq!(self.slots.len(), self.mask + 1);
+        &self.slots[position & self.mask]
     }
 
     /// Claims `len` consecutive positions (1 ..= capacity) with one compare-exchange.

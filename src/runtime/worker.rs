@@ -1,8 +1,8 @@
 //! The endpoint thread: start hook, drain loop, idle strategy, stop hook.
 //!
 //! The loop takes up to `drain_batch` messages from each inbox shard in turn and hands each to
-//! the endpoint, one at a time, inside `catch_unwind`: a panicking handler fails its asker and
-//! is logged, and the next message is handled as usual. When a round finds nothing, the thread
+//! the endpoint, one at a time; each round runs inside `catch_unwind`: a panicking handler fails
+//! its asker and is logged, and the next message is handled as usual. When a round finds nothing, the thread
 //! follows the configured [`Idle`] strategy: spin (with the CPU's spin hint) for a while after
 //! the last message, then yield a few times, then park until a producer rings the doorbell.
 //! Once the inbox is closed and drained, `on_stop` runs and the thread ends.
@@ -42,19 +42,35 @@ pub(crate) fn run_endpoint<E: Endpoint>(
     let mut idle_since: Option<Instant> = None;
     let mut yields = 0u32;
     loop {
-        let handled = inbox.queue.drain_round(drain_batch, |envelope| {
-            if handled_total % HANDLER_TIME_SAMPLE_EVERY == 0 {
-                let began = Instant::now();
-                dispatch(&mut endpoint, &context, envelope);
-                let elapsed_ns = u64::try_from(began.elapsed().as_nanos()).unwrap_or(u64::MAX);
-                inbox.counters.handler_time_ns.record(elapsed_ns);
-            } else {
-                dispatch(&mut endpoint, &context, envelope);
+        // One `catch_unwind` per round, not per message: the ring publishes its head before
+        // each handler call, so a panic unwinding out of the round leaves the inbox consistent
+        // (the panicking message counts as consumed) and the next round carries on.
+        let round = catch_unwind(AssertUnwindSafe(|| {
+            inbox.queue.drain_round(drain_batch, |envelope| {
+                let sampled = handled_total % HANDLER_TIME_SAMPLE_EVERY == 0;
+                // Single writer: a plain store, exact whenever a reply can be observed.
+                handled_total += 1;
+                inbox.counters.handled.store(handled_total, Ordering::Relaxed);
+                if sampled {
+                    let began = Instant::now();
+                    dispatch(&mut endpoint, &context, envelope);
+                    let elapsed_ns = u64::try_from(began.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                    inbox.counters.handler_time_ns.record(elapsed_ns);
+                } else {
+                    dispatch(&mut endpoint, &context, envelope);
+                }
+            })
+        }));
+        let handled = match round {
+            Ok(handled) => handled,
+            Err(payload) => {
+                inbox.counters.panicked.fetch_add(1, Ordering::Relaxed);
+                let message = panic_message(payload.as_ref());
+                tracing::error!(endpoint = %inbox.name, panic = %message, "handler panicked");
+                fail_replies_orphaned_by_panic(&message);
+                1
             }
-            // Single writer: a plain store, exact at every moment a reply can be observed.
-            handled_total += 1;
-            inbox.counters.handled.store(handled_total, Ordering::Relaxed);
-        });
+        };
         if handled > 0 {
             idle_since = None;
             yields = 0;
@@ -85,25 +101,16 @@ pub(crate) fn run_endpoint<E: Endpoint>(
     tracing::info!(endpoint = %inbox.name, handled = handled_total, "endpoint stopped");
 }
 
-/// Hands one envelope to the endpoint; contains a panic.
+/// Hands one envelope to the endpoint (panics are contained by the caller, per round).
 #[inline]
 fn dispatch<E: Endpoint>(endpoint: &mut E, context: &Context<E>, envelope: Envelope<E>) {
-    let outcome = catch_unwind(AssertUnwindSafe(|| match envelope {
+    let outcome = match envelope {
         Envelope::Message(message) => endpoint.handle(message, context),
         Envelope::Request(request) => endpoint.handle_request(request, context),
-    }));
-    match outcome {
-        Ok(Ok(())) => {}
-        Ok(Err(error)) => {
-            context.inbox.counters.failed.fetch_add(1, Ordering::Relaxed);
-            endpoint.on_error(&error);
-        }
-        Err(payload) => {
-            context.inbox.counters.panicked.fetch_add(1, Ordering::Relaxed);
-            let message = panic_message(payload.as_ref());
-            tracing::error!(endpoint = %context.inbox.name, panic = %message, "handler panicked");
-            fail_replies_orphaned_by_panic(&message);
-        }
+    };
+    if let Err(error) = outcome {
+        context.inbox.counters.failed.fetch_add(1, Ordering::Relaxed);
+        endpoint.on_error(&error);
     }
 }
 
