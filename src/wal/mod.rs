@@ -80,7 +80,7 @@
 
 pub(crate) mod reader;
 pub(crate) mod recovery;
-pub(crate) mod segment;
+pub mod segment;
 pub mod storage;
 pub(crate) mod writer;
 

@@ -1,5 +1,8 @@
 //! Segment files: naming, the 64-byte segment header, and the in-memory state of a segment.
 //!
+//! Public so tools and tests can build and read segment files by hand; the byte layout is
+//! documented in the `wal` module.
+//!
 //! A segment is created by the sync thread when the first record placed in it is written:
 //! header written, file preallocated to the full segment size (`fallocate`), directory synced.
 //! Appenders place records in a segment before its file exists; readers wait for the written
@@ -141,7 +144,7 @@ pub fn parse_file_name(name: &str) -> Option<SegmentId> {
 
 /// The in-memory state of one segment, shared by appenders, the sync thread and readers.
 #[derive(Debug)]
-pub struct Segment {
+pub(crate) struct Segment {
     /// The segment's header (as written or recovered).
     pub header: SegmentHeader,
     /// The file's path.
