@@ -64,6 +64,14 @@ impl SegmentMap {
         Ok(Self { map: Some(map) })
     }
 
+    /// Tells the kernel the mapping will be read front to back (read-ahead; a hint only).
+    pub fn advise_sequential(&self) {
+        if let Some(map) = &self.map {
+            // Advice is a hint; failing to give it changes nothing but speed.
+            let _ = map.advise(memmap2::Advice::Sequential);
+        }
+    }
+
     /// The mapped bytes.
     pub fn bytes(&self) -> &[u8] {
         self.map.as_deref().unwrap_or(&[])

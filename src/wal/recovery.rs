@@ -221,16 +221,29 @@ fn find_frame(bytes: &[u8], from: u64, min_lsn: u64) -> Option<(u64, frame::Fram
     None
 }
 
+/// True if every byte of `bytes` is zero (word-wise, so the compiler vectorizes it).
+fn all_zero(bytes: &[u8]) -> bool {
+    let words = bytes.chunks_exact(8);
+    let tail_zero = words.remainder().iter().all(|byte| *byte == 0);
+    tail_zero
+        && words
+            .map(|word| u64::from_ne_bytes(word.try_into().expect("8 bytes")))
+            .fold(0, |acc, word| acc | word)
+            == 0
+}
+
 /// Offset just past the last non-zero byte at or after `from` (`from` if all zero).
 fn nonzero_end(bytes: &[u8], from: u64) -> u64 {
     let from = (from as usize).min(bytes.len());
-    let tail = &bytes[from..];
-    let mut end = tail.len();
-    for chunk in tail.rchunks(4096) {
-        if let Some(last) = chunk.iter().rposition(|byte| *byte != 0) {
-            return (from + end - chunk.len() + last + 1) as u64;
+    let mut end = bytes.len();
+    while end > from {
+        let start = end.saturating_sub(4096).max(from);
+        let chunk = &bytes[start..end];
+        if !all_zero(chunk) {
+            let last = chunk.iter().rposition(|byte| *byte != 0).expect("not all zero");
+            return (start + last + 1) as u64;
         }
-        end -= chunk.len();
+        end = start;
     }
     from as u64
 }
@@ -337,40 +350,46 @@ fn scan_segment(
     let mut max_time = i64::MIN;
     let mut min_time = i64::MAX;
     loop {
-        let remaining = len.saturating_sub(at);
-        let zero = if remaining < frame::HEADER_LEN as u64 {
-            bytes[at as usize..].iter().all(|byte| *byte == 0)
-        } else {
-            frame::is_zero_header(&bytes[at as usize..])
-        };
-        let problem = if zero {
-            None
-        } else {
-            match frame::parse(&bytes[at as usize..]) {
-                Ok((frame_header, _)) if frame_header.lsn == expected => {
-                    summary.records += 1;
-                    summary.first_lsn.get_or_insert(Lsn(frame_header.lsn));
-                    summary.last_lsn = Some(Lsn(frame_header.lsn));
-                    summary.record_bytes += frame_header.frame_len();
-                    max_time = max_time.max(frame_header.time_ms);
-                    min_time = min_time.min(frame_header.time_ms);
-                    at += frame_header.frame_len();
-                    expected += 1;
-                    continue;
-                }
-                Ok((frame_header, _)) => format!(
-                    "record has LSN {} where LSN {expected} belongs",
-                    frame_header.lsn
-                ),
-                Err(error) => format!("damaged record where LSN {expected} belongs: {error}"),
+        let rest = &bytes[at as usize..];
+        let parsed = frame::parse(rest);
+        if let Ok((frame_header, _)) = &parsed {
+            if frame_header.lsn == expected {
+                summary.records += 1;
+                summary.first_lsn.get_or_insert(Lsn(frame_header.lsn));
+                summary.last_lsn = Some(Lsn(frame_header.lsn));
+                summary.record_bytes += frame_header.frame_len();
+                max_time = max_time.max(frame_header.time_ms);
+                min_time = min_time.min(frame_header.time_ms);
+                at += frame_header.frame_len();
+                expected += 1;
+                continue;
             }
-            .into()
+        }
+        let zero = if rest.len() < frame::HEADER_LEN {
+            rest.iter().all(|byte| *byte == 0)
+        } else {
+            frame::is_zero_header(rest)
+        };
+        let problem: Option<String> = match parsed {
+            _ if zero => None,
+            Ok((frame_header, _)) => Some(format!(
+                "record has LSN {} where LSN {expected} belongs",
+                frame_header.lsn
+            )),
+            Err(error) => Some(format!("damaged record where LSN {expected} belongs: {error}")),
         };
         // The records stop at `at`: a zero header / end of file (`problem` is None) or damage.
         if zero && !is_last {
             break;
         }
-        let later = find_frame(bytes, at + frame::ALIGN as u64, expected);
+        // Nothing past the last non-zero byte can be a frame: bound the search there (the
+        // zeroed, preallocated rest of an active segment is not scanned twice).
+        let garbage_end = nonzero_end(bytes, at);
+        let later = if garbage_end > at {
+            find_frame(&bytes[..garbage_end as usize], at + frame::ALIGN as u64, expected)
+        } else {
+            None
+        };
         let proves = later.filter(|(_, later)| !is_last || later.synced_lsn_at_append() >= expected);
         if let Some((later_at, later_header)) = proves {
             let what = problem.clone().unwrap_or_else(|| "records missing (zeroed)".into());
@@ -416,16 +435,16 @@ fn scan_segment(
                     segment: id,
                     offset: at,
                     reason,
-                    bytes_skipped: nonzero_end(bytes, at) - at,
+                    bytes_skipped: garbage_end - at,
                     records_skipped: 0,
                 });
             }
             _ => {
-                let garbage_end = nonzero_end(bytes, at);
                 if garbage_end > at {
                     let mut records_discarded = 0;
                     let mut from = at + frame::ALIGN as u64;
-                    while let Some((found_at, found)) = find_frame(bytes, from, expected) {
+                    let region = &bytes[..garbage_end as usize];
+                    while let Some((found_at, found)) = find_frame(region, from, expected) {
                         records_discarded += 1;
                         from = found_at + found.frame_len();
                     }
@@ -463,6 +482,7 @@ fn scan_all(dir: &Path, mode: RecoveryMode) -> Result<(Vec<Scanned>, RecoveryRep
     let mut expected: Option<u64> = None;
     for (index, (id, path)) in files.iter().enumerate() {
         let map = Arc::new(SegmentMap::open(path)?);
+        map.advise_sequential();
         let is_last = index + 1 == files.len();
         let scan = scan_segment(*id, path, map, is_last, mode, expected)?;
         expected = match (&scan.header, scan.summary.last_lsn) {
@@ -522,18 +542,23 @@ pub fn scan_dir(dir: impl AsRef<Path>, mode: RecoveryMode) -> Result<DirScan, Wa
     })
 }
 
-/// Recovers the log in `dir` for writing: scans, cuts a torn tail (truncating the file),
-/// drops a torn creation, and builds the segment states.
+/// Recovers the log in `dir`: scans, cuts a torn tail (truncating the file), drops a torn
+/// creation, and builds the segment states. `read_only` changes nothing on disk: the torn
+/// tail stays (readers stop before it) and a torn creation is ignored.
 pub(crate) fn recover(
     dir: &Path,
     config: &WalConfig,
     storage: &dyn Storage,
+    read_only: bool,
 ) -> Result<Recovered, WalError> {
     let (scanned, mut report, next_segment_id) = scan_all(dir, config.recovery)?;
     let mut segments = Vec::with_capacity(scanned.len());
     let mut changed_dir = false;
     for mut scan in scanned {
         let summary = &scan.summary;
+        if summary.dropped && read_only {
+            continue;
+        }
         if summary.dropped {
             // Release the mapping before deleting.
             scan.map = None;
@@ -548,7 +573,7 @@ pub(crate) fn recover(
             continue;
         };
         let mut map = scan.map.take().expect("scanned segments keep their map");
-        if let Some(tail) = &summary.torn_tail {
+        if let Some(tail) = summary.torn_tail.as_ref().filter(|_| !read_only) {
             // The mapping must be gone before the file shrinks under it.
             drop(map);
             let file = storage

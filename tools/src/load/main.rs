@@ -5,6 +5,7 @@
 //! an embedded default and one table (or JSON lines with `--json`) is printed.
 
 mod report;
+mod wal;
 
 use clap::{Parser, Subcommand};
 
@@ -23,13 +24,25 @@ struct Cli {
 }
 
 #[derive(Debug, Subcommand)]
-enum Workload {}
+enum Workload {
+    /// WAL append: durable 64-byte records/s per durability mode and thread count.
+    Wal(wal::WalArgs),
+    /// WAL recovery scan speed.
+    WalRecover(wal::WalRecoverArgs),
+}
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let figures: Vec<report::Figure> = match cli.workload {
-        None => Vec::new(),
-        Some(workload) => match workload {},
+        None => {
+            let mut figures = wal::run(&wal::quick())?;
+            figures.extend(wal::run_recover(&wal::quick_recover())?);
+            figures
+        }
+        Some(workload) => match workload {
+            Workload::Wal(args) => wal::run(&args)?,
+            Workload::WalRecover(args) => wal::run_recover(&args)?,
+        },
     };
     report::print(&figures, cli.json);
     Ok(())
