@@ -381,12 +381,7 @@ impl WalError {
             _ if error.kind() == std::io::ErrorKind::StorageFull => {
                 Self::DiskFull { op, path, bytes }
             }
-            _ => Self::Io {
-                op,
-                path,
-                kind: error.kind(),
-                message: error.to_string(),
-            },
+            _ => Self::Io { op, path, kind: error.kind(), message: error.to_string() },
         }
     }
 

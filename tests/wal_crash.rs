@@ -18,9 +18,7 @@ use std::{
     time::Duration,
 };
 
-use coordbus::wal::{
-    scan_dir, Durability, IoMode, Lsn, RecoveryMode, Wal, WalConfig, WalOptions,
-};
+use coordbus::wal::{scan_dir, Durability, IoMode, Lsn, RecoveryMode, Wal, WalConfig, WalOptions};
 
 const DIR_VAR: &str = "COORDBUS_WAL_CRASH_DIR";
 const MODE_VAR: &str = "COORDBUS_WAL_CRASH_MODE";
@@ -53,7 +51,8 @@ fn payload(seed: u64, len: usize) -> Vec<u8> {
 }
 
 fn self_check(bytes: &[u8]) -> bool {
-    bytes.len() >= 4 && crc32c::crc32c(&bytes[4..]) == u32::from_le_bytes(bytes[..4].try_into().unwrap())
+    bytes.len() >= 4
+        && crc32c::crc32c(&bytes[4..]) == u32::from_le_bytes(bytes[..4].try_into().unwrap())
 }
 
 /// The child: appends until killed. A no-op unless started by the parent.
@@ -73,10 +72,7 @@ fn crash_child() {
         Wal::open_with_options(
             &dir,
             config(durability),
-            WalOptions {
-                io,
-                ..WalOptions::default()
-            },
+            WalOptions { io, ..WalOptions::default() },
         )
         .unwrap(),
     );

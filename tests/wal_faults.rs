@@ -109,15 +109,9 @@ fn open_faulty(dir: &Path, durability: Durability, segment_size_bytes: u64) -> (
     let faults = Arc::new(Faults::default());
     let wal = Wal::open_with_options(
         dir,
-        WalConfig {
-            segment_size_bytes,
-            durability,
-            ..WalConfig::default()
-        },
+        WalConfig { segment_size_bytes, durability, ..WalConfig::default() },
         WalOptions {
-            storage: Arc::new(FaultStorage {
-                faults: Arc::clone(&faults),
-            }),
+            storage: Arc::new(FaultStorage { faults: Arc::clone(&faults) }),
             ..WalOptions::default()
         },
     )
@@ -126,11 +120,9 @@ fn open_faulty(dir: &Path, durability: Durability, segment_size_bytes: u64) -> (
 }
 
 fn records(dir: &Path) -> Vec<Vec<u8>> {
-    let wal = Wal::open(dir, WalConfig { segment_size_bytes: 4096, ..WalConfig::default() }).unwrap();
-    wal.iter_from(Lsn::ZERO)
-        .unwrap()
-        .map(|record| record.unwrap().bytes.to_vec())
-        .collect()
+    let wal =
+        Wal::open(dir, WalConfig { segment_size_bytes: 4096, ..WalConfig::default() }).unwrap();
+    wal.iter_from(Lsn::ZERO).unwrap().map(|record| record.unwrap().bytes.to_vec()).collect()
 }
 
 #[test]
@@ -153,10 +145,7 @@ fn a_failed_fsync_fails_the_log_for_good_and_keeps_acknowledged_records() {
         assert!(wal.durable_lsn() < doomed, "a failed sync never reports success");
         // Even once the device recovers, nothing is retried and nothing more is accepted.
         faults.sync_eio.store(false, Ordering::SeqCst);
-        assert!(matches!(
-            wal.append_bytes(b"later", 3),
-            Err(WalError::Failed { .. })
-        ));
+        assert!(matches!(wal.append_bytes(b"later", 3), Err(WalError::Failed { .. })));
         let (sender, receiver) = std::sync::mpsc::channel();
         wal.notify_when_durable(doomed, Box::new(move |result| sender.send(result).unwrap()));
         assert!(receiver.recv_timeout(Duration::from_secs(10)).unwrap().is_err());

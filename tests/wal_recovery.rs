@@ -48,10 +48,7 @@ fn open(dir: &Path, durability: Durability, io: IoMode, segment_size_bytes: u64)
             recovery: RecoveryMode::Strict,
             rolling_interval: None,
         },
-        WalOptions {
-            io,
-            ..WalOptions::default()
-        },
+        WalOptions { io, ..WalOptions::default() },
     )
     .unwrap()
 }
@@ -68,11 +65,7 @@ fn all_records(wal: &Wal) -> Vec<(Lsn, i64, Vec<u8>)> {
 
 #[test]
 fn round_trip_of_varied_records_across_rolls_and_reopenings_on_both_io_paths() {
-    let modes = [
-        Durability::default(),
-        Durability::EveryRecord,
-        Durability::None,
-    ];
+    let modes = [Durability::default(), Durability::EveryRecord, Durability::None];
     for io in [IoMode::Auto, IoMode::Pwrite] {
         for durability in modes {
             let dir = tempfile::tempdir().unwrap();
@@ -158,10 +151,7 @@ fn typed_records_are_validated_zero_copy_reads() {
     let mut inside = handles[3].1;
     inside.offset += 16;
     assert!(wal.read_bytes(inside).is_err());
-    let past = RecordHandle {
-        offset: 1 << 19,
-        ..handles[3].1
-    };
+    let past = RecordHandle { offset: 1 << 19, ..handles[3].1 };
     assert!(matches!(wal.read_bytes(past), Err(WalError::NotFound { .. })));
 }
 
@@ -286,9 +276,10 @@ fn damage_in_a_sealed_segment_is_corruption_naming_segment_and_offset() {
         }
         other => panic!("expected corruption, got {other:?}"),
     }
-    let error = Wal::open(dir.path(), WalConfig { segment_size_bytes: 4096, ..WalConfig::default() })
-        .unwrap_err()
-        .to_string();
+    let error =
+        Wal::open(dir.path(), WalConfig { segment_size_bytes: 4096, ..WalConfig::default() })
+            .unwrap_err()
+            .to_string();
     assert!(error.contains(&format!("segment {}", victim.segment)), "{error}");
 }
 
@@ -297,10 +288,7 @@ fn concurrent_appenders_share_groups_and_keep_their_order() {
     let dir = tempfile::tempdir().unwrap();
     let wal = Arc::new(open(
         dir.path(),
-        Durability::GroupCommit {
-            max_delay: Duration::from_micros(500),
-            max_bytes: 64 << 10,
-        },
+        Durability::GroupCommit { max_delay: Duration::from_micros(500), max_bytes: 64 << 10 },
         IoMode::Auto,
         256 << 10,
     ));
@@ -360,10 +348,7 @@ fn durability_callbacks_waits_and_close() {
             assert!(wal.durable_lsn() >= lsn);
         }
         wal.wait_durable_timeout(last, Duration::from_secs(10)).unwrap();
-        assert!(matches!(
-            wal.wait_durable(Lsn(last.0 + 5)),
-            Err(WalError::NotAppended { .. })
-        ));
+        assert!(matches!(wal.wait_durable(Lsn(last.0 + 5)), Err(WalError::NotAppended { .. })));
         // Appended but unsynced records are flushed by close.
         let (lsn, handle) = wal.append_bytes(b"last words", 0).unwrap();
         wal.close().unwrap();
@@ -379,10 +364,7 @@ fn durability_callbacks_waits_and_close() {
 fn a_record_larger_than_a_segment_is_rejected() {
     let dir = tempfile::tempdir().unwrap();
     let wal = open(dir.path(), Durability::default(), IoMode::Auto, 4096);
-    assert!(matches!(
-        wal.append_bytes(&[0; 5000], 0),
-        Err(WalError::RecordTooLarge { .. })
-    ));
+    assert!(matches!(wal.append_bytes(&[0; 5000], 0), Err(WalError::RecordTooLarge { .. })));
     assert!(!dir.path().join(segment::file_name(coordbus::SegmentId(1))).exists());
 }
 

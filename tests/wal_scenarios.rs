@@ -20,10 +20,8 @@ const SEGMENT_SIZE: u64 = 64 << 10;
 
 /// The (durability, io) combinations every scenario runs with.
 fn variants() -> Vec<(Durability, IoMode)> {
-    let group = Durability::GroupCommit {
-        max_delay: Duration::from_micros(200),
-        max_bytes: 1 << 20,
-    };
+    let group =
+        Durability::GroupCommit { max_delay: Duration::from_micros(200), max_bytes: 1 << 20 };
     vec![
         (group, IoMode::Auto),
         (group, IoMode::Pwrite),
@@ -45,10 +43,7 @@ fn open(dir: &Path, durability: Durability, io: IoMode, recovery: RecoveryMode) 
     Wal::open_with_options(
         dir,
         config(durability, recovery),
-        WalOptions {
-            io,
-            ..WalOptions::default()
-        },
+        WalOptions { io, ..WalOptions::default() },
     )
     .unwrap()
 }
@@ -59,7 +54,12 @@ fn data(range: std::ops::RangeInclusive<u32>) -> Vec<String> {
 
 /// Writes every item as a record at clock += `advance`; returns the handles. The clock is set
 /// to 10 000 first if below 100 000 (the scenario helper).
-fn write_with_log(wal: &Wal, items: &[String], clock_ms: &mut i64, advance: i64) -> Vec<RecordHandle> {
+fn write_with_log(
+    wal: &Wal,
+    items: &[String],
+    clock_ms: &mut i64,
+    advance: i64,
+) -> Vec<RecordHandle> {
     if *clock_ms < 100_000 {
         *clock_ms = 10_000;
     }
@@ -170,10 +170,9 @@ fn wal_c6_corrupt_or_truncated_earlier_files_do_not_block_later_ones() {
             std::fs::OpenOptions::new().write(true).open(file).unwrap().set_len(1).unwrap();
         }
         // Strict: opening reports corruption naming the first damaged segment.
-        let first_id = segment::parse_file_name(
-            first_files[0].file_name().unwrap().to_str().unwrap(),
-        )
-        .unwrap();
+        let first_id =
+            segment::parse_file_name(first_files[0].file_name().unwrap().to_str().unwrap())
+                .unwrap();
         match Wal::open(dir.path(), config(durability, RecoveryMode::Strict)) {
             Err(WalError::Corruption { segment, offset, .. }) => {
                 assert_eq!(segment, first_id.0);
@@ -184,10 +183,7 @@ fn wal_c6_corrupt_or_truncated_earlier_files_do_not_block_later_ones() {
         // Tolerant: everything of data2, nothing else, no error.
         let tolerant = open(dir.path(), durability, io, RecoveryMode::TolerateCorruption);
         assert_eq!(read_all(&tolerant), data2);
-        assert_eq!(
-            tolerant.recovery_report().segments_skipped.len(),
-            first_files.len()
-        );
+        assert_eq!(tolerant.recovery_report().segments_skipped.len(), first_files.len());
     }
 }
 
@@ -216,7 +212,12 @@ fn wal_f3_writer_durability_and_visibility_per_write() {
 
 /// One-segment log of `items` (no rolling); returns the path of its file and the offset just
 /// past the last record.
-fn one_segment_log(dir: &Path, durability: Durability, io: IoMode, items: &[String]) -> (std::path::PathBuf, u64) {
+fn one_segment_log(
+    dir: &Path,
+    durability: Durability,
+    io: IoMode,
+    items: &[String],
+) -> (std::path::PathBuf, u64) {
     let wal = Wal::open_with_options(
         dir,
         WalConfig {
@@ -225,10 +226,7 @@ fn one_segment_log(dir: &Path, durability: Durability, io: IoMode, items: &[Stri
             recovery: RecoveryMode::Strict,
             rolling_interval: None,
         },
-        WalOptions {
-            io,
-            ..WalOptions::default()
-        },
+        WalOptions { io, ..WalOptions::default() },
     )
     .unwrap();
     let mut clock = 0;
@@ -271,11 +269,7 @@ fn wal_f6_torn_tail_and_garbage_tail() {
         for at_end_of_records in [false, true] {
             let dir = tempfile::tempdir().unwrap();
             let (path, end) = one_segment_log(dir.path(), durability, io, &items);
-            let at = if at_end_of_records {
-                end
-            } else {
-                std::fs::metadata(&path).unwrap().len()
-            };
+            let at = if at_end_of_records { end } else { std::fs::metadata(&path).unwrap().len() };
             patch(&path, at, garbage);
             let wal = reopen(dir.path());
             assert_eq!(read_all(&wal), items);
@@ -367,12 +361,8 @@ fn wal_f8_random_reader_hand_written_and_writer_written() {
     // Hand-written: a segment file built with the public format helpers, read by the log.
     let dir = tempfile::tempdir().unwrap();
     let id = coordbus::SegmentId(1);
-    let header = segment::SegmentHeader {
-        id,
-        first_lsn: 1,
-        window: None,
-        segment_size_bytes: SEGMENT_SIZE,
-    };
+    let header =
+        segment::SegmentHeader { id, first_lsn: 1, window: None, segment_size_bytes: SEGMENT_SIZE };
     let mut file = header.encode().to_vec();
     let mut handles = Vec::new();
     for (index, item) in items.iter().enumerate() {
@@ -432,10 +422,7 @@ fn wal_d2_clean_boundary_is_strict_and_current_file_never_cleaned() {
                 rolling_interval: Some(Duration::from_millis(500)),
                 ..config(durability, RecoveryMode::Strict)
             },
-            WalOptions {
-                io,
-                ..WalOptions::default()
-            },
+            WalOptions { io, ..WalOptions::default() },
         )
         .unwrap();
         // Windows [500, 1000], [1500, 2000], then the current one [2500, 3000].
@@ -455,21 +442,12 @@ fn wal_d2_clean_boundary_is_strict_and_current_file_never_cleaned() {
         assert_eq!(report.deleted, vec![handles[1].segment]);
         assert_eq!(segment_files(dir.path()).len(), 1);
         assert_eq!(&*wal.read_bytes(handles[2]).unwrap(), b"x");
-        assert!(matches!(
-            wal.read_bytes(handles[0]),
-            Err(WalError::NotFound { .. })
-        ));
+        assert!(matches!(wal.read_bytes(handles[0]), Err(WalError::NotFound { .. })));
     }
     // Without a rolling interval a segment ends at its largest record time.
     let dir = tempfile::tempdir().unwrap();
-    let wal = Wal::open(
-        dir.path(),
-        WalConfig {
-            segment_size_bytes: 4096,
-            ..WalConfig::default()
-        },
-    )
-    .unwrap();
+    let wal = Wal::open(dir.path(), WalConfig { segment_size_bytes: 4096, ..WalConfig::default() })
+        .unwrap();
     let mut segments = Vec::new();
     let mut last = Lsn::ZERO;
     for time in 0..200 {

@@ -99,13 +99,9 @@ pub fn encode_into(
     time_ms: i64,
     durable_lsn: u64,
 ) -> Result<(), RecordError> {
-    let len = u32::try_from(payload.len())
-        .ok()
-        .filter(|len| *len <= MAX_PAYLOAD_LEN)
-        .ok_or(RecordError::TooLarge {
-            len: payload.len() as u64,
-            max: u64::from(MAX_PAYLOAD_LEN),
-        })?;
+    let len = u32::try_from(payload.len()).ok().filter(|len| *len <= MAX_PAYLOAD_LEN).ok_or(
+        RecordError::TooLarge { len: payload.len() as u64, max: u64::from(MAX_PAYLOAD_LEN) },
+    )?;
     let sync_gap = u32::try_from(lsn.saturating_sub(durable_lsn)).unwrap_or(u32::MAX);
     let mut header = [0u8; HEADER_LEN];
     header[0..4].copy_from_slice(&len.to_le_bytes());
@@ -152,25 +148,15 @@ pub fn parse(bytes: &[u8]) -> Result<(FrameHeader, &[u8]), RecordError> {
     }
     let magic = u16::from_le_bytes([bytes[28], bytes[29]]);
     if !looks_like_header(bytes) {
-        return Err(RecordError::BadHeader {
-            magic,
-            version: bytes[30],
-            flags: bytes[31],
-        });
+        return Err(RecordError::BadHeader { magic, version: bytes[30], flags: bytes[31] });
     }
     let len = u32::from_le_bytes(bytes[0..4].try_into().expect("4 bytes"));
     if len > MAX_PAYLOAD_LEN {
-        return Err(RecordError::TooLarge {
-            len: u64::from(len),
-            max: u64::from(MAX_PAYLOAD_LEN),
-        });
+        return Err(RecordError::TooLarge { len: u64::from(len), max: u64::from(MAX_PAYLOAD_LEN) });
     }
     let total = frame_len(len as usize);
     if total > bytes.len() {
-        return Err(RecordError::Truncated {
-            needed: total as u64,
-            available: bytes.len() as u64,
-        });
+        return Err(RecordError::Truncated { needed: total as u64, available: bytes.len() as u64 });
     }
     let payload = &bytes[HEADER_LEN..HEADER_LEN + len as usize];
     let stored = u32::from_le_bytes(bytes[4..8].try_into().expect("4 bytes"));

@@ -97,14 +97,12 @@ use std::{
 
 use crossbeam_utils::CachePadded;
 
+use self::segment::{Segment, SegmentHeader, Window, HEADER_LEN as SEGMENT_HEADER_LEN};
 pub use self::{
     reader::{ArchivedRecord, RecordBytes, RecordRef, WalIter},
-    recovery::{
-        scan_dir, CorruptionNote, DirScan, RecoveryReport, SegmentSummary, TornTail,
-    },
+    recovery::{scan_dir, CorruptionNote, DirScan, RecoveryReport, SegmentSummary, TornTail},
     storage::{FileStorage, RealFile, Storage, StorageFile},
 };
-use self::segment::{Segment, SegmentHeader, Window, HEADER_LEN as SEGMENT_HEADER_LEN};
 pub use crate::error::WalError;
 use crate::record::{self, frame, Checked, Record};
 
@@ -114,7 +112,17 @@ pub const STAGING_LIMIT_BYTES: usize = 64 << 20;
 
 /// Log sequence number: 1 for the first record ever appended, then +1 per record.
 #[derive(
-    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, rkyv::Archive, rkyv::Serialize,
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    Default,
+    rkyv::Archive,
+    rkyv::Serialize,
     rkyv::Deserialize,
 )]
 #[rkyv(derive(Debug, PartialEq, Eq))]
@@ -133,7 +141,16 @@ impl std::fmt::Display for Lsn {
 
 /// The number of a segment file (its name is `seg-<id>.wal`).
 #[derive(
-    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, rkyv::Archive, rkyv::Serialize,
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    rkyv::Archive,
+    rkyv::Serialize,
     rkyv::Deserialize,
 )]
 #[rkyv(derive(Debug, PartialEq, Eq))]
@@ -147,7 +164,9 @@ impl std::fmt::Display for SegmentId {
 
 /// Where a record lives: segment, byte offset of its frame, payload length. Serializable
 /// (rkyv) so other records can point at it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize,
+)]
 #[rkyv(derive(Debug, PartialEq, Eq))]
 pub struct RecordHandle {
     /// The segment holding the record.
@@ -190,10 +209,7 @@ pub enum Durability {
 
 impl Default for Durability {
     fn default() -> Self {
-        Self::GroupCommit {
-            max_delay: Duration::from_micros(200),
-            max_bytes: 1 << 20,
-        }
+        Self::GroupCommit { max_delay: Duration::from_micros(200), max_bytes: 1 << 20 }
     }
 }
 
@@ -270,11 +286,8 @@ impl WalConfig {
     /// # Errors
     /// [`WalError::InvalidConfig`] naming the setting.
     pub fn validate(&self) -> Result<(), WalError> {
-        let invalid = |setting, value: String, reason| WalError::InvalidConfig {
-            setting,
-            value,
-            reason,
-        };
+        let invalid =
+            |setting, value: String, reason| WalError::InvalidConfig { setting, value, reason };
         if self.segment_size_bytes < 4096
             || self.segment_size_bytes > 1 << 40
             || self.segment_size_bytes % 16 != 0
@@ -287,11 +300,7 @@ impl WalConfig {
         }
         if let Durability::GroupCommit { max_bytes, .. } = self.durability {
             if max_bytes == 0 {
-                return Err(invalid(
-                    "durability.max_bytes",
-                    "0".into(),
-                    "must be at least 1",
-                ));
+                return Err(invalid("durability.max_bytes", "0".into(), "must be at least 1"));
             }
         }
         if let Some(interval) = self.rolling_interval {
@@ -321,11 +330,7 @@ pub struct WalOptions {
 
 impl Default for WalOptions {
     fn default() -> Self {
-        Self {
-            io: IoMode::Auto,
-            storage: Arc::new(FileStorage),
-            read_only: false,
-        }
+        Self { io: IoMode::Auto, storage: Arc::new(FileStorage), read_only: false }
     }
 }
 
@@ -484,9 +489,7 @@ impl Shared {
     }
 
     pub(crate) fn failed_error(&self) -> WalError {
-        WalError::Failed {
-            cause: Box::new(self.failed.get().cloned().unwrap_or(WalError::Closed)),
-        }
+        WalError::Failed { cause: Box::new(self.failed.get().cloned().unwrap_or(WalError::Closed)) }
     }
 
     /// Publishes progress of the sync thread and runs the callbacks now due.
@@ -498,11 +501,7 @@ impl Shared {
             if durable > previous {
                 self.durable_lsn.store(durable, Ordering::Release);
             }
-            if sync
-                .callbacks
-                .first_key_value()
-                .is_some_and(|(lsn, _)| *lsn <= durable)
-            {
+            if sync.callbacks.first_key_value().is_some_and(|(lsn, _)| *lsn <= durable) {
                 let later = sync.callbacks.split_off(&(durable + 1));
                 std::mem::replace(&mut sync.callbacks, later)
             } else {
@@ -522,11 +521,8 @@ impl Shared {
     }
 
     fn sync_percentile_us(&self, quantile: f64) -> u64 {
-        let counts: Vec<u64> = self
-            .sync_latency_us_log2
-            .iter()
-            .map(|count| count.load(Ordering::Relaxed))
-            .collect();
+        let counts: Vec<u64> =
+            self.sync_latency_us_log2.iter().map(|count| count.load(Ordering::Relaxed)).collect();
         let total: u64 = counts.iter().sum();
         if total == 0 {
             return 0;
@@ -551,10 +547,7 @@ impl Shared {
     }
 
     pub(crate) fn segments_snapshot(&self) -> Vec<Arc<Segment>> {
-        self.segments
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone()
+        self.segments.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
     }
 }
 
@@ -626,9 +619,10 @@ impl Wal {
         let dir = dir.as_ref().to_path_buf();
         let engine: Box<dyn writer::IoEngine> = match options.io {
             IoMode::Pwrite => Box::new(writer::pwrite::PwriteEngine),
-            IoMode::IoUring => Box::new(writer::uring::UringEngine::new().map_err(|error| {
-                WalError::from_io("io_uring setup", dir.clone(), 0, &error)
-            })?),
+            IoMode::IoUring => Box::new(
+                writer::uring::UringEngine::new()
+                    .map_err(|error| WalError::from_io("io_uring setup", dir.clone(), 0, &error))?,
+            ),
             IoMode::Auto => match writer::uring::UringEngine::new() {
                 Ok(engine) => Box::new(engine),
                 Err(error) => {
@@ -704,12 +698,7 @@ impl Wal {
                     })?,
             )
         };
-        Ok(Wal {
-            shared,
-            writer: Mutex::new(writer),
-            report: recovered.report,
-            io_path,
-        })
+        Ok(Wal { shared, writer: Mutex::new(writer), report: recovered.report, io_path })
     }
 
     /// The log's directory.
@@ -728,7 +717,11 @@ impl Wal {
     /// # Errors
     /// [`WalError::Record`] if serialization fails, [`WalError::RecordTooLarge`],
     /// [`WalError::Closed`], [`WalError::Failed`] after an earlier write or sync failure.
-    pub fn append<T: Record>(&self, value: &T, time_ms: i64) -> Result<(Lsn, RecordHandle), WalError> {
+    pub fn append<T: Record>(
+        &self,
+        value: &T,
+        time_ms: i64,
+    ) -> Result<(Lsn, RecordHandle), WalError> {
         let bytes = record::to_bytes(value)?;
         self.append_bytes(&bytes, time_ms)
     }
@@ -737,7 +730,11 @@ impl Wal {
     ///
     /// # Errors
     /// As [`Wal::append`].
-    pub fn append_bytes(&self, payload: &[u8], time_ms: i64) -> Result<(Lsn, RecordHandle), WalError> {
+    pub fn append_bytes(
+        &self,
+        payload: &[u8],
+        time_ms: i64,
+    ) -> Result<(Lsn, RecordHandle), WalError> {
         let shared = &*self.shared;
         let frame_len = frame::frame_len(payload.len()) as u64;
         let capacity = shared.config.segment_size_bytes - SEGMENT_HEADER_LEN;
@@ -756,11 +753,7 @@ impl Wal {
         let mut state = lock(&shared.append);
         loop {
             if state.closing {
-                return Err(if shared.read_only {
-                    WalError::ReadOnly
-                } else {
-                    WalError::Closed
-                });
+                return Err(if shared.read_only { WalError::ReadOnly } else { WalError::Closed });
             }
             if shared.failed_flag.load(Ordering::Acquire) {
                 return Err(shared.failed_error());
@@ -769,16 +762,14 @@ impl Wal {
                 break;
             }
             state.space_waiters += 1;
-            state = shared
-                .space_cv
-                .wait(state)
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            state = shared.space_cv.wait(state).unwrap_or_else(std::sync::PoisonError::into_inner);
             state.space_waiters -= 1;
         }
         let needs_new = match &state.active {
             None => true,
             Some(active) => {
-                let late_window = matches!(active.header.window, Some(window) if time_ms > window.stop_ms);
+                let late_window =
+                    matches!(active.header.window, Some(window) if time_ms > window.stop_ms);
                 late_window || state.offset + frame_len > shared.config.segment_size_bytes
             }
         };
@@ -836,14 +827,7 @@ impl Wal {
         if wake {
             shared.writer_cv.notify_one();
         }
-        Ok((
-            Lsn(lsn),
-            RecordHandle {
-                segment,
-                offset,
-                len: payload.len() as u32,
-            },
-        ))
+        Ok((Lsn(lsn), RecordHandle { segment, offset, len: payload.len() as u32 }))
     }
 
     /// Starts a new active segment for a record with time `time_ms` (SPEC E.2 window rule).
@@ -920,10 +904,7 @@ impl Wal {
         }
         let appended = shared.appended_lsn.load(Ordering::Acquire);
         if lsn.0 > appended {
-            return Err(WalError::NotAppended {
-                lsn: lsn.0,
-                appended,
-            });
+            return Err(WalError::NotAppended { lsn: lsn.0, appended });
         }
         let deadline = timeout.map(|timeout| Instant::now() + timeout);
         let mut sync = lock(&shared.sync);
@@ -939,10 +920,9 @@ impl Wal {
                 return Err(WalError::Closed);
             }
             sync = match deadline {
-                None => shared
-                    .durable_cv
-                    .wait(sync)
-                    .unwrap_or_else(std::sync::PoisonError::into_inner),
+                None => {
+                    shared.durable_cv.wait(sync).unwrap_or_else(std::sync::PoisonError::into_inner)
+                }
                 Some(deadline) => {
                     let now = Instant::now();
                     if now >= deadline {
@@ -976,10 +956,7 @@ impl Wal {
             } else if shared.failed_flag.load(Ordering::Acquire) {
                 Err(shared.failed_error())
             } else if lsn.0 > appended {
-                Err(WalError::NotAppended {
-                    lsn: lsn.0,
-                    appended,
-                })
+                Err(WalError::NotAppended { lsn: lsn.0, appended })
             } else if sync.writer_exited {
                 Err(WalError::Closed)
             } else {
@@ -1039,17 +1016,14 @@ impl Wal {
         let active = lock(&shared.append).active.as_ref().map(|segment| segment.header.id);
         let written = shared.written_lsn.load(Ordering::Acquire);
         let selected: Vec<Arc<Segment>> = {
-            let mut segments = shared
-                .segments
-                .write()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            let (selected, kept): (Vec<_>, Vec<_>) =
-                segments.drain(..).partition(|segment| {
-                    Some(segment.header.id) != active
-                        && active.is_none_or(|active| segment.header.id < active)
-                        && segment.last_lsn.load(Ordering::Acquire) <= written
-                        && segment.end_time_ms() < threshold_ms
-                });
+            let mut segments =
+                shared.segments.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let (selected, kept): (Vec<_>, Vec<_>) = segments.drain(..).partition(|segment| {
+                Some(segment.header.id) != active
+                    && active.is_none_or(|active| segment.header.id < active)
+                    && segment.last_lsn.load(Ordering::Acquire) <= written
+                    && segment.end_time_ms() < threshold_ms
+            });
             *segments = kept;
             selected
         };
@@ -1069,14 +1043,11 @@ impl Wal {
                 }
             }
         }
-        shared
-            .cleaned_segments
-            .fetch_add(report.deleted.len() as u64, Ordering::Relaxed);
+        shared.cleaned_segments.fetch_add(report.deleted.len() as u64, Ordering::Relaxed);
         if wait && !report.deleted.is_empty() {
-            shared
-                .storage
-                .sync_dir(&shared.dir)
-                .map_err(|error| WalError::from_io("sync directory", shared.dir.clone(), 0, &error))?;
+            shared.storage.sync_dir(&shared.dir).map_err(|error| {
+                WalError::from_io("sync directory", shared.dir.clone(), 0, &error)
+            })?;
         }
         tracing::debug!(threshold_ms, deleted = report.deleted.len(), "cleaned WAL segments");
         Ok(report)
@@ -1158,16 +1129,10 @@ mod tests {
 
     #[test]
     fn config_validation_names_the_setting() {
-        let config = WalConfig {
-            segment_size_bytes: 100,
-            ..WalConfig::default()
-        };
+        let config = WalConfig { segment_size_bytes: 100, ..WalConfig::default() };
         assert!(matches!(
             config.validate(),
-            Err(WalError::InvalidConfig {
-                setting: "segment_size_bytes",
-                ..
-            })
+            Err(WalError::InvalidConfig { setting: "segment_size_bytes", .. })
         ));
         assert!(WalConfig::default().validate().is_ok());
     }

@@ -328,11 +328,7 @@ fn scan_segment(
                 header.first_lsn
             );
             if !tolerant {
-                return Err(WalError::Corruption {
-                    segment: id.0,
-                    offset: 0,
-                    reason,
-                });
+                return Err(WalError::Corruption { segment: id.0, offset: 0, reason });
             }
             summary.corruption.push(CorruptionNote {
                 segment: id,
@@ -372,10 +368,9 @@ fn scan_segment(
         };
         let problem: Option<String> = match parsed {
             _ if zero => None,
-            Ok((frame_header, _)) => Some(format!(
-                "record has LSN {} where LSN {expected} belongs",
-                frame_header.lsn
-            )),
+            Ok((frame_header, _)) => {
+                Some(format!("record has LSN {} where LSN {expected} belongs", frame_header.lsn))
+            }
             Err(error) => Some(format!("damaged record where LSN {expected} belongs: {error}")),
         };
         // The records stop at `at`: a zero header / end of file (`problem` is None) or damage.
@@ -390,7 +385,8 @@ fn scan_segment(
         } else {
             None
         };
-        let proves = later.filter(|(_, later)| !is_last || later.synced_lsn_at_append() >= expected);
+        let proves =
+            later.filter(|(_, later)| !is_last || later.synced_lsn_at_append() >= expected);
         if let Some((later_at, later_header)) = proves {
             let what = problem.clone().unwrap_or_else(|| "records missing (zeroed)".into());
             let reason = if is_last {
@@ -403,11 +399,7 @@ fn scan_segment(
                 format!("{what}; in a sealed segment")
             };
             if !tolerant {
-                return Err(WalError::Corruption {
-                    segment: id.0,
-                    offset: at,
-                    reason,
-                });
+                return Err(WalError::Corruption { segment: id.0, offset: at, reason });
             }
             summary.corruption.push(CorruptionNote {
                 segment: id,
@@ -464,17 +456,14 @@ fn scan_segment(
     if summary.records > 0 {
         summary.time_range_ms = Some((min_time, max_time));
     }
-    Ok(Scanned {
-        summary,
-        header: Some(header),
-        map: Some(map),
-        ranges,
-        max_time_ms: max_time,
-    })
+    Ok(Scanned { summary, header: Some(header), map: Some(map), ranges, max_time_ms: max_time })
 }
 
 /// Scans every segment of `dir`; returns the scans and the report.
-fn scan_all(dir: &Path, mode: RecoveryMode) -> Result<(Vec<Scanned>, RecoveryReport, u64), WalError> {
+fn scan_all(
+    dir: &Path,
+    mode: RecoveryMode,
+) -> Result<(Vec<Scanned>, RecoveryReport, u64), WalError> {
     let started = Instant::now();
     let files = list(dir)?;
     let next_id = files.last().map_or(1, |(id, _)| u64::from(id.0) + 1);
@@ -517,10 +506,8 @@ fn scan_all(dir: &Path, mode: RecoveryMode) -> Result<(Vec<Scanned>, RecoveryRep
     }
     // An empty last segment still fixes where LSNs continue.
     if report.last_lsn == Lsn::ZERO {
-        if let Some(first) = scanned
-            .iter()
-            .rev()
-            .find_map(|scan| scan.header.map(|header| header.first_lsn))
+        if let Some(first) =
+            scanned.iter().rev().find_map(|scan| scan.header.map(|header| header.first_lsn))
         {
             report.last_lsn = Lsn(first.saturating_sub(1));
         }
@@ -536,10 +523,7 @@ fn scan_all(dir: &Path, mode: RecoveryMode) -> Result<(Vec<Scanned>, RecoveryRep
 /// [`WalError::UnsupportedVersion`].
 pub fn scan_dir(dir: impl AsRef<Path>, mode: RecoveryMode) -> Result<DirScan, WalError> {
     let (scanned, report, _) = scan_all(dir.as_ref(), mode)?;
-    Ok(DirScan {
-        segments: scanned.into_iter().map(|scan| scan.summary).collect(),
-        report,
-    })
+    Ok(DirScan { segments: scanned.into_iter().map(|scan| scan.summary).collect(), report })
 }
 
 /// Recovers the log in `dir`: scans, cuts a torn tail (truncating the file), drops a torn
@@ -562,9 +546,9 @@ pub(crate) fn recover(
         if summary.dropped {
             // Release the mapping before deleting.
             scan.map = None;
-            storage
-                .remove(&summary.path)
-                .map_err(|error| WalError::from_io("remove torn segment", &summary.path, 0, &error))?;
+            storage.remove(&summary.path).map_err(|error| {
+                WalError::from_io("remove torn segment", &summary.path, 0, &error)
+            })?;
             changed_dir = true;
             tracing::info!(segment = summary.id.0, "removed a segment whose creation was torn");
             continue;
@@ -576,16 +560,20 @@ pub(crate) fn recover(
         if let Some(tail) = summary.torn_tail.as_ref().filter(|_| !read_only) {
             // The mapping must be gone before the file shrinks under it.
             drop(map);
-            let file = storage
-                .open_existing(&summary.path)
-                .map_err(|error| WalError::from_io("open torn segment", &summary.path, 0, &error))?;
+            let file = storage.open_existing(&summary.path).map_err(|error| {
+                WalError::from_io("open torn segment", &summary.path, 0, &error)
+            })?;
             file.set_len(tail.offset)
                 .map_err(|error| WalError::from_io("cut torn tail", &summary.path, 0, &error))?;
             file.sync_data()
                 .map_err(|error| WalError::from_io("fdatasync", &summary.path, 0, &error))?;
-            tracing::info!(segment = tail.segment.0, offset = tail.offset,
-                bytes = tail.bytes_discarded, records = tail.records_discarded,
-                "cut the torn tail of the write-ahead log");
+            tracing::info!(
+                segment = tail.segment.0,
+                offset = tail.offset,
+                bytes = tail.bytes_discarded,
+                records = tail.records_discarded,
+                "cut the torn tail of the write-ahead log"
+            );
             map = Arc::new(SegmentMap::open(&summary.path)?);
         }
         let segment = Segment {
@@ -593,9 +581,7 @@ pub(crate) fn recover(
             ..Segment::new(dir, header)
         };
         segment.max_time_ms.store(scan.max_time_ms, Ordering::Release);
-        segment
-            .last_lsn
-            .store(summary.last_lsn.map_or(0, |lsn| lsn.0), Ordering::Release);
+        segment.last_lsn.store(summary.last_lsn.map_or(0, |lsn| lsn.0), Ordering::Release);
         segment.end_offset.store(summary.valid_end, Ordering::Release);
         let _ = segment.map.set(map);
         segments.push(Arc::new(segment));
@@ -606,9 +592,5 @@ pub(crate) fn recover(
             .map_err(|error| WalError::from_io("sync directory", dir, 0, &error))?;
     }
     report.segments = segments.len();
-    Ok(Recovered {
-        segments,
-        report,
-        next_segment_id,
-    })
+    Ok(Recovered { segments, report, next_segment_id })
 }

@@ -54,17 +54,10 @@ impl SegmentHeader {
         let mut out = [0u8; HEADER_LEN as usize];
         out[0..8].copy_from_slice(&MAGIC);
         out[8] = VERSION;
-        out[9] = if self.window.is_some() {
-            FLAG_HAS_WINDOW
-        } else {
-            0
-        };
+        out[9] = if self.window.is_some() { FLAG_HAS_WINDOW } else { 0 };
         out[12..16].copy_from_slice(&self.id.0.to_le_bytes());
         out[16..24].copy_from_slice(&self.first_lsn.to_le_bytes());
-        let window = self.window.unwrap_or(Window {
-            start_ms: 0,
-            stop_ms: 0,
-        });
+        let window = self.window.unwrap_or(Window { start_ms: 0, stop_ms: 0 });
         out[24..32].copy_from_slice(&window.start_ms.to_le_bytes());
         out[32..40].copy_from_slice(&window.stop_ms.to_le_bytes());
         out[40..48].copy_from_slice(&self.segment_size_bytes.to_le_bytes());
@@ -79,11 +72,7 @@ impl SegmentHeader {
     /// [`WalError::Corruption`] (offset 0) for a short, damaged or mismatched header,
     /// [`WalError::UnsupportedVersion`] for another format version.
     pub fn decode(id: SegmentId, bytes: &[u8]) -> Result<Self, WalError> {
-        let corrupt = |reason: String| WalError::Corruption {
-            segment: id.0,
-            offset: 0,
-            reason,
-        };
+        let corrupt = |reason: String| WalError::Corruption { segment: id.0, offset: 0, reason };
         if bytes.len() < HEADER_LEN as usize {
             return Err(corrupt(format!(
                 "segment header needs {HEADER_LEN} bytes, file has {}",
@@ -115,10 +104,8 @@ impl SegmentHeader {
             )));
         }
         let read_i64 = |at: usize| i64::from_le_bytes(bytes[at..at + 8].try_into().expect("8"));
-        let window = (bytes[9] & FLAG_HAS_WINDOW != 0).then(|| Window {
-            start_ms: read_i64(24),
-            stop_ms: read_i64(32),
-        });
+        let window = (bytes[9] & FLAG_HAS_WINDOW != 0)
+            .then(|| Window { start_ms: read_i64(24), stop_ms: read_i64(32) });
         Ok(Self {
             id,
             first_lsn: u64::from_le_bytes(bytes[16..24].try_into().expect("8 bytes")),
@@ -202,10 +189,7 @@ mod tests {
         let header = SegmentHeader {
             id: SegmentId(7),
             first_lsn: 1234,
-            window: Some(Window {
-                start_ms: 10_000,
-                stop_ms: 11_000,
-            }),
+            window: Some(Window { start_ms: 10_000, stop_ms: 11_000 }),
             segment_size_bytes: 1 << 20,
         };
         let bytes = header.encode();
@@ -220,10 +204,8 @@ mod tests {
 
     #[test]
     fn names_sort_in_order_and_parse_back() {
-        let names: Vec<String> = [1u32, 9, 10, 4_000_000_000]
-            .iter()
-            .map(|id| file_name(SegmentId(*id)))
-            .collect();
+        let names: Vec<String> =
+            [1u32, 9, 10, 4_000_000_000].iter().map(|id| file_name(SegmentId(*id))).collect();
         let mut sorted = names.clone();
         sorted.sort();
         assert_eq!(names, sorted);

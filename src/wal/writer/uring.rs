@@ -50,9 +50,7 @@ impl UringEngine {
     /// # Errors
     /// The kernel's error (ENOSYS without io_uring, EPERM under seccomp or when disabled).
     pub fn new() -> std::io::Result<Self> {
-        Ok(Self {
-            ring: IoUring::new(RING_ENTRIES)?,
-        })
+        Ok(Self { ring: IoUring::new(RING_ENTRIES)? })
     }
 }
 
@@ -85,11 +83,7 @@ impl IoEngine for UringEngine {
             let mut start = 0;
             while start < op.buf.len() {
                 let len = (op.buf.len() - start).min(WRITE_CHUNK_BYTES);
-                pieces.push(Piece {
-                    op: index,
-                    start,
-                    len,
-                });
+                pieces.push(Piece { op: index, start, len });
                 start += len;
             }
         }
@@ -98,11 +92,8 @@ impl IoEngine for UringEngine {
         let mut first_error: Option<WalError> = None;
         let mut synced = false;
         let room = RING_ENTRIES as usize - 1;
-        let batches: Vec<&[Piece]> = if pieces.is_empty() {
-            vec![&[]]
-        } else {
-            pieces.chunks(room).collect()
-        };
+        let batches: Vec<&[Piece]> =
+            if pieces.is_empty() { vec![&[]] } else { pieces.chunks(room).collect() };
         let batch_count = batches.len();
         for (batch_index, batch) in batches.into_iter().enumerate() {
             let with_sync = sync.filter(|_| batch_index + 1 == batch_count);
@@ -113,14 +104,11 @@ impl IoEngine for UringEngine {
                     let op = &ops[piece.op];
                     let fd = op.file.raw_fd().expect("checked above");
                     let len = u32::try_from(piece.len).expect("pieces are at most 1 MiB");
-                    let entry = opcode::Write::new(
-                        types::Fd(fd),
-                        op.buf[piece.start..].as_ptr(),
-                        len,
-                    )
-                    .offset(op.offset + piece.start as u64)
-                    .build()
-                    .user_data(slot as u64);
+                    let entry =
+                        opcode::Write::new(types::Fd(fd), op.buf[piece.start..].as_ptr(), len)
+                            .offset(op.offset + piece.start as u64)
+                            .build()
+                            .user_data(slot as u64);
                     // SAFETY: the buffer `op.buf[piece.start..piece.start + len]` is borrowed
                     // from `ops` for this whole call, and this function does not return before
                     // every submitted entry completed (submit_and_wait below waits for all), so
@@ -149,7 +137,8 @@ impl IoEngine for UringEngine {
                     Ok(_) => {}
                     Err(error)
                         if error.kind() == std::io::ErrorKind::Interrupted
-                            || matches!(error.raw_os_error(), Some(libc::EAGAIN | libc::EBUSY)) => {}
+                            || matches!(error.raw_os_error(), Some(libc::EAGAIN | libc::EBUSY)) => {
+                    }
                     Err(error) => {
                         // The ring itself failed; entries may still be in flight, so the
                         // buffers must not be released: this is a broken invariant.

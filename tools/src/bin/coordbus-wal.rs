@@ -116,12 +116,8 @@ fn inspect(dir: &PathBuf, as_json: bool) -> anyhow::Result<ExitCode> {
             (Some(first), Some(last)) => format!("{first}..={last}"),
             _ => "-".into(),
         };
-        let times = segment
-            .time_range_ms
-            .map_or("-".into(), |(min, max)| format!("{min}..={max}"));
-        let window = segment
-            .window
-            .map_or("-".into(), |(start, stop)| format!("{start}..={stop}"));
+        let times = segment.time_range_ms.map_or("-".into(), |(min, max)| format!("{min}..={max}"));
+        let window = segment.window.map_or("-".into(), |(start, stop)| format!("{start}..={stop}"));
         let state = if segment.skipped {
             "unreadable (skipped)".to_owned()
         } else if let Some(tail) = &segment.torn_tail {
@@ -136,7 +132,10 @@ fn inspect(dir: &PathBuf, as_json: bool) -> anyhow::Result<ExitCode> {
         };
         println!(
             "{:<18} {:>10} {:>9} {:>21} {:>27} {:>27}  {state}",
-            segment.path.file_name().map_or_else(String::new, |name| name.to_string_lossy().into_owned()),
+            segment
+                .path
+                .file_name()
+                .map_or_else(String::new, |name| name.to_string_lossy().into_owned()),
             segment.file_len,
             segment.records,
             lsns,
@@ -168,14 +167,8 @@ fn dump(
 ) -> anyhow::Result<ExitCode> {
     let wal = Wal::open_with_options(
         dir,
-        WalConfig {
-            recovery: RecoveryMode::TolerateCorruption,
-            ..WalConfig::default()
-        },
-        WalOptions {
-            read_only: true,
-            ..WalOptions::default()
-        },
+        WalConfig { recovery: RecoveryMode::TolerateCorruption, ..WalConfig::default() },
+        WalOptions { read_only: true, ..WalOptions::default() },
     )
     .with_context(|| format!("opening {} read-only", dir.display()))?;
     for record in wal.iter_from(Lsn(from))?.take(limit.unwrap_or(usize::MAX)) {
@@ -232,12 +225,9 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match &cli.command {
         Command::Inspect { dir } => inspect(dir, cli.json),
-        Command::Dump {
-            dir,
-            from,
-            limit,
-            preview_bytes,
-        } => dump(dir, *from, *limit, *preview_bytes, cli.json),
+        Command::Dump { dir, from, limit, preview_bytes } => {
+            dump(dir, *from, *limit, *preview_bytes, cli.json)
+        }
         Command::Verify { dir } => return verify(dir, cli.json),
     };
     match result {

@@ -107,13 +107,7 @@ pub fn quick() -> WalArgs {
 
 /// The quick version of `wal-recover`.
 pub fn quick_recover() -> WalRecoverArgs {
-    WalRecoverArgs {
-        records: 1_000_000,
-        record_bytes: 64,
-        segment_mib: 64,
-        repeats: 3,
-        dir: None,
-    }
+    WalRecoverArgs { records: 1_000_000, record_bytes: 64, segment_mib: 64, repeats: 3, dir: None }
 }
 
 fn temp_in(dir: &Option<PathBuf>) -> anyhow::Result<tempfile::TempDir> {
@@ -140,10 +134,7 @@ fn open(dir: &Path, args: &WalArgs, durability: Durability) -> anyhow::Result<Wa
             durability,
             ..WalConfig::default()
         },
-        WalOptions {
-            io: io_mode(&args.io)?,
-            ..WalOptions::default()
-        },
+        WalOptions { io: io_mode(&args.io)?, ..WalOptions::default() },
     )?)
 }
 
@@ -168,7 +159,11 @@ fn pwrite_baseline(dir: &Path, total_bytes: u64, batch_bytes: usize) -> anyhow::
 }
 
 /// A pwrite of one frame + fdatasync, `count` times, appending to a fresh file.
-fn fdatasync_baseline(dir: &Path, frame_bytes: usize, count: u64) -> anyhow::Result<Histogram<u64>> {
+fn fdatasync_baseline(
+    dir: &Path,
+    frame_bytes: usize,
+    count: u64,
+) -> anyhow::Result<Histogram<u64>> {
     let path = dir.join("baseline.fdatasync");
     let file = OpenOptions::new().create(true).truncate(true).write(true).open(&path)?;
     let frame = vec![0x5au8; frame_bytes];
@@ -336,7 +331,8 @@ pub fn run(args: &WalArgs) -> anyhow::Result<Vec<Figure>> {
                     } else {
                         Durability::None
                     };
-                    let (figure, bytes) = throughput_figure(args, root.path(), name, durability, threads)?;
+                    let (figure, bytes) =
+                        throughput_figure(args, root.path(), name, durability, threads)?;
                     if with_baseline && name == "group" {
                         let seconds = pwrite_baseline(root.path(), bytes, args.max_bytes)
                             .context("pwrite baseline")?;
