@@ -72,7 +72,7 @@ fn crash_child() {
         Wal::open_with_options(
             &dir,
             config(durability),
-            WalOptions { io, ..WalOptions::default() },
+            WalOptions { io, uring_direct_max_bytes: 0, ..WalOptions::default() },
         )
         .unwrap(),
     );

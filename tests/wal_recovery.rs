@@ -48,7 +48,7 @@ fn open(dir: &Path, durability: Durability, io: IoMode, segment_size_bytes: u64)
             recovery: RecoveryMode::Strict,
             rolling_interval: None,
         },
-        WalOptions { io, ..WalOptions::default() },
+        WalOptions { io, uring_direct_max_bytes: 0, ..WalOptions::default() },
     )
     .unwrap()
 }

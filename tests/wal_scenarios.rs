@@ -43,7 +43,7 @@ fn open(dir: &Path, durability: Durability, io: IoMode, recovery: RecoveryMode) 
     Wal::open_with_options(
         dir,
         config(durability, recovery),
-        WalOptions { io, ..WalOptions::default() },
+        WalOptions { io, uring_direct_max_bytes: 0, ..WalOptions::default() },
     )
     .unwrap()
 }
@@ -226,7 +226,7 @@ fn one_segment_log(
             recovery: RecoveryMode::Strict,
             rolling_interval: None,
         },
-        WalOptions { io, ..WalOptions::default() },
+        WalOptions { io, uring_direct_max_bytes: 0, ..WalOptions::default() },
     )
     .unwrap();
     let mut clock = 0;
@@ -422,7 +422,7 @@ fn wal_d2_clean_boundary_is_strict_and_current_file_never_cleaned() {
                 rolling_interval: Some(Duration::from_millis(500)),
                 ..config(durability, RecoveryMode::Strict)
             },
-            WalOptions { io, ..WalOptions::default() },
+            WalOptions { io, uring_direct_max_bytes: 0, ..WalOptions::default() },
         )
         .unwrap();
         // Windows [500, 1000], [1500, 2000], then the current one [2500, 3000].

@@ -19,11 +19,12 @@
 //! An appender serializes its value (rkyv) with no lock held, then takes the append lock for a
 //! few tens of nanoseconds: it assigns the LSN and the place (segment, offset), rolls to a new
 //! segment if needed, and copies the frame into the staging buffer, computing its CRC in the
-//! same pass (hardware CRC32C: a few nanoseconds for a 96-byte frame). The sync thread swaps the staging buffer for an empty one, writes it with one
-//! submission (io_uring) or a few `pwrite`s, and syncs; then it publishes the durable LSN and
-//! runs the durability callbacks. Appenders never wait for I/O; they wait only when the staging
-//! buffer holds more than [`STAGING_LIMIT_BYTES`] (back-pressure, so memory stays bounded when
-//! the disk is slower than the appenders).
+//! same pass (hardware CRC32C: a few nanoseconds for a 96-byte frame). The sync thread swaps
+//! the staging buffer for an empty one, writes it with one submission (io_uring) or a few
+//! `pwrite`s, and syncs; then it publishes the durable LSN and runs the durability callbacks.
+//! Appenders never wait for I/O; they wait only when the staging buffer is full (two groups of
+//! `max_bytes`, at most [`STAGING_LIMIT_BYTES`]): back-pressure, so memory stays bounded and
+//! the two buffers stay warm when the disk is slower than the appenders.
 //!
 //! Group commit: with [`Durability::GroupCommit`] the sync thread lets a group grow for up to
 //! `max_delay` after its first record or until it holds `max_bytes`; with
@@ -106,9 +107,20 @@ pub use self::{
 pub use crate::error::WalError;
 use crate::record::{self, frame, Checked, Record};
 
-/// Bytes the staging buffer may hold before appenders wait for the sync thread (64 MiB, or
-/// four groups of `max_bytes` if that is larger).
+/// Most bytes the staging buffer may hold before appenders wait for the sync thread. The limit
+/// in force is twice the group size (`max_bytes`) clamped to 1 MiB ..= this, or 8 MiB without
+/// group commit.
 pub const STAGING_LIMIT_BYTES: usize = 64 << 20;
+
+/// The staging limit for `durability`.
+fn staging_limit(durability: Durability) -> usize {
+    match durability {
+        Durability::GroupCommit { max_bytes, .. } => {
+            max_bytes.saturating_mul(2).clamp(1 << 20, STAGING_LIMIT_BYTES)
+        }
+        _ => 8 << 20,
+    }
+}
 
 /// Log sequence number: 1 for the first record ever appended, then +1 per record.
 #[derive(
@@ -323,6 +335,10 @@ pub struct WalOptions {
     pub io: IoMode,
     /// The file layer the sync thread writes through (default [`FileStorage`]).
     pub storage: Arc<dyn Storage>,
+    /// On the io_uring path, a group that is one write of at most this many bytes is written
+    /// with `pwrite` and synced with `fdatasync` directly, skipping the ring's hop to a kernel
+    /// worker (default 64 KiB; 0 sends every group through the ring, as tests do).
+    pub uring_direct_max_bytes: usize,
     /// Open without changing anything on disk (default false): a torn tail is hidden, not
     /// cut, no sync thread runs, and appends fail with [`WalError::ReadOnly`]. For tools.
     pub read_only: bool,
@@ -330,7 +346,12 @@ pub struct WalOptions {
 
 impl Default for WalOptions {
     fn default() -> Self {
-        Self { io: IoMode::Auto, storage: Arc::new(FileStorage), read_only: false }
+        Self {
+            io: IoMode::Auto,
+            storage: Arc::new(FileStorage),
+            uring_direct_max_bytes: writer::uring::DIRECT_GROUP_BYTES,
+            read_only: false,
+        }
     }
 }
 
@@ -620,10 +641,10 @@ impl Wal {
         let engine: Box<dyn writer::IoEngine> = match options.io {
             IoMode::Pwrite => Box::new(writer::pwrite::PwriteEngine),
             IoMode::IoUring => Box::new(
-                writer::uring::UringEngine::new()
+                writer::uring::UringEngine::new(options.uring_direct_max_bytes)
                     .map_err(|error| WalError::from_io("io_uring setup", dir.clone(), 0, &error))?,
             ),
-            IoMode::Auto => match writer::uring::UringEngine::new() {
+            IoMode::Auto => match writer::uring::UringEngine::new(options.uring_direct_max_bytes) {
                 Ok(engine) => Box::new(engine),
                 Err(error) => {
                     FALLBACK_LOGGED.call_once(|| {
@@ -643,10 +664,7 @@ impl Wal {
         tracing::info!(dir = ?dir, report = %recovered.report, io_path = io_path.as_str(),
             "write-ahead log opened");
         let last_lsn = recovered.report.last_lsn.0;
-        let staging = match config.durability {
-            Durability::GroupCommit { max_bytes, .. } => max_bytes.saturating_mul(2),
-            _ => 1 << 20,
-        };
+        let staging = staging_limit(config.durability);
         let shared = Arc::new(Shared {
             dir: dir.clone(),
             config: config.clone(),
@@ -656,7 +674,7 @@ impl Wal {
                 active: None,
                 offset: SEGMENT_HEADER_LEN,
                 next_segment_id: recovered.next_segment_id,
-                buf: Vec::with_capacity(staging.min(STAGING_LIMIT_BYTES)),
+                buf: Vec::with_capacity(staging),
                 chunks: Vec::new(),
                 group_started: None,
                 writer_idle: false,
@@ -748,8 +766,7 @@ impl Wal {
             Durability::GroupCommit { max_bytes, .. } => Some(max_bytes),
             _ => None,
         };
-        let staging_limit = group_commit_bytes
-            .map_or(STAGING_LIMIT_BYTES, |bytes| STAGING_LIMIT_BYTES.max(bytes.saturating_mul(4)));
+        let staging_limit = staging_limit(shared.config.durability);
         let mut state = lock(&shared.append);
         loop {
             if state.closing {

@@ -76,7 +76,9 @@ struct Writer {
 /// The sync thread's body; returns when the log closes.
 pub(crate) fn run(shared: Arc<Shared>, engine: Box<dyn IoEngine>) {
     let mut writer = Writer { shared, engine, current: None, dir_ready: false };
-    let mut spare_buf: Vec<u8> = Vec::new();
+    // The second staging buffer, sized like the first so neither regrows (and re-faults fresh
+    // pages) in steady state.
+    let mut spare_buf: Vec<u8> = Vec::with_capacity(lock(&writer.shared.append).buf.capacity());
     let mut spare_chunks: Vec<Chunk> = Vec::new();
     loop {
         let Some(closing) = writer.take_group(&mut spare_buf, &mut spare_chunks) else {
