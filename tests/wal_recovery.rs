@@ -374,7 +374,10 @@ proptest! {
     #[test]
     fn replay_equals_the_appends(
         sessions in proptest::collection::vec(
-            proptest::collection::vec((proptest::collection::vec(any::<u8>(), 0..600), any::<i64>()), 0..40),
+            proptest::collection::vec(
+                (proptest::collection::vec(any::<u8>(), 0..600), any::<i64>()),
+                0..40,
+            ),
             1..4,
         ),
         pwrite in any::<bool>(),
@@ -393,4 +396,30 @@ proptest! {
         let wal = open(dir.path(), Durability::default(), io, 8192);
         prop_assert_eq!(all_records(&wal), expected);
     }
+}
+
+#[test]
+fn clean_below_an_lsn_deletes_whole_sealed_segments_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let wal = open(dir.path(), Durability::default(), IoMode::Auto, 4096);
+    let mut appended = Vec::new();
+    for index in 0..200u8 {
+        appended.push(wal.append_bytes(&[index; 100], 0).unwrap());
+    }
+    wal.wait_durable(appended.last().unwrap().0).unwrap();
+    let first = appended[0].1.segment;
+    let first_last_lsn =
+        appended.iter().filter(|(_, handle)| handle.segment == first).map(|(lsn, _)| *lsn).max();
+    let first_last_lsn = first_last_lsn.unwrap();
+    // An LSN inside the first segment keeps it; the one after its last record deletes it.
+    assert!(wal.clean_below_lsn(first_last_lsn, true).unwrap().deleted.is_empty());
+    assert_eq!(wal.clean_below_lsn(Lsn(first_last_lsn.0 + 1), true).unwrap().deleted, vec![first]);
+    // Everything below the end: all but the active segment.
+    wal.clean_below_lsn(Lsn(u64::MAX), true).unwrap();
+    let active = appended.last().unwrap().1.segment;
+    let remaining: Vec<_> = wal.iter_from(Lsn::ZERO).unwrap().map(|r| r.unwrap()).collect();
+    assert!(!remaining.is_empty());
+    assert!(remaining.iter().all(|record| record.handle.segment == active));
+    assert_eq!(remaining.last().unwrap().lsn, appended.last().unwrap().0);
+    assert_eq!(wal.stats().segments, 1);
 }

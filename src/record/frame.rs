@@ -3,7 +3,7 @@
 //! | offset | size | field       | meaning                                                      |
 //! |-------:|-----:|-------------|--------------------------------------------------------------|
 //! | 0      | 4    | `len`       | payload length in bytes, u32 LE (padding not counted)        |
-//! | 4      | 4    | `crc`       | CRC32C (Castagnoli) of bytes 8..end of frame, then of bytes 0..4 |
+//! | 4      | 4    | `crc`       | CRC32C of bytes 8..end of frame, then of bytes 0..4          |
 //! | 8      | 8    | `lsn`       | log sequence number, u64 LE, 1 for the first record ever     |
 //! | 16     | 8    | `time_ms`   | the record's time (ms since the Unix epoch), i64 LE          |
 //! | 24     | 4    | `sync_gap`  | `lsn - durable_lsn` seen when appended, u32 LE, saturating   |
@@ -231,7 +231,9 @@ mod tests {
 
     proptest! {
         #[test]
-        fn parser_never_panics_on_arbitrary_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+        fn parser_never_panics_on_arbitrary_bytes(
+            bytes in proptest::collection::vec(any::<u8>(), 0..256),
+        ) {
             let _ = parse(&bytes);
         }
 

@@ -494,7 +494,7 @@ impl Shared {
             WalError::Failed { cause } => *cause,
             other => other,
         };
-        tracing::error!(%error, dir = ?self.dir, "write-ahead log failed; it accepts no more writes");
+        tracing::error!(%error, dir = ?self.dir, "write-ahead log failed; no more writes");
         let _ = self.failed.set(error);
         self.failed_flag.store(true, Ordering::Release);
         let callbacks = {
@@ -1026,20 +1026,44 @@ impl Wal {
     /// [`WalError::Io`] only if syncing the directory fails (failed deletions are reported in
     /// [`CleanReport::failed`]); [`WalError::ReadOnly`].
     pub fn clean(&self, threshold_ms: i64, wait: bool) -> Result<CleanReport, WalError> {
+        let report = self.clean_where(wait, |segment| segment.end_time_ms() < threshold_ms)?;
+        tracing::debug!(threshold_ms, deleted = report.deleted.len(), "cleaned WAL segments");
+        Ok(report)
+    }
+
+    /// Deletes every segment all of whose records have an LSN below `lsn` (for callers that
+    /// checkpoint by position rather than time); same rules as [`Wal::clean`] otherwise.
+    ///
+    /// # Errors
+    /// As [`Wal::clean`].
+    pub fn clean_below_lsn(&self, lsn: Lsn, wait: bool) -> Result<CleanReport, WalError> {
+        let report = self.clean_where(wait, |segment| {
+            let last = segment.last_lsn.load(Ordering::Acquire);
+            // An empty segment holds nothing at or above any LSN past its start.
+            let last = if last == 0 { segment.header.first_lsn.saturating_sub(1) } else { last };
+            last < lsn.0
+        })?;
+        tracing::debug!(lsn = lsn.0, deleted = report.deleted.len(), "cleaned WAL segments");
+        Ok(report)
+    }
+
+    fn clean_where(
+        &self,
+        wait: bool,
+        select: impl Fn(&Segment) -> bool,
+    ) -> Result<CleanReport, WalError> {
         let shared = &*self.shared;
         if shared.read_only {
             return Err(WalError::ReadOnly);
         }
         let active = lock(&shared.append).active.as_ref().map(|segment| segment.header.id);
-        let written = shared.written_lsn.load(Ordering::Acquire);
         let selected: Vec<Arc<Segment>> = {
             let mut segments =
                 shared.segments.write().unwrap_or_else(std::sync::PoisonError::into_inner);
             let (selected, kept): (Vec<_>, Vec<_>) = segments.drain(..).partition(|segment| {
                 Some(segment.header.id) != active
-                    && active.is_none_or(|active| segment.header.id < active)
-                    && segment.last_lsn.load(Ordering::Acquire) <= written
-                    && segment.end_time_ms() < threshold_ms
+                    && segment.sealed.load(Ordering::Acquire)
+                    && select(segment)
             });
             *segments = kept;
             selected
@@ -1066,7 +1090,6 @@ impl Wal {
                 WalError::from_io("sync directory", shared.dir.clone(), 0, &error)
             })?;
         }
-        tracing::debug!(threshold_ms, deleted = report.deleted.len(), "cleaned WAL segments");
         Ok(report)
     }
 
@@ -1143,6 +1166,16 @@ impl Drop for Wal {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_log_is_send_and_sync_and_handles_are_archivable() {
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send_sync::<Wal>();
+        let handle = RecordHandle { segment: SegmentId(3), offset: 4096, len: 17 };
+        let bytes = crate::record::to_bytes(&handle).unwrap();
+        let archived = crate::record::access::<RecordHandle>(&bytes).unwrap();
+        assert_eq!(archived.to_native(), handle);
+    }
 
     #[test]
     fn config_validation_names_the_setting() {

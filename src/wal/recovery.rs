@@ -4,16 +4,18 @@
 //! Where a segment's records stop before its end, the rules of the format decide (module
 //! `wal`, "Durability order"; raft-engine's `RecoveryMode` is the model):
 //!
-//! | where                        | what is found at the stop                  | outcome                        |
-//! |------------------------------|--------------------------------------------|--------------------------------|
-//! | any segment                  | all-zero header or end of file, nothing valid after | clean end              |
-//! | sealed (not last) segment    | damaged frame                              | corruption                     |
-//! | sealed segment               | a valid record after the stop              | corruption                     |
-//! | last segment                 | damaged frame or garbage, no record after it proves the damaged one was durable | torn tail: cut, reported |
-//! | last segment                 | a later record appended after the damaged one was durable | corruption   |
-//! | last segment                 | damaged segment header and no valid frame  | torn creation: file removed    |
-//! | any other segment            | damaged segment header                     | corruption                     |
-//! | next segment                 | first LSN does not follow the previous one | corruption                     |
+//! | where          | found where the records stop                          | outcome          |
+//! |----------------|-------------------------------------------------------|------------------|
+//! | any segment    | all-zero header or end of file, nothing valid after   | clean end        |
+//! | sealed segment | damaged frame (whatever follows it)                   | corruption       |
+//! | last segment   | damage or garbage, no later record proves it durable  | torn tail: cut   |
+//! | last segment   | a later record appended after the damaged one was durable | corruption   |
+//! | last segment   | damaged segment header and no valid frame             | file removed     |
+//! | other segment  | damaged segment header                                | corruption       |
+//! | next segment   | first LSN does not follow the previous segment's last | corruption       |
+//!
+//! ("Sealed" is every segment but the last; "file removed" is a torn creation: the process
+//! died between creating the file and making its header durable.)
 //!
 //! "Corruption" fails the open with [`WalError::Corruption`] naming segment and offset in
 //! [`RecoveryMode::Strict`]; in [`RecoveryMode::TolerateCorruption`] the damaged stretch (or
@@ -583,6 +585,7 @@ pub(crate) fn recover(
         segment.max_time_ms.store(scan.max_time_ms, Ordering::Release);
         segment.last_lsn.store(summary.last_lsn.map_or(0, |lsn| lsn.0), Ordering::Release);
         segment.end_offset.store(summary.valid_end, Ordering::Release);
+        segment.sealed.store(true, Ordering::Release);
         let _ = segment.map.set(map);
         segments.push(Arc::new(segment));
     }

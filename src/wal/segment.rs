@@ -11,7 +11,7 @@
 use std::{
     path::{Path, PathBuf},
     sync::{
-        atomic::{AtomicI64, AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering},
         Arc, OnceLock,
     },
 };
@@ -146,6 +146,10 @@ pub(crate) struct Segment {
     pub last_lsn: AtomicU64,
     /// Byte offset just past the last record placed (appenders) or recovered.
     pub end_offset: AtomicU64,
+    /// Every record of the segment is written and synced and no more will be added (set by
+    /// recovery, and by the sync thread when it moves on to the next segment). Only sealed
+    /// segments may be cleaned.
+    pub sealed: AtomicBool,
     /// Byte ranges holding records, for segments where tolerant recovery skipped damage
     /// (`None`: one range from the header to `end_offset`).
     pub valid_ranges: Option<Vec<(u64, u64)>>,
@@ -161,6 +165,7 @@ impl Segment {
             max_time_ms: AtomicI64::new(i64::MIN),
             last_lsn: AtomicU64::new(0),
             end_offset: AtomicU64::new(HEADER_LEN),
+            sealed: AtomicBool::new(false),
             valid_ranges: None,
         }
     }

@@ -174,6 +174,9 @@ impl Writer {
             if self.current.as_ref().is_none_or(|current| !Arc::ptr_eq(&current.segment, &segment))
             {
                 self.seal_current()?;
+                if let Some(previous) = &self.current {
+                    previous.segment.sealed.store(true, Ordering::Release);
+                }
                 self.current = Some(self.create_segment(&segment)?);
             }
             let end = index
