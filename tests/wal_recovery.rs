@@ -423,3 +423,21 @@ fn clean_below_an_lsn_deletes_whole_sealed_segments_only() {
     assert_eq!(remaining.last().unwrap().lsn, appended.last().unwrap().0);
     assert_eq!(wal.stats().segments, 1);
 }
+
+#[test]
+fn a_callback_may_drop_the_last_reference_to_the_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let wal = Arc::new(open(dir.path(), Durability::default(), IoMode::Auto, 1 << 20));
+    let (lsn, _) = wal.append_bytes(b"x", 0).unwrap();
+    let (sender, receiver) = std::sync::mpsc::channel();
+    let keep = Arc::clone(&wal);
+    wal.notify_when_durable(
+        lsn,
+        Box::new(move |result| {
+            drop(keep);
+            sender.send(result).unwrap();
+        }),
+    );
+    drop(wal);
+    receiver.recv_timeout(Duration::from_secs(10)).unwrap().unwrap();
+}

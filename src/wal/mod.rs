@@ -1138,6 +1138,9 @@ impl Wal {
         self.shared.writer_cv.notify_all();
         self.shared.space_cv.notify_all();
         let handle = lock(&self.writer).take();
+        // A durability callback may drop the last reference to the log on the sync thread
+        // itself; that thread then finishes on its own once `closing` is seen.
+        let handle = handle.filter(|handle| handle.thread().id() != std::thread::current().id());
         if let Some(handle) = handle {
             if handle.join().is_err() {
                 self.shared.fail(WalError::Io {
