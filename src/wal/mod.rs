@@ -105,7 +105,10 @@ pub use self::{
     storage::{FileStorage, RealFile, Storage, StorageFile},
 };
 pub use crate::error::WalError;
-use crate::record::{self, frame, Checked, Record};
+use crate::{
+    clock::{Clock, SystemClock},
+    record::{self, frame, Checked, Record},
+};
 
 /// Most bytes the staging buffer may hold before appenders wait for the sync thread. The limit
 /// in force is twice the group size (`max_bytes`) clamped to 1 MiB ..= this, or 8 MiB without
@@ -329,7 +332,7 @@ impl WalConfig {
 }
 
 /// Options beyond the configuration: the I/O path and the file layer.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct WalOptions {
     /// Which I/O path to use (default [`IoMode::Auto`]).
     pub io: IoMode,
@@ -342,6 +345,20 @@ pub struct WalOptions {
     /// Open without changing anything on disk (default false): a torn tail is hidden, not
     /// cut, no sync thread runs, and appends fail with [`WalError::ReadOnly`]. For tools.
     pub read_only: bool,
+    /// The clock of [`Wal::append_now`] and [`Wal::append_bytes_now`] (default
+    /// [`SystemClock`]).
+    pub clock: Arc<dyn Clock>,
+}
+
+impl std::fmt::Debug for WalOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WalOptions")
+            .field("io", &self.io)
+            .field("storage", &self.storage)
+            .field("uring_direct_max_bytes", &self.uring_direct_max_bytes)
+            .field("read_only", &self.read_only)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Default for WalOptions {
@@ -351,6 +368,7 @@ impl Default for WalOptions {
             storage: Arc::new(FileStorage),
             uring_direct_max_bytes: writer::uring::DIRECT_GROUP_BYTES,
             read_only: false,
+            clock: Arc::new(SystemClock),
         }
     }
 }
@@ -600,6 +618,7 @@ pub struct Wal {
     writer: Mutex<Option<JoinHandle<()>>>,
     report: RecoveryReport,
     io_path: IoPath,
+    clock: Arc<dyn Clock>,
 }
 
 impl std::fmt::Debug for Wal {
@@ -625,6 +644,18 @@ impl Wal {
     /// [`WalError::UnsupportedVersion`], [`WalError::Io`].
     pub fn open(dir: impl AsRef<Path>, config: WalConfig) -> Result<Wal, WalError> {
         Self::open_with_options(dir, config, WalOptions::default())
+    }
+
+    /// Opens (and recovers) the log with `clock` as the time source of [`Wal::append_now`].
+    ///
+    /// # Errors
+    /// As [`Wal::open`].
+    pub fn open_with_clock(
+        dir: impl AsRef<Path>,
+        config: WalConfig,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Wal, WalError> {
+        Self::open_with_options(dir, config, WalOptions { clock, ..WalOptions::default() })
     }
 
     /// Opens (and recovers) the log with an explicit I/O path and file layer.
@@ -716,7 +747,13 @@ impl Wal {
                     })?,
             )
         };
-        Ok(Wal { shared, writer: Mutex::new(writer), report: recovered.report, io_path })
+        Ok(Wal {
+            shared,
+            writer: Mutex::new(writer),
+            report: recovered.report,
+            io_path,
+            clock: options.clock,
+        })
     }
 
     /// The log's directory.
@@ -742,6 +779,22 @@ impl Wal {
     ) -> Result<(Lsn, RecordHandle), WalError> {
         let bytes = record::to_bytes(value)?;
         self.append_bytes(&bytes, time_ms)
+    }
+
+    /// [`Wal::append`] with the time of the log's clock.
+    ///
+    /// # Errors
+    /// As [`Wal::append`].
+    pub fn append_now<T: Record>(&self, value: &T) -> Result<(Lsn, RecordHandle), WalError> {
+        self.append(value, self.clock.now_ms())
+    }
+
+    /// [`Wal::append_bytes`] with the time of the log's clock.
+    ///
+    /// # Errors
+    /// As [`Wal::append`].
+    pub fn append_bytes_now(&self, payload: &[u8]) -> Result<(Lsn, RecordHandle), WalError> {
+        self.append_bytes(payload, self.clock.now_ms())
     }
 
     /// Appends raw bytes with time `time_ms` (read them back with [`Wal::read_bytes`]).
@@ -1178,6 +1231,21 @@ mod tests {
         let bytes = crate::record::to_bytes(&handle).unwrap();
         let archived = crate::record::access::<RecordHandle>(&bytes).unwrap();
         assert_eq!(archived.to_native(), handle);
+    }
+
+    #[test]
+    fn append_now_takes_the_time_of_the_injected_clock() {
+        let dir = tempfile::tempdir().unwrap();
+        let clock = crate::clock::ManualClock::new(12_345);
+        let wal = Wal::open_with_clock(dir.path(), WalConfig::default(), Arc::new(clock.clone()))
+            .unwrap();
+        wal.append_bytes_now(b"a").unwrap();
+        clock.advance_ms(5);
+        let (lsn, _) = wal.append_now(&7u64).unwrap();
+        wal.wait_durable(lsn).unwrap();
+        let times: Vec<i64> =
+            wal.iter_from(Lsn::ZERO).unwrap().map(|record| record.unwrap().time_ms).collect();
+        assert_eq!(times, vec![12_345, 12_350]);
     }
 
     #[test]
