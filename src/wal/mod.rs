@@ -59,9 +59,12 @@
 //! all-zero frame header (preallocated space), or the end of the file, ends a segment.
 //!
 //! ## Durability order (what recovery relies on)
-//! * A new segment file is created (header, preallocation, directory sync) only after every
-//!   byte of the previous segment was synced, so a later segment holding any record proves the
-//!   earlier ones complete: damage in a sealed (non-last) segment is corruption.
+//! * A new segment file is created (header written and synced, preallocation, directory sync)
+//!   only after every byte of the previous segment was synced, so a later segment holding any
+//!   record proves the earlier ones complete: damage in a sealed (non-last) segment is
+//!   corruption. Opening a log syncs its last segment first, since the previous process may
+//!   have died with part of it only in the page cache.
+//! * A segment's header is durable before any record is written behind it.
 //! * Within the last segment, records written after the last completed sync may reach the disk
 //!   in any order. Each frame records `sync_gap` (its LSN minus the durable LSN when it was
 //!   appended). At a damaged frame expecting LSN `e`, a later valid frame whose

@@ -589,10 +589,22 @@ pub(crate) fn recover(
         let _ = segment.map.set(map);
         segments.push(Arc::new(segment));
     }
-    if changed_dir {
-        storage
-            .sync_dir(dir)
-            .map_err(|error| WalError::from_io("sync directory", dir, 0, &error))?;
+    if !read_only {
+        // The previous process may have died (kill -9) with records of the last segment still
+        // only in the page cache. The next append starts a new segment, and a later segment
+        // must prove the earlier ones durable (module `wal`), so sync the last one now.
+        if let Some(last) = segments.last() {
+            let file = storage
+                .open_existing(&last.path)
+                .map_err(|error| WalError::from_io("open segment", &last.path, 0, &error))?;
+            file.sync_data()
+                .map_err(|error| WalError::from_io("fdatasync", &last.path, 0, &error))?;
+        }
+        if changed_dir || !segments.is_empty() {
+            storage
+                .sync_dir(dir)
+                .map_err(|error| WalError::from_io("sync directory", dir, 0, &error))?;
+        }
     }
     report.segments = segments.len();
     Ok(Recovered { segments, report, next_segment_id })

@@ -273,6 +273,12 @@ impl Writer {
             buf: &header,
             offset: 0,
         })?;
+        // The header (and the preallocation) must be durable before any record is written
+        // behind it: recovery treats a last segment with a bad header but valid records as
+        // corruption, which must never be what a crash leaves.
+        file.sync_data()
+            .map_err(|error| WalError::from_io("fdatasync", &segment.path, 0, &error))?;
+        self.shared.syncs.fetch_add(1, Ordering::Relaxed);
         storage
             .sync_dir(&shared.dir)
             .map_err(|error| WalError::from_io("sync directory", &shared.dir, 0, &error))?;
