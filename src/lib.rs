@@ -65,8 +65,10 @@ pub mod clock;
 mod config;
 mod error;
 pub mod queue;
+pub mod record;
 mod runtime;
 pub(crate) mod sync;
+pub mod wal;
 
 pub use crate::{
     config::{BusBuilder, BusConfig, Idle, Pinning},
@@ -74,4 +76,8 @@ pub use crate::{
     runtime::{
         Ask, Bus, Context, Endpoint, EndpointRef, EndpointStats, Replier, Reply, TimeSummary,
     },
+};
+pub use crate::{
+    error::{RecordError, WalError},
+    wal::{Durability, Lsn, RecordHandle, RecoveryMode, SegmentId, Wal, WalConfig},
 };

@@ -7,6 +7,7 @@
 mod bus;
 mod progress;
 mod report;
+mod wal;
 
 use clap::{Parser, Subcommand};
 
@@ -34,6 +35,10 @@ enum Workload {
     Bus(bus::BusArgs),
     /// Request-reply round trips, K in flight.
     Ask(bus::AskArgs),
+    /// WAL append: durable 64-byte records/s per durability mode and thread count.
+    Wal(wal::WalArgs),
+    /// WAL recovery scan speed.
+    WalRecover(wal::WalRecoverArgs),
 }
 
 /// One step of the no-argument run.
@@ -54,6 +59,8 @@ fn run_all() -> anyhow::Result<Vec<report::Figure>> {
         ("bus: send_batch 256", Box::new(|| bus::run_bus(&quick_bus(1, 256, BusBaseline::Ring)))),
         ("ask: 1 in flight", Box::new(|| bus::run_ask(&quick_ask(1)))),
         ("ask: 64 in flight", Box::new(|| bus::run_ask(&quick_ask(64)))),
+        ("wal: append", Box::new(|| wal::run(&wal::quick()))),
+        ("wal: recovery scan", Box::new(|| wal::run_recover(&wal::quick_recover()))),
     ];
     let mut progress = progress::Progress::new(steps.len() as u64);
     let mut figures = Vec::new();
@@ -80,6 +87,8 @@ fn main() -> anyhow::Result<()> {
         None => run_all()?,
         Some(Workload::Bus(args)) => bus::run_bus(&args)?,
         Some(Workload::Ask(args)) => bus::run_ask(&args)?,
+        Some(Workload::Wal(args)) => wal::run(&args)?,
+        Some(Workload::WalRecover(args)) => wal::run_recover(&args)?,
     };
     report::print(&figures, cli.json);
     Ok(())
