@@ -5,6 +5,7 @@
 //! an embedded default and one table (or JSON lines with `--json`) is printed.
 
 mod report;
+mod state_store;
 
 use clap::{Parser, Subcommand};
 
@@ -23,13 +24,18 @@ struct Cli {
 }
 
 #[derive(Debug, Subcommand)]
-enum Workload {}
+enum Workload {
+    /// StateStoreCoordinator: reports, verify/location asks, deactivation.
+    StateStore(state_store::StateStoreArgs),
+}
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let figures: Vec<report::Figure> = match cli.workload {
-        None => Vec::new(),
-        Some(workload) => match workload {},
+        None => state_store::run(&state_store::quick())?,
+        Some(workload) => match workload {
+            Workload::StateStore(args) => state_store::run(&args)?,
+        },
     };
     report::print(&figures, cli.json);
     Ok(())
