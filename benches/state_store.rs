@@ -5,6 +5,9 @@
 //! * `state_store/deactivate_100k`: deactivating a run of 100k stores while 100k stores of
 //!   another run stay; the model scans its one map as Spark does.
 
+// criterion's macros generate undocumented functions.
+#![allow(missing_docs)]
+
 use std::{collections::HashMap, hint::black_box, time::Duration};
 
 use coordbus::coordinators::state_store::{

@@ -124,7 +124,7 @@ impl Model {
                 let version_delta = i128::from(reference) - i128::from(latest.version);
                 let time_delta = i128::from(now_ms) - i128::from(latest.timestamp_ms);
                 (version_delta > version_threshold && (terminating || time_delta > time_threshold))
-                    .then(|| LaggingStore {
+                    .then_some(LaggingStore {
                         provider_id: *id,
                         latest_snapshot: latest,
                         version_delta: version_delta as i64,

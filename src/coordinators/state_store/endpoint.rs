@@ -128,12 +128,16 @@ pub struct UpdateConfig(pub StateStoreCoordinatorConfig);
 pub struct StopCoordinator;
 
 /// The requests of the coordinator, each with its typed replier. Built by the [`Ask`] impls of
-/// the request structs; users rarely name it.
+/// the request structs; users rarely name it. The rare large requests are boxed so that every
+/// inbox slot stays small (at most 80 bytes).
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum StateStoreRequest {
     /// See [`ReportActiveInstanceAndCheck`].
-    ReportActiveInstanceAndCheck(ReportActiveInstanceAndCheck, Replier<Vec<StateStoreProviderId>>),
+    ReportActiveInstanceAndCheck(
+        Box<ReportActiveInstanceAndCheck>,
+        Replier<Vec<StateStoreProviderId>>,
+    ),
     /// See [`VerifyIfInstanceActive`].
     VerifyIfInstanceActive(VerifyIfInstanceActive, Replier<bool>),
     /// See [`GetLocation`].
@@ -151,7 +155,7 @@ pub enum StateStoreRequest {
     /// See [`GetCounters`].
     GetCounters(Replier<StateStoreCounters>),
     /// See [`UpdateConfig`].
-    UpdateConfig(UpdateConfig, Replier<bool>),
+    UpdateConfig(Box<UpdateConfig>, Replier<bool>),
     /// See [`StopCoordinator`].
     StopCoordinator(Replier<bool>),
 }
@@ -169,7 +173,7 @@ macro_rules! ask_impl {
 }
 
 ask_impl!(ReportActiveInstanceAndCheck, Vec<StateStoreProviderId>, |request, replier| {
-    StateStoreRequest::ReportActiveInstanceAndCheck(request, replier)
+    StateStoreRequest::ReportActiveInstanceAndCheck(Box::new(request), replier)
 });
 ask_impl!(VerifyIfInstanceActive, bool, |request, replier| {
     StateStoreRequest::VerifyIfInstanceActive(request, replier)
@@ -196,7 +200,7 @@ ask_impl!(GetCounters, StateStoreCounters, |_request, replier| {
     StateStoreRequest::GetCounters(replier)
 });
 ask_impl!(UpdateConfig, bool, |request, replier| {
-    StateStoreRequest::UpdateConfig(request, replier)
+    StateStoreRequest::UpdateConfig(Box::new(request), replier)
 });
 ask_impl!(StopCoordinator, bool, |_request, replier| {
     StateStoreRequest::StopCoordinator(replier)
@@ -339,7 +343,8 @@ impl Endpoint for StateStoreCoordinatorEndpoint {
                 ));
             }
             StateStoreRequest::GetCounters(replier) => replier.reply(coordinator.counters()),
-            StateStoreRequest::UpdateConfig(UpdateConfig(config), replier) => {
+            StateStoreRequest::UpdateConfig(request, replier) => {
+                let UpdateConfig(config) = *request;
                 answer(replier, coordinator.set_config(config).map(|()| true));
             }
             StateStoreRequest::StopCoordinator(replier) => {

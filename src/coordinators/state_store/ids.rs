@@ -325,7 +325,7 @@ mod tests {
     #[test]
     fn names_are_interned_once_and_compare_by_text_order() {
         let a = Name::new("interned-test-a");
-        let a_again = Name::new(&"interned-test-a".to_owned());
+        let a_again = Name::new(&format!("interned-test-{}", "a"));
         let b = Name::new("interned-test-b");
         assert_eq!(a, a_again);
         assert!(std::ptr::eq(a.as_str(), a_again.as_str()));

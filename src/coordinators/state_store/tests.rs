@@ -319,3 +319,18 @@ fn bad_input_is_rejected_with_the_values_and_changes_nothing() {
     assert_eq!(coordinator.active_instance_count(), 0);
     assert_eq!(coordinator.counters().rejected, 4 * 4 + 6);
 }
+
+#[test]
+fn ids_and_messages_stay_small() {
+    use std::mem::size_of;
+    assert_eq!(size_of::<Name>(), 8);
+    assert_eq!(size_of::<StateStoreId>(), 32);
+    assert_eq!(size_of::<StateStoreProviderId>(), 48);
+    assert_eq!(size_of::<ExecutorCacheTaskLocation>(), 16);
+    assert_eq!(size_of::<ReportActiveInstance>(), 64);
+    assert!(
+        size_of::<StateStoreRequest>() <= 80,
+        "request enum is {} bytes",
+        size_of::<StateStoreRequest>()
+    );
+}

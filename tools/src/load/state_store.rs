@@ -48,14 +48,16 @@ const SPARK_DEACTIVATE_100K_SECONDS: f64 = 0.078;
 /// Flags of `coordbus-load state-store`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct StateStoreArgs {
-    /// Stores registered (spread over the executors and the producers).
-    #[arg(long, default_value_t = 100_000)]
+    /// Stores registered (spread over the executors and the producers); 10k is 50 operators of
+    /// 200 partitions.
+    #[arg(long, default_value_t = 10_000)]
     pub stores: usize,
     /// Executors the stores are spread over.
     #[arg(long, default_value_t = 1_000)]
     pub executors: usize,
-    /// Reporter threads of state-store/report.
-    #[arg(long, default_value_t = 2)]
+    /// Reporter threads of state-store/report (1 by default: with the endpoint thread that
+    /// fills a 2-core machine).
+    #[arg(long, default_value_t = 1)]
     pub producers: usize,
     /// One-way reports per producer in state-store/report.
     #[arg(long, default_value_t = 5_000_000)]
@@ -86,9 +88,9 @@ pub struct StateStoreArgs {
 /// A ~3-5 s version for the no-argument run.
 pub fn quick() -> StateStoreArgs {
     StateStoreArgs {
-        stores: 100_000,
+        stores: 10_000,
         executors: 1_000,
-        producers: 2,
+        producers: 1,
         reports: 2_000_000,
         batch: 1,
         asks: 100_000,
