@@ -1,6 +1,7 @@
 //! Per-message cost of the StateStoreCoordinator state machine (no bus), against a plain
 //! `HashMap` model doing the same bookkeeping, in the same groups and the same run:
-//! * `state_store/report`: a report of an already active provider (the steady state).
+//! * `state_store/report`: a report of an already active provider (the steady state), with
+//!   1k and 100k stores.
 //! * `state_store/verify`: a verification of an active provider.
 //! * `state_store/deactivate_100k`: deactivating a run of 100k stores while 100k stores of
 //!   another run stay; the model scans its one map as Spark does.
@@ -14,7 +15,7 @@ use coordbus::coordinators::state_store::{
     ExecutorCacheTaskLocation, StateStoreCoordinator, StateStoreCoordinatorConfig, StateStoreId,
     StateStoreProviderId,
 };
-use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
+use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion, Throughput};
 use uuid::Uuid;
 
 #[global_allocator]
@@ -57,27 +58,30 @@ fn model_with(stores: &[Store]) -> HashMap<StateStoreProviderId, ExecutorCacheTa
 }
 
 fn report(criterion: &mut Criterion) {
-    let stores = stores(STORES, 1, "/bench/report");
     let mut group = criterion.benchmark_group("state_store/report");
     group.throughput(Throughput::Elements(1));
-    let mut coordinator = coordinator_with(&stores);
-    let mut cursor = stores.iter().cycle();
-    group.bench_function("coordinator", |bencher| {
-        bencher.iter(|| {
-            let (id, location) = cursor.next().expect("cycle");
-            coordinator
-                .report_active_instance(black_box(*id), black_box(*location))
-                .expect("well-formed");
+    // 1k stores stay in the first-level caches; 100k (about 6 MB of table) do not.
+    for count in [1_000, STORES] {
+        let stores = stores(count, 1, "/bench/report");
+        let mut coordinator = coordinator_with(&stores);
+        let mut cursor = stores.iter().cycle();
+        group.bench_function(BenchmarkId::new("coordinator", count), |bencher| {
+            bencher.iter(|| {
+                let (id, location) = cursor.next().expect("cycle");
+                coordinator
+                    .report_active_instance(black_box(*id), black_box(*location))
+                    .expect("well-formed");
+            });
         });
-    });
-    let mut model = model_with(&stores);
-    let mut cursor = stores.iter().cycle();
-    group.bench_function("hashmap_model", |bencher| {
-        bencher.iter(|| {
-            let (id, location) = cursor.next().expect("cycle");
-            black_box(model.insert(black_box(*id), black_box(*location)));
+        let mut model = model_with(&stores);
+        let mut cursor = stores.iter().cycle();
+        group.bench_function(BenchmarkId::new("hashmap_model", count), |bencher| {
+            bencher.iter(|| {
+                let (id, location) = cursor.next().expect("cycle");
+                black_box(model.insert(black_box(*id), black_box(*location)));
+            });
         });
-    });
+    }
     group.finish();
 }
 
