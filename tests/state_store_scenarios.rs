@@ -128,6 +128,20 @@ fn ss_03_multiple_references_share_one_coordinator() {
 }
 
 #[test]
+fn concurrent_for_driver_calls_register_one_coordinator() {
+    let bus = bus();
+    let references: Vec<StateStoreCoordinatorRef> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..4)
+            .map(|_| scope.spawn(|| StateStoreCoordinatorRef::for_driver(&bus).unwrap()))
+            .collect();
+        handles.into_iter().map(|handle| handle.join().unwrap()).collect()
+    });
+    assert!(references.windows(2).all(|pair| pair[0].same_coordinator(&pair[1])));
+    assert_eq!(bus.names().len(), 1);
+    bus.shutdown().unwrap();
+}
+
+#[test]
 fn for_executor_without_a_coordinator_is_not_found() {
     let bus = bus();
     assert!(matches!(
