@@ -141,6 +141,12 @@ impl From<&str> for Name {
     }
 }
 
+impl From<String> for Name {
+    fn from(text: String) -> Self {
+        Self::new(&text)
+    }
+}
+
 impl From<&String> for Name {
     fn from(text: &String) -> Self {
         Self::new(text)

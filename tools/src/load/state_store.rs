@@ -9,7 +9,8 @@
 //!   thread, with latency percentiles. Baseline: the same question to a thread owning a
 //!   `HashMap`, over a crossbeam channel with a fresh reply channel per ask.
 //! * `state-store/verify-pipelined`: the same asks with `--in-flight` outstanding at once.
-//! * `state-store/location`: synchronous `GetLocation` asks (the reply is the location string).
+//! * `state-store/location`: synchronous `GetLocation` asks (the reply is the location string),
+//!   with the same baseline as `state-store/verify`.
 //! * `state-store/deactivate`: `DeactivateInstances` of a run with `--deactivate-stores` stores
 //!   while `--stores` stores of other runs stay registered; `seconds` is the median time of one
 //!   deactivation ask. Baseline: Spark's method, a scan of one `HashMap` of all stores.
@@ -258,6 +259,7 @@ fn mutex_map_report(args: &StateStoreArgs, stores: &[Store]) -> f64 {
 /// with a fresh one-slot reply channel per ask.
 enum BaselineAsk {
     Verify(StateStoreProviderId, ExecutorCacheTaskLocation, crossbeam_channel::Sender<bool>),
+    Location(StateStoreProviderId, crossbeam_channel::Sender<Option<String>>),
 }
 
 struct BaselineServer {
@@ -278,10 +280,19 @@ impl BaselineServer {
                             .is_some_and(|found| found.executor_id == location.executor_id);
                         let _ = reply.send(active);
                     }
+                    BaselineAsk::Location(id, reply) => {
+                        let _ = reply.send(map.get(&id).map(ToString::to_string));
+                    }
                 }
             }
         });
         Self { requests, thread: Some(thread) }
+    }
+
+    fn location(&self, store: &Store) -> crossbeam_channel::Receiver<Option<String>> {
+        let (reply, receiver) = crossbeam_channel::bounded(1);
+        self.requests.send(BaselineAsk::Location(store.0, reply)).expect("baseline server alive");
+        receiver
     }
 
     fn verify(&self, store: &Store) -> crossbeam_channel::Receiver<bool> {
@@ -454,8 +465,21 @@ fn location(
         |(provider_id, _)| Ok(endpoint.ask(GetLocation { provider_id: *provider_id }).wait()?),
         |(_, location), answer| answer.is_some_and(|text| text == location.to_string()),
     )?;
+    let server = BaselineServer::start(stores);
+    let baseline_count = (args.asks / 2).max(1);
+    let (baseline_seconds, _) = sync_asks(
+        baseline_count,
+        stores,
+        |store| Ok(server.location(store).recv()?),
+        |_, answer| answer.is_some(),
+    )?;
+    drop(server);
     Ok(Figure::new("state-store/location", args.asks, seconds)
         .with_latency(Percentiles::from_histogram(&latencies))
+        .with_baseline(
+            "crossbeam channel + HashMap thread",
+            baseline_count as f64 / baseline_seconds,
+        )
         .with("stores", stores.len() as u64)
         .with("spark_msgs_per_sec", SPARK_SYNC_ASKS_PER_SEC)
         .with("spark_p50_ns", SPARK_SYNC_P50_NS))
