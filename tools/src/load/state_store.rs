@@ -61,13 +61,13 @@ pub struct StateStoreArgs {
     #[arg(long, default_value_t = 1)]
     pub producers: usize,
     /// One-way reports per producer in state-store/report.
-    #[arg(long, default_value_t = 5_000_000)]
+    #[arg(long, default_value_t = 4_000_000)]
     pub reports: u64,
     /// Reports per bus publication (1: one `send` per report; more: `send_batch`).
     #[arg(long, default_value_t = 1)]
     pub batch: usize,
     /// Asks of state-store/verify, state-store/location and state-store/verify-pipelined.
-    #[arg(long, default_value_t = 300_000)]
+    #[arg(long, default_value_t = 100_000)]
     pub asks: u64,
     /// Asks outstanding at once in state-store/verify-pipelined.
     #[arg(long, default_value_t = 64)]
@@ -94,7 +94,7 @@ pub fn quick() -> StateStoreArgs {
         producers: 1,
         reports: 2_000_000,
         batch: 1,
-        asks: 100_000,
+        asks: 50_000,
         in_flight: 64,
         deactivate_stores: 100_000,
         deactivate_rounds: 3,
