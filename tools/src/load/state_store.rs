@@ -4,7 +4,8 @@
 //! * `state-store/report`: one-way `ReportActiveInstance` from `--producers` threads, each
 //!   cycling over its share of `--stores` stores spread over `--executors` executors; timed
 //!   until every thread's closing ask (a barrier for its own reports) has returned. Baseline:
-//!   the same inserts into one `Mutex<HashMap>` from the same number of threads.
+//!   the same inserts into one `Mutex<HashMap>` from the same number of threads; the extra key
+//!   `state_machine_msgs_per_sec` is the bare state machine's rate on one thread (no bus).
 //! * `state-store/verify`: synchronous `VerifyIfInstanceActive` asks, one at a time from one
 //!   thread, with latency percentiles. Baseline: the same question to a thread owning a
 //!   `HashMap`, over a crossbeam channel with a fresh reply channel per ask.
@@ -27,7 +28,8 @@ use std::{
 use coordbus::{
     coordinators::state_store::{
         ExecutorCacheTaskLocation, GetCounters, GetLocation, ReportActiveInstance,
-        StateStoreCoordinatorRef, StateStoreId, StateStoreProviderId, VerifyIfInstanceActive,
+        StateStoreCoordinator, StateStoreCoordinatorConfig, StateStoreCoordinatorRef, StateStoreId,
+        StateStoreProviderId, VerifyIfInstanceActive,
     },
     Bus,
 };
@@ -214,6 +216,7 @@ fn report(
     let baseline = mutex_map_report(args, stores);
     Ok(Figure::new("state-store/report", messages, seconds)
         .with_baseline("Mutex<HashMap> insert", baseline)
+        .with("state_machine_msgs_per_sec", state_machine_report(args, stores)?)
         .with("producers", producers as u64)
         .with("stores", stores.len() as u64)
         .with("executors", args.executors as u64)
@@ -223,6 +226,21 @@ fn report(
             if producers >= 2 { SPARK_PIPELINED_2_PER_SEC } else { SPARK_PIPELINED_1_PER_SEC },
         )
         .with("spark_note", "Spark 4.3 report asks, pipelined (it has no one-way report)"))
+}
+
+/// The same reports applied to a bare state machine on this thread: the coordinator's own
+/// share of the per-message cost, without the bus.
+fn state_machine_report(args: &StateStoreArgs, stores: &[Store]) -> anyhow::Result<f64> {
+    let mut coordinator = StateStoreCoordinator::new(StateStoreCoordinatorConfig::default())?;
+    for (id, location) in stores {
+        coordinator.report_active_instance(*id, *location)?;
+    }
+    let count = args.reports.max(1);
+    let start = Instant::now();
+    for (id, location) in stores.iter().cycle().take(count as usize) {
+        coordinator.report_active_instance(std::hint::black_box(*id), *location)?;
+    }
+    Ok(count as f64 / start.elapsed().as_secs_f64())
 }
 
 /// The same reports as inserts into one shared `Mutex<HashMap>`, from as many threads.
