@@ -161,13 +161,16 @@ impl Model {
 const LOCATIONS: [&str; 3] = ["/chk/a", "/chk/b", ""];
 const HOSTS: [&str; 3] = ["h1", "h2", ""];
 const EXECUTORS: [&str; 4] = ["e1", "e2", "e3", ""];
+/// Small partition ids, and ids around and far beyond the end of the dense slot range.
+const PARTITIONS: [i32; 8] = [-1, 0, 1, 2, 3, 65_535, 65_536, i32::MAX];
 
 fn run_of(index: u8) -> Uuid {
     Uuid::from_u128(0x5000 + u128::from(index))
 }
 
 fn id_strategy() -> impl Strategy<Value = StateStoreProviderId> {
-    (0..3usize, 0..2i64, -1..4i32, 0..3u8, prop::bool::weighted(0.05)).prop_map(
+    let partition = prop_oneof![4 => -1..4i32, 1 => prop::sample::select(&PARTITIONS[5..])];
+    (0..3usize, 0..2i64, partition, 0..3u8, prop::bool::weighted(0.05)).prop_map(
         |(location, operator, partition, run, other_store)| {
             let store = if other_store { "other" } else { "default" };
             StateStoreProviderId::new(
@@ -318,7 +321,7 @@ proptest! {
         // Final state: every id of the domain, valid or not.
         for location in LOCATIONS {
             for operator in 0..2 {
-                for partition in -1..4 {
+                for partition in PARTITIONS {
                     for run in 0..3 {
                         let id = StateStoreProviderId::new(
                             StateStoreId::new(location, operator, partition),

@@ -2,11 +2,12 @@
 //! each provider uploaded last, and which providers lag behind (SPEC C.3, C.4).
 //!
 //! State is kept per query run: `runs` maps a run id to that run's `instances` (store id ->
-//! location), its latest snapshots and the time of its last full lag report. A lookup is two
-//! small hash probes (run, then store); deactivating a run removes one entry of `runs`, which
-//! frees that run's maps and touches nothing of the other runs (SPEC 0.4: time proportional to
-//! that run's stores, here only the cost of freeing them). Lag detection walks only the run it
-//! is asked about.
+//! location, an `InstanceTable`), its latest snapshots and the time of its last full lag
+//! report. A lookup is two probes of small, cache-resident maps (run, then operator) and one
+//! vector index (partition); deactivating a run removes one entry of `runs`, which frees that
+//! run's tables and touches nothing of the other runs (SPEC 0.4: time proportional to that
+//! run's stores, here only the cost of freeing them). Lag detection walks only the run it is
+//! asked about.
 //!
 //! Choice where the spec is silent: deactivating a run drops all of that run's snapshot
 //! records, also those of providers that reported an upload but were never reported active
@@ -17,8 +18,9 @@ use std::time::Duration;
 use rustc_hash::FxHashMap;
 use uuid::Uuid;
 
-use super::ids::{
-    ExecutorCacheTaskLocation, SnapshotUploadEvent, StateStoreId, StateStoreProviderId,
+use super::{
+    ids::{ExecutorCacheTaskLocation, SnapshotUploadEvent, StateStoreId, StateStoreProviderId},
+    instances::InstanceTable,
 };
 use crate::{clock::Clock, clock::SystemClock, error::ConfigError};
 
@@ -212,7 +214,7 @@ pub struct LagReport {
 #[derive(Debug, Default)]
 struct RunState {
     /// Where each active provider of the run is loaded.
-    instances: FxHashMap<StateStoreId, ExecutorCacheTaskLocation>,
+    instances: InstanceTable,
     /// The latest upload of each provider of the run that reported one.
     snapshots: FxHashMap<StateStoreId, SnapshotUploadEvent>,
     /// When the last full lag report of this run was logged (0: never).
@@ -407,11 +409,7 @@ impl<C: Clock> StateStoreCoordinator<C> {
     /// Where `provider_id` is active, if anywhere (no counting, no validation).
     #[inline]
     pub fn location(&self, provider_id: StateStoreProviderId) -> Option<ExecutorCacheTaskLocation> {
-        self.runs
-            .get(&provider_id.query_run_id.as_u128())?
-            .instances
-            .get(&provider_id.store_id)
-            .copied()
+        self.runs.get(&provider_id.query_run_id.as_u128())?.instances.get(&provider_id.store_id)
     }
 
     /// Whether `provider_id` is active on the executor `executor_id` (the host is not compared,
@@ -588,15 +586,15 @@ impl<C: Clock> StateStoreCoordinator<C> {
         let time_threshold_ms = self.config.time_lag_threshold_ms();
         let mut lagging: Vec<LaggingStore> = run
             .instances
-            .keys()
-            .filter_map(|store_id| {
-                let latest = run.snapshots.get(store_id).copied().unwrap_or_default();
+            .iter()
+            .filter_map(|(store_id, _)| {
+                let latest = run.snapshots.get(&store_id).copied().unwrap_or_default();
                 let version_delta = i128::from(reference_version) - i128::from(latest.version);
                 let time_delta_ms = i128::from(now_ms) - i128::from(latest.timestamp_ms);
                 let behind_versions = version_delta > version_threshold;
                 let behind_time = time_delta_ms > time_threshold_ms;
                 (behind_versions && (is_terminating_trigger || behind_time)).then(|| LaggingStore {
-                    provider_id: StateStoreProviderId::new(*store_id, query_run_id),
+                    provider_id: StateStoreProviderId::new(store_id, query_run_id),
                     latest_snapshot: latest,
                     version_delta: saturate(version_delta),
                     time_delta_ms: saturate(time_delta_ms),

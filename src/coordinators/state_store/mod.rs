@@ -5,6 +5,7 @@
 //! * `ids`: [`StateStoreId`], [`StateStoreProviderId`], [`ExecutorCacheTaskLocation`],
 //!   [`SnapshotUploadEvent`], and [`Name`], the interned string they are made of. Ids are small
 //!   `Copy` values, so reports cross the bus without allocation or shared reference counts.
+//! * `instances`: the per-run table of active providers (operator -> partition-indexed slots).
 //! * `machine`: [`StateStoreCoordinator`], the state machine (no I/O, no threads, an
 //!   injectable [`Clock`](crate::clock::Clock)), its settings, errors and counters.
 //! * `endpoint`: [`StateStoreCoordinatorEndpoint`] hosting it on the bus, one struct per
@@ -26,6 +27,7 @@
 
 mod endpoint;
 mod ids;
+mod instances;
 mod machine;
 
 pub use self::{
