@@ -31,7 +31,7 @@ use coordbus::{
         StateStoreCoordinator, StateStoreCoordinatorConfig, StateStoreCoordinatorRef, StateStoreId,
         StateStoreProviderId, VerifyIfInstanceActive,
     },
-    Bus,
+    Bus, Idle,
 };
 use hdrhistogram::Histogram;
 use uuid::Uuid;
@@ -86,6 +86,10 @@ pub struct StateStoreArgs {
     /// Messages per inbox ring.
     #[arg(long, default_value_t = 1 << 14)]
     pub inbox_capacity: usize,
+    /// How long the coordinator's thread spins for work before it parks, in microseconds
+    /// (the bus default is 50).
+    #[arg(long, default_value_t = 50)]
+    pub spin_us: u64,
 }
 
 /// A ~3-5 s version for the no-argument run.
@@ -102,6 +106,7 @@ pub fn quick() -> StateStoreArgs {
         deactivate_rounds: 3,
         inbox_shards: 4,
         inbox_capacity: 1 << 14,
+        spin_us: 50,
     }
 }
 
@@ -115,6 +120,7 @@ pub fn run(args: &StateStoreArgs) -> anyhow::Result<Vec<Figure>> {
     let bus = Bus::builder()
         .inbox_shards(args.inbox_shards)
         .inbox_capacity(args.inbox_capacity)
+        .idle(Idle::SpinThenPark { spin: Duration::from_micros(args.spin_us) })
         .build()?;
     let coordinator = StateStoreCoordinatorRef::for_driver(&bus)?;
     let run_id = Uuid::from_u128(0x5747_e000);
