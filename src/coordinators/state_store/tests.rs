@@ -334,3 +334,45 @@ fn ids_and_messages_stay_small() {
         size_of::<StateStoreRequest>()
     );
 }
+
+/// Counts warning events (the lag report's log lines).
+#[derive(Clone, Default)]
+struct WarningCounter(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for WarningCounter {
+    fn on_event(
+        &self,
+        event: &tracing::Event<'_>,
+        _context: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        if *event.metadata().level() == tracing::Level::WARN {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+}
+
+#[test]
+fn lag_report_logs_a_count_warning_and_a_rate_limited_warning_per_store() {
+    use tracing_subscriber::layer::SubscriberExt;
+    let warnings = WarningCounter::default();
+    let subscriber = tracing_subscriber::registry().with(warnings.clone());
+    let count = || warnings.0.load(std::sync::atomic::Ordering::SeqCst);
+    tracing::subscriber::with_default(subscriber, || {
+        let (mut coordinator, clock) = coordinator();
+        let run = Uuid::from_u128(0x10c);
+        for partition in 0..7 {
+            coordinator
+                .report_active_instance(provider("log", 0, partition, run), at("h", "e"))
+                .unwrap();
+        }
+        coordinator.log_lagging_state_stores(run, 1_000, false);
+        assert_eq!(count(), 1 + 5, "one count warning and the five most lagging stores");
+        coordinator.log_lagging_state_stores(run, 1_000, false);
+        assert_eq!(count(), 6 + 1, "within the interval: the count warning only");
+        clock.advance_ms(300_001);
+        coordinator.log_lagging_state_stores(run, 1_000, false);
+        assert_eq!(count(), 7 + 6);
+        coordinator.log_lagging_state_stores(run, 10, false);
+        assert_eq!(count(), 13, "nothing lagging: nothing logged");
+    });
+}
