@@ -63,6 +63,7 @@ pub struct ReadmeDoctests;
 
 pub mod clock;
 mod config;
+pub mod coordinators;
 mod error;
 pub mod queue;
 pub mod record;
@@ -70,6 +71,7 @@ mod runtime;
 pub(crate) mod sync;
 pub mod wal;
 
+pub use crate::coordinators::state_store::{StateStoreCoordinator, StateStoreCoordinatorRef};
 pub use crate::{
     config::{BusBuilder, BusConfig, Idle, Pinning},
     error::{AskError, BusError, ConfigError, Error, HandlerError, SendError},

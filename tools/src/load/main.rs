@@ -7,6 +7,7 @@
 mod bus;
 mod progress;
 mod report;
+mod state_store;
 mod wal;
 
 use clap::{Parser, Subcommand};
@@ -39,6 +40,8 @@ enum Workload {
     Wal(wal::WalArgs),
     /// WAL recovery scan speed.
     WalRecover(wal::WalRecoverArgs),
+    /// StateStoreCoordinator: reports, verify/location asks, deactivation.
+    StateStore(state_store::StateStoreArgs),
 }
 
 /// One step of the no-argument run.
@@ -61,6 +64,7 @@ fn run_all() -> anyhow::Result<Vec<report::Figure>> {
         ("ask: 64 in flight", Box::new(|| bus::run_ask(&quick_ask(64)))),
         ("wal: append", Box::new(|| wal::run(&wal::quick()))),
         ("wal: recovery scan", Box::new(|| wal::run_recover(&wal::quick_recover()))),
+        ("state-store coordinator", Box::new(|| state_store::run(&state_store::quick()))),
     ];
     let mut progress = progress::Progress::new(steps.len() as u64);
     let mut figures = Vec::new();
@@ -89,6 +93,7 @@ fn main() -> anyhow::Result<()> {
         Some(Workload::Ask(args)) => bus::run_ask(&args)?,
         Some(Workload::Wal(args)) => wal::run(&args)?,
         Some(Workload::WalRecover(args)) => wal::run_recover(&args)?,
+        Some(Workload::StateStore(args)) => state_store::run(&args)?,
     };
     report::print(&figures, cli.json);
     Ok(())
