@@ -57,6 +57,7 @@
 
 pub mod clock;
 mod config;
+pub mod coordinators;
 mod error;
 pub mod queue;
 pub mod record;
@@ -64,6 +65,7 @@ mod runtime;
 pub(crate) mod sync;
 pub mod wal;
 
+pub use crate::coordinators::block_tracker::{BlockTrackerEndpoint, ReceivedBlockTracker};
 pub use crate::{
     config::{BusBuilder, BusConfig, Idle, Pinning},
     error::{AskError, BusError, ConfigError, Error, HandlerError, SendError},

@@ -9,3 +9,5 @@
 //!
 //! Parts: `epoch` (continuous-processing epoch commits), `state_store` (state-store locations),
 //! `block_tracker` (received blocks, journaled to the WAL).
+
+pub mod block_tracker;
