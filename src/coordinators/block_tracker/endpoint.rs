@@ -464,6 +464,8 @@ impl Endpoint for BlockTrackerEndpoint {
                 context.stop();
             }
         }
+        // Answer what is durable already, and arm the durability callback for the rest.
+        self.complete_durable();
         Ok(())
     }
 
