@@ -4,6 +4,7 @@
 //! returning the measured [`report::Figure`]s. With no subcommand, every workload runs briefly on
 //! an embedded default and one table (or JSON lines with `--json`) is printed.
 
+mod blocks;
 mod bus;
 mod report;
 
@@ -29,6 +30,8 @@ enum Workload {
     Bus(bus::BusArgs),
     /// Request-reply round trips, K in flight.
     Ask(bus::AskArgs),
+    /// Received-block tracker: durable additions, allocation and recovery of 1 M events.
+    Blocks(blocks::BlocksArgs),
 }
 
 /// Every workload, briefly: the README's main command.
@@ -40,6 +43,7 @@ fn run_all() -> anyhow::Result<Vec<report::Figure>> {
     figures.extend(bus::run_bus(&quick_bus(1, 256, BusBaseline::Ring))?);
     figures.extend(bus::run_ask(&quick_ask(1))?);
     figures.extend(bus::run_ask(&quick_ask(64))?);
+    figures.extend(blocks::run(&blocks::quick())?);
     Ok(figures)
 }
 
@@ -49,6 +53,7 @@ fn main() -> anyhow::Result<()> {
         None => run_all()?,
         Some(Workload::Bus(args)) => bus::run_bus(&args)?,
         Some(Workload::Ask(args)) => bus::run_ask(&args)?,
+        Some(Workload::Blocks(args)) => blocks::run(&args)?,
     };
     report::print(&figures, cli.json);
     Ok(())
