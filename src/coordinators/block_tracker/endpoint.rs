@@ -184,6 +184,9 @@ impl Pending {
 struct Waker {
     /// A callback is registered and has not run yet.
     armed: AtomicBool,
+    /// Set (after `failure` is filled) once the WAL reported a failure: the hot path checks
+    /// this flag instead of taking the lock.
+    failed: AtomicBool,
     /// The first failure the WAL reported.
     failure: Mutex<Option<WalError>>,
     /// Where the wake-up goes (set in `on_start`).
@@ -192,6 +195,9 @@ struct Waker {
 
 impl Waker {
     fn failure(&self) -> Option<WalError> {
+        if !self.failed.load(Ordering::Acquire) {
+            return None;
+        }
         self.failure.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
     }
 }
@@ -282,6 +288,7 @@ impl BlockTrackerEndpoint {
                         let mut failure =
                             waker.failure.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
                         failure.get_or_insert(error);
+                        waker.failed.store(true, Ordering::Release);
                     }
                     waker.armed.store(false, Ordering::Release);
                     if let Some(endpoint) = waker.endpoint.get() {
