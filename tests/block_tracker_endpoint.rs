@@ -21,11 +21,11 @@ use std::{
 use coordbus::{
     clock::{ManualClock, SystemClock},
     coordinators::block_tracker::{
-        AddBlock, AllocateBlocksToBatch, BatchTime, BlockLog, BlockLogError, BlockStoreResult,
-        BlockTrackerConfig, BlockTrackerEndpoint, BlockTrackerError, CleanupOldBatches,
-        GetBlocksOfBatch, GetBlocksOfBatchAndStream, GetUnallocatedBlocks, HasUnallocatedBlocks,
-        ReceivedBlockInfo, ReceivedBlockTracker, StopTracker, StreamBlockId, StreamId,
-        TrackerEvent, WalBlockLog, RECEIVED_BLOCK_METADATA_DIR,
+        AddBlock, AddBlocks, AllocateBlocksToBatch, BatchTime, BlockLog, BlockLogError,
+        BlockStoreResult, BlockTrackerConfig, BlockTrackerEndpoint, BlockTrackerError,
+        CleanupOldBatches, GetBlocksOfBatch, GetBlocksOfBatchAndStream, GetUnallocatedBlocks,
+        HasUnallocatedBlocks, ReceivedBlockInfo, ReceivedBlockTracker, StopTracker, StreamBlockId,
+        StreamId, TrackerEvent, WalBlockLog, RECEIVED_BLOCK_METADATA_DIR,
     },
     wal::{
         storage::{FileStorage, Storage, StorageFile},
@@ -295,5 +295,33 @@ fn a_failed_sync_fails_waiting_additions_and_rolls_back_to_the_durable_prefix() 
     assert!(endpoint.ask(GetBlocksOfBatch(BatchTime(1))).wait().unwrap().is_empty());
     assert_eq!(endpoint.ask(GetUnallocatedBlocks(StreamId(1))).wait().unwrap(), [durable]);
     endpoint.ask(StopTracker).wait().unwrap();
+    bus.shutdown().unwrap();
+}
+
+#[test]
+fn add_blocks_logs_each_block_and_answers_once_the_last_is_durable() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = Arc::new(RecordingLog {
+        inner: WalBlockLog::open(dir.path().join("wal"), WalConfig::default()).unwrap(),
+        lsns: Mutex::new(HashMap::new()),
+    });
+    let tracker = ReceivedBlockTracker::with_log(
+        BlockTrackerConfig::new([StreamId(1)]),
+        Arc::new(SystemClock),
+        Some(log.clone()),
+    )
+    .unwrap();
+    let bus = Bus::builder().build().unwrap();
+    let endpoint = bus.register("tracker", BlockTrackerEndpoint::new(tracker)).unwrap();
+    let blocks: Vec<_> = (0..50).map(|id| info(1, id)).collect();
+    let logged = endpoint.ask(AddBlocks(blocks.clone())).wait().unwrap();
+    assert_eq!(logged, vec![true; 50]);
+    let lsns = log.lsns.lock().unwrap().clone();
+    assert_eq!(lsns.len(), 50, "one record per block");
+    let durable = log.durable_lsn();
+    assert!(lsns.values().all(|lsn| *lsn <= durable));
+    assert_eq!(endpoint.ask(GetUnallocatedBlocks(StreamId(1))).wait().unwrap(), blocks);
+    endpoint.ask(StopTracker).wait().unwrap();
+    // After the stop the log is closed: nothing more is logged.
     bus.shutdown().unwrap();
 }

@@ -73,6 +73,8 @@ pub enum BlockTrackerMessage {
 pub enum BlockTrackerRequest {
     /// See [`AddBlock`].
     AddBlock(ReceivedBlockInfo, Replier<bool>),
+    /// See [`AddBlocks`].
+    AddBlocks(Vec<ReceivedBlockInfo>, Replier<Vec<bool>>),
     /// See [`AllocateBlocksToBatch`].
     AllocateBlocksToBatch(BatchTime, Replier<()>),
     /// See [`GetBlocksOfBatch`].
@@ -92,6 +94,12 @@ pub enum BlockTrackerRequest {
 /// Adds a block; answers `true` once its record is durable, `false` if it was not written.
 #[derive(Debug, Clone)]
 pub struct AddBlock(pub ReceivedBlockInfo);
+
+/// Adds several blocks in order (one journal record each, as that many [`AddBlock`]s would);
+/// answers, once the last of them is durable, whether each was logged. Saves a receiver that
+/// has several blocks ready one ask per block.
+#[derive(Debug, Clone)]
+pub struct AddBlocks(pub Vec<ReceivedBlockInfo>);
 
 /// Allocates the unallocated blocks to a batch; answers once the allocation is durable (or
 /// was a no-op: a time not newer than the last, or a failed write, SPEC D.3).
@@ -144,6 +152,7 @@ macro_rules! ask_impl {
 }
 
 ask_impl!(AddBlock, bool, |r, p| BlockTrackerRequest::AddBlock(r.0, p));
+ask_impl!(AddBlocks, Vec<bool>, |r, p| BlockTrackerRequest::AddBlocks(r.0, p));
 ask_impl!(AllocateBlocksToBatch, (), |r, p| BlockTrackerRequest::AllocateBlocksToBatch(r.0, p));
 ask_impl!(GetBlocksOfBatch, AllocatedBlocks, |r, p| BlockTrackerRequest::GetBlocksOfBatch(r.0, p));
 ask_impl!(GetBlocksOfBatchAndStream, Vec<ReceivedBlockInfo>, |r, p| {
@@ -162,16 +171,37 @@ ask_impl!(StopTracker, (), |_r, p| BlockTrackerRequest::Stop(p));
 
 /// A request waiting for its LSN to become durable.
 enum Pending {
-    Add { lsn: Lsn, replier: Replier<bool> },
-    Allocate { lsn: Lsn, replier: Replier<()> },
-    Cleanup { lsn: Lsn, threshold: BatchTime, wait: bool, replier: Replier<()> },
-    Query { lsn: Lsn, complete: Box<dyn FnOnce(Result<(), WalError>) + Send> },
+    Add {
+        lsn: Lsn,
+        replier: Replier<bool>,
+    },
+    /// `lsns[i]`: the LSN of block i, or `None` if it was not logged; `lsn` is the largest.
+    AddMany {
+        lsn: Lsn,
+        lsns: Vec<Option<Lsn>>,
+        replier: Replier<Vec<bool>>,
+    },
+    Allocate {
+        lsn: Lsn,
+        replier: Replier<()>,
+    },
+    Cleanup {
+        lsn: Lsn,
+        threshold: BatchTime,
+        wait: bool,
+        replier: Replier<()>,
+    },
+    Query {
+        lsn: Lsn,
+        complete: Box<dyn FnOnce(Result<(), WalError>) + Send>,
+    },
 }
 
 impl Pending {
     fn lsn(&self) -> Lsn {
         match self {
             Self::Add { lsn, .. }
+            | Self::AddMany { lsn, .. }
             | Self::Allocate { lsn, .. }
             | Self::Cleanup { lsn, .. }
             | Self::Query { lsn, .. } => *lsn,
@@ -258,14 +288,20 @@ impl BlockTrackerEndpoint {
     /// Answers every waiting request whose LSN is durable; on a WAL failure fails the rest
     /// and rebuilds the state; otherwise makes sure a callback is armed for the rest.
     fn complete_durable(&mut self) {
-        if self.pending.is_empty() {
-            return;
-        }
-        let Some(log) = self.tracker.log().cloned() else {
-            return;
-        };
         loop {
-            let durable = log.durable_lsn();
+            let Some(front) = self.pending.front().map(Pending::lsn) else {
+                return;
+            };
+            let Some(durable) = self.tracker.log().map(|log| log.durable_lsn()) else {
+                return;
+            };
+            // Most calls find nothing new durable and no failure: two loads, no lock.
+            if front > durable
+                && self.waker.armed.load(Ordering::Acquire)
+                && !self.waker.failed.load(Ordering::Acquire)
+            {
+                return;
+            }
             while self.pending.front().is_some_and(|pending| pending.lsn() <= durable) {
                 let pending = self.pending.pop_front().expect("checked");
                 self.finish(pending, Ok(()));
@@ -280,6 +316,9 @@ impl BlockTrackerEndpoint {
             if self.waker.armed.swap(true, Ordering::AcqRel) {
                 return;
             }
+            let Some(log) = self.tracker.log() else {
+                return;
+            };
             let waker = Arc::clone(&self.waker);
             log.notify_when_durable(
                 back,
@@ -325,6 +364,14 @@ impl BlockTrackerEndpoint {
     fn finish(&mut self, pending: Pending, outcome: Result<(), WalError>) {
         match pending {
             Pending::Add { replier, .. } => replier.reply(outcome.is_ok()),
+            Pending::AddMany { lsns, replier, .. } => {
+                // On a failure, the blocks already durable were logged all the same.
+                let durable = self.tracker.log().map_or(Lsn::ZERO, |log| log.durable_lsn());
+                let ok = outcome.is_ok();
+                replier.reply(
+                    lsns.iter().map(|lsn| lsn.is_some_and(|lsn| ok || lsn <= durable)).collect(),
+                );
+            }
             Pending::Allocate { replier, .. } => replier.reply(()),
             Pending::Cleanup { threshold, wait, replier, .. } => {
                 if outcome.is_err() {
@@ -421,6 +468,26 @@ impl Endpoint for BlockTrackerEndpoint {
                     Logged::Pending(lsn) => self.pending.push_back(Pending::Add { lsn, replier }),
                 }
             }
+            BlockTrackerRequest::AddBlocks(infos, replier) => {
+                let mut all_done = true;
+                let lsns: Vec<Option<Lsn>> = infos
+                    .into_iter()
+                    .map(|info| match self.tracker.add_block_deferred(info) {
+                        Logged::Done | Logged::Skipped => Some(Lsn::ZERO),
+                        Logged::Failed => None,
+                        Logged::Pending(lsn) => {
+                            all_done = false;
+                            Some(lsn)
+                        }
+                    })
+                    .collect();
+                if all_done {
+                    replier.reply(lsns.iter().map(Option::is_some).collect());
+                } else {
+                    let lsn = lsns.iter().flatten().max().copied().unwrap_or(Lsn::ZERO);
+                    self.pending.push_back(Pending::AddMany { lsn, lsns, replier });
+                }
+            }
             BlockTrackerRequest::AllocateBlocksToBatch(time, replier) => {
                 match self.tracker.allocate_blocks_to_batch_deferred(time) {
                     Ok(Logged::Pending(lsn)) => {
@@ -467,8 +534,9 @@ impl Endpoint for BlockTrackerEndpoint {
             }
             BlockTrackerRequest::Stop(replier) => {
                 self.stop_tracker();
-                replier.reply(());
+                // Stopped before the answer, so the asker sees the endpoint stopped.
                 context.stop();
+                replier.reply(());
             }
         }
         // Answer what is durable already, and arm the durability callback for the rest.

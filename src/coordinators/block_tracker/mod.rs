@@ -63,7 +63,7 @@ use std::{
 pub use self::{
     data::ReceiverBlockStore,
     endpoint::{
-        AddBlock, AllocateBlocksToBatch, BlockTrackerEndpoint, BlockTrackerMessage,
+        AddBlock, AddBlocks, AllocateBlocksToBatch, BlockTrackerEndpoint, BlockTrackerMessage,
         BlockTrackerRequest, CleanupOldBatches, GetBlocksOfBatch, GetBlocksOfBatchAndStream,
         GetUnallocatedBlocks, HasUnallocatedBlocks, StopTracker,
     },

@@ -25,8 +25,8 @@ use anyhow::{bail, Context as _};
 use coordbus::{
     clock::SystemClock,
     coordinators::block_tracker::{
-        AddBlock, BatchTime, BlockStoreResult, BlockTrackerConfig, BlockTrackerEndpoint, Logged,
-        ReceivedBlockInfo, ReceivedBlockTracker, StopTracker, StreamBlockId, StreamId,
+        AddBlock, AddBlocks, BatchTime, BlockStoreResult, BlockTrackerConfig, BlockTrackerEndpoint,
+        Logged, ReceivedBlockInfo, ReceivedBlockTracker, StopTracker, StreamBlockId, StreamId,
         RECEIVED_BLOCK_METADATA_DIR,
     },
     wal::{Durability, Wal, WalConfig},
@@ -57,7 +57,11 @@ pub struct BlocksArgs {
     /// Additions per `blocks/add` run (over all receivers).
     #[arg(long, default_value_t = 2_000_000)]
     pub blocks: u64,
-    /// `AddBlock` asks each receiver keeps outstanding.
+    /// Blocks per `AddBlocks` ask in the extra `blocks/add` run with `--receivers` (1: no
+    /// extra run).
+    #[arg(long, default_value_t = 64)]
+    pub batch: usize,
+    /// Asks each receiver keeps outstanding.
     #[arg(long, default_value_t = 4096)]
     pub in_flight: usize,
     /// Logged additions for `blocks/recover` and `blocks/allocate`.
@@ -84,6 +88,7 @@ pub fn quick() -> BlocksArgs {
         receivers: 2,
         blocks: 500_000,
         in_flight: 4096,
+        batch: 64,
         recover_events: 1_000_000,
         max_delay_us: 200,
         max_group_bytes: 1 << 20,
@@ -123,14 +128,23 @@ pub fn run(args: &BlocksArgs) -> anyhow::Result<Vec<Figure>> {
     let mut figures = Vec::new();
     let mut receiver_counts = vec![1, args.receivers];
     receiver_counts.dedup();
-    for (index, receivers) in receiver_counts.into_iter().enumerate() {
-        figures.push(run_add(args, receivers, &root.join(format!("add-{index}")))?);
+    let mut runs: Vec<(usize, usize)> = receiver_counts.into_iter().map(|r| (r, 1)).collect();
+    if args.batch > 1 {
+        runs.push((args.receivers, args.batch));
+    }
+    for (index, (receivers, batch)) in runs.into_iter().enumerate() {
+        figures.push(run_add(args, receivers, batch, &root.join(format!("add-{index}")))?);
     }
     figures.extend(run_recover_and_allocate(args, &root.join("recover"))?);
     Ok(figures)
 }
 
-fn run_add(args: &BlocksArgs, receivers: usize, dir: &std::path::Path) -> anyhow::Result<Figure> {
+fn run_add(
+    args: &BlocksArgs,
+    receivers: usize,
+    batch: usize,
+    dir: &std::path::Path,
+) -> anyhow::Result<Figure> {
     let streams = streams(args);
     let config =
         BlockTrackerConfig::new(streams.clone()).checkpoint_dir(dir).wal_config(wal_config(args));
@@ -143,19 +157,27 @@ fn run_add(args: &BlocksArgs, receivers: usize, dir: &std::path::Path) -> anyhow
     let mut threads = Vec::new();
     for receiver in 0..receivers {
         let (endpoint, barrier, streams) = (endpoint.clone(), barrier.clone(), streams.clone());
-        let in_flight = args.in_flight;
+        // The same number of blocks in flight whatever the batch size.
+        let in_flight = (args.in_flight / batch).max(1);
         threads.push(std::thread::spawn(move || -> anyhow::Result<Histogram<u64>> {
             let mut histogram = Histogram::<u64>::new(3)?;
             let mut outstanding = VecDeque::with_capacity(in_flight);
             let base = receiver as u64 * per_receiver;
+            let make = |seq: u64| block(streams[(seq % streams.len() as u64) as usize], base + seq);
             barrier.wait();
-            for seq in 0..per_receiver {
+            let mut seq = 0;
+            while seq < per_receiver {
                 if outstanding.len() == in_flight {
                     wait_one(&mut outstanding, &mut histogram)?;
                 }
-                let stream = streams[(seq % streams.len() as u64) as usize];
-                let reply = endpoint.ask(AddBlock(block(stream, base + seq)));
+                let end = (seq + batch as u64).min(per_receiver);
+                let reply = if batch == 1 {
+                    Outstanding::One(endpoint.ask(AddBlock(make(seq))))
+                } else {
+                    Outstanding::Many(endpoint.ask(AddBlocks((seq..end).map(make).collect())))
+                };
                 outstanding.push_back((Instant::now(), reply));
+                seq = end;
             }
             while !outstanding.is_empty() {
                 wait_one(&mut outstanding, &mut histogram)?;
@@ -182,6 +204,7 @@ fn run_add(args: &BlocksArgs, receivers: usize, dir: &std::path::Path) -> anyhow
         .with("receivers", receivers)
         .with("streams", streams.len())
         .with("in_flight", args.in_flight)
+        .with("blocks_per_ask", batch)
         .with("durable", "synced (group commit)")
         .with("syncs", stats.syncs)
         .with("additions_per_sync", additions as f64 / stats.syncs.max(1) as f64)
@@ -192,14 +215,29 @@ fn run_add(args: &BlocksArgs, receivers: usize, dir: &std::path::Path) -> anyhow
         .with("ratio_vs_spark", rate / spark))
 }
 
-type Outstanding = VecDeque<(Instant, coordbus::Reply<bool>)>;
+/// An ask in flight.
+enum Outstanding {
+    One(coordbus::Reply<bool>),
+    Many(coordbus::Reply<Vec<bool>>),
+}
 
-fn wait_one(outstanding: &mut Outstanding, histogram: &mut Histogram<u64>) -> anyhow::Result<()> {
+/// Waits for the oldest ask; records its latency once per block it carried.
+fn wait_one(
+    outstanding: &mut VecDeque<(Instant, Outstanding)>,
+    histogram: &mut Histogram<u64>,
+) -> anyhow::Result<()> {
     let (sent, reply) = outstanding.pop_front().expect("not empty");
-    if !reply.wait()? {
+    let (logged, blocks) = match reply {
+        Outstanding::One(reply) => (reply.wait()?, 1),
+        Outstanding::Many(reply) => {
+            let results = reply.wait()?;
+            (results.iter().all(|logged| *logged), results.len() as u64)
+        }
+    };
+    if !logged {
         bail!("an addition was not logged");
     }
-    histogram.record(sent.elapsed().as_nanos() as u64)?;
+    histogram.record_n(sent.elapsed().as_nanos() as u64, blocks)?;
     Ok(())
 }
 
