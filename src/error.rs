@@ -275,6 +275,9 @@ pub enum WalError {
     /// The log was closed.
     #[error("the write-ahead log is closed")]
     Closed,
+    /// The log was opened read-only (`WalOptions::read_only`).
+    #[error("the write-ahead log was opened read-only")]
+    ReadOnly,
     /// Damaged bytes where a valid record or segment header must be.
     #[error("corruption in segment {segment} at offset {offset}: {reason}")]
     Corruption {
@@ -378,12 +381,7 @@ impl WalError {
             _ if error.kind() == std::io::ErrorKind::StorageFull => {
                 Self::DiskFull { op, path, bytes }
             }
-            _ => Self::Io {
-                op,
-                path,
-                kind: error.kind(),
-                message: error.to_string(),
-            },
+            _ => Self::Io { op, path, kind: error.kind(), message: error.to_string() },
         }
     }
 

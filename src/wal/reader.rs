@@ -46,7 +46,8 @@ impl SegmentMap {
     /// # Errors
     /// [`WalError::Io`] if the file cannot be opened or mapped.
     pub fn open(path: &Path) -> Result<Self, WalError> {
-        let file = File::open(path).map_err(|error| WalError::from_io("open segment", path, 0, &error))?;
+        let file =
+            File::open(path).map_err(|error| WalError::from_io("open segment", path, 0, &error))?;
         let len = file
             .metadata()
             .map_err(|error| WalError::from_io("stat segment", path, 0, &error))?
@@ -62,6 +63,14 @@ impl SegmentMap {
         let map = unsafe { Mmap::map(&file) }
             .map_err(|error| WalError::from_io("map segment", path, len, &error))?;
         Ok(Self { map: Some(map) })
+    }
+
+    /// Tells the kernel the mapping will be read front to back (read-ahead; a hint only).
+    pub fn advise_sequential(&self) {
+        if let Some(map) = &self.map {
+            // Advice is a hint; failing to give it changes nothing but speed.
+            let _ = map.advise(memmap2::Advice::Sequential);
+        }
     }
 
     /// The mapped bytes.
@@ -114,10 +123,7 @@ where
     /// [`RecordError::Validate`] if bytecheck rejects the bytes.
     pub fn new(bytes: RecordBytes) -> Result<Self, RecordError> {
         record::access::<T>(&bytes)?;
-        Ok(Self {
-            bytes,
-            _type: PhantomData,
-        })
+        Ok(Self { bytes, _type: PhantomData })
     }
 
     /// The raw payload bytes.
@@ -221,11 +227,8 @@ fn frame_at(
 
 /// `Wal::read_bytes`.
 pub(crate) fn read_bytes(shared: &Shared, handle: RecordHandle) -> Result<RecordBytes, WalError> {
-    let not_found = |reason| WalError::NotFound {
-        segment: handle.segment.0,
-        offset: handle.offset,
-        reason,
-    };
+    let not_found =
+        |reason| WalError::NotFound { segment: handle.segment.0, offset: handle.offset, reason };
     let segment = shared
         .segment(handle.segment)
         .ok_or(not_found("no such segment (cleaned, or never created)"))?;
@@ -236,11 +239,7 @@ pub(crate) fn read_bytes(shared: &Shared, handle: RecordHandle) -> Result<Record
     if segment.end_offset.load(Ordering::Acquire) < header_end {
         wait_written(shared, &segment, header_end, not_found)?;
     }
-    let map = segment
-        .map
-        .get()
-        .cloned()
-        .ok_or(not_found("the segment has no file"))?;
+    let map = segment.map.get().cloned().ok_or(not_found("the segment has no file"))?;
     let limit = segment.end_offset.load(Ordering::Acquire);
     let (header, start) = frame_at(&segment, &map, handle.offset, limit)?;
     if header.len != handle.len {
@@ -251,11 +250,7 @@ pub(crate) fn read_bytes(shared: &Shared, handle: RecordHandle) -> Result<Record
             actual: header.len,
         });
     }
-    Ok(RecordBytes {
-        map,
-        start,
-        len: header.len as usize,
-    })
+    Ok(RecordBytes { map, start, len: header.len as usize })
 }
 
 /// Waits until `segment` has bytes written up to `needed`, or proves they never will be.
@@ -309,14 +304,7 @@ pub struct WalIter {
 
 impl WalIter {
     pub(crate) fn new(segments: Vec<Arc<Segment>>, from: Lsn) -> Self {
-        Self {
-            segments,
-            segment_index: 0,
-            range_index: 0,
-            offset: 0,
-            from: from.0,
-            done: false,
-        }
+        Self { segments, segment_index: 0, range_index: 0, offset: 0, from: from.0, done: false }
     }
 
     fn next_segment(&mut self) {
@@ -382,11 +370,7 @@ impl Iterator for WalIter {
                             offset,
                             len: header.len,
                         },
-                        bytes: RecordBytes {
-                            map,
-                            start,
-                            len: header.len as usize,
-                        },
+                        bytes: RecordBytes { map, start, len: header.len as usize },
                     }));
                 }
             }

@@ -4,16 +4,18 @@
 //! Where a segment's records stop before its end, the rules of the format decide (module
 //! `wal`, "Durability order"; raft-engine's `RecoveryMode` is the model):
 //!
-//! | where                        | what is found at the stop                  | outcome                        |
-//! |------------------------------|--------------------------------------------|--------------------------------|
-//! | any segment                  | all-zero header or end of file, nothing valid after | clean end              |
-//! | sealed (not last) segment    | damaged frame                              | corruption                     |
-//! | sealed segment               | a valid record after the stop              | corruption                     |
-//! | last segment                 | damaged frame or garbage, no record after it proves the damaged one was durable | torn tail: cut, reported |
-//! | last segment                 | a later record appended after the damaged one was durable | corruption   |
-//! | last segment                 | damaged segment header and no valid frame  | torn creation: file removed    |
-//! | any other segment            | damaged segment header                     | corruption                     |
-//! | next segment                 | first LSN does not follow the previous one | corruption                     |
+//! | where          | found where the records stop                          | outcome          |
+//! |----------------|-------------------------------------------------------|------------------|
+//! | any segment    | all-zero header or end of file, nothing valid after   | clean end        |
+//! | sealed segment | damaged frame (whatever follows it)                   | corruption       |
+//! | last segment   | damage or garbage, no later record proves it durable  | torn tail: cut   |
+//! | last segment   | a later record appended after the damaged one was durable | corruption   |
+//! | last segment   | damaged segment header and no valid frame             | file removed     |
+//! | other segment  | damaged segment header                                | corruption       |
+//! | next segment   | first LSN does not follow the previous segment's last | corruption       |
+//!
+//! ("Sealed" is every segment but the last; "file removed" is a torn creation: the process
+//! died between creating the file and making its header durable.)
 //!
 //! "Corruption" fails the open with [`WalError::Corruption`] naming segment and offset in
 //! [`RecoveryMode::Strict`]; in [`RecoveryMode::TolerateCorruption`] the damaged stretch (or
@@ -221,16 +223,29 @@ fn find_frame(bytes: &[u8], from: u64, min_lsn: u64) -> Option<(u64, frame::Fram
     None
 }
 
+/// True if every byte of `bytes` is zero (word-wise, so the compiler vectorizes it).
+fn all_zero(bytes: &[u8]) -> bool {
+    let words = bytes.chunks_exact(8);
+    let tail_zero = words.remainder().iter().all(|byte| *byte == 0);
+    tail_zero
+        && words
+            .map(|word| u64::from_ne_bytes(word.try_into().expect("8 bytes")))
+            .fold(0, |acc, word| acc | word)
+            == 0
+}
+
 /// Offset just past the last non-zero byte at or after `from` (`from` if all zero).
 fn nonzero_end(bytes: &[u8], from: u64) -> u64 {
     let from = (from as usize).min(bytes.len());
-    let tail = &bytes[from..];
-    let mut end = tail.len();
-    for chunk in tail.rchunks(4096) {
-        if let Some(last) = chunk.iter().rposition(|byte| *byte != 0) {
-            return (from + end - chunk.len() + last + 1) as u64;
+    let mut end = bytes.len();
+    while end > from {
+        let start = end.saturating_sub(4096).max(from);
+        let chunk = &bytes[start..end];
+        if !all_zero(chunk) {
+            let last = chunk.iter().rposition(|byte| *byte != 0).expect("not all zero");
+            return (start + last + 1) as u64;
         }
-        end -= chunk.len();
+        end = start;
     }
     from as u64
 }
@@ -315,11 +330,7 @@ fn scan_segment(
                 header.first_lsn
             );
             if !tolerant {
-                return Err(WalError::Corruption {
-                    segment: id.0,
-                    offset: 0,
-                    reason,
-                });
+                return Err(WalError::Corruption { segment: id.0, offset: 0, reason });
             }
             summary.corruption.push(CorruptionNote {
                 segment: id,
@@ -337,41 +348,47 @@ fn scan_segment(
     let mut max_time = i64::MIN;
     let mut min_time = i64::MAX;
     loop {
-        let remaining = len.saturating_sub(at);
-        let zero = if remaining < frame::HEADER_LEN as u64 {
-            bytes[at as usize..].iter().all(|byte| *byte == 0)
-        } else {
-            frame::is_zero_header(&bytes[at as usize..])
-        };
-        let problem = if zero {
-            None
-        } else {
-            match frame::parse(&bytes[at as usize..]) {
-                Ok((frame_header, _)) if frame_header.lsn == expected => {
-                    summary.records += 1;
-                    summary.first_lsn.get_or_insert(Lsn(frame_header.lsn));
-                    summary.last_lsn = Some(Lsn(frame_header.lsn));
-                    summary.record_bytes += frame_header.frame_len();
-                    max_time = max_time.max(frame_header.time_ms);
-                    min_time = min_time.min(frame_header.time_ms);
-                    at += frame_header.frame_len();
-                    expected += 1;
-                    continue;
-                }
-                Ok((frame_header, _)) => format!(
-                    "record has LSN {} where LSN {expected} belongs",
-                    frame_header.lsn
-                ),
-                Err(error) => format!("damaged record where LSN {expected} belongs: {error}"),
+        let rest = &bytes[at as usize..];
+        let parsed = frame::parse(rest);
+        if let Ok((frame_header, _)) = &parsed {
+            if frame_header.lsn == expected {
+                summary.records += 1;
+                summary.first_lsn.get_or_insert(Lsn(frame_header.lsn));
+                summary.last_lsn = Some(Lsn(frame_header.lsn));
+                summary.record_bytes += frame_header.frame_len();
+                max_time = max_time.max(frame_header.time_ms);
+                min_time = min_time.min(frame_header.time_ms);
+                at += frame_header.frame_len();
+                expected += 1;
+                continue;
             }
-            .into()
+        }
+        let zero = if rest.len() < frame::HEADER_LEN {
+            rest.iter().all(|byte| *byte == 0)
+        } else {
+            frame::is_zero_header(rest)
+        };
+        let problem: Option<String> = match parsed {
+            _ if zero => None,
+            Ok((frame_header, _)) => {
+                Some(format!("record has LSN {} where LSN {expected} belongs", frame_header.lsn))
+            }
+            Err(error) => Some(format!("damaged record where LSN {expected} belongs: {error}")),
         };
         // The records stop at `at`: a zero header / end of file (`problem` is None) or damage.
         if zero && !is_last {
             break;
         }
-        let later = find_frame(bytes, at + frame::ALIGN as u64, expected);
-        let proves = later.filter(|(_, later)| !is_last || later.synced_lsn_at_append() >= expected);
+        // Nothing past the last non-zero byte can be a frame: bound the search there (the
+        // zeroed, preallocated rest of an active segment is not scanned twice).
+        let garbage_end = nonzero_end(bytes, at);
+        let later = if garbage_end > at {
+            find_frame(&bytes[..garbage_end as usize], at + frame::ALIGN as u64, expected)
+        } else {
+            None
+        };
+        let proves =
+            later.filter(|(_, later)| !is_last || later.synced_lsn_at_append() >= expected);
         if let Some((later_at, later_header)) = proves {
             let what = problem.clone().unwrap_or_else(|| "records missing (zeroed)".into());
             let reason = if is_last {
@@ -384,11 +401,7 @@ fn scan_segment(
                 format!("{what}; in a sealed segment")
             };
             if !tolerant {
-                return Err(WalError::Corruption {
-                    segment: id.0,
-                    offset: at,
-                    reason,
-                });
+                return Err(WalError::Corruption { segment: id.0, offset: at, reason });
             }
             summary.corruption.push(CorruptionNote {
                 segment: id,
@@ -416,16 +429,16 @@ fn scan_segment(
                     segment: id,
                     offset: at,
                     reason,
-                    bytes_skipped: nonzero_end(bytes, at) - at,
+                    bytes_skipped: garbage_end - at,
                     records_skipped: 0,
                 });
             }
             _ => {
-                let garbage_end = nonzero_end(bytes, at);
                 if garbage_end > at {
                     let mut records_discarded = 0;
                     let mut from = at + frame::ALIGN as u64;
-                    while let Some((found_at, found)) = find_frame(bytes, from, expected) {
+                    let region = &bytes[..garbage_end as usize];
+                    while let Some((found_at, found)) = find_frame(region, from, expected) {
                         records_discarded += 1;
                         from = found_at + found.frame_len();
                     }
@@ -445,17 +458,14 @@ fn scan_segment(
     if summary.records > 0 {
         summary.time_range_ms = Some((min_time, max_time));
     }
-    Ok(Scanned {
-        summary,
-        header: Some(header),
-        map: Some(map),
-        ranges,
-        max_time_ms: max_time,
-    })
+    Ok(Scanned { summary, header: Some(header), map: Some(map), ranges, max_time_ms: max_time })
 }
 
 /// Scans every segment of `dir`; returns the scans and the report.
-fn scan_all(dir: &Path, mode: RecoveryMode) -> Result<(Vec<Scanned>, RecoveryReport, u64), WalError> {
+fn scan_all(
+    dir: &Path,
+    mode: RecoveryMode,
+) -> Result<(Vec<Scanned>, RecoveryReport, u64), WalError> {
     let started = Instant::now();
     let files = list(dir)?;
     let next_id = files.last().map_or(1, |(id, _)| u64::from(id.0) + 1);
@@ -463,6 +473,7 @@ fn scan_all(dir: &Path, mode: RecoveryMode) -> Result<(Vec<Scanned>, RecoveryRep
     let mut expected: Option<u64> = None;
     for (index, (id, path)) in files.iter().enumerate() {
         let map = Arc::new(SegmentMap::open(path)?);
+        map.advise_sequential();
         let is_last = index + 1 == files.len();
         let scan = scan_segment(*id, path, map, is_last, mode, expected)?;
         expected = match (&scan.header, scan.summary.last_lsn) {
@@ -497,10 +508,8 @@ fn scan_all(dir: &Path, mode: RecoveryMode) -> Result<(Vec<Scanned>, RecoveryRep
     }
     // An empty last segment still fixes where LSNs continue.
     if report.last_lsn == Lsn::ZERO {
-        if let Some(first) = scanned
-            .iter()
-            .rev()
-            .find_map(|scan| scan.header.map(|header| header.first_lsn))
+        if let Some(first) =
+            scanned.iter().rev().find_map(|scan| scan.header.map(|header| header.first_lsn))
         {
             report.last_lsn = Lsn(first.saturating_sub(1));
         }
@@ -516,30 +525,32 @@ fn scan_all(dir: &Path, mode: RecoveryMode) -> Result<(Vec<Scanned>, RecoveryRep
 /// [`WalError::UnsupportedVersion`].
 pub fn scan_dir(dir: impl AsRef<Path>, mode: RecoveryMode) -> Result<DirScan, WalError> {
     let (scanned, report, _) = scan_all(dir.as_ref(), mode)?;
-    Ok(DirScan {
-        segments: scanned.into_iter().map(|scan| scan.summary).collect(),
-        report,
-    })
+    Ok(DirScan { segments: scanned.into_iter().map(|scan| scan.summary).collect(), report })
 }
 
-/// Recovers the log in `dir` for writing: scans, cuts a torn tail (truncating the file),
-/// drops a torn creation, and builds the segment states.
+/// Recovers the log in `dir`: scans, cuts a torn tail (truncating the file), drops a torn
+/// creation, and builds the segment states. `read_only` changes nothing on disk: the torn
+/// tail stays (readers stop before it) and a torn creation is ignored.
 pub(crate) fn recover(
     dir: &Path,
     config: &WalConfig,
     storage: &dyn Storage,
+    read_only: bool,
 ) -> Result<Recovered, WalError> {
     let (scanned, mut report, next_segment_id) = scan_all(dir, config.recovery)?;
     let mut segments = Vec::with_capacity(scanned.len());
     let mut changed_dir = false;
     for mut scan in scanned {
         let summary = &scan.summary;
+        if summary.dropped && read_only {
+            continue;
+        }
         if summary.dropped {
             // Release the mapping before deleting.
             scan.map = None;
-            storage
-                .remove(&summary.path)
-                .map_err(|error| WalError::from_io("remove torn segment", &summary.path, 0, &error))?;
+            storage.remove(&summary.path).map_err(|error| {
+                WalError::from_io("remove torn segment", &summary.path, 0, &error)
+            })?;
             changed_dir = true;
             tracing::info!(segment = summary.id.0, "removed a segment whose creation was torn");
             continue;
@@ -548,19 +559,23 @@ pub(crate) fn recover(
             continue;
         };
         let mut map = scan.map.take().expect("scanned segments keep their map");
-        if let Some(tail) = &summary.torn_tail {
+        if let Some(tail) = summary.torn_tail.as_ref().filter(|_| !read_only) {
             // The mapping must be gone before the file shrinks under it.
             drop(map);
-            let file = storage
-                .open_existing(&summary.path)
-                .map_err(|error| WalError::from_io("open torn segment", &summary.path, 0, &error))?;
+            let file = storage.open_existing(&summary.path).map_err(|error| {
+                WalError::from_io("open torn segment", &summary.path, 0, &error)
+            })?;
             file.set_len(tail.offset)
                 .map_err(|error| WalError::from_io("cut torn tail", &summary.path, 0, &error))?;
             file.sync_data()
                 .map_err(|error| WalError::from_io("fdatasync", &summary.path, 0, &error))?;
-            tracing::info!(segment = tail.segment.0, offset = tail.offset,
-                bytes = tail.bytes_discarded, records = tail.records_discarded,
-                "cut the torn tail of the write-ahead log");
+            tracing::info!(
+                segment = tail.segment.0,
+                offset = tail.offset,
+                bytes = tail.bytes_discarded,
+                records = tail.records_discarded,
+                "cut the torn tail of the write-ahead log"
+            );
             map = Arc::new(SegmentMap::open(&summary.path)?);
         }
         let segment = Segment {
@@ -568,22 +583,29 @@ pub(crate) fn recover(
             ..Segment::new(dir, header)
         };
         segment.max_time_ms.store(scan.max_time_ms, Ordering::Release);
-        segment
-            .last_lsn
-            .store(summary.last_lsn.map_or(0, |lsn| lsn.0), Ordering::Release);
+        segment.last_lsn.store(summary.last_lsn.map_or(0, |lsn| lsn.0), Ordering::Release);
         segment.end_offset.store(summary.valid_end, Ordering::Release);
+        segment.sealed.store(true, Ordering::Release);
         let _ = segment.map.set(map);
         segments.push(Arc::new(segment));
     }
-    if changed_dir {
-        storage
-            .sync_dir(dir)
-            .map_err(|error| WalError::from_io("sync directory", dir, 0, &error))?;
+    if !read_only {
+        // The previous process may have died (kill -9) with records of the last segment still
+        // only in the page cache. The next append starts a new segment, and a later segment
+        // must prove the earlier ones durable (module `wal`), so sync the last one now.
+        if let Some(last) = segments.last() {
+            let file = storage
+                .open_existing(&last.path)
+                .map_err(|error| WalError::from_io("open segment", &last.path, 0, &error))?;
+            file.sync_data()
+                .map_err(|error| WalError::from_io("fdatasync", &last.path, 0, &error))?;
+        }
+        if changed_dir || !segments.is_empty() {
+            storage
+                .sync_dir(dir)
+                .map_err(|error| WalError::from_io("sync directory", dir, 0, &error))?;
+        }
     }
     report.segments = segments.len();
-    Ok(Recovered {
-        segments,
-        report,
-        next_segment_id,
-    })
+    Ok(Recovered { segments, report, next_segment_id })
 }

@@ -1,5 +1,8 @@
 //! Segment files: naming, the 64-byte segment header, and the in-memory state of a segment.
 //!
+//! Public so tools and tests can build and read segment files by hand; the byte layout is
+//! documented in the `wal` module.
+//!
 //! A segment is created by the sync thread when the first record placed in it is written:
 //! header written, file preallocated to the full segment size (`fallocate`), directory synced.
 //! Appenders place records in a segment before its file exists; readers wait for the written
@@ -8,7 +11,7 @@
 use std::{
     path::{Path, PathBuf},
     sync::{
-        atomic::{AtomicI64, AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering},
         Arc, OnceLock,
     },
 };
@@ -51,17 +54,10 @@ impl SegmentHeader {
         let mut out = [0u8; HEADER_LEN as usize];
         out[0..8].copy_from_slice(&MAGIC);
         out[8] = VERSION;
-        out[9] = if self.window.is_some() {
-            FLAG_HAS_WINDOW
-        } else {
-            0
-        };
+        out[9] = if self.window.is_some() { FLAG_HAS_WINDOW } else { 0 };
         out[12..16].copy_from_slice(&self.id.0.to_le_bytes());
         out[16..24].copy_from_slice(&self.first_lsn.to_le_bytes());
-        let window = self.window.unwrap_or(Window {
-            start_ms: 0,
-            stop_ms: 0,
-        });
+        let window = self.window.unwrap_or(Window { start_ms: 0, stop_ms: 0 });
         out[24..32].copy_from_slice(&window.start_ms.to_le_bytes());
         out[32..40].copy_from_slice(&window.stop_ms.to_le_bytes());
         out[40..48].copy_from_slice(&self.segment_size_bytes.to_le_bytes());
@@ -76,11 +72,7 @@ impl SegmentHeader {
     /// [`WalError::Corruption`] (offset 0) for a short, damaged or mismatched header,
     /// [`WalError::UnsupportedVersion`] for another format version.
     pub fn decode(id: SegmentId, bytes: &[u8]) -> Result<Self, WalError> {
-        let corrupt = |reason: String| WalError::Corruption {
-            segment: id.0,
-            offset: 0,
-            reason,
-        };
+        let corrupt = |reason: String| WalError::Corruption { segment: id.0, offset: 0, reason };
         if bytes.len() < HEADER_LEN as usize {
             return Err(corrupt(format!(
                 "segment header needs {HEADER_LEN} bytes, file has {}",
@@ -112,10 +104,8 @@ impl SegmentHeader {
             )));
         }
         let read_i64 = |at: usize| i64::from_le_bytes(bytes[at..at + 8].try_into().expect("8"));
-        let window = (bytes[9] & FLAG_HAS_WINDOW != 0).then(|| Window {
-            start_ms: read_i64(24),
-            stop_ms: read_i64(32),
-        });
+        let window = (bytes[9] & FLAG_HAS_WINDOW != 0)
+            .then(|| Window { start_ms: read_i64(24), stop_ms: read_i64(32) });
         Ok(Self {
             id,
             first_lsn: u64::from_le_bytes(bytes[16..24].try_into().expect("8 bytes")),
@@ -141,7 +131,7 @@ pub fn parse_file_name(name: &str) -> Option<SegmentId> {
 
 /// The in-memory state of one segment, shared by appenders, the sync thread and readers.
 #[derive(Debug)]
-pub struct Segment {
+pub(crate) struct Segment {
     /// The segment's header (as written or recovered).
     pub header: SegmentHeader,
     /// The file's path.
@@ -156,6 +146,10 @@ pub struct Segment {
     pub last_lsn: AtomicU64,
     /// Byte offset just past the last record placed (appenders) or recovered.
     pub end_offset: AtomicU64,
+    /// Every record of the segment is written and synced and no more will be added (set by
+    /// recovery, and by the sync thread when it moves on to the next segment). Only sealed
+    /// segments may be cleaned.
+    pub sealed: AtomicBool,
     /// Byte ranges holding records, for segments where tolerant recovery skipped damage
     /// (`None`: one range from the header to `end_offset`).
     pub valid_ranges: Option<Vec<(u64, u64)>>,
@@ -171,6 +165,7 @@ impl Segment {
             max_time_ms: AtomicI64::new(i64::MIN),
             last_lsn: AtomicU64::new(0),
             end_offset: AtomicU64::new(HEADER_LEN),
+            sealed: AtomicBool::new(false),
             valid_ranges: None,
         }
     }
@@ -199,10 +194,7 @@ mod tests {
         let header = SegmentHeader {
             id: SegmentId(7),
             first_lsn: 1234,
-            window: Some(Window {
-                start_ms: 10_000,
-                stop_ms: 11_000,
-            }),
+            window: Some(Window { start_ms: 10_000, stop_ms: 11_000 }),
             segment_size_bytes: 1 << 20,
         };
         let bytes = header.encode();
@@ -217,10 +209,8 @@ mod tests {
 
     #[test]
     fn names_sort_in_order_and_parse_back() {
-        let names: Vec<String> = [1u32, 9, 10, 4_000_000_000]
-            .iter()
-            .map(|id| file_name(SegmentId(*id)))
-            .collect();
+        let names: Vec<String> =
+            [1u32, 9, 10, 4_000_000_000].iter().map(|id| file_name(SegmentId(*id))).collect();
         let mut sorted = names.clone();
         sorted.sort();
         assert_eq!(names, sorted);

@@ -22,11 +22,8 @@ use std::{
 use crate::{
     error::WalError,
     wal::{
-        lock,
-        reader::SegmentMap,
-        segment::Segment,
-        storage::StorageFile,
-        Chunk, Durability, IoPath, Shared,
+        lock, reader::SegmentMap, segment::Segment, storage::StorageFile, Chunk, Durability,
+        IoPath, Shared,
     },
 };
 
@@ -78,13 +75,10 @@ struct Writer {
 
 /// The sync thread's body; returns when the log closes.
 pub(crate) fn run(shared: Arc<Shared>, engine: Box<dyn IoEngine>) {
-    let mut writer = Writer {
-        shared,
-        engine,
-        current: None,
-        dir_ready: false,
-    };
-    let mut spare_buf: Vec<u8> = Vec::new();
+    let mut writer = Writer { shared, engine, current: None, dir_ready: false };
+    // The second staging buffer, sized like the first so neither regrows (and re-faults fresh
+    // pages) in steady state.
+    let mut spare_buf: Vec<u8> = Vec::with_capacity(lock(&writer.shared.append).buf.capacity());
     let mut spare_chunks: Vec<Chunk> = Vec::new();
     loop {
         let Some(closing) = writer.take_group(&mut spare_buf, &mut spare_chunks) else {
@@ -129,14 +123,10 @@ impl Writer {
         let mut state = lock(&shared.append);
         loop {
             if !state.chunks.is_empty() {
-                if let Durability::GroupCommit {
-                    max_delay,
-                    max_bytes,
-                } = shared.config.durability
-                {
+                if let Durability::GroupCommit { max_delay, max_bytes } = shared.config.durability {
                     if !state.closing && state.buf.len() < max_bytes {
-                        let deadline = state.group_started.expect("set with the first chunk")
-                            + max_delay;
+                        let deadline =
+                            state.group_started.expect("set with the first chunk") + max_delay;
                         let now = Instant::now();
                         if now < deadline {
                             state.writer_idle = true;
@@ -156,10 +146,7 @@ impl Writer {
                 return Some(true);
             }
             state.writer_idle = true;
-            state = shared
-                .writer_cv
-                .wait(state)
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            state = shared.writer_cv.wait(state).unwrap_or_else(std::sync::PoisonError::into_inner);
         }
         state.writer_idle = false;
         std::mem::swap(&mut state.buf, buf);
@@ -184,12 +171,12 @@ impl Writer {
         let mut index = 0;
         while index < chunks.len() {
             let segment = Arc::clone(&chunks[index].segment);
-            if self
-                .current
-                .as_ref()
-                .is_none_or(|current| !Arc::ptr_eq(&current.segment, &segment))
+            if self.current.as_ref().is_none_or(|current| !Arc::ptr_eq(&current.segment, &segment))
             {
                 self.seal_current()?;
+                if let Some(previous) = &self.current {
+                    previous.segment.sealed.store(true, Ordering::Release);
+                }
                 self.current = Some(self.create_segment(&segment)?);
             }
             let end = index
@@ -208,10 +195,8 @@ impl Writer {
                     offset: chunk.file_offset,
                 })
                 .collect();
-            let sync = (durable_mode && end == chunks.len()).then(|| SyncTarget {
-                file: current.file.as_ref(),
-                path: &segment.path,
-            });
+            let sync = (durable_mode && end == chunks.len())
+                .then(|| SyncTarget { file: current.file.as_ref(), path: &segment.path });
             self.engine.write_and_sync(&ops, sync.as_ref())?;
             let last = run.last().expect("non-empty run");
             let max_time = run.iter().map(|chunk| chunk.max_time_ms).max().unwrap_or(i64::MIN);
@@ -247,10 +232,7 @@ impl Writer {
         if current.dirty {
             self.engine.write_and_sync(
                 &[],
-                Some(&SyncTarget {
-                    file: current.file.as_ref(),
-                    path: &current.segment.path,
-                }),
+                Some(&SyncTarget { file: current.file.as_ref(), path: &current.segment.path }),
             )?;
             current.dirty = false;
             self.shared.syncs.fetch_add(1, Ordering::Relaxed);
@@ -268,7 +250,8 @@ impl Writer {
             storage
                 .create_dir_all(&shared.dir)
                 .map_err(|error| WalError::from_io("create directory", &shared.dir, 0, &error))?;
-            if let Some(parent) = shared.dir.parent().filter(|parent| !parent.as_os_str().is_empty())
+            if let Some(parent) =
+                shared.dir.parent().filter(|parent| !parent.as_os_str().is_empty())
             {
                 storage
                     .sync_dir(parent)
@@ -280,8 +263,9 @@ impl Writer {
         let file = storage
             .create(&segment.path)
             .map_err(|error| WalError::from_io("create segment", &segment.path, size, &error))?;
-        file.allocate(size)
-            .map_err(|error| WalError::from_io("preallocate segment", &segment.path, size, &error))?;
+        file.allocate(size).map_err(|error| {
+            WalError::from_io("preallocate segment", &segment.path, size, &error)
+        })?;
         let header = segment.header.encode();
         pwrite::write_all_at(&WriteOp {
             file: file.as_ref(),
@@ -289,6 +273,12 @@ impl Writer {
             buf: &header,
             offset: 0,
         })?;
+        // The header (and the preallocation) must be durable before any record is written
+        // behind it: recovery treats a last segment with a bad header but valid records as
+        // corruption, which must never be what a crash leaves.
+        file.sync_data()
+            .map_err(|error| WalError::from_io("fdatasync", &segment.path, 0, &error))?;
+        self.shared.syncs.fetch_add(1, Ordering::Relaxed);
         storage
             .sync_dir(&shared.dir)
             .map_err(|error| WalError::from_io("sync directory", &shared.dir, 0, &error))?;

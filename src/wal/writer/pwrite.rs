@@ -47,10 +47,7 @@ pub(crate) fn write_all_at(op: &WriteOp<'_>) -> Result<(), WalError> {
 
 /// `fdatasync` through the storage layer.
 pub(crate) fn sync_file(target: &SyncTarget<'_>) -> Result<(), WalError> {
-    target
-        .file
-        .sync_data()
-        .map_err(|error| WalError::from_io("fdatasync", target.path, 0, &error))
+    target.file.sync_data().map_err(|error| WalError::from_io("fdatasync", target.path, 0, &error))
 }
 
 impl IoEngine for PwriteEngine {

@@ -7,6 +7,7 @@
 mod blocks;
 mod bus;
 mod report;
+mod wal;
 
 use clap::{Parser, Subcommand};
 
@@ -32,6 +33,10 @@ enum Workload {
     Ask(bus::AskArgs),
     /// Received-block tracker: durable additions, allocation and recovery of 1 M events.
     Blocks(blocks::BlocksArgs),
+    /// WAL append: durable 64-byte records/s per durability mode and thread count.
+    Wal(wal::WalArgs),
+    /// WAL recovery scan speed.
+    WalRecover(wal::WalRecoverArgs),
 }
 
 /// Every workload, briefly: the README's main command.
@@ -43,6 +48,8 @@ fn run_all() -> anyhow::Result<Vec<report::Figure>> {
     figures.extend(bus::run_bus(&quick_bus(1, 256, BusBaseline::Ring))?);
     figures.extend(bus::run_ask(&quick_ask(1))?);
     figures.extend(bus::run_ask(&quick_ask(64))?);
+    figures.extend(wal::run(&wal::quick())?);
+    figures.extend(wal::run_recover(&wal::quick_recover())?);
     figures.extend(blocks::run(&blocks::quick())?);
     Ok(figures)
 }
@@ -54,6 +61,8 @@ fn main() -> anyhow::Result<()> {
         Some(Workload::Bus(args)) => bus::run_bus(&args)?,
         Some(Workload::Ask(args)) => bus::run_ask(&args)?,
         Some(Workload::Blocks(args)) => blocks::run(&args)?,
+        Some(Workload::Wal(args)) => wal::run(&args)?,
+        Some(Workload::WalRecover(args)) => wal::run_recover(&args)?,
     };
     report::print(&figures, cli.json);
     Ok(())
