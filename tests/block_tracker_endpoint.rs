@@ -154,7 +154,8 @@ fn concurrent_receivers_are_acknowledged_only_once_durable_and_share_syncs() {
 fn endpoint_operations_are_durable_and_survive_recovery() {
     let dir = tempfile::tempdir().unwrap();
     let clock = Arc::new(ManualClock::new(10_000));
-    let config = BlockTrackerConfig::new([StreamId(1), StreamId(2)]).checkpoint_dir(dir.path());
+    let mut config = BlockTrackerConfig::new([StreamId(1), StreamId(2)]).checkpoint_dir(dir.path());
+    config.wal.segment_size_bytes = 4 << 20;
     let bus = Bus::builder().build().unwrap();
     let tracker = ReceivedBlockTracker::open(config.clone(), clock.clone()).unwrap();
     let endpoint = bus.register("tracker", BlockTrackerEndpoint::new(tracker)).unwrap();
@@ -271,7 +272,7 @@ fn a_failed_sync_fails_waiting_additions_and_rolls_back_to_the_durable_prefix() 
     let wal = Wal::open_with_options(
         dir.path().join(RECEIVED_BLOCK_METADATA_DIR),
         WalConfig::default(),
-        WalOptions { io: IoMode::Pwrite, storage },
+        WalOptions { io: IoMode::Pwrite, storage, ..WalOptions::default() },
     )
     .unwrap();
     let log: Arc<dyn BlockLog> = Arc::new(WalBlockLog::from_wal(Arc::new(wal)));

@@ -63,6 +63,8 @@ impl Blocks {
 fn config(checkpoint: Option<&Path>, rolling: Duration) -> BlockTrackerConfig {
     let mut config = BlockTrackerConfig::new([STREAM]);
     config.wal.rolling_interval = Some(rolling);
+    // Small segments keep the many opens of these tests cheap (opening scans each segment).
+    config.wal.segment_size_bytes = 4 << 20;
     if let Some(dir) = checkpoint {
         config = config.checkpoint_dir(dir);
     }
@@ -161,7 +163,9 @@ fn rbt_01_addition_and_allocation_without_wal() {
 fn rbt_02_many_blocks_with_wal() {
     let dir = tempfile::tempdir().unwrap();
     let clock = Arc::new(ManualClock::new(1_000));
-    let config = config(Some(dir.path()), Duration::from_secs(60));
+    let mut config = config(Some(dir.path()), Duration::from_secs(60));
+    // Room for 100 000 additions and their allocation in one segment (about 25 MB).
+    config.wal.segment_size_bytes = 64 << 20;
     let mut tracker = ReceivedBlockTracker::open(config.clone(), clock).unwrap();
     let blocks = Blocks::new().take(100_000);
     // Appended without waiting for each sync (as many receivers would), then made durable.
@@ -458,7 +462,8 @@ fn block_data_in_a_receiver_log_is_read_back_by_handle_after_recovery() {
     let clock = Arc::new(ManualClock::new(1_000));
     let config = config(Some(dir.path()), Duration::from_secs(60));
     let data_dir = ReceiverBlockStore::dir_for(dir.path(), STREAM);
-    let store = ReceiverBlockStore::open(&data_dir, WalConfig::default()).unwrap();
+    let data_config = WalConfig { segment_size_bytes: 4 << 20, ..WalConfig::default() };
+    let store = ReceiverBlockStore::open(&data_dir, data_config.clone()).unwrap();
     let mut tracker = ReceivedBlockTracker::open(config.clone(), clock.clone()).unwrap();
     let mut infos = Vec::new();
     for unique_id in 0..20u64 {
@@ -473,7 +478,7 @@ fn block_data_in_a_receiver_log_is_read_back_by_handle_after_recovery() {
     drop(tracker);
     drop(store);
 
-    let store = ReceiverBlockStore::open(&data_dir, WalConfig::default()).unwrap();
+    let store = ReceiverBlockStore::open(&data_dir, data_config).unwrap();
     let recovered = ReceivedBlockTracker::open(config.recover(true), clock).unwrap();
     let queued = recovered.unallocated_blocks(STREAM);
     assert_eq!(queued.len(), infos.len());
