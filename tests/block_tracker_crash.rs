@@ -11,7 +11,10 @@
 //! an output file (the sink; a torn last line is cut on restart). On restart the child
 //! processes the recovered allocated batches newer than the last processed one first, then
 //! continues; each receiver resumes after the last of its blocks the journal holds (its
-//! additions are sequential, so the journal holds a prefix of them). The parent kills the child
+//! additions are sequential, so the journal holds a prefix of them), after checking that the
+//! journal reaches past every block acknowledged in earlier runs (the parent passes those
+//! down; a 5 ms group-commit window keeps unwritten records in memory long enough that an
+//! acknowledgement sent before its record was written is caught). The parent kills the child
 //! with SIGKILL after a random number of acknowledgements (fixed seed), restarts it on the same
 //! directory, and after the last run checks the sink against the acknowledgements.
 
@@ -35,15 +38,17 @@ use coordbus::{
         BlockTrackerEndpoint, GetBlocksOfBatch, HasUnallocatedBlocks, ReceivedBlockInfo,
         ReceivedBlockTracker, StopTracker, StreamBlockId, StreamId,
     },
-    wal::WalConfig,
+    wal::{Durability, WalConfig},
     Bus,
 };
 
 const CHILD_ENV: &str = "COORDBUS_BLOCK_TRACKER_CRASH_CHILD";
+/// Per receiver, one past its highest acknowledged block so far (comma-separated).
+const ACKED_ENV: &str = "COORDBUS_BLOCK_TRACKER_CRASH_ACKED";
 const TEST_NAME: &str = "acknowledged_blocks_are_processed_exactly_once_across_kill_9";
 const RECEIVERS: u64 = 4;
 const STREAMS: u64 = 2;
-const BLOCKS_PER_RECEIVER: u64 = 1_500;
+const BLOCKS_PER_RECEIVER: u64 = 600;
 const KILLS: usize = 24;
 const SEED: u64 = 0x6b69_6c6c_2d39;
 /// Bound on one child run without progress (a hang is a failure, not a wait).
@@ -58,8 +63,18 @@ fn unique_id(receiver: u64, seq: u64) -> u64 {
 }
 
 fn wal_config() -> WalConfig {
-    // Small segments: every restart starts a new one, and they are preallocated.
-    WalConfig { segment_size_bytes: 1 << 20, ..BlockTrackerConfig::driver_wal_config() }
+    WalConfig {
+        // Small segments: every restart starts a new one, and they are preallocated.
+        segment_size_bytes: 1 << 20,
+        // A long group-commit window keeps appended records in memory (not yet written) for a
+        // while, so an acknowledgement sent before its record was written would be caught by
+        // a kill (a killed process keeps what reached the page cache).
+        durability: Durability::GroupCommit {
+            max_delay: Duration::from_millis(5),
+            max_bytes: 1 << 20,
+        },
+        ..BlockTrackerConfig::driver_wal_config()
+    }
 }
 
 struct SplitMix(u64);
@@ -139,6 +154,20 @@ fn child_main(dir: PathBuf) {
     for time in &recovered_batches {
         tracker.blocks_of_batch(*time).streams().iter().flat_map(|s| &s.blocks).for_each(&mut note);
     }
+    // Every block acknowledged in an earlier run must be in the journal: a receiver's blocks
+    // are added one after the other, so the journal holds a prefix of them, and it must reach
+    // past the highest acknowledged one.
+    let acknowledged: Vec<u64> =
+        std::env::var(ACKED_ENV).unwrap().split(',').map(|count| count.parse().unwrap()).collect();
+    for (receiver, (&acked, &journaled)) in acknowledged.iter().zip(&resume).enumerate() {
+        if journaled < acked {
+            eprintln!(
+                "LOST: receiver {receiver} had blocks up to {acked} acknowledged, the journal \
+                 holds {journaled}"
+            );
+            std::process::exit(3);
+        }
+    }
     let mut next_time = tracker.last_allocated_batch_time().map_or(1, |time| time.0 + 1);
 
     let bus = Bus::builder().inbox_shards(4).build().unwrap();
@@ -216,6 +245,23 @@ fn child_main(dir: PathBuf) {
 
 // ----- parent: kills and checks ------------------------------------------------------------
 
+/// Per receiver, one past its highest acknowledged block (0 if none). A block logged but killed
+/// before its acknowledgement leaves a gap: the next run resumes after it.
+fn acked_counts(acknowledged: &HashSet<(u64, u64)>) -> String {
+    (0..RECEIVERS)
+        .map(|receiver| {
+            let frontier = acknowledged
+                .iter()
+                .filter(|(r, _)| *r == receiver)
+                .map(|(_, seq)| seq + 1)
+                .max()
+                .unwrap_or(0);
+            frontier.to_string()
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
 #[test]
 fn acknowledged_blocks_are_processed_exactly_once_across_kill_9() {
     if let Ok(dir) = std::env::var(CHILD_ENV) {
@@ -234,6 +280,7 @@ fn acknowledged_blocks_are_processed_exactly_once_across_kill_9() {
         let mut child = Command::new(std::env::current_exe().unwrap())
             .args([TEST_NAME, "--exact", "--nocapture", "--test-threads=1"])
             .env(CHILD_ENV, dir.path())
+            .env(ACKED_ENV, acked_counts(&acknowledged))
             .stdout(Stdio::piped())
             .stderr(File::create(&stderr_path).unwrap())
             .spawn()
@@ -289,6 +336,12 @@ fn acknowledged_blocks_are_processed_exactly_once_across_kill_9() {
         }
         reader.join().unwrap();
         let status = child.wait().unwrap();
+        assert_ne!(
+            status.code(),
+            Some(3),
+            "run {runs}: {}",
+            std::fs::read_to_string(&stderr_path).unwrap_or_default()
+        );
         if !killed {
             assert!(
                 status.success() && done,
