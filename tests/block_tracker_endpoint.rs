@@ -294,6 +294,8 @@ fn a_failed_sync_fails_waiting_additions_and_rolls_back_to_the_durable_prefix() 
         endpoint.ask(GetUnallocatedBlocks(StreamId(1))).wait().unwrap(),
         std::slice::from_ref(&durable)
     );
+    let queued = endpoint.ask(GetUnallocatedBlocks(StreamId(1))).wait().unwrap();
+    assert!(queued[0].is_block_id_valid(), "added in this run: the executor still holds it");
     assert!(!endpoint.ask(AddBlock(info(1, 3))).wait().unwrap());
     endpoint.ask(AllocateBlocksToBatch(BatchTime(1))).wait().unwrap();
     assert!(endpoint.ask(GetBlocksOfBatch(BatchTime(1))).wait().unwrap().is_empty());

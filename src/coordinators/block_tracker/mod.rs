@@ -239,6 +239,8 @@ pub struct ReceivedBlockTracker {
     allocated: BTreeMap<BatchTime, AllocatedBlocks>,
     last_allocated: Option<BatchTime>,
     recovered_events: u64,
+    /// The last LSN replayed at construction: blocks added up to it were marked invalid.
+    recovered_through: Lsn,
 }
 
 impl std::fmt::Debug for ReceivedBlockTracker {
@@ -294,10 +296,13 @@ impl ReceivedBlockTracker {
             allocated: BTreeMap::new(),
             last_allocated: None,
             recovered_events: 0,
+            recovered_through: Lsn::ZERO,
         };
         if config.recover_from_wal && tracker.log.is_some() {
             let started = std::time::Instant::now();
-            tracker.recovered_events = tracker.replay(None, true)?;
+            let (events, through) = tracker.replay(None, Lsn(u64::MAX))?;
+            tracker.recovered_events = events;
+            tracker.recovered_through = through;
             tracing::info!(
                 events = tracker.recovered_events,
                 elapsed = ?started.elapsed(),
@@ -675,8 +680,9 @@ impl ReceivedBlockTracker {
 
     // ----- recovery -----------------------------------------------------------------------
 
-    /// Replaces the state with the replay of the log's durable prefix (blocks keep
-    /// `block_id_valid = true`: the executors still hold them). A host of the `*_deferred`
+    /// Replaces the state with the replay of the log's durable prefix (blocks added since
+    /// construction keep `block_id_valid = true`: the executors still hold them; blocks
+    /// recovered at construction stay invalid). A host of the `*_deferred`
     /// methods calls this when the log fails before its pending events became durable.
     /// Returns the number of events replayed.
     ///
@@ -690,21 +696,30 @@ impl ReceivedBlockTracker {
         if last.is_none() {
             return Ok(0);
         }
-        self.replay(last, false)
+        Ok(self.replay(last, self.recovered_through)?.0)
     }
 
-    fn replay(&mut self, last: Option<Lsn>, invalidate: bool) -> Result<u64, BlockTrackerError> {
+    /// Replays the log up to `last` (all if `None`); additions up to `invalid_through` are
+    /// marked invalid. Returns the events replayed and the last LSN seen.
+    fn replay(
+        &mut self,
+        last: Option<Lsn>,
+        invalid_through: Lsn,
+    ) -> Result<(u64, Lsn), BlockTrackerError> {
         let Some(log) = self.log.clone() else {
-            return Ok(0);
+            return Ok((0, Lsn::ZERO));
         };
-        let mut apply = |_lsn: Lsn, event: TrackerEvent| match event {
+        let mut through = Lsn::ZERO;
+        let mut apply = |lsn: Lsn, event: TrackerEvent| match event {
             TrackerEvent::BlockAddition(BlockAdditionEvent { mut info }) => {
-                if invalidate {
+                through = lsn;
+                if lsn <= invalid_through {
                     info.set_block_id_valid(false);
                 }
                 self.enqueue(info);
             }
             TrackerEvent::BatchAllocation(BatchAllocationEvent { time, blocks }) => {
+                through = lsn;
                 for entry in blocks.streams() {
                     if let Some(queue) = self.unallocated.get_mut(&entry.stream_id) {
                         remove_listed(queue, &entry.blocks);
@@ -713,9 +728,13 @@ impl ReceivedBlockTracker {
                 self.allocated.insert(time, blocks);
                 self.last_allocated = Some(time);
             }
-            TrackerEvent::BatchCleanup(BatchCleanupEvent { times }) => self.forget_batches(&times),
+            TrackerEvent::BatchCleanup(BatchCleanupEvent { times }) => {
+                through = lsn;
+                self.forget_batches(&times);
+            }
         };
-        log.replay(last, &mut apply)
+        let events = log.replay(last, &mut apply)?;
+        Ok((events, through))
     }
 }
 
