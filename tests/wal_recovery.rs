@@ -501,3 +501,23 @@ fn torn_sectors_of_an_unsynced_tail_are_cut_never_reported_as_corruption() {
         }
     }
 }
+
+#[test]
+fn asking_for_io_uring_gives_it_or_a_typed_setup_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = WalOptions { io: IoMode::IoUring, ..WalOptions::default() };
+    match Wal::open_with_options(dir.path(), WalConfig::default(), options) {
+        Ok(wal) => {
+            assert_eq!(wal.io_path(), IoPath::IoUring);
+            assert_eq!(wal.stats().io_path, Some(IoPath::IoUring));
+            let (lsn, handle) = wal.append_bytes(b"ring", 0).unwrap();
+            wal.wait_durable(lsn).unwrap();
+            assert_eq!(&*wal.read_bytes(handle).unwrap(), b"ring");
+        }
+        Err(WalError::Io { op, .. }) => assert_eq!(op, "io_uring setup"),
+        Err(other) => panic!("unexpected {other:?}"),
+    }
+    let pwrite = WalOptions { io: IoMode::Pwrite, ..WalOptions::default() };
+    let wal = Wal::open_with_options(dir.path(), WalConfig::default(), pwrite).unwrap();
+    assert_eq!(wal.io_path(), IoPath::Pwrite);
+}
