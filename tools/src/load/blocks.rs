@@ -73,9 +73,8 @@ pub struct BlocksArgs {
     /// Group commit: group size that starts the write at once, bytes.
     #[arg(long, default_value_t = 1 << 20)]
     pub max_group_bytes: usize,
-    /// Size of each WAL segment file, MiB (opening a log currently costs time in proportion
-    /// to the unwritten, preallocated space of its last segment, so keep it moderate).
-    #[arg(long, default_value_t = 16)]
+    /// Size of each WAL segment file, MiB (the tracker's default is 64).
+    #[arg(long, default_value_t = 64)]
     pub segment_mib: u64,
     /// Directory for the logs (default: a fresh temporary directory).
     #[arg(long)]
@@ -93,7 +92,7 @@ pub fn quick() -> BlocksArgs {
         recover_events: 1_000_000,
         max_delay_us: 200,
         max_group_bytes: 1 << 20,
-        segment_mib: 16,
+        segment_mib: 64,
         dir: None,
     }
 }
