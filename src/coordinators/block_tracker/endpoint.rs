@@ -13,7 +13,8 @@
 //!
 //! ## What a reply means
 //! * `AddBlock` answers `true` only once the addition's record is durable; `false` if the WAL
-//!   refused or failed it (then the block is not queued).
+//!   refused or failed it (then the block is not queued). `AddBlocks` does the same for
+//!   several blocks (one record each) and answers once the last is durable, per block.
 //! * `AllocateBlocksToBatch` and `CleanupOldBatches` answer once their event is durable (a
 //!   cleanup also deletes the old WAL files first).
 //! * Queries (`GetBlocksOfBatch`, ...) are answered with the state at the time they were
