@@ -4,6 +4,7 @@
 //! returning the measured [`report::Figure`]s. With no subcommand, every workload runs briefly on
 //! an embedded default and one table (or JSON lines with `--json`) is printed.
 
+mod blocks;
 mod bus;
 mod progress;
 mod report;
@@ -42,6 +43,8 @@ enum Workload {
     WalRecover(wal::WalRecoverArgs),
     /// StateStoreCoordinator: reports, verify/location asks, deactivation.
     StateStore(state_store::StateStoreArgs),
+    /// Received-block tracker: durable additions, allocation and recovery of 1 M events.
+    Blocks(blocks::BlocksArgs),
 }
 
 /// One step of the no-argument run.
@@ -65,6 +68,7 @@ fn run_all() -> anyhow::Result<Vec<report::Figure>> {
         ("wal: append", Box::new(|| wal::run(&wal::quick()))),
         ("wal: recovery scan", Box::new(|| wal::run_recover(&wal::quick_recover()))),
         ("state-store coordinator", Box::new(|| state_store::run(&state_store::quick()))),
+        ("block tracker", Box::new(|| blocks::run(&blocks::quick()))),
     ];
     let mut progress = progress::Progress::new(steps.len() as u64);
     let mut figures = Vec::new();
@@ -94,6 +98,7 @@ fn main() -> anyhow::Result<()> {
         Some(Workload::Wal(args)) => wal::run(&args)?,
         Some(Workload::WalRecover(args)) => wal::run_recover(&args)?,
         Some(Workload::StateStore(args)) => state_store::run(&args)?,
+        Some(Workload::Blocks(args)) => blocks::run(&args)?,
     };
     report::print(&figures, cli.json);
     Ok(())
