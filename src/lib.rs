@@ -57,11 +57,13 @@
 
 pub mod clock;
 mod config;
+pub mod coordinators;
 mod error;
 pub mod queue;
 mod runtime;
 pub(crate) mod sync;
 
+pub use crate::coordinators::epoch::{EpochConfig, EpochCoordinator, EpochEndpoint};
 pub use crate::{
     config::{BusBuilder, BusConfig, Idle, Pinning},
     error::{AskError, BusError, ConfigError, Error, HandlerError, SendError},

@@ -7,5 +7,8 @@
 //! * an **endpoint** that wraps the state machine for the bus: the runtime delivers one message
 //!   at a time, so the state machine needs no locks.
 //!
-//! Parts: `epoch` (continuous-processing epoch commits), `state_store` (state-store locations),
-//! `block_tracker` (received blocks, journaled to the WAL).
+//! Parts: [`epoch`] (continuous-processing epoch commits: state machine, endpoint, reference
+//! model), `state_store` (state-store locations), `block_tracker` (received blocks, journaled to
+//! the WAL).
+
+pub mod epoch;
