@@ -246,32 +246,23 @@ fn reply_or_fail<T: Send + 'static>(replier: Replier<T>, outcome: Result<T, Epoc
 }
 
 macro_rules! ask_impl {
-    ($request:ty, $reply:ty, |$this:ident, $replier:ident| $build:expr) => {
+    ($request:ident, $reply:ty $(, $count:tt)?) => {
         impl<Q, S> Ask<EpochEndpoint<Q, S>> for $request
         where
             Q: Query + Send + 'static,
             S: Sink + Send + 'static,
         {
             type Reply = $reply;
-            fn into_request(self, $replier: Replier<$reply>) -> EpochRequest {
-                let $this = self;
-                $build
+            fn into_request(self, replier: Replier<$reply>) -> EpochRequest {
+                EpochRequest::$request($(self.$count,)? replier)
             }
         }
     };
 }
 
-ask_impl!(GetCurrentEpoch, i64, |_request, replier| { EpochRequest::GetCurrentEpoch(replier) });
-ask_impl!(IncrementAndGetEpoch, i64, |_request, replier| {
-    EpochRequest::IncrementAndGetEpoch(replier)
-});
-ask_impl!(SetReaderPartitions, (), |request, replier| {
-    EpochRequest::SetReaderPartitions(request.0, replier)
-});
-ask_impl!(SetWriterPartitions, (), |request, replier| {
-    EpochRequest::SetWriterPartitions(request.0, replier)
-});
-ask_impl!(StopContinuousExecutionWrites, (), |_request, replier| {
-    EpochRequest::StopContinuousExecutionWrites(replier)
-});
-ask_impl!(GetEpochStats, EpochStats, |_request, replier| { EpochRequest::GetEpochStats(replier) });
+ask_impl!(GetCurrentEpoch, i64);
+ask_impl!(IncrementAndGetEpoch, i64);
+ask_impl!(SetReaderPartitions, (), 0);
+ask_impl!(SetWriterPartitions, (), 0);
+ask_impl!(StopContinuousExecutionWrites, ());
+ask_impl!(GetEpochStats, EpochStats);
