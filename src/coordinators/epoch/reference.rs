@@ -274,6 +274,11 @@ impl<Q: Query, S: Sink> ReferenceEpochCoordinator<Q, S> {
     /// SPEC B.5 resolve(e), with the decisions of the parent module (no resolve below the last
     /// committed epoch is possible, since such messages are dropped; fail-stop).
     fn resolve_commits_at_epoch(&mut self, epoch: i64) {
+        // SPEC 0.3: while either partition count is unset (0), no epoch can complete (B.5 read
+        // literally would let an epoch with no offsets complete when the reader count is 0).
+        if self.num_writer_partitions == 0 || self.num_reader_partitions == 0 {
+            return;
+        }
         let this_epoch_commits = Self::entries_of(&self.partition_commits, epoch);
         let next_epoch_offsets = Self::entries_of(&self.partition_offsets, epoch);
         if this_epoch_commits.len() as i64 != i64::from(self.num_writer_partitions)
