@@ -44,7 +44,8 @@ struct Case {
 /// Message-heavy operations, with rare partition-count changes (including unset and negative).
 fn op() -> impl Strategy<Value = Op> {
     let partition = prop_oneof![24 => 0..3i32, 1 => Just(-1), 1 => 3..6i32];
-    let epoch = prop_oneof![24 => 0..7i64, 1 => Just(-1i64)];
+    // Epochs 20.. are far ahead of the commit frontier: their buckets use the sparse layout.
+    let epoch = prop_oneof![24 => 0..7i64, 1 => Just(-1i64), 1 => 20..22i64];
     prop_oneof![
         // Rare, so that most runs keep their counts long enough to commit epochs.
         1 => prop_oneof![
@@ -71,25 +72,30 @@ fn case() -> impl Strategy<Value = Case> {
         (failure.clone(), failure.clone(), failure),
         (1..4i32, 1..4i32),
         proptest::collection::vec(op(), 0..200),
+        proptest::collection::vec(tail_op(), 0..30),
+        proptest::bool::weighted(0.9),
     )
-        .prop_map(|(start_epoch, limits, failures, (readers, writers), body)| {
-            // Most runs set the counts first, as the protocol requires; some do not.
-            let mut ops = vec![Op::SetReaders(readers), Op::SetWriters(writers)];
-            if start_epoch == 2 {
-                ops.clear();
-            }
-            ops.extend(body);
-            Case {
-                start_epoch,
-                offset_limit: limits.0,
-                commit_limit: limits.1,
-                waiting_limit: limits.2,
-                fail_sink_at: failures.0,
-                fail_commit_at: failures.1,
-                fail_add_offsets_at: failures.2,
-                ops,
-            }
-        })
+        .prop_map(
+            |(start_epoch, limits, failures, (readers, writers), body, tail, counts_first)| {
+                // Most runs set the counts first, as the protocol requires; some do not.
+                let mut ops = Vec::new();
+                if counts_first {
+                    ops.extend([Op::SetReaders(readers), Op::SetWriters(writers)]);
+                }
+                ops.extend(body);
+                ops.extend(tail);
+                Case {
+                    start_epoch,
+                    offset_limit: limits.0,
+                    commit_limit: limits.1,
+                    waiting_limit: limits.2,
+                    fail_sink_at: failures.0,
+                    fail_commit_at: failures.1,
+                    fail_add_offsets_at: failures.2,
+                    ops,
+                }
+            },
+        )
 }
 
 fn collaborators(case: &Case) -> (RecordingQuery, RecordingSink, CallLog) {

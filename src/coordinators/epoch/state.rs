@@ -19,12 +19,12 @@ use super::{
 };
 use crate::error::ConfigError;
 
-/// Buckets for epochs up to this far ahead of the last committed epoch may reuse recycled
-/// allocations; buckets further ahead start small. This bounds how many live buckets hold
-/// allocations sized for a full epoch.
-const RECYCLE_WINDOW_EPOCHS: i64 = 32;
+/// Buckets for epochs up to this far ahead of the last committed epoch are laid out densely and
+/// may reuse recycled allocations; buckets further ahead are sparse and start small. This bounds
+/// how many live buckets hold allocations sized for a full epoch.
+const RECYCLE_WINDOW_EPOCHS: i64 = 16;
 /// Free buckets that keep their allocations; further freed buckets give them back.
-const RECYCLED_BUCKETS_MAX: usize = 32;
+const RECYCLED_BUCKETS_MAX: usize = 16;
 
 /// A multiplicative hash for integer keys (partition ids, epochs): one multiply and a fold, so
 /// both the low bits (bucket position) and the high bits (SwissTable tag) depend on every key
@@ -75,28 +75,72 @@ enum Inserted {
     Duplicate,
 }
 
-/// The entries of one epoch for one side (offsets or commits).
-#[derive(Default)]
+/// The entries of one epoch for one side (offsets or commits), in one of two layouts:
+///
+/// * **dense** (the usual case: the partition count is set and moderate, and the epoch is near
+///   the commit frontier): `entries[p] == (p, payload)` for every `p` below the partition count
+///   the bucket was prepared for, a bitmap says which slots hold a value. An insert is a bit test
+///   and a store; a complete side is already the sorted slice the query and sink want.
+/// * **sparse** (count unset, very large, or epoch far ahead): entries in arrival order, found
+///   through a small hash map, sorted on completion. While partitions arrive as 0, 1, 2, ... the
+///   vector is its own index ("positional", no hashing).
 struct Slots {
-    /// Entries in arrival order, or sorted by partition after [`Slots::sort`]. Partition ids are
-    /// distinct and non-negative (the coordinator validates before inserting).
     entries: Vec<(PartitionId, Payload)>,
-    /// Partition id -> position in `entries`; maintained only when `positional` is false.
+    /// Dense layout: `entries.len()` is the prepared partition count and `present` its bitmap.
+    dense: bool,
+    present: Vec<u64>,
+    /// Number of stored entries (dense: set bits; sparse: `entries.len()`).
+    len: usize,
+    /// Sparse layout: partition id -> position in `entries`, maintained only when `positional`
+    /// is false.
     index: IntMap<i32, u32>,
-    /// `entries[i].0 == i` for every `i`: the vector is its own index and `index` is empty.
+    /// Sparse layout: `entries[i].0 == i` for every `i`; `index` is empty.
     positional: bool,
-    /// Largest partition id stored (-1 when empty).
+    /// Sparse layout: largest partition id stored (-1 when empty).
     max_partition: i32,
 }
 
+/// Largest partition count laid out densely (a dense side costs 40 bytes per partition).
+const DENSE_PARTITIONS_MAX: i32 = 1 << 14;
+
 impl Slots {
     fn new() -> Self {
-        Self { entries: Vec::new(), index: IntMap::default(), positional: true, max_partition: -1 }
+        Self {
+            entries: Vec::new(),
+            dense: false,
+            present: Vec::new(),
+            len: 0,
+            index: IntMap::default(),
+            positional: true,
+            max_partition: -1,
+        }
+    }
+
+    /// Chooses the layout of an empty side for `count` partitions.
+    fn prepare(&mut self, count: i32, allow_dense: bool) {
+        debug_assert_eq!(self.len, 0);
+        if allow_dense && count > 0 && count <= DENSE_PARTITIONS_MAX {
+            let count = count as usize;
+            if !(self.dense && self.entries.len() == count) {
+                self.entries.clear();
+                self.entries.extend((0..count).map(|p| (PartitionId(p as i32), Payload::new())));
+                self.present.clear();
+                self.present.resize(count.div_ceil(64), 0);
+                self.dense = true;
+            }
+        } else if self.dense {
+            self.entries.clear();
+            self.present.clear();
+            self.dense = false;
+            self.index.clear();
+            self.positional = true;
+            self.max_partition = -1;
+        }
     }
 
     #[inline]
     fn len(&self) -> usize {
-        self.entries.len()
+        self.len
     }
 
     /// Stores `payload` for `partition`; an existing entry is replaced when `overwrite`, else
@@ -105,6 +149,23 @@ impl Slots {
     fn insert(&mut self, partition: PartitionId, payload: Payload, overwrite: bool) -> Inserted {
         debug_assert!(partition.0 >= 0, "partition ids are validated before insert");
         let position = partition.0 as usize;
+        if self.dense {
+            if position < self.entries.len() {
+                let (word, bit) = (position / 64, 1u64 << (position % 64));
+                if self.present[word] & bit != 0 {
+                    if !overwrite {
+                        return Inserted::Duplicate;
+                    }
+                    self.entries[position].1 = payload;
+                    return Inserted::Replaced;
+                }
+                self.present[word] |= bit;
+                self.entries[position].1 = payload;
+                self.len += 1;
+                return Inserted::New;
+            }
+            self.make_sparse();
+        }
         if self.positional {
             let len = self.entries.len();
             if position < len {
@@ -118,9 +179,11 @@ impl Slots {
             if position == len {
                 self.entries.push((partition, payload));
                 self.max_partition = partition.0;
+                self.len += 1;
                 return Inserted::New;
             }
-            self.leave_positional();
+            self.positional = false;
+            self.rebuild_index();
         }
         match self.index.entry(partition.0) {
             Entry::Occupied(occupied) => {
@@ -135,14 +198,33 @@ impl Slots {
                 vacant.insert(self.entries.len() as u32);
                 self.entries.push((partition, payload));
                 self.max_partition = self.max_partition.max(partition.0);
+                self.len += 1;
                 Inserted::New
             }
         }
     }
 
-    fn leave_positional(&mut self) {
-        self.positional = false;
-        self.rebuild_index();
+    /// Turns the dense layout into the sparse one (rare: the partition count changed after the
+    /// bucket was prepared).
+    #[cold]
+    fn make_sparse(&mut self) {
+        debug_assert!(self.dense);
+        let present = std::mem::take(&mut self.present);
+        let mut position = 0;
+        self.entries.retain(|_| {
+            let keep = present[position / 64] & (1 << (position % 64)) != 0;
+            position += 1;
+            keep
+        });
+        self.dense = false;
+        self.max_partition = self.entries.last().map_or(-1, |(partition, _)| partition.0);
+        // Kept in partition order: positional exactly when the ids are 0..len.
+        self.positional = self.max_partition + 1 == self.entries.len() as i32;
+        if self.positional {
+            self.index.clear();
+        } else {
+            self.rebuild_index();
+        }
     }
 
     fn rebuild_index(&mut self) {
@@ -153,41 +235,62 @@ impl Slots {
         }
     }
 
-    /// Sorts the entries by partition id. O(n) when the ids are exactly `0..n`.
-    fn sort(&mut self) {
-        if self.positional {
-            return;
-        }
-        let len = self.entries.len();
-        if (self.max_partition as usize) < len {
-            // Distinct ids in 0..len: a permutation; put each entry at its index.
-            for position in 0..len {
-                loop {
-                    let target = self.entries[position].0 .0 as usize;
-                    if target == position {
-                        break;
-                    }
-                    self.entries.swap(position, target);
-                }
+    /// The stored entries sorted by partition id. O(1) for a complete dense side; O(n) for a
+    /// sparse side whose ids are exactly `0..n`.
+    fn sorted(&mut self) -> &[(PartitionId, Payload)] {
+        if self.dense {
+            if self.len == self.entries.len() {
+                return &self.entries;
             }
-            self.positional = true;
-            self.index.clear();
-        } else {
-            self.entries.sort_unstable_by_key(|(partition, _)| *partition);
-            self.rebuild_index();
+            self.make_sparse();
         }
+        if !self.positional {
+            let len = self.entries.len();
+            if (self.max_partition as usize) < len {
+                // Distinct ids in 0..len: a permutation; put each entry at its index.
+                for position in 0..len {
+                    loop {
+                        let target = self.entries[position].0 .0 as usize;
+                        if target == position {
+                            break;
+                        }
+                        self.entries.swap(position, target);
+                    }
+                }
+                self.positional = true;
+                self.index.clear();
+            } else {
+                self.entries.sort_unstable_by_key(|(partition, _)| *partition);
+                self.rebuild_index();
+            }
+        }
+        &self.entries
     }
 
+    /// Empties the side, keeping its allocations (a dense side keeps its layout).
     fn clear(&mut self) {
-        self.entries.clear();
-        self.index.clear();
-        self.positional = true;
-        self.max_partition = -1;
+        if self.dense {
+            self.present.fill(0);
+        } else {
+            self.entries.clear();
+            self.index.clear();
+            self.positional = true;
+            self.max_partition = -1;
+        }
+        self.len = 0;
     }
 
-    /// Gives back allocations larger than a small epoch needs.
+    /// Empties the side and gives back allocations larger than a small epoch needs.
     fn shrink(&mut self) {
         const SMALL: usize = 16;
+        self.clear();
+        if self.dense {
+            self.entries = Vec::new();
+            self.present = Vec::new();
+            self.dense = false;
+            self.positional = true;
+            self.max_partition = -1;
+        }
         if self.entries.capacity() > SMALL {
             self.entries = Vec::new();
         }
@@ -416,9 +519,8 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
         }
         tracing::debug!(%partition, %epoch, "partition offset stored");
         if complete(bucket.offsets.len(), self.reader_partitions) {
-            bucket.offsets.sort();
             self.counters.offsets_added += 1;
-            if let Err(source) = self.query.add_offsets(epoch, &bucket.offsets.entries) {
+            if let Err(source) = self.query.add_offsets(epoch, bucket.offsets.sorted()) {
                 self.fail(EpochError::AddOffsets { epoch, source }, epoch);
             }
             self.resolve(slot);
@@ -584,21 +686,18 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
             Entry::Occupied(occupied) => *occupied.get(),
             Entry::Vacant(vacant) => {
                 let far = epoch.0.saturating_sub(self.last_committed.0) > RECYCLE_WINDOW_EPOCHS;
-                let slot = match self.free.pop() {
-                    Some(slot) => {
-                        let bucket = &mut self.buckets[slot as usize];
-                        bucket.epoch = epoch;
-                        if far {
-                            bucket.offsets.shrink();
-                            bucket.commits.shrink();
-                        }
-                        slot
-                    }
-                    None => {
-                        self.buckets.push(Bucket::new(epoch));
-                        (self.buckets.len() - 1) as u32
-                    }
-                };
+                let slot = self.free.pop().unwrap_or_else(|| {
+                    self.buckets.push(Bucket::new(epoch));
+                    (self.buckets.len() - 1) as u32
+                });
+                let bucket = &mut self.buckets[slot as usize];
+                bucket.epoch = epoch;
+                if far {
+                    bucket.offsets.shrink();
+                    bucket.commits.shrink();
+                }
+                bucket.offsets.prepare(self.reader_partitions, !far);
+                bucket.commits.prepare(self.writer_partitions, !far);
                 *vacant.insert(slot)
             }
         };
@@ -686,9 +785,8 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
     fn commit_epoch(&mut self, slot: u32) -> Result<(), EpochError> {
         let bucket = &mut self.buckets[slot as usize];
         let epoch = bucket.epoch;
-        bucket.commits.sort();
         self.sink
-            .commit(epoch, &bucket.commits.entries)
+            .commit(epoch, bucket.commits.sorted())
             .map_err(|source| EpochError::SinkCommit { epoch, source })?;
         self.query.commit(epoch).map_err(|source| EpochError::QueryCommit { epoch, source })?;
         tracing::debug!(%epoch, "epoch committed");
@@ -752,44 +850,78 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
 mod tests {
     use super::*;
 
-    fn ids(slots: &Slots) -> Vec<i32> {
-        slots.entries.iter().map(|(partition, _)| partition.0).collect()
+    fn ids(slots: &mut Slots) -> Vec<i32> {
+        slots.sorted().iter().map(|(partition, _)| partition.0).collect()
     }
 
     #[test]
-    fn slots_stay_positional_for_in_order_partitions() {
+    fn sparse_slots_stay_positional_for_in_order_partitions() {
         let mut slots = Slots::new();
         for partition in 0..5 {
             assert_eq!(slots.insert(PartitionId(partition), 1.into(), false), Inserted::New);
         }
-        assert!(slots.positional);
+        assert!(slots.positional && !slots.dense);
         assert_eq!(slots.insert(PartitionId(3), 2.into(), false), Inserted::Duplicate);
         assert_eq!(slots.insert(PartitionId(3), 2.into(), true), Inserted::Replaced);
         assert_eq!(slots.entries[3].1.as_i64(), Some(2));
+        assert_eq!(slots.len(), 5);
     }
 
     #[test]
-    fn slots_sort_a_permutation_by_placement_and_others_by_comparison() {
+    fn sparse_slots_sort_a_permutation_by_placement_and_others_by_comparison() {
         let mut slots = Slots::new();
         for partition in [3, 0, 4, 1, 2] {
+            let inserted = slots.insert(PartitionId(partition), partition.into(), false);
+            assert_eq!(inserted, Inserted::New);
+        }
+        assert!(!slots.positional);
+        assert_eq!(ids(&mut slots), [0, 1, 2, 3, 4]);
+        assert!(slots.positional);
+        // Still finds entries (by position) after sorting, and leaves positional mode cleanly.
+        assert_eq!(slots.insert(PartitionId(2), 9.into(), true), Inserted::Replaced);
+        assert_eq!(slots.insert(PartitionId(9), 9.into(), true), Inserted::New);
+        assert_eq!(slots.insert(PartitionId(2), 8.into(), false), Inserted::Duplicate);
+        assert_eq!(ids(&mut slots), [0, 1, 2, 3, 4, 9]);
+        assert_eq!(slots.insert(PartitionId(9), 1.into(), false), Inserted::Duplicate);
+        assert_eq!(slots.insert(PartitionId(7), 1.into(), false), Inserted::New);
+        assert_eq!(slots.entries[2].1.as_i64(), Some(9));
+        assert_eq!(slots.len(), 7);
+    }
+
+    #[test]
+    fn dense_slots_are_the_sorted_slice_and_fall_back_to_sparse() {
+        let mut slots = Slots::new();
+        slots.prepare(4, true);
+        assert!(slots.dense);
+        for partition in [2, 0, 3] {
             assert_eq!(
                 slots.insert(PartitionId(partition), partition.into(), false),
                 Inserted::New
             );
         }
-        assert!(!slots.positional);
-        slots.sort();
-        assert!(slots.positional);
-        assert_eq!(ids(&slots), [0, 1, 2, 3, 4]);
-        // Still finds entries (by position) after sorting, and leaves positional mode cleanly.
-        assert_eq!(slots.insert(PartitionId(2), 9.into(), true), Inserted::Replaced);
-        assert_eq!(slots.insert(PartitionId(9), 9.into(), true), Inserted::New);
-        assert_eq!(slots.insert(PartitionId(2), 8.into(), false), Inserted::Duplicate);
-        slots.sort();
-        assert_eq!(ids(&slots), [0, 1, 2, 3, 4, 9]);
-        assert_eq!(slots.insert(PartitionId(9), 1.into(), false), Inserted::Duplicate);
-        assert_eq!(slots.insert(PartitionId(7), 1.into(), false), Inserted::New);
-        assert_eq!(slots.entries[2].1.as_i64(), Some(9));
+        assert_eq!(slots.insert(PartitionId(0), 5.into(), false), Inserted::Duplicate);
+        assert_eq!(slots.len(), 3);
+        assert_eq!(slots.insert(PartitionId(1), 1.into(), false), Inserted::New);
+        assert_eq!(ids(&mut slots), [0, 1, 2, 3]);
+        assert!(slots.dense, "a complete dense side needs no conversion");
+        // Reuse: clear keeps the layout; a partition beyond it turns the side sparse.
+        slots.clear();
+        slots.prepare(4, true);
+        assert_eq!(slots.len(), 0);
+        assert_eq!(slots.insert(PartitionId(3), 3.into(), false), Inserted::New);
+        assert_eq!(slots.insert(PartitionId(6), 6.into(), false), Inserted::New);
+        assert!(!slots.dense);
+        assert_eq!(slots.insert(PartitionId(3), 9.into(), false), Inserted::Duplicate);
+        assert_eq!(ids(&mut slots), [3, 6]);
+        assert_eq!(slots.sorted()[0].1.as_i64(), Some(3));
+        // An incomplete dense side sorts into its present entries only.
+        let mut partial = Slots::new();
+        partial.prepare(8, true);
+        partial.insert(PartitionId(5), 5.into(), true);
+        partial.insert(PartitionId(1), 1.into(), true);
+        assert_eq!(ids(&mut partial), [1, 5]);
+        partial.shrink();
+        assert!(!partial.dense && partial.len() == 0 && partial.entries.capacity() <= 16);
     }
 
     #[test]
