@@ -4,6 +4,7 @@
 //! returning the measured [`report::Figure`]s. With no subcommand, every workload runs briefly on
 //! an embedded default and one table (or JSON lines with `--json`) is printed.
 
+mod epoch;
 mod report;
 
 use clap::{Parser, Subcommand};
@@ -23,13 +24,18 @@ struct Cli {
 }
 
 #[derive(Debug, Subcommand)]
-enum Workload {}
+enum Workload {
+    /// Epoch coordinator: partitions reporting offsets and committing epochs.
+    Epoch(epoch::EpochArgs),
+}
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let figures: Vec<report::Figure> = match cli.workload {
-        None => Vec::new(),
-        Some(workload) => match workload {},
+        None => epoch::run(&epoch::quick())?,
+        Some(workload) => match workload {
+            Workload::Epoch(args) => epoch::run(&args)?,
+        },
     };
     report::print(&figures, cli.json);
     Ok(())

@@ -1,0 +1,500 @@
+//! Workload `epoch`: the epoch coordinator endpoint under a continuous-processing load.
+//!
+//! `--producers N` threads play the executors: each owns a contiguous range of the
+//! `--partitions P` reader and writer partitions and, for every epoch, sends one
+//! `ReportPartitionOffset` and one `CommitPartitionEpoch` per partition with `send_batch`. A
+//! driver thread plays the epoch update thread: it asks `IncrementAndGetEpoch` whenever the
+//! producers need the next epoch. As in Spark, tasks only start an epoch the driver announced,
+//! and (flow control of this tool) they stay at most `--window` epochs ahead of the last
+//! committed one. The query collaborator timestamps every commit; the commit latency of an epoch
+//! is from the moment its last message was handed to the bus to its commit.
+//!
+//! `--baseline reference` then applies the same message stream (the producers' batches in
+//! round-robin order) to the reference model and, for comparison, to the fast state machine,
+//! directly on this thread (no bus, which favours the reference). The reference model rescans
+//! its maps on every message, so it gets a time budget (`--baseline-seconds`) and is measured
+//! on the prefix of the stream it gets through.
+//!
+//! `--durability group|every` needs the WAL-backed query, which is not merged yet: for now those
+//! values are rejected with an error.
+
+use std::{
+    sync::{
+        atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering},
+        Arc, Barrier,
+    },
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context as _};
+use coordbus::{
+    coordinators::epoch::{
+        coordinator_name, reference::ReferenceEpochCoordinator, CollaboratorError,
+        CommitPartitionEpoch, Epoch, EpochConfig, EpochCoordinator, EpochEndpoint, EpochError,
+        EpochMessage, GetEpochStats, IncrementAndGetEpoch, PartitionId, Payload, Query,
+        ReportPartitionOffset, SetReaderPartitions, SetWriterPartitions, Sink,
+    },
+    Bus,
+};
+use crossbeam_utils::Backoff;
+use hdrhistogram::Histogram;
+
+use crate::report::{Figure, Percentiles};
+
+/// Durability of the commit records.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Durability {
+    /// In memory only.
+    None,
+    /// WAL with group commit (needs the WAL).
+    Group,
+    /// WAL with a sync per record (needs the WAL).
+    Every,
+}
+
+impl Durability {
+    fn name(self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::Group => "group",
+            Self::Every => "every",
+        }
+    }
+}
+
+/// What to compare against.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Baseline {
+    /// No baseline.
+    None,
+    /// The reference model (Spark's algorithm) on the same stream.
+    Reference,
+}
+
+/// Flags of the `epoch` workload.
+#[derive(clap::Args, Debug, Clone)]
+pub struct EpochArgs {
+    /// Reader partitions, and as many writer partitions.
+    #[arg(long, default_value_t = 1000)]
+    pub partitions: i32,
+    /// Epochs to run (each is 2 x partitions messages).
+    #[arg(long, default_value_t = 5000)]
+    pub epochs: i64,
+    /// Producer threads (each owns a contiguous range of partitions).
+    #[arg(long, default_value_t = 1)]
+    pub producers: usize,
+    /// Messages per `send_batch`.
+    #[arg(long, default_value_t = 512)]
+    pub batch: usize,
+    /// How many epochs the producers may run ahead of the last committed epoch.
+    #[arg(long, default_value_t = 4)]
+    pub window: i64,
+    /// Commit durability: none (in memory), group or every (need the WAL, not merged yet).
+    #[arg(long, value_enum, default_value_t = Durability::None)]
+    pub durability: Durability,
+    /// Baseline run in the same process on the same message stream.
+    #[arg(long, value_enum, default_value_t = Baseline::Reference)]
+    pub baseline: Baseline,
+    /// Time budget of the reference model run, in seconds.
+    #[arg(long, default_value_t = 2.0)]
+    pub baseline_seconds: f64,
+    /// Backlog limit of the coordinator (all three limits).
+    #[arg(long, default_value_t = 1_000_000)]
+    pub backlog_limit: usize,
+    /// Inbox capacity per shard (messages).
+    #[arg(long, default_value_t = 1 << 16)]
+    pub inbox_capacity: usize,
+}
+
+/// A run of a few seconds for the no-argument invocation.
+pub fn quick() -> EpochArgs {
+    EpochArgs {
+        partitions: 1000,
+        epochs: 2000,
+        producers: 1,
+        batch: 512,
+        window: 4,
+        durability: Durability::None,
+        baseline: Baseline::Reference,
+        baseline_seconds: 1.0,
+        backlog_limit: 1_000_000,
+        inbox_capacity: 1 << 16,
+    }
+}
+
+/// State shared by the query collaborator (on the endpoint thread) and the load threads.
+struct Shared {
+    start: Instant,
+    committed: AtomicI64,
+    driver_epoch: AtomicI64,
+    /// Per epoch (index epoch - 1): nanoseconds since `start` when its last message was sent.
+    last_sent_ns: Vec<AtomicU64>,
+    /// Per epoch: nanoseconds since `start` when it was committed.
+    committed_ns: Vec<AtomicU64>,
+    stopped: AtomicBool,
+    failed: AtomicBool,
+}
+
+impl Shared {
+    fn now_ns(&self) -> u64 {
+        self.start.elapsed().as_nanos() as u64
+    }
+}
+
+struct LoadQuery(Arc<Shared>);
+
+impl Query for LoadQuery {
+    fn add_offsets(
+        &mut self,
+        _: Epoch,
+        offsets: &[(PartitionId, Payload)],
+    ) -> Result<(), CollaboratorError> {
+        std::hint::black_box(offsets);
+        Ok(())
+    }
+
+    fn commit(&mut self, epoch: Epoch) -> Result<(), CollaboratorError> {
+        let shared = &self.0;
+        if let Some(slot) = shared.committed_ns.get((epoch.0 - 1) as usize) {
+            slot.store(shared.now_ns(), Ordering::Relaxed);
+        }
+        shared.committed.store(epoch.0, Ordering::Release);
+        Ok(())
+    }
+
+    fn stop(&mut self, error: EpochError) {
+        if !self.0.failed.swap(true, Ordering::Relaxed) {
+            eprintln!("epoch workload: the coordinator stopped the query: {error}");
+        }
+    }
+}
+
+struct LoadSink;
+
+impl Sink for LoadSink {
+    fn commit(
+        &mut self,
+        _: Epoch,
+        messages: &[(PartitionId, Payload)],
+    ) -> Result<(), CollaboratorError> {
+        std::hint::black_box(messages);
+        Ok(())
+    }
+}
+
+/// The messages producer `range` sends for `epoch`, in order.
+fn epoch_messages(range: std::ops::Range<i32>, epoch: i64, out: &mut Vec<EpochMessage>) {
+    for partition in range {
+        out.push(
+            ReportPartitionOffset {
+                partition,
+                epoch,
+                offset: (epoch << 20 | i64::from(partition)).into(),
+            }
+            .into(),
+        );
+        out.push(
+            CommitPartitionEpoch { partition, epoch, message: i64::from(partition).into() }.into(),
+        );
+    }
+}
+
+fn ranges(partitions: i32, producers: usize) -> Vec<std::ops::Range<i32>> {
+    let producers = producers as i64;
+    (0..producers)
+        .map(|index| {
+            let start = (i64::from(partitions) * index / producers) as i32;
+            let end = (i64::from(partitions) * (index + 1) / producers) as i32;
+            start..end
+        })
+        .collect()
+}
+
+fn validate(args: &EpochArgs) -> anyhow::Result<()> {
+    if args.durability != Durability::None {
+        bail!(
+            "--durability {} needs the WAL-backed query, which is not merged yet; \
+             only --durability none works for now",
+            args.durability.name()
+        );
+    }
+    if args.partitions < 1 || args.epochs < 1 || args.producers < 1 || args.batch < 1 {
+        bail!("--partitions, --epochs, --producers and --batch must be at least 1");
+    }
+    if args.producers > args.partitions as usize {
+        bail!("--producers must not exceed --partitions");
+    }
+    if args.window < 1 {
+        bail!("--window must be at least 1");
+    }
+    Ok(())
+}
+
+/// Runs the workload.
+pub fn run(args: &EpochArgs) -> anyhow::Result<Vec<Figure>> {
+    validate(args)?;
+    let mut figures = vec![run_bus(args)?];
+    if args.baseline == Baseline::Reference {
+        let (ours, reference) = run_direct(args);
+        let bus = figures.remove(0);
+        let bus = bus.with_baseline("reference (direct)", reference.msgs_per_sec());
+        figures.push(bus);
+        figures.push(ours.with_baseline("reference (direct)", reference.msgs_per_sec()));
+    }
+    Ok(figures)
+}
+
+fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
+    let epochs = args.epochs;
+    let shared = Arc::new(Shared {
+        start: Instant::now(),
+        committed: AtomicI64::new(0),
+        driver_epoch: AtomicI64::new(1),
+        last_sent_ns: (0..epochs).map(|_| AtomicU64::new(0)).collect(),
+        committed_ns: (0..epochs).map(|_| AtomicU64::new(0)).collect(),
+        stopped: AtomicBool::new(false),
+        failed: AtomicBool::new(false),
+    });
+    let bus = Bus::builder()
+        .inbox_shards(args.producers + 1)
+        .inbox_capacity(args.inbox_capacity)
+        .build()?;
+    let config = EpochConfig::new(1).with_backlog_limit(args.backlog_limit);
+    let endpoint = EpochEndpoint::new(config, LoadQuery(Arc::clone(&shared)), LoadSink)?;
+    let coordinator = bus.register(coordinator_name("load"), endpoint)?;
+    coordinator.ask(SetReaderPartitions(args.partitions)).wait()?;
+    coordinator.ask(SetWriterPartitions(args.partitions)).wait()?;
+
+    let barrier = Arc::new(Barrier::new(args.producers + 2));
+    let mut threads = Vec::new();
+    for range in ranges(args.partitions, args.producers) {
+        let (shared, coordinator, barrier) =
+            (Arc::clone(&shared), coordinator.clone(), Arc::clone(&barrier));
+        let (batch, window) = (args.batch, args.window);
+        threads.push(std::thread::spawn(move || -> anyhow::Result<()> {
+            let mut messages = Vec::with_capacity(2 * range.len());
+            barrier.wait();
+            for epoch in 1..=epochs {
+                let backoff = Backoff::new();
+                while shared.driver_epoch.load(Ordering::Acquire) < epoch
+                    || epoch - shared.committed.load(Ordering::Acquire) > window
+                {
+                    if shared.stopped.load(Ordering::Relaxed) {
+                        return Ok(());
+                    }
+                    backoff.snooze();
+                }
+                messages.clear();
+                epoch_messages(range.clone(), epoch, &mut messages);
+                let mut rest = messages.drain(..).peekable();
+                loop {
+                    let chunk: Vec<EpochMessage> = rest.by_ref().take(batch).collect();
+                    if rest.peek().is_none() {
+                        let sent_ns = shared.now_ns();
+                        coordinator
+                            .send_batch(chunk)
+                            .map_err(|_| anyhow::anyhow!("the coordinator stopped"))?;
+                        shared.last_sent_ns[(epoch - 1) as usize]
+                            .fetch_max(sent_ns, Ordering::Relaxed);
+                        break;
+                    }
+                    coordinator
+                        .send_batch(chunk)
+                        .map_err(|_| anyhow::anyhow!("the coordinator stopped"))?;
+                }
+            }
+            Ok(())
+        }));
+    }
+    let driver = {
+        let (shared, coordinator, barrier) =
+            (Arc::clone(&shared), coordinator.clone(), Arc::clone(&barrier));
+        let window = args.window;
+        std::thread::spawn(move || -> anyhow::Result<()> {
+            barrier.wait();
+            let mut driver_epoch = 1;
+            while driver_epoch < epochs {
+                let backoff = Backoff::new();
+                while driver_epoch - shared.committed.load(Ordering::Acquire) >= window {
+                    if shared.stopped.load(Ordering::Relaxed) {
+                        return Ok(());
+                    }
+                    backoff.snooze();
+                }
+                driver_epoch = coordinator.ask(IncrementAndGetEpoch).wait()?;
+                shared.driver_epoch.store(driver_epoch, Ordering::Release);
+            }
+            Ok(())
+        })
+    };
+
+    barrier.wait();
+    let started = Instant::now();
+    let started_ns = shared.now_ns();
+    // Bounded wait: a stall (lost commit, stopped query) ends the run with an error.
+    let deadline = started + Duration::from_secs(60) + Duration::from_micros(epochs as u64 * 50);
+    let backoff = Backoff::new();
+    while shared.committed.load(Ordering::Acquire) < epochs {
+        if Instant::now() > deadline || shared.failed.load(Ordering::Relaxed) {
+            shared.stopped.store(true, Ordering::Relaxed);
+            break;
+        }
+        backoff.snooze();
+        if backoff.is_completed() {
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    }
+    let committed = shared.committed.load(Ordering::Acquire);
+    let finished_ns = shared
+        .committed_ns
+        .get((committed.max(1) - 1) as usize)
+        .map_or(0, |ns| ns.load(Ordering::Relaxed));
+    for thread in threads {
+        thread.join().map_err(|_| anyhow::anyhow!("producer panicked"))??;
+    }
+    driver.join().map_err(|_| anyhow::anyhow!("driver panicked"))??;
+    let stats = coordinator.ask(GetEpochStats).wait()?;
+    bus.shutdown()?;
+    if committed < epochs {
+        bail!(
+            "only {committed} of {epochs} epochs committed (stats: {stats:?}); the query was \
+             stopped: {}",
+            shared.failed.load(Ordering::Relaxed)
+        );
+    }
+    if stats.counters.dropped() != 0 {
+        bail!("the coordinator dropped messages: {:?}", stats.counters);
+    }
+
+    let seconds = finished_ns.saturating_sub(started_ns) as f64 / 1e9;
+    let messages = 2 * args.partitions as u64 * epochs as u64;
+    let mut latency = Histogram::<u64>::new(3).context("histogram")?;
+    for (sent, done) in shared.last_sent_ns.iter().zip(&shared.committed_ns) {
+        let (sent, done) = (sent.load(Ordering::Relaxed), done.load(Ordering::Relaxed));
+        latency.record(done.saturating_sub(sent).max(1))?;
+    }
+    Ok(Figure::new("epoch", messages, seconds)
+        .with_latency(Percentiles::from_histogram(&latency))
+        .with("partitions", args.partitions)
+        .with("durability", args.durability.name())
+        .with("producers", args.producers as u64)
+        .with("epochs", epochs)
+        .with("epochs_per_sec", epochs as f64 / seconds.max(1e-9))
+        .with("peak_rss_mib", peak_rss_mib()))
+}
+
+/// The fast state machine and the reference model on the same stream, on this thread.
+fn run_direct(args: &EpochArgs) -> (Figure, Figure) {
+    let ranges = ranges(args.partitions, args.producers);
+    let stream_epoch = |epoch: i64, out: &mut Vec<EpochMessage>| {
+        // The producers' batches in round-robin order, as the endpoint would drain them.
+        let mut per_producer: Vec<Vec<EpochMessage>> = ranges
+            .iter()
+            .map(|range| {
+                let mut messages = Vec::new();
+                epoch_messages(range.clone(), epoch, &mut messages);
+                messages
+            })
+            .collect();
+        let mut cursors = vec![0usize; per_producer.len()];
+        loop {
+            let mut progressed = false;
+            for (producer, messages) in per_producer.iter_mut().enumerate() {
+                let start = cursors[producer];
+                let end = (start + args.batch).min(messages.len());
+                if start < end {
+                    out.extend(messages[start..end].iter().cloned());
+                    cursors[producer] = end;
+                    progressed = true;
+                }
+            }
+            if !progressed {
+                break;
+            }
+        }
+    };
+    let config = EpochConfig::new(1).with_backlog_limit(args.backlog_limit);
+
+    let mut reference = ReferenceEpochCoordinator::new(config.clone(), LoadSinkQuery, LoadSink)
+        .expect("valid configuration");
+    let _ = reference.set_reader_partitions(args.partitions);
+    let _ = reference.set_writer_partitions(args.partitions);
+    let budget = Duration::from_secs_f64(args.baseline_seconds);
+    let mut buffer = Vec::new();
+    let (mut reference_messages, mut reference_time) = (0u64, Duration::ZERO);
+    for epoch in 1..=args.epochs {
+        buffer.clear();
+        stream_epoch(epoch, &mut buffer);
+        let count = buffer.len() as u64;
+        let started = Instant::now();
+        for message in buffer.drain(..) {
+            let _ = reference.apply(message);
+        }
+        reference_time += started.elapsed();
+        reference_messages += count;
+        if reference_time > budget {
+            break;
+        }
+    }
+    let reference_epochs = reference.last_committed().0;
+
+    let mut ours =
+        EpochCoordinator::new(config, LoadSinkQuery, LoadSink).expect("valid configuration");
+    let _ = ours.set_reader_partitions(args.partitions);
+    let _ = ours.set_writer_partitions(args.partitions);
+    let (mut our_messages, mut our_time) = (0u64, Duration::ZERO);
+    for epoch in 1..=args.epochs {
+        buffer.clear();
+        stream_epoch(epoch, &mut buffer);
+        our_messages += buffer.len() as u64;
+        let started = Instant::now();
+        for message in buffer.drain(..) {
+            let _ = ours.apply(message);
+        }
+        our_time += started.elapsed();
+    }
+    let ours = Figure::new("epoch/state-machine", our_messages, our_time.as_secs_f64())
+        .with("partitions", args.partitions)
+        .with("durability", "none")
+        .with("epochs", ours.last_committed().0)
+        .with("epochs_per_sec", ours.last_committed().0 as f64 / our_time.as_secs_f64().max(1e-9));
+    let reference =
+        Figure::new("epoch/reference", reference_messages, reference_time.as_secs_f64())
+            .with("epochs", reference_epochs);
+    (ours, reference)
+}
+
+/// A query for the direct runs: does nothing.
+struct LoadSinkQuery;
+
+impl Query for LoadSinkQuery {
+    fn add_offsets(
+        &mut self,
+        _: Epoch,
+        offsets: &[(PartitionId, Payload)],
+    ) -> Result<(), CollaboratorError> {
+        std::hint::black_box(offsets);
+        Ok(())
+    }
+    fn commit(&mut self, epoch: Epoch) -> Result<(), CollaboratorError> {
+        std::hint::black_box(epoch);
+        Ok(())
+    }
+    fn stop(&mut self, error: EpochError) {
+        eprintln!("epoch workload (direct run): query stopped: {error}");
+    }
+}
+
+/// Peak resident memory of this process (VmHWM), in MiB; 0 if unknown.
+fn peak_rss_mib() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find(|line| line.starts_with("VmHWM:"))
+                .and_then(|line| line.split_whitespace().nth(1))
+                .and_then(|kib| kib.parse::<f64>().ok())
+        })
+        .map_or(0.0, |kib| kib / 1024.0)
+}
