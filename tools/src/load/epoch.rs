@@ -21,8 +21,9 @@
 use std::{
     sync::{
         atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering},
-        Arc, Barrier,
+        Arc, Barrier, OnceLock,
     },
+    thread::Thread,
     time::{Duration, Instant},
 };
 
@@ -36,7 +37,6 @@ use coordbus::{
     },
     Bus,
 };
-use crossbeam_utils::Backoff;
 use hdrhistogram::Histogram;
 
 use crate::report::{Figure, Percentiles};
@@ -86,8 +86,9 @@ pub struct EpochArgs {
     /// Messages per `send_batch`.
     #[arg(long, default_value_t = 512)]
     pub batch: usize,
-    /// How many epochs the producers may run ahead of the last committed epoch.
-    #[arg(long, default_value_t = 4)]
+    /// How many epochs the producers may run ahead of the last committed epoch (the inbox's
+    /// capacity is the other bound: a full inbox makes `send_batch` wait).
+    #[arg(long, default_value_t = 32)]
     pub window: i64,
     /// Commit durability: none (in memory), group or every (need the WAL, not merged yet).
     #[arg(long, value_enum, default_value_t = Durability::None)]
@@ -113,7 +114,7 @@ pub fn quick() -> EpochArgs {
         epochs: 2000,
         producers: 1,
         batch: 512,
-        window: 4,
+        window: 32,
         durability: Durability::None,
         baseline: Baseline::Reference,
         baseline_seconds: 1.0,
@@ -133,11 +134,37 @@ struct Shared {
     committed_ns: Vec<AtomicU64>,
     stopped: AtomicBool,
     failed: AtomicBool,
+    /// The producer and driver threads, woken on every commit and every new driver epoch.
+    waiters: OnceLock<Vec<Thread>>,
 }
 
 impl Shared {
     fn now_ns(&self) -> u64 {
         self.start.elapsed().as_nanos() as u64
+    }
+
+    fn wake_all(&self) {
+        for thread in self.waiters.get().map_or(&[][..], Vec::as_slice) {
+            thread.unpark();
+        }
+    }
+
+    /// Waits until `ready()`: spins briefly, then parks (woken by [`Shared::wake_all`]; the
+    /// timeout only bounds a missed wake-up). Returns false if the run was stopped.
+    fn wait_until(&self, ready: impl Fn() -> bool) -> bool {
+        let mut spins = 0u32;
+        while !ready() {
+            if self.stopped.load(Ordering::Relaxed) {
+                return false;
+            }
+            if spins < 256 {
+                spins += 1;
+                std::hint::spin_loop();
+            } else {
+                std::thread::park_timeout(Duration::from_micros(500));
+            }
+        }
+        true
     }
 }
 
@@ -159,6 +186,7 @@ impl Query for LoadQuery {
             slot.store(shared.now_ns(), Ordering::Relaxed);
         }
         shared.committed.store(epoch.0, Ordering::Release);
+        shared.wake_all();
         Ok(())
     }
 
@@ -254,6 +282,7 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
         committed_ns: (0..epochs).map(|_| AtomicU64::new(0)).collect(),
         stopped: AtomicBool::new(false),
         failed: AtomicBool::new(false),
+        waiters: OnceLock::new(),
     });
     let bus = Bus::builder()
         .inbox_shards(args.producers + 1)
@@ -275,14 +304,12 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
             let mut messages = Vec::with_capacity(2 * range.len());
             barrier.wait();
             for epoch in 1..=epochs {
-                let backoff = Backoff::new();
-                while shared.driver_epoch.load(Ordering::Acquire) < epoch
-                    || epoch - shared.committed.load(Ordering::Acquire) > window
-                {
-                    if shared.stopped.load(Ordering::Relaxed) {
-                        return Ok(());
-                    }
-                    backoff.snooze();
+                let ready = || {
+                    shared.driver_epoch.load(Ordering::Acquire) >= epoch
+                        && epoch - shared.committed.load(Ordering::Acquire) <= window
+                };
+                if !shared.wait_until(ready) {
+                    return Ok(());
                 }
                 messages.clear();
                 epoch_messages(range.clone(), epoch, &mut messages);
@@ -314,35 +341,44 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
             barrier.wait();
             let mut driver_epoch = 1;
             while driver_epoch < epochs {
-                let backoff = Backoff::new();
-                while driver_epoch - shared.committed.load(Ordering::Acquire) >= window {
-                    if shared.stopped.load(Ordering::Relaxed) {
-                        return Ok(());
-                    }
-                    backoff.snooze();
+                let ready = || driver_epoch - shared.committed.load(Ordering::Acquire) < window;
+                if !shared.wait_until(ready) {
+                    return Ok(());
                 }
-                driver_epoch = coordinator.ask(IncrementAndGetEpoch).wait()?;
+                // Announce every epoch the window allows with pipelined asks (one per epoch, as
+                // Spark's epoch thread does), waiting only for the last reply.
+                let room = window - (driver_epoch - shared.committed.load(Ordering::Acquire));
+                let asks = room.clamp(1, epochs - driver_epoch);
+                let mut last = None;
+                for _ in 0..asks {
+                    last = Some(coordinator.ask(IncrementAndGetEpoch));
+                }
+                if let Some(reply) = last {
+                    driver_epoch = reply.wait()?;
+                }
                 shared.driver_epoch.store(driver_epoch, Ordering::Release);
+                shared.wake_all();
             }
             Ok(())
         })
     };
 
+    let mut waiters: Vec<Thread> = threads.iter().map(|t| t.thread().clone()).collect();
+    waiters.push(driver.thread().clone());
+    let _ = shared.waiters.set(waiters);
     barrier.wait();
     let started = Instant::now();
     let started_ns = shared.now_ns();
-    // Bounded wait: a stall (lost commit, stopped query) ends the run with an error.
+    // Bounded wait (polling, so this thread takes no core from the run): a stall (lost
+    // commit, stopped query) ends the run with an error.
     let deadline = started + Duration::from_secs(60) + Duration::from_micros(epochs as u64 * 50);
-    let backoff = Backoff::new();
     while shared.committed.load(Ordering::Acquire) < epochs {
         if Instant::now() > deadline || shared.failed.load(Ordering::Relaxed) {
             shared.stopped.store(true, Ordering::Relaxed);
+            shared.wake_all();
             break;
         }
-        backoff.snooze();
-        if backoff.is_completed() {
-            std::thread::sleep(Duration::from_micros(100));
-        }
+        std::thread::sleep(Duration::from_millis(1));
     }
     let committed = shared.committed.load(Ordering::Acquire);
     let finished_ns = shared
