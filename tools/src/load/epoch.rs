@@ -86,9 +86,10 @@ pub struct EpochArgs {
     /// Messages per `send_batch`.
     #[arg(long, default_value_t = 512)]
     pub batch: usize,
-    /// How many epochs the producers may run ahead of the last committed epoch (the inbox's
-    /// capacity is the other bound: a full inbox makes `send_batch` wait).
-    #[arg(long, default_value_t = 32)]
+    /// How many epochs the producers may run ahead of the last committed epoch; 0 = auto
+    /// (about 64 Ki messages in flight, at least 4 epochs). The inbox's capacity is the other
+    /// bound: a full inbox makes `send_batch` wait.
+    #[arg(long, default_value_t = 0)]
     pub window: i64,
     /// Commit durability: none (in memory), group or every (need the WAL, not merged yet).
     #[arg(long, value_enum, default_value_t = Durability::None)]
@@ -114,7 +115,7 @@ pub fn quick() -> EpochArgs {
         epochs: 2000,
         producers: 1,
         batch: 512,
-        window: 32,
+        window: 0,
         durability: Durability::None,
         baseline: Baseline::Reference,
         baseline_seconds: 1.0,
@@ -252,8 +253,8 @@ fn validate(args: &EpochArgs) -> anyhow::Result<()> {
     if args.producers > args.partitions as usize {
         bail!("--producers must not exceed --partitions");
     }
-    if args.window < 1 {
-        bail!("--window must be at least 1");
+    if args.window < 0 {
+        bail!("--window must be at least 0 (0 = auto)");
     }
     Ok(())
 }
@@ -272,8 +273,18 @@ pub fn run(args: &EpochArgs) -> anyhow::Result<Vec<Figure>> {
     Ok(figures)
 }
 
+/// The window in epochs (`--window 0`: about 64 Ki messages in flight, at least 4 epochs).
+fn window_epochs(args: &EpochArgs) -> i64 {
+    if args.window > 0 {
+        args.window
+    } else {
+        (65_536 / (2 * i64::from(args.partitions))).max(4)
+    }
+}
+
 fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
     let epochs = args.epochs;
+    let window = window_epochs(args);
     let shared = Arc::new(Shared {
         start: Instant::now(),
         committed: AtomicI64::new(0),
@@ -299,35 +310,53 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
     for range in ranges(args.partitions, args.producers) {
         let (shared, coordinator, barrier) =
             (Arc::clone(&shared), coordinator.clone(), Arc::clone(&barrier));
-        let (batch, window) = (args.batch, args.window);
+        let batch = args.batch;
         threads.push(std::thread::spawn(move || -> anyhow::Result<()> {
-            let mut messages = Vec::with_capacity(2 * range.len());
+            let mut messages: Vec<EpochMessage> = Vec::new();
+            // (epoch, index of its last message in `messages`), in order.
+            let mut ends: Vec<(i64, usize)> = Vec::new();
             barrier.wait();
-            for epoch in 1..=epochs {
+            let mut next = 1;
+            while next <= epochs {
                 let ready = || {
-                    shared.driver_epoch.load(Ordering::Acquire) >= epoch
-                        && epoch - shared.committed.load(Ordering::Acquire) <= window
+                    shared.driver_epoch.load(Ordering::Acquire) >= next
+                        && next - shared.committed.load(Ordering::Acquire) <= window
                 };
                 if !shared.wait_until(ready) {
                     return Ok(());
                 }
+                // Every epoch the driver announced and the window allows, in one stream.
+                let last = shared
+                    .driver_epoch
+                    .load(Ordering::Acquire)
+                    .min(shared.committed.load(Ordering::Acquire) + window)
+                    .min(epochs);
                 messages.clear();
-                epoch_messages(range.clone(), epoch, &mut messages);
-                let mut rest = messages.drain(..).peekable();
-                loop {
+                ends.clear();
+                for epoch in next..=last {
+                    epoch_messages(range.clone(), epoch, &mut messages);
+                    ends.push((epoch, messages.len() - 1));
+                }
+                next = last + 1;
+                let mut ends = ends.iter().peekable();
+                let mut sent = 0;
+                let mut rest = messages.drain(..);
+                while rest.len() > 0 {
                     let chunk: Vec<EpochMessage> = rest.by_ref().take(batch).collect();
-                    if rest.peek().is_none() {
-                        let sent_ns = shared.now_ns();
-                        coordinator
-                            .send_batch(chunk)
-                            .map_err(|_| anyhow::anyhow!("the coordinator stopped"))?;
-                        shared.last_sent_ns[(epoch - 1) as usize]
-                            .fetch_max(sent_ns, Ordering::Relaxed);
-                        break;
-                    }
+                    let sent_ns = shared.now_ns();
+                    let chunk_len = chunk.len();
                     coordinator
                         .send_batch(chunk)
                         .map_err(|_| anyhow::anyhow!("the coordinator stopped"))?;
+                    sent += chunk_len;
+                    while let Some(&&(epoch, end)) = ends.peek() {
+                        if end >= sent {
+                            break;
+                        }
+                        shared.last_sent_ns[(epoch - 1) as usize]
+                            .fetch_max(sent_ns, Ordering::Relaxed);
+                        ends.next();
+                    }
                 }
             }
             Ok(())
@@ -336,7 +365,6 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
     let driver = {
         let (shared, coordinator, barrier) =
             (Arc::clone(&shared), coordinator.clone(), Arc::clone(&barrier));
-        let window = args.window;
         std::thread::spawn(move || -> anyhow::Result<()> {
             barrier.wait();
             let mut driver_epoch = 1;
@@ -415,6 +443,7 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
         .with("durability", args.durability.name())
         .with("producers", args.producers as u64)
         .with("epochs", epochs)
+        .with("window", window)
         .with("epochs_per_sec", epochs as f64 / seconds.max(1e-9))
         .with("peak_rss_mib", peak_rss_mib()))
 }
