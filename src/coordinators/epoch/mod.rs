@@ -19,7 +19,9 @@
 //! * [`reference`]: a deliberately simple model written straight from the spec (Spark-like
 //!   maps, rescans on every message). It is the oracle of the property test and the baseline of
 //!   the benchmark and the load tool; it is not meant for production.
-//! * Here: the collaborator traits [`Query`] and [`Sink`], [`EpochConfig`], errors and counters.
+//! * Here: the collaborator traits [`Query`] and [`Sink`], an in-memory [`MemoryQuery`] (the
+//!   offset and commit logs of SPEC B.9 without persistence), [`EpochConfig`], errors and
+//!   counters.
 //!
 //! # Why it is fast
 //! Spark's coordinator rescans its `(epoch, partition)` maps on every message (to count the
@@ -71,17 +73,20 @@
 //!
 //! # Durability seam
 //! The coordinator persists nothing itself (SPEC B.10): what must survive a restart goes
-//! through the [`Query`] trait, which is exactly Spark's offset log and commit log. A WAL-backed
-//! `DurableQuery` (added with the WAL) implements [`Query`]: `add_offsets` appends the epoch's
-//! offsets (the first record of an epoch wins), `commit` appends the committed epoch (and fails
-//! if the epoch has no offsets: "Batch E was committed without end epoch offsets!"), and both
-//! return an error once the WAL has failed, which fail-stops the coordinator. On restart it
-//! reads the last committed epoch `E` and its offsets from the WAL; the new coordinator gets
+//! through the [`Query`] trait, which is exactly Spark's offset log and commit log.
+//! [`MemoryQuery`] implements those logs in memory (and [`MemoryQuery::restart_point`] is the
+//! B.10 recovery rule); a WAL-backed `DurableQuery` (added with the WAL) implements [`Query`] the
+//! same way on disk: `add_offsets` appends the epoch's offsets (the first record of an epoch
+//! wins), `commit` appends the committed epoch after the sink committed it (and fails with
+//! [`EpochError::CommittedWithoutOffsets`] if the epoch has no offsets), and both return an
+//! error once the WAL has failed, which fail-stops the coordinator. On restart it reads the last
+//! committed epoch `E` and its offsets from the WAL; the new coordinator gets
 //! `EpochConfig::start_epoch = E + 1`, so a commit or report that arrives again for `E` or
-//! earlier is dropped as stale, and the engine resumes reading from `E`'s offsets. Wrapping an
-//! engine's own query works the same way (a `DurableQuery<Inner: Query>` forwarding after the
-//! append), and a commit that completes asynchronously could later be added as a deferred
-//! variant of [`Query::commit`] without changing the state machine's ordering rules.
+//! earlier is dropped as stale (and counted), and the engine resumes reading from `E`'s offsets.
+//! Wrapping an engine's own query works the same way (a `DurableQuery<Inner: Query>` forwarding
+//! after the append). A commit that completes asynchronously (acknowledged when the WAL syncs)
+//! could later be added as a deferred variant of [`Query::commit`] without changing the state
+//! machine's ordering rules.
 
 mod endpoint;
 mod payload;
@@ -176,6 +181,122 @@ impl<T: Sink + ?Sized> Sink for Box<T> {
     }
 }
 
+/// An in-memory [`Query`]: what Spark's `ContinuousExecution` keeps (SPEC B.9), without
+/// persistence. The offset log keeps the first record of each epoch, the commit log the
+/// committed epochs (a commit of an epoch without offsets fails, as Spark's assertion does), the
+/// newest `retained_epochs` committed epochs' offsets are kept (Spark's `minBatchesToRetain`,
+/// default 100), and the first stop error is kept. Clones share one state, so an engine or a test
+/// can read it while the endpoint owns the query. The WAL-backed durable query keeps the same
+/// records on disk.
+#[derive(Debug, Clone)]
+pub struct MemoryQuery {
+    state: std::sync::Arc<std::sync::Mutex<MemoryQueryState>>,
+}
+
+#[derive(Debug)]
+struct MemoryQueryState {
+    offsets: std::collections::BTreeMap<Epoch, Vec<(PartitionId, Payload)>>,
+    last_committed: Option<Epoch>,
+    stop_error: Option<EpochError>,
+    retained_epochs: usize,
+}
+
+impl Default for MemoryQuery {
+    fn default() -> Self {
+        Self::new(100)
+    }
+}
+
+impl MemoryQuery {
+    /// An empty query keeping the offsets of the newest `retained_epochs` committed epochs (at
+    /// least 1).
+    pub fn new(retained_epochs: usize) -> Self {
+        Self {
+            state: std::sync::Arc::new(std::sync::Mutex::new(MemoryQueryState {
+                offsets: std::collections::BTreeMap::new(),
+                last_committed: None,
+                stop_error: None,
+                retained_epochs: retained_epochs.max(1),
+            })),
+        }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, MemoryQueryState> {
+        // A panic while holding the lock leaves plain data behind; keep using it.
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The last committed epoch, if any.
+    pub fn last_committed(&self) -> Option<Epoch> {
+        self.state().last_committed
+    }
+
+    /// The offsets recorded for `epoch` (the first record), if still retained.
+    pub fn offsets(&self, epoch: Epoch) -> Option<Vec<(PartitionId, Payload)>> {
+        self.state().offsets.get(&epoch).cloned()
+    }
+
+    /// The first error the query was stopped with, as text.
+    pub fn stop_error(&self) -> Option<String> {
+        self.state().stop_error.as_ref().map(ToString::to_string)
+    }
+
+    /// Whether the query was asked to stop.
+    pub fn is_stopped(&self) -> bool {
+        self.state().stop_error.is_some()
+    }
+
+    /// Where a restarted run starts (SPEC B.10): `None` for a new query (start epoch 0), else
+    /// the last committed epoch `E` with its offsets; the new coordinator starts at `E + 1`.
+    ///
+    /// # Errors
+    /// [`EpochError::CommittedWithoutOffsets`] if `E` has no offsets.
+    pub fn restart_point(
+        &self,
+    ) -> Result<Option<(Epoch, Vec<(PartitionId, Payload)>)>, EpochError> {
+        let state = self.state();
+        let Some(epoch) = state.last_committed else {
+            return Ok(None);
+        };
+        state
+            .offsets
+            .get(&epoch)
+            .map(|offsets| Some((epoch, offsets.clone())))
+            .ok_or(EpochError::CommittedWithoutOffsets { epoch })
+    }
+}
+
+impl Query for MemoryQuery {
+    fn add_offsets(
+        &mut self,
+        epoch: Epoch,
+        offsets: &[(PartitionId, Payload)],
+    ) -> Result<(), CollaboratorError> {
+        self.state().offsets.entry(epoch).or_insert_with(|| offsets.to_vec());
+        Ok(())
+    }
+
+    fn commit(&mut self, epoch: Epoch) -> Result<(), CollaboratorError> {
+        let mut state = self.state();
+        if !state.offsets.contains_key(&epoch) {
+            return Err(Box::new(EpochError::CommittedWithoutOffsets { epoch }));
+        }
+        state.last_committed = Some(epoch);
+        // Keep the newest `retained_epochs` committed epochs (and everything after them).
+        let keep_from = Epoch(epoch.0.saturating_sub(state.retained_epochs as i64 - 1));
+        state.offsets = state.offsets.split_off(&keep_from);
+        Ok(())
+    }
+
+    fn stop(&mut self, error: EpochError) {
+        let mut state = self.state();
+        if state.stop_error.is_none() {
+            tracing::warn!(%error, "query stopped by the epoch coordinator");
+            state.stop_error = Some(error);
+        }
+    }
+}
+
 /// Which backlog limit overflowed (SPEC B.7).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum BacklogQueue {
@@ -265,6 +386,12 @@ pub enum EpochError {
         side: PartitionSide,
         /// The count asked for.
         count: i32,
+    },
+    /// An epoch is recorded as committed but has no offsets (SPEC B.9 assertion, B.10).
+    #[error("Batch {epoch} was committed without end epoch offsets!")]
+    CommittedWithoutOffsets {
+        /// The committed epoch.
+        epoch: Epoch,
     },
     /// The driver epoch cannot be incremented any more.
     #[error("the driver epoch {epoch} cannot be incremented past i64::MAX")]

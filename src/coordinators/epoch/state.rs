@@ -924,6 +924,72 @@ mod tests {
         assert!(!partial.dense && partial.len() == 0 && partial.entries.capacity() <= 16);
     }
 
+    struct Nothing;
+    impl Query for Nothing {
+        fn add_offsets(
+            &mut self,
+            _: Epoch,
+            _: &[(PartitionId, Payload)],
+        ) -> Result<(), crate::error::HandlerError> {
+            Ok(())
+        }
+        fn commit(&mut self, _: Epoch) -> Result<(), crate::error::HandlerError> {
+            Ok(())
+        }
+        fn stop(&mut self, _: EpochError) {}
+    }
+    impl Sink for Nothing {
+        fn commit(
+            &mut self,
+            _: Epoch,
+            _: &[(PartitionId, Payload)],
+        ) -> Result<(), crate::error::HandlerError> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn far_epochs_are_sparse_and_committed_buckets_are_recycled() {
+        let config = EpochConfig::new(1).with_backlog_limit(1 << 20);
+        let mut coordinator = EpochCoordinator::new(config, Nothing, Nothing).unwrap();
+        coordinator.set_reader_partitions(1000).unwrap();
+        coordinator.set_writer_partitions(1000).unwrap();
+        // Near the frontier: dense, sized for the partition count.
+        coordinator.report_partition_offset(PartitionId(999), Epoch(2), 1.into()).unwrap();
+        let near = coordinator.by_epoch[&2] as usize;
+        assert!(coordinator.buckets[near].offsets.dense);
+        // Far ahead: one entry costs a small sparse allocation, not a full epoch's.
+        for epoch in 100..200 {
+            coordinator.report_partition_offset(PartitionId(999), Epoch(epoch), 1.into()).unwrap();
+        }
+        for epoch in 100..200 {
+            let bucket = &coordinator.buckets[coordinator.by_epoch[&epoch] as usize];
+            assert!(!bucket.offsets.dense && !bucket.commits.dense);
+            assert!(bucket.offsets.entries.capacity() <= 16);
+            assert!(bucket.commits.entries.capacity() <= 16);
+        }
+        // Steady state: committing epoch after epoch reuses the same few buckets.
+        for epoch in 1..=40 {
+            for partition in 0..1000 {
+                let _ = coordinator.report_partition_offset(
+                    PartitionId(partition),
+                    Epoch(epoch),
+                    1.into(),
+                );
+                let _ = coordinator.commit_partition_epoch(
+                    PartitionId(partition),
+                    Epoch(epoch),
+                    1.into(),
+                );
+            }
+        }
+        assert_eq!(coordinator.last_committed(), Epoch(40));
+        assert_eq!(coordinator.buckets.len(), 102, "1 + 100 far buckets + 1 recycled");
+        let stats = coordinator.stats();
+        assert_eq!(stats.offset_entries, 1000 + 100, "retained epoch 40 + the far entries");
+        assert_eq!(stats.commit_entries, 1000);
+    }
+
     #[test]
     fn int_hasher_spreads_strided_keys() {
         use std::hash::BuildHasher;
