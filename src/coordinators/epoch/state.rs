@@ -673,15 +673,17 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
     }
 
     /// The slab slot of `epoch`'s bucket, created if needed. `epoch` is above the last
-    /// committed epoch.
-    #[inline]
+    /// committed epoch. Consecutive messages mostly share an epoch: the cache answers them.
+    #[inline(always)]
     fn bucket_for(&mut self, epoch: Epoch) -> u32 {
         debug_assert!(epoch > self.last_committed);
-        if let Some((cached_epoch, slot)) = self.cached {
-            if cached_epoch == epoch {
-                return slot;
-            }
+        match self.cached {
+            Some((cached_epoch, slot)) if cached_epoch == epoch => slot,
+            _ => self.bucket_for_uncached(epoch),
         }
+    }
+
+    fn bucket_for_uncached(&mut self, epoch: Epoch) -> u32 {
         let slot = match self.by_epoch.entry(epoch.0) {
             Entry::Occupied(occupied) => *occupied.get(),
             Entry::Vacant(vacant) => {
