@@ -16,9 +16,9 @@
 //!   messages ([`CommitPartitionEpoch`], [`ReportPartitionOffset`]) and requests
 //!   ([`GetCurrentEpoch`], [`IncrementAndGetEpoch`], [`SetReaderPartitions`],
 //!   [`SetWriterPartitions`], [`StopContinuousExecutionWrites`], plus [`GetEpochStats`]).
-//! * [`reference`]: a deliberately simple model written straight from the spec (Spark-like
-//!   maps, rescans on every message). It is the oracle of the property test and the baseline of
-//!   the benchmark and the load tool; it is not meant for production.
+//! * [`reference`](mod@reference): a deliberately simple model written straight from the spec
+//!   (Spark-like maps, rescans on every message). It is the oracle of the property test and the
+//!   baseline of the benchmark and the load tool; it is not meant for production.
 //! * Here: the collaborator traits [`Query`] and [`Sink`], an in-memory [`MemoryQuery`] (the
 //!   offset and commit logs of SPEC B.9 without persistence), [`EpochConfig`], errors and
 //!   counters.
@@ -31,28 +31,32 @@
 //! * a bucket is found through a one-entry cache (consecutive messages mostly share an epoch)
 //!   and otherwise an epoch-keyed hash map; buckets live in a slab and are recycled with their
 //!   allocations, so a steady run allocates nothing per epoch;
-//! * a bucket stores its entries in a vector in arrival order. While partitions arrive as
-//!   0, 1, 2, ... the vector is its own index ("positional" mode, no hashing); otherwise a small
-//!   per-bucket hash map finds a partition's entry (for duplicate commits and overwritten
-//!   offsets);
-//! * entries are handed to the query and the sink sorted by partition id (SPEC 0.3): when the
-//!   ids are exactly `0..n` (the normal case) the vector is put in order by placing each entry
-//!   at its index (O(n) swaps, no comparison sort);
+//! * near the commit frontier (up to 16 epochs ahead) a bucket is laid out densely: slot `p`
+//!   holds partition `p`'s entry and a bitmap says which slots are filled, so a message costs a
+//!   bit test and a store, and a complete epoch already is the slice, sorted by partition id,
+//!   that the query and the sink get (SPEC 0.3);
+//! * further ahead, or while a partition count is unset, a bucket is sparse: entries in arrival
+//!   order (the vector is its own index while partitions arrive as 0, 1, 2, ...; otherwise a
+//!   small per-bucket hash map finds them), sorted on completion, by placing each entry at its
+//!   index when the ids are exactly `0..n` (O(n), no comparison sort);
 //! * cleanup after a commit frees exactly the buckets of the committed epochs (they are known),
 //!   instead of scanning all pending state.
 //!
-//! Memory is proportional to the stored entries: a bucket grows with its entries, a bucket
-//! reused for an epoch far ahead of the commit frontier gives its big allocations back first,
-//! and at most a few recycled buckets keep their allocations. The backlog checks stop the query
-//! once the entries exceed the limits (default 10 000 each); as in Spark (SPEC B.7), the
-//! coordinator itself keeps accepting until the query sends `StopContinuousExecutionWrites`.
+//! Memory is proportional to the stored entries: sparse buckets grow with their entries; dense
+//! buckets (40 bytes per partition and side, only for partition counts up to 16 Ki) exist only
+//! for the 16 epochs after the last committed one, plus at most 16 recycled ones. The backlog
+//! checks stop the query once the entries exceed the limits (default 10 000 each); as in Spark
+//! (SPEC B.7), the coordinator itself keeps accepting until the query sends
+//! `StopContinuousExecutionWrites`.
 //!
 //! # Behaviour decisions (SPEC 0.3 over B, and where the spec is silent)
 //! * A message for an epoch at or below the last committed epoch (which covers epochs below
 //!   the start epoch) is dropped and counted; it never re-enters the waiting set.
 //! * A negative partition id, or one not below the partition count when that count is set, is
-//!   dropped and counted. While a count is unset (0), messages of that side are kept (as in
-//!   Spark) but cannot complete an epoch.
+//!   dropped and counted. While a count is unset (0), any non-negative partition id of that side
+//!   is kept (as in Spark), and no epoch completes until both counts are set (B.5 read literally
+//!   would complete an epoch with no offsets when the reader count is 0). Setting a count
+//!   resolves nothing by itself (Spark); the next message of an epoch does.
 //! * A duplicate `CommitPartitionEpoch` is dropped and counted (first commit wins, no backlog
 //!   check). A repeated `ReportPartitionOffset` overwrites the offset (Spark) and, if the epoch's
 //!   offsets are complete, calls `add_offsets` again.
