@@ -764,6 +764,9 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
                 return;
             }
             let bucket = &self.buckets[slot as usize];
+            debug_assert!(self.offset_entries >= self.retained_offsets + bucket.offsets.len());
+            debug_assert!(self.commit_entries >= self.retained_commits + bucket.commits.len());
+            debug_assert!(!bucket.waiting || self.waiting_epochs > 0);
             if bucket.waiting {
                 self.waiting_epochs -= 1;
             }
