@@ -52,29 +52,43 @@ fn send_epoch(epoch_ref: &EndpointRef<Endpoint>, epoch: i64) {
 
 #[test]
 fn restarted_run_commits_every_epoch_exactly_once_in_order() {
+    // Stop points: before any commit, after the first epoch, and in the middle of the run.
+    for last_before_stop in [-1, 0, 3, 6] {
+        restart_after(last_before_stop);
+    }
+}
+
+/// Commits epochs `0..=last_before_stop`, half-sends the next one, stops the run, restarts from
+/// the query's restart point, replays the last committed epoch (stale tasks) and runs to 9.
+fn restart_after(last_before_stop: i64) {
     let bus = Bus::builder().inbox_shards(2).build().unwrap();
     let query = MemoryQuery::new(3);
     let (_, sink, log) = recorders();
 
     let first = start_run(&bus, query.clone(), sink.clone());
-    for epoch in 0..=6 {
+    for epoch in 0..=last_before_stop {
         send_epoch(&first, epoch);
     }
-    // Epoch 7 is half done when the run stops: reported, not committed.
-    first.send(ReportPartitionOffset { partition: 0, epoch: 7, offset: 70.into() }).unwrap();
+    // The next epoch is half done when the run stops: reported, not committed.
+    let half = last_before_stop + 1;
+    first.send(ReportPartitionOffset { partition: 0, epoch: half, offset: 70.into() }).unwrap();
     first.ask(GetCurrentEpoch).wait_timeout(REPLY_TIMEOUT).unwrap();
-    assert_eq!(query.last_committed(), Some(Epoch(6)));
+    let expected_last = (last_before_stop >= 0).then_some(Epoch(last_before_stop));
+    assert_eq!(query.last_committed(), expected_last);
     assert!(first.stop());
 
     let second = start_run(&bus, query.clone(), sink);
-    assert_eq!(second.ask(GetCurrentEpoch).wait_timeout(REPLY_TIMEOUT).unwrap(), 7);
+    assert_eq!(second.ask(GetCurrentEpoch).wait_timeout(REPLY_TIMEOUT).unwrap(), half);
     // Stale tasks re-send the last committed epoch; then the run goes on.
-    send_epoch(&second, 6);
-    for epoch in 7..=9 {
+    if last_before_stop >= 0 {
+        send_epoch(&second, last_before_stop);
+    }
+    for epoch in half..=9 {
         send_epoch(&second, epoch);
     }
     let stats = second.ask(GetEpochStats).wait_timeout(REPLY_TIMEOUT).unwrap();
-    assert_eq!(stats.counters.dropped_stale_epoch, 4, "epoch 6 re-sent: 4 messages dropped");
+    let stale = if last_before_stop >= 0 { 4 } else { 0 };
+    assert_eq!(stats.counters.dropped_stale_epoch, stale, "re-sent committed epoch dropped");
     assert_eq!(query.last_committed(), Some(Epoch(9)));
 
     let sink_epochs: Vec<i64> = epoch_support::calls(&log)
@@ -84,7 +98,7 @@ fn restarted_run_commits_every_epoch_exactly_once_in_order() {
             _ => None,
         })
         .collect();
-    assert_eq!(sink_epochs, (0..=9).collect::<Vec<_>>());
+    assert_eq!(sink_epochs, (0..=9).collect::<Vec<_>>(), "stop after {last_before_stop}");
     // Only the newest three committed epochs keep their offsets.
     assert_eq!(query.offsets(Epoch(6)), None);
     assert_eq!(
