@@ -21,8 +21,9 @@ pub struct SystemClock;
 
 impl Clock for SystemClock {
     fn now_ms(&self) -> i64 {
-        let since_epoch =
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        let since_epoch = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
         i64::try_from(since_epoch.as_millis()).unwrap_or(i64::MAX)
     }
 }
@@ -36,7 +37,9 @@ pub struct ManualClock {
 impl ManualClock {
     /// A manual clock starting at `start_ms`.
     pub fn new(start_ms: i64) -> Self {
-        Self { now_ms: Arc::new(AtomicI64::new(start_ms)) }
+        Self {
+            now_ms: Arc::new(AtomicI64::new(start_ms)),
+        }
     }
 
     /// Sets the time to `now_ms`.

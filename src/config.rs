@@ -36,7 +36,9 @@ pub enum Idle {
 
 impl Default for Idle {
     fn default() -> Self {
-        Self::SpinThenPark { spin: Duration::from_micros(50) }
+        Self::SpinThenPark {
+            spin: Duration::from_micros(50),
+        }
     }
 }
 
@@ -87,23 +89,43 @@ impl BusConfig {
             value: impl std::fmt::Debug,
             reason: &'static str,
         ) -> ConfigError {
-            ConfigError::Invalid { setting, value: format!("{value:?}"), reason }
+            ConfigError::Invalid {
+                setting,
+                value: format!("{value:?}"),
+                reason,
+            }
         }
         if !(1..=1024).contains(&self.inbox_shards) {
-            return Err(invalid("inbox_shards", self.inbox_shards, "must be 1 ..= 1024"));
+            return Err(invalid(
+                "inbox_shards",
+                self.inbox_shards,
+                "must be 1 ..= 1024",
+            ));
         }
         if !(2..=1 << 24).contains(&self.inbox_capacity) {
-            return Err(invalid("inbox_capacity", self.inbox_capacity, "must be 2 ..= 2^24"));
+            return Err(invalid(
+                "inbox_capacity",
+                self.inbox_capacity,
+                "must be 2 ..= 2^24",
+            ));
         }
         if self.drain_batch == 0 {
-            return Err(invalid("drain_batch", self.drain_batch, "must be at least 1"));
+            return Err(invalid(
+                "drain_batch",
+                self.drain_batch,
+                "must be at least 1",
+            ));
         }
         if self.ask_timeout.is_zero() {
             return Err(invalid("ask_timeout", self.ask_timeout, "must be positive"));
         }
         if let Pinning::Cores(cores) = &self.pinning {
             if cores.is_empty() {
-                return Err(invalid("pinning", cores, "Cores needs at least one core id"));
+                return Err(invalid(
+                    "pinning",
+                    cores,
+                    "Cores needs at least one core id",
+                ));
             }
         }
         Ok(())
@@ -181,11 +203,20 @@ mod tests {
     #[test]
     fn out_of_range_settings_are_named_with_their_value() {
         let error = BusBuilder::default().inbox_shards(0).build().unwrap_err();
-        assert_eq!(error.to_string(), "inbox_shards = 0 is invalid: must be 1 ..= 1024");
-        let error = BusBuilder::default().pinning(Pinning::Cores(vec![])).build().unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "inbox_shards = 0 is invalid: must be 1 ..= 1024"
+        );
+        let error = BusBuilder::default()
+            .pinning(Pinning::Cores(vec![]))
+            .build()
+            .unwrap_err();
         assert!(error.to_string().starts_with("pinning = []"));
         assert!(BusBuilder::default().inbox_capacity(1).build().is_err());
         assert!(BusBuilder::default().drain_batch(0).build().is_err());
-        assert!(BusBuilder::default().ask_timeout(Duration::ZERO).build().is_err());
+        assert!(BusBuilder::default()
+            .ask_timeout(Duration::ZERO)
+            .build()
+            .is_err());
     }
 }

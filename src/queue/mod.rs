@@ -94,7 +94,9 @@ impl<T> ShardedQueue<T> {
     pub fn new(shard_count: usize, capacity_per_shard: usize) -> Self {
         let shard_count = shard_count.max(1);
         Self {
-            shards: (0..shard_count).map(|_| Ring::with_capacity(capacity_per_shard)).collect(),
+            shards: (0..shard_count)
+                .map(|_| Ring::with_capacity(capacity_per_shard))
+                .collect(),
             doorbell: Doorbell::default(),
             blocked_producers: ProducerWaiters::default(),
             depth_high_water: AtomicUsize::new(0),
@@ -285,13 +287,19 @@ impl<T> ShardedQueue<T> {
     /// queue is closed.
     pub fn park_until_work(&self, timeout: Duration) {
         self.doorbell.park_unless(timeout, || {
-            self.is_closed() || self.shards.iter().any(|shard| !shard.is_empty_for_consumer())
+            self.is_closed()
+                || self
+                    .shards
+                    .iter()
+                    .any(|shard| !shard.is_empty_for_consumer())
         });
     }
 
     /// Consumer: whether any shard holds a claimed, unconsumed position.
     pub fn has_pending(&self) -> bool {
-        self.shards.iter().any(|shard| !shard.is_empty_for_consumer())
+        self.shards
+            .iter()
+            .any(|shard| !shard.is_empty_for_consumer())
     }
 
     /// Consumer: closed and every accepted message consumed.

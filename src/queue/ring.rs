@@ -152,7 +152,10 @@ impl<T> Ring<T> {
     /// The claim must be passed to [`Ring::fill`] with exactly `len` values; until it is, the
     /// consumer waits at the first claimed position.
     pub(crate) fn claim(&self, len: usize) -> Result<Claim, ClaimError> {
-        debug_assert!(len >= 1 && len <= self.capacity(), "claim of {len} positions");
+        debug_assert!(
+            len >= 1 && len <= self.capacity(),
+            "claim of {len} positions"
+        );
         let mut tail = self.tail.load(Ordering::Relaxed);
         loop {
             if tail & CLOSED_BIT != 0 {
@@ -196,7 +199,9 @@ impl<T> Ring<T> {
     pub(crate) fn fill(&self, claim: Claim, values: impl IntoIterator<Item = T>) {
         let mut values = values.into_iter();
         for position in claim.start..claim.start + claim.len {
-            let value = values.next().expect("claim filled with fewer values than claimed");
+            let value = values
+                .next()
+                .expect("claim filled with fewer values than claimed");
             let slot = &self.slots[position & self.mask];
             debug_assert_eq!(slot.stamp.load(Ordering::Relaxed), position);
             slot.value.with_mut(|cell| {

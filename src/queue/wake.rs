@@ -41,7 +41,10 @@ impl Doorbell {
     /// Consumer: parks for at most `timeout` unless `has_work` (re-checked after announcing the
     /// intent to park) says there is something to do.
     pub(crate) fn park_unless(&self, timeout: Duration, has_work: impl FnOnce() -> bool) {
-        debug_assert!(self.consumer.get().is_some(), "bind_consumer before parking");
+        debug_assert!(
+            self.consumer.get().is_some(),
+            "bind_consumer before parking"
+        );
         self.sleeping.store(true, Ordering::SeqCst);
         if !has_work() {
             park_timeout(timeout);
@@ -143,7 +146,9 @@ mod loom_tests {
                 })
             };
             while !published.load(Ordering::SeqCst) {
-                doorbell.park_unless(Duration::from_millis(1), || published.load(Ordering::SeqCst));
+                doorbell.park_unless(Duration::from_millis(1), || {
+                    published.load(Ordering::SeqCst)
+                });
             }
             producer.join().unwrap();
         });

@@ -181,7 +181,10 @@ pub struct Context<E: Endpoint> {
 
 impl<E: Endpoint> std::fmt::Debug for Context<E> {
     fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        formatter.debug_struct("Context").field("endpoint", &self.inbox.name).finish()
+        formatter
+            .debug_struct("Context")
+            .field("endpoint", &self.inbox.name)
+            .finish()
     }
 }
 
@@ -200,7 +203,9 @@ impl<E: Endpoint> Context<E> {
     /// A reference to this endpoint (asking it from its own handler fails with
     /// [`AskError::SelfAsk`]).
     pub fn endpoint_ref(&self) -> EndpointRef<E> {
-        EndpointRef { inbox: Arc::clone(&self.inbox) }
+        EndpointRef {
+            inbox: Arc::clone(&self.inbox),
+        }
     }
 }
 
@@ -215,7 +220,9 @@ pub struct EndpointRef<E: Endpoint> {
 
 impl<E: Endpoint> Clone for EndpointRef<E> {
     fn clone(&self) -> Self {
-        Self { inbox: Arc::clone(&self.inbox) }
+        Self {
+            inbox: Arc::clone(&self.inbox),
+        }
     }
 }
 
@@ -245,9 +252,11 @@ impl<E: Endpoint> EndpointRef<E> {
         match error {
             QueueError::Full(message) => SendError::Full { endpoint, message },
             QueueError::Closed(message) => SendError::Stopped { endpoint, message },
-            QueueError::Timeout(message) => {
-                SendError::Timeout { endpoint, timeout: timeout.unwrap_or_default(), message }
-            }
+            QueueError::Timeout(message) => SendError::Timeout {
+                endpoint,
+                timeout: timeout.unwrap_or_default(),
+                message,
+            },
         }
     }
 
@@ -287,7 +296,10 @@ impl<E: Endpoint> EndpointRef<E> {
     ) -> Result<(), SendError<E::Message>> {
         self.inbox
             .queue
-            .push(Envelope::Message(message.into()), Some(Instant::now() + timeout))
+            .push(
+                Envelope::Message(message.into()),
+                Some(Instant::now() + timeout),
+            )
             .map_err(|error| self.send_error(unwrap_message(error), Some(timeout)))
     }
 
@@ -298,19 +310,25 @@ impl<E: Endpoint> EndpointRef<E> {
     /// [`SendError::Stopped`] with the messages not sent (the earlier ones were).
     pub fn send_batch(&self, messages: Vec<E::Message>) -> Result<(), SendError<Vec<E::Message>>> {
         let envelopes = messages.into_iter().map(Envelope::Message).collect();
-        self.inbox.queue.push_batch(envelopes, None).map_err(|error| {
-            let unwrap_all = |envelopes: Vec<Envelope<E>>| {
-                envelopes.into_iter().filter_map(Envelope::into_message).collect()
-            };
-            self.send_error(
-                match error {
-                    QueueError::Full(rest) => QueueError::Full(unwrap_all(rest)),
-                    QueueError::Closed(rest) => QueueError::Closed(unwrap_all(rest)),
-                    QueueError::Timeout(rest) => QueueError::Timeout(unwrap_all(rest)),
-                },
-                None,
-            )
-        })
+        self.inbox
+            .queue
+            .push_batch(envelopes, None)
+            .map_err(|error| {
+                let unwrap_all = |envelopes: Vec<Envelope<E>>| {
+                    envelopes
+                        .into_iter()
+                        .filter_map(Envelope::into_message)
+                        .collect()
+                };
+                self.send_error(
+                    match error {
+                        QueueError::Full(rest) => QueueError::Full(unwrap_all(rest)),
+                        QueueError::Closed(rest) => QueueError::Closed(unwrap_all(rest)),
+                        QueueError::Timeout(rest) => QueueError::Timeout(unwrap_all(rest)),
+                    },
+                    None,
+                )
+            })
     }
 
     /// Asks: queues the request behind this sender's earlier messages and returns a handle to
@@ -320,19 +338,21 @@ impl<E: Endpoint> EndpointRef<E> {
     /// [`AskError::SelfAsk`] when called from this endpoint's own handler.
     pub fn ask<A: Ask<E>>(&self, request: A) -> Reply<A::Reply> {
         if CURRENT_INBOX.with(std::cell::Cell::get) == self.inbox.address() {
-            return Reply::failed(AskError::SelfAsk { endpoint: self.inbox.name.clone() });
+            return Reply::failed(AskError::SelfAsk {
+                endpoint: self.inbox.name.clone(),
+            });
         }
         let (sender, receiver) = oneshot::channel();
         let envelope = Envelope::Request(request.into_request(Replier::from_sender(sender)));
         let deadline = Instant::now() + self.inbox.ask_timeout;
         match self.inbox.queue.push(envelope, Some(deadline)) {
             Ok(()) => Reply::pending(receiver, self.inbox.ask_timeout),
-            Err(QueueError::Closed(_)) => {
-                Reply::failed(AskError::Stopped { endpoint: self.inbox.name.clone() })
-            }
-            Err(QueueError::Full(_) | QueueError::Timeout(_)) => {
-                Reply::failed(AskError::Timeout { timeout: self.inbox.ask_timeout })
-            }
+            Err(QueueError::Closed(_)) => Reply::failed(AskError::Stopped {
+                endpoint: self.inbox.name.clone(),
+            }),
+            Err(QueueError::Full(_) | QueueError::Timeout(_)) => Reply::failed(AskError::Timeout {
+                timeout: self.inbox.ask_timeout,
+            }),
         }
     }
 

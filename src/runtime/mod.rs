@@ -60,7 +60,8 @@ pub(crate) struct BusShared {
 impl BusShared {
     /// Removes `name` if it still belongs to registration `id`.
     pub(crate) fn deregister(&self, name: &str, id: u64) {
-        self.registry.remove_if(name, |_, registration| registration.id == id);
+        self.registry
+            .remove_if(name, |_, registration| registration.id == id);
     }
 }
 
@@ -184,8 +185,14 @@ impl Bus {
                 }
                 worker::run_endpoint(endpoint, inbox, idle, drain_batch);
             })
-            .map_err(|error| BusError::Spawn { name: name.clone(), reason: error.to_string() })?;
-        self.threads.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push((name, handle));
+            .map_err(|error| BusError::Spawn {
+                name: name.clone(),
+                reason: error.to_string(),
+            })?;
+        self.threads
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push((name, handle));
         Ok(())
     }
 
@@ -199,14 +206,16 @@ impl Bus {
             .shared
             .registry
             .get(name)
-            .ok_or_else(|| BusError::NotFound { name: name.to_owned() })?;
-        let inbox = Arc::clone(&registration.inbox).downcast::<Inbox<E>>().map_err(|_| {
-            BusError::WrongType {
+            .ok_or_else(|| BusError::NotFound {
+                name: name.to_owned(),
+            })?;
+        let inbox = Arc::clone(&registration.inbox)
+            .downcast::<Inbox<E>>()
+            .map_err(|_| BusError::WrongType {
                 name: name.to_owned(),
                 expected: std::any::type_name::<E>(),
                 actual: registration.type_name,
-            }
-        })?;
+            })?;
         Ok(EndpointRef { inbox })
     }
 
@@ -217,7 +226,11 @@ impl Bus {
 
     /// Names of the live endpoints.
     pub fn names(&self) -> Vec<String> {
-        self.shared.registry.iter().map(|entry| entry.key().clone()).collect()
+        self.shared
+            .registry
+            .iter()
+            .map(|entry| entry.key().clone())
+            .collect()
     }
 
     /// Stops the endpoint registered under `name` (see [`EndpointRef::stop`]).
@@ -225,11 +238,13 @@ impl Bus {
     /// # Errors
     /// [`BusError::NotFound`] if no live endpoint has the name.
     pub fn stop(&self, name: &str) -> Result<(), BusError> {
-        let (_, registration) = self
-            .shared
-            .registry
-            .remove(name)
-            .ok_or_else(|| BusError::NotFound { name: name.to_owned() })?;
+        let (_, registration) =
+            self.shared
+                .registry
+                .remove(name)
+                .ok_or_else(|| BusError::NotFound {
+                    name: name.to_owned(),
+                })?;
         (registration.stop)();
         Ok(())
     }
@@ -248,7 +263,10 @@ impl Bus {
             let _already_gone = self.stop(&name);
         }
         let threads = std::mem::take(
-            &mut *self.threads.lock().unwrap_or_else(std::sync::PoisonError::into_inner),
+            &mut *self
+                .threads
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
         );
         let deadline = Instant::now() + self.config.shutdown_timeout;
         let mut first_error = None;

@@ -17,7 +17,10 @@ pub(crate) struct CorePlanner {
 
 impl CorePlanner {
     pub(crate) fn new(pinning: Pinning) -> Self {
-        Self { pinning, next_index: AtomicUsize::new(0) }
+        Self {
+            pinning,
+            next_index: AtomicUsize::new(0),
+        }
     }
 
     /// The core id for the next endpoint thread, if pinning is on.
@@ -37,6 +40,10 @@ impl CorePlanner {
 /// Pins the calling thread to `core`; logs and carries on unpinned if that fails.
 pub(crate) fn pin_current_thread(core: usize, endpoint: &str) {
     if !core_affinity::set_for_current(core_affinity::CoreId { id: core }) {
-        tracing::warn!(endpoint, core, "could not pin endpoint thread; running unpinned");
+        tracing::warn!(
+            endpoint,
+            core,
+            "could not pin endpoint thread; running unpinned"
+        );
     }
 }

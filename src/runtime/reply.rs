@@ -54,7 +54,10 @@ pub struct Replier<T: Send + 'static> {
 
 impl<T: Send + 'static> std::fmt::Debug for Replier<T> {
     fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        formatter.debug_struct("Replier").field("answered", &self.sender.is_none()).finish()
+        formatter
+            .debug_struct("Replier")
+            .field("answered", &self.sender.is_none())
+            .finish()
     }
 }
 
@@ -63,11 +66,18 @@ impl<T: Send + 'static> Replier<T> {
     /// machine directly, in tests or embeddings without the bus).
     pub fn pair() -> (Replier<T>, Reply<T>) {
         let (sender, receiver) = oneshot::channel();
-        (Replier { sender: Some(sender) }, Reply::pending(receiver, Duration::from_secs(120)))
+        (
+            Replier {
+                sender: Some(sender),
+            },
+            Reply::pending(receiver, Duration::from_secs(120)),
+        )
     }
 
     pub(crate) fn from_sender(sender: ReplySender<T>) -> Self {
-        Self { sender: Some(sender) }
+        Self {
+            sender: Some(sender),
+        }
     }
 
     /// Answers with `value`.
@@ -97,8 +107,9 @@ impl<T: Send + 'static> Drop for Replier<T> {
         };
         if std::thread::panicking() {
             let fail = move |panic_message: &str| {
-                let _asker_gone = sender
-                    .send(Err(AskError::HandlerPanicked { message: panic_message.to_owned() }));
+                let _asker_gone = sender.send(Err(AskError::HandlerPanicked {
+                    message: panic_message.to_owned(),
+                }));
             };
             // try_with: during thread teardown the list may be gone; then the asker sees
             // NoReply, which is still an error and never a hang.
@@ -129,13 +140,20 @@ impl<T> std::fmt::Debug for Reply<T> {
             ReplyState::Pending(_) => "pending",
             ReplyState::Failed(_) => "failed",
         };
-        formatter.debug_struct("Reply").field("state", &state).finish()
+        formatter
+            .debug_struct("Reply")
+            .field("state", &state)
+            .finish()
     }
 }
 
 impl<T> Reply<T> {
     pub(crate) fn pending(receiver: ReplyReceiver<T>, default_timeout: Duration) -> Self {
-        Self { state: ReplyState::Pending(receiver), default_timeout, poll_deadline: None }
+        Self {
+            state: ReplyState::Pending(receiver),
+            default_timeout,
+            poll_deadline: None,
+        }
     }
 
     pub(crate) fn failed(error: AskError) -> Self {
@@ -206,8 +224,9 @@ impl<T> Future for Reply<T> {
 
     fn poll(self: Pin<&mut Self>, task: &mut TaskContext<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
-        let deadline =
-            *this.poll_deadline.get_or_insert_with(|| Instant::now() + this.default_timeout);
+        let deadline = *this
+            .poll_deadline
+            .get_or_insert_with(|| Instant::now() + this.default_timeout);
         match &mut this.state {
             ReplyState::Failed(error) => {
                 Poll::Ready(Err(error.take().unwrap_or(AskError::NoReply)))
@@ -216,7 +235,9 @@ impl<T> Future for Reply<T> {
                 Poll::Ready(Ok(outcome)) => Poll::Ready(outcome),
                 Poll::Ready(Err(oneshot::RecvError)) => Poll::Ready(Err(AskError::NoReply)),
                 Poll::Pending if Instant::now() >= deadline => {
-                    Poll::Ready(Err(AskError::Timeout { timeout: this.default_timeout }))
+                    Poll::Ready(Err(AskError::Timeout {
+                        timeout: this.default_timeout,
+                    }))
                 }
                 Poll::Pending => Poll::Pending,
             },

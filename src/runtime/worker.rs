@@ -33,7 +33,9 @@ pub(crate) fn run_endpoint<E: Endpoint>(
 ) {
     inbox.queue.bind_consumer();
     inbox.enter_thread();
-    let context = Context { inbox: Arc::clone(&inbox) };
+    let context = Context {
+        inbox: Arc::clone(&inbox),
+    };
     guarded_hook(&inbox.name, "on_start", || endpoint.on_start(&context));
     tracing::info!(endpoint = %inbox.name, "endpoint started");
 
@@ -46,7 +48,10 @@ pub(crate) fn run_endpoint<E: Endpoint>(
         });
         if handled > 0 {
             handled_total += handled as u64;
-            inbox.counters.handled.store(handled_total, Ordering::Relaxed);
+            inbox
+                .counters
+                .handled
+                .store(handled_total, Ordering::Relaxed);
             idle_since = None;
             yields = 0;
             continue;
@@ -89,11 +94,19 @@ fn dispatch<E: Endpoint>(endpoint: &mut E, context: &Context<E>, envelope: Envel
     match outcome {
         Ok(Ok(())) => {}
         Ok(Err(error)) => {
-            context.inbox.counters.failed.fetch_add(1, Ordering::Relaxed);
+            context
+                .inbox
+                .counters
+                .failed
+                .fetch_add(1, Ordering::Relaxed);
             endpoint.on_error(&error);
         }
         Err(payload) => {
-            context.inbox.counters.panicked.fetch_add(1, Ordering::Relaxed);
+            context
+                .inbox
+                .counters
+                .panicked
+                .fetch_add(1, Ordering::Relaxed);
             let message = panic_message(payload.as_ref());
             tracing::error!(endpoint = %context.inbox.name, panic = %message, "handler panicked");
             fail_replies_orphaned_by_panic(&message);

@@ -74,7 +74,10 @@ impl Figure {
     }
 
     pub fn with_baseline(mut self, name: impl Into<String>, msgs_per_sec: f64) -> Self {
-        self.baseline = Some(Baseline { name: name.into(), msgs_per_sec });
+        self.baseline = Some(Baseline {
+            name: name.into(),
+            msgs_per_sec,
+        });
         self
     }
 
@@ -146,9 +149,14 @@ pub fn print(figures: &[Figure], as_json: bool) {
         let baseline = figure.baseline.as_ref().map_or("-".to_owned(), |baseline| {
             format!("{} {}", baseline.name, human_rate(baseline.msgs_per_sec))
         });
-        let ratio = figure.ratio().map_or("-".to_owned(), |ratio| format!("{ratio:.2}x"));
-        let details: Vec<String> =
-            figure.extra.iter().map(|(key, value)| format!("{key}={value}")).collect();
+        let ratio = figure
+            .ratio()
+            .map_or("-".to_owned(), |ratio| format!("{ratio:.2}x"));
+        let details: Vec<String> = figure
+            .extra
+            .iter()
+            .map(|(key, value)| format!("{key}={value}"))
+            .collect();
         println!(
             "{:<28} {:>12} {:>10} {:>10} {:>10} {:>18} {:>8}  {}",
             figure.workload,
@@ -169,12 +177,19 @@ mod tests {
 
     #[test]
     fn json_has_the_contract_keys_and_the_ratio() {
-        let figure =
-            Figure::new("bus", 1000, 0.5).with_baseline("crossbeam", 500.0).with("producers", 2);
+        let figure = Figure::new("bus", 1000, 0.5)
+            .with_baseline("crossbeam", 500.0)
+            .with("producers", 2);
         let value = figure.to_json();
-        for key in
-            ["workload", "messages", "seconds", "msgs_per_sec", "p50_ns", "p99_ns", "p999_ns"]
-        {
+        for key in [
+            "workload",
+            "messages",
+            "seconds",
+            "msgs_per_sec",
+            "p50_ns",
+            "p99_ns",
+            "p999_ns",
+        ] {
             assert!(value.get(key).is_some(), "missing {key}");
         }
         assert_eq!(value["msgs_per_sec"], json!(2000.0));
