@@ -169,4 +169,227 @@ pub enum Error {
     /// A configuration value.
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// The write-ahead log.
+    #[error(transparent)]
+    Wal(#[from] WalError),
+    /// Encoding, framing or validating a record.
+    #[error(transparent)]
+    Record(#[from] RecordError),
+}
+
+/// Why a record could not be encoded, framed or validated.
+///
+/// Produced for bytes this process is about to write (serialization) and for bytes read back
+/// from disk (framing and rkyv validation). Clonable so one failure can be handed to many
+/// waiters.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RecordError {
+    /// rkyv could not serialize the value.
+    #[error("could not serialize the record: {message}")]
+    Serialize {
+        /// rkyv's error text.
+        message: String,
+    },
+    /// The bytes are not a valid archive of the requested type (bytecheck failed).
+    #[error("the record bytes are not a valid {type_name}: {message}")]
+    Validate {
+        /// The Rust type the caller asked for.
+        type_name: &'static str,
+        /// rkyv's error text.
+        message: String,
+    },
+    /// Fewer bytes than a frame header, or a frame running past the bytes available.
+    #[error("frame needs {needed} bytes but only {available} are available")]
+    Truncated {
+        /// Bytes the frame needs (header, or header plus declared payload and padding).
+        needed: u64,
+        /// Bytes available from the frame's start.
+        available: u64,
+    },
+    /// The frame header does not carry the frame magic or version.
+    #[error("bad frame header: magic {magic:#06x}, version {version}, flags {flags:#04x}")]
+    BadHeader {
+        /// The magic read.
+        magic: u16,
+        /// The version byte read.
+        version: u8,
+        /// The flags byte read.
+        flags: u8,
+    },
+    /// The checksum stored in the frame differs from the one computed over its bytes.
+    #[error("frame checksum mismatch: stored {stored:#010x}, computed {computed:#010x}")]
+    Checksum {
+        /// The CRC32C stored in the header.
+        stored: u32,
+        /// The CRC32C computed over the header fields and payload.
+        computed: u32,
+    },
+    /// The payload is larger than a frame can hold.
+    #[error("payload of {len} bytes exceeds the frame limit of {max} bytes")]
+    TooLarge {
+        /// The payload's length.
+        len: u64,
+        /// The largest payload allowed.
+        max: u64,
+    },
+}
+
+/// Errors of the write-ahead log.
+///
+/// Clonable (I/O errors are kept as kind plus text) because one failure of the sync thread is
+/// reported to every waiter and callback of the group it hit.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum WalError {
+    /// An operating-system call failed.
+    #[error("{op} on {path:?} failed: {message} ({kind:?})")]
+    Io {
+        /// What was being done (`"create segment"`, `"fdatasync"`, ...).
+        op: &'static str,
+        /// The file or directory concerned.
+        path: std::path::PathBuf,
+        /// The error's kind.
+        kind: std::io::ErrorKind,
+        /// The system's error text.
+        message: String,
+    },
+    /// The device is full (ENOSPC / EDQUOT): the write or preallocation did not fit.
+    #[error("disk full while trying to {op} {path:?} ({bytes} bytes)")]
+    DiskFull {
+        /// What was being done.
+        op: &'static str,
+        /// The file concerned.
+        path: std::path::PathBuf,
+        /// How many bytes the operation wanted.
+        bytes: u64,
+    },
+    /// An earlier write or sync failed; the log accepts no more writes (a sync is never retried
+    /// over pages the kernel may have dropped). Records acknowledged durable before the failure
+    /// are unaffected.
+    #[error("the log failed earlier and accepts no more writes: {cause}")]
+    Failed {
+        /// The first failure.
+        cause: Box<WalError>,
+    },
+    /// The log was closed.
+    #[error("the write-ahead log is closed")]
+    Closed,
+    /// The log was opened read-only (`WalOptions::read_only`).
+    #[error("the write-ahead log was opened read-only")]
+    ReadOnly,
+    /// Damaged bytes where a valid record or segment header must be.
+    #[error("corruption in segment {segment} at offset {offset}: {reason}")]
+    Corruption {
+        /// The segment's number.
+        segment: u32,
+        /// Byte offset of the damage inside the segment file.
+        offset: u64,
+        /// What was found.
+        reason: String,
+    },
+    /// A segment header carries a format version this build does not read.
+    #[error("segment {segment} has format version {found}; this build reads version {supported}")]
+    UnsupportedVersion {
+        /// The segment's number.
+        segment: u32,
+        /// The version byte found.
+        found: u8,
+        /// The version this build reads and writes.
+        supported: u8,
+    },
+    /// A record handle whose length disagrees with the record stored at its offset.
+    #[error(
+        "expected record length {expected} (from the handle) but the record at segment {segment} \
+         offset {offset} is {actual} bytes"
+    )]
+    LengthMismatch {
+        /// The segment of the handle.
+        segment: u32,
+        /// The offset of the handle.
+        offset: u64,
+        /// The length the handle claims.
+        expected: u32,
+        /// The length stored in the frame.
+        actual: u32,
+    },
+    /// No record at this place: the segment was cleaned, never existed, or the offset is past
+    /// the end of what was written.
+    #[error("no record at segment {segment} offset {offset}: {reason}")]
+    NotFound {
+        /// The segment asked for.
+        segment: u32,
+        /// The offset asked for.
+        offset: u64,
+        /// Why.
+        reason: &'static str,
+    },
+    /// A record is larger than a segment can hold.
+    #[error("record of {len} bytes does not fit a segment of {segment_size_bytes} bytes")]
+    RecordTooLarge {
+        /// The framed record size.
+        len: u64,
+        /// The configured segment size.
+        segment_size_bytes: u64,
+    },
+    /// A record could not be encoded or its stored bytes failed validation.
+    #[error(transparent)]
+    Record(#[from] RecordError),
+    /// Waiting for durability timed out.
+    #[error("LSN {lsn} was not durable within {timeout:?} (durable so far: {durable})")]
+    Timeout {
+        /// The LSN waited for.
+        lsn: u64,
+        /// The LSN durable when the wait gave up.
+        durable: u64,
+        /// How long the caller waited.
+        timeout: Duration,
+    },
+    /// Waiting for an LSN that was never appended (it would wait forever).
+    #[error("LSN {lsn} was never appended (last appended: {appended})")]
+    NotAppended {
+        /// The LSN asked for.
+        lsn: u64,
+        /// The last LSN appended.
+        appended: u64,
+    },
+    /// An invalid configuration value.
+    #[error("{setting} = {value} is invalid: {reason}")]
+    InvalidConfig {
+        /// The setting's name.
+        setting: &'static str,
+        /// The value given, as text.
+        value: String,
+        /// What the setting requires.
+        reason: &'static str,
+    },
+}
+
+impl WalError {
+    /// Wraps an I/O error, mapping ENOSPC and EDQUOT to [`WalError::DiskFull`].
+    pub fn from_io(
+        op: &'static str,
+        path: impl Into<std::path::PathBuf>,
+        bytes: u64,
+        error: &std::io::Error,
+    ) -> Self {
+        let path = path.into();
+        match error.raw_os_error() {
+            Some(code) if code == libc::ENOSPC || code == libc::EDQUOT => {
+                Self::DiskFull { op, path, bytes }
+            }
+            _ if error.kind() == std::io::ErrorKind::StorageFull => {
+                Self::DiskFull { op, path, bytes }
+            }
+            _ => Self::Io { op, path, kind: error.kind(), message: error.to_string() },
+        }
+    }
+
+    /// The underlying failure: the cause of [`WalError::Failed`], else `self`.
+    pub fn root_cause(&self) -> &WalError {
+        match self {
+            Self::Failed { cause } => cause.root_cause(),
+            other => other,
+        }
+    }
 }

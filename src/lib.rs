@@ -60,12 +60,18 @@ mod config;
 pub mod coordinators;
 mod error;
 pub mod queue;
+pub mod record;
 mod runtime;
 pub(crate) mod sync;
+pub mod wal;
 
 pub use crate::coordinators::epoch::{EpochConfig, EpochCoordinator, EpochEndpoint};
 pub use crate::{
     config::{BusBuilder, BusConfig, Idle, Pinning},
     error::{AskError, BusError, ConfigError, Error, HandlerError, SendError},
     runtime::{Ask, Bus, Context, Endpoint, EndpointRef, EndpointStats, Replier, Reply},
+};
+pub use crate::{
+    error::{RecordError, WalError},
+    wal::{Durability, Lsn, RecordHandle, RecoveryMode, SegmentId, Wal, WalConfig},
 };

@@ -6,6 +6,7 @@
 
 mod epoch;
 mod report;
+mod wal;
 
 use clap::{Parser, Subcommand};
 
@@ -27,14 +28,25 @@ struct Cli {
 enum Workload {
     /// Epoch coordinator: partitions reporting offsets and committing epochs.
     Epoch(epoch::EpochArgs),
+    /// WAL append: durable 64-byte records/s per durability mode and thread count.
+    Wal(wal::WalArgs),
+    /// WAL recovery scan speed.
+    WalRecover(wal::WalRecoverArgs),
 }
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let figures: Vec<report::Figure> = match cli.workload {
-        None => epoch::run(&epoch::quick())?,
+        None => {
+            let mut figures = epoch::run(&epoch::quick())?;
+            figures.extend(wal::run(&wal::quick())?);
+            figures.extend(wal::run_recover(&wal::quick_recover())?);
+            figures
+        }
         Some(workload) => match workload {
             Workload::Epoch(args) => epoch::run(&args)?,
+            Workload::Wal(args) => wal::run(&args)?,
+            Workload::WalRecover(args) => wal::run_recover(&args)?,
         },
     };
     report::print(&figures, cli.json);

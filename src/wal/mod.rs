@@ -1,0 +1,1277 @@
+//! The segmented write-ahead log.
+//!
+//! Every coordinator's durable state lives here. Appends return at once with the record's
+//! [`Lsn`] and [`RecordHandle`]; one sync thread writes what was appended in groups and makes
+//! each group durable with one `fdatasync`, and callers learn durability through a watermark
+//! ([`Wal::durable_lsn`]), a wait ([`Wal::wait_durable`]) or a callback
+//! ([`Wal::notify_when_durable`]). Reading gives validated, zero-copy access to rkyv archives
+//! straight from a read-only memory map.
+//!
+//! ## Parts
+//! * `segment`: file naming, the segment header, the shared state of one segment.
+//! * `writer`: the sync thread (group commit) and its two I/O paths, `writer::uring`
+//!   (io_uring: parallel writes plus a drained `fdatasync`) and `writer::pwrite` (fallback).
+//! * `reader`: memory maps, record guards and the in-order iterator.
+//! * `recovery`: the scan run when a log is opened (and by `coordbus-wal verify`).
+//! * `storage`: the file layer the sync thread writes through (fault injection in tests).
+//!
+//! ## Data path
+//! An appender serializes its value (rkyv) with no lock held, then takes the append lock for a
+//! few tens of nanoseconds: it assigns the LSN and the place (segment, offset), rolls to a new
+//! segment if needed, and copies the frame into the staging buffer, computing its CRC in the
+//! same pass (hardware CRC32C: a few nanoseconds for a 96-byte frame). The sync thread swaps
+//! the staging buffer for an empty one, writes it with one submission (io_uring) or a few
+//! `pwrite`s, and syncs; then it publishes the durable LSN and runs the durability callbacks.
+//! Appenders never wait for I/O; they wait only when the staging buffer is full (two groups of
+//! `max_bytes`, at most [`STAGING_LIMIT_BYTES`]): back-pressure, so memory stays bounded and
+//! the two buffers stay warm when the disk is slower than the appenders.
+//!
+//! Group commit: with [`Durability::GroupCommit`] the sync thread lets a group grow for up to
+//! `max_delay` after its first record or until it holds `max_bytes`; with
+//! [`Durability::EveryRecord`] it starts at once (records appended meanwhile still share the
+//! sync, and none is reported durable before its sync completed); with [`Durability::None`] it
+//! writes to the page cache and never syncs (except when rolling and closing), and an LSN
+//! counts as "durable" once written.
+//!
+//! ## On-disk format (version 1)
+//! A log is a directory of segment files named `seg-<10-digit id>.wal` (so names sort in log
+//! order; other files are ignored). Each is preallocated to `segment_size_bytes` when created.
+//!
+//! Segment header (64 bytes, little-endian):
+//!
+//! | offset | size | field                | meaning                                         |
+//! |-------:|-----:|----------------------|-------------------------------------------------|
+//! | 0      | 8    | magic                | `b"CBWALSG\0"`                                  |
+//! | 8      | 1    | version              | format version, `1`                             |
+//! | 9      | 1    | flags                | bit 0: the segment has a rolling window         |
+//! | 10     | 2    | reserved             | zero                                            |
+//! | 12     | 4    | segment id           | u32, equals the number in the file name         |
+//! | 16     | 8    | first LSN            | LSN of the first record placed in the segment   |
+//! | 24     | 8    | window start ms      | i64 (zero without a window)                     |
+//! | 32     | 8    | window stop ms       | i64, inclusive (zero without a window)          |
+//! | 40     | 8    | segment size         | u64, bytes the file was preallocated to         |
+//! | 48     | 12   | reserved             | zero                                            |
+//! | 60     | 4    | header CRC32C        | over bytes 0..60                                |
+//!
+//! Records follow from offset 64, each framed as documented in [`crate::record::frame`]
+//! (32-byte header with length, CRC32C, LSN, time, sync gap; payload 16-byte aligned; padded to
+//! 16). LSNs increase by one from record to record, within and across segments. The first
+//! all-zero frame header (preallocated space), or the end of the file, ends a segment.
+//!
+//! ## Durability order (what recovery relies on)
+//! * A new segment file is created (header written and synced, preallocation, directory sync)
+//!   only after every byte of the previous segment was synced, so a later segment holding any
+//!   record proves the earlier ones complete: damage in a sealed (non-last) segment is
+//!   corruption. Opening a log syncs its last segment first, since the previous process may
+//!   have died with part of it only in the page cache.
+//! * A segment's header is durable before any record is written behind it.
+//! * Within the last segment, records written after the last completed sync may reach the disk
+//!   in any order. Each frame records `sync_gap` (its LSN minus the durable LSN when it was
+//!   appended). At a damaged frame expecting LSN `e`, a later valid frame whose
+//!   `lsn - sync_gap >= e` proves `e` was durable: that is corruption. Otherwise the damage is a
+//!   torn tail: it is cut off (the file is truncated there) and reported.
+//! * After a failed write or sync the log is failed for good (SPEC 0.6, redb's `PreviousIo`).
+//!
+//! ## Choices where SPEC is silent
+//! * After opening, the first append starts a new segment (like Spark's new writer), so the
+//!   recovered tail is sealed as it was found (after cutting a torn tail).
+//! * `clean` never deletes the active segment, nor a segment whose bytes are not all written
+//!   yet. Unlinking is cheap and done inline; `wait = true` also syncs the directory so the
+//!   deletion is durable on return.
+//! * Close flushes and syncs everything appended before it (the issue's rule), then rejects
+//!   appends with [`WalError::Closed`].
+//! * Two `Wal` objects must not write the same directory at once (not detected).
+
+pub(crate) mod reader;
+pub(crate) mod recovery;
+pub mod segment;
+pub mod storage;
+pub(crate) mod writer;
+
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+    sync::{
+        atomic::{AtomicBool, AtomicU64, Ordering},
+        Arc, Condvar, Mutex, MutexGuard, OnceLock, RwLock,
+    },
+    thread::JoinHandle,
+    time::{Duration, Instant},
+};
+
+use crossbeam_utils::CachePadded;
+
+use self::segment::{Segment, SegmentHeader, Window, HEADER_LEN as SEGMENT_HEADER_LEN};
+pub use self::{
+    reader::{ArchivedRecord, RecordBytes, RecordRef, WalIter},
+    recovery::{scan_dir, CorruptionNote, DirScan, RecoveryReport, SegmentSummary, TornTail},
+    storage::{FileStorage, RealFile, Storage, StorageFile},
+};
+pub use crate::error::WalError;
+use crate::{
+    clock::{Clock, SystemClock},
+    record::{self, frame, Checked, Record},
+};
+
+/// Most bytes the staging buffer may hold before appenders wait for the sync thread. The limit
+/// in force is twice the group size (`max_bytes`) clamped to 1 MiB ..= this, or 8 MiB without
+/// group commit.
+pub const STAGING_LIMIT_BYTES: usize = 64 << 20;
+
+/// The staging limit for `durability`.
+fn staging_limit(durability: Durability) -> usize {
+    match durability {
+        Durability::GroupCommit { max_bytes, .. } => {
+            max_bytes.saturating_mul(2).clamp(1 << 20, STAGING_LIMIT_BYTES)
+        }
+        _ => 8 << 20,
+    }
+}
+
+/// Log sequence number: 1 for the first record ever appended, then +1 per record.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    Default,
+    rkyv::Archive,
+    rkyv::Serialize,
+    rkyv::Deserialize,
+)]
+#[rkyv(derive(Debug, PartialEq, Eq))]
+pub struct Lsn(pub u64);
+
+impl Lsn {
+    /// Before the first record: `iter_from(Lsn::ZERO)` reads everything.
+    pub const ZERO: Lsn = Lsn(0);
+}
+
+impl std::fmt::Display for Lsn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// The number of a segment file (its name is `seg-<id>.wal`).
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    rkyv::Archive,
+    rkyv::Serialize,
+    rkyv::Deserialize,
+)]
+#[rkyv(derive(Debug, PartialEq, Eq))]
+pub struct SegmentId(pub u32);
+
+impl std::fmt::Display for SegmentId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// Where a record lives: segment, byte offset of its frame, payload length. Serializable
+/// (rkyv) so other records can point at it.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize,
+)]
+#[rkyv(derive(Debug, PartialEq, Eq))]
+pub struct RecordHandle {
+    /// The segment holding the record.
+    pub segment: SegmentId,
+    /// Byte offset of the record's frame inside the segment file.
+    pub offset: u64,
+    /// Payload length in bytes (the frame's header and padding are not counted).
+    pub len: u32,
+}
+
+impl ArchivedRecordHandle {
+    /// The handle as a native value.
+    pub fn to_native(&self) -> RecordHandle {
+        RecordHandle {
+            segment: SegmentId(self.segment.0.to_native()),
+            offset: self.offset.to_native(),
+            len: self.len.to_native(),
+        }
+    }
+}
+
+/// When appended records become durable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Durability {
+    /// Page cache only: never synced except when a segment is sealed or the log closes. An
+    /// LSN counts as durable once written to the page cache.
+    None,
+    /// Concurrent appends share one write and one sync; a group is written when it is
+    /// `max_delay` old or holds `max_bytes`.
+    GroupCommit {
+        /// Longest a record waits for its group to fill.
+        max_delay: Duration,
+        /// Group size that starts the write at once.
+        max_bytes: usize,
+    },
+    /// The sync thread writes and syncs as soon as anything is appended; each record is
+    /// durable before its LSN is reported durable.
+    EveryRecord,
+}
+
+impl Default for Durability {
+    fn default() -> Self {
+        Self::GroupCommit { max_delay: Duration::from_micros(200), max_bytes: 1 << 20 }
+    }
+}
+
+/// What opening does with damage that is not a torn tail.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RecoveryMode {
+    /// Fail with [`WalError::Corruption`] naming segment and offset (the default).
+    #[default]
+    Strict,
+    /// Skip damaged segments and damaged stretches, keep every valid record, and report what
+    /// was skipped in the [`RecoveryReport`].
+    TolerateCorruption,
+}
+
+/// Which I/O path the sync thread uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IoPath {
+    /// io_uring: parallel writes and a drained `fdatasync` in one submission.
+    IoUring,
+    /// `pwrite` + `fdatasync`.
+    Pwrite,
+}
+
+impl IoPath {
+    /// `"io_uring"` or `"pwrite"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::IoUring => "io_uring",
+            Self::Pwrite => "pwrite",
+        }
+    }
+}
+
+/// Which I/O path to ask for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum IoMode {
+    /// io_uring if the kernel allows it, else `pwrite` (logged once).
+    #[default]
+    Auto,
+    /// io_uring or fail to open.
+    IoUring,
+    /// Always `pwrite`.
+    Pwrite,
+}
+
+/// Settings of a [`Wal`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WalConfig {
+    /// Size of each segment file (default 64 MiB; 4 KiB ..= 1 TiB, a multiple of 16).
+    pub segment_size_bytes: u64,
+    /// When appends become durable (default group commit, 200 us / 1 MiB).
+    pub durability: Durability,
+    /// What opening does with corruption (default strict).
+    pub recovery: RecoveryMode,
+    /// Also roll by time with SPEC E.2's window rule (Spark's `rollingIntervalSecs`; default
+    /// none: roll by size only).
+    pub rolling_interval: Option<Duration>,
+}
+
+impl Default for WalConfig {
+    fn default() -> Self {
+        Self {
+            segment_size_bytes: 64 << 20,
+            durability: Durability::default(),
+            recovery: RecoveryMode::default(),
+            rolling_interval: None,
+        }
+    }
+}
+
+impl WalConfig {
+    /// Checks every setting.
+    ///
+    /// # Errors
+    /// [`WalError::InvalidConfig`] naming the setting.
+    pub fn validate(&self) -> Result<(), WalError> {
+        let invalid =
+            |setting, value: String, reason| WalError::InvalidConfig { setting, value, reason };
+        if self.segment_size_bytes < 4096
+            || self.segment_size_bytes > 1 << 40
+            || self.segment_size_bytes % 16 != 0
+        {
+            return Err(invalid(
+                "segment_size_bytes",
+                self.segment_size_bytes.to_string(),
+                "must be a multiple of 16 between 4 KiB and 1 TiB",
+            ));
+        }
+        if let Durability::GroupCommit { max_bytes, .. } = self.durability {
+            if max_bytes == 0 {
+                return Err(invalid("durability.max_bytes", "0".into(), "must be at least 1"));
+            }
+        }
+        if let Some(interval) = self.rolling_interval {
+            if interval.as_millis() == 0 || interval.as_millis() > i64::MAX as u128 / 2 {
+                return Err(invalid(
+                    "rolling_interval",
+                    format!("{interval:?}"),
+                    "must be at least 1 ms",
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Options beyond the configuration: the I/O path and the file layer.
+#[derive(Clone)]
+pub struct WalOptions {
+    /// Which I/O path to use (default [`IoMode::Auto`]).
+    pub io: IoMode,
+    /// The file layer the sync thread writes through (default [`FileStorage`]).
+    pub storage: Arc<dyn Storage>,
+    /// On the io_uring path, a group that is one write of at most this many bytes is written
+    /// with `pwrite` and synced with `fdatasync` directly, skipping the ring's hop to a kernel
+    /// worker (default 64 KiB; 0 sends every group through the ring, as tests do).
+    pub uring_direct_max_bytes: usize,
+    /// Open without changing anything on disk (default false): a torn tail is hidden, not
+    /// cut, no sync thread runs, and appends fail with [`WalError::ReadOnly`]. For tools.
+    pub read_only: bool,
+    /// The clock of [`Wal::append_now`] and [`Wal::append_bytes_now`] (default
+    /// [`SystemClock`]).
+    pub clock: Arc<dyn Clock>,
+}
+
+impl std::fmt::Debug for WalOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WalOptions")
+            .field("io", &self.io)
+            .field("storage", &self.storage)
+            .field("uring_direct_max_bytes", &self.uring_direct_max_bytes)
+            .field("read_only", &self.read_only)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for WalOptions {
+    fn default() -> Self {
+        Self {
+            io: IoMode::Auto,
+            storage: Arc::new(FileStorage),
+            uring_direct_max_bytes: writer::uring::DIRECT_GROUP_BYTES,
+            read_only: false,
+            clock: Arc::new(SystemClock),
+        }
+    }
+}
+
+/// What [`Wal::clean`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CleanReport {
+    /// Segments deleted (no longer tracked).
+    pub deleted: Vec<SegmentId>,
+    /// Bytes of the deleted files (their preallocated size).
+    pub bytes_freed: u64,
+    /// Segments selected but whose file could not be deleted (logged; SPEC E.4 ignores them).
+    pub failed: Vec<(SegmentId, String)>,
+}
+
+/// Cheap counters of a [`Wal`].
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct WalStats {
+    /// Records appended since opening.
+    pub appends: u64,
+    /// Framed bytes appended since opening.
+    pub bytes: u64,
+    /// Groups written by the sync thread.
+    pub groups: u64,
+    /// `fdatasync` calls completed.
+    pub syncs: u64,
+    /// Median group write+sync time, in microseconds (log2 bucket upper bound; 0 if none).
+    pub sync_p50_us: u64,
+    /// 99th percentile group write+sync time, in microseconds (log2 bucket upper bound).
+    pub sync_p99_us: u64,
+    /// The last LSN appended.
+    pub appended_lsn: Lsn,
+    /// The last LSN durable.
+    pub durable_lsn: Lsn,
+    /// Segments tracked (not cleaned), including the active one.
+    pub segments: usize,
+    /// Segments deleted by `clean` since opening.
+    pub cleaned_segments: u64,
+    /// The live I/O path.
+    pub io_path: Option<IoPath>,
+}
+
+/// A callback run once an LSN is durable (or the log failed).
+pub type DurableCallback = Box<dyn FnOnce(Result<(), WalError>) + Send + 'static>;
+
+/// One run of staged bytes destined for one contiguous range of one segment.
+#[derive(Debug)]
+pub(crate) struct Chunk {
+    pub(crate) segment: Arc<Segment>,
+    pub(crate) file_offset: u64,
+    pub(crate) buf_start: usize,
+    pub(crate) buf_end: usize,
+    pub(crate) last_lsn: u64,
+    pub(crate) max_time_ms: i64,
+}
+
+/// State guarded by the append lock.
+#[derive(Debug)]
+pub(crate) struct AppendState {
+    /// LSN the next append gets.
+    pub(crate) next_lsn: u64,
+    /// The segment appends go to (`None` until the first append after opening).
+    pub(crate) active: Option<Arc<Segment>>,
+    /// Offset in `active` where the next frame goes.
+    pub(crate) offset: u64,
+    /// Number the next segment gets.
+    pub(crate) next_segment_id: u64,
+    /// Frames appended and not yet taken by the sync thread.
+    pub(crate) buf: Vec<u8>,
+    /// Where each run of `buf` goes.
+    pub(crate) chunks: Vec<Chunk>,
+    /// When the first record of the staged group was appended.
+    pub(crate) group_started: Option<Instant>,
+    /// The sync thread is waiting on `writer_cv` and wants a notification.
+    pub(crate) writer_idle: bool,
+    /// Appenders waiting on `space_cv`.
+    pub(crate) space_waiters: usize,
+    /// `close` was called: appends are rejected, the sync thread drains and exits.
+    pub(crate) closing: bool,
+    pub(crate) appends: u64,
+    pub(crate) bytes: u64,
+}
+
+/// State guarded by the sync lock (paired with `durable_cv`).
+pub(crate) struct SyncState {
+    pub(crate) callbacks: BTreeMap<u64, Vec<DurableCallback>>,
+    pub(crate) writer_exited: bool,
+}
+
+/// Everything the appenders, readers and the sync thread share.
+pub(crate) struct Shared {
+    pub(crate) dir: PathBuf,
+    pub(crate) config: WalConfig,
+    pub(crate) storage: Arc<dyn Storage>,
+    pub(crate) append: Mutex<AppendState>,
+    /// Wakes the sync thread (with `append`).
+    pub(crate) writer_cv: Condvar,
+    /// Wakes appenders waiting for staging space (with `append`).
+    pub(crate) space_cv: Condvar,
+    /// Tracked segments in id order (the active one last).
+    pub(crate) segments: RwLock<Vec<Arc<Segment>>>,
+    /// Last LSN appended (written under the append lock).
+    pub(crate) appended_lsn: CachePadded<AtomicU64>,
+    /// Last LSN written to the page cache (sync thread).
+    pub(crate) written_lsn: CachePadded<AtomicU64>,
+    /// Last LSN whose sync completed (sync thread); feeds the frames' `sync_gap`.
+    pub(crate) synced_lsn: CachePadded<AtomicU64>,
+    /// Last LSN reported durable (stored under `sync`).
+    pub(crate) durable_lsn: CachePadded<AtomicU64>,
+    pub(crate) sync: Mutex<SyncState>,
+    /// Signalled after every group (durable LSN and written bytes moved) and on failure.
+    pub(crate) durable_cv: Condvar,
+    pub(crate) failed: OnceLock<WalError>,
+    pub(crate) failed_flag: AtomicBool,
+    pub(crate) groups: AtomicU64,
+    pub(crate) syncs: AtomicU64,
+    pub(crate) sync_latency_us_log2: [AtomicU64; 32],
+    pub(crate) cleaned_segments: AtomicU64,
+    /// Opened read-only: no sync thread, appends and clean refused.
+    pub(crate) read_only: bool,
+}
+
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding these locks is a broken invariant elsewhere; the state itself is
+    // plain data, so continuing with it is sound.
+    mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl Shared {
+    pub(crate) fn failure(&self) -> Option<WalError> {
+        if self.failed_flag.load(Ordering::Acquire) {
+            self.failed.get().cloned()
+        } else {
+            None
+        }
+    }
+
+    /// Fails the log for good and fails every waiter.
+    pub(crate) fn fail(&self, error: WalError) {
+        let error = match error {
+            WalError::Failed { cause } => *cause,
+            other => other,
+        };
+        tracing::error!(%error, dir = ?self.dir, "write-ahead log failed; no more writes");
+        let _ = self.failed.set(error);
+        self.failed_flag.store(true, Ordering::Release);
+        let callbacks = {
+            let mut sync = lock(&self.sync);
+            std::mem::take(&mut sync.callbacks)
+        };
+        self.durable_cv.notify_all();
+        self.space_cv.notify_all();
+        let failed = self.failed_error();
+        for callback in callbacks.into_values().flatten() {
+            callback(Err(failed.clone()));
+        }
+    }
+
+    pub(crate) fn failed_error(&self) -> WalError {
+        WalError::Failed { cause: Box::new(self.failed.get().cloned().unwrap_or(WalError::Closed)) }
+    }
+
+    /// Publishes progress of the sync thread and runs the callbacks now due.
+    pub(crate) fn publish(&self, written: u64, durable: u64) {
+        self.written_lsn.fetch_max(written, Ordering::AcqRel);
+        let ready = {
+            let mut sync = lock(&self.sync);
+            let previous = self.durable_lsn.load(Ordering::Acquire);
+            if durable > previous {
+                self.durable_lsn.store(durable, Ordering::Release);
+            }
+            if sync.callbacks.first_key_value().is_some_and(|(lsn, _)| *lsn <= durable) {
+                let later = sync.callbacks.split_off(&(durable + 1));
+                std::mem::replace(&mut sync.callbacks, later)
+            } else {
+                BTreeMap::new()
+            }
+        };
+        self.durable_cv.notify_all();
+        for callback in ready.into_values().flatten() {
+            callback(Ok(()));
+        }
+    }
+
+    pub(crate) fn record_sync_latency(&self, elapsed: Duration) {
+        let micros = elapsed.as_micros().max(1) as u64;
+        let bucket = (63 - micros.leading_zeros() as usize).min(31);
+        self.sync_latency_us_log2[bucket].fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn sync_percentile_us(&self, quantile: f64) -> u64 {
+        let counts: Vec<u64> =
+            self.sync_latency_us_log2.iter().map(|count| count.load(Ordering::Relaxed)).collect();
+        let total: u64 = counts.iter().sum();
+        if total == 0 {
+            return 0;
+        }
+        let target = ((total as f64) * quantile).ceil().max(1.0) as u64;
+        let mut seen = 0;
+        for (bucket, count) in counts.iter().enumerate() {
+            seen += count;
+            if seen >= target {
+                return 1u64 << (bucket + 1);
+            }
+        }
+        1 << 32
+    }
+
+    pub(crate) fn segment(&self, id: SegmentId) -> Option<Arc<Segment>> {
+        let segments = self.segments.read().unwrap_or_else(std::sync::PoisonError::into_inner);
+        segments
+            .binary_search_by_key(&id, |segment| segment.header.id)
+            .ok()
+            .map(|index| Arc::clone(&segments[index]))
+    }
+
+    pub(crate) fn segments_snapshot(&self) -> Vec<Arc<Segment>> {
+        self.segments.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+}
+
+/// A segmented write-ahead log. `Send + Sync`: share it (`Arc<Wal>`) and append from any
+/// number of threads.
+///
+/// # Examples
+/// ```
+/// use coordbus::wal::{Lsn, Wal, WalConfig};
+///
+/// #[derive(rkyv::Archive, rkyv::Serialize)]
+/// struct BlockAdded {
+///     stream: u32,
+///     block: u64,
+/// }
+///
+/// let dir = tempfile::tempdir()?;
+/// let wal = Wal::open(dir.path().join("wal"), WalConfig::default())?;
+/// let (lsn, handle) = wal.append(&BlockAdded { stream: 1, block: 42 }, 1_000)?;
+/// wal.wait_durable(lsn)?;
+/// let record = wal.read::<BlockAdded>(handle)?;
+/// assert_eq!(record.block, 42);
+/// assert_eq!(wal.iter_from(Lsn::ZERO)?.count(), 1);
+/// wal.close()?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct Wal {
+    shared: Arc<Shared>,
+    writer: Mutex<Option<JoinHandle<()>>>,
+    report: RecoveryReport,
+    io_path: IoPath,
+    clock: Arc<dyn Clock>,
+}
+
+impl std::fmt::Debug for Wal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Wal")
+            .field("dir", &self.shared.dir)
+            .field("io_path", &self.io_path)
+            .field("durable_lsn", &self.durable_lsn())
+            .finish_non_exhaustive()
+    }
+}
+
+static FALLBACK_LOGGED: std::sync::Once = std::sync::Once::new();
+
+impl Wal {
+    /// Opens (and recovers) the log in `dir` with the default I/O path and file layer.
+    ///
+    /// A missing directory is an empty log; nothing is created until the first append
+    /// (SPEC E.3).
+    ///
+    /// # Errors
+    /// [`WalError::InvalidConfig`], [`WalError::Corruption`] (strict mode),
+    /// [`WalError::UnsupportedVersion`], [`WalError::Io`].
+    pub fn open(dir: impl AsRef<Path>, config: WalConfig) -> Result<Wal, WalError> {
+        Self::open_with_options(dir, config, WalOptions::default())
+    }
+
+    /// Opens (and recovers) the log with `clock` as the time source of [`Wal::append_now`].
+    ///
+    /// # Errors
+    /// As [`Wal::open`].
+    pub fn open_with_clock(
+        dir: impl AsRef<Path>,
+        config: WalConfig,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Wal, WalError> {
+        Self::open_with_options(dir, config, WalOptions { clock, ..WalOptions::default() })
+    }
+
+    /// Opens (and recovers) the log with an explicit I/O path and file layer.
+    ///
+    /// # Errors
+    /// As [`Wal::open`]; with [`IoMode::IoUring`] also the kernel's refusal of io_uring.
+    pub fn open_with_options(
+        dir: impl AsRef<Path>,
+        config: WalConfig,
+        options: WalOptions,
+    ) -> Result<Wal, WalError> {
+        config.validate()?;
+        let dir = dir.as_ref().to_path_buf();
+        let engine: Box<dyn writer::IoEngine> = match options.io {
+            IoMode::Pwrite => Box::new(writer::pwrite::PwriteEngine),
+            IoMode::IoUring => Box::new(
+                writer::uring::UringEngine::new(options.uring_direct_max_bytes)
+                    .map_err(|error| WalError::from_io("io_uring setup", dir.clone(), 0, &error))?,
+            ),
+            IoMode::Auto => match writer::uring::UringEngine::new(options.uring_direct_max_bytes) {
+                Ok(engine) => Box::new(engine),
+                Err(error) => {
+                    FALLBACK_LOGGED.call_once(|| {
+                        tracing::warn!(
+                            %error,
+                            "io_uring unavailable (ENOSYS/EPERM or limits); the WAL writes with \
+                             pwrite + fdatasync"
+                        );
+                    });
+                    Box::new(writer::pwrite::PwriteEngine)
+                }
+            },
+        };
+        let io_path = engine.path();
+        let recovered =
+            recovery::recover(&dir, &config, options.storage.as_ref(), options.read_only)?;
+        tracing::info!(dir = ?dir, report = %recovered.report, io_path = io_path.as_str(),
+            "write-ahead log opened");
+        let last_lsn = recovered.report.last_lsn.0;
+        let staging = staging_limit(config.durability);
+        let shared = Arc::new(Shared {
+            dir: dir.clone(),
+            config: config.clone(),
+            storage: options.storage,
+            append: Mutex::new(AppendState {
+                next_lsn: last_lsn + 1,
+                active: None,
+                offset: SEGMENT_HEADER_LEN,
+                next_segment_id: recovered.next_segment_id,
+                buf: Vec::with_capacity(staging),
+                chunks: Vec::new(),
+                group_started: None,
+                writer_idle: false,
+                space_waiters: 0,
+                closing: options.read_only,
+                appends: 0,
+                bytes: 0,
+            }),
+            writer_cv: Condvar::new(),
+            space_cv: Condvar::new(),
+            segments: RwLock::new(recovered.segments),
+            appended_lsn: CachePadded::new(AtomicU64::new(last_lsn)),
+            written_lsn: CachePadded::new(AtomicU64::new(last_lsn)),
+            synced_lsn: CachePadded::new(AtomicU64::new(last_lsn)),
+            durable_lsn: CachePadded::new(AtomicU64::new(last_lsn)),
+            sync: Mutex::new(SyncState {
+                callbacks: BTreeMap::new(),
+                writer_exited: options.read_only,
+            }),
+            read_only: options.read_only,
+            durable_cv: Condvar::new(),
+            failed: OnceLock::new(),
+            failed_flag: AtomicBool::new(false),
+            groups: AtomicU64::new(0),
+            syncs: AtomicU64::new(0),
+            sync_latency_us_log2: Default::default(),
+            cleaned_segments: AtomicU64::new(0),
+        });
+        let writer = if options.read_only {
+            None
+        } else {
+            let thread_shared = Arc::clone(&shared);
+            Some(
+                std::thread::Builder::new()
+                    .name("coordbus-wal-sync".into())
+                    .spawn(move || writer::run(thread_shared, engine))
+                    .map_err(|error| {
+                        WalError::from_io("spawn sync thread", dir.clone(), 0, &error)
+                    })?,
+            )
+        };
+        Ok(Wal {
+            shared,
+            writer: Mutex::new(writer),
+            report: recovered.report,
+            io_path,
+            clock: options.clock,
+        })
+    }
+
+    /// The log's directory.
+    pub fn dir(&self) -> &Path {
+        &self.shared.dir
+    }
+
+    /// The configuration the log was opened with.
+    pub fn config(&self) -> &WalConfig {
+        &self.shared.config
+    }
+
+    /// Serializes `value` (rkyv) and appends it with time `time_ms`. Returns at once: the
+    /// record is durable once [`Wal::durable_lsn`] reaches the returned LSN.
+    ///
+    /// # Errors
+    /// [`WalError::Record`] if serialization fails, [`WalError::RecordTooLarge`],
+    /// [`WalError::Closed`], [`WalError::Failed`] after an earlier write or sync failure.
+    pub fn append<T: Record>(
+        &self,
+        value: &T,
+        time_ms: i64,
+    ) -> Result<(Lsn, RecordHandle), WalError> {
+        let bytes = record::to_bytes(value)?;
+        self.append_bytes(&bytes, time_ms)
+    }
+
+    /// [`Wal::append`] with the time of the log's clock.
+    ///
+    /// # Errors
+    /// As [`Wal::append`].
+    pub fn append_now<T: Record>(&self, value: &T) -> Result<(Lsn, RecordHandle), WalError> {
+        self.append(value, self.clock.now_ms())
+    }
+
+    /// [`Wal::append_bytes`] with the time of the log's clock.
+    ///
+    /// # Errors
+    /// As [`Wal::append`].
+    pub fn append_bytes_now(&self, payload: &[u8]) -> Result<(Lsn, RecordHandle), WalError> {
+        self.append_bytes(payload, self.clock.now_ms())
+    }
+
+    /// Appends raw bytes with time `time_ms` (read them back with [`Wal::read_bytes`]).
+    ///
+    /// # Errors
+    /// As [`Wal::append`].
+    pub fn append_bytes(
+        &self,
+        payload: &[u8],
+        time_ms: i64,
+    ) -> Result<(Lsn, RecordHandle), WalError> {
+        let shared = &*self.shared;
+        let frame_len = frame::frame_len(payload.len()) as u64;
+        let capacity = shared.config.segment_size_bytes - SEGMENT_HEADER_LEN;
+        if payload.len() > frame::MAX_PAYLOAD_LEN as usize || frame_len > capacity {
+            return Err(WalError::RecordTooLarge {
+                len: frame_len,
+                segment_size_bytes: shared.config.segment_size_bytes,
+            });
+        }
+        let group_commit_bytes = match shared.config.durability {
+            Durability::GroupCommit { max_bytes, .. } => Some(max_bytes),
+            _ => None,
+        };
+        let staging_limit = staging_limit(shared.config.durability);
+        let mut state = lock(&shared.append);
+        loop {
+            if state.closing {
+                return Err(if shared.read_only { WalError::ReadOnly } else { WalError::Closed });
+            }
+            if shared.failed_flag.load(Ordering::Acquire) {
+                return Err(shared.failed_error());
+            }
+            if state.buf.len() < staging_limit {
+                break;
+            }
+            state.space_waiters += 1;
+            state = shared.space_cv.wait(state).unwrap_or_else(std::sync::PoisonError::into_inner);
+            state.space_waiters -= 1;
+        }
+        let needs_new = match &state.active {
+            None => true,
+            Some(active) => {
+                let late_window =
+                    matches!(active.header.window, Some(window) if time_ms > window.stop_ms);
+                late_window || state.offset + frame_len > shared.config.segment_size_bytes
+            }
+        };
+        if needs_new {
+            self.roll(&mut state, time_ms)?;
+        }
+        let lsn = state.next_lsn;
+        let offset = state.offset;
+        let mut guard = state;
+        let state = &mut *guard;
+        let buf_start = state.buf.len();
+        frame::encode_into(
+            &mut state.buf,
+            payload,
+            lsn,
+            time_ms,
+            shared.synced_lsn.load(Ordering::Relaxed),
+        )?;
+        debug_assert_eq!(state.buf.len() - buf_start, frame_len as usize);
+        let active = state.active.as_ref().expect("rolled above");
+        match state.chunks.last_mut() {
+            Some(chunk)
+                if Arc::ptr_eq(&chunk.segment, active)
+                    && chunk.file_offset + (chunk.buf_end - chunk.buf_start) as u64 == offset =>
+            {
+                chunk.buf_end = state.buf.len();
+                chunk.last_lsn = lsn;
+                chunk.max_time_ms = chunk.max_time_ms.max(time_ms);
+            }
+            _ => state.chunks.push(Chunk {
+                segment: Arc::clone(active),
+                file_offset: offset,
+                buf_start,
+                buf_end: state.buf.len(),
+                last_lsn: lsn,
+                max_time_ms: time_ms,
+            }),
+        }
+        state.next_lsn = lsn + 1;
+        state.offset = offset + frame_len;
+        state.appends += 1;
+        state.bytes += frame_len;
+        shared.appended_lsn.store(lsn, Ordering::Release);
+        let first_of_group = state.group_started.is_none();
+        if first_of_group {
+            state.group_started = Some(Instant::now());
+        }
+        let wake = state.writer_idle
+            && (first_of_group || group_commit_bytes.is_none_or(|max| state.buf.len() >= max));
+        if wake {
+            state.writer_idle = false;
+        }
+        let segment = active.header.id;
+        drop(guard);
+        if wake {
+            shared.writer_cv.notify_one();
+        }
+        Ok((Lsn(lsn), RecordHandle { segment, offset, len: payload.len() as u32 }))
+    }
+
+    /// Starts a new active segment for a record with time `time_ms` (SPEC E.2 window rule).
+    fn roll(&self, state: &mut AppendState, time_ms: i64) -> Result<(), WalError> {
+        let shared = &*self.shared;
+        let window = match (shared.config.rolling_interval, &state.active) {
+            (None, _) => None,
+            (Some(_), Some(active))
+                if active.header.window.is_some_and(|window| time_ms <= window.stop_ms) =>
+            {
+                // Rolled by size inside a window: the new segment keeps the window.
+                active.header.window
+            }
+            (Some(interval), _) => Some(Window {
+                start_ms: time_ms,
+                stop_ms: time_ms.saturating_add(interval.as_millis() as i64),
+            }),
+        };
+        let id = u32::try_from(state.next_segment_id).map_err(|_| WalError::InvalidConfig {
+            setting: "segment id",
+            value: state.next_segment_id.to_string(),
+            reason: "segment numbers are exhausted (u32)",
+        })?;
+        state.next_segment_id += 1;
+        let header = SegmentHeader {
+            id: SegmentId(id),
+            first_lsn: state.next_lsn,
+            window,
+            segment_size_bytes: shared.config.segment_size_bytes,
+        };
+        let segment = Arc::new(Segment::new(&shared.dir, header));
+        shared
+            .segments
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(Arc::clone(&segment));
+        state.active = Some(segment);
+        state.offset = SEGMENT_HEADER_LEN;
+        Ok(())
+    }
+
+    /// The last LSN known durable (`Lsn::ZERO` before anything; after opening, the last
+    /// recovered LSN).
+    pub fn durable_lsn(&self) -> Lsn {
+        Lsn(self.shared.durable_lsn.load(Ordering::Acquire))
+    }
+
+    /// The last LSN appended.
+    pub fn appended_lsn(&self) -> Lsn {
+        Lsn(self.shared.appended_lsn.load(Ordering::Acquire))
+    }
+
+    /// Waits until `lsn` is durable.
+    ///
+    /// # Errors
+    /// [`WalError::Failed`] if the log failed first, [`WalError::NotAppended`] for an LSN never
+    /// appended, [`WalError::Closed`] if the log closed without making it durable.
+    pub fn wait_durable(&self, lsn: Lsn) -> Result<(), WalError> {
+        self.wait_durable_inner(lsn, None)
+    }
+
+    /// Waits at most `timeout` until `lsn` is durable.
+    ///
+    /// # Errors
+    /// As [`Wal::wait_durable`], plus [`WalError::Timeout`].
+    pub fn wait_durable_timeout(&self, lsn: Lsn, timeout: Duration) -> Result<(), WalError> {
+        self.wait_durable_inner(lsn, Some(timeout))
+    }
+
+    fn wait_durable_inner(&self, lsn: Lsn, timeout: Option<Duration>) -> Result<(), WalError> {
+        let shared = &*self.shared;
+        if shared.durable_lsn.load(Ordering::Acquire) >= lsn.0 {
+            return Ok(());
+        }
+        let appended = shared.appended_lsn.load(Ordering::Acquire);
+        if lsn.0 > appended {
+            return Err(WalError::NotAppended { lsn: lsn.0, appended });
+        }
+        let deadline = timeout.map(|timeout| Instant::now() + timeout);
+        let mut sync = lock(&shared.sync);
+        loop {
+            let durable = shared.durable_lsn.load(Ordering::Acquire);
+            if durable >= lsn.0 {
+                return Ok(());
+            }
+            if shared.failed_flag.load(Ordering::Acquire) {
+                return Err(shared.failed_error());
+            }
+            if sync.writer_exited {
+                return Err(WalError::Closed);
+            }
+            sync = match deadline {
+                None => {
+                    shared.durable_cv.wait(sync).unwrap_or_else(std::sync::PoisonError::into_inner)
+                }
+                Some(deadline) => {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        return Err(WalError::Timeout {
+                            lsn: lsn.0,
+                            durable,
+                            timeout: timeout.unwrap_or_default(),
+                        });
+                    }
+                    shared
+                        .durable_cv
+                        .wait_timeout(sync, deadline - now)
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .0
+                }
+            };
+        }
+    }
+
+    /// Runs `callback` once `lsn` is durable (with `Ok`) or the log failed (with the error).
+    /// It runs on the sync thread, so it must be short and must not block on the log; if
+    /// `lsn` is already durable (or the outcome already known) it runs at once on the calling
+    /// thread.
+    pub fn notify_when_durable(&self, lsn: Lsn, callback: DurableCallback) {
+        let shared = &*self.shared;
+        let outcome = {
+            let mut sync = lock(&shared.sync);
+            let appended = shared.appended_lsn.load(Ordering::Acquire);
+            if shared.durable_lsn.load(Ordering::Acquire) >= lsn.0 {
+                Ok(())
+            } else if shared.failed_flag.load(Ordering::Acquire) {
+                Err(shared.failed_error())
+            } else if lsn.0 > appended {
+                Err(WalError::NotAppended { lsn: lsn.0, appended })
+            } else if sync.writer_exited {
+                Err(WalError::Closed)
+            } else {
+                sync.callbacks.entry(lsn.0).or_default().push(callback);
+                return;
+            }
+        };
+        callback(outcome);
+    }
+
+    /// The record at `handle` as raw payload bytes, checked (frame CRC, length) and borrowed
+    /// from the memory map. Waits briefly if the record is appended but not yet written.
+    ///
+    /// # Errors
+    /// [`WalError::NotFound`] (cleaned, never appended, or past the end),
+    /// [`WalError::LengthMismatch`] naming both lengths, [`WalError::Corruption`] if the bytes
+    /// on disk are damaged.
+    pub fn read_bytes(&self, handle: RecordHandle) -> Result<RecordBytes, WalError> {
+        reader::read_bytes(&self.shared, handle)
+    }
+
+    /// The record at `handle` as a validated, zero-copy reference to the archived `T`.
+    ///
+    /// # Errors
+    /// As [`Wal::read_bytes`], plus [`WalError::Record`] if the bytes are not a valid `T`.
+    pub fn read<T>(&self, handle: RecordHandle) -> Result<ArchivedRecord<T>, WalError>
+    where
+        T: rkyv::Archive,
+        T::Archived: Checked,
+    {
+        let bytes = self.read_bytes(handle)?;
+        ArchivedRecord::new(bytes).map_err(WalError::from)
+    }
+
+    /// Every record with an LSN of at least `from`, in LSN order across segments, up to what
+    /// was written when each segment is reached.
+    ///
+    /// # Errors
+    /// Opening the iterator does not fail today; items fail with [`WalError::Corruption`] if
+    /// bytes changed on disk after recovery.
+    pub fn iter_from(&self, from: Lsn) -> Result<WalIter, WalError> {
+        Ok(WalIter::new(self.shared.segments_snapshot(), from))
+    }
+
+    /// Deletes every segment whose end time is strictly below `threshold_ms` (SPEC 0.6, E.4):
+    /// never the active segment, nor one not yet completely written. With `wait`, the
+    /// directory is synced so the deletions are durable on return.
+    ///
+    /// # Errors
+    /// [`WalError::Io`] only if syncing the directory fails (failed deletions are reported in
+    /// [`CleanReport::failed`]); [`WalError::ReadOnly`].
+    pub fn clean(&self, threshold_ms: i64, wait: bool) -> Result<CleanReport, WalError> {
+        let report = self.clean_where(wait, |segment| segment.end_time_ms() < threshold_ms)?;
+        tracing::debug!(threshold_ms, deleted = report.deleted.len(), "cleaned WAL segments");
+        Ok(report)
+    }
+
+    /// Deletes every segment all of whose records have an LSN below `lsn` (for callers that
+    /// checkpoint by position rather than time); same rules as [`Wal::clean`] otherwise.
+    ///
+    /// # Errors
+    /// As [`Wal::clean`].
+    pub fn clean_below_lsn(&self, lsn: Lsn, wait: bool) -> Result<CleanReport, WalError> {
+        let report = self.clean_where(wait, |segment| {
+            let last = segment.last_lsn.load(Ordering::Acquire);
+            // An empty segment holds nothing at or above any LSN past its start.
+            let last = if last == 0 { segment.header.first_lsn.saturating_sub(1) } else { last };
+            last < lsn.0
+        })?;
+        tracing::debug!(lsn = lsn.0, deleted = report.deleted.len(), "cleaned WAL segments");
+        Ok(report)
+    }
+
+    fn clean_where(
+        &self,
+        wait: bool,
+        select: impl Fn(&Segment) -> bool,
+    ) -> Result<CleanReport, WalError> {
+        let shared = &*self.shared;
+        if shared.read_only {
+            return Err(WalError::ReadOnly);
+        }
+        let active = lock(&shared.append).active.as_ref().map(|segment| segment.header.id);
+        let selected: Vec<Arc<Segment>> = {
+            let mut segments =
+                shared.segments.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let (selected, kept): (Vec<_>, Vec<_>) = segments.drain(..).partition(|segment| {
+                Some(segment.header.id) != active
+                    && segment.sealed.load(Ordering::Acquire)
+                    && select(segment)
+            });
+            *segments = kept;
+            selected
+        };
+        let mut report = CleanReport::default();
+        for segment in selected {
+            match shared.storage.remove(&segment.path) {
+                Ok(()) => {
+                    report.deleted.push(segment.header.id);
+                    report.bytes_freed += segment.file_len();
+                }
+                Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+                    report.deleted.push(segment.header.id);
+                }
+                Err(error) => {
+                    tracing::warn!(path = ?segment.path, %error, "could not delete a WAL segment");
+                    report.failed.push((segment.header.id, error.to_string()));
+                }
+            }
+        }
+        shared.cleaned_segments.fetch_add(report.deleted.len() as u64, Ordering::Relaxed);
+        if wait && !report.deleted.is_empty() {
+            shared.storage.sync_dir(&shared.dir).map_err(|error| {
+                WalError::from_io("sync directory", shared.dir.clone(), 0, &error)
+            })?;
+        }
+        Ok(report)
+    }
+
+    /// What opening found and cut.
+    pub fn recovery_report(&self) -> &RecoveryReport {
+        &self.report
+    }
+
+    /// The live I/O path.
+    pub fn io_path(&self) -> IoPath {
+        self.io_path
+    }
+
+    /// Counters (cheap: a few atomic loads and one short lock).
+    pub fn stats(&self) -> WalStats {
+        let shared = &*self.shared;
+        let (appends, bytes) = {
+            let state = lock(&shared.append);
+            (state.appends, state.bytes)
+        };
+        WalStats {
+            appends,
+            bytes,
+            groups: shared.groups.load(Ordering::Relaxed),
+            syncs: shared.syncs.load(Ordering::Relaxed),
+            sync_p50_us: shared.sync_percentile_us(0.5),
+            sync_p99_us: shared.sync_percentile_us(0.99),
+            appended_lsn: self.appended_lsn(),
+            durable_lsn: self.durable_lsn(),
+            segments: shared.segments_snapshot().len(),
+            cleaned_segments: shared.cleaned_segments.load(Ordering::Relaxed),
+            io_path: Some(self.io_path),
+        }
+    }
+
+    /// Writes and syncs everything appended, stops the sync thread, and rejects later appends
+    /// with [`WalError::Closed`]. Idempotent; reads keep working.
+    ///
+    /// # Errors
+    /// [`WalError::Failed`] if a write or sync failed (now or earlier).
+    pub fn close(&self) -> Result<(), WalError> {
+        {
+            let mut state = lock(&self.shared.append);
+            state.closing = true;
+        }
+        self.shared.writer_cv.notify_all();
+        self.shared.space_cv.notify_all();
+        let handle = lock(&self.writer).take();
+        // A durability callback may drop the last reference to the log on the sync thread
+        // itself; that thread then finishes on its own once `closing` is seen.
+        let handle = handle.filter(|handle| handle.thread().id() != std::thread::current().id());
+        if let Some(handle) = handle {
+            if handle.join().is_err() {
+                self.shared.fail(WalError::Io {
+                    op: "sync thread",
+                    path: self.shared.dir.clone(),
+                    kind: std::io::ErrorKind::Other,
+                    message: "the sync thread panicked".into(),
+                });
+            }
+        }
+        match self.shared.failure() {
+            Some(_) => Err(self.shared.failed_error()),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Wal {
+    fn drop(&mut self) {
+        if let Err(error) = self.close() {
+            tracing::warn!(%error, "closing the write-ahead log on drop");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_log_is_send_and_sync_and_handles_are_archivable() {
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send_sync::<Wal>();
+        let handle = RecordHandle { segment: SegmentId(3), offset: 4096, len: 17 };
+        let bytes = crate::record::to_bytes(&handle).unwrap();
+        let archived = crate::record::access::<RecordHandle>(&bytes).unwrap();
+        assert_eq!(archived.to_native(), handle);
+    }
+
+    #[test]
+    fn append_now_takes_the_time_of_the_injected_clock() {
+        let dir = tempfile::tempdir().unwrap();
+        let clock = crate::clock::ManualClock::new(12_345);
+        let wal = Wal::open_with_clock(dir.path(), WalConfig::default(), Arc::new(clock.clone()))
+            .unwrap();
+        wal.append_bytes_now(b"a").unwrap();
+        clock.advance_ms(5);
+        let (lsn, _) = wal.append_now(&7u64).unwrap();
+        wal.wait_durable(lsn).unwrap();
+        let times: Vec<i64> =
+            wal.iter_from(Lsn::ZERO).unwrap().map(|record| record.unwrap().time_ms).collect();
+        assert_eq!(times, vec![12_345, 12_350]);
+    }
+
+    #[test]
+    fn config_validation_names_the_setting() {
+        let config = WalConfig { segment_size_bytes: 100, ..WalConfig::default() };
+        assert!(matches!(
+            config.validate(),
+            Err(WalError::InvalidConfig { setting: "segment_size_bytes", .. })
+        ));
+        assert!(WalConfig::default().validate().is_ok());
+    }
+
+    #[test]
+    fn open_on_a_missing_directory_creates_nothing_until_a_write() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("wal");
+        let wal = Wal::open(&path, WalConfig::default()).unwrap();
+        assert!(!path.exists());
+        wal.close().unwrap();
+        assert!(!path.exists());
+        let wal = Wal::open(&path, WalConfig::default()).unwrap();
+        let (lsn, _) = wal.append_bytes(b"x", 1).unwrap();
+        wal.wait_durable(lsn).unwrap();
+        assert!(path.exists());
+    }
+}

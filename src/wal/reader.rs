@@ -1,0 +1,380 @@
+//! Reading: read-only memory maps of segment files, record guards, the in-order iterator.
+//!
+//! Every read checks the frame (bounds, magic, CRC, length) before handing out bytes, and
+//! typed access runs rkyv's validation (bytecheck) before the first reference to an archived
+//! value exists. A guard keeps its segment's mapping alive, so a record stays readable even if
+//! `clean` deletes its file meanwhile (the mapping outlives the directory entry).
+//!
+//! Hazard (inherent to mmap): another process truncating a segment file under a live mapping
+//! makes reads of the vanished pages fault (SIGBUS). coordbus itself only truncates the tail
+//! of a segment during recovery, before any mapping of it exists.
+//!
+//! This module is one of the three allowed to use `unsafe` (STYLE.md): mapping a file, and
+//! re-deriving a reference to an archive that was validated when its guard was built.
+
+#![allow(unsafe_code)]
+
+use std::{
+    fs::File,
+    marker::PhantomData,
+    ops::Deref,
+    path::Path,
+    sync::{atomic::Ordering, Arc},
+    time::{Duration, Instant},
+};
+
+use memmap2::Mmap;
+
+use crate::{
+    error::{RecordError, WalError},
+    record::{self, frame, Checked},
+    wal::{lock, segment::Segment, segment::HEADER_LEN, Lsn, RecordHandle, Shared},
+};
+
+/// How long a read waits for a record appended but not yet written before giving up.
+const READ_WAIT_LIMIT: Duration = Duration::from_secs(60);
+
+/// A read-only mapping of a whole segment file.
+#[derive(Debug)]
+pub struct SegmentMap {
+    map: Option<Mmap>,
+}
+
+impl SegmentMap {
+    /// Maps the file at `path` (its current length).
+    ///
+    /// # Errors
+    /// [`WalError::Io`] if the file cannot be opened or mapped.
+    pub fn open(path: &Path) -> Result<Self, WalError> {
+        let file =
+            File::open(path).map_err(|error| WalError::from_io("open segment", path, 0, &error))?;
+        let len = file
+            .metadata()
+            .map_err(|error| WalError::from_io("stat segment", path, 0, &error))?
+            .len();
+        if len == 0 {
+            return Ok(Self { map: None });
+        }
+        // SAFETY: the mapping is read-only and private to this process's view of the file.
+        // coordbus writes segment files only through `pwrite`/io_uring into ranges no reader
+        // has been handed yet (readers wait for the written watermark), and truncates a file
+        // only during recovery before it is mapped. External modification of the files is
+        // outside the contract (module doc).
+        let map = unsafe { Mmap::map(&file) }
+            .map_err(|error| WalError::from_io("map segment", path, len, &error))?;
+        Ok(Self { map: Some(map) })
+    }
+
+    /// Tells the kernel the mapping will be read front to back (read-ahead; a hint only).
+    pub fn advise_sequential(&self) {
+        if let Some(map) = &self.map {
+            // Advice is a hint; failing to give it changes nothing but speed.
+            let _ = map.advise(memmap2::Advice::Sequential);
+        }
+    }
+
+    /// The mapped bytes.
+    pub fn bytes(&self) -> &[u8] {
+        self.map.as_deref().unwrap_or(&[])
+    }
+
+    /// Bytes mapped.
+    pub fn len(&self) -> usize {
+        self.bytes().len()
+    }
+}
+
+/// The payload bytes of one record, borrowed from its segment's mapping.
+#[derive(Debug, Clone)]
+pub struct RecordBytes {
+    map: Arc<SegmentMap>,
+    start: usize,
+    len: usize,
+}
+
+impl Deref for RecordBytes {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        &self.map.bytes()[self.start..self.start + self.len]
+    }
+}
+
+impl AsRef<[u8]> for RecordBytes {
+    fn as_ref(&self) -> &[u8] {
+        self
+    }
+}
+
+/// A validated, zero-copy archived `T` inside a segment mapping; derefs to `T::Archived`.
+pub struct ArchivedRecord<T: rkyv::Archive> {
+    bytes: RecordBytes,
+    _type: PhantomData<fn() -> T>,
+}
+
+impl<T> ArchivedRecord<T>
+where
+    T: rkyv::Archive,
+    T::Archived: Checked,
+{
+    /// Validates `bytes` as an archived `T`.
+    ///
+    /// # Errors
+    /// [`RecordError::Validate`] if bytecheck rejects the bytes.
+    pub fn new(bytes: RecordBytes) -> Result<Self, RecordError> {
+        record::access::<T>(&bytes)?;
+        Ok(Self { bytes, _type: PhantomData })
+    }
+
+    /// The raw payload bytes.
+    pub fn bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+}
+
+impl<T> Deref for ArchivedRecord<T>
+where
+    T: rkyv::Archive,
+    T::Archived: Checked,
+{
+    type Target = T::Archived;
+
+    fn deref(&self) -> &T::Archived {
+        debug_assert!(record::access::<T>(&self.bytes).is_ok());
+        // SAFETY: `new` validated exactly these bytes with `rkyv::access` (bytecheck), and the
+        // bytes cannot change afterwards: the guard holds the read-only mapping alive, and
+        // coordbus never writes a range it has handed to a reader (module doc).
+        unsafe { rkyv::access_unchecked::<T::Archived>(&self.bytes) }
+    }
+}
+
+impl<T> std::fmt::Debug for ArchivedRecord<T>
+where
+    T: rkyv::Archive,
+{
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ArchivedRecord")
+            .field("type", &std::any::type_name::<T>())
+            .field("len", &self.bytes.len)
+            .finish()
+    }
+}
+
+/// One record met by [`WalIter`].
+#[derive(Debug, Clone)]
+pub struct RecordRef {
+    /// The record's LSN.
+    pub lsn: Lsn,
+    /// The record's time in ms.
+    pub time_ms: i64,
+    /// Where it is (usable with `Wal::read`).
+    pub handle: RecordHandle,
+    /// The payload.
+    pub bytes: RecordBytes,
+}
+
+impl RecordRef {
+    /// The payload as a validated archived `T`.
+    ///
+    /// # Errors
+    /// [`RecordError::Validate`] if the payload is not a valid `T`.
+    pub fn access<T>(&self) -> Result<&T::Archived, RecordError>
+    where
+        T: rkyv::Archive,
+        T::Archived: Checked,
+    {
+        record::access::<T>(&self.bytes)
+    }
+
+    /// Turns this into an owned guard of the archived `T`.
+    ///
+    /// # Errors
+    /// [`RecordError::Validate`] if the payload is not a valid `T`.
+    pub fn into_archived<T>(self) -> Result<ArchivedRecord<T>, RecordError>
+    where
+        T: rkyv::Archive,
+        T::Archived: Checked,
+    {
+        ArchivedRecord::new(self.bytes)
+    }
+}
+
+/// Checks the frame at `offset` of `segment`, bounded by `limit`; returns header and payload
+/// position.
+fn frame_at(
+    segment: &Segment,
+    map: &Arc<SegmentMap>,
+    offset: u64,
+    limit: u64,
+) -> Result<(frame::FrameHeader, usize), WalError> {
+    let bytes = map.bytes();
+    let limit = (limit as usize).min(bytes.len());
+    let start = offset as usize;
+    if start > limit {
+        return Err(WalError::NotFound {
+            segment: segment.header.id.0,
+            offset,
+            reason: "offset past the end of the segment",
+        });
+    }
+    let (header, _) = frame::parse(&bytes[start..limit]).map_err(|error| WalError::Corruption {
+        segment: segment.header.id.0,
+        offset,
+        reason: format!("no valid record frame here: {error}"),
+    })?;
+    Ok((header, start + frame::HEADER_LEN))
+}
+
+/// `Wal::read_bytes`.
+pub(crate) fn read_bytes(shared: &Shared, handle: RecordHandle) -> Result<RecordBytes, WalError> {
+    let not_found =
+        |reason| WalError::NotFound { segment: handle.segment.0, offset: handle.offset, reason };
+    let segment = shared
+        .segment(handle.segment)
+        .ok_or(not_found("no such segment (cleaned, or never created)"))?;
+    if handle.offset < HEADER_LEN || handle.offset % frame::ALIGN as u64 != 0 {
+        return Err(not_found("offset is not a record boundary"));
+    }
+    let header_end = handle.offset + frame::HEADER_LEN as u64;
+    if segment.end_offset.load(Ordering::Acquire) < header_end {
+        wait_written(shared, &segment, header_end, not_found)?;
+    }
+    let map = segment.map.get().cloned().ok_or(not_found("the segment has no file"))?;
+    let limit = segment.end_offset.load(Ordering::Acquire);
+    let (header, start) = frame_at(&segment, &map, handle.offset, limit)?;
+    if header.len != handle.len {
+        return Err(WalError::LengthMismatch {
+            segment: handle.segment.0,
+            offset: handle.offset,
+            expected: handle.len,
+            actual: header.len,
+        });
+    }
+    Ok(RecordBytes { map, start, len: header.len as usize })
+}
+
+/// Waits until `segment` has bytes written up to `needed`, or proves they never will be.
+fn wait_written(
+    shared: &Shared,
+    segment: &Segment,
+    needed: u64,
+    not_found: impl Fn(&'static str) -> WalError,
+) -> Result<(), WalError> {
+    let deadline = Instant::now() + READ_WAIT_LIMIT;
+    let mut sync = lock(&shared.sync);
+    loop {
+        if segment.end_offset.load(Ordering::Acquire) >= needed {
+            return Ok(());
+        }
+        if shared.failed_flag.load(Ordering::Acquire) {
+            return Err(shared.failed_error());
+        }
+        let appended = shared.appended_lsn.load(Ordering::Acquire);
+        if shared.written_lsn.load(Ordering::Acquire) >= appended || sync.writer_exited {
+            // Everything appended is written and the offset is still beyond the end.
+            if segment.end_offset.load(Ordering::Acquire) >= needed {
+                return Ok(());
+            }
+            return Err(not_found("offset past the end of what was written"));
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return Err(not_found("the record was not written within 60 s"));
+        }
+        sync = shared
+            .durable_cv
+            .wait_timeout(sync, (deadline - now).min(Duration::from_millis(50)))
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .0;
+    }
+}
+
+/// The in-order iterator of [`crate::wal::Wal::iter_from`].
+#[derive(Debug)]
+pub struct WalIter {
+    segments: Vec<Arc<Segment>>,
+    segment_index: usize,
+    /// Index into the current segment's ranges.
+    range_index: usize,
+    /// Next frame offset in the current segment (0: segment not started).
+    offset: u64,
+    from: u64,
+    done: bool,
+}
+
+impl WalIter {
+    pub(crate) fn new(segments: Vec<Arc<Segment>>, from: Lsn) -> Self {
+        Self { segments, segment_index: 0, range_index: 0, offset: 0, from: from.0, done: false }
+    }
+
+    fn next_segment(&mut self) {
+        self.segment_index += 1;
+        self.range_index = 0;
+        self.offset = 0;
+    }
+}
+
+impl Iterator for WalIter {
+    type Item = Result<RecordRef, WalError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        while !self.done {
+            let segment = Arc::clone(self.segments.get(self.segment_index)?);
+            let last_lsn = segment.last_lsn.load(Ordering::Acquire);
+            if last_lsn == 0 || last_lsn < self.from {
+                self.next_segment();
+                continue;
+            }
+            let Some(map) = segment.map.get().cloned() else {
+                self.next_segment();
+                continue;
+            };
+            let (range_start, range_end) = match &segment.valid_ranges {
+                Some(ranges) => match ranges.get(self.range_index) {
+                    Some(range) => *range,
+                    None => {
+                        self.next_segment();
+                        continue;
+                    }
+                },
+                None => (HEADER_LEN, segment.end_offset.load(Ordering::Acquire)),
+            };
+            if self.offset < range_start {
+                self.offset = range_start;
+            }
+            if self.offset + frame::HEADER_LEN as u64 > range_end {
+                if segment.valid_ranges.is_some() {
+                    self.range_index += 1;
+                    self.offset = 0;
+                } else {
+                    self.next_segment();
+                }
+                continue;
+            }
+            let offset = self.offset;
+            match frame_at(&segment, &map, offset, range_end) {
+                Err(error) => {
+                    self.done = true;
+                    return Some(Err(error));
+                }
+                Ok((header, start)) => {
+                    self.offset = offset + header.frame_len();
+                    if header.lsn < self.from {
+                        continue;
+                    }
+                    return Some(Ok(RecordRef {
+                        lsn: Lsn(header.lsn),
+                        time_ms: header.time_ms,
+                        handle: RecordHandle {
+                            segment: segment.header.id,
+                            offset,
+                            len: header.len,
+                        },
+                        bytes: RecordBytes { map, start, len: header.len as usize },
+                    }));
+                }
+            }
+        }
+        None
+    }
+}

@@ -1,0 +1,611 @@
+//! Recovery: the scan run when a log is opened, and by `coordbus-wal verify`.
+//!
+//! Segments are scanned in id order, frame by frame (bounds, magic, CRC, consecutive LSNs).
+//! Where a segment's records stop before its end, the rules of the format decide (module
+//! `wal`, "Durability order"; raft-engine's `RecoveryMode` is the model):
+//!
+//! | where          | found where the records stop                          | outcome          |
+//! |----------------|-------------------------------------------------------|------------------|
+//! | any segment    | all-zero header or end of file, nothing valid after   | clean end        |
+//! | sealed segment | damaged frame (whatever follows it)                   | corruption       |
+//! | last segment   | damage or garbage, no later record proves it durable  | torn tail: cut   |
+//! | last segment   | a later record appended after the damaged one was durable | corruption   |
+//! | last segment   | damaged segment header and no valid frame             | file removed     |
+//! | other segment  | damaged segment header                                | corruption       |
+//! | next segment   | first LSN does not follow the previous segment's last | corruption       |
+//!
+//! ("Sealed" is every segment but the last; "file removed" is a torn creation: the process
+//! died between creating the file and making its header durable.)
+//!
+//! "Corruption" fails the open with [`WalError::Corruption`] naming segment and offset in
+//! [`RecoveryMode::Strict`]; in [`RecoveryMode::TolerateCorruption`] the damaged stretch (or
+//! segment) is skipped, every valid record kept, and the skip reported.
+//!
+//! Length fields are checked against the bytes of the file before they are used, and nothing
+//! is allocated from them: frames are parsed in place in the memory map.
+
+use std::{
+    path::{Path, PathBuf},
+    sync::{atomic::Ordering, Arc},
+    time::{Duration, Instant},
+};
+
+use crate::{
+    error::WalError,
+    record::frame,
+    wal::{
+        reader::SegmentMap,
+        segment::{self, Segment, SegmentHeader, Window, HEADER_LEN},
+        storage::Storage,
+        Lsn, RecoveryMode, SegmentId, WalConfig,
+    },
+};
+
+/// A torn tail cut off the last segment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TornTail {
+    /// The segment cut.
+    pub segment: SegmentId,
+    /// Where the log now ends (the first byte cut).
+    pub offset: u64,
+    /// Non-zero bytes discarded from `offset` on (partial records, garbage).
+    pub bytes_discarded: u64,
+    /// Complete records discarded with it (written after the last sync, never acknowledged).
+    pub records_discarded: u64,
+}
+
+/// Damage skipped in tolerant mode.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CorruptionNote {
+    /// The damaged segment.
+    pub segment: SegmentId,
+    /// Where the damage starts.
+    pub offset: u64,
+    /// What was found.
+    pub reason: String,
+    /// Bytes skipped.
+    pub bytes_skipped: u64,
+    /// Records known lost (from the LSN gap), if known.
+    pub records_skipped: u64,
+}
+
+/// What the scan found in one segment file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SegmentSummary {
+    /// The segment's number.
+    pub id: SegmentId,
+    /// Its file.
+    pub path: PathBuf,
+    /// The file's length.
+    pub file_len: u64,
+    /// The segment header, if readable.
+    pub first_lsn_in_header: Option<Lsn>,
+    /// Rolling window from the header, as `(start_ms, stop_ms)`.
+    pub window: Option<(i64, i64)>,
+    /// Valid records.
+    pub records: u64,
+    /// LSN of the first valid record.
+    pub first_lsn: Option<Lsn>,
+    /// LSN of the last valid record.
+    pub last_lsn: Option<Lsn>,
+    /// Smallest and largest record time.
+    pub time_range_ms: Option<(i64, i64)>,
+    /// Offset just past the last valid record.
+    pub valid_end: u64,
+    /// Bytes of valid frames.
+    pub record_bytes: u64,
+    /// Torn tail cut here, if any.
+    pub torn_tail: Option<TornTail>,
+    /// Damage skipped here (tolerant mode).
+    pub corruption: Vec<CorruptionNote>,
+    /// The segment was unreadable and skipped as a whole (tolerant mode).
+    pub skipped: bool,
+    /// The segment was a torn creation (last, no valid header, no records) and is dropped.
+    pub dropped: bool,
+}
+
+/// What opening a log found and did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RecoveryReport {
+    /// Segments kept.
+    pub segments: usize,
+    /// Valid records kept.
+    pub records: u64,
+    /// Bytes of valid frames kept.
+    pub bytes: u64,
+    /// The first LSN kept (`Lsn::ZERO` if none).
+    pub first_lsn: Lsn,
+    /// The last LSN kept (`Lsn::ZERO` if none).
+    pub last_lsn: Lsn,
+    /// The torn tail cut off, if any.
+    pub torn_tail: Option<TornTail>,
+    /// Damage skipped (tolerant mode only).
+    pub corruption_skipped: Vec<CorruptionNote>,
+    /// Segment files skipped as a whole (tolerant mode) or dropped as a torn creation.
+    pub segments_skipped: Vec<SegmentId>,
+    /// How long the scan took.
+    pub elapsed: Duration,
+}
+
+impl std::fmt::Display for RecoveryReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.records == 0 {
+            write!(f, "no records in {} segment(s)", self.segments)?;
+        } else {
+            write!(
+                f,
+                "{} records (LSN {}..={}) in {} segment(s), {} bytes",
+                self.records, self.first_lsn, self.last_lsn, self.segments, self.bytes
+            )?;
+        }
+        write!(f, ", scanned in {:.1} ms", self.elapsed.as_secs_f64() * 1e3)?;
+        match &self.torn_tail {
+            Some(tail) => write!(
+                f,
+                "; torn tail cut in segment {} at offset {}: {} bytes and {} complete records \
+                 discarded",
+                tail.segment, tail.offset, tail.bytes_discarded, tail.records_discarded
+            )?,
+            None => write!(f, "; no torn tail")?,
+        }
+        for note in &self.corruption_skipped {
+            write!(
+                f,
+                "; skipped damage in segment {} at offset {} ({} bytes, {} records): {}",
+                note.segment, note.offset, note.bytes_skipped, note.records_skipped, note.reason
+            )?;
+        }
+        if !self.segments_skipped.is_empty() {
+            let ids: Vec<String> = self.segments_skipped.iter().map(ToString::to_string).collect();
+            write!(f, "; segments skipped: {}", ids.join(", "))?;
+        }
+        Ok(())
+    }
+}
+
+/// The result of scanning a directory without changing it.
+#[derive(Debug, Clone)]
+pub struct DirScan {
+    /// Every segment file found, in order.
+    pub segments: Vec<SegmentSummary>,
+    /// The totals, as opening would report them.
+    pub report: RecoveryReport,
+}
+
+/// A segment after scanning, with its mapping.
+struct Scanned {
+    summary: SegmentSummary,
+    header: Option<SegmentHeader>,
+    map: Option<Arc<SegmentMap>>,
+    ranges: Vec<(u64, u64)>,
+    max_time_ms: i64,
+}
+
+/// What `Wal::open` needs from recovery.
+pub(crate) struct Recovered {
+    pub(crate) segments: Vec<Arc<Segment>>,
+    pub(crate) report: RecoveryReport,
+    pub(crate) next_segment_id: u64,
+}
+
+/// Lists segment files of `dir` in id order (a missing directory has none).
+fn list(dir: &Path) -> Result<Vec<(SegmentId, PathBuf)>, WalError> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(error) => return Err(WalError::from_io("list directory", dir, 0, &error)),
+    };
+    let mut found = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|error| WalError::from_io("list directory", dir, 0, &error))?;
+        if let Some(id) = entry.file_name().to_str().and_then(segment::parse_file_name) {
+            found.push((id, entry.path()));
+        }
+    }
+    found.sort();
+    Ok(found)
+}
+
+/// The first valid frame at or after `from` (16-byte steps) whose LSN is at least `min_lsn`.
+fn find_frame(bytes: &[u8], from: u64, min_lsn: u64) -> Option<(u64, frame::FrameHeader)> {
+    let mut at = (from as usize).next_multiple_of(frame::ALIGN);
+    while at + frame::HEADER_LEN <= bytes.len() {
+        let candidate = &bytes[at..];
+        if frame::looks_like_header(candidate) {
+            if let Ok((header, _)) = frame::parse(candidate) {
+                if header.lsn >= min_lsn {
+                    return Some((at as u64, header));
+                }
+            }
+        }
+        at += frame::ALIGN;
+    }
+    None
+}
+
+/// True if every byte of `bytes` is zero (word-wise, so the compiler vectorizes it).
+fn all_zero(bytes: &[u8]) -> bool {
+    let words = bytes.chunks_exact(8);
+    let tail_zero = words.remainder().iter().all(|byte| *byte == 0);
+    tail_zero
+        && words
+            .map(|word| u64::from_ne_bytes(word.try_into().expect("8 bytes")))
+            .fold(0, |acc, word| acc | word)
+            == 0
+}
+
+/// Offset just past the last non-zero byte at or after `from` (`from` if all zero).
+fn nonzero_end(bytes: &[u8], from: u64) -> u64 {
+    let from = (from as usize).min(bytes.len());
+    let mut end = bytes.len();
+    while end > from {
+        let start = end.saturating_sub(4096).max(from);
+        let chunk = &bytes[start..end];
+        if !all_zero(chunk) {
+            let last = chunk.iter().rposition(|byte| *byte != 0).expect("not all zero");
+            return (start + last + 1) as u64;
+        }
+        end = start;
+    }
+    from as u64
+}
+
+/// Scans one segment. `expected_first` is the LSN the previous segment says comes next.
+fn scan_segment(
+    id: SegmentId,
+    path: &Path,
+    map: Arc<SegmentMap>,
+    is_last: bool,
+    mode: RecoveryMode,
+    expected_first: Option<u64>,
+) -> Result<Scanned, WalError> {
+    let bytes = map.bytes();
+    let len = bytes.len() as u64;
+    let tolerant = mode == RecoveryMode::TolerateCorruption;
+    let mut summary = SegmentSummary {
+        id,
+        path: path.to_path_buf(),
+        file_len: len,
+        first_lsn_in_header: None,
+        window: None,
+        records: 0,
+        first_lsn: None,
+        last_lsn: None,
+        time_range_ms: None,
+        valid_end: HEADER_LEN.min(len),
+        record_bytes: 0,
+        torn_tail: None,
+        corruption: Vec::new(),
+        skipped: false,
+        dropped: false,
+    };
+    let header = match SegmentHeader::decode(id, bytes) {
+        Ok(header) => header,
+        Err(error @ WalError::UnsupportedVersion { .. }) => return Err(error),
+        Err(error) => {
+            if is_last && find_frame(bytes, HEADER_LEN, 0).is_none() {
+                // Created, then the process died before its header reached the disk: nothing
+                // in it was ever acknowledged.
+                summary.dropped = true;
+                summary.torn_tail = Some(TornTail {
+                    segment: id,
+                    offset: 0,
+                    bytes_discarded: nonzero_end(bytes, 0),
+                    records_discarded: 0,
+                });
+                return Ok(Scanned {
+                    summary,
+                    header: None,
+                    map: Some(map),
+                    ranges: Vec::new(),
+                    max_time_ms: i64::MIN,
+                });
+            }
+            if !tolerant {
+                return Err(error);
+            }
+            summary.skipped = true;
+            summary.corruption.push(CorruptionNote {
+                segment: id,
+                offset: 0,
+                reason: error.to_string(),
+                bytes_skipped: len,
+                records_skipped: 0,
+            });
+            return Ok(Scanned {
+                summary,
+                header: None,
+                map: Some(map),
+                ranges: Vec::new(),
+                max_time_ms: i64::MIN,
+            });
+        }
+    };
+    summary.first_lsn_in_header = Some(Lsn(header.first_lsn));
+    summary.window = header.window.map(|Window { start_ms, stop_ms }| (start_ms, stop_ms));
+    if let Some(expected) = expected_first {
+        if expected != header.first_lsn {
+            let reason = format!(
+                "segment starts at LSN {} but the previous segment ends before LSN {expected}",
+                header.first_lsn
+            );
+            if !tolerant {
+                return Err(WalError::Corruption { segment: id.0, offset: 0, reason });
+            }
+            summary.corruption.push(CorruptionNote {
+                segment: id,
+                offset: 0,
+                reason,
+                bytes_skipped: 0,
+                records_skipped: header.first_lsn.abs_diff(expected),
+            });
+        }
+    }
+    let mut expected = header.first_lsn;
+    let mut at = HEADER_LEN;
+    let mut range_start = HEADER_LEN;
+    let mut ranges = Vec::new();
+    let mut max_time = i64::MIN;
+    let mut min_time = i64::MAX;
+    loop {
+        let rest = &bytes[at as usize..];
+        let parsed = frame::parse(rest);
+        if let Ok((frame_header, _)) = &parsed {
+            if frame_header.lsn == expected {
+                summary.records += 1;
+                summary.first_lsn.get_or_insert(Lsn(frame_header.lsn));
+                summary.last_lsn = Some(Lsn(frame_header.lsn));
+                summary.record_bytes += frame_header.frame_len();
+                max_time = max_time.max(frame_header.time_ms);
+                min_time = min_time.min(frame_header.time_ms);
+                at += frame_header.frame_len();
+                expected += 1;
+                continue;
+            }
+        }
+        let zero = if rest.len() < frame::HEADER_LEN {
+            rest.iter().all(|byte| *byte == 0)
+        } else {
+            frame::is_zero_header(rest)
+        };
+        let problem: Option<String> = match parsed {
+            _ if zero => None,
+            Ok((frame_header, _)) => {
+                Some(format!("record has LSN {} where LSN {expected} belongs", frame_header.lsn))
+            }
+            Err(error) => Some(format!("damaged record where LSN {expected} belongs: {error}")),
+        };
+        // The records stop at `at`: a zero header / end of file (`problem` is None) or damage.
+        if zero && !is_last {
+            break;
+        }
+        // Nothing past the last non-zero byte can be a frame: bound the search there (the
+        // zeroed, preallocated rest of an active segment is not scanned twice).
+        let garbage_end = nonzero_end(bytes, at);
+        let later = if garbage_end > at {
+            find_frame(&bytes[..garbage_end as usize], at + frame::ALIGN as u64, expected)
+        } else {
+            None
+        };
+        let proves =
+            later.filter(|(_, later)| !is_last || later.synced_lsn_at_append() >= expected);
+        if let Some((later_at, later_header)) = proves {
+            let what = problem.clone().unwrap_or_else(|| "records missing (zeroed)".into());
+            let reason = if is_last {
+                format!(
+                    "{what}; LSN {} at offset {later_at} was appended after LSN {expected} was \
+                     durable",
+                    later_header.lsn
+                )
+            } else {
+                format!("{what}; in a sealed segment")
+            };
+            if !tolerant {
+                return Err(WalError::Corruption { segment: id.0, offset: at, reason });
+            }
+            summary.corruption.push(CorruptionNote {
+                segment: id,
+                offset: at,
+                reason,
+                bytes_skipped: later_at - at,
+                records_skipped: later_header.lsn - expected,
+            });
+            ranges.push((range_start, at));
+            range_start = later_at;
+            at = later_at;
+            expected = later_header.lsn;
+            continue;
+        }
+        match problem {
+            Some(reason) if !is_last => {
+                if !tolerant {
+                    return Err(WalError::Corruption {
+                        segment: id.0,
+                        offset: at,
+                        reason: format!("{reason}; in a sealed segment"),
+                    });
+                }
+                summary.corruption.push(CorruptionNote {
+                    segment: id,
+                    offset: at,
+                    reason,
+                    bytes_skipped: garbage_end - at,
+                    records_skipped: 0,
+                });
+            }
+            _ => {
+                if garbage_end > at {
+                    let mut records_discarded = 0;
+                    let mut from = at + frame::ALIGN as u64;
+                    let region = &bytes[..garbage_end as usize];
+                    while let Some((found_at, found)) = find_frame(region, from, expected) {
+                        records_discarded += 1;
+                        from = found_at + found.frame_len();
+                    }
+                    summary.torn_tail = Some(TornTail {
+                        segment: id,
+                        offset: at,
+                        bytes_discarded: garbage_end - at,
+                        records_discarded,
+                    });
+                }
+            }
+        }
+        break;
+    }
+    ranges.push((range_start, at));
+    summary.valid_end = at;
+    if summary.records > 0 {
+        summary.time_range_ms = Some((min_time, max_time));
+    }
+    Ok(Scanned { summary, header: Some(header), map: Some(map), ranges, max_time_ms: max_time })
+}
+
+/// Scans every segment of `dir`; returns the scans and the report.
+fn scan_all(
+    dir: &Path,
+    mode: RecoveryMode,
+) -> Result<(Vec<Scanned>, RecoveryReport, u64), WalError> {
+    let started = Instant::now();
+    let files = list(dir)?;
+    let next_id = files.last().map_or(1, |(id, _)| u64::from(id.0) + 1);
+    let mut scanned = Vec::with_capacity(files.len());
+    let mut expected: Option<u64> = None;
+    for (index, (id, path)) in files.iter().enumerate() {
+        let map = Arc::new(SegmentMap::open(path)?);
+        map.advise_sequential();
+        let is_last = index + 1 == files.len();
+        let scan = scan_segment(*id, path, map, is_last, mode, expected)?;
+        expected = match (&scan.header, scan.summary.last_lsn) {
+            (None, _) => None,
+            (Some(_), Some(last)) => Some(last.0 + 1),
+            (Some(header), None) => expected.or(Some(header.first_lsn)).map(|_| header.first_lsn),
+        };
+        scanned.push(scan);
+    }
+    let mut report = RecoveryReport::default();
+    for scan in &scanned {
+        let summary = &scan.summary;
+        if summary.skipped || summary.dropped {
+            report.segments_skipped.push(summary.id);
+        } else {
+            report.segments += 1;
+        }
+        report.records += summary.records;
+        report.bytes += summary.record_bytes;
+        if let Some(first) = summary.first_lsn {
+            if report.first_lsn == Lsn::ZERO {
+                report.first_lsn = first;
+            }
+        }
+        if let Some(last) = summary.last_lsn {
+            report.last_lsn = last;
+        }
+        if let Some(tail) = &summary.torn_tail {
+            report.torn_tail = Some(tail.clone());
+        }
+        report.corruption_skipped.extend(summary.corruption.iter().cloned());
+    }
+    // An empty last segment still fixes where LSNs continue.
+    if report.last_lsn == Lsn::ZERO {
+        if let Some(first) =
+            scanned.iter().rev().find_map(|scan| scan.header.map(|header| header.first_lsn))
+        {
+            report.last_lsn = Lsn(first.saturating_sub(1));
+        }
+    }
+    report.elapsed = started.elapsed();
+    Ok((scanned, report, next_id))
+}
+
+/// Scans the log in `dir` without changing anything (for tools and `verify`).
+///
+/// # Errors
+/// In strict mode, the first [`WalError::Corruption`]; always [`WalError::Io`] and
+/// [`WalError::UnsupportedVersion`].
+pub fn scan_dir(dir: impl AsRef<Path>, mode: RecoveryMode) -> Result<DirScan, WalError> {
+    let (scanned, report, _) = scan_all(dir.as_ref(), mode)?;
+    Ok(DirScan { segments: scanned.into_iter().map(|scan| scan.summary).collect(), report })
+}
+
+/// Recovers the log in `dir`: scans, cuts a torn tail (truncating the file), drops a torn
+/// creation, and builds the segment states. `read_only` changes nothing on disk: the torn
+/// tail stays (readers stop before it) and a torn creation is ignored.
+pub(crate) fn recover(
+    dir: &Path,
+    config: &WalConfig,
+    storage: &dyn Storage,
+    read_only: bool,
+) -> Result<Recovered, WalError> {
+    let (scanned, mut report, next_segment_id) = scan_all(dir, config.recovery)?;
+    let mut segments = Vec::with_capacity(scanned.len());
+    let mut changed_dir = false;
+    for mut scan in scanned {
+        let summary = &scan.summary;
+        if summary.dropped && read_only {
+            continue;
+        }
+        if summary.dropped {
+            // Release the mapping before deleting.
+            scan.map = None;
+            storage.remove(&summary.path).map_err(|error| {
+                WalError::from_io("remove torn segment", &summary.path, 0, &error)
+            })?;
+            changed_dir = true;
+            tracing::info!(segment = summary.id.0, "removed a segment whose creation was torn");
+            continue;
+        }
+        let Some(header) = scan.header else {
+            continue;
+        };
+        let mut map = scan.map.take().expect("scanned segments keep their map");
+        if let Some(tail) = summary.torn_tail.as_ref().filter(|_| !read_only) {
+            // The mapping must be gone before the file shrinks under it.
+            drop(map);
+            let file = storage.open_existing(&summary.path).map_err(|error| {
+                WalError::from_io("open torn segment", &summary.path, 0, &error)
+            })?;
+            file.set_len(tail.offset)
+                .map_err(|error| WalError::from_io("cut torn tail", &summary.path, 0, &error))?;
+            file.sync_data()
+                .map_err(|error| WalError::from_io("fdatasync", &summary.path, 0, &error))?;
+            tracing::info!(
+                segment = tail.segment.0,
+                offset = tail.offset,
+                bytes = tail.bytes_discarded,
+                records = tail.records_discarded,
+                "cut the torn tail of the write-ahead log"
+            );
+            map = Arc::new(SegmentMap::open(&summary.path)?);
+        }
+        let segment = Segment {
+            valid_ranges: (!summary.corruption.is_empty()).then(|| scan.ranges.clone()),
+            ..Segment::new(dir, header)
+        };
+        segment.max_time_ms.store(scan.max_time_ms, Ordering::Release);
+        segment.last_lsn.store(summary.last_lsn.map_or(0, |lsn| lsn.0), Ordering::Release);
+        segment.end_offset.store(summary.valid_end, Ordering::Release);
+        segment.sealed.store(true, Ordering::Release);
+        let _ = segment.map.set(map);
+        segments.push(Arc::new(segment));
+    }
+    if !read_only {
+        // The previous process may have died (kill -9) with records of the last segment still
+        // only in the page cache. The next append starts a new segment, and a later segment
+        // must prove the earlier ones durable (module `wal`), so sync the last one now.
+        if let Some(last) = segments.last() {
+            let file = storage
+                .open_existing(&last.path)
+                .map_err(|error| WalError::from_io("open segment", &last.path, 0, &error))?;
+            file.sync_data()
+                .map_err(|error| WalError::from_io("fdatasync", &last.path, 0, &error))?;
+        }
+        if changed_dir || !segments.is_empty() {
+            storage
+                .sync_dir(dir)
+                .map_err(|error| WalError::from_io("sync directory", dir, 0, &error))?;
+        }
+    }
+    report.segments = segments.len();
+    Ok(Recovered { segments, report, next_segment_id })
+}

@@ -1,0 +1,232 @@
+//! Fault injection through the WAL's storage trait: fsync failure (EIO), disk full (ENOSPC on
+//! preallocation and on write), short writes.
+//!
+//! Goal (SPEC 0.6): after a failed sync the log accepts no more writes and never reports the
+//! failed records durable; disk full is a clear error; records acknowledged before the failure
+//! are intact after reopening; short writes are completed, not lost.
+//! Method: a `FaultStorage` wraps the real file layer and fails on command. It hides the file
+//! descriptors, so the sync thread writes through the trait even when io_uring is available.
+
+use std::{
+    io,
+    os::fd::RawFd,
+    path::Path,
+    sync::{
+        atomic::{AtomicBool, AtomicU64, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
+
+use coordbus::wal::{
+    Durability, FileStorage, Lsn, Storage, StorageFile, Wal, WalConfig, WalError, WalOptions,
+};
+
+#[derive(Debug, Default)]
+struct Faults {
+    /// Fail every fdatasync with EIO.
+    sync_eio: AtomicBool,
+    /// Fail preallocation with ENOSPC.
+    allocate_enospc: AtomicBool,
+    /// Fail writes with ENOSPC.
+    write_enospc: AtomicBool,
+    /// Write at most this many bytes per call (0: no limit).
+    short_write_bytes: AtomicU64,
+    syncs: AtomicU64,
+}
+
+#[derive(Debug)]
+struct FaultStorage {
+    faults: Arc<Faults>,
+}
+
+#[derive(Debug)]
+struct FaultFile {
+    inner: Arc<dyn StorageFile>,
+    faults: Arc<Faults>,
+}
+
+impl Storage for FaultStorage {
+    fn create_dir_all(&self, dir: &Path) -> io::Result<()> {
+        FileStorage.create_dir_all(dir)
+    }
+
+    fn create(&self, path: &Path) -> io::Result<Arc<dyn StorageFile>> {
+        Ok(Arc::new(FaultFile {
+            inner: FileStorage.create(path)?,
+            faults: Arc::clone(&self.faults),
+        }))
+    }
+
+    fn open_existing(&self, path: &Path) -> io::Result<Arc<dyn StorageFile>> {
+        FileStorage.open_existing(path)
+    }
+
+    fn remove(&self, path: &Path) -> io::Result<()> {
+        FileStorage.remove(path)
+    }
+
+    fn sync_dir(&self, dir: &Path) -> io::Result<()> {
+        FileStorage.sync_dir(dir)
+    }
+}
+
+impl StorageFile for FaultFile {
+    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<usize> {
+        if self.faults.write_enospc.load(Ordering::SeqCst) {
+            return Err(io::Error::from_raw_os_error(libc::ENOSPC));
+        }
+        let limit = self.faults.short_write_bytes.load(Ordering::SeqCst) as usize;
+        let buf = if limit > 0 && buf.len() > limit { &buf[..limit] } else { buf };
+        self.inner.write_at(buf, offset)
+    }
+
+    fn sync_data(&self) -> io::Result<()> {
+        if self.faults.sync_eio.load(Ordering::SeqCst) {
+            return Err(io::Error::from_raw_os_error(libc::EIO));
+        }
+        self.faults.syncs.fetch_add(1, Ordering::SeqCst);
+        self.inner.sync_data()
+    }
+
+    fn allocate(&self, len: u64) -> io::Result<()> {
+        if self.faults.allocate_enospc.load(Ordering::SeqCst) {
+            return Err(io::Error::from_raw_os_error(libc::ENOSPC));
+        }
+        self.inner.allocate(len)
+    }
+
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        self.inner.set_len(len)
+    }
+
+    fn raw_fd(&self) -> Option<RawFd> {
+        None
+    }
+}
+
+fn open_faulty(dir: &Path, durability: Durability, segment_size_bytes: u64) -> (Wal, Arc<Faults>) {
+    let faults = Arc::new(Faults::default());
+    let wal = Wal::open_with_options(
+        dir,
+        WalConfig { segment_size_bytes, durability, ..WalConfig::default() },
+        WalOptions {
+            storage: Arc::new(FaultStorage { faults: Arc::clone(&faults) }),
+            ..WalOptions::default()
+        },
+    )
+    .unwrap();
+    (wal, faults)
+}
+
+fn records(dir: &Path) -> Vec<Vec<u8>> {
+    let wal =
+        Wal::open(dir, WalConfig { segment_size_bytes: 4096, ..WalConfig::default() }).unwrap();
+    wal.iter_from(Lsn::ZERO).unwrap().map(|record| record.unwrap().bytes.to_vec()).collect()
+}
+
+#[test]
+fn a_failed_fsync_fails_the_log_for_good_and_keeps_acknowledged_records() {
+    for durability in [Durability::default(), Durability::EveryRecord] {
+        let dir = tempfile::tempdir().unwrap();
+        let (wal, faults) = open_faulty(dir.path(), durability, 1 << 20);
+        let (acked, _) = wal.append_bytes(b"acknowledged", 1).unwrap();
+        wal.wait_durable(acked).unwrap();
+        faults.sync_eio.store(true, Ordering::SeqCst);
+        let (doomed, _) = wal.append_bytes(b"doomed", 2).unwrap();
+        let error = wal.wait_durable_timeout(doomed, Duration::from_secs(10)).unwrap_err();
+        match error.root_cause() {
+            WalError::Io { op, message, .. } => {
+                assert_eq!(*op, "fdatasync");
+                assert!(message.contains("Input/output error"), "{message}");
+            }
+            other => panic!("expected the fdatasync error, got {other:?}"),
+        }
+        assert!(wal.durable_lsn() < doomed, "a failed sync never reports success");
+        // Even once the device recovers, nothing is retried and nothing more is accepted.
+        faults.sync_eio.store(false, Ordering::SeqCst);
+        assert!(matches!(wal.append_bytes(b"later", 3), Err(WalError::Failed { .. })));
+        let (sender, receiver) = std::sync::mpsc::channel();
+        wal.notify_when_durable(doomed, Box::new(move |result| sender.send(result).unwrap()));
+        assert!(receiver.recv_timeout(Duration::from_secs(10)).unwrap().is_err());
+        assert!(matches!(wal.close(), Err(WalError::Failed { .. })));
+        assert!(wal.durable_lsn() < doomed);
+        drop(wal);
+        let found = records(dir.path());
+        assert_eq!(found[0], b"acknowledged");
+    }
+}
+
+#[test]
+fn disk_full_on_preallocation_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let (wal, faults) = open_faulty(dir.path(), Durability::EveryRecord, 4096);
+    let mut acknowledged = Vec::new();
+    for index in 0..20u8 {
+        let (lsn, _) = wal.append_bytes(&[index; 100], 0).unwrap();
+        wal.wait_durable(lsn).unwrap();
+        acknowledged.push(vec![index; 100]);
+    }
+    faults.allocate_enospc.store(true, Ordering::SeqCst);
+    // Fill the current segment and roll: the new segment cannot be preallocated.
+    let mut failure = None;
+    for _ in 0..100 {
+        match wal.append_bytes(&[0xee; 100], 0) {
+            Ok((lsn, _)) => {
+                if let Err(error) = wal.wait_durable(lsn) {
+                    failure = Some(error);
+                    break;
+                }
+            }
+            Err(error) => {
+                failure = Some(error);
+                break;
+            }
+        }
+    }
+    let failure = failure.expect("the roll hits the full disk");
+    assert!(
+        matches!(failure.root_cause(), WalError::DiskFull { op: "preallocate segment", .. }),
+        "{failure:?}"
+    );
+    assert!(failure.to_string().contains("disk full"), "{failure}");
+    let later = wal.append_bytes(b"x", 0).unwrap_err();
+    assert!(matches!(later.root_cause(), WalError::DiskFull { .. }));
+    let _ = wal.close();
+    drop(wal);
+    let found = records(dir.path());
+    assert_eq!(&found[..20], &acknowledged[..]);
+}
+
+#[test]
+fn disk_full_on_write_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let (wal, faults) = open_faulty(dir.path(), Durability::default(), 1 << 20);
+    let (acked, _) = wal.append_bytes(b"before", 0).unwrap();
+    wal.wait_durable(acked).unwrap();
+    faults.write_enospc.store(true, Ordering::SeqCst);
+    let (lsn, _) = wal.append_bytes(b"after", 0).unwrap();
+    let error = wal.wait_durable(lsn).unwrap_err();
+    assert!(matches!(error.root_cause(), WalError::DiskFull { op: "write", .. }), "{error:?}");
+    drop(wal);
+    assert_eq!(records(dir.path()), vec![b"before".to_vec()]);
+}
+
+#[test]
+fn short_writes_are_completed() {
+    let dir = tempfile::tempdir().unwrap();
+    let (wal, faults) = open_faulty(dir.path(), Durability::default(), 64 << 10);
+    faults.short_write_bytes.store(7, Ordering::SeqCst);
+    let mut expected = Vec::new();
+    let mut last = Lsn::ZERO;
+    for index in 0..500u32 {
+        let bytes: Vec<u8> = (0..index % 200).map(|byte| (byte ^ index) as u8).collect();
+        last = wal.append_bytes(&bytes, 0).unwrap().0;
+        expected.push(bytes);
+    }
+    wal.wait_durable(last).unwrap();
+    assert!(faults.syncs.load(Ordering::SeqCst) > 0);
+    wal.close().unwrap();
+    drop(wal);
+    assert_eq!(records(dir.path()), expected);
+}

@@ -1,0 +1,240 @@
+//! `coordbus-wal`: look inside a coordbus write-ahead log directory without changing it.
+//!
+//! * `inspect DIR`: one line per segment (records, LSN range, times, window, state) and the
+//!   first corruption, if any.
+//! * `dump DIR`: every record (LSN, time, place, length, payload preview), as text or JSON
+//!   lines.
+//! * `verify DIR`: a strict scan; the exit code says whether the log is healthy.
+//!
+//! Nothing is written: the scans are read-only (a torn tail is reported, not cut).
+
+use std::{path::PathBuf, process::ExitCode};
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use coordbus::wal::{scan_dir, Lsn, RecoveryMode, SegmentSummary, Wal, WalConfig, WalOptions};
+use serde_json::json;
+
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// Inspect, dump and verify a coordbus write-ahead log (read-only).
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Cli {
+    /// Print JSON lines instead of text.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Segments, record counts, LSN ranges, and the first corruption if any.
+    Inspect {
+        /// The log directory.
+        dir: PathBuf,
+    },
+    /// Every record, in LSN order.
+    Dump {
+        /// The log directory.
+        dir: PathBuf,
+        /// First LSN to print (default: from the start).
+        #[arg(long, default_value_t = 0)]
+        from: u64,
+        /// Print at most this many records (default: all).
+        #[arg(long)]
+        limit: Option<usize>,
+        /// Payload bytes shown per record, in hex (default 32).
+        #[arg(long, default_value_t = 32)]
+        preview_bytes: usize,
+    },
+    /// Strict scan. Exit code 0: healthy; 1: corruption (opening would fail in strict mode);
+    /// 2: a torn tail (opening cuts it; nothing acknowledged is affected); 3: I/O or usage
+    /// error.
+    Verify {
+        /// The log directory.
+        dir: PathBuf,
+    },
+}
+
+fn summary_json(segment: &SegmentSummary) -> serde_json::Value {
+    json!({
+        "segment": segment.id.0,
+        "path": segment.path,
+        "file_len": segment.file_len,
+        "records": segment.records,
+        "first_lsn": segment.first_lsn.map(|lsn| lsn.0),
+        "last_lsn": segment.last_lsn.map(|lsn| lsn.0),
+        "time_range_ms": segment.time_range_ms,
+        "window": segment.window,
+        "valid_end": segment.valid_end,
+        "torn_tail": segment.torn_tail.as_ref().map(|tail| json!({
+            "offset": tail.offset,
+            "bytes_discarded": tail.bytes_discarded,
+            "records_discarded": tail.records_discarded,
+        })),
+        "corruption": segment.corruption.iter().map(|note| json!({
+            "offset": note.offset,
+            "reason": note.reason,
+            "bytes_skipped": note.bytes_skipped,
+        })).collect::<Vec<_>>(),
+        "skipped": segment.skipped,
+    })
+}
+
+fn inspect(dir: &PathBuf, as_json: bool) -> anyhow::Result<ExitCode> {
+    let scan = scan_dir(dir, RecoveryMode::TolerateCorruption)
+        .with_context(|| format!("scanning {}", dir.display()))?;
+    let first_corruption = scan.segments.iter().flat_map(|segment| &segment.corruption).next();
+    if as_json {
+        for segment in &scan.segments {
+            println!("{}", summary_json(segment));
+        }
+        println!(
+            "{}",
+            json!({
+                "summary": scan.report.to_string(),
+                "segments": scan.segments.len(),
+                "records": scan.report.records,
+                "first_lsn": scan.report.first_lsn.0,
+                "last_lsn": scan.report.last_lsn.0,
+                "first_corruption": first_corruption.map(|note| json!({
+                    "segment": note.segment.0, "offset": note.offset, "reason": note.reason,
+                })),
+            })
+        );
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!(
+        "{:<18} {:>10} {:>9} {:>21} {:>27} {:>27}  state",
+        "segment", "bytes", "records", "LSNs", "times (ms)", "window (ms)"
+    );
+    for segment in &scan.segments {
+        let lsns = match (segment.first_lsn, segment.last_lsn) {
+            (Some(first), Some(last)) => format!("{first}..={last}"),
+            _ => "-".into(),
+        };
+        let times = segment.time_range_ms.map_or("-".into(), |(min, max)| format!("{min}..={max}"));
+        let window = segment.window.map_or("-".into(), |(start, stop)| format!("{start}..={stop}"));
+        let state = if segment.skipped {
+            "unreadable (skipped)".to_owned()
+        } else if let Some(tail) = &segment.torn_tail {
+            format!(
+                "torn tail at {} ({} bytes, {} records)",
+                tail.offset, tail.bytes_discarded, tail.records_discarded
+            )
+        } else if !segment.corruption.is_empty() {
+            format!("{} damaged stretch(es)", segment.corruption.len())
+        } else {
+            "ok".to_owned()
+        };
+        println!(
+            "{:<18} {:>10} {:>9} {:>21} {:>27} {:>27}  {state}",
+            segment
+                .path
+                .file_name()
+                .map_or_else(String::new, |name| name.to_string_lossy().into_owned()),
+            segment.file_len,
+            segment.records,
+            lsns,
+            times,
+            window
+        );
+    }
+    println!("{}", scan.report);
+    match first_corruption {
+        Some(note) => println!(
+            "first corruption: segment {} offset {}: {}",
+            note.segment, note.offset, note.reason
+        ),
+        None => println!("no corruption"),
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
+}
+
+fn dump(
+    dir: &PathBuf,
+    from: u64,
+    limit: Option<usize>,
+    preview_bytes: usize,
+    as_json: bool,
+) -> anyhow::Result<ExitCode> {
+    let wal = Wal::open_with_options(
+        dir,
+        WalConfig { recovery: RecoveryMode::TolerateCorruption, ..WalConfig::default() },
+        WalOptions { read_only: true, ..WalOptions::default() },
+    )
+    .with_context(|| format!("opening {} read-only", dir.display()))?;
+    for record in wal.iter_from(Lsn(from))?.take(limit.unwrap_or(usize::MAX)) {
+        let record = record?;
+        let preview = &record.bytes[..record.bytes.len().min(preview_bytes)];
+        if as_json {
+            println!(
+                "{}",
+                json!({
+                    "lsn": record.lsn.0,
+                    "time_ms": record.time_ms,
+                    "segment": record.handle.segment.0,
+                    "offset": record.handle.offset,
+                    "len": record.handle.len,
+                    "crc32c": crc32c::crc32c(&record.bytes),
+                    "payload_hex": hex(preview),
+                })
+            );
+        } else {
+            println!(
+                "lsn {:>10}  time {:>14}  segment {:>6} offset {:>10}  len {:>7}  {}{}",
+                record.lsn,
+                record.time_ms,
+                record.handle.segment,
+                record.handle.offset,
+                record.handle.len,
+                hex(preview),
+                if preview.len() < record.bytes.len() { ".." } else { "" }
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn verify(dir: &PathBuf, as_json: bool) -> ExitCode {
+    let (code, verdict, detail) = match scan_dir(dir, RecoveryMode::Strict) {
+        Ok(scan) if scan.report.torn_tail.is_some() => (2, "torn-tail", scan.report.to_string()),
+        Ok(scan) => (0, "healthy", scan.report.to_string()),
+        Err(error @ coordbus::WalError::Corruption { .. })
+        | Err(error @ coordbus::WalError::UnsupportedVersion { .. }) => {
+            (1, "corrupt", error.to_string())
+        }
+        Err(error) => (3, "error", error.to_string()),
+    };
+    if as_json {
+        println!("{}", json!({ "verdict": verdict, "exit_code": code, "detail": detail }));
+    } else {
+        println!("{verdict}: {detail}");
+    }
+    ExitCode::from(code)
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match &cli.command {
+        Command::Inspect { dir } => inspect(dir, cli.json),
+        Command::Dump { dir, from, limit, preview_bytes } => {
+            dump(dir, *from, *limit, *preview_bytes, cli.json)
+        }
+        Command::Verify { dir } => return verify(dir, cli.json),
+    };
+    match result {
+        Ok(code) => code,
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            ExitCode::from(3)
+        }
+    }
+}

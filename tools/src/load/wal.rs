@@ -1,0 +1,449 @@
+//! Workloads `wal` (durable append throughput and latency) and `wal-recover` (recovery scan).
+//!
+//! `wal`: 64-byte records appended from 1 and 2 threads in each durability mode.
+//! * Group commit and `None`: each thread appends its share with `append_bytes`, then the
+//!   figure's clock stops when the last LSN is durable. `msgs_per_sec` = durable records/s.
+//!   Baseline (`--baseline pwrite`): one thread `pwrite`s the same framed bytes sequentially
+//!   into a fresh file in batches of the group size, one `fdatasync` per batch.
+//! * `EveryRecord`: each thread appends one record and waits until it is durable, in a loop;
+//!   latency = append-to-durable. Baseline: a bare `pwrite` of one frame + `fdatasync`, in a
+//!   loop, into a file whose blocks were written beforehand (the cheapest sync: strict);
+//!   `latency_ratio` = our p50 / baseline p50. The same into an extending file is reported as
+//!   `appending_fdatasync_p50_ns`.
+//!
+//! `wal-recover`: writes `--records` records, closes, then times `Wal::open` (the recovery
+//! scan of every frame: bounds, CRC, LSN order) and a full iteration. `bytes_per_sec` = framed
+//! bytes scanned per second.
+
+use std::{
+    fs::OpenOptions,
+    os::unix::fs::FileExt,
+    path::{Path, PathBuf},
+    sync::{Arc, Barrier},
+    time::{Duration, Instant},
+};
+
+use anyhow::Context;
+use coordbus::{
+    record::frame,
+    wal::{Durability, IoMode, Lsn, Wal, WalConfig, WalOptions},
+};
+use hdrhistogram::Histogram;
+
+use crate::report::{Figure, Percentiles};
+
+/// Flags of `coordbus-load wal`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct WalArgs {
+    /// Records per throughput figure (group commit and none), split over the threads.
+    #[arg(long, default_value_t = 4_000_000)]
+    pub records: u64,
+    /// Records per thread for the EveryRecord latency figures.
+    #[arg(long, default_value_t = 3_000)]
+    pub every_records: u64,
+    /// Payload bytes per record.
+    #[arg(long, default_value_t = 64)]
+    pub record_bytes: usize,
+    /// Thread counts to measure, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    pub threads: Vec<usize>,
+    /// Durability modes to measure, comma-separated: group, every, none.
+    #[arg(long, value_delimiter = ',', default_value = "group,every,none")]
+    pub durability: Vec<String>,
+    /// Group commit: longest delay of a group, in microseconds.
+    #[arg(long, default_value_t = 200)]
+    pub max_delay_us: u64,
+    /// Group commit: group size that starts a write at once, in bytes.
+    #[arg(long, default_value_t = 4 << 20)]
+    pub max_bytes: usize,
+    /// Segment size in MiB.
+    #[arg(long, default_value_t = 64)]
+    pub segment_mib: u64,
+    /// I/O path: auto, io_uring or pwrite.
+    #[arg(long, default_value = "auto")]
+    pub io: String,
+    /// Baseline measured in the same run: pwrite or none.
+    #[arg(long, default_value = "pwrite")]
+    pub baseline: String,
+    /// Directory for the logs (a temporary directory inside it; default: the system temp dir).
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
+}
+
+/// Flags of `coordbus-load wal-recover`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct WalRecoverArgs {
+    /// Records written, then recovered.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub records: u64,
+    /// Payload bytes per record.
+    #[arg(long, default_value_t = 64)]
+    pub record_bytes: usize,
+    /// Segment size in MiB.
+    #[arg(long, default_value_t = 64)]
+    pub segment_mib: u64,
+    /// Times the recovery is repeated (the best and the median are reported).
+    #[arg(long, default_value_t = 3)]
+    pub repeats: usize,
+    /// Directory for the log (a temporary directory inside it; default: the system temp dir).
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
+}
+
+/// The ~3-5 s version used by the no-argument run.
+pub fn quick() -> WalArgs {
+    WalArgs {
+        records: 2_000_000,
+        every_records: 1_000,
+        record_bytes: 64,
+        threads: vec![1, 2],
+        durability: vec!["group".into(), "every".into(), "none".into()],
+        max_delay_us: 200,
+        max_bytes: 4 << 20,
+        segment_mib: 64,
+        io: "auto".into(),
+        baseline: "pwrite".into(),
+        dir: None,
+    }
+}
+
+/// The quick version of `wal-recover`.
+pub fn quick_recover() -> WalRecoverArgs {
+    WalRecoverArgs { records: 1_000_000, record_bytes: 64, segment_mib: 64, repeats: 3, dir: None }
+}
+
+fn temp_in(dir: &Option<PathBuf>) -> anyhow::Result<tempfile::TempDir> {
+    Ok(match dir {
+        Some(dir) => tempfile::tempdir_in(dir)?,
+        None => tempfile::tempdir()?,
+    })
+}
+
+fn io_mode(name: &str) -> anyhow::Result<IoMode> {
+    Ok(match name {
+        "auto" => IoMode::Auto,
+        "io_uring" | "uring" => IoMode::IoUring,
+        "pwrite" => IoMode::Pwrite,
+        other => anyhow::bail!("unknown --io {other:?} (auto, io_uring, pwrite)"),
+    })
+}
+
+fn open(dir: &Path, args: &WalArgs, durability: Durability) -> anyhow::Result<Wal> {
+    Ok(Wal::open_with_options(
+        dir,
+        WalConfig {
+            segment_size_bytes: args.segment_mib << 20,
+            durability,
+            ..WalConfig::default()
+        },
+        WalOptions { io: io_mode(&args.io)?, ..WalOptions::default() },
+    )?)
+}
+
+/// Sequential pwrite of `total_bytes` in `batch_bytes` batches, one fdatasync per batch.
+/// Returns the seconds taken.
+fn pwrite_baseline(dir: &Path, total_bytes: u64, batch_bytes: usize) -> anyhow::Result<f64> {
+    let path = dir.join("baseline.pwrite");
+    let file = OpenOptions::new().create(true).truncate(true).write(true).open(&path)?;
+    let batch = vec![0x5au8; batch_bytes];
+    let started = Instant::now();
+    let mut offset = 0u64;
+    while offset < total_bytes {
+        let len = (total_bytes - offset).min(batch_bytes as u64) as usize;
+        file.write_all_at(&batch[..len], offset)?;
+        file.sync_data()?;
+        offset += len as u64;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    drop(file);
+    std::fs::remove_file(&path)?;
+    Ok(seconds)
+}
+
+/// A pwrite of one frame + fdatasync, `count` times, at increasing offsets of a fresh file.
+/// With `prewritten`, the file's blocks are written and synced first, so each sync finds its
+/// block already allocated (the cheapest fdatasync there is: the strict baseline); without,
+/// each write extends the file.
+fn fdatasync_baseline(
+    dir: &Path,
+    frame_bytes: usize,
+    count: u64,
+    prewritten: bool,
+) -> anyhow::Result<Histogram<u64>> {
+    let path = dir.join("baseline.fdatasync");
+    let file = OpenOptions::new().create(true).truncate(true).write(true).open(&path)?;
+    if prewritten {
+        let total = (count * frame_bytes as u64).next_multiple_of(4096);
+        let zeros = vec![0u8; 1 << 20];
+        let mut offset = 0;
+        while offset < total {
+            let len = (total - offset).min(zeros.len() as u64) as usize;
+            file.write_all_at(&zeros[..len], offset)?;
+            offset += len as u64;
+        }
+        file.sync_all()?;
+    }
+    let frame = vec![0x5au8; frame_bytes];
+    let mut histogram = Histogram::<u64>::new(3)?;
+    for index in 0..count {
+        let started = Instant::now();
+        file.write_all_at(&frame, index * frame_bytes as u64)?;
+        file.sync_data()?;
+        histogram.record(started.elapsed().as_nanos() as u64)?;
+    }
+    drop(file);
+    std::fs::remove_file(&path)?;
+    Ok(histogram)
+}
+
+fn throughput_figure(
+    args: &WalArgs,
+    root: &Path,
+    name: &str,
+    durability: Durability,
+    threads: usize,
+) -> anyhow::Result<(Figure, u64)> {
+    let dir = root.join(format!("{name}-{threads}"));
+    let wal = Arc::new(open(&dir, args, durability)?);
+    let per_thread = args.records / threads as u64;
+    let barrier = Arc::new(Barrier::new(threads + 1));
+    let workers: Vec<_> = (0..threads)
+        .map(|thread| {
+            let wal = Arc::clone(&wal);
+            let barrier = Arc::clone(&barrier);
+            let payload = vec![thread as u8; args.record_bytes];
+            std::thread::spawn(move || -> anyhow::Result<(Lsn, Histogram<u64>)> {
+                let mut histogram = Histogram::<u64>::new(3)?;
+                let mut last = Lsn::ZERO;
+                barrier.wait();
+                for index in 0..per_thread {
+                    if index % 1024 == 0 {
+                        let started = Instant::now();
+                        last = wal.append_bytes(&payload, index as i64)?.0;
+                        histogram.record(started.elapsed().as_nanos() as u64)?;
+                    } else {
+                        last = wal.append_bytes(&payload, index as i64)?.0;
+                    }
+                }
+                Ok((last, histogram))
+            })
+        })
+        .collect();
+    barrier.wait();
+    let started = Instant::now();
+    let mut histogram = Histogram::<u64>::new(3)?;
+    let mut last = Lsn::ZERO;
+    for worker in workers {
+        let (thread_last, thread_histogram) =
+            worker.join().map_err(|_| anyhow::anyhow!("appender panicked"))??;
+        last = last.max(thread_last);
+        histogram.add(&thread_histogram)?;
+    }
+    wal.wait_durable(last)?;
+    let seconds = started.elapsed().as_secs_f64();
+    let stats = wal.stats();
+    let messages = per_thread * threads as u64;
+    let frame_bytes = frame::frame_len(args.record_bytes) as u64;
+    let figure = Figure::new("wal", messages, seconds)
+        .with_latency(Percentiles::from_histogram(&histogram))
+        .with("durability", name)
+        .with("threads", threads)
+        .with("record_bytes", args.record_bytes)
+        .with("frame_bytes", frame_bytes)
+        .with("bytes_per_sec", (messages * frame_bytes) as f64 / seconds)
+        .with("io_path", wal.io_path().as_str())
+        .with("latency", "append call (sampled 1/1024)")
+        .with("groups", stats.groups)
+        .with("syncs", stats.syncs)
+        .with("sync_p50_us", stats.sync_p50_us);
+    wal.close()?;
+    drop(wal);
+    std::fs::remove_dir_all(&dir).ok();
+    Ok((figure, messages * frame_bytes))
+}
+
+fn every_record_figure(
+    args: &WalArgs,
+    root: &Path,
+    threads: usize,
+    baselines: Option<&(Histogram<u64>, Histogram<u64>)>,
+) -> anyhow::Result<Figure> {
+    let dir = root.join(format!("every-{threads}"));
+    let wal = Arc::new(open(&dir, args, Durability::EveryRecord)?);
+    let barrier = Arc::new(Barrier::new(threads + 1));
+    let workers: Vec<_> = (0..threads)
+        .map(|thread| {
+            let wal = Arc::clone(&wal);
+            let barrier = Arc::clone(&barrier);
+            let payload = vec![thread as u8; args.record_bytes];
+            let count = args.every_records;
+            std::thread::spawn(move || -> anyhow::Result<Histogram<u64>> {
+                let mut histogram = Histogram::<u64>::new(3)?;
+                barrier.wait();
+                for index in 0..count {
+                    let started = Instant::now();
+                    let (lsn, _) = wal.append_bytes(&payload, index as i64)?;
+                    wal.wait_durable(lsn)?;
+                    histogram.record(started.elapsed().as_nanos() as u64)?;
+                }
+                Ok(histogram)
+            })
+        })
+        .collect();
+    barrier.wait();
+    let started = Instant::now();
+    let mut histogram = Histogram::<u64>::new(3)?;
+    for worker in workers {
+        histogram.add(&worker.join().map_err(|_| anyhow::anyhow!("appender panicked"))??)?;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let messages = args.every_records * threads as u64;
+    let frame_bytes = frame::frame_len(args.record_bytes) as u64;
+    let mut figure = Figure::new("wal", messages, seconds)
+        .with_latency(Percentiles::from_histogram(&histogram))
+        .with("durability", "every")
+        .with("threads", threads)
+        .with("record_bytes", args.record_bytes)
+        .with("bytes_per_sec", (messages * frame_bytes) as f64 / seconds)
+        .with("io_path", wal.io_path().as_str())
+        .with("latency", "append to durable");
+    if let Some((baseline, appending)) = baselines {
+        let baseline_p50 = baseline.value_at_quantile(0.5);
+        let baseline_rate = if baseline.mean() > 0.0 { 1e9 / baseline.mean() } else { 0.0 };
+        figure = figure
+            .with_baseline("pwrite+fdatasync per record, prewritten file", baseline_rate)
+            .with("baseline_p50_ns", baseline_p50)
+            .with("baseline_p99_ns", baseline.value_at_quantile(0.99))
+            .with("appending_fdatasync_p50_ns", appending.value_at_quantile(0.5))
+            .with(
+                "latency_ratio",
+                histogram.value_at_quantile(0.5) as f64 / baseline_p50.max(1) as f64,
+            );
+    }
+    wal.close()?;
+    drop(wal);
+    std::fs::remove_dir_all(&dir).ok();
+    Ok(figure)
+}
+
+/// Runs `coordbus-load wal`.
+pub fn run(args: &WalArgs) -> anyhow::Result<Vec<Figure>> {
+    anyhow::ensure!(args.records > 0 && !args.threads.is_empty(), "nothing to measure");
+    let root = temp_in(&args.dir)?;
+    let with_baseline = match args.baseline.as_str() {
+        "pwrite" => true,
+        "none" => false,
+        other => anyhow::bail!("unknown --baseline {other:?} (pwrite, none)"),
+    };
+    let frame_bytes = frame::frame_len(args.record_bytes);
+    let mut figures = Vec::new();
+    for name in &args.durability {
+        for &threads in &args.threads {
+            let figure = match name.as_str() {
+                "group" | "none" => {
+                    let durability = if name == "group" {
+                        Durability::GroupCommit {
+                            max_delay: Duration::from_micros(args.max_delay_us),
+                            max_bytes: args.max_bytes,
+                        }
+                    } else {
+                        Durability::None
+                    };
+                    let (figure, bytes) =
+                        throughput_figure(args, root.path(), name, durability, threads)?;
+                    if with_baseline && name == "group" {
+                        let seconds = pwrite_baseline(root.path(), bytes, args.max_bytes)
+                            .context("pwrite baseline")?;
+                        let records = bytes / frame_bytes as u64;
+                        figure
+                            .with_baseline(
+                                format!("pwrite+fdatasync/{} KiB", args.max_bytes >> 10),
+                                records as f64 / seconds,
+                            )
+                            .with("baseline_bytes_per_sec", bytes as f64 / seconds)
+                    } else {
+                        figure
+                    }
+                }
+                "every" => {
+                    let baselines = if with_baseline {
+                        let count = args.every_records;
+                        Some((
+                            fdatasync_baseline(root.path(), frame_bytes, count, true)?,
+                            fdatasync_baseline(root.path(), frame_bytes, count, false)?,
+                        ))
+                    } else {
+                        None
+                    };
+                    every_record_figure(args, root.path(), threads, baselines.as_ref())?
+                }
+                other => anyhow::bail!("unknown durability {other:?} (group, every, none)"),
+            };
+            figures.push(figure);
+        }
+    }
+    Ok(figures)
+}
+
+/// Runs `coordbus-load wal-recover`.
+pub fn run_recover(args: &WalRecoverArgs) -> anyhow::Result<Vec<Figure>> {
+    let root = temp_in(&args.dir)?;
+    let dir = root.path().join("log");
+    let config = WalConfig {
+        segment_size_bytes: args.segment_mib << 20,
+        durability: Durability::GroupCommit {
+            max_delay: Duration::from_millis(1),
+            max_bytes: 4 << 20,
+        },
+        ..WalConfig::default()
+    };
+    {
+        let wal = Wal::open(&dir, config.clone())?;
+        let payload = vec![0xa5u8; args.record_bytes];
+        for index in 0..args.records {
+            wal.append_bytes(&payload, index as i64)?;
+        }
+        wal.close()?;
+    }
+    let mut open_seconds = Vec::new();
+    let mut iter_seconds = Vec::new();
+    let mut bytes = 0;
+    for _ in 0..args.repeats.max(1) {
+        let started = Instant::now();
+        let wal = Wal::open(&dir, config.clone())?;
+        open_seconds.push(started.elapsed().as_secs_f64());
+        anyhow::ensure!(wal.recovery_report().records == args.records, "lost records");
+        bytes = wal.recovery_report().bytes;
+        let started = Instant::now();
+        let mut count = 0u64;
+        let mut checksum = 0u64;
+        for record in wal.iter_from(Lsn::ZERO)? {
+            let record = record?;
+            checksum = checksum.wrapping_add(u64::from(record.bytes[0]));
+            count += 1;
+        }
+        iter_seconds.push(started.elapsed().as_secs_f64());
+        anyhow::ensure!(count == args.records && checksum > 0, "iteration lost records");
+        // Keep the segments: a reopen must not find anything new to write.
+        drop(wal);
+    }
+    open_seconds.sort_by(f64::total_cmp);
+    iter_seconds.sort_by(f64::total_cmp);
+    let median = |values: &[f64]| values[values.len() / 2];
+    let open_median = median(&open_seconds);
+    let iter_median = median(&iter_seconds);
+    Ok(vec![
+        Figure::new("wal-recover", args.records, open_median)
+            .with("phase", "open (scan + CRC)")
+            .with("bytes_per_sec", bytes as f64 / open_median)
+            .with("best_seconds", open_seconds[0])
+            .with("record_bytes", args.record_bytes)
+            .with("bytes", bytes),
+        Figure::new("wal-recover", args.records, iter_median)
+            .with("phase", "iterate all (CRC again)")
+            .with("bytes_per_sec", bytes as f64 / iter_median)
+            .with("best_seconds", iter_seconds[0])
+            .with("record_bytes", args.record_bytes)
+            .with("bytes", bytes),
+    ])
+}
