@@ -92,12 +92,14 @@
 //! could later be added as a deferred variant of [`Query::commit`] without changing the state
 //! machine's ordering rules.
 
+mod durable;
 mod endpoint;
 mod payload;
 pub mod reference;
 mod state;
 
 pub use self::{
+    durable::{DurableQuery, DurableQueryStatus, NoopQuery, RestartPoint, DEFAULT_RETAINED_EPOCHS},
     endpoint::{
         coordinator_name, CommitPartitionEpoch, EpochEndpoint, EpochMessage, EpochRequest,
         GetCurrentEpoch, GetEpochStats, IncrementAndGetEpoch, ReportPartitionOffset,
@@ -396,6 +398,23 @@ pub enum EpochError {
     CommittedWithoutOffsets {
         /// The committed epoch.
         epoch: Epoch,
+    },
+    /// The epoch log's WAL failed (or refused) an operation; see [`DurableQuery`].
+    #[error("the epoch log could not {op}")]
+    Wal {
+        /// What was being done.
+        op: &'static str,
+        /// The WAL's error.
+        #[source]
+        source: crate::wal::WalError,
+    },
+    /// A record of the epoch log is not a valid epoch-log record (or could not be built).
+    #[error("bad epoch log record at LSN {lsn}: {reason}")]
+    BadLogRecord {
+        /// Its LSN (0 while building a record).
+        lsn: u64,
+        /// What is wrong.
+        reason: String,
     },
     /// The driver epoch cannot be incremented any more.
     #[error("the driver epoch {epoch} cannot be incremented past i64::MAX")]
