@@ -15,8 +15,11 @@
 //! its maps on every message, so it gets a time budget (`--baseline-seconds`) and is measured
 //! on the prefix of the stream it gets through.
 //!
-//! `--durability group|every` needs the WAL-backed query, which is not merged yet: for now those
-//! values are rejected with an error.
+//! `--durability group|every` puts a `DurableQuery` (the offset and commit logs in the WAL, on
+//! a temporary directory removed afterwards) in front of the load query: group commit
+//! (`Durability::GroupCommit`, the WAL's default 200 us / 1 MiB groups) or a sync per record
+//! (`Durability::EveryRecord`). The coordinator never waits for a sync, but the run only ends
+//! when the last epoch's commit record is durable, and that moment ends the measured time.
 
 use std::{
     sync::{
@@ -31,10 +34,11 @@ use anyhow::{bail, Context as _};
 use coordbus::{
     coordinators::epoch::{
         coordinator_name, reference::ReferenceEpochCoordinator, CollaboratorError,
-        CommitPartitionEpoch, Epoch, EpochConfig, EpochCoordinator, EpochEndpoint, EpochError,
-        EpochMessage, GetEpochStats, IncrementAndGetEpoch, PartitionId, Payload, Query,
+        CommitPartitionEpoch, DurableQuery, Epoch, EpochConfig, EpochCoordinator, EpochEndpoint,
+        EpochError, EpochMessage, GetEpochStats, IncrementAndGetEpoch, PartitionId, Payload, Query,
         ReportPartitionOffset, SetReaderPartitions, SetWriterPartitions, Sink,
     },
+    wal::{self, Wal, WalConfig},
     Bus,
 };
 use hdrhistogram::Histogram;
@@ -46,9 +50,9 @@ use crate::report::{Figure, Percentiles};
 pub enum Durability {
     /// In memory only.
     None,
-    /// WAL with group commit (needs the WAL).
+    /// WAL with group commit.
     Group,
-    /// WAL with a sync per record (needs the WAL).
+    /// WAL with a sync per record.
     Every,
 }
 
@@ -91,7 +95,8 @@ pub struct EpochArgs {
     /// bound: a full inbox makes `send_batch` wait.
     #[arg(long, default_value_t = 0)]
     pub window: i64,
-    /// Commit durability: none (in memory), group or every (need the WAL, not merged yet).
+    /// Commit durability: none (in memory), group (WAL, group commit) or every (WAL, a sync
+    /// per record).
     #[arg(long, value_enum, default_value_t = Durability::None)]
     pub durability: Durability,
     /// Baseline run in the same process on the same message stream.
@@ -240,13 +245,6 @@ fn ranges(partitions: i32, producers: usize) -> Vec<std::ops::Range<i32>> {
 }
 
 fn validate(args: &EpochArgs) -> anyhow::Result<()> {
-    if args.durability != Durability::None {
-        bail!(
-            "--durability {} needs the WAL-backed query, which is not merged yet; \
-             only --durability none works for now",
-            args.durability.name()
-        );
-    }
     if args.partitions < 1 || args.epochs < 1 || args.producers < 1 || args.batch < 1 {
         bail!("--partitions, --epochs, --producers and --batch must be at least 1");
     }
@@ -300,7 +298,26 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
         .inbox_capacity(args.inbox_capacity)
         .build()?;
     let config = EpochConfig::new(1).with_backlog_limit(args.backlog_limit);
-    let endpoint = EpochEndpoint::new(config, LoadQuery(Arc::clone(&shared)), LoadSink)?;
+    let load_query = LoadQuery(Arc::clone(&shared));
+    // The WAL directory lives until the end of this function (removed on drop).
+    let mut wal_dir = None;
+    let mut durable_status = None;
+    let query: Box<dyn Query + Send> = match args.durability {
+        Durability::None => Box::new(load_query),
+        Durability::Group | Durability::Every => {
+            let dir = tempfile::TempDir::new().context("temporary WAL directory")?;
+            let durability = match args.durability {
+                Durability::Every => wal::Durability::EveryRecord,
+                _ => wal::Durability::default(),
+            };
+            let wal = Wal::open(dir.path(), WalConfig { durability, ..WalConfig::default() })?;
+            let query = DurableQuery::from_wal(wal, load_query)?;
+            durable_status = Some(query.status());
+            wal_dir = Some(dir);
+            Box::new(query)
+        }
+    };
+    let endpoint = EpochEndpoint::new(config, query, LoadSink)?;
     let coordinator = bus.register(coordinator_name("load"), endpoint)?;
     coordinator.ask(SetReaderPartitions(args.partitions)).wait()?;
     coordinator.ask(SetWriterPartitions(args.partitions)).wait()?;
@@ -409,16 +426,29 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
         std::thread::sleep(Duration::from_millis(1));
     }
     let committed = shared.committed.load(Ordering::Acquire);
-    let finished_ns = shared
+    let mut finished_ns = shared
         .committed_ns
         .get((committed.max(1) - 1) as usize)
         .map_or(0, |ns| ns.load(Ordering::Relaxed));
+    let mut not_durable = None;
+    if let Some(status) = &durable_status {
+        // The run ends when the last commit record is durable.
+        if status.wait_durable_committed(Epoch(committed), Duration::from_secs(60)) {
+            finished_ns = shared.now_ns();
+        } else {
+            not_durable = Some(status.wal_failure());
+        }
+    }
     for thread in threads {
         thread.join().map_err(|_| anyhow::anyhow!("producer panicked"))??;
     }
     driver.join().map_err(|_| anyhow::anyhow!("driver panicked"))??;
     let stats = coordinator.ask(GetEpochStats).wait()?;
     bus.shutdown()?;
+    drop(wal_dir);
+    if let Some(failure) = not_durable {
+        bail!("the commit record of epoch {committed} did not become durable (WAL: {failure:?})");
+    }
     if committed < epochs {
         bail!(
             "only {committed} of {epochs} epochs committed (stats: {stats:?}); the query was \
