@@ -43,11 +43,11 @@
 //! with a rolling interval, that interval is counted in epochs.)
 
 use std::{
-    collections::{BTreeMap, BTreeSet},
+    collections::{BTreeMap, BTreeSet, VecDeque},
     path::Path,
     sync::{
         atomic::{AtomicI64, AtomicU64, Ordering},
-        Arc, Condvar, Mutex, OnceLock,
+        Arc, Mutex, MutexGuard, OnceLock, Weak,
     },
 };
 
@@ -125,10 +125,10 @@ struct Status {
     ignored_commits: AtomicU64,
     /// Offsets ignored because the epoch was already committed.
     ignored_offsets: AtomicU64,
-    /// Guards the wake-ups of `durable_cv`.
-    durable_lock: Mutex<()>,
-    /// Signalled when `durable_committed` advances or the WAL fails.
-    durable_cv: Condvar,
+    /// Commit records not yet known durable: `(lsn, epoch)`, in order.
+    pending: Mutex<VecDeque<(u64, i64)>>,
+    /// The log (not kept open by status handles).
+    wal: Weak<Wal>,
 }
 
 impl Status {
@@ -136,17 +136,26 @@ impl Status {
         if self.wal_failure.set(error.clone()).is_ok() {
             tracing::error!(%error, "the epoch log's WAL failed; the query stops committing");
         }
-        self.wake();
     }
 
-    fn committed_durably(&self, epoch: Epoch) {
-        self.durable_committed.fetch_max(epoch.0, Ordering::AcqRel);
-        self.wake();
+    fn pending(&self) -> MutexGuard<'_, VecDeque<(u64, i64)>> {
+        self.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    fn wake(&self) {
-        drop(self.durable_lock.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
-        self.durable_cv.notify_all();
+    /// Moves the commits whose records are durable (LSN at most `durable`) out of `pending`.
+    fn advance(&self, durable: Lsn) {
+        let mut pending = self.pending();
+        let mut last = None;
+        while let Some(&(lsn, epoch)) = pending.front() {
+            if lsn > durable.0 {
+                break;
+            }
+            last = Some(epoch);
+            pending.pop_front();
+        }
+        if let Some(epoch) = last {
+            self.durable_committed.fetch_max(epoch, Ordering::AcqRel);
+        }
     }
 }
 
@@ -168,30 +177,34 @@ impl DurableQueryStatus {
     /// The last committed epoch whose commit record is durable, if any. A restart recovers at
     /// least this epoch as committed.
     pub fn durable_committed(&self) -> Option<Epoch> {
+        if let Some(wal) = self.0.wal.upgrade() {
+            self.0.advance(wal.durable_lsn());
+        }
         epoch_or_none(self.0.durable_committed.load(Ordering::Acquire))
     }
 
-    /// Waits at most `timeout` until the commit record of `epoch` (or a later one) is durable.
-    /// Returns whether it is; `false` also if the WAL failed first.
+    /// Waits at most `timeout` until the commit record of `epoch` (or a later one) is durable,
+    /// and returns whether it is. Returns `false` at once if `epoch` is not committed yet, and
+    /// `false` if the WAL fails first.
     pub fn wait_durable_committed(&self, epoch: Epoch, timeout: std::time::Duration) -> bool {
-        let deadline = std::time::Instant::now() + timeout;
         let status = &*self.0;
-        let mut guard =
-            status.durable_lock.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        loop {
-            if status.durable_committed.load(Ordering::Acquire) >= epoch.0 {
-                return true;
-            }
-            let now = std::time::Instant::now();
-            if status.wal_failure.get().is_some() || now >= deadline {
-                return false;
-            }
-            guard = status
-                .durable_cv
-                .wait_timeout(guard, deadline - now)
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .0;
+        let durable = |status: &Status| status.durable_committed.load(Ordering::Acquire) >= epoch.0;
+        let Some(wal) = status.wal.upgrade() else {
+            // The query is gone and its log closed (which synced or failed everything).
+            return durable(status);
+        };
+        status.advance(wal.durable_lsn());
+        if durable(status) {
+            return true;
         }
+        let target = status.pending().iter().find(|(_, committed)| *committed >= epoch.0).copied();
+        let Some((lsn, _)) = target else { return false };
+        match wal.wait_durable_timeout(Lsn(lsn), timeout) {
+            Ok(()) => status.advance(Lsn(lsn)),
+            Err(error @ WalError::Failed { .. }) => status.fail(&error),
+            Err(_) => {}
+        }
+        durable(status)
     }
 
     /// The WAL failure that stopped recording, if any.
@@ -228,7 +241,7 @@ pub type RestartPoint = (Epoch, Vec<(PartitionId, Payload)>);
 /// append). See the [module docs](self) for the record format, recovery and cleaning.
 #[derive(Debug)]
 pub struct DurableQuery<Q: Query = NoopQuery> {
-    wal: Wal,
+    wal: Arc<Wal>,
     inner: Q,
     status: Arc<Status>,
     run: u64,
@@ -273,19 +286,21 @@ impl<Q: Query> DurableQuery<Q> {
             run = recovered.max_run + 1,
             "epoch log recovered"
         );
+        let wal = Arc::new(wal);
+        let status = Arc::new(Status {
+            last_committed: AtomicI64::new(last),
+            durable_committed: AtomicI64::new(last),
+            wal_failure: OnceLock::new(),
+            stop_error: Mutex::new(None),
+            ignored_commits: AtomicU64::new(0),
+            ignored_offsets: AtomicU64::new(0),
+            pending: Mutex::new(VecDeque::new()),
+            wal: Arc::downgrade(&wal),
+        });
         Ok(Self {
             wal,
             inner,
-            status: Arc::new(Status {
-                last_committed: AtomicI64::new(last),
-                durable_committed: AtomicI64::new(last),
-                wal_failure: OnceLock::new(),
-                stop_error: Mutex::new(None),
-                ignored_commits: AtomicU64::new(0),
-                ignored_offsets: AtomicU64::new(0),
-                durable_lock: Mutex::new(()),
-                durable_cv: Condvar::new(),
-            }),
+            status,
             run: recovered.max_run + 1,
             restart_point: recovered.restart_point,
             logged: BTreeSet::new(),
@@ -393,13 +408,18 @@ impl<Q: Query> DurableQuery<Q> {
             reason: format!("the offsets of epoch {epoch}: {what} {value} exceeds u32"),
         };
         let count = u32::try_from(offsets.len()).map_err(|_| too_large("count", offsets.len()))?;
-        let total: usize = offsets.iter().map(|(_, payload)| payload.len()).sum();
+        // One pass for the layout (dense ids? one payload length?), one to copy.
+        let width = offsets.first().map_or(0, |(_, payload)| payload.len());
+        let (mut total, mut dense, mut fixed) = (0usize, true, true);
+        for (index, (partition, payload)) in offsets.iter().enumerate() {
+            let len = payload.len();
+            total += len;
+            dense &= partition.0 as usize == index;
+            fixed &= len == width;
+        }
         if u32::try_from(total).is_err() {
             return Err(too_large("payload bytes", total));
         }
-        let dense = offsets.iter().enumerate().all(|(index, (p, _))| p.0 as usize == index);
-        let width = offsets.first().map_or(0, |(_, payload)| payload.len());
-        let fixed = offsets.iter().all(|(_, payload)| payload.len() == width);
         let mut scratch = std::mem::take(&mut self.scratch);
         scratch.run = self.run;
         scratch.epoch = epoch.0;
@@ -487,14 +507,10 @@ impl<Q: Query> Query for DurableQuery<Q> {
         )?;
         self.status.last_committed.store(epoch.0, Ordering::Release);
         self.logged = self.logged.split_off(&(epoch.0 + 1));
-        let status = Arc::clone(&self.status);
-        self.wal.notify_when_durable(
-            lsn,
-            Box::new(move |outcome| match outcome {
-                Ok(()) => status.committed_durably(epoch),
-                Err(error) => status.fail(&error),
-            }),
-        );
+        // Track durability without a callback per commit (a callback costs the sync thread a
+        // lock and this thread a wake-up): the queue is drained here and by status readers.
+        self.status.pending().push_back((lsn.0, epoch.0));
+        self.status.advance(self.wal.durable_lsn());
         self.maybe_clean(epoch);
         self.inner.commit(epoch)
     }
@@ -511,6 +527,20 @@ impl<Q: Query> Query for DurableQuery<Q> {
             }
         }
         self.inner.stop(error);
+    }
+}
+
+impl<Q: Query> Drop for DurableQuery<Q> {
+    /// Closes the log: everything appended is written and synced (or the failure recorded),
+    /// so a clean stop leaves every commit durable.
+    fn drop(&mut self) {
+        match self.wal.close() {
+            Ok(()) => self.status.advance(Lsn(u64::MAX)),
+            Err(error) => {
+                tracing::warn!(%error, "closing the epoch log");
+                self.status.fail(&error);
+            }
+        }
     }
 }
 

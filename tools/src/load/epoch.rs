@@ -99,6 +99,10 @@ pub struct EpochArgs {
     /// per record).
     #[arg(long, value_enum, default_value_t = Durability::None)]
     pub durability: Durability,
+    /// With `--durability group`: longest a record waits for its group (the WAL's
+    /// `GroupCommit::max_delay`), in microseconds.
+    #[arg(long, default_value_t = 200)]
+    pub group_delay_us: u64,
     /// Baseline run in the same process on the same message stream.
     #[arg(long, value_enum, default_value_t = Baseline::Reference)]
     pub baseline: Baseline,
@@ -122,6 +126,7 @@ pub fn quick() -> EpochArgs {
         batch: 512,
         window: 0,
         durability: Durability::None,
+        group_delay_us: 200,
         baseline: Baseline::Reference,
         baseline_seconds: 1.0,
         backlog_limit: 1_000_000,
@@ -308,7 +313,10 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
             let dir = tempfile::TempDir::new().context("temporary WAL directory")?;
             let durability = match args.durability {
                 Durability::Every => wal::Durability::EveryRecord,
-                _ => wal::Durability::default(),
+                _ => wal::Durability::GroupCommit {
+                    max_delay: Duration::from_micros(args.group_delay_us),
+                    max_bytes: 4 << 20,
+                },
             };
             let wal = Wal::open(dir.path(), WalConfig { durability, ..WalConfig::default() })?;
             let query = DurableQuery::from_wal(wal, load_query)?;
@@ -471,6 +479,7 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
         .with_latency(Percentiles::from_histogram(&latency))
         .with("partitions", args.partitions)
         .with("durability", args.durability.name())
+        .with("group_delay_us", args.group_delay_us)
         .with("producers", args.producers as u64)
         .with("epochs", epochs)
         .with("window", window)
