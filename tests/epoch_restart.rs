@@ -274,7 +274,7 @@ fn after_kill_9_every_durable_commit_is_recovered_and_epochs_stay_in_order() {
             match kind {
                 "start" => {
                     // Every commit reported durable was recovered; nothing past the sink.
-                    assert!(value - 1 >= previous_durable, "round {round}: start {value}");
+                    assert!(value > previous_durable, "round {round}: start {value}");
                     assert!(value <= previous_sink + 1, "round {round}: start {value} skips");
                     start = Some(value);
                 }
@@ -299,10 +299,12 @@ fn after_kill_9_every_durable_commit_is_recovered_and_epochs_stay_in_order() {
         assert!(killed, "round {round}: the child ended by itself");
         child.wait().unwrap();
         previous_sink = last_sink.unwrap_or(previous_sink);
-        eprintln!("round {round}: start {start:?}, last sink {last_sink:?}, durable {previous_durable}");
+        eprintln!(
+            "round {round}: start {start:?}, last sink {last_sink:?}, durable {previous_durable}"
+        );
     }
     // The log still opens and holds at least every durable commit.
     let query = DurableQuery::open(dir.path(), wal_config(Durability::default())).unwrap();
-    assert!(query.start_epoch().0 - 1 >= previous_durable);
+    assert!(query.start_epoch().0 > previous_durable);
     assert!(sink_total > 12, "the children made progress");
 }

@@ -30,9 +30,12 @@
 //! groups). The coordinator thread never waits for an fsync: a commit record becomes durable
 //! shortly after the sink commit, and a crash in between makes the restarted run commit that
 //! epoch again (SPEC B.5's at-least-once). [`DurableQueryStatus::durable_committed`] tells
-//! which commits are durable already. Once the WAL has failed (a failed write or sync, seen by
-//! an append or by a durability callback), `add_offsets` and `commit` fail, which fail-stops
-//! the coordinator (SPEC 0.3).
+//! which commits are durable already: the commit records' LSNs wait in a queue that is drained
+//! against the WAL's durable LSN by each commit and by status readers (no callback per
+//! commit, which would cost the coordinator thread a wake-up). Once the WAL has failed (a
+//! failed write or sync, seen by an append or a wait), `add_offsets` and `commit` fail, which
+//! fail-stops the coordinator (SPEC 0.3). Dropping the query closes the log, which writes and
+//! syncs everything appended: a clean stop leaves every commit durable.
 //!
 //! # Keeping the log bounded
 //! Because the record time is the epoch, the WAL's time-based `clean` drops whole segments of
@@ -238,7 +241,25 @@ pub type RestartPoint = (Epoch, Vec<(PartitionId, Payload)>);
 
 /// The WAL-backed [`Query`]: Spark's offset log and commit log in coordbus's WAL (SPEC 0.3,
 /// B.9, B.10), in front of an inner engine query `Q` that still gets every call (after the
-/// append). See the [module docs](self) for the record format, recovery and cleaning.
+/// append).
+///
+/// * Records: one rkyv record per epoch's offsets (appended once per epoch and run, compact
+///   flat arrays) and one per committed epoch, each with the **epoch as its WAL time** and
+///   tagged with the run (the opening of the log) that wrote it. On replay the first offsets
+///   record of a run wins and a newer run's replaces an older run's, so offsets that a stopped
+///   run logged after its last commit never shadow what the next run logs for that epoch.
+/// * Recovery ([`DurableQuery::open`], [`DurableQuery::from_wal`]): the last committed epoch
+///   and its offsets ([`DurableQuery::restart_point`]); offsets of later epochs are ignored.
+/// * No blocking: appends return at once; the WAL's sync thread makes them durable (group
+///   commit). [`DurableQueryStatus`] says which commits are durable. A crash before a commit
+///   record is durable makes the next run commit that epoch again (at-least-once, SPEC B.5).
+/// * Bounded: after committing `E`, WAL segments holding only epochs below
+///   `E + 1 - retained_epochs` are deleted (time-based `clean`, at most every
+///   `retained_epochs / 4` epochs); `E`'s records are never below that threshold. A WAL
+///   rolling interval, if configured, counts epochs.
+/// * Dropping the query closes the log (writing and syncing everything appended).
+///
+/// Two queries must not use one directory at once (the WAL does not detect it).
 #[derive(Debug)]
 pub struct DurableQuery<Q: Query = NoopQuery> {
     wal: Arc<Wal>,

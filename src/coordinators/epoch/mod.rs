@@ -19,6 +19,8 @@
 //! * [`reference`](mod@reference): a deliberately simple model written straight from the spec
 //!   (Spark-like maps, rescans on every message). It is the oracle of the property test and the
 //!   baseline of the benchmark and the load tool; it is not meant for production.
+//! * `durable`: [`DurableQuery`], the WAL-backed query (see Durability below), with
+//!   [`DurableQueryStatus`] and [`NoopQuery`].
 //! * Here: the collaborator traits [`Query`] and [`Sink`], an in-memory [`MemoryQuery`] (the
 //!   offset and commit logs of SPEC B.9 without persistence), [`EpochConfig`], errors and
 //!   counters.
@@ -75,22 +77,33 @@
 //!   Spark's maps do (they are kept until the next commit), so the checks fire on the same
 //!   message as in Spark.
 //!
-//! # Durability seam
-//! The coordinator persists nothing itself (SPEC B.10): what must survive a restart goes
-//! through the [`Query`] trait, which is exactly Spark's offset log and commit log.
-//! [`MemoryQuery`] implements those logs in memory (and [`MemoryQuery::restart_point`] is the
-//! B.10 recovery rule); a WAL-backed `DurableQuery` (added with the WAL) implements [`Query`] the
-//! same way on disk: `add_offsets` appends the epoch's offsets (the first record of an epoch
-//! wins), `commit` appends the committed epoch after the sink committed it (and fails with
-//! [`EpochError::CommittedWithoutOffsets`] if the epoch has no offsets), and both return an
-//! error once the WAL has failed, which fail-stops the coordinator. On restart it reads the last
-//! committed epoch `E` and its offsets from the WAL; the new coordinator gets
-//! `EpochConfig::start_epoch = E + 1`, so a commit or report that arrives again for `E` or
-//! earlier is dropped as stale (and counted), and the engine resumes reading from `E`'s offsets.
-//! Wrapping an engine's own query works the same way (a `DurableQuery<Inner: Query>` forwarding
-//! after the append). A commit that completes asynchronously (acknowledged when the WAL syncs)
-//! could later be added as a deferred variant of [`Query::commit`] without changing the state
-//! machine's ordering rules.
+//! # Durability (SPEC 0.3, B.9, B.10)
+//! The coordinator persists nothing itself: what must survive a restart goes through the
+//! [`Query`] trait, which is exactly Spark's offset log and commit log.
+//! * [`MemoryQuery`] keeps those logs in memory ([`MemoryQuery::restart_point`] is the B.10
+//!   rule), for tests and engines that persist elsewhere.
+//! * [`DurableQuery`] (`durable`) keeps them in coordbus's WAL, in front of an inner engine
+//!   query (default [`NoopQuery`]) that still gets every `add_offsets`, `commit` and `stop`
+//!   after the append. `add_offsets` appends one rkyv record of the epoch's offsets (once per
+//!   epoch and run; the first record of a run wins, a newer run's replaces an older run's);
+//!   `commit` appends a committed-epoch record after the sink committed the epoch (and fails
+//!   with [`EpochError::CommittedWithoutOffsets`] if the epoch has no offsets), and ignores
+//!   (counts) a commit of an already committed epoch. Appends never wait for an fsync (group
+//!   commit); [`DurableQueryStatus`] tells from any thread which commits are durable. Once the
+//!   WAL has failed, both calls fail with [`EpochError::Wal`], which fail-stops the
+//!   coordinator.
+//! * Restart: [`DurableQuery::open`] (or [`DurableQuery::from_wal`]) reads the log and yields
+//!   the restart point: the last committed epoch `E` and its offsets, or none (start at 0);
+//!   offsets of epochs after `E` are ignored, and a commit without offsets fails with Spark's
+//!   "Batch E was committed without end epoch offsets!". The new coordinator gets
+//!   `EpochConfig::start_epoch = E + 1` ([`DurableQuery::start_epoch`]), so a commit or report
+//!   that arrives again for `E` or earlier is dropped as stale (and counted), and the engine
+//!   resumes reading from `E`'s offsets. An epoch whose commit record was not durable at a
+//!   crash is committed again by the next run (the sink sees it twice: SPEC B.5's
+//!   at-least-once).
+//! * Bounded log: records carry the epoch as their WAL time, so after committing `E` the
+//!   WAL's time-based `clean` drops whole segments of epochs below `E + 1 - retained` (Spark's
+//!   `minBatchesToRetain`, default 100), never `E`'s own records.
 
 mod durable;
 mod endpoint;
@@ -192,8 +205,8 @@ impl<T: Sink + ?Sized> Sink for Box<T> {
 /// committed epochs (a commit of an epoch without offsets fails, as Spark's assertion does), the
 /// newest `retained_epochs` committed epochs' offsets are kept (Spark's `minBatchesToRetain`,
 /// default 100), and the first stop error is kept. Clones share one state, so an engine or a test
-/// can read it while the endpoint owns the query. The WAL-backed durable query keeps the same
-/// records on disk.
+/// can read it while the endpoint owns the query. [`DurableQuery`] keeps the same records on
+/// disk.
 #[derive(Debug, Clone)]
 pub struct MemoryQuery {
     state: std::sync::Arc<std::sync::Mutex<MemoryQueryState>>,
@@ -257,9 +270,7 @@ impl MemoryQuery {
     ///
     /// # Errors
     /// [`EpochError::CommittedWithoutOffsets`] if `E` has no offsets.
-    pub fn restart_point(
-        &self,
-    ) -> Result<Option<(Epoch, Vec<(PartitionId, Payload)>)>, EpochError> {
+    pub fn restart_point(&self) -> Result<Option<RestartPoint>, EpochError> {
         let state = self.state();
         let Some(epoch) = state.last_committed else {
             return Ok(None);
