@@ -39,11 +39,14 @@
 //!
 //! # Keeping the log bounded
 //! Because the record time is the epoch, the WAL's time-based `clean` drops whole segments of
-//! old epochs: after committing `E`, segments whose largest epoch is below
-//! `E + 1 - retained_epochs` are deleted (Spark's `minBatchesToRetain`, default 100), at most
-//! once every `max(1, retained_epochs / 4)` epochs. `E`'s own records have time `E`, which is
-//! never below the threshold, so the restart point is never lost. (If the WAL is configured
-//! with a rolling interval, that interval is counted in epochs.)
+//! old epochs: on a commit, with `D` the last commit known durable, segments whose largest
+//! epoch is below `D + 1 - retained_epochs` are deleted (Spark's `minBatchesToRetain`, default
+//! 100), at most once every `max(1, retained_epochs / 4)` epochs. `D`'s own records have time
+//! `D`, never below the threshold, so a crash always finds at least `D`. The threshold follows
+//! the durable commit, not the last appended one: the segment of an appended commit may not be
+//! written yet, and cleaning by it once deleted the only segments a crash could recover from
+//! (found by the kill -9 test). (If the WAL is configured with a rolling interval, that
+//! interval is counted in epochs.)
 
 use std::{
     collections::{BTreeMap, BTreeSet, VecDeque},
@@ -253,10 +256,10 @@ pub type RestartPoint = (Epoch, Vec<(PartitionId, Payload)>);
 /// * No blocking: appends return at once; the WAL's sync thread makes them durable (group
 ///   commit). [`DurableQueryStatus`] says which commits are durable. A crash before a commit
 ///   record is durable makes the next run commit that epoch again (at-least-once, SPEC B.5).
-/// * Bounded: after committing `E`, WAL segments holding only epochs below
-///   `E + 1 - retained_epochs` are deleted (time-based `clean`, at most every
-///   `retained_epochs / 4` epochs); `E`'s records are never below that threshold. A WAL
-///   rolling interval, if configured, counts epochs.
+/// * Bounded: with `D` the last commit known durable, WAL segments holding only epochs below
+///   `D + 1 - retained_epochs` are deleted (time-based `clean`, at most every
+///   `retained_epochs / 4` epochs); `D`'s records are never below that threshold, and every
+///   later commit is in a later segment. A WAL rolling interval, if configured, counts epochs.
 /// * Dropping the query closes the log (writing and syncing everything appended).
 ///
 /// Two queries must not use one directory at once (the WAL does not detect it).
@@ -467,8 +470,15 @@ impl<Q: Query> DurableQuery<Q> {
         outcome.map(|_| ())
     }
 
-    fn maybe_clean(&mut self, epoch: Epoch) {
-        let threshold = epoch.0.saturating_add(1).saturating_sub(self.retained_epochs as i64);
+    /// Cleans below the newest `retained_epochs` **durable** commits. Counting from the last
+    /// appended commit instead would be wrong: its segment may not be written yet, and a crash
+    /// would then find neither it nor the (deleted) segments of the durable commits before it.
+    fn maybe_clean(&mut self) {
+        let durable = self.status.durable_committed.load(Ordering::Acquire);
+        if durable < 0 {
+            return;
+        }
+        let threshold = durable.saturating_add(1).saturating_sub(self.retained_epochs as i64);
         if threshold < self.next_clean || threshold <= 0 {
             return;
         }
@@ -532,7 +542,7 @@ impl<Q: Query> Query for DurableQuery<Q> {
         // lock and this thread a wake-up): the queue is drained here and by status readers.
         self.status.pending().push_back((lsn.0, epoch.0));
         self.status.advance(self.wal.durable_lsn());
-        self.maybe_clean(epoch);
+        self.maybe_clean();
         self.inner.commit(epoch)
     }
 

@@ -101,9 +101,9 @@
 //!   resumes reading from `E`'s offsets. An epoch whose commit record was not durable at a
 //!   crash is committed again by the next run (the sink sees it twice: SPEC B.5's
 //!   at-least-once).
-//! * Bounded log: records carry the epoch as their WAL time, so after committing `E` the
-//!   WAL's time-based `clean` drops whole segments of epochs below `E + 1 - retained` (Spark's
-//!   `minBatchesToRetain`, default 100), never `E`'s own records.
+//! * Bounded log: records carry the epoch as their WAL time, so with `D` the last commit known
+//!   durable the WAL's time-based `clean` drops whole segments of epochs below
+//!   `D + 1 - retained` (Spark's `minBatchesToRetain`, default 100), never `D`'s own records.
 
 mod durable;
 mod endpoint;
