@@ -1175,7 +1175,10 @@ impl Wal {
             sync_p99_us: shared.sync_percentile_us(0.99),
             appended_lsn: self.appended_lsn(),
             durable_lsn: self.durable_lsn(),
-            segments: shared.segments_snapshot().len(),
+            segments: shared
+                .segments
+                .read()
+                .map_or_else(|poison| poison.into_inner().len(), |s| s.len()),
             cleaned_segments: shared.cleaned_segments.load(Ordering::Relaxed),
             io_path: Some(self.io_path),
         }

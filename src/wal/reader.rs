@@ -84,6 +84,47 @@ impl SegmentMap {
     }
 }
 
+/// The regions of `path` between `from` and `len` that may hold data: everything except the
+/// holes `lseek(SEEK_DATA/SEEK_HOLE)` reports (holes, including preallocated space never
+/// written, read as zeros). Lets recovery skip the zeroed rest of a preallocated segment
+/// without faulting it in. Falls back to the whole range if the file system cannot say.
+pub(crate) fn data_regions(path: &Path, from: u64, len: u64) -> Vec<(u64, u64)> {
+    use std::os::fd::AsRawFd;
+    let whole = vec![(from, len)];
+    if from >= len {
+        return Vec::new();
+    }
+    let Ok(file) = File::open(path) else {
+        return whole;
+    };
+    let fd = file.as_raw_fd();
+    let seek = |offset: u64, whence: i32| -> Option<u64> {
+        let offset = libc::off_t::try_from(offset).ok()?;
+        // SAFETY: lseek takes no pointers; `fd` belongs to `file`, open for this whole call.
+        let result = unsafe { libc::lseek(fd, offset, whence) };
+        u64::try_from(result).ok()
+    };
+    let mut regions = Vec::new();
+    let mut at = from;
+    while at < len {
+        let Some(data) = seek(at, libc::SEEK_DATA) else {
+            // ENXIO: no data after `at`; any other error: the file system cannot tell.
+            let no_more = std::io::Error::last_os_error().raw_os_error() == Some(libc::ENXIO);
+            return if no_more { regions } else { whole };
+        };
+        if data >= len {
+            break;
+        }
+        let hole = seek(data, libc::SEEK_HOLE).unwrap_or(len).min(len);
+        if hole <= data {
+            return whole;
+        }
+        regions.push((data, hole));
+        at = hole;
+    }
+    regions
+}
+
 /// The payload bytes of one record, borrowed from its segment's mapping.
 #[derive(Debug, Clone)]
 pub struct RecordBytes {

@@ -34,7 +34,7 @@ use crate::{
     error::WalError,
     record::frame,
     wal::{
-        reader::SegmentMap,
+        reader::{data_regions, SegmentMap},
         segment::{self, Segment, SegmentHeader, Window, HEADER_LEN},
         storage::Storage,
         Lsn, RecoveryMode, SegmentId, WalConfig,
@@ -381,7 +381,12 @@ fn scan_segment(
         }
         // Nothing past the last non-zero byte can be a frame: bound the search there (the
         // zeroed, preallocated rest of an active segment is not scanned twice).
-        let garbage_end = nonzero_end(bytes, at);
+        let garbage_end = data_regions(path, at, bytes.len() as u64)
+            .into_iter()
+            .map(|(start, end)| nonzero_end(&bytes[..end as usize], start))
+            .max()
+            .unwrap_or(at)
+            .max(at);
         let later = if garbage_end > at {
             find_frame(&bytes[..garbage_end as usize], at + frame::ALIGN as u64, expected)
         } else {

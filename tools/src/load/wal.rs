@@ -36,10 +36,10 @@ use crate::report::{Figure, Percentiles};
 #[derive(clap::Args, Debug, Clone)]
 pub struct WalArgs {
     /// Records per throughput figure (group commit and none), split over the threads.
-    #[arg(long, default_value_t = 4_000_000)]
+    #[arg(long, default_value_t = 2_000_000)]
     pub records: u64,
     /// Records per thread for the EveryRecord latency figures.
-    #[arg(long, default_value_t = 3_000)]
+    #[arg(long, default_value_t = 1_000)]
     pub every_records: u64,
     /// Payload bytes per record.
     #[arg(long, default_value_t = 64)]
@@ -93,8 +93,8 @@ pub struct WalRecoverArgs {
 /// The ~3-5 s version used by the no-argument run.
 pub fn quick() -> WalArgs {
     WalArgs {
-        records: 2_000_000,
-        every_records: 1_000,
+        records: 1_000_000,
+        every_records: 200,
         record_bytes: 64,
         threads: vec![1, 2],
         durability: vec!["group".into(), "every".into(), "none".into()],
