@@ -397,17 +397,15 @@ impl<Q: Query> DurableQuery<Q> {
         epoch: Epoch,
         op: &'static str,
     ) -> Result<Lsn, EpochError> {
-        let buf = std::mem::take(&mut self.buf);
-        let mut buf = {
-            let mut buf = buf;
-            buf.clear();
+        let mut buf = std::mem::take(&mut self.buf);
+        buf.clear();
+        let mut buf =
             rkyv::api::high::to_bytes_in::<_, rancor::Error>(record, buf).map_err(|error| {
                 EpochError::BadLogRecord {
                     lsn: 0,
-                    reason: format!("serializing epoch {epoch}: {error}"),
+                    reason: format!("serializing a record of epoch {epoch}: {error}"),
                 }
-            })?
-        };
+            })?;
         let outcome = self.wal.append_bytes(&buf, epoch.0);
         buf.clear();
         self.buf = buf;

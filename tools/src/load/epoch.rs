@@ -479,7 +479,6 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
         .with_latency(Percentiles::from_histogram(&latency))
         .with("partitions", args.partitions)
         .with("durability", args.durability.name())
-        .with("group_delay_us", args.group_delay_us)
         .with("producers", args.producers as u64)
         .with("epochs", epochs)
         .with("window", window)
