@@ -6,16 +6,25 @@
 //! epoch, partitions in a scattered order as several producers would interleave them), applied to
 //! a fresh coordinator whose query and sink only count. Throughput is in messages. No bus: this
 //! is the state machine alone; `coordbus-load epoch` measures the endpoint.
+//!
+//! Group `epoch/durable_query/<P>`: the coordinator thread's cost of the WAL-backed query per
+//! epoch: `add_offsets` of `P` 8-byte offsets then `commit`, on a WAL in a temporary directory
+//! with page-cache durability (`Durability::None`): the sync thread's writes run beside it. With
+//! group commit a tight loop would measure the disk instead: the appends outrun the syncs and
+//! wait for staging space.
 
 // criterion_group! generates an undocumented function.
 #![allow(missing_docs)]
 
 use std::hint::black_box;
 
-use coordbus::coordinators::epoch::{
-    reference::ReferenceEpochCoordinator, CollaboratorError, CommitPartitionEpoch, Epoch,
-    EpochConfig, EpochCoordinator, EpochError, EpochMessage, PartitionId, Payload, Query,
-    ReportPartitionOffset, Sink,
+use coordbus::{
+    coordinators::epoch::{
+        reference::ReferenceEpochCoordinator, CollaboratorError, CommitPartitionEpoch,
+        DurableQuery, Epoch, EpochConfig, EpochCoordinator, EpochError, EpochMessage, PartitionId,
+        Payload, Query, ReportPartitionOffset, Sink,
+    },
+    wal::{Durability, WalConfig},
 };
 use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion, Throughput};
 
@@ -166,5 +175,29 @@ fn per_message(criterion: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, per_message);
+fn durable_query(criterion: &mut Criterion) {
+    for partitions in [1, 100, 1_000] {
+        let mut group = criterion.benchmark_group(format!("epoch/durable_query/{partitions}"));
+        group.throughput(Throughput::Elements(1));
+        group.sample_size(10);
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let durability = Durability::None;
+        let mut query =
+            DurableQuery::open(dir.path(), WalConfig { durability, ..WalConfig::default() })
+                .expect("open the epoch log");
+        let offsets: Vec<(PartitionId, Payload)> =
+            (0..partitions).map(|p| (PartitionId(p), Payload::from(i64::from(p)))).collect();
+        let mut epoch = 0;
+        group.bench_function(BenchmarkId::new("add_offsets+commit", partitions), |bencher| {
+            bencher.iter(|| {
+                query.add_offsets(Epoch(epoch), &offsets).expect("append offsets");
+                query.commit(Epoch(epoch)).expect("append commit");
+                epoch += 1;
+            });
+        });
+        group.finish();
+    }
+}
+
+criterion_group!(benches, per_message, durable_query);
 criterion_main!(benches);
