@@ -76,6 +76,7 @@ pub(crate) mod sync;
 pub mod wal;
 
 pub use crate::coordinators::block_tracker::{BlockTrackerEndpoint, ReceivedBlockTracker};
+pub use crate::coordinators::epoch::{EpochConfig, EpochCoordinator, EpochEndpoint};
 pub use crate::coordinators::state_store::{StateStoreCoordinator, StateStoreCoordinatorRef};
 pub use crate::{
     config::{BusBuilder, BusConfig, Idle, Pinning},

@@ -6,6 +6,7 @@
 
 mod blocks;
 mod bus;
+mod epoch;
 mod progress;
 mod report;
 mod state_store;
@@ -41,6 +42,8 @@ enum Workload {
     Wal(wal::WalArgs),
     /// WAL recovery scan speed.
     WalRecover(wal::WalRecoverArgs),
+    /// Epoch coordinator: partitions reporting offsets and committing epochs.
+    Epoch(epoch::EpochArgs),
     /// StateStoreCoordinator: reports, verify/location asks, deactivation.
     StateStore(state_store::StateStoreArgs),
     /// Received-block tracker: durable additions, allocation and recovery of 1 M events.
@@ -67,6 +70,7 @@ fn run_all() -> anyhow::Result<Vec<report::Figure>> {
         ("ask: 64 in flight", Box::new(|| bus::run_ask(&quick_ask(64)))),
         ("wal: append", Box::new(|| wal::run(&wal::quick()))),
         ("wal: recovery scan", Box::new(|| wal::run_recover(&wal::quick_recover()))),
+        ("epoch coordinator", Box::new(|| epoch::run(&epoch::quick()))),
         ("state-store coordinator", Box::new(|| state_store::run(&state_store::quick()))),
         ("block tracker", Box::new(|| blocks::run(&blocks::quick()))),
     ];
@@ -97,6 +101,7 @@ fn main() -> anyhow::Result<()> {
         Some(Workload::Ask(args)) => bus::run_ask(&args)?,
         Some(Workload::Wal(args)) => wal::run(&args)?,
         Some(Workload::WalRecover(args)) => wal::run_recover(&args)?,
+        Some(Workload::Epoch(args)) => epoch::run(&args)?,
         Some(Workload::StateStore(args)) => state_store::run(&args)?,
         Some(Workload::Blocks(args)) => blocks::run(&args)?,
     };
