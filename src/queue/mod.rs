@@ -204,11 +204,15 @@ impl<T> ShardedQueue<T> {
     /// `Closed` or `Timeout` with the messages not pushed (those before them were).
     ///
     /// [`push`]: ShardedQueue::push
-    pub fn push_batch(
+    pub fn push_batch<I>(
         &self,
-        values: Vec<T>,
+        values: I,
         deadline: Option<Instant>,
-    ) -> Result<(), QueueError<Vec<T>>> {
+    ) -> Result<(), QueueError<Vec<T>>>
+    where
+        I: IntoIterator<Item = T>,
+        I::IntoIter: ExactSizeIterator,
+    {
         let shard = self.my_shard();
         let mut rest = values.into_iter();
         let mut want = rest.len().min(shard.capacity());

@@ -182,10 +182,11 @@ impl<T> Ring<T> {
     /// The slot of `position`.
     #[inline(always)]
     fn slot(&self, position: usize) -> &Slot<T> {
-        // `slots.len() == mask + 1`, so the index is always in bounds; the explicit `get`
-        // keeps the bounds check cheap and the invariant visible.
-        debug_assert_eq!(self.slots.len(), self.mask + 1);
-        &self.slots[position & self.mask]
+        let index = position & self.mask;
+        debug_assert!(index < self.slots.len());
+        // SAFETY: `slots.len() == mask + 1` (set in `with_capacity`, never changed), so
+        // `position & mask` is always a valid index; this skips a bounds check per message.
+        unsafe { self.slots.get_unchecked(index) }
     }
 
     /// Claims `len` consecutive positions (1 ..= capacity) with one compare-exchange.
@@ -200,7 +201,7 @@ impl<T> Ring<T> {
                 return Err(ClaimError::Closed);
             }
             let last = tail + len - 1;
-            let stamp = self.slots[last & self.mask].stamp.load(Ordering::Acquire);
+            let stamp = self.slot(last).stamp.load(Ordering::Acquire);
             if stamp == last {
                 // SeqCst: this claim and the consumer's "about to park" flag form a Dekker pair
                 // (see `queue::Doorbell`); on x86 the CAS is a full barrier anyway.
@@ -238,7 +239,7 @@ impl<T> Ring<T> {
         let mut values = values.into_iter();
         for position in claim.start..claim.start + claim.len {
             let value = values.next().expect("claim filled with fewer values than claimed");
-            let slot = &self.slots[position & self.mask];
+            let slot = self.slot(position);
             debug_assert_eq!(slot.stamp.load(Ordering::Relaxed), position);
             slot.value.with_mut(|cell| {
                 // SAFETY: this producer won the compare-exchange for `position`, and the slot's
@@ -258,7 +259,7 @@ impl<T> Ring<T> {
         let mut head = self.head.load(Ordering::Relaxed);
         let start = head;
         while head - start < max {
-            let slot = &self.slots[head & self.mask];
+            let slot = self.slot(head);
             if slot.stamp.load(Ordering::Acquire) != head + 1 {
                 break;
             }

@@ -301,7 +301,8 @@ impl<E: Endpoint> EndpointRef<E> {
     /// # Errors
     /// [`SendError::Stopped`] with the messages not sent (the earlier ones were).
     pub fn send_batch(&self, messages: Vec<E::Message>) -> Result<(), SendError<Vec<E::Message>>> {
-        let envelopes = messages.into_iter().map(Envelope::Message).collect();
+        // Mapped lazily: the messages go straight from the caller's vector into the slots.
+        let envelopes = messages.into_iter().map(Envelope::Message);
         self.inbox.queue.push_batch(envelopes, None).map_err(|error| {
             let unwrap_all = |envelopes: Vec<Envelope<E>>| {
                 envelopes.into_iter().filter_map(Envelope::into_message).collect()
