@@ -340,7 +340,7 @@ mod tests {
 
     #[test]
     fn batch_larger_than_capacity_flows_through_with_a_consumer() {
-        let queue = Arc::new(ShardedQueue::new(2, 16));
+        let queue = Arc::new(ShardedQueue::<i32>::new(2, 16));
         let consumer = {
             let queue = Arc::clone(&queue);
             std::thread::spawn(move || {
