@@ -354,7 +354,7 @@ mod tests {
                 seen
             })
         };
-        queue.push_batch((0..1000).collect(), None).unwrap();
+        queue.push_batch(0..1000, None).unwrap();
         assert_eq!(consumer.join().unwrap(), (0..1000).collect::<Vec<_>>());
     }
 
