@@ -1,0 +1,32 @@
+//! Target `epoch` (pending its coordinator on main).
+
+use std::{path::Path, time::Duration};
+
+use crate::{Checker, Counts};
+
+/// The child.
+pub fn child(_work: &Path, _seed: u64, _iteration: u64) -> anyhow::Result<()> {
+    anyhow::bail!("target epoch is not built yet")
+}
+
+/// The checker.
+pub struct EpochChecker;
+
+impl EpochChecker {
+    /// A checker.
+    pub fn new(_work: &Path) -> Self {
+        Self
+    }
+}
+
+impl Checker for EpochChecker {
+    fn is_ack(&self, _line: &str) -> bool {
+        false
+    }
+    fn inject_loss(&mut self, _lines: &[String]) -> anyhow::Result<()> {
+        Ok(())
+    }
+    fn check(&mut self, _: u64, _: &[String], _: &mut Counts) -> anyhow::Result<Option<Duration>> {
+        Ok(None)
+    }
+}
