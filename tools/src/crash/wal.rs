@@ -259,8 +259,8 @@ impl Checker for WalChecker {
         // The cut tail stays cut: a second, read-only scan finds a clean end.
         let scan = scan_dir(&self.dir, RecoveryMode::Strict);
         match scan {
-            Ok(scan) if scan.report.torn_tail.is_none() && scan.report.records == crcs.len() as u64 => {
-            }
+            Ok(scan)
+                if scan.report.torn_tail.is_none() && scan.report.records == crcs.len() as u64 => {}
             Ok(scan) => {
                 counts.out_of_order += 1;
                 counts.note(
