@@ -92,7 +92,7 @@ struct Cli {
     #[arg(long, default_value_t = 30)]
     max_run_ms: u64,
     /// Testing aid: before each check, cut the log so that the last acknowledged item is lost
-    /// (wal and epoch targets), to prove the checker notices. Makes the run fail.
+    /// (every target), to prove the checker notices. Makes the run fail.
     #[arg(long, hide = true)]
     inject_loss: bool,
     #[command(subcommand)]
@@ -513,4 +513,27 @@ fn tail_of(path: &Path) -> String {
     } else {
         text.trim().to_string()
     }
+}
+
+/// Cuts a log (`--inject-loss`): truncates segment `id` at `offset` and deletes every later
+/// segment, as if those bytes never reached the disk.
+pub fn cut_log(dir: &Path, id: coordbus::wal::SegmentId, offset: u64) -> anyhow::Result<()> {
+    let path = dir.join(coordbus::wal::segment::file_name(id));
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .and_then(|file| file.set_len(offset))
+        .with_context(|| format!("truncating {}", path.display()))?;
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        let later = entry
+            .file_name()
+            .to_str()
+            .and_then(coordbus::wal::segment::parse_file_name)
+            .is_some_and(|other| other.0 > id.0);
+        if later {
+            std::fs::remove_file(entry.path())?;
+        }
+    }
+    Ok(())
 }

@@ -20,9 +20,7 @@ use std::{
 };
 
 use anyhow::Context;
-use coordbus::wal::{
-    scan_dir, segment, Durability, IoMode, Lsn, RecoveryMode, Wal, WalConfig, WalOptions,
-};
+use coordbus::wal::{scan_dir, Durability, IoMode, Lsn, RecoveryMode, Wal, WalConfig, WalOptions};
 
 use crate::{rng::Rng, Checker, Counts};
 
@@ -161,15 +159,9 @@ impl Checker for WalChecker {
             }
             found.with_context(|| format!("LSN {last} not found to inject its loss"))?
         };
-        // Cut the segment just before the last acknowledged record: as if its bytes never
+        // Cut the log just before the last acknowledged record: as if its bytes never
         // reached the disk although it was acknowledged.
-        let path = self.dir.join(segment::file_name(handle.segment));
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(&path)
-            .and_then(|file| file.set_len(handle.offset))
-            .with_context(|| format!("truncating {}", path.display()))?;
-        Ok(())
+        crate::cut_log(&self.dir, handle.segment, handle.offset)
     }
 
     fn check(
