@@ -50,6 +50,8 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// Longest the parent waits for a child's first acknowledgement (a hang is a failure).
 const FIRST_ACK_TIMEOUT: Duration = Duration::from_secs(30);
+/// How often a long run prints a progress line on stderr.
+const PROGRESS_INTERVAL: Duration = Duration::from_secs(5);
 /// Failure notes printed at most (the counts hold the rest).
 const NOTES_MAX: usize = 20;
 
@@ -273,7 +275,16 @@ fn run(cli: &Cli) -> anyhow::Result<bool> {
     let started = Instant::now();
     let mut done = 0;
     let mut outcome = Ok(());
+    let mut last_progress = Instant::now();
     for iteration in 0..cli.iterations {
+        // Long runs say how far they are, on stderr so that stdout stays one summary.
+        if last_progress.elapsed() >= PROGRESS_INTERVAL {
+            last_progress = Instant::now();
+            eprintln!(
+                "coordbus-crash: {iteration}/{} iterations, {} acked, {} lost",
+                cli.iterations, counts.acked, counts.lost
+            );
+        }
         let delay = Duration::from_micros(rng.below(cli.max_run_ms * 1000 + 1));
         let result = one_iteration(
             &exe,
