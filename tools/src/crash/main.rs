@@ -50,6 +50,8 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// Longest the parent waits for a child's first acknowledgement (a hang is a failure).
 const FIRST_ACK_TIMEOUT: Duration = Duration::from_secs(30);
+/// SIGKILL's number (9 on Linux and every other Unix; POSIX fixes it for `kill -9`).
+const SIGKILL: i32 = 9;
 /// How often a long run prints a progress line on stderr.
 const PROGRESS_INTERVAL: Duration = Duration::from_secs(5);
 /// Failure notes printed at most (the counts hold the rest).
@@ -493,7 +495,7 @@ fn one_iteration(
         checker.inject_loss(&lines)?;
     }
     let recovery = checker.check(iteration, &lines, counts)?;
-    if status.signal() != Some(libc_sigkill()) {
+    if status.signal() != Some(SIGKILL) {
         bail!(
             "iteration {iteration}: the child ended by itself ({status}) instead of being \
              killed; its stderr: {}",
@@ -504,11 +506,6 @@ fn one_iteration(
         counts.note(iteration, format!("child stderr: {}", tail_of(&stderr_path)));
     }
     Ok(recovery)
-}
-
-/// SIGKILL's number (9 on every Unix this runs on).
-fn libc_sigkill() -> i32 {
-    9
 }
 
 /// The last kilobyte of a child's stderr, for error messages.
