@@ -54,6 +54,10 @@
 //! ## Modules
 //! * [`queue`]: the sharded lock-free inbox (the data plane).
 //! * `runtime` (re-exported at the root): [`Bus`], [`Endpoint`], [`EndpointRef`], replies.
+//! * [`wal`]: the segmented write-ahead log (memory-mapped segments, io_uring writes with a
+//!   pwrite fallback, group commit, crash recovery); [`record`]: its rkyv records and frames.
+//! * [`coordinators`]: the epoch coordinator, the state-store coordinator and the received-block
+//!   tracker, each a plain state machine plus its bus endpoint.
 //! * [`clock`]: injectable time.
 
 /// The README's examples, compiled and run as doc tests.
@@ -71,6 +75,8 @@ mod runtime;
 pub(crate) mod sync;
 pub mod wal;
 
+pub use crate::coordinators::block_tracker::{BlockTrackerEndpoint, ReceivedBlockTracker};
+pub use crate::coordinators::epoch::{EpochConfig, EpochCoordinator, EpochEndpoint};
 pub use crate::coordinators::state_store::{StateStoreCoordinator, StateStoreCoordinatorRef};
 pub use crate::{
     config::{BusBuilder, BusConfig, Idle, Pinning},

@@ -7,7 +7,10 @@
 //! * an **endpoint** that wraps the state machine for the bus: the runtime delivers one message
 //!   at a time, so the state machine needs no locks.
 //!
-//! Parts: `epoch` (continuous-processing epoch commits), `state_store` (state-store locations),
-//! `block_tracker` (received blocks, journaled to the WAL).
+//! Parts: [`epoch`] (continuous-processing epoch commits: state machine, endpoint, reference
+//! model), [`state_store`] (state-store locations of a driver's executors), [`block_tracker`]
+//! (received blocks and their batch allocations, journaled to the WAL).
 
+pub mod block_tracker;
+pub mod epoch;
 pub mod state_store;

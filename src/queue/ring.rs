@@ -266,7 +266,7 @@ impl<T> Ring<T> {
                 // SAFETY: stamp `head + 1` (acquired above) means the producer of `head` has
                 // written the value and released it; only this consumer reads position `head`,
                 // and it reads it once before handing the slot back below.
-                unsafe { (*cell).assume_init_read() }
+                unsafe { cell.cast::<T>().read() }
             });
             slot.stamp.store(head + self.capacity(), Ordering::Release);
             head += 1;
@@ -305,7 +305,7 @@ impl<T> Drop for Ring<T> {
             slot.value.with_mut(|cell| {
                 // SAFETY: the stamp says the value at `position` was written and not consumed,
                 // and exclusive access (`&mut self`) rules out any concurrent reader.
-                unsafe { (*cell).assume_init_drop() };
+                unsafe { std::ptr::drop_in_place(cell.cast::<T>()) };
             });
         }
     }

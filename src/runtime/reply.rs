@@ -26,9 +26,12 @@ type ReplyReceiver<T> = oneshot::Receiver<Result<T, AskError>>;
 /// How long a waiting asker spins before it blocks.
 const ASKER_SPIN: Duration = Duration::from_micros(30);
 
+/// Fails one orphaned reply with a panic message.
+type FailWithPanic = Box<dyn FnOnce(&str)>;
+
 thread_local! {
     /// Senders dropped while their handler was panicking, waiting for the panic message.
-    static ORPHANED_BY_PANIC: RefCell<Vec<Box<dyn FnOnce(&str)>>> = const {
+    static ORPHANED_BY_PANIC: RefCell<Vec<FailWithPanic>> = const {
         RefCell::new(Vec::new())
     };
 }

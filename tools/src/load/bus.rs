@@ -380,10 +380,8 @@ fn measure_crossbeam_ask(args: &AskArgs) -> (Duration, Histogram<u64>) {
     type Request = crossbeam_channel::Sender<u64>;
     let (requests, inbox) = crossbeam_channel::bounded::<Request>(1 << 12);
     let server = std::thread::spawn(move || {
-        let mut answered = 0u64;
-        for reply in inbox {
+        for (answered, reply) in (0u64..).zip(inbox) {
             let _ = reply.send(answered);
-            answered += 1;
         }
     });
     let mut histogram =

@@ -4,7 +4,9 @@
 //! returning the measured [`report::Figure`]s. With no subcommand, every workload runs briefly on
 //! an embedded default and one table (or JSON lines with `--json`) is printed.
 
+mod blocks;
 mod bus;
+mod epoch;
 mod progress;
 mod report;
 mod state_store;
@@ -40,8 +42,12 @@ enum Workload {
     Wal(wal::WalArgs),
     /// WAL recovery scan speed.
     WalRecover(wal::WalRecoverArgs),
+    /// Epoch coordinator: partitions reporting offsets and committing epochs.
+    Epoch(epoch::EpochArgs),
     /// StateStoreCoordinator: reports, verify/location asks, deactivation.
     StateStore(state_store::StateStoreArgs),
+    /// Received-block tracker: durable additions, allocation and recovery of 1 M events.
+    Blocks(blocks::BlocksArgs),
 }
 
 /// One step of the no-argument run.
@@ -64,7 +70,9 @@ fn run_all() -> anyhow::Result<Vec<report::Figure>> {
         ("ask: 64 in flight", Box::new(|| bus::run_ask(&quick_ask(64)))),
         ("wal: append", Box::new(|| wal::run(&wal::quick()))),
         ("wal: recovery scan", Box::new(|| wal::run_recover(&wal::quick_recover()))),
+        ("epoch coordinator", Box::new(|| epoch::run(&epoch::quick()))),
         ("state-store coordinator", Box::new(|| state_store::run(&state_store::quick()))),
+        ("block tracker", Box::new(|| blocks::run(&blocks::quick()))),
     ];
     let mut progress = progress::Progress::new(steps.len() as u64);
     let mut figures = Vec::new();
@@ -93,7 +101,9 @@ fn main() -> anyhow::Result<()> {
         Some(Workload::Ask(args)) => bus::run_ask(&args)?,
         Some(Workload::Wal(args)) => wal::run(&args)?,
         Some(Workload::WalRecover(args)) => wal::run_recover(&args)?,
+        Some(Workload::Epoch(args)) => epoch::run(&args)?,
         Some(Workload::StateStore(args)) => state_store::run(&args)?,
+        Some(Workload::Blocks(args)) => blocks::run(&args)?,
     };
     report::print(&figures, cli.json);
     Ok(())

@@ -1,0 +1,203 @@
+//! Per-message cost of the epoch coordinator's state machine, against the reference model (a
+//! Spark-like implementation that rescans its maps on every message) on the same stream.
+//!
+//! Group `epoch/per_message/<P>`: a stream of `E` complete epochs at `P` reader and `P` writer
+//! partitions (one `ReportPartitionOffset` and one `CommitPartitionEpoch` per partition per
+//! epoch, partitions in a scattered order as several producers would interleave them), applied to
+//! a fresh coordinator whose query and sink only count. Throughput is in messages. No bus: this
+//! is the state machine alone; `coordbus-load epoch` measures the endpoint.
+//!
+//! Group `epoch/durable_query/<P>`: the coordinator thread's cost of the WAL-backed query per
+//! epoch: `add_offsets` of `P` 8-byte offsets then `commit`, on a WAL in a temporary directory
+//! with page-cache durability (`Durability::None`): the sync thread's writes run beside it. With
+//! group commit a tight loop would measure the disk instead: the appends outrun the syncs and
+//! wait for staging space.
+
+// criterion_group! generates an undocumented function.
+#![allow(missing_docs)]
+
+use std::hint::black_box;
+
+use coordbus::{
+    coordinators::epoch::{
+        reference::ReferenceEpochCoordinator, CollaboratorError, CommitPartitionEpoch,
+        DurableQuery, Epoch, EpochConfig, EpochCoordinator, EpochError, EpochMessage, PartitionId,
+        Payload, Query, ReportPartitionOffset, Sink,
+    },
+    wal::{Durability, WalConfig},
+};
+use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion, Throughput};
+
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// Counts calls; keeps nothing.
+#[derive(Default)]
+struct Counting {
+    commits: u64,
+    offsets: u64,
+    stops: u64,
+}
+
+impl Query for Counting {
+    fn add_offsets(
+        &mut self,
+        _: Epoch,
+        offsets: &[(PartitionId, Payload)],
+    ) -> Result<(), CollaboratorError> {
+        self.offsets += offsets.len() as u64;
+        Ok(())
+    }
+    fn commit(&mut self, _: Epoch) -> Result<(), CollaboratorError> {
+        self.commits += 1;
+        Ok(())
+    }
+    fn stop(&mut self, _: EpochError) {
+        self.stops += 1;
+    }
+}
+
+impl Sink for Counting {
+    fn commit(
+        &mut self,
+        _: Epoch,
+        messages: &[(PartitionId, Payload)],
+    ) -> Result<(), CollaboratorError> {
+        black_box(messages);
+        Ok(())
+    }
+}
+
+/// `epochs` complete epochs at `partitions` partitions, partitions scattered.
+fn stream(partitions: i32, epochs: i64) -> Vec<EpochMessage> {
+    let mut messages = Vec::with_capacity(2 * partitions as usize * epochs as usize);
+    // A stride coprime with the partition count visits every partition once, out of order.
+    let stride =
+        (1..).map(|k| 7919 * k).find(|s: &i64| gcd(*s, i64::from(partitions)) == 1).unwrap_or(1);
+    for epoch in 1..=epochs {
+        for index in 0..i64::from(partitions) {
+            let partition = ((index * stride) % i64::from(partitions)) as i32;
+            messages.push(
+                ReportPartitionOffset {
+                    partition,
+                    epoch,
+                    offset: (epoch * 1_000 + i64::from(partition)).into(),
+                }
+                .into(),
+            );
+            messages.push(
+                CommitPartitionEpoch { partition, epoch, message: i64::from(partition).into() }
+                    .into(),
+            );
+        }
+    }
+    messages
+}
+
+fn gcd(a: i64, b: i64) -> i64 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+fn config() -> EpochConfig {
+    EpochConfig::new(1).with_backlog_limit(1 << 24)
+}
+
+fn per_message(criterion: &mut Criterion) {
+    for (partitions, epochs) in [(1, 2_000), (100, 50), (1_000, 10)] {
+        let messages = stream(partitions, epochs);
+        let mut group = criterion.benchmark_group(format!("epoch/per_message/{partitions}"));
+        group.throughput(Throughput::Elements(messages.len() as u64));
+        group.sample_size(10);
+
+        // Sanity: both commit every epoch of the stream.
+        let mut ours = EpochCoordinator::new(config(), Counting::default(), Counting::default())
+            .expect("valid config");
+        let mut reference =
+            ReferenceEpochCoordinator::new(config(), Counting::default(), Counting::default())
+                .expect("valid config");
+        ours.set_reader_partitions(partitions).expect("count");
+        ours.set_writer_partitions(partitions).expect("count");
+        reference.set_reader_partitions(partitions).expect("count");
+        reference.set_writer_partitions(partitions).expect("count");
+        for message in messages.iter().cloned() {
+            ours.apply(message.clone()).expect("accepted");
+            reference.apply(message).expect("accepted");
+        }
+        assert_eq!(ours.query().commits, epochs as u64);
+        assert_eq!(reference.query().commits, epochs as u64);
+
+        group.bench_function(BenchmarkId::new("coordbus", partitions), |bencher| {
+            bencher.iter_batched(
+                || {
+                    let mut coordinator =
+                        EpochCoordinator::new(config(), Counting::default(), Counting::default())
+                            .expect("valid config");
+                    coordinator.set_reader_partitions(partitions).expect("count");
+                    coordinator.set_writer_partitions(partitions).expect("count");
+                    (coordinator, messages.clone())
+                },
+                |(mut coordinator, messages)| {
+                    for message in messages {
+                        let _ = coordinator.apply(message);
+                    }
+                    black_box(coordinator.query().commits)
+                },
+                BatchSize::LargeInput,
+            );
+        });
+        group.bench_function(BenchmarkId::new("reference", partitions), |bencher| {
+            bencher.iter_batched(
+                || {
+                    let mut coordinator = ReferenceEpochCoordinator::new(
+                        config(),
+                        Counting::default(),
+                        Counting::default(),
+                    )
+                    .expect("valid config");
+                    coordinator.set_reader_partitions(partitions).expect("count");
+                    coordinator.set_writer_partitions(partitions).expect("count");
+                    (coordinator, messages.clone())
+                },
+                |(mut coordinator, messages)| {
+                    for message in messages {
+                        let _ = coordinator.apply(message);
+                    }
+                    black_box(coordinator.query().commits)
+                },
+                BatchSize::LargeInput,
+            );
+        });
+        group.finish();
+    }
+}
+
+fn durable_query(criterion: &mut Criterion) {
+    for partitions in [1, 100, 1_000] {
+        let mut group = criterion.benchmark_group(format!("epoch/durable_query/{partitions}"));
+        group.throughput(Throughput::Elements(1));
+        group.sample_size(10);
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let durability = Durability::None;
+        let mut query =
+            DurableQuery::open(dir.path(), WalConfig { durability, ..WalConfig::default() })
+                .expect("open the epoch log");
+        let offsets: Vec<(PartitionId, Payload)> =
+            (0..partitions).map(|p| (PartitionId(p), Payload::from(i64::from(p)))).collect();
+        let mut epoch = 0;
+        group.bench_function(BenchmarkId::new("add_offsets+commit", partitions), |bencher| {
+            bencher.iter(|| {
+                query.add_offsets(Epoch(epoch), &offsets).expect("append offsets");
+                query.commit(Epoch(epoch)).expect("append commit");
+                epoch += 1;
+            });
+        });
+        group.finish();
+    }
+}
+
+criterion_group!(benches, per_message, durable_query);
+criterion_main!(benches);

@@ -1,0 +1,551 @@
+//! The tracker hosted on the bus: receivers ask `AddBlock`, the batch side asks for
+//! allocations, blocks of batches and cleanups (SPEC 0.5).
+//!
+//! ## Durable acknowledgements without blocking
+//! A handler appends the event to the WAL (which returns at once), applies it to the tracker
+//! and keeps the request's [`Replier`] in a queue ordered by LSN. It never waits for a sync:
+//! when the WAL reports an LSN durable, a callback (on the WAL's sync thread) sends the
+//! endpoint a [`BlockTrackerMessage::Durable`] wake-up, and the endpoint answers every queued
+//! request whose LSN is now durable. One callback is armed at a time, so a whole group commit
+//! costs one callback and one wake-up however many receivers it acknowledges. The endpoint
+//! also answers whatever became durable at the start of every message it handles, so a full
+//! inbox (where the wake-up may not fit) never delays an answer.
+//!
+//! ## What a reply means
+//! * `AddBlock` answers `true` only once the addition's record is durable; `false` if the WAL
+//!   refused or failed it (then the block is not queued). `AddBlocks` does the same for
+//!   several blocks (one record each) and answers once the last is durable, per block.
+//! * `AllocateBlocksToBatch` and `CleanupOldBatches` answer once their event is durable (a
+//!   cleanup also deletes the old WAL files first).
+//! * Queries (`GetBlocksOfBatch`, ...) are answered with the state at the time they were
+//!   handled, but only once every event applied before them is durable: no answer ever
+//!   exposes a change that a crash could still undo.
+//!
+//! ## Choice: apply at append time, acknowledge at durability
+//! The state is changed when the event is appended, in append (LSN) order, because the
+//! endpoint is the only writer of the journal: the in-memory state is always the replay of the
+//! journal up to the last appended LSN, so after a crash recovery rebuilds exactly what any
+//! acknowledged answer described. (Spark's D.3 order "log, then enqueue" matters there because
+//! its writers race outside the lock; here there is no race.) An allocation may therefore take
+//! a block whose addition is not yet durable: its own record has a later LSN, so it is durable
+//! only if the addition is, and it is acknowledged only then. Per sender, requests keep their
+//! order: a receiver's additions are acknowledged in the order it sent them, and a query sees
+//! every earlier request of the same sender.
+//!
+//! If the WAL fails, every waiting request fails (`AddBlock` answers `false`, allocations and
+//! cleanups answer normally as SPEC D.5 wants, queries fail) and the state is rebuilt from the
+//! journal's durable prefix. A failed write may still be durable (module doc of the tracker).
+
+use std::{
+    collections::VecDeque,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, Mutex, OnceLock,
+    },
+    time::Duration,
+};
+
+use super::{
+    AllocatedBlocks, BatchTime, BlockTrackerError, Logged, ReceivedBlockInfo, ReceivedBlockTracker,
+    StreamId,
+};
+use crate::{
+    error::HandlerError,
+    runtime::{Ask, Context, Endpoint, EndpointRef, Replier},
+    wal::{Lsn, WalError},
+};
+
+/// Longest `Stop` (or stopping the endpoint) waits for queued events to become durable.
+const STOP_DURABILITY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// One-way messages of [`BlockTrackerEndpoint`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BlockTrackerMessage {
+    /// The WAL made more events durable: answer the requests waiting for them. Sent by the
+    /// endpoint's own durability callback; sending it from elsewhere is harmless.
+    Durable,
+}
+
+/// Requests of [`BlockTrackerEndpoint`]; build them with the request structs ([`AddBlock`],
+/// ...) through `EndpointRef::ask`.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum BlockTrackerRequest {
+    /// See [`AddBlock`].
+    AddBlock(ReceivedBlockInfo, Replier<bool>),
+    /// See [`AddBlocks`].
+    AddBlocks(Vec<ReceivedBlockInfo>, Replier<Vec<bool>>),
+    /// See [`AllocateBlocksToBatch`].
+    AllocateBlocksToBatch(BatchTime, Replier<()>),
+    /// See [`GetBlocksOfBatch`].
+    GetBlocksOfBatch(BatchTime, Replier<AllocatedBlocks>),
+    /// See [`GetBlocksOfBatchAndStream`].
+    GetBlocksOfBatchAndStream(BatchTime, StreamId, Replier<Vec<ReceivedBlockInfo>>),
+    /// See [`HasUnallocatedBlocks`].
+    HasUnallocatedBlocks(Replier<bool>),
+    /// See [`GetUnallocatedBlocks`].
+    GetUnallocatedBlocks(StreamId, Replier<Vec<ReceivedBlockInfo>>),
+    /// See [`CleanupOldBatches`].
+    CleanupOldBatches(BatchTime, bool, Replier<()>),
+    /// See [`StopTracker`].
+    Stop(Replier<()>),
+}
+
+/// Adds a block; answers `true` once its record is durable, `false` if it was not written.
+#[derive(Debug, Clone)]
+pub struct AddBlock(pub ReceivedBlockInfo);
+
+/// Adds several blocks in order (one journal record each, as that many [`AddBlock`]s would);
+/// answers, once the last of them is durable, whether each was logged. Saves a receiver that
+/// has several blocks ready one ask per block.
+#[derive(Debug, Clone)]
+pub struct AddBlocks(pub Vec<ReceivedBlockInfo>);
+
+/// Allocates the unallocated blocks to a batch; answers once the allocation is durable (or
+/// was a no-op: a time not newer than the last, or a failed write, SPEC D.3).
+/// Fails only if the log step raised.
+#[derive(Debug, Clone, Copy)]
+pub struct AllocateBlocksToBatch(pub BatchTime);
+
+/// The blocks of a batch (empty if none).
+#[derive(Debug, Clone, Copy)]
+pub struct GetBlocksOfBatch(pub BatchTime);
+
+/// The blocks of one stream in a batch (empty if none).
+#[derive(Debug, Clone, Copy)]
+pub struct GetBlocksOfBatchAndStream(pub BatchTime, pub StreamId);
+
+/// Whether any block is unallocated.
+#[derive(Debug, Clone, Copy)]
+pub struct HasUnallocatedBlocks;
+
+/// The unallocated blocks of a stream.
+#[derive(Debug, Clone, Copy)]
+pub struct GetUnallocatedBlocks(pub StreamId);
+
+/// Forgets batches older than `threshold` and deletes old WAL files (waiting for the deletion
+/// if `wait`). Fails with [`BlockTrackerError::ThresholdNotInPast`] unless the threshold is in
+/// the past.
+#[derive(Debug, Clone, Copy)]
+pub struct CleanupOldBatches {
+    /// Batches strictly older are forgotten.
+    pub threshold: BatchTime,
+    /// Wait until the WAL files are deleted.
+    pub wait: bool,
+}
+
+/// Waits for queued events to become durable, answers them, closes the WAL and stops the
+/// endpoint.
+#[derive(Debug, Clone, Copy)]
+pub struct StopTracker;
+
+macro_rules! ask_impl {
+    ($request:ty, $reply:ty, |$value:ident, $replier:ident| $build:expr) => {
+        impl Ask<BlockTrackerEndpoint> for $request {
+            type Reply = $reply;
+            fn into_request(self, $replier: Replier<$reply>) -> BlockTrackerRequest {
+                let $value = self;
+                $build
+            }
+        }
+    };
+}
+
+ask_impl!(AddBlock, bool, |r, p| BlockTrackerRequest::AddBlock(r.0, p));
+ask_impl!(AddBlocks, Vec<bool>, |r, p| BlockTrackerRequest::AddBlocks(r.0, p));
+ask_impl!(AllocateBlocksToBatch, (), |r, p| BlockTrackerRequest::AllocateBlocksToBatch(r.0, p));
+ask_impl!(GetBlocksOfBatch, AllocatedBlocks, |r, p| BlockTrackerRequest::GetBlocksOfBatch(r.0, p));
+ask_impl!(GetBlocksOfBatchAndStream, Vec<ReceivedBlockInfo>, |r, p| {
+    BlockTrackerRequest::GetBlocksOfBatchAndStream(r.0, r.1, p)
+});
+ask_impl!(HasUnallocatedBlocks, bool, |_r, p| BlockTrackerRequest::HasUnallocatedBlocks(p));
+ask_impl!(GetUnallocatedBlocks, Vec<ReceivedBlockInfo>, |r, p| {
+    BlockTrackerRequest::GetUnallocatedBlocks(r.0, p)
+});
+ask_impl!(CleanupOldBatches, (), |r, p| BlockTrackerRequest::CleanupOldBatches(
+    r.threshold,
+    r.wait,
+    p
+));
+ask_impl!(StopTracker, (), |_r, p| BlockTrackerRequest::Stop(p));
+
+/// A request waiting for its LSN to become durable.
+enum Pending {
+    Add {
+        lsn: Lsn,
+        replier: Replier<bool>,
+    },
+    /// `lsns[i]`: the LSN of block i, or `None` if it was not logged; `lsn` is the largest.
+    AddMany {
+        lsn: Lsn,
+        lsns: Vec<Option<Lsn>>,
+        replier: Replier<Vec<bool>>,
+    },
+    Allocate {
+        lsn: Lsn,
+        replier: Replier<()>,
+    },
+    Cleanup {
+        lsn: Lsn,
+        threshold: BatchTime,
+        wait: bool,
+        replier: Replier<()>,
+    },
+    Query {
+        lsn: Lsn,
+        complete: Box<dyn FnOnce(Result<(), WalError>) + Send>,
+    },
+}
+
+impl Pending {
+    fn lsn(&self) -> Lsn {
+        match self {
+            Self::Add { lsn, .. }
+            | Self::AddMany { lsn, .. }
+            | Self::Allocate { lsn, .. }
+            | Self::Cleanup { lsn, .. }
+            | Self::Query { lsn, .. } => *lsn,
+        }
+    }
+}
+
+/// What the durability callback shares with the endpoint.
+#[derive(Default)]
+struct Waker {
+    /// A callback is registered and has not run yet.
+    armed: AtomicBool,
+    /// Set (after `failure` is filled) once the WAL reported a failure: the hot path checks
+    /// this flag instead of taking the lock.
+    failed: AtomicBool,
+    /// The first failure the WAL reported.
+    failure: Mutex<Option<WalError>>,
+    /// Where the wake-up goes (set in `on_start`).
+    endpoint: OnceLock<EndpointRef<BlockTrackerEndpoint>>,
+}
+
+impl Waker {
+    fn failure(&self) -> Option<WalError> {
+        if !self.failed.load(Ordering::Acquire) {
+            return None;
+        }
+        self.failure.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+}
+
+/// [`ReceivedBlockTracker`] as a bus endpoint (module doc: when replies are sent).
+///
+/// # Examples
+/// ```
+/// use std::sync::Arc;
+/// use coordbus::Bus;
+/// use coordbus::clock::SystemClock;
+/// use coordbus::coordinators::block_tracker::*;
+///
+/// let dir = tempfile::tempdir()?;
+/// let config = BlockTrackerConfig::new([StreamId(0)]).checkpoint_dir(dir.path());
+/// let tracker = ReceivedBlockTracker::open(config, Arc::new(SystemClock))?;
+/// let bus = Bus::builder().build()?;
+/// let endpoint = bus.register("ReceivedBlockTracker", BlockTrackerEndpoint::new(tracker))?;
+/// let block_id = StreamBlockId { stream: StreamId(0), unique_id: 1 };
+/// let info = ReceivedBlockInfo::new(
+///     StreamId(0), None, None, BlockStoreResult::BlockManager { block_id })?;
+/// assert!(endpoint.ask(AddBlock(info.clone())).wait()?);      // true: durable
+/// endpoint.ask(AllocateBlocksToBatch(BatchTime(1))).wait()?;
+/// assert_eq!(endpoint.ask(GetBlocksOfBatchAndStream(BatchTime(1), StreamId(0))).wait()?, [info]);
+/// endpoint.ask(StopTracker).wait()?;
+/// bus.shutdown()?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct BlockTrackerEndpoint {
+    tracker: ReceivedBlockTracker,
+    /// Requests waiting for durability, in LSN order.
+    pending: VecDeque<Pending>,
+    waker: Arc<Waker>,
+    /// The tracker was stopped (the WAL closed).
+    stopped: bool,
+}
+
+impl std::fmt::Debug for BlockTrackerEndpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BlockTrackerEndpoint")
+            .field("tracker", &self.tracker)
+            .field("pending", &self.pending.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl BlockTrackerEndpoint {
+    /// Hosts `tracker` (already recovered, if it was asked to).
+    pub fn new(tracker: ReceivedBlockTracker) -> Self {
+        Self { tracker, pending: VecDeque::new(), waker: Arc::default(), stopped: false }
+    }
+
+    /// The hosted tracker.
+    pub fn tracker(&self) -> &ReceivedBlockTracker {
+        &self.tracker
+    }
+
+    /// Answers every waiting request whose LSN is durable; on a WAL failure fails the rest
+    /// and rebuilds the state; otherwise makes sure a callback is armed for the rest.
+    fn complete_durable(&mut self) {
+        loop {
+            let Some(front) = self.pending.front().map(Pending::lsn) else {
+                return;
+            };
+            let Some(durable) = self.tracker.log().map(|log| log.durable_lsn()) else {
+                return;
+            };
+            // Most calls find nothing new durable and no failure: two loads, no lock.
+            if front > durable
+                && self.waker.armed.load(Ordering::Acquire)
+                && !self.waker.failed.load(Ordering::Acquire)
+            {
+                return;
+            }
+            while self.pending.front().is_some_and(|pending| pending.lsn() <= durable) {
+                let pending = self.pending.pop_front().expect("checked");
+                self.finish(pending, Ok(()));
+            }
+            let Some(back) = self.pending.back().map(Pending::lsn) else {
+                return;
+            };
+            if let Some(error) = self.waker.failure() {
+                self.fail_pending(error);
+                return;
+            }
+            if self.waker.armed.swap(true, Ordering::AcqRel) {
+                return;
+            }
+            let Some(log) = self.tracker.log() else {
+                return;
+            };
+            let waker = Arc::clone(&self.waker);
+            log.notify_when_durable(
+                back,
+                Box::new(move |result| {
+                    if let Err(error) = result {
+                        let mut failure =
+                            waker.failure.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                        failure.get_or_insert(error);
+                        waker.failed.store(true, Ordering::Release);
+                    }
+                    waker.armed.store(false, Ordering::Release);
+                    if let Some(endpoint) = waker.endpoint.get() {
+                        // Full: the endpoint has messages to handle and checks durability
+                        // before each. Stopped: `on_stop` answers what is left.
+                        let _ = endpoint.try_send(BlockTrackerMessage::Durable);
+                    }
+                }),
+            );
+            // If the callback already ran (the LSN became durable meanwhile), loop to answer
+            // at once instead of waiting for the wake-up.
+            if self.waker.armed.load(Ordering::Acquire) {
+                return;
+            }
+        }
+    }
+
+    /// The WAL failed: fail every waiting request and fall back to the durable prefix.
+    fn fail_pending(&mut self, error: WalError) {
+        let pending = std::mem::take(&mut self.pending);
+        tracing::warn!(%error, requests = pending.len(),
+            "the block tracker's WAL failed; failing the requests waiting for durability");
+        for request in pending {
+            self.finish(request, Err(error.clone()));
+        }
+        match self.tracker.rebuild_from_log() {
+            Ok(events) => {
+                tracing::info!(events, "block tracker state rebuilt from the durable log")
+            }
+            Err(error) => tracing::error!(%error, "rebuilding the block tracker state failed"),
+        }
+    }
+
+    fn finish(&mut self, pending: Pending, outcome: Result<(), WalError>) {
+        match pending {
+            Pending::Add { replier, .. } => replier.reply(outcome.is_ok()),
+            Pending::AddMany { lsns, replier, .. } => {
+                // On a failure, the blocks already durable were logged all the same.
+                let durable = self.tracker.log().map_or(Lsn::ZERO, |log| log.durable_lsn());
+                let ok = outcome.is_ok();
+                replier.reply(
+                    lsns.iter().map(|lsn| lsn.is_some_and(|lsn| ok || lsn <= durable)).collect(),
+                );
+            }
+            Pending::Allocate { replier, .. } => replier.reply(()),
+            Pending::Cleanup { threshold, wait, replier, .. } => {
+                if outcome.is_err() {
+                    tracing::warn!(threshold = threshold.0, "failed to acknowledge batch cleanup");
+                    replier.reply(());
+                } else {
+                    match self.tracker.clean_log(threshold, wait) {
+                        Ok(()) => replier.reply(()),
+                        Err(error) => replier.fail(error),
+                    }
+                }
+            }
+            Pending::Query { complete, .. } => complete(outcome),
+        }
+    }
+
+    /// Answers a query with `value`, now if nothing is waiting for durability, else once
+    /// everything applied so far is durable.
+    fn answer<T: Send + 'static>(&mut self, value: T, replier: Replier<T>) {
+        match self.pending.back().map(Pending::lsn) {
+            None => replier.reply(value),
+            Some(lsn) => {
+                let complete = move |outcome: Result<(), WalError>| match outcome {
+                    Ok(()) => replier.reply(value),
+                    Err(error) => replier.fail(BlockTrackerError::Wal(error)),
+                };
+                self.pending.push_back(Pending::Query { lsn, complete: Box::new(complete) });
+            }
+        }
+    }
+
+    /// Waits (bounded) for everything queued to become durable, answers it, closes the WAL.
+    fn stop_tracker(&mut self) {
+        if self.stopped {
+            return;
+        }
+        self.stopped = true;
+        if let (Some(log), Some(back)) =
+            (self.tracker.log().cloned(), self.pending.back().map(Pending::lsn))
+        {
+            if let Err(error) = log.wait_durable(back, STOP_DURABILITY_TIMEOUT) {
+                tracing::warn!(%error, "stopping the block tracker before its events were durable");
+            }
+            let durable = log.durable_lsn();
+            while self.pending.front().is_some_and(|pending| pending.lsn() <= durable) {
+                let pending = self.pending.pop_front().expect("checked");
+                self.finish(pending, Ok(()));
+            }
+            if !self.pending.is_empty() {
+                self.fail_pending(self.waker.failure().unwrap_or(WalError::Closed));
+            }
+        }
+        if let Err(error) = self.tracker.stop() {
+            tracing::warn!(%error, "closing the block tracker's WAL");
+        }
+    }
+}
+
+impl Endpoint for BlockTrackerEndpoint {
+    type Message = BlockTrackerMessage;
+    type Request = BlockTrackerRequest;
+
+    fn on_start(&mut self, context: &Context<Self>) {
+        let _ = self.waker.endpoint.set(context.endpoint_ref());
+        tracing::info!(
+            endpoint = context.name(),
+            wal = self.tracker.is_wal_enabled(),
+            "received-block tracker endpoint started"
+        );
+    }
+
+    fn handle(
+        &mut self,
+        message: BlockTrackerMessage,
+        _context: &Context<Self>,
+    ) -> Result<(), HandlerError> {
+        match message {
+            BlockTrackerMessage::Durable => self.complete_durable(),
+        }
+        Ok(())
+    }
+
+    fn handle_request(
+        &mut self,
+        request: BlockTrackerRequest,
+        context: &Context<Self>,
+    ) -> Result<(), HandlerError> {
+        self.complete_durable();
+        match request {
+            BlockTrackerRequest::AddBlock(info, replier) => {
+                match self.tracker.add_block_deferred(info) {
+                    Logged::Done | Logged::Skipped => replier.reply(true),
+                    Logged::Failed => replier.reply(false),
+                    Logged::Pending(lsn) => self.pending.push_back(Pending::Add { lsn, replier }),
+                }
+            }
+            BlockTrackerRequest::AddBlocks(infos, replier) => {
+                let mut all_done = true;
+                let lsns: Vec<Option<Lsn>> = infos
+                    .into_iter()
+                    .map(|info| match self.tracker.add_block_deferred(info) {
+                        Logged::Done | Logged::Skipped => Some(Lsn::ZERO),
+                        Logged::Failed => None,
+                        Logged::Pending(lsn) => {
+                            all_done = false;
+                            Some(lsn)
+                        }
+                    })
+                    .collect();
+                if all_done {
+                    replier.reply(lsns.iter().map(Option::is_some).collect());
+                } else {
+                    let lsn = lsns.iter().flatten().max().copied().unwrap_or(Lsn::ZERO);
+                    self.pending.push_back(Pending::AddMany { lsn, lsns, replier });
+                }
+            }
+            BlockTrackerRequest::AllocateBlocksToBatch(time, replier) => {
+                match self.tracker.allocate_blocks_to_batch_deferred(time) {
+                    Ok(Logged::Pending(lsn)) => {
+                        self.pending.push_back(Pending::Allocate { lsn, replier });
+                    }
+                    // A stale time or a failed write is not reported (SPEC D.3); but the
+                    // answer still waits for earlier events, so that it never runs ahead of
+                    // the state the caller may query next.
+                    Ok(_) => self.answer((), replier),
+                    Err(error) => replier.fail(error),
+                }
+            }
+            BlockTrackerRequest::GetBlocksOfBatch(time, replier) => {
+                let blocks = self.tracker.blocks_of_batch(time);
+                self.answer(blocks, replier);
+            }
+            BlockTrackerRequest::GetBlocksOfBatchAndStream(time, stream, replier) => {
+                let blocks = self.tracker.blocks_of_batch_and_stream(time, stream);
+                self.answer(blocks, replier);
+            }
+            BlockTrackerRequest::HasUnallocatedBlocks(replier) => {
+                let any = self.tracker.has_unallocated_blocks();
+                self.answer(any, replier);
+            }
+            BlockTrackerRequest::GetUnallocatedBlocks(stream, replier) => {
+                let blocks = self.tracker.unallocated_blocks(stream);
+                self.answer(blocks, replier);
+            }
+            BlockTrackerRequest::CleanupOldBatches(threshold, wait, replier) => {
+                match self.tracker.cleanup_old_batches_deferred(threshold) {
+                    Ok(Logged::Pending(lsn)) => {
+                        self.pending.push_back(Pending::Cleanup { lsn, threshold, wait, replier });
+                    }
+                    Ok(Logged::Done) => match self.tracker.clean_log(threshold, wait) {
+                        Ok(()) => replier.reply(()),
+                        Err(error) => replier.fail(error),
+                    },
+                    Ok(Logged::Failed | Logged::Skipped) => {
+                        tracing::warn!(threshold = threshold.0, "failed to log batch cleanup");
+                        self.answer((), replier);
+                    }
+                    Err(error) => replier.fail(error),
+                }
+            }
+            BlockTrackerRequest::Stop(replier) => {
+                self.stop_tracker();
+                // Stopped before the answer, so the asker sees the endpoint stopped.
+                context.stop();
+                replier.reply(());
+            }
+        }
+        // Answer what is durable already, and arm the durability callback for the rest.
+        self.complete_durable();
+        Ok(())
+    }
+
+    fn on_stop(&mut self) {
+        self.stop_tracker();
+    }
+}

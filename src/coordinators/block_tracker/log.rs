@@ -1,0 +1,161 @@
+//! The tracker's journal as a trait, and its implementation over coordbus's WAL.
+//!
+//! The tracker never talks to the WAL directly: it goes through [`BlockLog`], so a test can
+//! wrap the real log and make a write fail (SPEC D.3's "failed log write", RBT-04) or observe
+//! the LSN each event got. [`WalBlockLog`] is the real thing: one rkyv record per event.
+
+use std::{path::Path, sync::Arc, time::Duration};
+
+use super::{types::TrackerEvent, BlockTrackerError};
+use crate::wal::{DurableCallback, Lsn, Wal, WalConfig, WalError};
+
+/// Why the log step did not write an event.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BlockLogError {
+    /// The write-ahead log refused or failed the write: the tracker reports the write as
+    /// failed (`writeToLog` returns false, SPEC D.2) and leaves its state unchanged.
+    #[error(transparent)]
+    Wal(#[from] WalError),
+    /// The log step raised instead of reporting a failure (only an injected log does this);
+    /// the tracker propagates it to its caller with its state unchanged (SPEC D.3).
+    #[error("{message}")]
+    Raised {
+        /// The error's text (for example "Not able to write BatchAllocationEvent").
+        message: String,
+    },
+}
+
+/// The journal the tracker writes its events to.
+///
+/// Appends return at once with the event's LSN; durability is learnt separately, so many
+/// writers can share one sync (group commit). Implementations must keep appends in order:
+/// an event whose LSN is durable implies every earlier event is durable too.
+pub trait BlockLog: Send + Sync + 'static {
+    /// Appends `event` with record time `time_ms`; returns its LSN without waiting for
+    /// durability.
+    ///
+    /// # Errors
+    /// [`BlockLogError::Wal`] for a write the log refused, [`BlockLogError::Raised`] for an
+    /// injected failure that must reach the caller.
+    fn append(&self, event: &TrackerEvent, time_ms: i64) -> Result<Lsn, BlockLogError>;
+
+    /// Waits at most `timeout` until `lsn` is durable.
+    ///
+    /// # Errors
+    /// [`WalError::Timeout`], or the log's failure.
+    fn wait_durable(&self, lsn: Lsn, timeout: Duration) -> Result<(), WalError>;
+
+    /// The last LSN known durable.
+    fn durable_lsn(&self) -> Lsn;
+
+    /// Runs `callback` once `lsn` is durable or the log failed (see
+    /// [`Wal::notify_when_durable`]: it may run at once on the calling thread).
+    fn notify_when_durable(&self, lsn: Lsn, callback: DurableCallback);
+
+    /// Calls `apply` with every event in the log, in order, up to and including `last` (all
+    /// if `None`). Returns the number of events read.
+    ///
+    /// # Errors
+    /// [`BlockTrackerError::Wal`] for a damaged log, [`BlockTrackerError::Decode`] for a
+    /// record that is not a tracker event.
+    fn replay(
+        &self,
+        last: Option<Lsn>,
+        apply: &mut dyn FnMut(Lsn, TrackerEvent),
+    ) -> Result<u64, BlockTrackerError>;
+
+    /// Deletes log files whose end time is strictly below `threshold_ms` (SPEC E.4).
+    ///
+    /// # Errors
+    /// The log's error.
+    fn clean(&self, threshold_ms: i64, wait: bool) -> Result<(), WalError>;
+
+    /// Writes and syncs what was appended and stops accepting writes. Idempotent.
+    ///
+    /// # Errors
+    /// The log's failure.
+    fn close(&self) -> Result<(), WalError>;
+
+    /// The underlying WAL, if there is one (for statistics and tests).
+    fn wal(&self) -> Option<&Arc<Wal>> {
+        None
+    }
+}
+
+/// [`BlockLog`] over a [`Wal`]: each event is one rkyv record.
+#[derive(Debug, Clone)]
+pub struct WalBlockLog {
+    wal: Arc<Wal>,
+}
+
+impl WalBlockLog {
+    /// Opens (and recovers) the WAL in `dir`.
+    ///
+    /// # Errors
+    /// The WAL's opening errors (configuration, corruption in strict mode, I/O).
+    pub fn open(dir: impl AsRef<Path>, config: WalConfig) -> Result<Self, WalError> {
+        Ok(Self { wal: Arc::new(Wal::open(dir, config)?) })
+    }
+
+    /// Wraps an open WAL.
+    pub fn from_wal(wal: Arc<Wal>) -> Self {
+        Self { wal }
+    }
+}
+
+impl BlockLog for WalBlockLog {
+    fn append(&self, event: &TrackerEvent, time_ms: i64) -> Result<Lsn, BlockLogError> {
+        Ok(self.wal.append(event, time_ms)?.0)
+    }
+
+    fn wait_durable(&self, lsn: Lsn, timeout: Duration) -> Result<(), WalError> {
+        self.wal.wait_durable_timeout(lsn, timeout)
+    }
+
+    fn durable_lsn(&self) -> Lsn {
+        self.wal.durable_lsn()
+    }
+
+    fn notify_when_durable(&self, lsn: Lsn, callback: DurableCallback) {
+        self.wal.notify_when_durable(lsn, callback);
+    }
+
+    fn replay(
+        &self,
+        last: Option<Lsn>,
+        apply: &mut dyn FnMut(Lsn, TrackerEvent),
+    ) -> Result<u64, BlockTrackerError> {
+        let mut count = 0;
+        for record in self.wal.iter_from(Lsn::ZERO)? {
+            let record = record?;
+            if last.is_some_and(|last| record.lsn > last) {
+                break;
+            }
+            let event = TrackerEvent::decode(&record.bytes).map_err(|error| match error {
+                BlockTrackerError::Decode { message } => BlockTrackerError::Decode {
+                    message: format!(
+                        "record {} (segment {}, offset {}): {message}",
+                        record.lsn, record.handle.segment, record.handle.offset
+                    ),
+                },
+                other => other,
+            })?;
+            apply(record.lsn, event);
+            count += 1;
+        }
+        Ok(count)
+    }
+
+    fn clean(&self, threshold_ms: i64, wait: bool) -> Result<(), WalError> {
+        self.wal.clean(threshold_ms, wait).map(|_| ())
+    }
+
+    fn close(&self) -> Result<(), WalError> {
+        self.wal.close()
+    }
+
+    fn wal(&self) -> Option<&Arc<Wal>> {
+        Some(&self.wal)
+    }
+}

@@ -1,0 +1,822 @@
+//! The received-block tracker: which blocks the receivers stored, which batch each went to,
+//! journaled so that a restarted driver rebuilds exactly the same state (SPEC D, 0.5).
+//!
+//! ## Parts
+//! * `types`: identifiers, [`ReceivedBlockInfo`], [`AllocatedBlocks`] and the journal events
+//!   ([`TrackerEvent`]), all rkyv records that round-trip exactly.
+//! * `log`: [`BlockLog`], the journal as a trait, and [`WalBlockLog`] over coordbus's WAL.
+//! * this module: [`ReceivedBlockTracker`], the plain state machine (no threads).
+//! * `endpoint`: [`BlockTrackerEndpoint`], the tracker hosted on the bus, acknowledging each
+//!   request once its journal record is durable.
+//! * `data`: [`ReceiverBlockStore`], a receiver-side log for the blocks' bytes.
+//!
+//! ## The state machine
+//! State (SPEC D.1): per stream a FIFO of unallocated blocks, a map batch time -> allocated
+//! blocks, and the last allocated batch time. Every change is first written to the journal
+//! (when a checkpoint directory is given; the WAL lives in
+//! `<checkpoint>/receivedBlockMetadata`), and applied only once the write succeeded, so a
+//! failed write never loses a block (SPEC D.3, D.5). The record time of every event is the
+//! clock's current time (not the batch time), which is what WAL cleanup compares against.
+//!
+//! The synchronous methods ([`ReceivedBlockTracker::add_block`] and friends) wait until the
+//! event is durable (at most [`BlockTrackerConfig::write_timeout`], Spark's batching timeout)
+//! before changing the state. The `*_deferred` methods are for hosts that acknowledge
+//! asynchronously (the bus endpoint): they append the event, apply it at once, and return the
+//! LSN the caller must see durable before it tells anyone about the change. Because the host
+//! applies events in the order they were appended, the in-memory state always equals the replay
+//! of the log up to the last appended LSN; if the log fails before that LSN is durable, the
+//! host calls [`ReceivedBlockTracker::rebuild_from_log`] to fall back to the durable prefix.
+//!
+//! ## A write reported as failed may still be durable
+//! SPEC 0.5 and D.5: when a write "fails" because durability was not confirmed in time (the
+//! timeout), or because the log failed after the record reached the disk, the record may still
+//! be in the log. The caller was told "not written" (an addition answered `false`, an
+//! allocation silently not applied), yet a later recovery replays it: a block that reappears as
+//! unallocated (and is then allocated, so the receiver's retry makes it appear twice), or an
+//! allocation the runtime never applied. This is the at-least-once behaviour Spark has too;
+//! consumers must tolerate a block being offered again after a driver restart.
+//!
+//! ## Recovery (SPEC D.4)
+//! With `recover_from_wal`, construction replays the whole log: additions are queued with
+//! `block_id_valid = false` (the executor-side copy is presumed gone), an allocation removes
+//! from the queues exactly the blocks it lists (by equality, as a multiset) and records the
+//! batch, a cleanup forgets its batches. Without the flag the log is opened (old segments stay
+//! cleanable) and the state starts empty.
+//!
+//! ## Choices where SPEC is silent
+//! * Blocks of streams not in `stream_ids` are queued but never allocated (as Spark).
+//! * [`ReceivedBlockTracker::stop`] closes the log; later writes fail (so additions answer
+//!   false and allocations do nothing), reads keep working.
+
+mod data;
+mod endpoint;
+mod log;
+mod types;
+
+use std::{
+    collections::{BTreeMap, HashMap, VecDeque},
+    path::PathBuf,
+    sync::Arc,
+    time::Duration,
+};
+
+pub use self::{
+    data::ReceiverBlockStore,
+    endpoint::{
+        AddBlock, AddBlocks, AllocateBlocksToBatch, BlockTrackerEndpoint, BlockTrackerMessage,
+        BlockTrackerRequest, CleanupOldBatches, GetBlocksOfBatch, GetBlocksOfBatchAndStream,
+        GetUnallocatedBlocks, HasUnallocatedBlocks, StopTracker,
+    },
+    log::{BlockLog, BlockLogError, WalBlockLog},
+    types::{
+        AllocatedBlocks, BatchAllocationEvent, BatchCleanupEvent, BatchTime, BlockAdditionEvent,
+        BlockStoreResult, ReceivedBlockInfo, StreamBlockId, StreamBlocks, StreamId, TrackerEvent,
+    },
+};
+use crate::{
+    clock::Clock,
+    wal::{Lsn, Wal, WalConfig, WalError},
+};
+
+/// Name of the WAL directory inside the checkpoint directory (Spark's).
+pub const RECEIVED_BLOCK_METADATA_DIR: &str = "receivedBlockMetadata";
+
+/// Errors of the tracker.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BlockTrackerError {
+    /// A block info was built with a negative record count.
+    #[error("block {block_id} has a negative number of records: {num_records}")]
+    NegativeNumRecords {
+        /// The block.
+        block_id: StreamBlockId,
+        /// The count given.
+        num_records: i64,
+    },
+    /// `cleanup_old_batches` was given a threshold that is not in the past (Spark:
+    /// "requirement failed").
+    #[error(
+        "requirement failed: cleanup threshold {threshold_ms} ms must be before the current \
+         time {now_ms} ms"
+    )]
+    ThresholdNotInPast {
+        /// The threshold given.
+        threshold_ms: i64,
+        /// The clock's time.
+        now_ms: i64,
+    },
+    /// The log step raised (an injected log); nothing was changed.
+    #[error("{message}")]
+    LogRaised {
+        /// The event being written.
+        event: &'static str,
+        /// The raised error's text.
+        message: String,
+    },
+    /// Opening, reading or cleaning the write-ahead log failed.
+    #[error(transparent)]
+    Wal(#[from] WalError),
+    /// The block's data was stored in a block manager, not in a receiver log.
+    #[error("block {block_id} was stored in a block manager, not in a receiver log")]
+    NotInReceiverLog {
+        /// The block.
+        block_id: StreamBlockId,
+    },
+    /// A journal record is not a valid tracker event.
+    #[error("a journal record is not a valid tracker event: {message}")]
+    Decode {
+        /// What was wrong.
+        message: String,
+    },
+}
+
+/// Settings of a [`ReceivedBlockTracker`].
+#[derive(Debug, Clone)]
+pub struct BlockTrackerConfig {
+    /// The input streams whose blocks are allocated to batches.
+    pub stream_ids: Vec<StreamId>,
+    /// Checkpoint directory; the WAL is enabled iff it is given.
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Replay the log at construction (Spark's `recoverFromWriteAheadLog`).
+    pub recover_from_wal: bool,
+    /// The WAL's settings (default [`BlockTrackerConfig::driver_wal_config`]).
+    pub wal: WalConfig,
+    /// Longest a synchronous write waits for durability before it counts as failed (Spark's
+    /// `batchingTimeout`, 5 s).
+    pub write_timeout: Duration,
+}
+
+impl BlockTrackerConfig {
+    /// Defaults for `stream_ids`: no checkpoint (WAL disabled), no recovery.
+    pub fn new(stream_ids: impl IntoIterator<Item = StreamId>) -> Self {
+        Self {
+            stream_ids: stream_ids.into_iter().collect(),
+            checkpoint_dir: None,
+            recover_from_wal: false,
+            wal: Self::driver_wal_config(),
+            write_timeout: Duration::from_millis(5000),
+        }
+    }
+
+    /// Sets the checkpoint directory (enables the WAL).
+    pub fn checkpoint_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.checkpoint_dir = Some(dir.into());
+        self
+    }
+
+    /// Sets the recovery flag.
+    pub fn recover(mut self, recover: bool) -> Self {
+        self.recover_from_wal = recover;
+        self
+    }
+
+    /// Sets the WAL's settings.
+    pub fn wal_config(mut self, wal: WalConfig) -> Self {
+        self.wal = wal;
+        self
+    }
+
+    /// The driver log's defaults (SPEC E.7): group commit on (Spark's batching), rolling
+    /// every 60 s.
+    pub fn driver_wal_config() -> WalConfig {
+        WalConfig { rolling_interval: Some(Duration::from_secs(60)), ..WalConfig::default() }
+    }
+}
+
+/// The outcome of a `*_deferred` operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logged {
+    /// Applied, with nothing to wait for (WAL disabled).
+    Done,
+    /// Appended as this LSN and already applied: report it once the LSN is durable; if the
+    /// log fails first, call [`ReceivedBlockTracker::rebuild_from_log`].
+    Pending(Lsn),
+    /// The log refused the write: nothing changed.
+    Failed,
+    /// Nothing to do (an allocation for a batch time not newer than the last one).
+    Skipped,
+}
+
+/// Outcome of the write step (`writeToLog` without the wait).
+enum Append {
+    Disabled,
+    Appended(Lsn),
+    Failed,
+}
+
+/// The received-block tracker as a plain state machine (see the module doc).
+///
+/// # Examples
+/// ```
+/// use std::sync::Arc;
+/// use coordbus::clock::ManualClock;
+/// use coordbus::coordinators::block_tracker::*;
+///
+/// let clock = Arc::new(ManualClock::new(1_000));
+/// let dir = tempfile::tempdir()?;
+/// let config = BlockTrackerConfig::new([StreamId(1)]).checkpoint_dir(dir.path());
+/// let mut tracker = ReceivedBlockTracker::open(config.clone(), clock.clone())?;
+/// let block = StreamBlockId { stream: StreamId(1), unique_id: 7 };
+/// let info = ReceivedBlockInfo::new(
+///     StreamId(1), Some(10), None, BlockStoreResult::BlockManager { block_id: block })?;
+/// assert!(tracker.add_block(info.clone()));            // durable when it returns
+/// tracker.allocate_blocks_to_batch(BatchTime(1_000))?;
+/// assert_eq!(tracker.blocks_of_batch_and_stream(BatchTime(1_000), StreamId(1)), vec![info.clone()]);
+/// tracker.stop()?;
+///
+/// let recovered = ReceivedBlockTracker::open(config.recover(true), clock)?;
+/// assert_eq!(recovered.blocks_of_batch_and_stream(BatchTime(1_000), StreamId(1)), vec![info]);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct ReceivedBlockTracker {
+    /// Streams whose queues allocations take (sorted, unique).
+    stream_ids: Vec<StreamId>,
+    clock: Arc<dyn Clock>,
+    /// `None`: WAL disabled.
+    log: Option<Arc<dyn BlockLog>>,
+    write_timeout: Duration,
+    unallocated: BTreeMap<StreamId, VecDeque<ReceivedBlockInfo>>,
+    allocated: BTreeMap<BatchTime, AllocatedBlocks>,
+    last_allocated: Option<BatchTime>,
+    recovered_events: u64,
+    /// The last LSN replayed at construction: blocks added up to it were marked invalid.
+    recovered_through: Lsn,
+}
+
+impl std::fmt::Debug for ReceivedBlockTracker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReceivedBlockTracker")
+            .field("stream_ids", &self.stream_ids)
+            .field("wal_enabled", &self.log.is_some())
+            .field("allocated_batches", &self.allocated.len())
+            .field("last_allocated", &self.last_allocated)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ReceivedBlockTracker {
+    /// Builds a tracker; opens the WAL in `<checkpoint>/receivedBlockMetadata` when a
+    /// checkpoint directory is given, and replays it when `recover_from_wal` is set.
+    ///
+    /// # Errors
+    /// The WAL's opening errors, or a damaged journal during recovery.
+    pub fn open(
+        config: BlockTrackerConfig,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Self, BlockTrackerError> {
+        let log: Option<Arc<dyn BlockLog>> = match &config.checkpoint_dir {
+            None => None,
+            Some(dir) => Some(Arc::new(WalBlockLog::open(
+                dir.join(RECEIVED_BLOCK_METADATA_DIR),
+                config.wal.clone(),
+            )?)),
+        };
+        Self::with_log(config, clock, log)
+    }
+
+    /// Builds a tracker over an explicit log (`None`: WAL disabled); `config.checkpoint_dir`
+    /// and `config.wal` are ignored.
+    ///
+    /// # Errors
+    /// A damaged journal during recovery.
+    pub fn with_log(
+        config: BlockTrackerConfig,
+        clock: Arc<dyn Clock>,
+        log: Option<Arc<dyn BlockLog>>,
+    ) -> Result<Self, BlockTrackerError> {
+        let mut stream_ids = config.stream_ids;
+        stream_ids.sort_unstable();
+        stream_ids.dedup();
+        let mut tracker = Self {
+            stream_ids,
+            clock,
+            log,
+            write_timeout: config.write_timeout,
+            unallocated: BTreeMap::new(),
+            allocated: BTreeMap::new(),
+            last_allocated: None,
+            recovered_events: 0,
+            recovered_through: Lsn::ZERO,
+        };
+        if config.recover_from_wal && tracker.log.is_some() {
+            let started = std::time::Instant::now();
+            let (events, through) = tracker.replay(None, Lsn(u64::MAX))?;
+            tracker.recovered_events = events;
+            tracker.recovered_through = through;
+            tracing::info!(
+                events = tracker.recovered_events,
+                elapsed = ?started.elapsed(),
+                allocated_batches = tracker.allocated.len(),
+                "received-block tracker recovered from its write-ahead log"
+            );
+        }
+        Ok(tracker)
+    }
+
+    /// Whether events are journaled (a checkpoint directory or log was given).
+    pub fn is_wal_enabled(&self) -> bool {
+        self.log.is_some()
+    }
+
+    /// The journal, if enabled.
+    pub fn log(&self) -> Option<&Arc<dyn BlockLog>> {
+        self.log.as_ref()
+    }
+
+    /// The journal's WAL, if the journal is a WAL.
+    pub fn wal(&self) -> Option<&Arc<Wal>> {
+        self.log.as_ref().and_then(|log| log.wal())
+    }
+
+    /// The configured streams (sorted).
+    pub fn stream_ids(&self) -> &[StreamId] {
+        &self.stream_ids
+    }
+
+    /// Events replayed at construction.
+    pub fn recovered_events(&self) -> u64 {
+        self.recovered_events
+    }
+
+    /// The clock the tracker stamps its records with.
+    pub fn clock(&self) -> &Arc<dyn Clock> {
+        &self.clock
+    }
+
+    // ----- the log step -------------------------------------------------------------------
+
+    fn append(&self, event: &TrackerEvent) -> Result<Append, BlockTrackerError> {
+        let Some(log) = &self.log else {
+            return Ok(Append::Disabled);
+        };
+        match log.append(event, self.clock.now_ms()) {
+            Ok(lsn) => Ok(Append::Appended(lsn)),
+            Err(BlockLogError::Wal(error)) => {
+                tracing::warn!(event = event.kind(), %error, "failed to write to the write-ahead log");
+                Ok(Append::Failed)
+            }
+            Err(BlockLogError::Raised { message }) => {
+                Err(BlockTrackerError::LogRaised { event: event.kind(), message })
+            }
+        }
+    }
+
+    fn wait(&self, kind: &'static str, lsn: Lsn) -> bool {
+        let Some(log) = &self.log else {
+            return true;
+        };
+        match log.wait_durable(lsn, self.write_timeout) {
+            Ok(()) => true,
+            Err(error) => {
+                tracing::warn!(
+                    event = kind, %lsn, %error,
+                    "a write-ahead log write was not confirmed durable; it may still be (SPEC D.5)"
+                );
+                false
+            }
+        }
+    }
+
+    /// Spark's `writeToLog`: writes `event` and waits until it is durable. True if the WAL is
+    /// disabled or the write is durable; false if the write failed or was not confirmed in
+    /// time (it may still become durable: module doc).
+    ///
+    /// # Errors
+    /// [`BlockTrackerError::LogRaised`] if the log step raised.
+    pub fn write_to_log(&self, event: &TrackerEvent) -> Result<bool, BlockTrackerError> {
+        Ok(match self.append(event)? {
+            Append::Disabled => true,
+            Append::Appended(lsn) => self.wait(event.kind(), lsn),
+            Append::Failed => false,
+        })
+    }
+
+    // ----- operations ---------------------------------------------------------------------
+
+    /// Journals the addition of `info` (durably) and then queues it as unallocated. Returns
+    /// whether it was journaled; on false nothing changed (SPEC D.3). Never fails otherwise:
+    /// an error of the log step is logged and answered false.
+    pub fn add_block(&mut self, info: ReceivedBlockInfo) -> bool {
+        let event = TrackerEvent::BlockAddition(BlockAdditionEvent { info });
+        let logged = match self.write_to_log(&event) {
+            Ok(logged) => logged,
+            Err(error) => {
+                tracing::warn!(%error, "adding a block failed");
+                false
+            }
+        };
+        if logged {
+            let TrackerEvent::BlockAddition(BlockAdditionEvent { info }) = event else {
+                unreachable!("built above")
+            };
+            self.enqueue(info);
+        }
+        logged
+    }
+
+    /// [`Self::add_block`] without waiting: appends the event and queues the block at once.
+    /// See [`Logged`] for what the caller must do.
+    pub fn add_block_deferred(&mut self, info: ReceivedBlockInfo) -> Logged {
+        let event = TrackerEvent::BlockAddition(BlockAdditionEvent { info });
+        let outcome = match self.append(&event) {
+            Ok(Append::Disabled) => Logged::Done,
+            Ok(Append::Appended(lsn)) => Logged::Pending(lsn),
+            Ok(Append::Failed) => Logged::Failed,
+            Err(error) => {
+                tracing::warn!(%error, "adding a block failed");
+                Logged::Failed
+            }
+        };
+        if outcome != Logged::Failed {
+            let TrackerEvent::BlockAddition(BlockAdditionEvent { info }) = event else {
+                unreachable!("built above")
+            };
+            self.enqueue(info);
+        }
+        outcome
+    }
+
+    fn enqueue(&mut self, info: ReceivedBlockInfo) {
+        self.unallocated.entry(info.stream_id()).or_default().push_back(info);
+    }
+
+    /// Takes every configured stream's queue into an allocation event for `time`.
+    fn take_allocation(&mut self, time: BatchTime) -> TrackerEvent {
+        let blocks = AllocatedBlocks::new(self.stream_ids.iter().map(|stream| {
+            let queue = self.unallocated.get_mut(stream).map(std::mem::take).unwrap_or_default();
+            (*stream, Vec::from(queue))
+        }));
+        TrackerEvent::BatchAllocation(BatchAllocationEvent { time, blocks })
+    }
+
+    /// Puts the blocks of an allocation that was not written back at the front of their
+    /// queues (they were the whole queues when taken).
+    fn restore_allocation(&mut self, event: TrackerEvent) {
+        let TrackerEvent::BatchAllocation(BatchAllocationEvent { blocks, .. }) = event else {
+            unreachable!("only allocations are restored")
+        };
+        for StreamBlocks { stream_id, blocks } in blocks.into_streams() {
+            let queue = self.unallocated.entry(stream_id).or_default();
+            let newer = std::mem::take(queue);
+            queue.extend(blocks);
+            queue.extend(newer);
+        }
+    }
+
+    fn apply_allocation(&mut self, event: TrackerEvent) {
+        let TrackerEvent::BatchAllocation(BatchAllocationEvent { time, blocks }) = event else {
+            unreachable!("only allocations are applied")
+        };
+        self.allocated.insert(time, blocks);
+        self.last_allocated = Some(time);
+    }
+
+    fn is_stale_batch(&self, time: BatchTime) -> bool {
+        if let Some(last) = self.last_allocated {
+            if time <= last {
+                tracing::info!(
+                    batch = time.0,
+                    last_allocated = last.0,
+                    "possibly processed batch {time} needs to be processed again in WAL recovery"
+                );
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Allocates every unallocated block of the configured streams to batch `time`, after
+    /// journaling the allocation durably (SPEC D.3). A time not newer than the last allocated
+    /// one does nothing. If the write fails, nothing changes and the caller is not told (the
+    /// same time can be retried).
+    ///
+    /// # Errors
+    /// Only [`BlockTrackerError::LogRaised`] (an injected log step raised); nothing changed.
+    pub fn allocate_blocks_to_batch(&mut self, time: BatchTime) -> Result<(), BlockTrackerError> {
+        if self.is_stale_batch(time) {
+            return Ok(());
+        }
+        let event = self.take_allocation(time);
+        let logged = match self.write_to_log(&event) {
+            Ok(logged) => logged,
+            Err(error) => {
+                self.restore_allocation(event);
+                return Err(error);
+            }
+        };
+        if logged {
+            self.apply_allocation(event);
+        } else {
+            tracing::info!(batch = time.0, "possibly processed batch {time} was not allocated");
+            self.restore_allocation(event);
+        }
+        Ok(())
+    }
+
+    /// [`Self::allocate_blocks_to_batch`] without waiting (see [`Logged`]).
+    ///
+    /// # Errors
+    /// As [`Self::allocate_blocks_to_batch`].
+    pub fn allocate_blocks_to_batch_deferred(
+        &mut self,
+        time: BatchTime,
+    ) -> Result<Logged, BlockTrackerError> {
+        if self.is_stale_batch(time) {
+            return Ok(Logged::Skipped);
+        }
+        let event = self.take_allocation(time);
+        let outcome = match self.append(&event) {
+            Ok(Append::Disabled) => Logged::Done,
+            Ok(Append::Appended(lsn)) => Logged::Pending(lsn),
+            Ok(Append::Failed) => Logged::Failed,
+            Err(error) => {
+                self.restore_allocation(event);
+                return Err(error);
+            }
+        };
+        if outcome == Logged::Failed {
+            self.restore_allocation(event);
+        } else {
+            self.apply_allocation(event);
+        }
+        Ok(outcome)
+    }
+
+    fn cleanup_times(&self, threshold: BatchTime) -> Result<Vec<BatchTime>, BlockTrackerError> {
+        let now_ms = self.clock.now_ms();
+        if threshold.0 >= now_ms {
+            return Err(BlockTrackerError::ThresholdNotInPast {
+                threshold_ms: threshold.0,
+                now_ms,
+            });
+        }
+        Ok(self.allocated.range(..threshold).map(|(time, _)| *time).collect())
+    }
+
+    fn forget_batches(&mut self, times: &[BatchTime]) {
+        for time in times {
+            self.allocated.remove(time);
+        }
+    }
+
+    /// Forgets the batches older than `threshold` (strictly) after journaling a cleanup event
+    /// (written even when there is none), then deletes WAL files whose end time is below
+    /// `threshold` (with `wait`, durably before returning). If the write fails nothing is
+    /// removed and no file is deleted.
+    ///
+    /// # Errors
+    /// [`BlockTrackerError::ThresholdNotInPast`] unless `threshold` is before the clock's
+    /// time (checked before anything else); [`BlockTrackerError::LogRaised`];
+    /// [`BlockTrackerError::Wal`] if deleting files failed.
+    pub fn cleanup_old_batches(
+        &mut self,
+        threshold: BatchTime,
+        wait: bool,
+    ) -> Result<(), BlockTrackerError> {
+        let times = self.cleanup_times(threshold)?;
+        tracing::debug!(threshold = threshold.0, batches = times.len(), "cleaning up old batches");
+        let event = TrackerEvent::BatchCleanup(BatchCleanupEvent { times });
+        if self.write_to_log(&event)? {
+            let TrackerEvent::BatchCleanup(BatchCleanupEvent { times }) = &event else {
+                unreachable!("built above")
+            };
+            self.forget_batches(times);
+            self.clean_log(threshold, wait)?;
+        } else {
+            tracing::warn!(
+                threshold = threshold.0,
+                "failed to acknowledge batch cleanup in the log"
+            );
+        }
+        Ok(())
+    }
+
+    /// [`Self::cleanup_old_batches`] without waiting and without deleting files: once the
+    /// returned LSN is durable the caller runs [`Self::clean_log`].
+    ///
+    /// # Errors
+    /// As [`Self::cleanup_old_batches`], except file deletion.
+    pub fn cleanup_old_batches_deferred(
+        &mut self,
+        threshold: BatchTime,
+    ) -> Result<Logged, BlockTrackerError> {
+        let times = self.cleanup_times(threshold)?;
+        let event = TrackerEvent::BatchCleanup(BatchCleanupEvent { times });
+        let outcome = match self.append(&event)? {
+            Append::Disabled => Logged::Done,
+            Append::Appended(lsn) => Logged::Pending(lsn),
+            Append::Failed => Logged::Failed,
+        };
+        if outcome != Logged::Failed {
+            let TrackerEvent::BatchCleanup(BatchCleanupEvent { times }) = &event else {
+                unreachable!("built above")
+            };
+            self.forget_batches(times);
+        }
+        Ok(outcome)
+    }
+
+    /// Deletes WAL files whose end time is strictly below `threshold` (nothing without a WAL).
+    ///
+    /// # Errors
+    /// [`BlockTrackerError::Wal`] from the log.
+    pub fn clean_log(&self, threshold: BatchTime, wait: bool) -> Result<(), BlockTrackerError> {
+        if let Some(log) = &self.log {
+            log.clean(threshold.0, wait)?;
+        }
+        Ok(())
+    }
+
+    /// The blocks allocated to batch `time` (empty if none).
+    pub fn blocks_of_batch(&self, time: BatchTime) -> AllocatedBlocks {
+        self.allocated.get(&time).cloned().unwrap_or_default()
+    }
+
+    /// The blocks of `stream` allocated to batch `time` (empty if none).
+    pub fn blocks_of_batch_and_stream(
+        &self,
+        time: BatchTime,
+        stream: StreamId,
+    ) -> Vec<ReceivedBlockInfo> {
+        self.allocated
+            .get(&time)
+            .map(|blocks| blocks.blocks_of_stream(stream).to_vec())
+            .unwrap_or_default()
+    }
+
+    /// Whether any stream has unallocated blocks.
+    pub fn has_unallocated_blocks(&self) -> bool {
+        self.unallocated.values().any(|queue| !queue.is_empty())
+    }
+
+    /// The unallocated blocks of `stream`, oldest first.
+    pub fn unallocated_blocks(&self, stream: StreamId) -> Vec<ReceivedBlockInfo> {
+        self.unallocated
+            .get(&stream)
+            .map(|queue| queue.iter().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    /// The allocated batch times, oldest first.
+    pub fn allocated_batch_times(&self) -> Vec<BatchTime> {
+        self.allocated.keys().copied().collect()
+    }
+
+    /// The last allocated batch time.
+    pub fn last_allocated_batch_time(&self) -> Option<BatchTime> {
+        self.last_allocated
+    }
+
+    /// Closes the log (idempotent). Later writes fail; reads keep working.
+    ///
+    /// # Errors
+    /// [`BlockTrackerError::Wal`] if the log had failed.
+    pub fn stop(&mut self) -> Result<(), BlockTrackerError> {
+        if let Some(log) = &self.log {
+            log.close()?;
+        }
+        Ok(())
+    }
+
+    // ----- recovery -----------------------------------------------------------------------
+
+    /// Replaces the state with the replay of the log's durable prefix (blocks added since
+    /// construction keep `block_id_valid = true`: the executors still hold them; blocks
+    /// recovered at construction stay invalid). A host of the `*_deferred`
+    /// methods calls this when the log fails before its pending events became durable.
+    /// Returns the number of events replayed.
+    ///
+    /// # Errors
+    /// A damaged journal.
+    pub fn rebuild_from_log(&mut self) -> Result<u64, BlockTrackerError> {
+        let last = self.log.as_ref().map(|log| log.durable_lsn());
+        self.unallocated.clear();
+        self.allocated.clear();
+        self.last_allocated = None;
+        if last.is_none() {
+            return Ok(0);
+        }
+        Ok(self.replay(last, self.recovered_through)?.0)
+    }
+
+    /// Replays the log up to `last` (all if `None`); additions up to `invalid_through` are
+    /// marked invalid. Returns the events replayed and the last LSN seen.
+    fn replay(
+        &mut self,
+        last: Option<Lsn>,
+        invalid_through: Lsn,
+    ) -> Result<(u64, Lsn), BlockTrackerError> {
+        let Some(log) = self.log.clone() else {
+            return Ok((0, Lsn::ZERO));
+        };
+        let mut through = Lsn::ZERO;
+        let mut apply = |lsn: Lsn, event: TrackerEvent| match event {
+            TrackerEvent::BlockAddition(BlockAdditionEvent { mut info }) => {
+                through = lsn;
+                if lsn <= invalid_through {
+                    info.set_block_id_valid(false);
+                }
+                self.enqueue(info);
+            }
+            TrackerEvent::BatchAllocation(BatchAllocationEvent { time, blocks }) => {
+                through = lsn;
+                for entry in blocks.streams() {
+                    if let Some(queue) = self.unallocated.get_mut(&entry.stream_id) {
+                        remove_listed(queue, &entry.blocks);
+                    }
+                }
+                self.allocated.insert(time, blocks);
+                self.last_allocated = Some(time);
+            }
+            TrackerEvent::BatchCleanup(BatchCleanupEvent { times }) => {
+                through = lsn;
+                self.forget_batches(&times);
+            }
+        };
+        let events = log.replay(last, &mut apply)?;
+        Ok((events, through))
+    }
+}
+
+/// Removes from `queue` exactly the blocks in `listed` (by equality, each listed block once).
+/// An allocation normally lists a prefix of the queue, which is removed in one step.
+fn remove_listed(queue: &mut VecDeque<ReceivedBlockInfo>, listed: &[ReceivedBlockInfo]) {
+    if listed.is_empty() {
+        return;
+    }
+    if listed.len() <= queue.len()
+        && queue.iter().zip(listed).all(|(queued, block)| queued == block)
+    {
+        queue.drain(..listed.len());
+        return;
+    }
+    let mut counts: HashMap<&ReceivedBlockInfo, usize> = HashMap::with_capacity(listed.len());
+    for block in listed {
+        *counts.entry(block).or_default() += 1;
+    }
+    queue.retain(|queued| match counts.get_mut(queued) {
+        Some(count) if *count > 0 => {
+            *count -= 1;
+            false
+        }
+        _ => true,
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(stream: i32, unique_id: u64) -> ReceivedBlockInfo {
+        let block_id = StreamBlockId { stream: StreamId(stream), unique_id };
+        ReceivedBlockInfo::new(
+            StreamId(stream),
+            Some(1),
+            None,
+            BlockStoreResult::BlockManager { block_id },
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn remove_listed_handles_prefix_and_scattered_and_duplicates() {
+        let mut queue: VecDeque<_> = (0..6).map(|id| info(1, id)).collect();
+        remove_listed(&mut queue, &[info(1, 0), info(1, 1)]);
+        assert_eq!(queue.iter().map(|b| b.block_id().unique_id).collect::<Vec<_>>(), [2, 3, 4, 5]);
+        remove_listed(&mut queue, &[info(1, 5), info(1, 3), info(1, 9)]);
+        assert_eq!(queue.iter().map(|b| b.block_id().unique_id).collect::<Vec<_>>(), [2, 4]);
+        let mut queue: VecDeque<_> = [info(1, 1), info(1, 1), info(1, 2)].into();
+        remove_listed(&mut queue, &[info(1, 2), info(1, 1)]);
+        assert_eq!(queue.iter().map(|b| b.block_id().unique_id).collect::<Vec<_>>(), [1]);
+    }
+
+    #[test]
+    fn equality_and_hash_ignore_the_valid_flag() {
+        use std::hash::BuildHasher;
+        let a = info(1, 1);
+        let mut b = a.clone();
+        b.set_block_id_valid(false);
+        assert_eq!(a, b);
+        let hasher = std::collections::hash_map::RandomState::new();
+        assert_eq!(hasher.hash_one(&a), hasher.hash_one(&b));
+    }
+
+    #[test]
+    fn events_round_trip_through_rkyv() {
+        let events = vec![
+            TrackerEvent::BlockAddition(BlockAdditionEvent { info: info(1, 1) }),
+            TrackerEvent::BatchAllocation(BatchAllocationEvent {
+                time: BatchTime(5),
+                blocks: AllocatedBlocks::new([
+                    (StreamId(1), vec![info(1, 1)]),
+                    (StreamId(2), vec![]),
+                ]),
+            }),
+            TrackerEvent::BatchCleanup(BatchCleanupEvent { times: vec![BatchTime(1)] }),
+        ];
+        for event in events {
+            let bytes = crate::record::to_bytes(&event).unwrap();
+            assert_eq!(TrackerEvent::decode(&bytes).unwrap(), event);
+        }
+    }
+}

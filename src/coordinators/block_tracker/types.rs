@@ -1,0 +1,337 @@
+//! The tracker's data: identifiers, block infos, allocations and the journal events.
+//!
+//! Every type here is an rkyv record, so events go to the WAL as they are and come back equal
+//! (SPEC 0.5). Equality of [`ReceivedBlockInfo`] ignores its `block_id_valid` flag (SPEC D.1),
+//! and so does its hash, so recovery can remove "exactly the listed blocks" by equality.
+
+use std::hash::{Hash, Hasher};
+
+use rkyv::rancor;
+
+use super::BlockTrackerError;
+use crate::wal::RecordHandle;
+
+/// An input stream's id (Spark's `streamId: Int`).
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    rkyv::Archive,
+    rkyv::Serialize,
+    rkyv::Deserialize,
+)]
+#[rkyv(derive(Debug, PartialEq, Eq))]
+pub struct StreamId(pub i32);
+
+impl std::fmt::Display for StreamId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// A batch time in milliseconds, ordered numerically (Spark's `Time`).
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    rkyv::Archive,
+    rkyv::Serialize,
+    rkyv::Deserialize,
+)]
+#[rkyv(derive(Debug, PartialEq, Eq))]
+pub struct BatchTime(pub i64);
+
+impl std::fmt::Display for BatchTime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ms", self.0)
+    }
+}
+
+/// A block's id: the stream it came from plus an id unique within the stream.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    rkyv::Archive,
+    rkyv::Serialize,
+    rkyv::Deserialize,
+)]
+#[rkyv(derive(Debug, PartialEq, Eq))]
+pub struct StreamBlockId {
+    /// The stream.
+    pub stream: StreamId,
+    /// Unique within the stream.
+    pub unique_id: u64,
+}
+
+impl std::fmt::Display for StreamBlockId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "input-{}-{}", self.stream.0, self.unique_id)
+    }
+}
+
+/// Where a receiver stored a block's data.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize,
+)]
+#[rkyv(derive(Debug, PartialEq, Eq))]
+pub enum BlockStoreResult {
+    /// In an executor's block manager (lost with the executor; Spark's
+    /// `BlockManagerBasedStoreResult`).
+    BlockManager {
+        /// The block.
+        block_id: StreamBlockId,
+    },
+    /// In a receiver write-ahead log: the data can be read back through `handle`
+    /// ([`super::ReceiverBlockStore::read`]), also after a driver restart.
+    ReceiverWal {
+        /// The block.
+        block_id: StreamBlockId,
+        /// Where the block's bytes are in the receiver's log.
+        handle: RecordHandle,
+    },
+}
+
+impl BlockStoreResult {
+    /// The block's id.
+    pub fn block_id(&self) -> StreamBlockId {
+        match *self {
+            Self::BlockManager { block_id } | Self::ReceiverWal { block_id, .. } => block_id,
+        }
+    }
+
+    /// The data's record handle, if the block was stored in a receiver log.
+    pub fn wal_handle(&self) -> Option<RecordHandle> {
+        match *self {
+            Self::BlockManager { .. } => None,
+            Self::ReceiverWal { handle, .. } => Some(handle),
+        }
+    }
+}
+
+/// What a receiver reports about one stored block (SPEC D.1).
+///
+/// Equality and hashing ignore `block_id_valid`.
+#[derive(Debug, Clone, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct ReceivedBlockInfo {
+    stream_id: StreamId,
+    num_records: Option<i64>,
+    metadata: Option<Vec<u8>>,
+    store_result: BlockStoreResult,
+    block_id_valid: bool,
+}
+
+impl ReceivedBlockInfo {
+    /// A block info; `block_id_valid` starts true.
+    ///
+    /// # Errors
+    /// [`BlockTrackerError::NegativeNumRecords`] if `num_records` is negative.
+    pub fn new(
+        stream_id: StreamId,
+        num_records: Option<i64>,
+        metadata: Option<Vec<u8>>,
+        store_result: BlockStoreResult,
+    ) -> Result<Self, BlockTrackerError> {
+        if let Some(count) = num_records {
+            if count < 0 {
+                return Err(BlockTrackerError::NegativeNumRecords {
+                    block_id: store_result.block_id(),
+                    num_records: count,
+                });
+            }
+        }
+        Ok(Self { stream_id, num_records, metadata, store_result, block_id_valid: true })
+    }
+
+    /// The stream the block belongs to.
+    pub fn stream_id(&self) -> StreamId {
+        self.stream_id
+    }
+
+    /// Records in the block, if known (never negative).
+    pub fn num_records(&self) -> Option<i64> {
+        self.num_records
+    }
+
+    /// Opaque metadata of the receiver.
+    pub fn metadata(&self) -> Option<&[u8]> {
+        self.metadata.as_deref()
+    }
+
+    /// Where the data is.
+    pub fn store_result(&self) -> &BlockStoreResult {
+        &self.store_result
+    }
+
+    /// The block's id.
+    pub fn block_id(&self) -> StreamBlockId {
+        self.store_result.block_id()
+    }
+
+    /// Whether the executor-side block is presumed to exist (false after a driver recovery:
+    /// the data must then come from the receiver log).
+    pub fn is_block_id_valid(&self) -> bool {
+        self.block_id_valid
+    }
+
+    /// Sets the flag read by [`Self::is_block_id_valid`].
+    pub fn set_block_id_valid(&mut self, valid: bool) {
+        self.block_id_valid = valid;
+    }
+}
+
+impl PartialEq for ReceivedBlockInfo {
+    fn eq(&self, other: &Self) -> bool {
+        self.stream_id == other.stream_id
+            && self.num_records == other.num_records
+            && self.metadata == other.metadata
+            && self.store_result == other.store_result
+    }
+}
+
+impl Eq for ReceivedBlockInfo {}
+
+impl Hash for ReceivedBlockInfo {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.stream_id.hash(state);
+        self.num_records.hash(state);
+        self.metadata.hash(state);
+        self.store_result.hash(state);
+    }
+}
+
+/// The blocks of one stream inside an [`AllocatedBlocks`].
+#[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct StreamBlocks {
+    /// The stream.
+    pub stream_id: StreamId,
+    /// Its blocks, in the order they were added.
+    pub blocks: Vec<ReceivedBlockInfo>,
+}
+
+/// The blocks allocated to one batch, per stream (SPEC D.1). A missing stream has no blocks.
+///
+/// Kept as a list sorted by stream id (an archived list is cheaper to validate than a map).
+#[derive(
+    Debug, Clone, PartialEq, Eq, Default, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize,
+)]
+pub struct AllocatedBlocks {
+    /// Sorted by `stream_id`, each stream at most once.
+    streams: Vec<StreamBlocks>,
+}
+
+impl AllocatedBlocks {
+    /// Builds an allocation from `(stream, blocks)` pairs; a stream given twice keeps the
+    /// blocks of both, in order.
+    pub fn new(streams: impl IntoIterator<Item = (StreamId, Vec<ReceivedBlockInfo>)>) -> Self {
+        let mut map = std::collections::BTreeMap::<StreamId, Vec<ReceivedBlockInfo>>::new();
+        for (stream_id, blocks) in streams {
+            map.entry(stream_id).or_default().extend(blocks);
+        }
+        Self {
+            streams: map
+                .into_iter()
+                .map(|(stream_id, blocks)| StreamBlocks { stream_id, blocks })
+                .collect(),
+        }
+    }
+
+    /// The blocks of `stream` (empty if the stream is not in the allocation).
+    pub fn blocks_of_stream(&self, stream: StreamId) -> &[ReceivedBlockInfo] {
+        match self.streams.binary_search_by_key(&stream, |entry| entry.stream_id) {
+            Ok(index) => &self.streams[index].blocks,
+            Err(_) => &[],
+        }
+    }
+
+    /// Every stream in the allocation (streams with no blocks included), by stream id.
+    pub fn streams(&self) -> &[StreamBlocks] {
+        &self.streams
+    }
+
+    /// Whether the allocation names no stream at all (Spark's empty map).
+    pub fn is_empty(&self) -> bool {
+        self.streams.is_empty()
+    }
+
+    /// Blocks over all streams.
+    pub fn block_count(&self) -> usize {
+        self.streams.iter().map(|entry| entry.blocks.len()).sum()
+    }
+
+    /// Consumes the allocation into its per-stream lists.
+    pub fn into_streams(self) -> Vec<StreamBlocks> {
+        self.streams
+    }
+}
+
+/// A block was added (SPEC D.2).
+#[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct BlockAdditionEvent {
+    /// The block.
+    pub info: ReceivedBlockInfo,
+}
+
+/// The unallocated blocks were allocated to a batch (SPEC D.2).
+#[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct BatchAllocationEvent {
+    /// The batch.
+    pub time: BatchTime,
+    /// What it got.
+    pub blocks: AllocatedBlocks,
+}
+
+/// Batches were cleaned up (SPEC D.2).
+#[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct BatchCleanupEvent {
+    /// The batch times removed (possibly none).
+    pub times: Vec<BatchTime>,
+}
+
+/// One journal record of the tracker: exactly one of the three events.
+#[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub enum TrackerEvent {
+    /// [`BlockAdditionEvent`].
+    BlockAddition(BlockAdditionEvent),
+    /// [`BatchAllocationEvent`].
+    BatchAllocation(BatchAllocationEvent),
+    /// [`BatchCleanupEvent`].
+    BatchCleanup(BatchCleanupEvent),
+}
+
+impl TrackerEvent {
+    /// The event's kind, as Spark names it (for messages).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::BlockAddition(_) => "BlockAdditionEvent",
+            Self::BatchAllocation(_) => "BatchAllocationEvent",
+            Self::BatchCleanup(_) => "BatchCleanupEvent",
+        }
+    }
+
+    /// Validates `bytes` (an rkyv archive read from the log) and decodes the event.
+    ///
+    /// # Errors
+    /// [`BlockTrackerError::Decode`] if the bytes are not a valid event.
+    pub fn decode(bytes: &[u8]) -> Result<Self, BlockTrackerError> {
+        let archived = crate::record::access::<TrackerEvent>(bytes)
+            .map_err(|error| BlockTrackerError::Decode { message: error.to_string() })?;
+        rkyv::deserialize::<TrackerEvent, rancor::Error>(archived)
+            .map_err(|error| BlockTrackerError::Decode { message: error.to_string() })
+    }
+}

@@ -1,0 +1,861 @@
+//! [`DurableQuery`]: the offset log and commit log of SPEC B.9 / 0.3 kept in coordbus's WAL.
+//!
+//! # Records
+//! Every record is one rkyv-archived [`LogRecord`] appended with the **epoch number as its
+//! record time**:
+//! * `Offsets { run, epoch, count, partitions, width, ends, data }`: the `count` offsets of
+//!   one epoch, sorted by partition id, as flat arrays, so serializing 1000 offsets is a few
+//!   copies, not 1000 small vectors. The common case is compact: `partitions` is empty when the
+//!   ids are exactly `0..count`, and `ends` is empty when every payload is `width` bytes long
+//!   (payload `i` is then `data[i * width..][..width]`, else `data[ends[i-1]..ends[i]]`). For
+//!   1000 partitions with 8-byte offsets a record is about 8 KiB.
+//! * `Commit { run, epoch }`: the epoch was committed (appended after the sink commit).
+//!
+//! `run` numbers the openings of the log (the highest run found on recovery, plus one). It is
+//! what makes "the first record of an epoch wins" safe across restarts: a run that stopped may
+//! have logged offsets for epochs after its last commit, and the next run (which restarts from
+//! the last committed epoch, SPEC B.10) logs that epoch's offsets again, possibly different.
+//! On replay, offsets of a newer run replace those of an older run; within one run the first
+//! record of an epoch wins (later ones are not even appended).
+//!
+//! # Recovery (SPEC B.10)
+//! Opening reads every record in LSN order, keeping only record handles (the last committed
+//! epoch `E` and, per epoch after the newest commit, where its winning offsets are). `E`'s
+//! offsets are decoded at the end. No commit: the run starts at epoch 0. A commit without
+//! offsets fails with [`EpochError::CommittedWithoutOffsets`] (Spark's message). Offsets of
+//! epochs after `E` are ignored.
+//!
+//! # Durability without blocking
+//! Appends return at once (group commit: the WAL's sync thread makes records durable in
+//! groups). The coordinator thread never waits for an fsync: a commit record becomes durable
+//! shortly after the sink commit, and a crash in between makes the restarted run commit that
+//! epoch again (SPEC B.5's at-least-once). [`DurableQueryStatus::durable_committed`] tells
+//! which commits are durable already: the commit records' LSNs wait in a queue that is drained
+//! against the WAL's durable LSN by each commit and by status readers (no callback per
+//! commit, which would cost the coordinator thread a wake-up). Once the WAL has failed (a
+//! failed write or sync, seen by an append or a wait), `add_offsets` and `commit` fail, which
+//! fail-stops the coordinator (SPEC 0.3). Dropping the query closes the log, which writes and
+//! syncs everything appended: a clean stop leaves every commit durable.
+//!
+//! # Keeping the log bounded
+//! Because the record time is the epoch, the WAL's time-based `clean` drops whole segments of
+//! old epochs: on a commit, with `D` the last commit known durable, segments whose largest
+//! epoch is below `D + 1 - retained_epochs` are deleted (Spark's `minBatchesToRetain`, default
+//! 100), at most once every `max(1, retained_epochs / 4)` epochs. `D`'s own records have time
+//! `D`, never below the threshold, so a crash always finds at least `D`. The threshold follows
+//! the durable commit, not the last appended one: the segment of an appended commit may not be
+//! written yet, and cleaning by it once deleted the only segments a crash could recover from
+//! (found by the kill -9 test). (If the WAL is configured with a rolling interval, that
+//! interval is counted in epochs.)
+
+use std::{
+    collections::{BTreeMap, BTreeSet, VecDeque},
+    path::Path,
+    sync::{
+        atomic::{AtomicI64, AtomicU64, Ordering},
+        Arc, Mutex, MutexGuard, OnceLock, Weak,
+    },
+};
+
+use rkyv::{rancor, util::AlignedVec};
+
+use super::{worth_a_warning, CollaboratorError, Epoch, EpochError, PartitionId, Payload, Query};
+use crate::wal::{Lsn, RecordHandle, Wal, WalConfig, WalError};
+
+/// One record of the epoch log (the on-disk format of [`DurableQuery`]).
+#[derive(Debug, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+enum LogRecord {
+    /// The offsets of one epoch.
+    Offsets(OffsetsRecord),
+    /// A committed epoch.
+    Commit {
+        /// The run that committed it.
+        run: u64,
+        /// The epoch.
+        epoch: i64,
+    },
+}
+
+/// The offsets of one epoch, as flat arrays.
+#[derive(Debug, Default, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+struct OffsetsRecord {
+    run: u64,
+    epoch: i64,
+    /// Partition ids, sorted; empty when they are exactly `0..count`.
+    partitions: Vec<i32>,
+    /// Number of offsets.
+    count: u32,
+    /// Length of every payload when they all have one length (then `ends` is empty).
+    width: u32,
+    /// End of each partition's payload in `data`, when the lengths differ.
+    ends: Vec<u32>,
+    /// All payloads, concatenated.
+    data: Vec<u8>,
+}
+
+/// The default number of committed epochs whose records are retained (Spark's
+/// `spark.sql.streaming.minBatchesToRetain`).
+pub const DEFAULT_RETAINED_EPOCHS: usize = 100;
+
+/// A [`Query`] that does nothing: the default inner query of a [`DurableQuery`] when the
+/// engine needs no callbacks of its own.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoopQuery;
+
+impl Query for NoopQuery {
+    fn add_offsets(
+        &mut self,
+        _: Epoch,
+        _: &[(PartitionId, Payload)],
+    ) -> Result<(), CollaboratorError> {
+        Ok(())
+    }
+    fn commit(&mut self, _: Epoch) -> Result<(), CollaboratorError> {
+        Ok(())
+    }
+    fn stop(&mut self, _: EpochError) {}
+}
+
+/// State shared between a [`DurableQuery`] and its [`DurableQueryStatus`] handles.
+#[derive(Debug)]
+struct Status {
+    /// Last committed epoch (-1: none).
+    last_committed: AtomicI64,
+    /// Last committed epoch whose commit record is durable (-1: none).
+    durable_committed: AtomicI64,
+    /// The WAL's failure, once seen.
+    wal_failure: OnceLock<WalError>,
+    /// The first stop error, as text.
+    stop_error: Mutex<Option<String>>,
+    /// Commits ignored because the epoch was already committed.
+    ignored_commits: AtomicU64,
+    /// Offsets ignored because the epoch was already committed.
+    ignored_offsets: AtomicU64,
+    /// Commit records not yet known durable: `(lsn, epoch)`, in order.
+    pending: Mutex<VecDeque<(u64, i64)>>,
+    /// The log (not kept open by status handles).
+    wal: Weak<Wal>,
+}
+
+impl Status {
+    fn fail(&self, error: &WalError) {
+        if self.wal_failure.set(error.clone()).is_ok() {
+            tracing::error!(%error, "the epoch log's WAL failed; the query stops committing");
+        }
+    }
+
+    fn pending(&self) -> MutexGuard<'_, VecDeque<(u64, i64)>> {
+        self.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Moves the commits whose records are durable (LSN at most `durable`) out of `pending`.
+    fn advance(&self, durable: Lsn) {
+        let mut pending = self.pending();
+        let mut last = None;
+        while let Some(&(lsn, epoch)) = pending.front() {
+            if lsn > durable.0 {
+                break;
+            }
+            last = Some(epoch);
+            pending.pop_front();
+        }
+        if let Some(epoch) = last {
+            self.durable_committed.fetch_max(epoch, Ordering::AcqRel);
+        }
+    }
+}
+
+fn epoch_or_none(value: i64) -> Option<Epoch> {
+    (value >= 0).then_some(Epoch(value))
+}
+
+/// A cheap, cloneable view of a [`DurableQuery`]'s progress, usable from any thread while the
+/// coordinator owns the query. It does not keep the WAL open.
+#[derive(Debug, Clone)]
+pub struct DurableQueryStatus(Arc<Status>);
+
+impl DurableQueryStatus {
+    /// The last committed epoch (recovered or committed by this run), if any.
+    pub fn last_committed(&self) -> Option<Epoch> {
+        epoch_or_none(self.0.last_committed.load(Ordering::Acquire))
+    }
+
+    /// The last committed epoch whose commit record is durable, if any. A restart recovers at
+    /// least this epoch as committed.
+    pub fn durable_committed(&self) -> Option<Epoch> {
+        if let Some(wal) = self.0.wal.upgrade() {
+            self.0.advance(wal.durable_lsn());
+        }
+        epoch_or_none(self.0.durable_committed.load(Ordering::Acquire))
+    }
+
+    /// Waits at most `timeout` until the commit record of `epoch` (or a later one) is durable,
+    /// and returns whether it is. Returns `false` at once if `epoch` is not committed yet, and
+    /// `false` if the WAL fails first.
+    pub fn wait_durable_committed(&self, epoch: Epoch, timeout: std::time::Duration) -> bool {
+        let status = &*self.0;
+        let durable = |status: &Status| status.durable_committed.load(Ordering::Acquire) >= epoch.0;
+        let Some(wal) = status.wal.upgrade() else {
+            // The query is gone and its log closed (which synced or failed everything).
+            return durable(status);
+        };
+        status.advance(wal.durable_lsn());
+        if durable(status) {
+            return true;
+        }
+        let target = status.pending().iter().find(|(_, committed)| *committed >= epoch.0).copied();
+        let Some((lsn, _)) = target else { return false };
+        match wal.wait_durable_timeout(Lsn(lsn), timeout) {
+            Ok(()) => status.advance(Lsn(lsn)),
+            Err(error @ WalError::Failed { .. }) => status.fail(&error),
+            Err(_) => {}
+        }
+        durable(status)
+    }
+
+    /// The WAL failure that stopped recording, if any.
+    pub fn wal_failure(&self) -> Option<WalError> {
+        self.0.wal_failure.get().cloned()
+    }
+
+    /// The first error the query was stopped with, as text.
+    pub fn stop_error(&self) -> Option<String> {
+        self.0.stop_error.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+
+    /// Whether the query was asked to stop.
+    pub fn is_stopped(&self) -> bool {
+        self.stop_error().is_some()
+    }
+
+    /// Commits of already committed epochs that were ignored.
+    pub fn ignored_commits(&self) -> u64 {
+        self.0.ignored_commits.load(Ordering::Relaxed)
+    }
+
+    /// Offsets of already committed epochs that were ignored.
+    pub fn ignored_offsets(&self) -> u64 {
+        self.0.ignored_offsets.load(Ordering::Relaxed)
+    }
+}
+
+/// Where a restarted run starts (SPEC B.10): the last committed epoch and its offsets.
+pub type RestartPoint = (Epoch, Vec<(PartitionId, Payload)>);
+
+/// The WAL-backed [`Query`]: Spark's offset log and commit log in coordbus's WAL (SPEC 0.3,
+/// B.9, B.10), in front of an inner engine query `Q` that still gets every call (after the
+/// append).
+///
+/// * Records: one rkyv record per epoch's offsets (appended once per epoch and run, compact
+///   flat arrays) and one per committed epoch, each with the **epoch as its WAL time** and
+///   tagged with the run (the opening of the log) that wrote it. On replay the first offsets
+///   record of a run wins and a newer run's replaces an older run's, so offsets that a stopped
+///   run logged after its last commit never shadow what the next run logs for that epoch.
+/// * Recovery ([`DurableQuery::open`], [`DurableQuery::from_wal`]): the last committed epoch
+///   and its offsets ([`DurableQuery::restart_point`]); offsets of later epochs are ignored.
+/// * No blocking: appends return at once; the WAL's sync thread makes them durable (group
+///   commit). [`DurableQueryStatus`] says which commits are durable. A crash before a commit
+///   record is durable makes the next run commit that epoch again (at-least-once, SPEC B.5).
+/// * Bounded: with `D` the last commit known durable, WAL segments holding only epochs below
+///   `D + 1 - retained_epochs` are deleted (time-based `clean`, at most every
+///   `retained_epochs / 4` epochs); `D`'s records are never below that threshold, and every
+///   later commit is in a later segment. A WAL rolling interval, if configured, counts epochs.
+/// * Dropping the query closes the log (writing and syncing everything appended).
+///
+/// Two queries must not use one directory at once (the WAL does not detect it).
+#[derive(Debug)]
+pub struct DurableQuery<Q: Query = NoopQuery> {
+    wal: Arc<Wal>,
+    inner: Q,
+    status: Arc<Status>,
+    run: u64,
+    restart_point: Option<RestartPoint>,
+    /// Epochs after the last commit whose offsets this run logged.
+    logged: BTreeSet<i64>,
+    retained_epochs: usize,
+    /// The next cleaning threshold that triggers a `clean`.
+    next_clean: i64,
+    /// Reused record (its vectors keep their capacity).
+    scratch: OffsetsRecord,
+    /// Reused serialization buffer.
+    buf: AlignedVec,
+}
+
+impl DurableQuery<NoopQuery> {
+    /// Opens (creating if needed) the epoch log in `dir` and recovers the restart point, with
+    /// no inner query and [`DEFAULT_RETAINED_EPOCHS`].
+    ///
+    /// # Errors
+    /// As [`DurableQuery::from_wal`], plus [`EpochError::Wal`] if the WAL cannot be opened.
+    pub fn open(dir: impl AsRef<Path>, config: WalConfig) -> Result<Self, EpochError> {
+        let wal = Wal::open(dir, config)
+            .map_err(|source| EpochError::Wal { op: "open the epoch log", source })?;
+        Self::from_wal(wal, NoopQuery)
+    }
+}
+
+impl<Q: Query> DurableQuery<Q> {
+    /// Recovers the restart point from an open `wal` (reading every record) and wraps `inner`.
+    ///
+    /// # Errors
+    /// [`EpochError::CommittedWithoutOffsets`] if the last committed epoch has no offsets
+    /// (SPEC B.10), [`EpochError::BadLogRecord`] for a record that is not a valid epoch-log
+    /// record, [`EpochError::Wal`] if reading fails.
+    pub fn from_wal(wal: Wal, inner: Q) -> Result<Self, EpochError> {
+        let recovered = recover(&wal)?;
+        let last = recovered.restart_point.as_ref().map_or(-1, |(epoch, _)| epoch.0);
+        tracing::info!(
+            dir = ?wal.dir(),
+            last_committed = last,
+            run = recovered.max_run + 1,
+            "epoch log recovered"
+        );
+        let wal = Arc::new(wal);
+        let status = Arc::new(Status {
+            last_committed: AtomicI64::new(last),
+            durable_committed: AtomicI64::new(last),
+            wal_failure: OnceLock::new(),
+            stop_error: Mutex::new(None),
+            ignored_commits: AtomicU64::new(0),
+            ignored_offsets: AtomicU64::new(0),
+            pending: Mutex::new(VecDeque::new()),
+            wal: Arc::downgrade(&wal),
+        });
+        Ok(Self {
+            wal,
+            inner,
+            status,
+            run: recovered.max_run + 1,
+            restart_point: recovered.restart_point,
+            logged: BTreeSet::new(),
+            retained_epochs: DEFAULT_RETAINED_EPOCHS,
+            next_clean: i64::MIN,
+            scratch: OffsetsRecord::default(),
+            buf: AlignedVec::new(),
+        })
+    }
+
+    /// Keeps the records of the newest `retained_epochs` committed epochs (at least 1;
+    /// default [`DEFAULT_RETAINED_EPOCHS`]).
+    pub fn with_retained_epochs(mut self, retained_epochs: usize) -> Self {
+        self.retained_epochs = retained_epochs.max(1);
+        self
+    }
+
+    /// Where the run starts (SPEC B.10), as recovered when opening: `None` for a new query
+    /// (start epoch 0), else the last committed epoch `E` with its offsets (start at `E + 1`).
+    pub fn restart_point(&self) -> Option<&RestartPoint> {
+        self.restart_point.as_ref()
+    }
+
+    /// The epoch the new coordinator starts at: the recovered `E + 1`, or 0.
+    pub fn start_epoch(&self) -> Epoch {
+        Epoch(self.restart_point.as_ref().map_or(0, |(epoch, _)| epoch.0 + 1))
+    }
+
+    /// A handle on this query's progress for other threads.
+    pub fn status(&self) -> DurableQueryStatus {
+        DurableQueryStatus(Arc::clone(&self.status))
+    }
+
+    /// The run number of this opening (one more than the highest recovered).
+    pub fn run(&self) -> u64 {
+        self.run
+    }
+
+    /// The underlying WAL (for its statistics).
+    pub fn wal(&self) -> &Wal {
+        &self.wal
+    }
+
+    /// The inner query.
+    pub fn inner(&self) -> &Q {
+        &self.inner
+    }
+
+    /// The inner query, mutably.
+    pub fn inner_mut(&mut self) -> &mut Q {
+        &mut self.inner
+    }
+
+    fn check_failed(&self, epoch: Epoch) -> Result<(), EpochError> {
+        match self.status.wal_failure.get() {
+            Some(error) => {
+                tracing::debug!(%epoch, %error, "the epoch log refuses records");
+                Err(EpochError::Wal {
+                    op: "record an epoch (the WAL failed)",
+                    source: error.clone(),
+                })
+            }
+            None => Ok(()),
+        }
+    }
+
+    fn append(
+        &mut self,
+        record: &LogRecord,
+        epoch: Epoch,
+        op: &'static str,
+    ) -> Result<Lsn, EpochError> {
+        let mut buf = std::mem::take(&mut self.buf);
+        buf.clear();
+        let mut buf =
+            rkyv::api::high::to_bytes_in::<_, rancor::Error>(record, buf).map_err(|error| {
+                EpochError::BadLogRecord {
+                    lsn: 0,
+                    reason: format!("serializing a record of epoch {epoch}: {error}"),
+                }
+            })?;
+        let outcome = self.wal.append_bytes(&buf, epoch.0);
+        buf.clear();
+        self.buf = buf;
+        match outcome {
+            Ok((lsn, _)) => Ok(lsn),
+            Err(source) => {
+                if matches!(source, WalError::Failed { .. }) {
+                    self.status.fail(&source);
+                }
+                Err(EpochError::Wal { op, source })
+            }
+        }
+    }
+
+    fn append_offsets(
+        &mut self,
+        epoch: Epoch,
+        offsets: &[(PartitionId, Payload)],
+    ) -> Result<(), EpochError> {
+        let too_large = |what: &str, value: usize| EpochError::BadLogRecord {
+            lsn: 0,
+            reason: format!("the offsets of epoch {epoch}: {what} {value} exceeds u32"),
+        };
+        let count = u32::try_from(offsets.len()).map_err(|_| too_large("count", offsets.len()))?;
+        // One pass for the layout (dense ids? one payload length?), one to copy.
+        let width = offsets.first().map_or(0, |(_, payload)| payload.len());
+        let (mut total, mut dense, mut fixed) = (0usize, true, true);
+        for (index, (partition, payload)) in offsets.iter().enumerate() {
+            let len = payload.len();
+            total += len;
+            dense &= partition.0 as usize == index;
+            fixed &= len == width;
+        }
+        if u32::try_from(total).is_err() {
+            return Err(too_large("payload bytes", total));
+        }
+        let mut scratch = std::mem::take(&mut self.scratch);
+        scratch.run = self.run;
+        scratch.epoch = epoch.0;
+        scratch.count = count;
+        scratch.width = if fixed { width as u32 } else { 0 };
+        scratch.partitions.clear();
+        scratch.ends.clear();
+        scratch.data.clear();
+        scratch.data.reserve(total);
+        if !dense {
+            scratch.partitions.extend(offsets.iter().map(|(partition, _)| partition.0));
+        }
+        for (_, payload) in offsets {
+            scratch.data.extend_from_slice(payload.as_bytes());
+            if !fixed {
+                // Fits: the total was checked above.
+                scratch.ends.push(scratch.data.len() as u32);
+            }
+        }
+        let record = LogRecord::Offsets(scratch);
+        let outcome = self.append(&record, epoch, "append the offsets of an epoch");
+        let LogRecord::Offsets(scratch) = record else { unreachable!("built above") };
+        self.scratch = scratch;
+        outcome.map(|_| ())
+    }
+
+    /// Cleans below the newest `retained_epochs` **durable** commits. Counting from the last
+    /// appended commit instead would be wrong: its segment may not be written yet, and a crash
+    /// would then find neither it nor the (deleted) segments of the durable commits before it.
+    fn maybe_clean(&mut self) {
+        let durable = self.status.durable_committed.load(Ordering::Acquire);
+        if durable < 0 {
+            return;
+        }
+        let threshold = durable.saturating_add(1).saturating_sub(self.retained_epochs as i64);
+        if threshold < self.next_clean || threshold <= 0 {
+            return;
+        }
+        self.next_clean = threshold.saturating_add((self.retained_epochs / 4).max(1) as i64);
+        match self.wal.clean(threshold, false) {
+            Ok(report) if !report.deleted.is_empty() => {
+                tracing::debug!(threshold, deleted = report.deleted.len(), "epoch log cleaned");
+            }
+            Ok(_) => {}
+            // Not a loss: the old segments stay and are cleaned by a later call.
+            Err(error) => tracing::warn!(threshold, %error, "cleaning the epoch log failed"),
+        }
+    }
+}
+
+impl<Q: Query> Query for DurableQuery<Q> {
+    /// Appends the epoch's offsets (once per epoch and run), then calls the inner query.
+    /// Offsets of an epoch at or below the last committed one are ignored (counted).
+    fn add_offsets(
+        &mut self,
+        epoch: Epoch,
+        offsets: &[(PartitionId, Payload)],
+    ) -> Result<(), CollaboratorError> {
+        self.check_failed(epoch)?;
+        if epoch.0 <= self.status.last_committed.load(Ordering::Relaxed) {
+            let count = self.status.ignored_offsets.fetch_add(1, Ordering::Relaxed) + 1;
+            if worth_a_warning(count) {
+                tracing::warn!(%epoch, count, "offsets of an already committed epoch ignored");
+            }
+            return Ok(());
+        }
+        if !self.logged.contains(&epoch.0) {
+            self.append_offsets(epoch, offsets)?;
+            self.logged.insert(epoch.0);
+        }
+        self.inner.add_offsets(epoch, offsets)
+    }
+
+    /// Appends the commit record (not waiting for it to be durable), calls the inner query,
+    /// and cleans old segments. A commit of an already committed epoch is ignored (counted).
+    fn commit(&mut self, epoch: Epoch) -> Result<(), CollaboratorError> {
+        self.check_failed(epoch)?;
+        if epoch.0 <= self.status.last_committed.load(Ordering::Relaxed) {
+            let count = self.status.ignored_commits.fetch_add(1, Ordering::Relaxed) + 1;
+            if worth_a_warning(count) {
+                tracing::warn!(%epoch, count, "commit of an already committed epoch ignored");
+            }
+            return Ok(());
+        }
+        if !self.logged.contains(&epoch.0) {
+            return Err(Box::new(EpochError::CommittedWithoutOffsets { epoch }));
+        }
+        let lsn = self.append(
+            &LogRecord::Commit { run: self.run, epoch: epoch.0 },
+            epoch,
+            "append the commit of an epoch",
+        )?;
+        self.status.last_committed.store(epoch.0, Ordering::Release);
+        self.logged = self.logged.split_off(&(epoch.0 + 1));
+        // Track durability without a callback per commit (a callback costs the sync thread a
+        // lock and this thread a wake-up): the queue is drained here and by status readers.
+        self.status.pending().push_back((lsn.0, epoch.0));
+        self.status.advance(self.wal.durable_lsn());
+        self.maybe_clean();
+        self.inner.commit(epoch)
+    }
+
+    /// Keeps the first error (as text, for [`DurableQueryStatus::stop_error`]) and passes the
+    /// error to the inner query.
+    fn stop(&mut self, error: EpochError) {
+        {
+            let mut first =
+                self.status.stop_error.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if first.is_none() {
+                tracing::warn!(%error, "query stopped by the epoch coordinator");
+                *first = Some(error.to_string());
+            }
+        }
+        self.inner.stop(error);
+    }
+}
+
+impl<Q: Query> Drop for DurableQuery<Q> {
+    /// Closes the log: everything appended is written and synced (or the failure recorded),
+    /// so a clean stop leaves every commit durable.
+    fn drop(&mut self) {
+        match self.wal.close() {
+            Ok(()) => self.status.advance(Lsn(u64::MAX)),
+            Err(error) => {
+                tracing::warn!(%error, "closing the epoch log");
+                self.status.fail(&error);
+            }
+        }
+    }
+}
+
+/// What [`recover`] found.
+struct Recovered {
+    restart_point: Option<RestartPoint>,
+    max_run: u64,
+}
+
+fn bad_record(lsn: Lsn, reason: impl std::fmt::Display) -> EpochError {
+    EpochError::BadLogRecord { lsn: lsn.0, reason: reason.to_string() }
+}
+
+/// The offsets of a validated record, checking that its arrays agree.
+fn decode_offsets(entry: &ArchivedOffsetsRecord) -> Result<Vec<(PartitionId, Payload)>, String> {
+    let count = entry.count.to_native() as usize;
+    let width = entry.width.to_native() as usize;
+    let (partitions, ends, data) =
+        (entry.partitions.as_slice(), entry.ends.as_slice(), entry.data.as_slice());
+    if !partitions.is_empty() && partitions.len() != count {
+        return Err(format!("{} partition ids for {count} offsets", partitions.len()));
+    }
+    if !ends.is_empty() && ends.len() != count {
+        return Err(format!("{} payload ends for {count} offsets", ends.len()));
+    }
+    if ends.is_empty() && count.checked_mul(width) != Some(data.len()) {
+        return Err(format!("{count} offsets of {width} bytes in {} bytes", data.len()));
+    }
+    let mut offsets = Vec::with_capacity(count);
+    let mut start = 0usize;
+    for index in 0..count {
+        let end = match ends.get(index) {
+            Some(end) => end.to_native() as usize,
+            None => start + width,
+        };
+        if end < start || end > data.len() {
+            return Err(format!("payload end {end} outside {start}..={}", data.len()));
+        }
+        let partition = partitions.get(index).map_or(index as i32, |p| p.to_native());
+        offsets.push((PartitionId(partition), Payload::from(&data[start..end])));
+        start = end;
+    }
+    Ok(offsets)
+}
+
+/// Reads the whole log (SPEC B.10).
+fn recover(wal: &Wal) -> Result<Recovered, EpochError> {
+    let read_error = |source| EpochError::Wal { op: "read the epoch log", source };
+    let mut max_run = 0u64;
+    let mut last_committed: Option<i64> = None;
+    // Epoch -> (run, handle) of its winning offsets; only epochs >= the last commit kept.
+    let mut offsets: BTreeMap<i64, (u64, RecordHandle, Lsn)> = BTreeMap::new();
+    for record in wal.iter_from(Lsn(0)).map_err(read_error)? {
+        let record = record.map_err(read_error)?;
+        let lsn = record.lsn;
+        let archived = record.access::<LogRecord>().map_err(|error| bad_record(lsn, error))?;
+        match archived {
+            ArchivedLogRecord::Offsets(entry) => {
+                let run = entry.run.to_native();
+                let epoch = entry.epoch.to_native();
+                max_run = max_run.max(run);
+                if last_committed.is_some_and(|last| epoch < last) {
+                    continue;
+                }
+                match offsets.get(&epoch) {
+                    // The first record of a run wins; a newer run replaces an older one.
+                    Some((winner, ..)) if *winner >= run => {}
+                    _ => {
+                        offsets.insert(epoch, (run, record.handle, lsn));
+                    }
+                }
+            }
+            ArchivedLogRecord::Commit { run, epoch } => {
+                let (run, epoch) = (run.to_native(), epoch.to_native());
+                max_run = max_run.max(run);
+                match last_committed {
+                    Some(last) if epoch <= last => {
+                        tracing::warn!(
+                            epoch,
+                            last,
+                            lsn = lsn.0,
+                            "out-of-order commit record ignored"
+                        );
+                    }
+                    _ => {
+                        last_committed = Some(epoch);
+                        offsets = offsets.split_off(&epoch);
+                    }
+                }
+            }
+        }
+    }
+    let Some(last) = last_committed else {
+        return Ok(Recovered { restart_point: None, max_run });
+    };
+    let Some(&(_, handle, lsn)) = offsets.get(&last) else {
+        return Err(EpochError::CommittedWithoutOffsets { epoch: Epoch(last) });
+    };
+    let archived = wal.read::<LogRecord>(handle).map_err(read_error)?;
+    let ArchivedLogRecord::Offsets(entry) = &*archived else {
+        return Err(bad_record(lsn, "expected an offsets record"));
+    };
+    let restart_offsets = decode_offsets(entry).map_err(|reason| bad_record(lsn, reason))?;
+    Ok(Recovered { restart_point: Some((Epoch(last), restart_offsets)), max_run })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    use crate::wal::Durability;
+
+    fn config() -> WalConfig {
+        WalConfig {
+            segment_size_bytes: 64 << 10,
+            durability: Durability::EveryRecord,
+            ..WalConfig::default()
+        }
+    }
+
+    fn offsets(epoch: i64, value: i64) -> Vec<(PartitionId, Payload)> {
+        (0..3)
+            .map(|p| (PartitionId(p), Payload::from(epoch * 100 + value + i64::from(p))))
+            .collect()
+    }
+
+    #[test]
+    fn a_new_log_starts_at_epoch_zero() {
+        let dir = tempfile::tempdir().unwrap();
+        let query = DurableQuery::open(dir.path(), config()).unwrap();
+        assert!(query.restart_point().is_none());
+        assert_eq!(query.start_epoch(), Epoch(0));
+        assert_eq!(query.run(), 1);
+    }
+
+    #[test]
+    fn restart_point_is_the_last_commit_with_its_first_offsets() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let mut query = DurableQuery::open(dir.path(), config()).unwrap();
+            for epoch in 0..5 {
+                query.add_offsets(Epoch(epoch), &offsets(epoch, 0)).unwrap();
+                // A repeated report: the first record wins.
+                query.add_offsets(Epoch(epoch), &offsets(epoch, 50)).unwrap();
+                query.commit(Epoch(epoch)).unwrap();
+            }
+            // Offsets after the last commit are ignored on restart.
+            query.add_offsets(Epoch(5), &offsets(5, 0)).unwrap();
+            assert_eq!(query.wal().stats().appends, 11, "duplicates are not appended");
+        }
+        let query = DurableQuery::open(dir.path(), config()).unwrap();
+        assert_eq!(query.restart_point(), Some(&(Epoch(4), offsets(4, 0))));
+        assert_eq!(query.start_epoch(), Epoch(5));
+        assert_eq!(query.status().last_committed(), Some(Epoch(4)));
+        assert_eq!(query.run(), 2);
+    }
+
+    #[test]
+    fn sparse_ids_and_mixed_payload_lengths_round_trip() {
+        let dir = tempfile::tempdir().unwrap();
+        let mixed = vec![
+            (PartitionId(2), Payload::from(&b"a"[..])),
+            (PartitionId(5), Payload::new()),
+            (PartitionId(9), Payload::from(vec![7u8; 300])),
+        ];
+        let fixed_sparse = vec![(PartitionId(1), Payload::from(1)), (PartitionId(3), 3.into())];
+        for offsets in [mixed, fixed_sparse, Vec::new()] {
+            {
+                let mut query = DurableQuery::open(dir.path(), config()).unwrap();
+                let epoch = query.start_epoch();
+                query.add_offsets(epoch, &offsets).unwrap();
+                query.commit(epoch).unwrap();
+            }
+            let query = DurableQuery::open(dir.path(), config()).unwrap();
+            assert_eq!(query.restart_point().map(|(_, offsets)| offsets), Some(&offsets));
+        }
+    }
+
+    #[test]
+    fn a_newer_run_replaces_the_offsets_an_older_run_logged_after_its_last_commit() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let mut query = DurableQuery::open(dir.path(), config()).unwrap();
+            query.add_offsets(Epoch(0), &offsets(0, 0)).unwrap();
+            query.commit(Epoch(0)).unwrap();
+            query.add_offsets(Epoch(1), &offsets(1, 7)).unwrap(); // never committed
+        }
+        {
+            let mut query = DurableQuery::open(dir.path(), config()).unwrap();
+            assert_eq!(query.start_epoch(), Epoch(1));
+            query.add_offsets(Epoch(1), &offsets(1, 0)).unwrap();
+            query.commit(Epoch(1)).unwrap();
+        }
+        let query = DurableQuery::open(dir.path(), config()).unwrap();
+        assert_eq!(query.restart_point(), Some(&(Epoch(1), offsets(1, 0))));
+        assert_eq!(query.run(), 3);
+    }
+
+    #[test]
+    fn commits_need_offsets_and_repeated_commits_are_ignored() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut query = DurableQuery::open(dir.path(), config()).unwrap();
+        let error = query.commit(Epoch(0)).unwrap_err();
+        assert_eq!(error.to_string(), "Batch 0 was committed without end epoch offsets!");
+        query.add_offsets(Epoch(0), &offsets(0, 0)).unwrap();
+        query.commit(Epoch(0)).unwrap();
+        let appends = query.wal().stats().appends;
+        query.commit(Epoch(0)).unwrap();
+        query.add_offsets(Epoch(0), &offsets(0, 1)).unwrap();
+        assert_eq!(query.wal().stats().appends, appends, "nothing appended for a committed epoch");
+        assert_eq!(query.status().ignored_commits(), 1);
+        assert_eq!(query.status().ignored_offsets(), 1);
+    }
+
+    #[test]
+    fn a_commit_record_without_offsets_fails_recovery_with_sparks_message() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let wal = Wal::open(dir.path(), config()).unwrap();
+            wal.append(&LogRecord::Commit { run: 1, epoch: 7 }, 7).unwrap();
+            wal.close().unwrap();
+        }
+        let error = DurableQuery::open(dir.path(), config()).unwrap_err();
+        assert!(matches!(error, EpochError::CommittedWithoutOffsets { epoch: Epoch(7) }));
+        assert_eq!(error.to_string(), "Batch 7 was committed without end epoch offsets!");
+    }
+
+    #[test]
+    fn a_foreign_record_is_a_typed_error_with_its_lsn() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let wal = Wal::open(dir.path(), config()).unwrap();
+            wal.append_bytes(&[0xff; 40], 0).unwrap();
+            wal.close().unwrap();
+        }
+        let error = DurableQuery::open(dir.path(), config()).unwrap_err();
+        assert!(matches!(error, EpochError::BadLogRecord { lsn: 1, .. }), "{error}");
+    }
+
+    #[test]
+    fn cleaning_drops_old_epochs_but_keeps_the_restart_point() {
+        let dir = tempfile::tempdir().unwrap();
+        let many = |epoch: i64| -> Vec<(PartitionId, Payload)> {
+            (0..64).map(|p| (PartitionId(p), Payload::from(vec![epoch as u8; 100]))).collect()
+        };
+        {
+            // Page-cache durability: the segments are written (so cleanable) without fsyncs.
+            let config = WalConfig { durability: Durability::None, ..config() };
+            let mut query = DurableQuery::open(dir.path(), config).unwrap().with_retained_epochs(4);
+            for epoch in 0..200 {
+                query.add_offsets(Epoch(epoch), &many(epoch)).unwrap();
+                query.commit(Epoch(epoch)).unwrap();
+                // Only written (sealed) segments can be cleaned: let the disk keep up, as it
+                // does in a steady run.
+                assert!(query
+                    .status()
+                    .wait_durable_committed(Epoch(epoch), Duration::from_secs(10)));
+            }
+            let stats = query.wal().stats();
+            // About 3.5 KiB per epoch in 64 KiB segments: ~20 segments written, all but the
+            // newest (holding the last few epochs) deleted.
+            assert!(stats.cleaned_segments >= 18, "{stats:?}");
+            assert!(stats.segments <= 3, "{stats:?}");
+        }
+        let query = DurableQuery::open(dir.path(), config()).unwrap();
+        assert_eq!(query.restart_point(), Some(&(Epoch(199), many(199))));
+    }
+
+    #[test]
+    fn durable_commits_are_reported_and_a_closed_log_fails_the_query() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut query = DurableQuery::open(dir.path(), config()).unwrap();
+        let status = query.status();
+        query.add_offsets(Epoch(0), &offsets(0, 0)).unwrap();
+        query.commit(Epoch(0)).unwrap();
+        assert!(status.wait_durable_committed(Epoch(0), Duration::from_secs(10)));
+        assert_eq!(status.durable_committed(), Some(Epoch(0)));
+        query.wal().close().unwrap();
+        let error = query.add_offsets(Epoch(1), &offsets(1, 0)).unwrap_err();
+        assert!(error.to_string().contains("epoch log"), "{error}");
+        query.stop(EpochError::EpochOverflow { epoch: Epoch(1) });
+        query.stop(EpochError::EpochOverflow { epoch: Epoch(2) });
+        assert_eq!(
+            status.stop_error().as_deref(),
+            Some("the driver epoch 1 cannot be incremented past i64::MAX")
+        );
+    }
+}

@@ -1,0 +1,641 @@
+//! The continuous-processing epoch coordinator (SPEC B, with the decisions of SPEC 0.3).
+//!
+//! One coordinator per continuous run of a streaming query. It keeps the driver epoch that
+//! executors poll, gathers each epoch's reader offsets and writer commit messages per partition,
+//! records an epoch's offsets once every reader partition reported, and commits an epoch (sink
+//! first, then the query's commit record) once it has every writer commit and every reader
+//! offset and every earlier epoch is committed. Epochs that complete early wait and are committed
+//! in order, in the same pass, by the message that completes the epoch before them.
+//!
+//! # Parts
+//! * `payload`: [`Payload`] (opaque engine bytes, inline up to 24 bytes), [`Epoch`],
+//!   [`PartitionId`].
+//! * `state`: [`EpochCoordinator`], the state machine: no I/O, no threads, one method per
+//!   message. Tests and embedders drive it directly.
+//! * `endpoint`: [`EpochEndpoint`], the bus endpoint wrapping the state machine, its typed
+//!   messages ([`CommitPartitionEpoch`], [`ReportPartitionOffset`]) and requests
+//!   ([`GetCurrentEpoch`], [`IncrementAndGetEpoch`], [`SetReaderPartitions`],
+//!   [`SetWriterPartitions`], [`StopContinuousExecutionWrites`], plus [`GetEpochStats`]).
+//! * [`reference`](mod@reference): a deliberately simple model written straight from the spec
+//!   (Spark-like maps, rescans on every message). It is the oracle of the property test and the
+//!   baseline of the benchmark and the load tool; it is not meant for production.
+//! * `durable`: [`DurableQuery`], the WAL-backed query (see Durability below), with
+//!   [`DurableQueryStatus`] and [`NoopQuery`].
+//! * Here: the collaborator traits [`Query`] and [`Sink`], an in-memory [`MemoryQuery`] (the
+//!   offset and commit logs of SPEC B.9 without persistence), [`EpochConfig`], errors and
+//!   counters.
+//!
+//! # Why it is fast
+//! Spark's coordinator rescans its `(epoch, partition)` maps on every message (to count the
+//! entries of an epoch, to collect them, to clean up), so one epoch at P partitions costs
+//! O(P^2). This one keeps one bucket per pending epoch, with per-bucket entry counts, and
+//! whole-coordinator entry counters for the backlog checks, so a message costs O(1) amortised:
+//! * a bucket is found through a one-entry cache (consecutive messages mostly share an epoch)
+//!   and otherwise an epoch-keyed hash map; buckets live in a slab and are recycled with their
+//!   allocations, so a steady run allocates nothing per epoch;
+//! * near the commit frontier (up to 16 epochs ahead) a bucket is laid out densely: slot `p`
+//!   holds partition `p`'s entry and a bitmap says which slots are filled, so a message costs a
+//!   bit test and a store, and a complete epoch already is the slice, sorted by partition id,
+//!   that the query and the sink get (SPEC 0.3);
+//! * further ahead, or while a partition count is unset, a bucket is sparse: entries in arrival
+//!   order (the vector is its own index while partitions arrive as 0, 1, 2, ...; otherwise a
+//!   small per-bucket hash map finds them), sorted on completion, by placing each entry at its
+//!   index when the ids are exactly `0..n` (O(n), no comparison sort);
+//! * cleanup after a commit frees exactly the buckets of the committed epochs (they are known),
+//!   instead of scanning all pending state.
+//!
+//! Memory is proportional to the stored entries: sparse buckets grow with their entries; dense
+//! buckets (40 bytes per partition and side, only for partition counts up to 16 Ki) exist only
+//! for the 16 epochs after the last committed one, plus at most 16 recycled ones. The backlog
+//! checks stop the query once the entries exceed the limits (default 10 000 each); as in Spark
+//! (SPEC B.7), the coordinator itself keeps accepting until the query sends
+//! `StopContinuousExecutionWrites`.
+//!
+//! # Behaviour decisions (SPEC 0.3 over B, and where the spec is silent)
+//! * A message for an epoch at or below the last committed epoch (which covers epochs below
+//!   the start epoch) is dropped and counted; it never re-enters the waiting set.
+//! * A negative partition id, or one not below the partition count when that count is set, is
+//!   dropped and counted. While a count is unset (0), any non-negative partition id of that side
+//!   is kept (as in Spark), and no epoch completes until both counts are set (B.5 read literally
+//!   would complete an epoch with no offsets when the reader count is 0). Setting a count
+//!   resolves nothing by itself (Spark); the next message of an epoch does.
+//! * A duplicate `CommitPartitionEpoch` is dropped and counted (first commit wins, no backlog
+//!   check). A repeated `ReportPartitionOffset` overwrites the offset (Spark) and, if the epoch's
+//!   offsets are complete, calls `add_offsets` again.
+//! * Dropped messages (writes stopped, stale epoch, bad partition, duplicate commit) change no
+//!   state and run no backlog check. Precedence of reasons: writes stopped, negative partition,
+//!   partition out of range, stale epoch, duplicate commit.
+//! * A negative partition count in `SetReaderPartitions` / `SetWriterPartitions` is rejected
+//!   with [`EpochError::InvalidPartitionCount`] (the asker gets the error) and changes nothing.
+//!   `IncrementAndGetEpoch` at `i64::MAX` fails with [`EpochError::EpochOverflow`].
+//! * Fail-stop: if `add_offsets`, the sink commit or the query commit fails, the query is
+//!   stopped with that error (the same path as the backlog errors) and nothing is committed
+//!   after it, ever. The epochs committed earlier in the same pass stay committed and are
+//!   cleaned up as usual; the failing epoch (and every epoch that becomes ready later) is kept
+//!   in the waiting set, where it counts towards the epoch backlog.
+//! * The backlog counts include the retained entries of the last committed epoch, exactly as
+//!   Spark's maps do (they are kept until the next commit), so the checks fire on the same
+//!   message as in Spark.
+//!
+//! # Durability (SPEC 0.3, B.9, B.10)
+//! The coordinator persists nothing itself: what must survive a restart goes through the
+//! [`Query`] trait, which is exactly Spark's offset log and commit log.
+//! * [`MemoryQuery`] keeps those logs in memory ([`MemoryQuery::restart_point`] is the B.10
+//!   rule), for tests and engines that persist elsewhere.
+//! * [`DurableQuery`] (`durable`) keeps them in coordbus's WAL, in front of an inner engine
+//!   query (default [`NoopQuery`]) that still gets every `add_offsets`, `commit` and `stop`
+//!   after the append. `add_offsets` appends one rkyv record of the epoch's offsets (once per
+//!   epoch and run; the first record of a run wins, a newer run's replaces an older run's);
+//!   `commit` appends a committed-epoch record after the sink committed the epoch (and fails
+//!   with [`EpochError::CommittedWithoutOffsets`] if the epoch has no offsets), and ignores
+//!   (counts) a commit of an already committed epoch. Appends never wait for an fsync (group
+//!   commit); [`DurableQueryStatus`] tells from any thread which commits are durable. Once the
+//!   WAL has failed, both calls fail with [`EpochError::Wal`], which fail-stops the
+//!   coordinator.
+//! * Restart: [`DurableQuery::open`] (or [`DurableQuery::from_wal`]) reads the log and yields
+//!   the restart point: the last committed epoch `E` and its offsets, or none (start at 0);
+//!   offsets of epochs after `E` are ignored, and a commit without offsets fails with Spark's
+//!   "Batch E was committed without end epoch offsets!". The new coordinator gets
+//!   `EpochConfig::start_epoch = E + 1` ([`DurableQuery::start_epoch`]), so a commit or report
+//!   that arrives again for `E` or earlier is dropped as stale (and counted), and the engine
+//!   resumes reading from `E`'s offsets. An epoch whose commit record was not durable at a
+//!   crash is committed again by the next run (the sink sees it twice: SPEC B.5's
+//!   at-least-once).
+//! * Bounded log: records carry the epoch as their WAL time, so with `D` the last commit known
+//!   durable the WAL's time-based `clean` drops whole segments of epochs below
+//!   `D + 1 - retained` (Spark's `minBatchesToRetain`, default 100), never `D`'s own records.
+
+mod durable;
+mod endpoint;
+mod payload;
+pub mod reference;
+mod state;
+
+pub use self::{
+    durable::{DurableQuery, DurableQueryStatus, NoopQuery, RestartPoint, DEFAULT_RETAINED_EPOCHS},
+    endpoint::{
+        coordinator_name, CommitPartitionEpoch, EpochEndpoint, EpochMessage, EpochRequest,
+        GetCurrentEpoch, GetEpochStats, IncrementAndGetEpoch, ReportPartitionOffset,
+        SetReaderPartitions, SetWriterPartitions, StopContinuousExecutionWrites,
+    },
+    payload::{Epoch, PartitionId, Payload},
+    state::EpochCoordinator,
+};
+use crate::error::{ConfigError, HandlerError};
+
+/// The error a collaborator (query, sink) returns from a failed call.
+pub type CollaboratorError = HandlerError;
+
+/// The query side of the run (Spark's `ContinuousExecution`), implemented by the engine.
+///
+/// Calls arrive on the coordinator's thread, one at a time, in the order the coordinator makes
+/// them. See the module docs for the durable implementation's contract.
+pub trait Query {
+    /// Records the end offsets of `epoch` (Spark's `addOffset`: the offset log). `offsets` holds
+    /// one entry per reader partition, sorted by partition id. Called each time the epoch's
+    /// offsets are complete after a report, so possibly more than once for the same epoch (a
+    /// repeated report); the first record of an epoch should win.
+    ///
+    /// # Errors
+    /// A failure to record; the coordinator then stops the query with
+    /// [`EpochError::AddOffsets`] and commits nothing from then on.
+    fn add_offsets(
+        &mut self,
+        epoch: Epoch,
+        offsets: &[(PartitionId, Payload)],
+    ) -> Result<(), CollaboratorError>;
+
+    /// Records `epoch` as committed (the commit log). Called after the sink committed it, in
+    /// strictly increasing, gap-free epoch order.
+    ///
+    /// # Errors
+    /// A failure to record; the coordinator then stops the query with
+    /// [`EpochError::QueryCommit`] and commits nothing from then on.
+    fn commit(&mut self, epoch: Epoch) -> Result<(), CollaboratorError>;
+
+    /// Asks the query to stop with `error` as its cause (Spark's `stopInNewThread`). May be
+    /// called many times (every failing backlog check calls it); keeping only the **first**
+    /// error is the query's job. Must not block on the coordinator.
+    fn stop(&mut self, error: EpochError);
+}
+
+/// The data sink's global commit, implemented by the engine.
+pub trait Sink {
+    /// Commits `epoch` with one writer commit message per writer partition, sorted by
+    /// partition id. Called before [`Query::commit`] of the same epoch.
+    ///
+    /// # Errors
+    /// A failed commit; the coordinator then stops the query with [`EpochError::SinkCommit`]
+    /// and commits nothing from then on.
+    fn commit(
+        &mut self,
+        epoch: Epoch,
+        messages: &[(PartitionId, Payload)],
+    ) -> Result<(), CollaboratorError>;
+}
+
+impl<T: Query + ?Sized> Query for Box<T> {
+    fn add_offsets(
+        &mut self,
+        epoch: Epoch,
+        offsets: &[(PartitionId, Payload)],
+    ) -> Result<(), CollaboratorError> {
+        (**self).add_offsets(epoch, offsets)
+    }
+    fn commit(&mut self, epoch: Epoch) -> Result<(), CollaboratorError> {
+        (**self).commit(epoch)
+    }
+    fn stop(&mut self, error: EpochError) {
+        (**self).stop(error);
+    }
+}
+
+impl<T: Sink + ?Sized> Sink for Box<T> {
+    fn commit(
+        &mut self,
+        epoch: Epoch,
+        messages: &[(PartitionId, Payload)],
+    ) -> Result<(), CollaboratorError> {
+        (**self).commit(epoch, messages)
+    }
+}
+
+/// An in-memory [`Query`]: what Spark's `ContinuousExecution` keeps (SPEC B.9), without
+/// persistence. The offset log keeps the first record of each epoch, the commit log the
+/// committed epochs (a commit of an epoch without offsets fails, as Spark's assertion does), the
+/// newest `retained_epochs` committed epochs' offsets are kept (Spark's `minBatchesToRetain`,
+/// default 100), and the first stop error is kept. Clones share one state, so an engine or a test
+/// can read it while the endpoint owns the query. [`DurableQuery`] keeps the same records on
+/// disk.
+#[derive(Debug, Clone)]
+pub struct MemoryQuery {
+    state: std::sync::Arc<std::sync::Mutex<MemoryQueryState>>,
+}
+
+#[derive(Debug)]
+struct MemoryQueryState {
+    offsets: std::collections::BTreeMap<Epoch, Vec<(PartitionId, Payload)>>,
+    last_committed: Option<Epoch>,
+    stop_error: Option<EpochError>,
+    retained_epochs: usize,
+}
+
+impl Default for MemoryQuery {
+    fn default() -> Self {
+        Self::new(100)
+    }
+}
+
+impl MemoryQuery {
+    /// An empty query keeping the offsets of the newest `retained_epochs` committed epochs (at
+    /// least 1).
+    pub fn new(retained_epochs: usize) -> Self {
+        Self {
+            state: std::sync::Arc::new(std::sync::Mutex::new(MemoryQueryState {
+                offsets: std::collections::BTreeMap::new(),
+                last_committed: None,
+                stop_error: None,
+                retained_epochs: retained_epochs.max(1),
+            })),
+        }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, MemoryQueryState> {
+        // A panic while holding the lock leaves plain data behind; keep using it.
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The last committed epoch, if any.
+    pub fn last_committed(&self) -> Option<Epoch> {
+        self.state().last_committed
+    }
+
+    /// The offsets recorded for `epoch` (the first record), if still retained.
+    pub fn offsets(&self, epoch: Epoch) -> Option<Vec<(PartitionId, Payload)>> {
+        self.state().offsets.get(&epoch).cloned()
+    }
+
+    /// The first error the query was stopped with, as text.
+    pub fn stop_error(&self) -> Option<String> {
+        self.state().stop_error.as_ref().map(ToString::to_string)
+    }
+
+    /// Whether the query was asked to stop.
+    pub fn is_stopped(&self) -> bool {
+        self.state().stop_error.is_some()
+    }
+
+    /// Where a restarted run starts (SPEC B.10): `None` for a new query (start epoch 0), else
+    /// the last committed epoch `E` with its offsets; the new coordinator starts at `E + 1`.
+    ///
+    /// # Errors
+    /// [`EpochError::CommittedWithoutOffsets`] if `E` has no offsets.
+    pub fn restart_point(&self) -> Result<Option<RestartPoint>, EpochError> {
+        let state = self.state();
+        let Some(epoch) = state.last_committed else {
+            return Ok(None);
+        };
+        state
+            .offsets
+            .get(&epoch)
+            .map(|offsets| Some((epoch, offsets.clone())))
+            .ok_or(EpochError::CommittedWithoutOffsets { epoch })
+    }
+}
+
+impl Query for MemoryQuery {
+    fn add_offsets(
+        &mut self,
+        epoch: Epoch,
+        offsets: &[(PartitionId, Payload)],
+    ) -> Result<(), CollaboratorError> {
+        self.state().offsets.entry(epoch).or_insert_with(|| offsets.to_vec());
+        Ok(())
+    }
+
+    fn commit(&mut self, epoch: Epoch) -> Result<(), CollaboratorError> {
+        let mut state = self.state();
+        if !state.offsets.contains_key(&epoch) {
+            return Err(Box::new(EpochError::CommittedWithoutOffsets { epoch }));
+        }
+        state.last_committed = Some(epoch);
+        // Keep the newest `retained_epochs` committed epochs (and everything after them).
+        let keep_from = Epoch(epoch.0.saturating_sub(state.retained_epochs as i64 - 1));
+        state.offsets = state.offsets.split_off(&keep_from);
+        Ok(())
+    }
+
+    fn stop(&mut self, error: EpochError) {
+        let mut state = self.state();
+        if state.stop_error.is_none() {
+            tracing::warn!(%error, "query stopped by the epoch coordinator");
+            state.stop_error = Some(error);
+        }
+    }
+}
+
+/// Which backlog limit overflowed (SPEC B.7).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BacklogQueue {
+    /// Stored `(epoch, partition)` offset entries.
+    PartitionOffsets,
+    /// Stored `(epoch, partition)` writer commit entries.
+    PartitionCommits,
+    /// Ready epochs waiting for an earlier epoch to commit.
+    WaitingEpochs,
+}
+
+impl BacklogQueue {
+    /// The exact message Spark raises for this overflow (engines match on it).
+    pub fn overflow_message(self) -> &'static str {
+        match self {
+            Self::PartitionOffsets => "Size of the partition offset queue has exceeded its maximum",
+            Self::PartitionCommits => "Size of the partition commit queue has exceeded its maximum",
+            Self::WaitingEpochs => "Size of the epoch queue has exceeded its maximum",
+        }
+    }
+}
+
+/// Which side a partition count belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PartitionSide {
+    /// Reader partitions (offsets).
+    Reader,
+    /// Writer partitions (commit messages).
+    Writer,
+}
+
+impl std::fmt::Display for PartitionSide {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.write_str(match self {
+            Self::Reader => "reader",
+            Self::Writer => "writer",
+        })
+    }
+}
+
+/// Errors of the epoch coordinator: what it stops the query with, and failed requests.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum EpochError {
+    /// A backlog limit was exceeded (SPEC B.7). The message is Spark's, verbatim; the fields
+    /// say which queue, its size and its limit.
+    #[error("{}", .queue.overflow_message())]
+    BacklogExceeded {
+        /// The queue that overflowed.
+        queue: BacklogQueue,
+        /// Its size when checked.
+        size: usize,
+        /// The configured limit (the check is `size > limit`).
+        limit: usize,
+    },
+    /// [`Query::add_offsets`] failed.
+    #[error("recording the offsets of epoch {epoch} failed")]
+    AddOffsets {
+        /// The epoch whose offsets were being recorded.
+        epoch: Epoch,
+        /// The query's error.
+        #[source]
+        source: CollaboratorError,
+    },
+    /// [`Sink::commit`] failed.
+    #[error("the sink commit of epoch {epoch} failed")]
+    SinkCommit {
+        /// The epoch being committed.
+        epoch: Epoch,
+        /// The sink's error.
+        #[source]
+        source: CollaboratorError,
+    },
+    /// [`Query::commit`] failed (after the sink committed the epoch).
+    #[error("recording the commit of epoch {epoch} failed")]
+    QueryCommit {
+        /// The epoch being committed.
+        epoch: Epoch,
+        /// The query's error.
+        #[source]
+        source: CollaboratorError,
+    },
+    /// A partition count below zero was asked for.
+    #[error("{side} partition count {count} is negative")]
+    InvalidPartitionCount {
+        /// Reader or writer.
+        side: PartitionSide,
+        /// The count asked for.
+        count: i32,
+    },
+    /// An epoch is recorded as committed but has no offsets (SPEC B.9 assertion, B.10).
+    #[error("Batch {epoch} was committed without end epoch offsets!")]
+    CommittedWithoutOffsets {
+        /// The committed epoch.
+        epoch: Epoch,
+    },
+    /// The epoch log's WAL failed (or refused) an operation; see [`DurableQuery`].
+    #[error("the epoch log could not {op}")]
+    Wal {
+        /// What was being done.
+        op: &'static str,
+        /// The WAL's error.
+        #[source]
+        source: crate::wal::WalError,
+    },
+    /// A record of the epoch log is not a valid epoch-log record (or could not be built).
+    #[error("bad epoch log record at LSN {lsn}: {reason}")]
+    BadLogRecord {
+        /// Its LSN (0 while building a record).
+        lsn: u64,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The driver epoch cannot be incremented any more.
+    #[error("the driver epoch {epoch} cannot be incremented past i64::MAX")]
+    EpochOverflow {
+        /// The current driver epoch.
+        epoch: Epoch,
+    },
+}
+
+/// Settings of one coordinator. `Default`: start epoch 0, every backlog limit 10 000 (Spark's
+/// `spark.sql.streaming.continuous.epochBacklogQueueSize`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct EpochConfig {
+    /// The epoch the run starts at (0 for a new query, last committed + 1 on restart, SPEC
+    /// B.10). The driver epoch starts here and the last committed epoch one below. At least 0.
+    pub start_epoch: Epoch,
+    /// Most `(epoch, partition)` offset entries before the query is stopped (strict `>`).
+    pub partition_offset_limit: usize,
+    /// Most `(epoch, partition)` commit entries before the query is stopped (strict `>`).
+    pub partition_commit_limit: usize,
+    /// Most ready epochs waiting for an earlier one before the query is stopped (strict `>`).
+    pub waiting_epoch_limit: usize,
+}
+
+impl Default for EpochConfig {
+    fn default() -> Self {
+        Self {
+            start_epoch: Epoch(0),
+            partition_offset_limit: Self::DEFAULT_BACKLOG_LIMIT,
+            partition_commit_limit: Self::DEFAULT_BACKLOG_LIMIT,
+            waiting_epoch_limit: Self::DEFAULT_BACKLOG_LIMIT,
+        }
+    }
+}
+
+impl EpochConfig {
+    /// Spark's default `epochBacklogQueueSize`.
+    pub const DEFAULT_BACKLOG_LIMIT: usize = 10_000;
+
+    /// Default settings starting at `start_epoch`.
+    pub fn new(start_epoch: impl Into<Epoch>) -> Self {
+        Self { start_epoch: start_epoch.into(), ..Self::default() }
+    }
+
+    /// Sets all three backlog limits to `limit` (Spark has one setting for all three).
+    pub fn with_backlog_limit(mut self, limit: usize) -> Self {
+        self.partition_offset_limit = limit;
+        self.partition_commit_limit = limit;
+        self.waiting_epoch_limit = limit;
+        self
+    }
+
+    /// Checks the settings.
+    ///
+    /// # Errors
+    /// [`ConfigError::Invalid`] for a negative start epoch.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.start_epoch.0 < 0 {
+            return Err(ConfigError::Invalid {
+                setting: "start_epoch",
+                value: self.start_epoch.to_string(),
+                reason: "must be at least 0",
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The one-way message kinds, for drop reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MessageKind {
+    /// `CommitPartitionEpoch`.
+    CommitPartitionEpoch,
+    /// `ReportPartitionOffset`.
+    ReportPartitionOffset,
+}
+
+impl std::fmt::Display for MessageKind {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.write_str(match self {
+            Self::CommitPartitionEpoch => "CommitPartitionEpoch",
+            Self::ReportPartitionOffset => "ReportPartitionOffset",
+        })
+    }
+}
+
+/// Why a one-way message was dropped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, thiserror::Error)]
+#[non_exhaustive]
+pub enum DropReason {
+    /// `StopContinuousExecutionWrites` was processed earlier (SPEC B.6).
+    #[error("writes are stopped")]
+    WritesStopped,
+    /// The partition id is negative.
+    #[error("the partition id is negative")]
+    NegativePartition,
+    /// The partition id is not below the configured partition count.
+    #[error("the partition id is not below the partition count {count}")]
+    PartitionOutOfRange {
+        /// The partition count of the message's side.
+        count: i32,
+    },
+    /// The epoch is at or below the last committed epoch (or below the start epoch).
+    #[error("the epoch is at or below the last committed epoch {last_committed}")]
+    StaleEpoch {
+        /// The last committed epoch when the message arrived.
+        last_committed: Epoch,
+    },
+    /// A commit for this epoch and partition was already stored (the first wins).
+    #[error("the partition already committed this epoch")]
+    DuplicateCommit,
+}
+
+/// A one-way message the coordinator dropped, with the values that explain why.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("{kind} of partition {partition} for epoch {epoch} dropped: {reason}")]
+pub struct Rejected {
+    /// The message's kind.
+    pub kind: MessageKind,
+    /// Its partition id.
+    pub partition: PartitionId,
+    /// Its epoch.
+    pub epoch: Epoch,
+    /// Why it was dropped.
+    pub reason: DropReason,
+}
+
+/// Counters of one coordinator (monotonic since construction).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct EpochCounters {
+    /// Offset reports stored for a new `(epoch, partition)`.
+    pub offsets_accepted: u64,
+    /// Offset reports that replaced an earlier offset of the same `(epoch, partition)`.
+    pub offsets_overwritten: u64,
+    /// Writer commits stored.
+    pub commits_accepted: u64,
+    /// Calls of [`Query::add_offsets`].
+    pub offsets_added: u64,
+    /// Epochs committed (sink and query both succeeded).
+    pub epochs_committed: u64,
+    /// Messages dropped because writes were stopped.
+    pub dropped_writes_stopped: u64,
+    /// Messages dropped for a negative partition id.
+    pub dropped_negative_partition: u64,
+    /// Messages dropped for a partition id not below the partition count.
+    pub dropped_partition_out_of_range: u64,
+    /// Messages dropped for an epoch at or below the last committed one.
+    pub dropped_stale_epoch: u64,
+    /// Duplicate writer commits dropped.
+    pub dropped_duplicate_commit: u64,
+    /// Partition-count requests rejected (negative count).
+    pub rejected_partition_counts: u64,
+    /// Backlog checks that failed (each one called [`Query::stop`]).
+    pub backlog_overflows: u64,
+}
+
+impl EpochCounters {
+    /// All one-way messages dropped, whatever the reason.
+    pub fn dropped(&self) -> u64 {
+        self.dropped_writes_stopped
+            + self.dropped_negative_partition
+            + self.dropped_partition_out_of_range
+            + self.dropped_stale_epoch
+            + self.dropped_duplicate_commit
+    }
+
+    pub(crate) fn count_drop(&mut self, reason: DropReason) -> u64 {
+        let counter = match reason {
+            DropReason::WritesStopped => &mut self.dropped_writes_stopped,
+            DropReason::NegativePartition => &mut self.dropped_negative_partition,
+            DropReason::PartitionOutOfRange { .. } => &mut self.dropped_partition_out_of_range,
+            DropReason::StaleEpoch { .. } => &mut self.dropped_stale_epoch,
+            DropReason::DuplicateCommit => &mut self.dropped_duplicate_commit,
+        };
+        *counter += 1;
+        *counter
+    }
+}
+
+/// A snapshot of a coordinator's state and counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct EpochStats {
+    /// The driver epoch.
+    pub current_epoch: Epoch,
+    /// The last committed epoch (start epoch - 1 before the first commit).
+    pub last_committed: Epoch,
+    /// Reader partition count (0: unset).
+    pub reader_partitions: i32,
+    /// Writer partition count (0: unset).
+    pub writer_partitions: i32,
+    /// Whether `StopContinuousExecutionWrites` was processed.
+    pub writes_stopped: bool,
+    /// The epoch whose commit (or offsets record) failed, if any: nothing commits any more.
+    pub failed_epoch: Option<Epoch>,
+    /// Offset entries counted by the backlog check.
+    pub offset_entries: usize,
+    /// Commit entries counted by the backlog check.
+    pub commit_entries: usize,
+    /// Ready epochs waiting for an earlier one.
+    pub waiting_epochs: usize,
+    /// The counters.
+    pub counters: EpochCounters,
+}
+
+/// Whether a drop or overflow count deserves a warning: the 1st, 2nd, 4th, 8th, ... occurrence,
+/// so a flood of bad messages logs O(log n) warnings.
+#[inline]
+pub(crate) fn worth_a_warning(count: u64) -> bool {
+    count.is_power_of_two()
+}

@@ -1,0 +1,1006 @@
+//! [`EpochCoordinator`]: the state machine (no I/O, no threads). See the parent module for the
+//! design and the behaviour decisions.
+//!
+//! Invariants (checked by `debug_assert!` where cheap):
+//! * every stored bucket's epoch is above `last_committed`;
+//! * `offset_entries` = offsets in stored buckets + `retained_offsets` (same for commits);
+//! * `waiting_epochs` = buckets with `waiting` set; a waiting bucket is ready;
+//! * `by_epoch` maps exactly the live buckets; `free` lists exactly the other slab slots.
+
+use std::{
+    collections::{hash_map::Entry, HashMap},
+    hash::{BuildHasherDefault, Hasher},
+};
+
+use super::{
+    worth_a_warning, BacklogQueue, DropReason, Epoch, EpochConfig, EpochCounters, EpochError,
+    EpochMessage, EpochStats, MessageKind, PartitionId, PartitionSide, Payload, Query, Rejected,
+    Sink,
+};
+use crate::error::ConfigError;
+
+/// Buckets for epochs up to this far ahead of the last committed epoch are laid out densely and
+/// may reuse recycled allocations; buckets further ahead are sparse and start small. This bounds
+/// how many live buckets hold allocations sized for a full epoch.
+const RECYCLE_WINDOW_EPOCHS: i64 = 16;
+/// Free buckets that keep their allocations; further freed buckets give them back.
+const RECYCLED_BUCKETS_MAX: usize = 16;
+
+/// A multiplicative hash for integer keys (partition ids, epochs): one multiply and a fold, so
+/// both the low bits (bucket position) and the high bits (SwissTable tag) depend on every key
+/// bit. Keys come from the engine, not from the network, so no keyed hash is needed.
+#[derive(Default, Clone, Copy)]
+pub(crate) struct IntHasher(u64);
+
+impl IntHasher {
+    const MULTIPLIER: u64 = 0x9E37_79B9_7F4A_7C15;
+
+    #[inline]
+    fn mix(&mut self, value: u64) {
+        let product = (self.0 ^ value).wrapping_mul(Self::MULTIPLIER);
+        self.0 = product ^ (product >> 32);
+    }
+}
+
+impl Hasher for IntHasher {
+    #[inline]
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    #[inline]
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            self.mix(u64::from_le_bytes(word));
+        }
+    }
+    #[inline]
+    fn write_i32(&mut self, value: i32) {
+        self.mix(u64::from(value as u32));
+    }
+    #[inline]
+    fn write_i64(&mut self, value: i64) {
+        self.mix(value as u64);
+    }
+}
+
+pub(crate) type IntMap<K, V> = HashMap<K, V, BuildHasherDefault<IntHasher>>;
+
+/// What an insert into [`Slots`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Inserted {
+    New,
+    Replaced,
+    Duplicate,
+}
+
+/// The entries of one epoch for one side (offsets or commits), in one of two layouts:
+///
+/// * **dense** (the usual case: the partition count is set and moderate, and the epoch is near
+///   the commit frontier): `entries[p] == (p, payload)` for every `p` below the partition count
+///   the bucket was prepared for, a bitmap says which slots hold a value. An insert is a bit test
+///   and a store; a complete side is already the sorted slice the query and sink want.
+/// * **sparse** (count unset, very large, or epoch far ahead): entries in arrival order, found
+///   through a small hash map, sorted on completion. While partitions arrive as 0, 1, 2, ... the
+///   vector is its own index ("positional", no hashing).
+struct Slots {
+    entries: Vec<(PartitionId, Payload)>,
+    /// Dense layout: `entries.len()` is the prepared partition count and `present` its bitmap.
+    dense: bool,
+    present: Vec<u64>,
+    /// Number of stored entries (dense: set bits; sparse: `entries.len()`).
+    len: usize,
+    /// Sparse layout: partition id -> position in `entries`, maintained only when `positional`
+    /// is false.
+    index: IntMap<i32, u32>,
+    /// Sparse layout: `entries[i].0 == i` for every `i`; `index` is empty.
+    positional: bool,
+    /// Sparse layout: largest partition id stored (-1 when empty).
+    max_partition: i32,
+}
+
+/// Largest partition count laid out densely (a dense side costs 40 bytes per partition).
+const DENSE_PARTITIONS_MAX: i32 = 1 << 14;
+
+impl Slots {
+    fn new() -> Self {
+        Self {
+            entries: Vec::new(),
+            dense: false,
+            present: Vec::new(),
+            len: 0,
+            index: IntMap::default(),
+            positional: true,
+            max_partition: -1,
+        }
+    }
+
+    /// Chooses the layout of an empty side for `count` partitions.
+    fn prepare(&mut self, count: i32, allow_dense: bool) {
+        debug_assert_eq!(self.len, 0);
+        if allow_dense && count > 0 && count <= DENSE_PARTITIONS_MAX {
+            let count = count as usize;
+            if !(self.dense && self.entries.len() == count) {
+                self.entries.clear();
+                self.entries.extend((0..count).map(|p| (PartitionId(p as i32), Payload::new())));
+                self.present.clear();
+                self.present.resize(count.div_ceil(64), 0);
+                self.dense = true;
+            }
+        } else if self.dense {
+            self.entries.clear();
+            self.present.clear();
+            self.dense = false;
+            self.index.clear();
+            self.positional = true;
+            self.max_partition = -1;
+        }
+    }
+
+    #[inline]
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Stores `payload` for `partition`; an existing entry is replaced when `overwrite`, else
+    /// kept (and `Duplicate` returned).
+    #[inline]
+    fn insert(&mut self, partition: PartitionId, payload: Payload, overwrite: bool) -> Inserted {
+        debug_assert!(partition.0 >= 0, "partition ids are validated before insert");
+        let position = partition.0 as usize;
+        if self.dense {
+            if position < self.entries.len() {
+                let (word, bit) = (position / 64, 1u64 << (position % 64));
+                if self.present[word] & bit != 0 {
+                    if !overwrite {
+                        return Inserted::Duplicate;
+                    }
+                    self.entries[position].1 = payload;
+                    return Inserted::Replaced;
+                }
+                self.present[word] |= bit;
+                self.entries[position].1 = payload;
+                self.len += 1;
+                return Inserted::New;
+            }
+            self.make_sparse();
+        }
+        if self.positional {
+            let len = self.entries.len();
+            if position < len {
+                debug_assert_eq!(self.entries[position].0, partition);
+                if !overwrite {
+                    return Inserted::Duplicate;
+                }
+                self.entries[position].1 = payload;
+                return Inserted::Replaced;
+            }
+            if position == len {
+                self.entries.push((partition, payload));
+                self.max_partition = partition.0;
+                self.len += 1;
+                return Inserted::New;
+            }
+            self.positional = false;
+            self.rebuild_index();
+        }
+        match self.index.entry(partition.0) {
+            Entry::Occupied(occupied) => {
+                if !overwrite {
+                    return Inserted::Duplicate;
+                }
+                self.entries[*occupied.get() as usize].1 = payload;
+                Inserted::Replaced
+            }
+            Entry::Vacant(vacant) => {
+                // Entries per bucket are bounded by the partition ids, which are i32.
+                vacant.insert(self.entries.len() as u32);
+                self.entries.push((partition, payload));
+                self.max_partition = self.max_partition.max(partition.0);
+                self.len += 1;
+                Inserted::New
+            }
+        }
+    }
+
+    /// Turns the dense layout into the sparse one (rare: the partition count changed after the
+    /// bucket was prepared).
+    #[cold]
+    fn make_sparse(&mut self) {
+        debug_assert!(self.dense);
+        let present = std::mem::take(&mut self.present);
+        let mut position = 0;
+        self.entries.retain(|_| {
+            let keep = present[position / 64] & (1 << (position % 64)) != 0;
+            position += 1;
+            keep
+        });
+        self.dense = false;
+        self.max_partition = self.entries.last().map_or(-1, |(partition, _)| partition.0);
+        // Kept in partition order: positional exactly when the ids are 0..len.
+        self.positional = self.max_partition + 1 == self.entries.len() as i32;
+        if self.positional {
+            self.index.clear();
+        } else {
+            self.rebuild_index();
+        }
+    }
+
+    fn rebuild_index(&mut self) {
+        self.index.clear();
+        self.index.reserve(self.entries.len());
+        for (position, (partition, _)) in self.entries.iter().enumerate() {
+            self.index.insert(partition.0, position as u32);
+        }
+    }
+
+    /// The stored entries sorted by partition id. O(1) for a complete dense side; O(n) for a
+    /// sparse side whose ids are exactly `0..n`.
+    fn sorted(&mut self) -> &[(PartitionId, Payload)] {
+        if self.dense {
+            if self.len == self.entries.len() {
+                return &self.entries;
+            }
+            self.make_sparse();
+        }
+        if !self.positional {
+            let len = self.entries.len();
+            if (self.max_partition as usize) < len {
+                // Distinct ids in 0..len: a permutation; put each entry at its index.
+                for position in 0..len {
+                    loop {
+                        let target = self.entries[position].0 .0 as usize;
+                        if target == position {
+                            break;
+                        }
+                        self.entries.swap(position, target);
+                    }
+                }
+                self.positional = true;
+                self.index.clear();
+            } else {
+                self.entries.sort_unstable_by_key(|(partition, _)| *partition);
+                self.rebuild_index();
+            }
+        }
+        &self.entries
+    }
+
+    /// Empties the side, keeping its allocations (a dense side keeps its layout).
+    fn clear(&mut self) {
+        if self.dense {
+            self.present.fill(0);
+        } else {
+            self.entries.clear();
+            self.index.clear();
+            self.positional = true;
+            self.max_partition = -1;
+        }
+        self.len = 0;
+    }
+
+    /// Empties the side and gives back allocations larger than a small epoch needs.
+    fn shrink(&mut self) {
+        const SMALL: usize = 16;
+        self.clear();
+        if self.dense {
+            self.entries = Vec::new();
+            self.present = Vec::new();
+            self.dense = false;
+            self.positional = true;
+            self.max_partition = -1;
+        }
+        if self.entries.capacity() > SMALL {
+            self.entries = Vec::new();
+        }
+        if self.index.capacity() > SMALL {
+            self.index = IntMap::default();
+        }
+    }
+}
+
+/// Everything stored for one pending epoch.
+struct Bucket {
+    epoch: Epoch,
+    offsets: Slots,
+    commits: Slots,
+    /// Ready, and waiting for an earlier epoch to commit (Spark's `epochsWaitingToBeCommitted`).
+    waiting: bool,
+}
+
+impl Bucket {
+    fn new(epoch: Epoch) -> Self {
+        Self { epoch, offsets: Slots::new(), commits: Slots::new(), waiting: false }
+    }
+}
+
+/// Whether `len` entries complete a side whose partition count is `count` (0 = unset never
+/// completes, SPEC B.4 note).
+#[inline]
+fn complete(len: usize, count: i32) -> bool {
+    count > 0 && len == count as usize
+}
+
+/// The epoch coordinator's state machine.
+///
+/// One method per message of SPEC B.4; call them from one thread in the order the messages
+/// arrive (the [`EpochEndpoint`](super::EpochEndpoint) does). Every call is O(1) amortised.
+///
+/// ```
+/// use coordbus::coordinators::epoch::{
+///     CollaboratorError, Epoch, EpochConfig, EpochCoordinator, EpochError, PartitionId, Payload,
+///     Query, Sink,
+/// };
+///
+/// #[derive(Default)]
+/// struct Log(Vec<String>);
+/// impl Query for Log {
+///     fn add_offsets(&mut self, e: Epoch, o: &[(PartitionId, Payload)])
+///         -> Result<(), CollaboratorError> {
+///         self.0.push(format!("offsets {e} x{}", o.len()));
+///         Ok(())
+///     }
+///     fn commit(&mut self, e: Epoch) -> Result<(), CollaboratorError> {
+///         self.0.push(format!("commit {e}"));
+///         Ok(())
+///     }
+///     fn stop(&mut self, error: EpochError) { self.0.push(format!("stop {error}")); }
+/// }
+/// struct NoSink;
+/// impl Sink for NoSink {
+///     fn commit(&mut self, _: Epoch, _: &[(PartitionId, Payload)])
+///         -> Result<(), CollaboratorError> { Ok(()) }
+/// }
+///
+/// let mut coordinator = EpochCoordinator::new(EpochConfig::new(1), Log::default(), NoSink)?;
+/// coordinator.set_reader_partitions(1)?;
+/// coordinator.set_writer_partitions(1)?;
+/// coordinator.report_partition_offset(PartitionId(0), Epoch(1), 7.into())?;
+/// coordinator.commit_partition_epoch(PartitionId(0), Epoch(1), 9.into())?;
+/// assert_eq!(coordinator.query().0, ["offsets 1 x1", "commit 1"]);
+/// assert_eq!(coordinator.last_committed(), Epoch(1));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct EpochCoordinator<Q, S> {
+    config: EpochConfig,
+    query: Q,
+    sink: S,
+    current_epoch: Epoch,
+    last_committed: Epoch,
+    reader_partitions: i32,
+    writer_partitions: i32,
+    writes_stopped: bool,
+    /// Set by the first failed `add_offsets` / sink commit / query commit: nothing commits
+    /// after it.
+    failed_epoch: Option<Epoch>,
+    /// Slab of buckets; live ones are in `by_epoch`, the others in `free`.
+    buckets: Vec<Bucket>,
+    free: Vec<u32>,
+    by_epoch: IntMap<i64, u32>,
+    /// The last bucket looked up: `(epoch, slot)`. Valid while that bucket is live.
+    cached: Option<(Epoch, u32)>,
+    offset_entries: usize,
+    commit_entries: usize,
+    waiting_epochs: usize,
+    /// Entries of the last committed epoch, still counted by the backlog checks (Spark keeps
+    /// them until the next commit); their payloads are already freed.
+    retained_offsets: usize,
+    retained_commits: usize,
+    counters: EpochCounters,
+}
+
+impl<Q, S> std::fmt::Debug for EpochCoordinator<Q, S> {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("EpochCoordinator")
+            .field("stats", &self.stats())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<Q, S> EpochCoordinator<Q, S> {
+    /// A snapshot of state and counters.
+    pub fn stats(&self) -> EpochStats {
+        EpochStats {
+            current_epoch: self.current_epoch,
+            last_committed: self.last_committed,
+            reader_partitions: self.reader_partitions,
+            writer_partitions: self.writer_partitions,
+            writes_stopped: self.writes_stopped,
+            failed_epoch: self.failed_epoch,
+            offset_entries: self.offset_entries,
+            commit_entries: self.commit_entries,
+            waiting_epochs: self.waiting_epochs,
+            counters: self.counters,
+        }
+    }
+}
+
+impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
+    /// A coordinator at `config.start_epoch` (driver epoch = start, last committed = start - 1,
+    /// partition counts unset).
+    ///
+    /// # Errors
+    /// [`ConfigError`] if `config` is invalid (see [`EpochConfig::validate`]).
+    pub fn new(config: EpochConfig, query: Q, sink: S) -> Result<Self, ConfigError> {
+        config.validate()?;
+        let start = config.start_epoch;
+        Ok(Self {
+            query,
+            sink,
+            current_epoch: start,
+            last_committed: Epoch(start.0 - 1),
+            reader_partitions: 0,
+            writer_partitions: 0,
+            writes_stopped: false,
+            failed_epoch: None,
+            buckets: Vec::new(),
+            free: Vec::new(),
+            by_epoch: IntMap::default(),
+            cached: None,
+            offset_entries: 0,
+            commit_entries: 0,
+            waiting_epochs: 0,
+            retained_offsets: 0,
+            retained_commits: 0,
+            counters: EpochCounters::default(),
+            config,
+        })
+    }
+
+    /// Handles one one-way message (dispatches to the two methods below).
+    ///
+    /// # Errors
+    /// [`Rejected`] when the message was dropped (nothing changed but a counter).
+    #[inline]
+    pub fn apply(&mut self, message: EpochMessage) -> Result<(), Rejected> {
+        match message {
+            EpochMessage::CommitPartitionEpoch(commit) => self.commit_partition_epoch(
+                PartitionId(commit.partition),
+                Epoch(commit.epoch),
+                commit.message,
+            ),
+            EpochMessage::ReportPartitionOffset(report) => self.report_partition_offset(
+                PartitionId(report.partition),
+                Epoch(report.epoch),
+                report.offset,
+            ),
+        }
+    }
+
+    /// `CommitPartitionEpoch`: stores the writer commit message of `partition` for `epoch`
+    /// (the first one wins), commits what became committable, then runs the backlog checks.
+    ///
+    /// # Errors
+    /// [`Rejected`] when dropped: writes stopped, bad partition, stale epoch, duplicate.
+    pub fn commit_partition_epoch(
+        &mut self,
+        partition: PartitionId,
+        epoch: Epoch,
+        message: Payload,
+    ) -> Result<(), Rejected> {
+        let kind = MessageKind::CommitPartitionEpoch;
+        self.admit(kind, partition, epoch, self.writer_partitions)?;
+        let slot = self.bucket_for(epoch);
+        let bucket = &mut self.buckets[slot as usize];
+        if bucket.commits.insert(partition, message, false) == Inserted::Duplicate {
+            return Err(self.drop_message(kind, partition, epoch, DropReason::DuplicateCommit));
+        }
+        self.commit_entries += 1;
+        self.counters.commits_accepted += 1;
+        tracing::debug!(%partition, %epoch, "writer commit stored");
+        self.resolve(slot);
+        self.check_backlog();
+        Ok(())
+    }
+
+    /// `ReportPartitionOffset`: stores (or replaces) the end offset of `partition` for
+    /// `epoch`; when the epoch's offsets are complete, records them with
+    /// [`Query::add_offsets`] and commits what became committable; then runs the backlog
+    /// checks.
+    ///
+    /// # Errors
+    /// [`Rejected`] when dropped: writes stopped, bad partition, stale epoch.
+    pub fn report_partition_offset(
+        &mut self,
+        partition: PartitionId,
+        epoch: Epoch,
+        offset: Payload,
+    ) -> Result<(), Rejected> {
+        self.admit(MessageKind::ReportPartitionOffset, partition, epoch, self.reader_partitions)?;
+        let slot = self.bucket_for(epoch);
+        let bucket = &mut self.buckets[slot as usize];
+        if bucket.offsets.insert(partition, offset, true) == Inserted::New {
+            self.offset_entries += 1;
+            self.counters.offsets_accepted += 1;
+        } else {
+            self.counters.offsets_overwritten += 1;
+        }
+        tracing::debug!(%partition, %epoch, "partition offset stored");
+        if complete(bucket.offsets.len(), self.reader_partitions) {
+            self.counters.offsets_added += 1;
+            if let Err(source) = self.query.add_offsets(epoch, bucket.offsets.sorted()) {
+                self.fail(EpochError::AddOffsets { epoch, source }, epoch);
+            }
+            self.resolve(slot);
+        }
+        self.check_backlog();
+        Ok(())
+    }
+
+    /// `GetCurrentEpoch`: the driver epoch.
+    pub fn get_current_epoch(&self) -> Epoch {
+        self.current_epoch
+    }
+
+    /// `IncrementAndGetEpoch`: advances the driver epoch and returns the new value.
+    ///
+    /// # Errors
+    /// [`EpochError::EpochOverflow`] at `i64::MAX` (the epoch is unchanged).
+    pub fn increment_and_get_epoch(&mut self) -> Result<Epoch, EpochError> {
+        let next = self
+            .current_epoch
+            .next()
+            .ok_or(EpochError::EpochOverflow { epoch: self.current_epoch })?;
+        self.current_epoch = next;
+        tracing::debug!(epoch = %next, "driver epoch incremented");
+        Ok(next)
+    }
+
+    /// `SetReaderPartitions(count)`: overwrites the reader partition count.
+    ///
+    /// # Errors
+    /// [`EpochError::InvalidPartitionCount`] for a negative count (nothing changes).
+    pub fn set_reader_partitions(&mut self, count: i32) -> Result<(), EpochError> {
+        self.check_count(PartitionSide::Reader, count)?;
+        self.reader_partitions = count;
+        tracing::debug!(count, "reader partitions set");
+        Ok(())
+    }
+
+    /// `SetWriterPartitions(count)`: overwrites the writer partition count.
+    ///
+    /// # Errors
+    /// [`EpochError::InvalidPartitionCount`] for a negative count (nothing changes).
+    pub fn set_writer_partitions(&mut self, count: i32) -> Result<(), EpochError> {
+        self.check_count(PartitionSide::Writer, count)?;
+        self.writer_partitions = count;
+        tracing::debug!(count, "writer partitions set");
+        Ok(())
+    }
+
+    /// `StopContinuousExecutionWrites`: from now on every one-way message is dropped (SPEC B.6).
+    /// Irreversible.
+    pub fn stop_writes(&mut self) {
+        if !self.writes_stopped {
+            tracing::info!(last_committed = %self.last_committed, "query writes stopped");
+        }
+        self.writes_stopped = true;
+    }
+
+    /// The last committed epoch (start epoch - 1 before the first commit).
+    pub fn last_committed(&self) -> Epoch {
+        self.last_committed
+    }
+
+    /// The counters.
+    pub fn counters(&self) -> EpochCounters {
+        self.counters
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &EpochConfig {
+        &self.config
+    }
+
+    /// The query collaborator.
+    pub fn query(&self) -> &Q {
+        &self.query
+    }
+
+    /// The query collaborator, mutably.
+    pub fn query_mut(&mut self) -> &mut Q {
+        &mut self.query
+    }
+
+    /// The sink collaborator.
+    pub fn sink(&self) -> &S {
+        &self.sink
+    }
+
+    /// The sink collaborator, mutably.
+    pub fn sink_mut(&mut self) -> &mut S {
+        &mut self.sink
+    }
+
+    /// Ends the coordinator, returning its collaborators.
+    pub fn into_parts(self) -> (Q, S) {
+        (self.query, self.sink)
+    }
+
+    fn check_count(&mut self, side: PartitionSide, count: i32) -> Result<(), EpochError> {
+        if count < 0 {
+            self.counters.rejected_partition_counts += 1;
+            tracing::warn!(%side, count, "negative partition count rejected");
+            return Err(EpochError::InvalidPartitionCount { side, count });
+        }
+        Ok(())
+    }
+
+    /// The checks every one-way message passes before it may change state.
+    #[inline]
+    fn admit(
+        &mut self,
+        kind: MessageKind,
+        partition: PartitionId,
+        epoch: Epoch,
+        partition_count: i32,
+    ) -> Result<(), Rejected> {
+        let reason = if self.writes_stopped {
+            DropReason::WritesStopped
+        } else if partition.0 < 0 {
+            DropReason::NegativePartition
+        } else if partition_count > 0 && partition.0 >= partition_count {
+            DropReason::PartitionOutOfRange { count: partition_count }
+        } else if epoch <= self.last_committed {
+            DropReason::StaleEpoch { last_committed: self.last_committed }
+        } else {
+            return Ok(());
+        };
+        Err(self.drop_message(kind, partition, epoch, reason))
+    }
+
+    #[cold]
+    fn drop_message(
+        &mut self,
+        kind: MessageKind,
+        partition: PartitionId,
+        epoch: Epoch,
+        reason: DropReason,
+    ) -> Rejected {
+        let count = self.counters.count_drop(reason);
+        let rejected = Rejected { kind, partition, epoch, reason };
+        if reason == DropReason::WritesStopped {
+            // Expected after a stop (lame-duck tasks): no warning (SPEC B.6).
+            tracing::debug!(%rejected, "message dropped");
+        } else if worth_a_warning(count) {
+            tracing::warn!(%rejected, dropped_for_this_reason = count, "message dropped");
+        } else {
+            tracing::debug!(%rejected, "message dropped");
+        }
+        rejected
+    }
+
+    /// The slab slot of `epoch`'s bucket, created if needed. `epoch` is above the last
+    /// committed epoch. Consecutive messages mostly share an epoch: the cache answers them.
+    #[inline(always)]
+    fn bucket_for(&mut self, epoch: Epoch) -> u32 {
+        debug_assert!(epoch > self.last_committed);
+        match self.cached {
+            Some((cached_epoch, slot)) if cached_epoch == epoch => slot,
+            _ => self.bucket_for_uncached(epoch),
+        }
+    }
+
+    fn bucket_for_uncached(&mut self, epoch: Epoch) -> u32 {
+        let slot = match self.by_epoch.entry(epoch.0) {
+            Entry::Occupied(occupied) => *occupied.get(),
+            Entry::Vacant(vacant) => {
+                let far = epoch.0.saturating_sub(self.last_committed.0) > RECYCLE_WINDOW_EPOCHS;
+                let slot = self.free.pop().unwrap_or_else(|| {
+                    self.buckets.push(Bucket::new(epoch));
+                    (self.buckets.len() - 1) as u32
+                });
+                let bucket = &mut self.buckets[slot as usize];
+                bucket.epoch = epoch;
+                if far {
+                    bucket.offsets.shrink();
+                    bucket.commits.shrink();
+                }
+                bucket.offsets.prepare(self.reader_partitions, !far);
+                bucket.commits.prepare(self.writer_partitions, !far);
+                *vacant.insert(slot)
+            }
+        };
+        self.cached = Some((epoch, slot));
+        slot
+    }
+
+    /// Frees the bucket in `slot` (its epoch is committed).
+    fn release(&mut self, slot: u32) {
+        let keep_allocations = self.free.len() < RECYCLED_BUCKETS_MAX;
+        let bucket = &mut self.buckets[slot as usize];
+        let epoch = bucket.epoch;
+        bucket.offsets.clear();
+        bucket.commits.clear();
+        bucket.waiting = false;
+        if !keep_allocations {
+            bucket.offsets.shrink();
+            bucket.commits.shrink();
+        }
+        self.by_epoch.remove(&epoch.0);
+        if self.cached.is_some_and(|(cached, _)| cached == epoch) {
+            self.cached = None;
+        }
+        self.free.push(slot);
+    }
+
+    fn live_slot(&self, epoch: Epoch) -> Option<u32> {
+        match self.cached {
+            Some((cached, slot)) if cached == epoch => Some(slot),
+            _ => self.by_epoch.get(&epoch.0).copied(),
+        }
+    }
+
+    /// SPEC B.5 resolve(e) for the epoch of `slot`, with the 0.3 decisions: commits the epoch
+    /// if it is ready and next in line, then every waiting epoch after it, in one pass.
+    fn resolve(&mut self, slot: u32) {
+        let bucket = &mut self.buckets[slot as usize];
+        let ready = complete(bucket.commits.len(), self.writer_partitions)
+            && complete(bucket.offsets.len(), self.reader_partitions);
+        if !ready {
+            return;
+        }
+        let epoch = bucket.epoch;
+        if self.failed_epoch.is_some() || Some(epoch) != self.last_committed.next() {
+            if !bucket.waiting {
+                bucket.waiting = true;
+                self.waiting_epochs += 1;
+                tracing::debug!(%epoch, last_committed = %self.last_committed, "epoch waiting");
+            }
+            return;
+        }
+        let mut next = Some(slot);
+        while let Some(slot) = next {
+            let epoch = self.buckets[slot as usize].epoch;
+            if let Err(error) = self.commit_epoch(slot) {
+                let bucket = &mut self.buckets[slot as usize];
+                if !bucket.waiting {
+                    bucket.waiting = true;
+                    self.waiting_epochs += 1;
+                }
+                self.fail(error, epoch);
+                return;
+            }
+            let bucket = &self.buckets[slot as usize];
+            debug_assert!(self.offset_entries >= self.retained_offsets + bucket.offsets.len());
+            debug_assert!(self.commit_entries >= self.retained_commits + bucket.commits.len());
+            debug_assert!(!bucket.waiting || self.waiting_epochs > 0);
+            if bucket.waiting {
+                self.waiting_epochs -= 1;
+            }
+            // Cleanup (B.5 d): entries of epochs below the new last committed epoch go; this
+            // epoch's entries stay counted until the next commit.
+            self.offset_entries -= self.retained_offsets;
+            self.commit_entries -= self.retained_commits;
+            self.retained_offsets = bucket.offsets.len();
+            self.retained_commits = bucket.commits.len();
+            self.last_committed = epoch;
+            self.counters.epochs_committed += 1;
+            self.release(slot);
+            next = epoch
+                .next()
+                .and_then(|after| self.live_slot(after))
+                .filter(|&slot| self.buckets[slot as usize].waiting);
+        }
+    }
+
+    /// Sink commit, then query commit (SPEC B.5 a; the order is mandatory).
+    fn commit_epoch(&mut self, slot: u32) -> Result<(), EpochError> {
+        let bucket = &mut self.buckets[slot as usize];
+        let epoch = bucket.epoch;
+        self.sink
+            .commit(epoch, bucket.commits.sorted())
+            .map_err(|source| EpochError::SinkCommit { epoch, source })?;
+        self.query.commit(epoch).map_err(|source| EpochError::QueryCommit { epoch, source })?;
+        tracing::debug!(%epoch, "epoch committed");
+        Ok(())
+    }
+
+    /// Enters the fail-stop state and stops the query with `error`.
+    #[cold]
+    fn fail(&mut self, error: EpochError, epoch: Epoch) {
+        tracing::error!(%epoch, %error, "epoch coordinator failed; nothing commits from now on");
+        if self.failed_epoch.is_none() {
+            self.failed_epoch = Some(epoch);
+        }
+        self.query.stop(error);
+    }
+
+    /// SPEC B.7: three independent checks, in order; each failing one stops the query.
+    #[inline]
+    fn check_backlog(&mut self) {
+        if self.offset_entries > self.config.partition_offset_limit {
+            self.overflow(
+                BacklogQueue::PartitionOffsets,
+                self.offset_entries,
+                self.config.partition_offset_limit,
+            );
+        }
+        if self.commit_entries > self.config.partition_commit_limit {
+            self.overflow(
+                BacklogQueue::PartitionCommits,
+                self.commit_entries,
+                self.config.partition_commit_limit,
+            );
+        }
+        if self.waiting_epochs > self.config.waiting_epoch_limit {
+            self.overflow(
+                BacklogQueue::WaitingEpochs,
+                self.waiting_epochs,
+                self.config.waiting_epoch_limit,
+            );
+        }
+    }
+
+    #[cold]
+    fn overflow(&mut self, queue: BacklogQueue, size: usize, limit: usize) {
+        self.counters.backlog_overflows += 1;
+        if worth_a_warning(self.counters.backlog_overflows) {
+            tracing::warn!(
+                ?queue,
+                size,
+                limit,
+                overflows = self.counters.backlog_overflows,
+                "{}",
+                queue.overflow_message()
+            );
+        }
+        self.query.stop(EpochError::BacklogExceeded { queue, size, limit });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ids(slots: &mut Slots) -> Vec<i32> {
+        slots.sorted().iter().map(|(partition, _)| partition.0).collect()
+    }
+
+    #[test]
+    fn sparse_slots_stay_positional_for_in_order_partitions() {
+        let mut slots = Slots::new();
+        for partition in 0..5 {
+            assert_eq!(slots.insert(PartitionId(partition), 1.into(), false), Inserted::New);
+        }
+        assert!(slots.positional && !slots.dense);
+        assert_eq!(slots.insert(PartitionId(3), 2.into(), false), Inserted::Duplicate);
+        assert_eq!(slots.insert(PartitionId(3), 2.into(), true), Inserted::Replaced);
+        assert_eq!(slots.entries[3].1.as_i64(), Some(2));
+        assert_eq!(slots.len(), 5);
+    }
+
+    #[test]
+    fn sparse_slots_sort_a_permutation_by_placement_and_others_by_comparison() {
+        let mut slots = Slots::new();
+        for partition in [3, 0, 4, 1, 2] {
+            let inserted = slots.insert(PartitionId(partition), partition.into(), false);
+            assert_eq!(inserted, Inserted::New);
+        }
+        assert!(!slots.positional);
+        assert_eq!(ids(&mut slots), [0, 1, 2, 3, 4]);
+        assert!(slots.positional);
+        // Still finds entries (by position) after sorting, and leaves positional mode cleanly.
+        assert_eq!(slots.insert(PartitionId(2), 9.into(), true), Inserted::Replaced);
+        assert_eq!(slots.insert(PartitionId(9), 9.into(), true), Inserted::New);
+        assert_eq!(slots.insert(PartitionId(2), 8.into(), false), Inserted::Duplicate);
+        assert_eq!(ids(&mut slots), [0, 1, 2, 3, 4, 9]);
+        assert_eq!(slots.insert(PartitionId(9), 1.into(), false), Inserted::Duplicate);
+        assert_eq!(slots.insert(PartitionId(7), 1.into(), false), Inserted::New);
+        assert_eq!(slots.entries[2].1.as_i64(), Some(9));
+        assert_eq!(slots.len(), 7);
+    }
+
+    #[test]
+    fn dense_slots_are_the_sorted_slice_and_fall_back_to_sparse() {
+        let mut slots = Slots::new();
+        slots.prepare(4, true);
+        assert!(slots.dense);
+        for partition in [2, 0, 3] {
+            assert_eq!(
+                slots.insert(PartitionId(partition), partition.into(), false),
+                Inserted::New
+            );
+        }
+        assert_eq!(slots.insert(PartitionId(0), 5.into(), false), Inserted::Duplicate);
+        assert_eq!(slots.len(), 3);
+        assert_eq!(slots.insert(PartitionId(1), 1.into(), false), Inserted::New);
+        assert_eq!(ids(&mut slots), [0, 1, 2, 3]);
+        assert!(slots.dense, "a complete dense side needs no conversion");
+        // Reuse: clear keeps the layout; a partition beyond it turns the side sparse.
+        slots.clear();
+        slots.prepare(4, true);
+        assert_eq!(slots.len(), 0);
+        assert_eq!(slots.insert(PartitionId(3), 3.into(), false), Inserted::New);
+        assert_eq!(slots.insert(PartitionId(6), 6.into(), false), Inserted::New);
+        assert!(!slots.dense);
+        assert_eq!(slots.insert(PartitionId(3), 9.into(), false), Inserted::Duplicate);
+        assert_eq!(ids(&mut slots), [3, 6]);
+        assert_eq!(slots.sorted()[0].1.as_i64(), Some(3));
+        // An incomplete dense side sorts into its present entries only.
+        let mut partial = Slots::new();
+        partial.prepare(8, true);
+        partial.insert(PartitionId(5), 5.into(), true);
+        partial.insert(PartitionId(1), 1.into(), true);
+        assert_eq!(ids(&mut partial), [1, 5]);
+        partial.shrink();
+        assert!(!partial.dense && partial.len() == 0 && partial.entries.capacity() <= 16);
+    }
+
+    struct Nothing;
+    impl Query for Nothing {
+        fn add_offsets(
+            &mut self,
+            _: Epoch,
+            _: &[(PartitionId, Payload)],
+        ) -> Result<(), crate::error::HandlerError> {
+            Ok(())
+        }
+        fn commit(&mut self, _: Epoch) -> Result<(), crate::error::HandlerError> {
+            Ok(())
+        }
+        fn stop(&mut self, _: EpochError) {}
+    }
+    impl Sink for Nothing {
+        fn commit(
+            &mut self,
+            _: Epoch,
+            _: &[(PartitionId, Payload)],
+        ) -> Result<(), crate::error::HandlerError> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn far_epochs_are_sparse_and_committed_buckets_are_recycled() {
+        let config = EpochConfig::new(1).with_backlog_limit(1 << 20);
+        let mut coordinator = EpochCoordinator::new(config, Nothing, Nothing).unwrap();
+        coordinator.set_reader_partitions(1000).unwrap();
+        coordinator.set_writer_partitions(1000).unwrap();
+        // Near the frontier: dense, sized for the partition count.
+        coordinator.report_partition_offset(PartitionId(999), Epoch(2), 1.into()).unwrap();
+        let near = coordinator.by_epoch[&2] as usize;
+        assert!(coordinator.buckets[near].offsets.dense);
+        // Far ahead: one entry costs a small sparse allocation, not a full epoch's.
+        for epoch in 100..200 {
+            coordinator.report_partition_offset(PartitionId(999), Epoch(epoch), 1.into()).unwrap();
+        }
+        for epoch in 100..200 {
+            let bucket = &coordinator.buckets[coordinator.by_epoch[&epoch] as usize];
+            assert!(!bucket.offsets.dense && !bucket.commits.dense);
+            assert!(bucket.offsets.entries.capacity() <= 16);
+            assert!(bucket.commits.entries.capacity() <= 16);
+        }
+        // Steady state: committing epoch after epoch reuses the same few buckets.
+        for epoch in 1..=40 {
+            for partition in 0..1000 {
+                let _ = coordinator.report_partition_offset(
+                    PartitionId(partition),
+                    Epoch(epoch),
+                    1.into(),
+                );
+                let _ = coordinator.commit_partition_epoch(
+                    PartitionId(partition),
+                    Epoch(epoch),
+                    1.into(),
+                );
+            }
+        }
+        assert_eq!(coordinator.last_committed(), Epoch(40));
+        assert_eq!(coordinator.buckets.len(), 102, "1 + 100 far buckets + 1 recycled");
+        let stats = coordinator.stats();
+        assert_eq!(stats.offset_entries, 1000 + 100, "retained epoch 40 + the far entries");
+        assert_eq!(stats.commit_entries, 1000);
+    }
+
+    #[test]
+    fn int_hasher_spreads_strided_keys() {
+        use std::hash::BuildHasher;
+        let build = BuildHasherDefault::<IntHasher>::default();
+        let low_bits: std::collections::HashSet<u64> =
+            (0..64i32).map(|key| build.hash_one(key * 1024) & 127).collect();
+        assert!(low_bits.len() > 32, "strided keys collide: {}", low_bits.len());
+    }
+}

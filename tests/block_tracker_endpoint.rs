@@ -1,0 +1,333 @@
+//! The block tracker hosted on the bus: acknowledgements wait for durability, concurrent
+//! receivers share group commits, queries never expose undurable changes, and a WAL failure
+//! fails the waiting requests and rolls the state back to the durable prefix.
+//!
+//! Method: a recording log (wrapping the real WAL log) remembers the LSN of every addition, so
+//! each receiver can check at the moment it is acknowledged that the WAL's durable LSN already
+//! covers its record. A fault-injecting storage fails `fdatasync` on demand.
+
+use std::{
+    collections::HashMap,
+    io,
+    os::fd::RawFd,
+    path::Path,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, Mutex,
+    },
+    time::Duration,
+};
+
+use coordbus::{
+    clock::{ManualClock, SystemClock},
+    coordinators::block_tracker::{
+        AddBlock, AddBlocks, AllocateBlocksToBatch, BatchTime, BlockLog, BlockLogError,
+        BlockStoreResult, BlockTrackerConfig, BlockTrackerEndpoint, BlockTrackerError,
+        CleanupOldBatches, GetBlocksOfBatch, GetBlocksOfBatchAndStream, GetUnallocatedBlocks,
+        HasUnallocatedBlocks, ReceivedBlockInfo, ReceivedBlockTracker, StopTracker, StreamBlockId,
+        StreamId, TrackerEvent, WalBlockLog, RECEIVED_BLOCK_METADATA_DIR,
+    },
+    wal::{
+        storage::{FileStorage, Storage, StorageFile},
+        DurableCallback, IoMode, Lsn, Wal, WalConfig, WalError, WalOptions,
+    },
+    AskError, Bus,
+};
+
+fn info(stream: i32, unique_id: u64) -> ReceivedBlockInfo {
+    let block_id = StreamBlockId { stream: StreamId(stream), unique_id };
+    ReceivedBlockInfo::new(
+        StreamId(stream),
+        Some(1),
+        None,
+        BlockStoreResult::BlockManager { block_id },
+    )
+    .unwrap()
+}
+
+/// The real log, remembering the LSN each block's addition got.
+struct RecordingLog {
+    inner: WalBlockLog,
+    lsns: Mutex<HashMap<StreamBlockId, Lsn>>,
+}
+
+impl BlockLog for RecordingLog {
+    fn append(&self, event: &TrackerEvent, time_ms: i64) -> Result<Lsn, BlockLogError> {
+        let lsn = self.inner.append(event, time_ms)?;
+        if let TrackerEvent::BlockAddition(addition) = event {
+            self.lsns.lock().unwrap().insert(addition.info.block_id(), lsn);
+        }
+        Ok(lsn)
+    }
+    fn wait_durable(&self, lsn: Lsn, timeout: Duration) -> Result<(), WalError> {
+        self.inner.wait_durable(lsn, timeout)
+    }
+    fn durable_lsn(&self) -> Lsn {
+        self.inner.durable_lsn()
+    }
+    fn notify_when_durable(&self, lsn: Lsn, callback: DurableCallback) {
+        self.inner.notify_when_durable(lsn, callback);
+    }
+    fn replay(
+        &self,
+        last: Option<Lsn>,
+        apply: &mut dyn FnMut(Lsn, TrackerEvent),
+    ) -> Result<u64, BlockTrackerError> {
+        self.inner.replay(last, apply)
+    }
+    fn clean(&self, threshold_ms: i64, wait: bool) -> Result<(), WalError> {
+        self.inner.clean(threshold_ms, wait)
+    }
+    fn close(&self) -> Result<(), WalError> {
+        self.inner.close()
+    }
+    fn wal(&self) -> Option<&Arc<Wal>> {
+        self.inner.wal()
+    }
+}
+
+#[test]
+fn concurrent_receivers_are_acknowledged_only_once_durable_and_share_syncs() {
+    const RECEIVERS: u64 = 6;
+    const BLOCKS: u64 = 100;
+    let dir = tempfile::tempdir().unwrap();
+    let log = Arc::new(RecordingLog {
+        inner: WalBlockLog::open(dir.path().join("wal"), WalConfig::default()).unwrap(),
+        lsns: Mutex::new(HashMap::new()),
+    });
+    let streams: Vec<StreamId> = (0..RECEIVERS as i32).map(StreamId).collect();
+    let tracker = ReceivedBlockTracker::with_log(
+        BlockTrackerConfig::new(streams.clone()),
+        Arc::new(SystemClock),
+        Some(log.clone()),
+    )
+    .unwrap();
+    let bus = Bus::builder().inbox_shards(4).build().unwrap();
+    let endpoint =
+        bus.register("ReceivedBlockTracker", BlockTrackerEndpoint::new(tracker)).unwrap();
+
+    std::thread::scope(|scope| {
+        for receiver in 0..RECEIVERS {
+            let (endpoint, log) = (endpoint.clone(), log.clone());
+            scope.spawn(move || {
+                for unique_id in 0..BLOCKS {
+                    let block = info(receiver as i32, unique_id);
+                    let id = block.block_id();
+                    assert!(endpoint.ask(AddBlock(block)).wait().unwrap());
+                    let lsn = log.lsns.lock().unwrap()[&id];
+                    assert!(log.durable_lsn() >= lsn, "acknowledged before durable: {id}");
+                }
+            });
+        }
+        // One receiver pipelining its additions: acknowledged, in order, all durable.
+        let (endpoint, log) = (endpoint.clone(), log.clone());
+        scope.spawn(move || {
+            let replies: Vec<_> = (0..64)
+                .map(|unique_id| endpoint.ask(AddBlock(info(0, 1_000 + unique_id))))
+                .collect();
+            for (unique_id, reply) in (0..64).zip(replies) {
+                assert!(reply.wait().unwrap());
+                let lsn = log.lsns.lock().unwrap()[&info(0, 1_000 + unique_id).block_id()];
+                assert!(log.durable_lsn() >= lsn);
+            }
+        });
+    });
+
+    let additions = RECEIVERS * BLOCKS + 64;
+    let stats = log.wal().unwrap().stats();
+    assert!(stats.syncs < additions, "{} syncs for {additions} additions", stats.syncs);
+
+    endpoint.ask(AllocateBlocksToBatch(BatchTime(1))).wait().unwrap();
+    let batch = endpoint.ask(GetBlocksOfBatch(BatchTime(1))).wait().unwrap();
+    assert_eq!(batch.block_count() as u64, additions);
+    for stream in &streams {
+        let blocks = batch.blocks_of_stream(*stream);
+        let expected = if stream.0 == 0 { BLOCKS + 64 } else { BLOCKS };
+        assert_eq!(blocks.len() as u64, expected);
+    }
+    assert!(!endpoint.ask(HasUnallocatedBlocks).wait().unwrap());
+    endpoint.ask(StopTracker).wait().unwrap();
+    bus.shutdown().unwrap();
+}
+
+#[test]
+fn endpoint_operations_are_durable_and_survive_recovery() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(10_000));
+    let mut config = BlockTrackerConfig::new([StreamId(1), StreamId(2)]).checkpoint_dir(dir.path());
+    config.wal.segment_size_bytes = 4 << 20;
+    let bus = Bus::builder().build().unwrap();
+    let tracker = ReceivedBlockTracker::open(config.clone(), clock.clone()).unwrap();
+    let endpoint = bus.register("tracker", BlockTrackerEndpoint::new(tracker)).unwrap();
+
+    let first: Vec<_> = (0..4).map(|id| info(1 + (id % 2) as i32, id)).collect();
+    for block in &first {
+        assert!(endpoint.ask(AddBlock(block.clone())).wait().unwrap());
+    }
+    assert!(endpoint.ask(HasUnallocatedBlocks).wait().unwrap());
+    assert_eq!(
+        endpoint.ask(GetUnallocatedBlocks(StreamId(1))).wait().unwrap(),
+        [first[0].clone(), first[2].clone()]
+    );
+    endpoint.ask(AllocateBlocksToBatch(BatchTime(1_000))).wait().unwrap();
+    // A stale time is a no-op.
+    endpoint.ask(AllocateBlocksToBatch(BatchTime(1_000))).wait().unwrap();
+    assert_eq!(
+        endpoint.ask(GetBlocksOfBatchAndStream(BatchTime(1_000), StreamId(2))).wait().unwrap(),
+        [first[1].clone(), first[3].clone()]
+    );
+    let late = info(2, 99);
+    assert!(endpoint.ask(AddBlock(late.clone())).wait().unwrap());
+    clock.advance_ms(1_000);
+    endpoint.ask(AllocateBlocksToBatch(BatchTime(2_000))).wait().unwrap();
+
+    let error = endpoint
+        .ask(CleanupOldBatches { threshold: BatchTime(11_000), wait: true })
+        .wait()
+        .unwrap_err();
+    match error {
+        AskError::Handler(cause) => assert_eq!(
+            cause.downcast_ref::<BlockTrackerError>(),
+            Some(&BlockTrackerError::ThresholdNotInPast { threshold_ms: 11_000, now_ms: 11_000 })
+        ),
+        other => panic!("expected a handler error, got {other:?}"),
+    }
+    endpoint.ask(CleanupOldBatches { threshold: BatchTime(1_500), wait: true }).wait().unwrap();
+    assert!(endpoint.ask(GetBlocksOfBatch(BatchTime(1_000))).wait().unwrap().is_empty());
+    endpoint.ask(StopTracker).wait().unwrap();
+    assert!(endpoint.is_stopped());
+    bus.shutdown().unwrap();
+
+    let recovered = ReceivedBlockTracker::open(config.recover(true), clock).unwrap();
+    assert!(recovered.blocks_of_batch(BatchTime(1_000)).is_empty());
+    assert_eq!(recovered.blocks_of_batch_and_stream(BatchTime(2_000), StreamId(2)), [late]);
+    assert!(!recovered.has_unallocated_blocks());
+    assert_eq!(recovered.last_allocated_batch_time(), Some(BatchTime(2_000)));
+}
+
+/// Real files whose `fdatasync` fails once `fail_sync` is set.
+#[derive(Debug)]
+struct FlakyStorage {
+    inner: FileStorage,
+    fail_sync: Arc<AtomicBool>,
+}
+
+#[derive(Debug)]
+struct FlakyFile {
+    inner: Arc<dyn StorageFile>,
+    fail_sync: Arc<AtomicBool>,
+}
+
+impl Storage for FlakyStorage {
+    fn create_dir_all(&self, dir: &Path) -> io::Result<()> {
+        self.inner.create_dir_all(dir)
+    }
+    fn create(&self, path: &Path) -> io::Result<Arc<dyn StorageFile>> {
+        let inner = self.inner.create(path)?;
+        Ok(Arc::new(FlakyFile { inner, fail_sync: self.fail_sync.clone() }))
+    }
+    fn open_existing(&self, path: &Path) -> io::Result<Arc<dyn StorageFile>> {
+        let inner = self.inner.open_existing(path)?;
+        Ok(Arc::new(FlakyFile { inner, fail_sync: self.fail_sync.clone() }))
+    }
+    fn remove(&self, path: &Path) -> io::Result<()> {
+        self.inner.remove(path)
+    }
+    fn sync_dir(&self, dir: &Path) -> io::Result<()> {
+        self.inner.sync_dir(dir)
+    }
+}
+
+impl StorageFile for FlakyFile {
+    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<usize> {
+        self.inner.write_at(buf, offset)
+    }
+    fn sync_data(&self) -> io::Result<()> {
+        if self.fail_sync.load(Ordering::SeqCst) {
+            return Err(io::Error::from_raw_os_error(libc_eio()));
+        }
+        self.inner.sync_data()
+    }
+    fn allocate(&self, len: u64) -> io::Result<()> {
+        self.inner.allocate(len)
+    }
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        self.inner.set_len(len)
+    }
+    fn raw_fd(&self) -> Option<RawFd> {
+        None
+    }
+}
+
+/// EIO on Linux.
+fn libc_eio() -> i32 {
+    5
+}
+
+#[test]
+fn a_failed_sync_fails_waiting_additions_and_rolls_back_to_the_durable_prefix() {
+    let dir = tempfile::tempdir().unwrap();
+    let fail_sync = Arc::new(AtomicBool::new(false));
+    let storage = Arc::new(FlakyStorage { inner: FileStorage, fail_sync: fail_sync.clone() });
+    let wal = Wal::open_with_options(
+        dir.path().join(RECEIVED_BLOCK_METADATA_DIR),
+        WalConfig::default(),
+        WalOptions { io: IoMode::Pwrite, storage, ..WalOptions::default() },
+    )
+    .unwrap();
+    let log: Arc<dyn BlockLog> = Arc::new(WalBlockLog::from_wal(Arc::new(wal)));
+    let tracker = ReceivedBlockTracker::with_log(
+        BlockTrackerConfig::new([StreamId(1)]),
+        Arc::new(SystemClock),
+        Some(log),
+    )
+    .unwrap();
+    let bus = Bus::builder().build().unwrap();
+    let endpoint = bus.register("tracker", BlockTrackerEndpoint::new(tracker)).unwrap();
+
+    let durable = info(1, 1);
+    assert!(endpoint.ask(AddBlock(durable.clone())).wait().unwrap());
+    fail_sync.store(true, Ordering::SeqCst);
+    assert!(!endpoint.ask(AddBlock(info(1, 2))).wait().unwrap(), "the sync failed");
+    // The state fell back to what is durable; the failed log accepts no more writes.
+    assert_eq!(
+        endpoint.ask(GetUnallocatedBlocks(StreamId(1))).wait().unwrap(),
+        std::slice::from_ref(&durable)
+    );
+    let queued = endpoint.ask(GetUnallocatedBlocks(StreamId(1))).wait().unwrap();
+    assert!(queued[0].is_block_id_valid(), "added in this run: the executor still holds it");
+    assert!(!endpoint.ask(AddBlock(info(1, 3))).wait().unwrap());
+    endpoint.ask(AllocateBlocksToBatch(BatchTime(1))).wait().unwrap();
+    assert!(endpoint.ask(GetBlocksOfBatch(BatchTime(1))).wait().unwrap().is_empty());
+    assert_eq!(endpoint.ask(GetUnallocatedBlocks(StreamId(1))).wait().unwrap(), [durable]);
+    endpoint.ask(StopTracker).wait().unwrap();
+    bus.shutdown().unwrap();
+}
+
+#[test]
+fn add_blocks_logs_each_block_and_answers_once_the_last_is_durable() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = Arc::new(RecordingLog {
+        inner: WalBlockLog::open(dir.path().join("wal"), WalConfig::default()).unwrap(),
+        lsns: Mutex::new(HashMap::new()),
+    });
+    let tracker = ReceivedBlockTracker::with_log(
+        BlockTrackerConfig::new([StreamId(1)]),
+        Arc::new(SystemClock),
+        Some(log.clone()),
+    )
+    .unwrap();
+    let bus = Bus::builder().build().unwrap();
+    let endpoint = bus.register("tracker", BlockTrackerEndpoint::new(tracker)).unwrap();
+    let blocks: Vec<_> = (0..50).map(|id| info(1, id)).collect();
+    let logged = endpoint.ask(AddBlocks(blocks.clone())).wait().unwrap();
+    assert_eq!(logged, vec![true; 50]);
+    let lsns = log.lsns.lock().unwrap().clone();
+    assert_eq!(lsns.len(), 50, "one record per block");
+    let durable = log.durable_lsn();
+    assert!(lsns.values().all(|lsn| *lsn <= durable));
+    assert_eq!(endpoint.ask(GetUnallocatedBlocks(StreamId(1))).wait().unwrap(), blocks);
+    endpoint.ask(StopTracker).wait().unwrap();
+    // After the stop the log is closed: nothing more is logged.
+    bus.shutdown().unwrap();
+}

@@ -1,0 +1,492 @@
+//! ReceivedBlockTracker acceptance scenarios RBT-01..RBT-06 (SCENARIOS.md section 4), plus the
+//! edge cases of SPEC D.3 (threshold in the past, negative record counts) and block data kept
+//! in a receiver log.
+//!
+//! Method: drive the plain state machine with a manual clock, read the journal back by opening
+//! its WAL directory after the tracker stopped, and compare events by equality.
+
+use std::{
+    path::{Path, PathBuf},
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
+
+use coordbus::{
+    clock::ManualClock,
+    coordinators::block_tracker::{
+        AllocatedBlocks, BatchAllocationEvent, BatchCleanupEvent, BatchTime, BlockAdditionEvent,
+        BlockLog, BlockLogError, BlockStoreResult, BlockTrackerConfig, BlockTrackerError,
+        ReceivedBlockInfo, ReceivedBlockTracker, ReceiverBlockStore, StreamBlockId, StreamId,
+        TrackerEvent, WalBlockLog, RECEIVED_BLOCK_METADATA_DIR,
+    },
+    wal::{DurableCallback, Lsn, Wal, WalConfig, WalError},
+};
+
+const STREAM: StreamId = StreamId(1);
+
+/// Fresh block ids from a fixed-seed generator (splitmix64), so runs are repeatable.
+struct Blocks(u64);
+
+impl Blocks {
+    fn new() -> Self {
+        Self(0x5eed_b10c)
+    }
+
+    fn next_id(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// `n` fresh infos `{stream 1, numRecords 0, no metadata, block-manager result}`.
+    fn take(&mut self, n: usize) -> Vec<ReceivedBlockInfo> {
+        (0..n)
+            .map(|_| {
+                let block_id = StreamBlockId { stream: STREAM, unique_id: self.next_id() };
+                ReceivedBlockInfo::new(
+                    STREAM,
+                    Some(0),
+                    None,
+                    BlockStoreResult::BlockManager { block_id },
+                )
+                .unwrap()
+            })
+            .collect()
+    }
+}
+
+fn config(checkpoint: Option<&Path>, rolling: Duration) -> BlockTrackerConfig {
+    let mut config = BlockTrackerConfig::new([STREAM]);
+    config.wal.rolling_interval = Some(rolling);
+    // Small segments keep the many opens of these tests cheap (opening scans each segment).
+    config.wal.segment_size_bytes = 4 << 20;
+    if let Some(dir) = checkpoint {
+        config = config.checkpoint_dir(dir);
+    }
+    config
+}
+
+fn wal_dir(checkpoint: &Path) -> PathBuf {
+    checkpoint.join(RECEIVED_BLOCK_METADATA_DIR)
+}
+
+/// Every event in the journal, in order, with the segment holding it.
+fn read_log(checkpoint: &Path, wal_config: &WalConfig) -> Vec<(u32, TrackerEvent)> {
+    let wal = Wal::open(wal_dir(checkpoint), wal_config.clone()).unwrap();
+    let events = wal
+        .iter_from(Lsn::ZERO)
+        .unwrap()
+        .map(|record| {
+            let record = record.unwrap();
+            (record.handle.segment.0, TrackerEvent::decode(&record.bytes).unwrap())
+        })
+        .collect();
+    wal.close().unwrap();
+    events
+}
+
+fn events_only(log: Vec<(u32, TrackerEvent)>) -> Vec<TrackerEvent> {
+    log.into_iter().map(|(_, event)| event).collect()
+}
+
+/// Segment files in the journal directory, sorted by name (= log order).
+fn log_files(checkpoint: &Path) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(wal_dir(checkpoint))
+        .map(|entries| {
+            entries
+                .map(|entry| entry.unwrap().path())
+                .filter(|path| path.extension().is_some_and(|ext| ext == "wal"))
+                .collect()
+        })
+        .unwrap_or_default();
+    files.sort();
+    files
+}
+
+fn additions(blocks: &[ReceivedBlockInfo]) -> Vec<TrackerEvent> {
+    blocks
+        .iter()
+        .map(|info| TrackerEvent::BlockAddition(BlockAdditionEvent { info: info.clone() }))
+        .collect()
+}
+
+fn allocation(time: i64, blocks: &[ReceivedBlockInfo]) -> TrackerEvent {
+    TrackerEvent::BatchAllocation(BatchAllocationEvent {
+        time: BatchTime(time),
+        blocks: AllocatedBlocks::new([(STREAM, blocks.to_vec())]),
+    })
+}
+
+#[test]
+fn rbt_01_addition_and_allocation_without_wal() {
+    let clock = Arc::new(ManualClock::new(0));
+    let mut tracker =
+        ReceivedBlockTracker::open(config(None, Duration::from_secs(60)), clock).unwrap();
+    assert!(!tracker.is_wal_enabled());
+    assert!(tracker.unallocated_blocks(STREAM).is_empty());
+
+    let b = Blocks::new().take(5);
+    for info in &b {
+        assert!(tracker.add_block(info.clone()));
+    }
+    assert_eq!(tracker.unallocated_blocks(STREAM), b);
+    assert!(tracker.has_unallocated_blocks());
+
+    tracker.allocate_blocks_to_batch(BatchTime(1)).unwrap();
+    assert_eq!(tracker.blocks_of_batch_and_stream(BatchTime(1), STREAM), b);
+    assert_eq!(tracker.blocks_of_batch(BatchTime(1)), AllocatedBlocks::new([(STREAM, b.clone())]));
+    assert!(tracker.unallocated_blocks(STREAM).is_empty());
+    assert!(!tracker.has_unallocated_blocks());
+
+    tracker.allocate_blocks_to_batch(BatchTime(2)).unwrap();
+    assert!(tracker.blocks_of_batch_and_stream(BatchTime(2), STREAM).is_empty());
+    assert_eq!(tracker.blocks_of_batch(BatchTime(2)), AllocatedBlocks::new([(STREAM, vec![])]));
+
+    tracker.allocate_blocks_to_batch(BatchTime(1)).unwrap();
+    assert_eq!(tracker.blocks_of_batch_and_stream(BatchTime(1), STREAM), b);
+
+    for info in &b {
+        assert!(tracker.add_block(info.clone()));
+    }
+    tracker.allocate_blocks_to_batch(BatchTime(2)).unwrap();
+    assert!(tracker.blocks_of_batch_and_stream(BatchTime(2), STREAM).is_empty());
+    assert_eq!(tracker.unallocated_blocks(STREAM), b);
+    assert_eq!(tracker.last_allocated_batch_time(), Some(BatchTime(2)));
+}
+
+#[test]
+fn rbt_02_many_blocks_with_wal() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(1_000));
+    let mut config = config(Some(dir.path()), Duration::from_secs(60));
+    // Room for 100 000 additions and their allocation in one segment (about 25 MB).
+    config.wal.segment_size_bytes = 64 << 20;
+    let mut tracker = ReceivedBlockTracker::open(config.clone(), clock).unwrap();
+    let blocks = Blocks::new().take(100_000);
+    // Appended without waiting for each sync (as many receivers would), then made durable.
+    let mut last = Lsn::ZERO;
+    for info in &blocks {
+        match tracker.add_block_deferred(info.clone()) {
+            coordbus::coordinators::block_tracker::Logged::Pending(lsn) => last = lsn,
+            other => panic!("addition not appended: {other:?}"),
+        }
+    }
+    tracker.log().unwrap().wait_durable(last, Duration::from_secs(30)).unwrap();
+    tracker.allocate_blocks_to_batch(BatchTime(1)).unwrap();
+
+    assert!(tracker.unallocated_blocks(STREAM).is_empty());
+    assert!(!tracker.has_unallocated_blocks());
+    assert_eq!(
+        tracker.blocks_of_batch(BatchTime(1)),
+        AllocatedBlocks::new([(STREAM, blocks.clone())])
+    );
+    tracker.stop().unwrap();
+
+    let mut expected = additions(&blocks);
+    expected.push(allocation(1, &blocks));
+    assert!(events_only(read_log(dir.path(), &config.wal)) == expected);
+    assert_eq!(log_files(dir.path()).len(), 1, "exactly one log file");
+}
+
+#[test]
+fn rbt_03_recovery_removes_only_the_allocated_blocks() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(0));
+    let config = config(Some(dir.path()), Duration::from_secs(60));
+    let mut blocks = Blocks::new();
+    let (a, u) = (blocks.take(5), blocks.take(5));
+
+    let mut tracker1 = ReceivedBlockTracker::open(config.clone(), clock.clone()).unwrap();
+    for event in additions(&a).into_iter().chain(additions(&u)).chain([allocation(0, &a)]) {
+        assert!(tracker1.write_to_log(&event).unwrap());
+    }
+    tracker1.stop().unwrap();
+
+    let tracker2 = ReceivedBlockTracker::open(config.recover(true), clock).unwrap();
+    assert_eq!(tracker2.blocks_of_batch(BatchTime(0)), AllocatedBlocks::new([(STREAM, a)]));
+    assert_eq!(tracker2.unallocated_blocks(STREAM), u);
+    assert_eq!(tracker2.recovered_events(), 11);
+}
+
+/// The real log, with allocation writes failing on demand: raising (as Spark's test
+/// overrides `writeToLog`) or reporting a WAL error.
+struct FailingLog {
+    inner: WalBlockLog,
+    raise_on_allocation: AtomicBool,
+    refuse_allocation: AtomicBool,
+}
+
+impl BlockLog for FailingLog {
+    fn append(&self, event: &TrackerEvent, time_ms: i64) -> Result<Lsn, BlockLogError> {
+        if matches!(event, TrackerEvent::BatchAllocation(_)) {
+            if self.raise_on_allocation.load(Ordering::SeqCst) {
+                return Err(BlockLogError::Raised {
+                    message: "Not able to write BatchAllocationEvent".into(),
+                });
+            }
+            if self.refuse_allocation.load(Ordering::SeqCst) {
+                return Err(BlockLogError::Wal(WalError::Closed));
+            }
+        }
+        self.inner.append(event, time_ms)
+    }
+    fn wait_durable(&self, lsn: Lsn, timeout: Duration) -> Result<(), WalError> {
+        self.inner.wait_durable(lsn, timeout)
+    }
+    fn durable_lsn(&self) -> Lsn {
+        self.inner.durable_lsn()
+    }
+    fn notify_when_durable(&self, lsn: Lsn, callback: DurableCallback) {
+        self.inner.notify_when_durable(lsn, callback);
+    }
+    fn replay(
+        &self,
+        last: Option<Lsn>,
+        apply: &mut dyn FnMut(Lsn, TrackerEvent),
+    ) -> Result<u64, BlockTrackerError> {
+        self.inner.replay(last, apply)
+    }
+    fn clean(&self, threshold_ms: i64, wait: bool) -> Result<(), WalError> {
+        self.inner.clean(threshold_ms, wait)
+    }
+    fn close(&self) -> Result<(), WalError> {
+        self.inner.close()
+    }
+}
+
+fn assert_nothing_allocated(tracker: &ReceivedBlockTracker, b: &[ReceivedBlockInfo]) {
+    assert_eq!(tracker.unallocated_blocks(STREAM), b);
+    assert!(tracker.blocks_of_batch(BatchTime(1)).is_empty());
+    assert!(tracker.blocks_of_batch_and_stream(BatchTime(1), STREAM).is_empty());
+    assert_eq!(tracker.last_allocated_batch_time(), None);
+}
+
+#[test]
+fn rbt_04_failed_allocation_write_does_not_lose_blocks() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(1_000));
+    let config = config(Some(dir.path()), Duration::from_secs(60));
+    let log = Arc::new(FailingLog {
+        inner: WalBlockLog::open(wal_dir(dir.path()), config.wal.clone()).unwrap(),
+        raise_on_allocation: AtomicBool::new(false),
+        refuse_allocation: AtomicBool::new(false),
+    });
+    let mut tracker =
+        ReceivedBlockTracker::with_log(config.clone(), clock.clone(), Some(log.clone())).unwrap();
+    let b = Blocks::new().take(5);
+    for info in &b {
+        assert!(tracker.add_block(info.clone()));
+    }
+    assert_eq!(tracker.unallocated_blocks(STREAM), b);
+
+    // The log step raises: the error reaches the caller, nothing changes.
+    log.raise_on_allocation.store(true, Ordering::SeqCst);
+    let error = tracker.allocate_blocks_to_batch(BatchTime(1)).unwrap_err();
+    assert!(matches!(error, BlockTrackerError::LogRaised { .. }), "{error:?}");
+    assert_eq!(error.to_string(), "Not able to write BatchAllocationEvent");
+    assert_nothing_allocated(&tracker, &b);
+    log.raise_on_allocation.store(false, Ordering::SeqCst);
+
+    // [derived] The WAL write itself fails: writeToLog is false, allocate returns normally.
+    log.refuse_allocation.store(true, Ordering::SeqCst);
+    tracker.allocate_blocks_to_batch(BatchTime(1)).unwrap();
+    assert_nothing_allocated(&tracker, &b);
+    log.refuse_allocation.store(false, Ordering::SeqCst);
+
+    tracker.allocate_blocks_to_batch(BatchTime(2)).unwrap();
+    assert!(tracker.unallocated_blocks(STREAM).is_empty());
+    assert!(!tracker.has_unallocated_blocks());
+    assert_eq!(tracker.blocks_of_batch(BatchTime(2)), AllocatedBlocks::new([(STREAM, b.clone())]));
+    tracker.stop().unwrap();
+    drop(tracker);
+    drop(log);
+
+    let recovered = ReceivedBlockTracker::open(config.recover(true), clock).unwrap();
+    assert!(recovered.unallocated_blocks(STREAM).is_empty());
+    assert_eq!(recovered.blocks_of_batch(BatchTime(2)), AllocatedBlocks::new([(STREAM, b)]));
+}
+
+#[test]
+fn rbt_04_variant_a_closed_wal_makes_writes_fail_without_changes() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(1_000));
+    let mut tracker =
+        ReceivedBlockTracker::open(config(Some(dir.path()), Duration::from_secs(60)), clock)
+            .unwrap();
+    let b = Blocks::new().take(3);
+    for info in &b {
+        assert!(tracker.add_block(info.clone()));
+    }
+    tracker.wal().unwrap().close().unwrap();
+    let late = Blocks(7).take(1).remove(0);
+    assert!(!tracker.add_block(late), "a failed write answers false");
+    tracker.allocate_blocks_to_batch(BatchTime(1)).unwrap();
+    assert_nothing_allocated(&tracker, &b);
+    assert!(tracker.allocated_batch_times().is_empty());
+}
+
+#[test]
+fn rbt_05_recovery_and_cleanup_over_rotating_logs() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(0));
+    let config = config(Some(dir.path()), Duration::from_secs(1));
+    let mut blocks = Blocks::new();
+
+    // 1. T1 adds B1 at t = 0.
+    let mut t1 = ReceivedBlockTracker::open(config.clone(), clock.clone()).unwrap();
+    let b1 = blocks.take(5);
+    for info in &b1 {
+        assert!(t1.add_block(info.clone()));
+    }
+    assert_eq!(t1.unallocated_blocks(STREAM), b1);
+    t1.stop().unwrap();
+    drop(t1);
+    assert_eq!(events_only(read_log(dir.path(), &config.wal)), additions(&b1));
+    assert_eq!(log_files(dir.path()).len(), 1);
+    clock.advance_ms(2_000);
+
+    // 2. Without recovery the state starts empty.
+    let mut t1b = ReceivedBlockTracker::open(config.clone(), clock.clone()).unwrap();
+    assert!(t1b.unallocated_blocks(STREAM).is_empty());
+    assert!(!t1b.has_unallocated_blocks());
+    t1b.stop().unwrap();
+    drop(t1b);
+
+    // 3. With recovery B1 is back, every block marked invalid.
+    let mut t2 = ReceivedBlockTracker::open(config.clone().recover(true), clock.clone()).unwrap();
+    let recovered = t2.unallocated_blocks(STREAM);
+    assert_eq!(recovered, b1);
+    assert!(recovered.iter().all(|info| !info.is_block_id_valid()));
+
+    // 4. Two batches.
+    t2.allocate_blocks_to_batch(BatchTime(2_000)).unwrap();
+    assert_eq!(t2.blocks_of_batch_and_stream(BatchTime(2_000), STREAM), b1);
+    clock.advance_ms(2_000);
+    let b2 = blocks.take(5);
+    for info in &b2 {
+        assert!(t2.add_block(info.clone()));
+    }
+    t2.allocate_blocks_to_batch(BatchTime(4_000)).unwrap();
+    assert_eq!(t2.blocks_of_batch_and_stream(BatchTime(4_000), STREAM), b2);
+    t2.stop().unwrap();
+    drop(t2);
+
+    // 5. The whole log.
+    let mut expected = additions(&b1);
+    expected.push(allocation(2_000, &b1));
+    expected.extend(additions(&b2));
+    expected.push(allocation(4_000, &b2));
+    assert_eq!(events_only(read_log(dir.path(), &config.wal)), expected);
+
+    // 6. Recovery rebuilds both batches.
+    clock.advance_ms(2_000);
+    let mut t3 = ReceivedBlockTracker::open(config.clone().recover(true), clock.clone()).unwrap();
+    assert_eq!(t3.blocks_of_batch_and_stream(BatchTime(2_000), STREAM), b1);
+    assert_eq!(t3.blocks_of_batch_and_stream(BatchTime(4_000), STREAM), b2);
+    assert!(t3.unallocated_blocks(STREAM).is_empty());
+
+    // 7. Cleanup below 4 000 at t = 8 000.
+    let files_before = log_files(dir.path());
+    let oldest = files_before[0].clone();
+    clock.advance_ms(2_000);
+    t3.cleanup_old_batches(BatchTime(4_000), true).unwrap();
+    assert!(t3.blocks_of_batch_and_stream(BatchTime(2_000), STREAM).is_empty());
+    assert!(!oldest.exists(), "the oldest log file is deleted on return (wait = true)");
+    t3.stop().unwrap();
+    drop(t3);
+    let log = read_log(dir.path(), &config.wal);
+    let newest_segment = log.iter().map(|(segment, _)| *segment).max().unwrap();
+    let cleanup = TrackerEvent::BatchCleanup(BatchCleanupEvent { times: vec![BatchTime(2_000)] });
+    assert!(log.iter().any(|(segment, event)| *segment == newest_segment && *event == cleanup));
+
+    // 8. Recovery after the cleanup.
+    clock.advance_ms(2_000);
+    let t4 = ReceivedBlockTracker::open(config.recover(true), clock).unwrap();
+    assert!(t4.unallocated_blocks(STREAM).is_empty());
+    assert!(t4.blocks_of_batch_and_stream(BatchTime(2_000), STREAM).is_empty());
+    assert_eq!(t4.blocks_of_batch_and_stream(BatchTime(4_000), STREAM), b2);
+}
+
+#[test]
+fn rbt_06_wal_disabled_without_checkpoint_dir() {
+    let tracker = ReceivedBlockTracker::open(
+        BlockTrackerConfig::new([STREAM]),
+        Arc::new(ManualClock::new(0)),
+    )
+    .unwrap();
+    assert!(!tracker.is_wal_enabled());
+    assert!(tracker.wal().is_none());
+}
+
+#[test]
+fn cleanup_threshold_must_be_in_the_past_and_nothing_is_written_otherwise() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(5_000));
+    let config = config(Some(dir.path()), Duration::from_secs(60));
+    let mut tracker = ReceivedBlockTracker::open(config.clone(), clock.clone()).unwrap();
+    let b = Blocks::new().take(2);
+    for info in &b {
+        assert!(tracker.add_block(info.clone()));
+    }
+    tracker.allocate_blocks_to_batch(BatchTime(1_000)).unwrap();
+    let error = tracker.cleanup_old_batches(BatchTime(5_000), false).unwrap_err();
+    assert_eq!(error, BlockTrackerError::ThresholdNotInPast { threshold_ms: 5_000, now_ms: 5_000 });
+    assert!(error.to_string().starts_with("requirement failed"));
+    assert_eq!(tracker.blocks_of_batch_and_stream(BatchTime(1_000), STREAM), b);
+    // An empty cleanup is still journaled.
+    tracker.cleanup_old_batches(BatchTime(500), false).unwrap();
+    tracker.stop().unwrap();
+    drop(tracker);
+    let log = events_only(read_log(dir.path(), &config.wal));
+    assert_eq!(log.len(), 4);
+    assert_eq!(log[3], TrackerEvent::BatchCleanup(BatchCleanupEvent { times: vec![] }));
+}
+
+#[test]
+fn negative_record_counts_are_rejected_at_construction() {
+    let block_id = StreamBlockId { stream: STREAM, unique_id: 3 };
+    let error =
+        ReceivedBlockInfo::new(STREAM, Some(-1), None, BlockStoreResult::BlockManager { block_id })
+            .unwrap_err();
+    assert_eq!(error, BlockTrackerError::NegativeNumRecords { block_id, num_records: -1 });
+}
+
+#[test]
+fn block_data_in_a_receiver_log_is_read_back_by_handle_after_recovery() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(1_000));
+    let config = config(Some(dir.path()), Duration::from_secs(60));
+    let data_dir = ReceiverBlockStore::dir_for(dir.path(), STREAM);
+    let data_config = WalConfig { segment_size_bytes: 4 << 20, ..WalConfig::default() };
+    let store = ReceiverBlockStore::open(&data_dir, data_config.clone()).unwrap();
+    let mut tracker = ReceivedBlockTracker::open(config.clone(), clock.clone()).unwrap();
+    let mut infos = Vec::new();
+    for unique_id in 0..20u64 {
+        let data = vec![unique_id as u8; 100 + unique_id as usize * 37];
+        let block_id = StreamBlockId { stream: STREAM, unique_id };
+        let result = store.store(block_id, &data, 1_000).unwrap();
+        let info = ReceivedBlockInfo::new(STREAM, Some(1), Some(b"meta".to_vec()), result).unwrap();
+        assert!(tracker.add_block(info.clone()));
+        infos.push((info, data));
+    }
+    tracker.stop().unwrap();
+    drop(tracker);
+    drop(store);
+
+    let store = ReceiverBlockStore::open(&data_dir, data_config).unwrap();
+    let recovered = ReceivedBlockTracker::open(config.recover(true), clock).unwrap();
+    let queued = recovered.unallocated_blocks(STREAM);
+    assert_eq!(queued.len(), infos.len());
+    for (info, (expected, data)) in queued.iter().zip(&infos) {
+        assert_eq!(info, expected);
+        assert!(!info.is_block_id_valid());
+        assert_eq!(&*store.read(info).unwrap(), data.as_slice());
+    }
+    let manager_block = Blocks::new().take(1).remove(0);
+    assert!(matches!(store.read(&manager_block), Err(BlockTrackerError::NotInReceiverLog { .. })));
+}

@@ -1,0 +1,398 @@
+//! Goal: every kind of bad input to the epoch coordinator is dropped (or rejected) with a typed,
+//! counted outcome and no state change, never a panic; failures of the query or the sink
+//! fail-stop the coordinator (SPEC 0.3, B.5, B.6).
+//!
+//! Method: through the bus endpoint, send the bad messages, barrier, then compare the
+//! coordinator's stats snapshot (`GetEpochStats`) with the one before (only the matching drop
+//! counter may change) and the recorded call log; the typed rejections are checked on the state
+//! machine directly.
+
+mod epoch_support;
+
+use coordbus::{
+    coordinators::epoch::{
+        coordinator_name, DropReason, Epoch, EpochConfig, EpochCoordinator, EpochCounters,
+        EpochError, EpochStats, IncrementAndGetEpoch, MessageKind, PartitionId, PartitionSide,
+        Payload, Rejected, SetReaderPartitions, SetWriterPartitions, StopContinuousExecutionWrites,
+    },
+    AskError,
+};
+use epoch_support::{
+    add_offsets, recorders, sink_commit, BusHarness, Call, RecordingQuery, RecordingSink,
+    REPLY_TIMEOUT,
+};
+
+/// `after` equals `before` except for the counters, whose difference is `expected_drops`.
+fn assert_only_counters_changed(before: EpochStats, after: EpochStats, expected: EpochCounters) {
+    let mut normalized = after;
+    normalized.counters = before.counters;
+    assert_eq!(normalized, before, "state changed");
+    assert_eq!(after.counters, expected, "counters");
+}
+
+fn counters_plus(base: EpochCounters, change: impl FnOnce(&mut EpochCounters)) -> EpochCounters {
+    let mut counters = base;
+    change(&mut counters);
+    counters
+}
+
+#[test]
+fn partition_out_of_range_is_dropped_and_counted() {
+    let harness = BusHarness::scenario(2, 2);
+    let before = harness.stats();
+    harness.commit(2, 1);
+    harness.report(2, 1);
+    harness.commit(i32::MAX, 1);
+    harness.report(5, 1);
+    harness.barrier();
+    assert_only_counters_changed(
+        before,
+        harness.stats(),
+        counters_plus(before.counters, |c| c.dropped_partition_out_of_range += 4),
+    );
+    assert_eq!(harness.calls(), []);
+}
+
+#[test]
+fn negative_partition_is_dropped_and_counted() {
+    let harness = BusHarness::scenario(2, 2);
+    let before = harness.stats();
+    harness.commit(-1, 1);
+    harness.report(-1, 1);
+    harness.report(i32::MIN, 1);
+    harness.barrier();
+    assert_only_counters_changed(
+        before,
+        harness.stats(),
+        counters_plus(before.counters, |c| c.dropped_negative_partition += 3),
+    );
+    assert_eq!(harness.calls(), []);
+}
+
+#[test]
+fn epoch_at_or_below_last_committed_is_dropped_and_never_waits() {
+    let harness = BusHarness::scenario(1, 1);
+    harness.commit(0, 1);
+    harness.report(0, 1);
+    harness.barrier();
+    assert_eq!(harness.calls(), [add_offsets(1, 1), sink_commit(1, 1), Call::QueryCommit(1)]);
+    let before = harness.stats();
+    assert_eq!(before.last_committed, Epoch(1));
+    // Re-sent messages of the committed epoch (Spark's quirk would re-add and park it in the
+    // waiting set forever), the epoch below the start epoch, and extreme epochs.
+    harness.report(0, 1);
+    harness.commit(0, 1);
+    harness.report(0, 0);
+    harness.commit(0, -7);
+    harness.report(0, i64::MIN);
+    harness.barrier();
+    assert_only_counters_changed(
+        before,
+        harness.stats(),
+        counters_plus(before.counters, |c| c.dropped_stale_epoch += 5),
+    );
+    assert_eq!(harness.calls().len(), 3, "no call after the stale messages");
+}
+
+#[test]
+fn epoch_below_start_epoch_is_dropped_before_any_commit() {
+    let harness = BusHarness::scenario(1, 1);
+    let before = harness.stats();
+    assert_eq!(before.last_committed, Epoch(0));
+    harness.report(0, 0);
+    harness.commit(0, -1);
+    harness.barrier();
+    assert_only_counters_changed(
+        before,
+        harness.stats(),
+        counters_plus(before.counters, |c| c.dropped_stale_epoch += 2),
+    );
+}
+
+#[test]
+fn messages_before_partition_counts_are_kept_but_complete_nothing() {
+    let (query, sink, log) = recorders();
+    let harness = BusHarness::start(EpochConfig::new(1), query, sink, log);
+    harness.commit(0, 1);
+    harness.report(0, 1);
+    harness.report(1000, 1); // no count yet: kept, as in Spark
+    harness.barrier();
+    let stats = harness.stats();
+    assert_eq!(stats.offset_entries, 2);
+    assert_eq!(stats.commit_entries, 1);
+    assert_eq!(stats.counters.dropped(), 0);
+    assert_eq!(harness.calls(), [], "a count of 0 never completes an epoch");
+
+    // Setting the counts resolves nothing by itself; the next message of the epoch does, and
+    // the kept out-of-range entry (partition 1000) keeps epoch 1's offsets from ever matching.
+    harness.set_counts(1, 1);
+    harness.barrier();
+    assert_eq!(harness.calls(), []);
+    harness.report(0, 1);
+    harness.commit(0, 2);
+    harness.report(0, 2);
+    harness.barrier();
+    assert_eq!(harness.calls(), [add_offsets(2, 1)]);
+    assert_eq!(harness.stats().waiting_epochs, 1);
+}
+
+#[test]
+fn messages_kept_before_counts_count_once_counts_are_set() {
+    let (query, sink, log) = recorders();
+    let harness = BusHarness::start(EpochConfig::new(1), query, sink, log);
+    harness.commit(0, 1);
+    harness.report(0, 1);
+    harness.set_counts(1, 1);
+    harness.report(0, 1); // a repeat report overwrites and completes the epoch
+    harness.barrier();
+    assert_eq!(harness.calls(), [add_offsets(1, 1), sink_commit(1, 1), Call::QueryCommit(1)]);
+}
+
+#[test]
+fn duplicate_commit_is_dropped_first_commit_wins() {
+    let harness = BusHarness::scenario(2, 1);
+    harness.commit(0, 1);
+    harness.barrier();
+    let before = harness.stats();
+    harness
+        .epoch
+        .send(coordbus::coordinators::epoch::CommitPartitionEpoch {
+            partition: 0,
+            epoch: 1,
+            message: Payload::from(&b"second attempt"[..]),
+        })
+        .unwrap();
+    harness.barrier();
+    assert_only_counters_changed(
+        before,
+        harness.stats(),
+        counters_plus(before.counters, |c| c.dropped_duplicate_commit += 1),
+    );
+    harness.commit(1, 1);
+    harness.report(0, 1);
+    harness.barrier();
+    assert_eq!(
+        harness.calls(),
+        [add_offsets(1, 1), sink_commit(1, 2), Call::QueryCommit(1)],
+        "the sink sees the first commit message"
+    );
+}
+
+#[test]
+fn repeated_report_overwrites_and_re_adds_offsets() {
+    let harness = BusHarness::scenario(2, 1);
+    harness.report(0, 1);
+    harness
+        .epoch
+        .send(coordbus::coordinators::epoch::ReportPartitionOffset {
+            partition: 0,
+            epoch: 1,
+            offset: 99.into(),
+        })
+        .unwrap();
+    harness.barrier();
+    assert_eq!(
+        harness.calls(),
+        [add_offsets(1, 1), Call::AddOffsets(1, vec![(0, Payload::from(99))])]
+    );
+    let stats = harness.stats();
+    assert_eq!(stats.offset_entries, 1);
+    assert_eq!(stats.counters.offsets_overwritten, 1);
+}
+
+#[test]
+fn after_stop_writes_one_way_messages_are_dropped_requests_still_work() {
+    let harness = BusHarness::scenario(1, 1);
+    harness.report(0, 1);
+    harness.epoch.ask(StopContinuousExecutionWrites).wait_timeout(REPLY_TIMEOUT).unwrap();
+    let before = harness.stats();
+    assert!(before.writes_stopped);
+    harness.commit(0, 1);
+    harness.report(0, 2);
+    harness.commit(-1, 1); // writes-stopped wins over every other reason
+    harness.barrier();
+    assert_only_counters_changed(
+        before,
+        harness.stats(),
+        counters_plus(before.counters, |c| c.dropped_writes_stopped += 3),
+    );
+    assert_eq!(harness.calls(), [add_offsets(1, 1)], "epoch 1 never commits");
+    assert_eq!(harness.epoch.ask(IncrementAndGetEpoch).wait_timeout(REPLY_TIMEOUT).unwrap(), 2);
+    assert_eq!(harness.barrier(), 2);
+    harness.epoch.ask(StopContinuousExecutionWrites).wait_timeout(REPLY_TIMEOUT).unwrap();
+    assert!(harness.stats().writes_stopped, "there is no way back");
+}
+
+#[test]
+fn negative_partition_count_is_rejected_with_its_value() {
+    let harness = BusHarness::scenario(2, 2);
+    let before = harness.stats();
+    for outcome in [
+        harness.epoch.ask(SetReaderPartitions(-1)).wait_timeout(REPLY_TIMEOUT),
+        harness.epoch.ask(SetWriterPartitions(i32::MIN)).wait_timeout(REPLY_TIMEOUT),
+    ] {
+        let Err(AskError::Handler(cause)) = outcome else {
+            panic!("expected a handler error, got {outcome:?}");
+        };
+        let error = cause.downcast_ref::<EpochError>().expect("an EpochError");
+        assert!(matches!(error, EpochError::InvalidPartitionCount { .. }));
+    }
+    assert_only_counters_changed(
+        before,
+        harness.stats(),
+        counters_plus(before.counters, |c| c.rejected_partition_counts += 2),
+    );
+    // The state machine names the side and the value.
+    let (query, sink, _) = recorders();
+    let mut coordinator = EpochCoordinator::new(EpochConfig::new(0), query, sink).unwrap();
+    assert!(matches!(
+        coordinator.set_reader_partitions(-3),
+        Err(EpochError::InvalidPartitionCount { side: PartitionSide::Reader, count: -3 })
+    ));
+}
+
+#[test]
+fn epoch_overflow_is_an_error_not_a_panic() {
+    let (query, sink, log) = recorders();
+    let harness = BusHarness::start(EpochConfig::new(i64::MAX), query, sink, log);
+    harness.set_counts(1, 1);
+    let outcome = harness.epoch.ask(IncrementAndGetEpoch).wait_timeout(REPLY_TIMEOUT);
+    let Err(AskError::Handler(cause)) = outcome else {
+        panic!("expected a handler error, got {outcome:?}");
+    };
+    assert!(matches!(
+        cause.downcast_ref::<EpochError>(),
+        Some(EpochError::EpochOverflow { epoch: Epoch(i64::MAX) })
+    ));
+    assert_eq!(harness.barrier(), i64::MAX);
+    // The last possible epoch still commits; the chain stops at i64::MAX without overflow.
+    harness.commit(0, i64::MAX);
+    harness.report(0, i64::MAX);
+    harness.barrier();
+    assert_eq!(harness.stats().last_committed, Epoch(i64::MAX));
+    assert_eq!(harness.stats().counters.epochs_committed, 1);
+}
+
+#[test]
+fn negative_start_epoch_is_a_config_error() {
+    let (query, sink, _) = recorders();
+    let error = EpochCoordinator::new(EpochConfig::new(-1), query, sink).unwrap_err();
+    assert!(error.to_string().contains("start_epoch"), "{error}");
+}
+
+#[test]
+fn state_machine_rejections_carry_the_offending_values() {
+    let (query, sink, _) = recorders();
+    let mut coordinator = EpochCoordinator::new(EpochConfig::new(1), query, sink).unwrap();
+    coordinator.set_reader_partitions(2).unwrap();
+    coordinator.set_writer_partitions(2).unwrap();
+    assert_eq!(
+        coordinator.report_partition_offset(PartitionId(2), Epoch(1), 1.into()),
+        Err(Rejected {
+            kind: MessageKind::ReportPartitionOffset,
+            partition: PartitionId(2),
+            epoch: Epoch(1),
+            reason: DropReason::PartitionOutOfRange { count: 2 },
+        })
+    );
+    assert_eq!(
+        coordinator
+            .commit_partition_epoch(PartitionId(0), Epoch(0), 1.into())
+            .map_err(|rejected| rejected.reason),
+        Err(DropReason::StaleEpoch { last_committed: Epoch(0) })
+    );
+    coordinator.commit_partition_epoch(PartitionId(0), Epoch(1), 1.into()).unwrap();
+    let duplicate =
+        coordinator.commit_partition_epoch(PartitionId(0), Epoch(1), 2.into()).unwrap_err();
+    assert_eq!(duplicate.reason, DropReason::DuplicateCommit);
+    assert!(duplicate.to_string().contains("partition 0"), "{duplicate}");
+}
+
+/// Writers 1, readers 1; completes epochs `epochs` in order and returns the harness.
+fn run_epochs(
+    query: RecordingQuery,
+    sink: RecordingSink,
+    log: epoch_support::CallLog,
+) -> BusHarness {
+    let harness = BusHarness::start(EpochConfig::new(1).with_backlog_limit(10), query, sink, log);
+    harness.set_counts(1, 1);
+    for epoch in 1..=4 {
+        harness.commit(0, epoch);
+        harness.report(0, epoch);
+    }
+    harness.barrier();
+    harness
+}
+
+fn stop_messages(calls: &[Call]) -> Vec<String> {
+    calls
+        .iter()
+        .filter_map(|call| match call {
+            Call::Stop { message, .. } => Some(message.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn sink_commit_failure_stops_the_query_and_commits_nothing_after() {
+    let (query, mut sink, log) = recorders();
+    sink.fail_at.insert(2);
+    let harness = run_epochs(query, sink, log);
+    let calls = harness.calls();
+    assert_eq!(
+        calls[..5],
+        [
+            add_offsets(1, 1),
+            sink_commit(1, 1),
+            Call::QueryCommit(1),
+            add_offsets(2, 1),
+            sink_commit(2, 1),
+        ]
+    );
+    assert_eq!(stop_messages(&calls), ["the sink commit of epoch 2 failed"]);
+    assert!(!calls.contains(&Call::QueryCommit(2)), "query commit after a failed sink commit");
+    assert!(!calls.iter().any(|c| matches!(c, Call::SinkCommit(3.., _))));
+    let stats = harness.stats();
+    assert_eq!(stats.last_committed, Epoch(1));
+    assert_eq!(stats.failed_epoch, Some(Epoch(2)));
+    assert_eq!(stats.waiting_epochs, 3, "epochs 2, 3 and 4 wait forever");
+}
+
+#[test]
+fn query_commit_failure_stops_the_query_and_commits_nothing_after() {
+    let (mut query, sink, log) = recorders();
+    query.fail_commit_at.insert(3);
+    let harness = run_epochs(query, sink, log);
+    let calls = harness.calls();
+    assert_eq!(stop_messages(&calls), ["recording the commit of epoch 3 failed"]);
+    let sink_epochs: Vec<i64> = calls
+        .iter()
+        .filter_map(|c| match c {
+            Call::SinkCommit(epoch, _) => Some(*epoch),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(sink_epochs, [1, 2, 3], "the sink committed 3 before the record failed");
+    assert_eq!(harness.stats().last_committed, Epoch(2));
+}
+
+#[test]
+fn add_offsets_failure_stops_the_query_and_blocks_the_commit() {
+    let (mut query, sink, log) = recorders();
+    query.fail_add_offsets_at.insert(1);
+    let harness = run_epochs(query, sink, log);
+    let calls = harness.calls();
+    assert_eq!(stop_messages(&calls), ["recording the offsets of epoch 1 failed"]);
+    assert!(!calls.iter().any(|c| matches!(c, Call::SinkCommit(..))));
+    assert_eq!(harness.stats().failed_epoch, Some(Epoch(1)));
+}
+
+#[test]
+fn coordinator_names_are_fresh_per_run() {
+    let first = coordinator_name("run42");
+    let second = coordinator_name("run42");
+    assert_ne!(first, second);
+    let uuid = first.strip_prefix("EpochCoordinator-run42--").expect("prefix");
+    assert_eq!(uuid.len(), 36, "{uuid}");
+}

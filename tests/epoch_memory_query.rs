@@ -1,0 +1,142 @@
+//! Goal: the in-memory query keeps Spark's offset and commit logs (first offsets record wins,
+//! commit needs offsets, only the newest epochs retained, first stop error kept), and a run
+//! restarted from its restart point continues where it stopped: every epoch is committed exactly
+//! once, in order, and messages that arrive again for committed epochs are dropped.
+//!
+//! Method: two coordinator runs on the bus share one `MemoryQuery` (its clones share state) and
+//! a recording sink; the second run starts at `last committed + 1` as SPEC B.10 prescribes, gets
+//! a replay of the first run's last messages plus new epochs, and the sink's commit log is
+//! checked for gap-free, duplicate-free order. The query's own rules are checked directly.
+
+mod epoch_support;
+
+use coordbus::{
+    coordinators::epoch::{
+        coordinator_name, CommitPartitionEpoch, Epoch, EpochConfig, EpochEndpoint, EpochError,
+        GetCurrentEpoch, GetEpochStats, MemoryQuery, PartitionId, Payload, Query,
+        ReportPartitionOffset, SetReaderPartitions, SetWriterPartitions,
+    },
+    Bus, EndpointRef,
+};
+use epoch_support::{recorders, Call, RecordingSink, REPLY_TIMEOUT};
+
+type Endpoint = EpochEndpoint<MemoryQuery, RecordingSink>;
+
+fn start_run(bus: &Bus, query: MemoryQuery, sink: RecordingSink) -> EndpointRef<Endpoint> {
+    let start = match query.restart_point().unwrap() {
+        None => 0,
+        Some((last, offsets)) => {
+            assert_eq!(offsets.len(), 2, "restart offsets of epoch {last}");
+            last.0 + 1
+        }
+    };
+    let endpoint = EpochEndpoint::new(EpochConfig::new(start), query, sink).unwrap();
+    let epoch = bus.register(coordinator_name("restart"), endpoint).unwrap();
+    epoch.ask(SetReaderPartitions(2)).wait_timeout(REPLY_TIMEOUT).unwrap();
+    epoch.ask(SetWriterPartitions(2)).wait_timeout(REPLY_TIMEOUT).unwrap();
+    epoch
+}
+
+fn send_epoch(epoch_ref: &EndpointRef<Endpoint>, epoch: i64) {
+    for partition in 0..2 {
+        epoch_ref
+            .send(ReportPartitionOffset {
+                partition,
+                epoch,
+                offset: (epoch * 10 + i64::from(partition)).into(),
+            })
+            .unwrap();
+        epoch_ref.send(CommitPartitionEpoch { partition, epoch, message: epoch.into() }).unwrap();
+    }
+}
+
+#[test]
+fn restarted_run_commits_every_epoch_exactly_once_in_order() {
+    // Stop points: before any commit, after the first epoch, and in the middle of the run.
+    for last_before_stop in [-1, 0, 3, 6] {
+        restart_after(last_before_stop);
+    }
+}
+
+/// Commits epochs `0..=last_before_stop`, half-sends the next one, stops the run, restarts from
+/// the query's restart point, replays the last committed epoch (stale tasks) and runs to 9.
+fn restart_after(last_before_stop: i64) {
+    let bus = Bus::builder().inbox_shards(2).build().unwrap();
+    let query = MemoryQuery::new(3);
+    let (_, sink, log) = recorders();
+
+    let first = start_run(&bus, query.clone(), sink.clone());
+    for epoch in 0..=last_before_stop {
+        send_epoch(&first, epoch);
+    }
+    // The next epoch is half done when the run stops: reported, not committed.
+    let half = last_before_stop + 1;
+    first.send(ReportPartitionOffset { partition: 0, epoch: half, offset: 70.into() }).unwrap();
+    first.ask(GetCurrentEpoch).wait_timeout(REPLY_TIMEOUT).unwrap();
+    let expected_last = (last_before_stop >= 0).then_some(Epoch(last_before_stop));
+    assert_eq!(query.last_committed(), expected_last);
+    assert!(first.stop());
+
+    let second = start_run(&bus, query.clone(), sink);
+    assert_eq!(second.ask(GetCurrentEpoch).wait_timeout(REPLY_TIMEOUT).unwrap(), half);
+    // Stale tasks re-send the last committed epoch; then the run goes on.
+    if last_before_stop >= 0 {
+        send_epoch(&second, last_before_stop);
+    }
+    for epoch in half..=9 {
+        send_epoch(&second, epoch);
+    }
+    let stats = second.ask(GetEpochStats).wait_timeout(REPLY_TIMEOUT).unwrap();
+    let stale = if last_before_stop >= 0 { 4 } else { 0 };
+    assert_eq!(stats.counters.dropped_stale_epoch, stale, "re-sent committed epoch dropped");
+    assert_eq!(query.last_committed(), Some(Epoch(9)));
+
+    let sink_epochs: Vec<i64> = epoch_support::calls(&log)
+        .iter()
+        .filter_map(|call| match call {
+            Call::SinkCommit(epoch, _) => Some(*epoch),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(sink_epochs, (0..=9).collect::<Vec<_>>(), "stop after {last_before_stop}");
+    // Only the newest three committed epochs keep their offsets.
+    assert_eq!(query.offsets(Epoch(6)), None);
+    assert_eq!(
+        query.offsets(Epoch(9)),
+        Some(vec![(PartitionId(0), 90.into()), (PartitionId(1), 91.into())])
+    );
+    assert!(!query.is_stopped());
+    bus.shutdown().unwrap();
+}
+
+#[test]
+fn memory_query_keeps_the_first_offsets_and_the_first_stop_error() {
+    let mut query = MemoryQuery::default();
+    let first = [(PartitionId(0), Payload::from(1))];
+    query.add_offsets(Epoch(1), &first).unwrap();
+    query.add_offsets(Epoch(1), &[(PartitionId(0), Payload::from(2))]).unwrap();
+    assert_eq!(query.offsets(Epoch(1)), Some(first.to_vec()));
+
+    let error = query.commit(Epoch(2)).unwrap_err();
+    assert_eq!(error.to_string(), "Batch 2 was committed without end epoch offsets!");
+    assert_eq!(query.last_committed(), None);
+    query.commit(Epoch(1)).unwrap();
+    assert_eq!(query.restart_point().unwrap().map(|(epoch, _)| epoch), Some(Epoch(1)));
+
+    query.stop(EpochError::EpochOverflow { epoch: Epoch(5) });
+    query.stop(EpochError::EpochOverflow { epoch: Epoch(6) });
+    assert_eq!(
+        query.stop_error().as_deref(),
+        Some("the driver epoch 5 cannot be incremented past i64::MAX")
+    );
+}
+
+#[test]
+fn the_last_committed_epochs_offsets_are_always_retained() {
+    // Even when retaining a single epoch, the restart point has its offsets.
+    let mut query = MemoryQuery::new(1);
+    query.add_offsets(Epoch(3), &[(PartitionId(0), Payload::from(3))]).unwrap();
+    query.commit(Epoch(3)).unwrap();
+    assert!(query.offsets(Epoch(3)).is_some(), "the last committed epoch is retained");
+    assert!(matches!(query.restart_point(), Ok(Some((Epoch(3), _)))));
+}

@@ -1,0 +1,310 @@
+//! Goal: with the WAL-backed `DurableQuery`, a query restarted from its epoch log continues
+//! where it stopped (SPEC B.10): every epoch reaches the sink exactly once and in order across
+//! clean restarts, commits re-delivered for already committed epochs are ignored, the inner
+//! engine query still sees every call, and after `kill -9` every commit reported durable is
+//! recovered (an epoch whose commit record was not yet durable may reach the sink again: the
+//! spec's at-least-once).
+//!
+//! Method: each run opens the log in a temp dir, starts a coordinator on the bus at the
+//! recovered start epoch, sends whole epochs plus a partial one (sizes from a fixed-seed
+//! generator), then stops cleanly (stop writes, shut the bus down: the query and its WAL are
+//! dropped and closed). The sink's calls, recorded across runs, must be `0..=last` once each.
+//! The crash variant re-executes this test binary as a child (env var) that prints the epochs
+//! its sink commits and those whose commit record is durable; the parent kills it at random
+//! points, a dozen times, and checks the printed history against the next run's start.
+
+mod epoch_support;
+
+use std::{
+    io::{BufRead, BufReader},
+    path::Path,
+    process::{Command, Stdio},
+};
+
+use coordbus::{
+    coordinators::epoch::{
+        coordinator_name, CollaboratorError, CommitPartitionEpoch, DurableQuery, Epoch,
+        EpochConfig, EpochEndpoint, GetEpochStats, IncrementAndGetEpoch, PartitionId, Payload,
+        ReportPartitionOffset, SetReaderPartitions, SetWriterPartitions, Sink,
+        StopContinuousExecutionWrites,
+    },
+    wal::{Durability, Wal, WalConfig},
+    Bus, EndpointRef,
+};
+use epoch_support::{calls, recorders, Call, RecordingQuery, RecordingSink, REPLY_TIMEOUT};
+
+const READERS: i32 = 3;
+const WRITERS: i32 = 2;
+
+/// A small deterministic generator (xorshift64*), so stop points are fixed by the seed.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, bound: u64) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % bound
+    }
+}
+
+fn wal_config(durability: Durability) -> WalConfig {
+    WalConfig { segment_size_bytes: 256 << 10, durability, ..WalConfig::default() }
+}
+
+fn offset(partition: i32, epoch: i64) -> Payload {
+    Payload::from(epoch * 1000 + i64::from(partition))
+}
+
+fn send_epoch<E: coordbus::Endpoint<Message = coordbus::coordinators::epoch::EpochMessage>>(
+    endpoint: &EndpointRef<E>,
+    epoch: i64,
+) {
+    for partition in 0..READERS {
+        let offset = offset(partition, epoch);
+        endpoint.send(ReportPartitionOffset { partition, epoch, offset }).unwrap();
+    }
+    for partition in 0..WRITERS {
+        endpoint.send(CommitPartitionEpoch { partition, epoch, message: epoch.into() }).unwrap();
+    }
+}
+
+type Durable = EpochEndpoint<DurableQuery<RecordingQuery>, RecordingSink>;
+
+/// Opens the log, checks the restart point against what the sink saw, starts a coordinator.
+fn start_run(
+    bus: &Bus,
+    dir: &Path,
+    query: RecordingQuery,
+    sink: RecordingSink,
+) -> (EndpointRef<Durable>, i64) {
+    let wal = Wal::open(dir, wal_config(Durability::default())).unwrap();
+    let durable = DurableQuery::from_wal(wal, query).unwrap().with_retained_epochs(5);
+    let start = durable.start_epoch().0;
+    if let Some((last, offsets)) = durable.restart_point() {
+        assert_eq!(last.0, start - 1);
+        let expected: Vec<_> = (0..READERS).map(|p| (PartitionId(p), offset(p, last.0))).collect();
+        assert_eq!(offsets, &expected, "the restart offsets are the last committed epoch's");
+    }
+    let endpoint = EpochEndpoint::new(EpochConfig::new(start), durable, sink).unwrap();
+    let epoch = bus.register(coordinator_name("restart"), endpoint).unwrap();
+    epoch.ask(SetReaderPartitions(READERS)).wait_timeout(REPLY_TIMEOUT).unwrap();
+    epoch.ask(SetWriterPartitions(WRITERS)).wait_timeout(REPLY_TIMEOUT).unwrap();
+    (epoch, start)
+}
+
+/// Stops a run the way the query does (stop writes, deregister), then shuts the bus down, which
+/// joins the endpoint thread: the query and its WAL are dropped, so the log is closed.
+fn stop_run(bus: Bus, epoch: EndpointRef<Durable>) {
+    epoch.ask(StopContinuousExecutionWrites).wait_timeout(REPLY_TIMEOUT).unwrap();
+    epoch.stop();
+    bus.shutdown().unwrap();
+}
+
+fn sink_epochs(log: &epoch_support::CallLog) -> Vec<i64> {
+    calls(log)
+        .iter()
+        .filter_map(|call| match call {
+            Call::SinkCommit(epoch, _) => Some(*epoch),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn clean_restarts_at_random_points_commit_every_epoch_once_in_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let (query, sink, log) = recorders();
+    let mut rng = Rng(0x5eed_0001);
+    let mut next = 0i64;
+    for run in 0..8 {
+        let bus = Bus::builder().inbox_shards(2).build().unwrap();
+        let (epoch, start) = start_run(&bus, dir.path(), query.clone(), sink.clone());
+        assert_eq!(start, next, "run {run} starts after the last committed epoch");
+        let whole = rng.below(12) as i64;
+        for e in start..start + whole {
+            send_epoch(&epoch, e);
+        }
+        // A partial epoch: some reports and commits, never all of both.
+        let partial = start + whole;
+        for partition in 0..rng.below(READERS as u64) as i32 {
+            let offset = offset(partition, partial);
+            epoch.send(ReportPartitionOffset { partition, epoch: partial, offset }).unwrap();
+        }
+        epoch
+            .send(CommitPartitionEpoch { partition: 0, epoch: partial, message: 0.into() })
+            .unwrap();
+        let stats = epoch.ask(GetEpochStats).wait_timeout(REPLY_TIMEOUT).unwrap();
+        assert_eq!(stats.last_committed, Epoch(partial - 1));
+        assert_eq!(stats.failed_epoch, None);
+        stop_run(bus, epoch);
+        next = partial;
+    }
+    let expected: Vec<i64> = (0..next).collect();
+    assert_eq!(sink_epochs(&log), expected, "each epoch reaches the sink once, in order");
+    // The inner engine query got the same commits, after the sink each time.
+    let commits: Vec<i64> = calls(&log)
+        .iter()
+        .filter_map(|call| match call {
+            Call::QueryCommit(epoch) => Some(*epoch),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(commits, expected);
+}
+
+#[test]
+fn commits_re_delivered_for_committed_epochs_after_a_restart_are_ignored() {
+    let dir = tempfile::tempdir().unwrap();
+    let (query, sink, log) = recorders();
+    let bus = Bus::builder().inbox_shards(2).build().unwrap();
+    let (epoch, _) = start_run(&bus, dir.path(), query.clone(), sink.clone());
+    for e in 0..5 {
+        send_epoch(&epoch, e);
+    }
+    stop_run(bus, epoch);
+
+    let bus = Bus::builder().inbox_shards(2).build().unwrap();
+    let (epoch, start) = start_run(&bus, dir.path(), query, sink);
+    assert_eq!(start, 5);
+    // Stale tasks re-deliver whole committed epochs (reports and commits) after the restart.
+    send_epoch(&epoch, 4);
+    send_epoch(&epoch, 3);
+    send_epoch(&epoch, 5);
+    let stats = epoch.ask(GetEpochStats).wait_timeout(REPLY_TIMEOUT).unwrap();
+    assert_eq!(stats.counters.dropped_stale_epoch, 2 * (READERS + WRITERS) as u64);
+    assert_eq!(stats.last_committed, Epoch(5));
+    stop_run(bus, epoch);
+    assert_eq!(sink_epochs(&log), vec![0, 1, 2, 3, 4, 5]);
+
+    // The query itself also ignores a commit of an already committed epoch.
+    let (query, _, _) = recorders();
+    let wal = Wal::open(dir.path(), wal_config(Durability::EveryRecord)).unwrap();
+    let mut durable = DurableQuery::from_wal(wal, query).unwrap();
+    use coordbus::coordinators::epoch::Query as _;
+    durable.commit(Epoch(5)).unwrap();
+    durable.commit(Epoch(2)).unwrap();
+    assert_eq!(durable.status().ignored_commits(), 2);
+    assert!(calls(&durable.inner().log).is_empty(), "nothing reaches the inner query");
+    assert_eq!(durable.restart_point().map(|(epoch, _)| *epoch), Some(Epoch(5)));
+}
+
+// ---- kill -9 -----------------------------------------------------------------------------
+
+const CHILD_DIR: &str = "COORDBUS_EPOCH_RESTART_CHILD_DIR";
+/// Prefix of the child's report lines.
+const MARK: &str = "@epoch-child";
+
+/// The child's sink: prints each epoch it commits.
+struct PrintingSink;
+
+impl Sink for PrintingSink {
+    fn commit(
+        &mut self,
+        epoch: Epoch,
+        _: &[(PartitionId, Payload)],
+    ) -> Result<(), CollaboratorError> {
+        println!("{MARK} sink {epoch}");
+        Ok(())
+    }
+}
+
+/// Child mode: runs epochs until killed, printing `start E`, `sink E` and `durable E` lines.
+fn child(dir: &Path) -> ! {
+    let durable =
+        DurableQuery::open(dir, wal_config(Durability::default())).unwrap().with_retained_epochs(3);
+    let status = durable.status();
+    let start = durable.start_epoch().0;
+    println!("{MARK} start {start}");
+    let bus = Bus::builder().inbox_shards(2).build().unwrap();
+    let endpoint = EpochEndpoint::new(EpochConfig::new(start), durable, PrintingSink).unwrap();
+    let epoch = bus.register(coordinator_name("crash"), endpoint).unwrap();
+    epoch.ask(SetReaderPartitions(READERS)).wait_timeout(REPLY_TIMEOUT).unwrap();
+    epoch.ask(SetWriterPartitions(WRITERS)).wait_timeout(REPLY_TIMEOUT).unwrap();
+    let mut printed = start - 1;
+    for e in start.. {
+        send_epoch(&epoch, e);
+        // The epoch thread's ask: a barrier for the sends above.
+        epoch.ask(IncrementAndGetEpoch).wait_timeout(REPLY_TIMEOUT).unwrap();
+        let durable = status.durable_committed().map_or(-1, |epoch| epoch.0);
+        if durable > printed {
+            println!("{MARK} durable {durable}");
+            printed = durable;
+        }
+    }
+    unreachable!("epochs are unbounded")
+}
+
+#[test]
+fn after_kill_9_every_durable_commit_is_recovered_and_epochs_stay_in_order() {
+    if let Some(dir) = std::env::var_os(CHILD_DIR) {
+        child(Path::new(&dir));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut rng = Rng(0x5eed_0009);
+    let mut previous_durable = -1i64; // the highest epoch any child reported durable
+    let mut previous_sink = -1i64; // the last epoch the previous child's sink committed
+    let mut sink_total = 0usize;
+    for round in 0..12 {
+        let wanted = 1 + rng.below(20) as i64;
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "after_kill_9_every_durable_commit_is_recovered_and_epochs_stay_in_order",
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CHILD_DIR, dir.path())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut start = None;
+        let mut last_sink = None;
+        let mut durable_seen = 0;
+        let mut killed = false;
+        for line in stdout.lines() {
+            let line = line.unwrap();
+            // libtest may print its own text before the child's first line.
+            let Some(at) = line.find(MARK) else { continue };
+            let mut words = line[at + MARK.len()..].split_whitespace();
+            let (Some(kind), Some(value)) = (words.next(), words.next()) else { continue };
+            let Ok(value) = value.parse::<i64>() else { continue };
+            match kind {
+                "start" => {
+                    // Every commit reported durable was recovered; nothing past the sink.
+                    assert!(value > previous_durable, "round {round}: start {value}");
+                    assert!(value <= previous_sink + 1, "round {round}: start {value} skips");
+                    start = Some(value);
+                }
+                "sink" => {
+                    let expected = last_sink.map_or(start.expect("start first"), |last| last + 1);
+                    assert_eq!(value, expected, "round {round}: sink commits in order");
+                    last_sink = Some(value);
+                    sink_total += 1;
+                }
+                "durable" => {
+                    assert!(value <= last_sink.unwrap_or(-1), "durable only after the sink");
+                    previous_durable = previous_durable.max(value);
+                    durable_seen += 1;
+                    if durable_seen == wanted && !killed {
+                        child.kill().unwrap(); // SIGKILL
+                        killed = true;
+                    }
+                }
+                _ => {}
+            }
+        }
+        assert!(killed, "round {round}: the child ended by itself");
+        child.wait().unwrap();
+        previous_sink = last_sink.unwrap_or(previous_sink);
+        eprintln!(
+            "round {round}: start {start:?}, last sink {last_sink:?}, durable {previous_durable}"
+        );
+    }
+    // The log still opens and holds at least every durable commit.
+    let query = DurableQuery::open(dir.path(), wal_config(Durability::default())).unwrap();
+    assert!(query.start_epoch().0 > previous_durable);
+    assert!(sink_total > 12, "the children made progress");
+}

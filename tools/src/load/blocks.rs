@@ -1,0 +1,319 @@
+//! Workloads `blocks/add`, `blocks/allocate`, `blocks/recover`: the received-block tracker
+//! with its WAL.
+//!
+//! * `blocks/add`: R receiver threads each keep `--in-flight` `AddBlock` asks outstanding
+//!   against the tracker endpoint (blocks spread over `--streams` streams); an ask counts when
+//!   its reply arrives, which is only once its record is durable (synced, group commit). Run
+//!   with 1 receiver and with `--receivers`. Latency is per addition (ask to durable reply).
+//! * `blocks/recover`: `--recover-events` additions are logged, the tracker is stopped, and a
+//!   new tracker is built with recovery on: `seconds` is the construction time, `messages` the
+//!   events replayed.
+//! * `blocks/allocate`: on the recovered tracker, one durable allocation of all those blocks
+//!   to a batch (`messages` = blocks allocated).
+//!
+//! Every figure carries `bytes_per_event` (framed bytes in the WAL per event) and the Spark 4.3
+//! figures of ANCHORS.md as extra keys (`spark_*`), measured on the same machine class but not
+//! in this run, and never synced by Spark.
+
+use std::{
+    collections::VecDeque,
+    sync::{Arc, Barrier},
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context as _};
+use coordbus::{
+    clock::SystemClock,
+    coordinators::block_tracker::{
+        AddBlock, AddBlocks, BatchTime, BlockStoreResult, BlockTrackerConfig, BlockTrackerEndpoint,
+        Logged, ReceivedBlockInfo, ReceivedBlockTracker, StopTracker, StreamBlockId, StreamId,
+        RECEIVED_BLOCK_METADATA_DIR,
+    },
+    wal::{Durability, Wal, WalConfig, WalOptions},
+    Bus,
+};
+use hdrhistogram::Histogram;
+
+use crate::report::{Figure, Percentiles};
+
+/// Spark 4.3, `ReceivedBlockTracker.addBlock` with the driver WAL, batching on (ANCHORS.md).
+const SPARK_ADD_1_THREAD: f64 = 20_000.0;
+/// The same with 2 threads.
+const SPARK_ADD_2_THREADS: f64 = 46_000.0;
+/// Spark's recovery of 1 M logged additions, seconds (ANCHORS.md).
+const SPARK_RECOVER_1M_SECONDS: f64 = 13.0;
+/// Spark's WAL bytes per block-addition event (ANCHORS.md: ~930-980).
+const SPARK_BYTES_PER_EVENT: f64 = 955.0;
+
+/// Flags of `coordbus-load blocks`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct BlocksArgs {
+    /// Input streams the blocks are spread over.
+    #[arg(long, default_value_t = 2)]
+    pub streams: u32,
+    /// Receiver threads of the second `blocks/add` run (the first uses 1).
+    #[arg(long, default_value_t = 2)]
+    pub receivers: usize,
+    /// Additions per `blocks/add` run (over all receivers).
+    #[arg(long, default_value_t = 2_000_000)]
+    pub blocks: u64,
+    /// Blocks per `AddBlocks` ask in the extra `blocks/add` run with `--receivers` (1: no
+    /// extra run).
+    #[arg(long, default_value_t = 64)]
+    pub batch: usize,
+    /// Asks each receiver keeps outstanding.
+    #[arg(long, default_value_t = 4096)]
+    pub in_flight: usize,
+    /// Logged additions for `blocks/recover` and `blocks/allocate`.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub recover_events: u64,
+    /// Group commit: longest a record waits for its group, microseconds.
+    #[arg(long, default_value_t = 200)]
+    pub max_delay_us: u64,
+    /// Group commit: group size that starts the write at once, bytes.
+    #[arg(long, default_value_t = 1 << 20)]
+    pub max_group_bytes: usize,
+    /// Size of each WAL segment file, MiB (the tracker's default is 64).
+    #[arg(long, default_value_t = 64)]
+    pub segment_mib: u64,
+    /// Directory for the logs (default: a fresh temporary directory).
+    #[arg(long)]
+    pub dir: Option<std::path::PathBuf>,
+}
+
+/// The quick version for the no-argument run.
+pub fn quick() -> BlocksArgs {
+    BlocksArgs {
+        streams: 2,
+        receivers: 2,
+        blocks: 500_000,
+        in_flight: 4096,
+        batch: 64,
+        recover_events: 1_000_000,
+        max_delay_us: 200,
+        max_group_bytes: 1 << 20,
+        segment_mib: 64,
+        dir: None,
+    }
+}
+
+fn block(stream: StreamId, unique_id: u64) -> ReceivedBlockInfo {
+    let block_id = StreamBlockId { stream, unique_id };
+    ReceivedBlockInfo::new(stream, Some(100), None, BlockStoreResult::BlockManager { block_id })
+        .expect("non-negative record count")
+}
+
+fn wal_config(args: &BlocksArgs) -> WalConfig {
+    WalConfig {
+        durability: Durability::GroupCommit {
+            max_delay: Duration::from_micros(args.max_delay_us),
+            max_bytes: args.max_group_bytes,
+        },
+        segment_size_bytes: args.segment_mib << 20,
+        ..BlockTrackerConfig::driver_wal_config()
+    }
+}
+
+fn streams(args: &BlocksArgs) -> Vec<StreamId> {
+    (0..args.streams.max(1) as i32).map(StreamId).collect()
+}
+
+/// Runs every `blocks/*` workload.
+pub fn run(args: &BlocksArgs) -> anyhow::Result<Vec<Figure>> {
+    if args.in_flight == 0 || args.receivers == 0 {
+        bail!("--in-flight and --receivers must be at least 1");
+    }
+    let temp = tempfile::tempdir().context("temporary directory")?;
+    let root = args.dir.clone().unwrap_or_else(|| temp.path().to_path_buf());
+    let mut figures = Vec::new();
+    let mut receiver_counts = vec![1, args.receivers];
+    receiver_counts.dedup();
+    let mut runs: Vec<(usize, usize)> = receiver_counts.into_iter().map(|r| (r, 1)).collect();
+    if args.batch > 1 {
+        runs.push((args.receivers, args.batch));
+    }
+    for (index, (receivers, batch)) in runs.into_iter().enumerate() {
+        figures.push(run_add(args, receivers, batch, &root.join(format!("add-{index}")))?);
+    }
+    figures.extend(run_recover_and_allocate(args, &root.join("recover"))?);
+    Ok(figures)
+}
+
+fn run_add(
+    args: &BlocksArgs,
+    receivers: usize,
+    batch: usize,
+    dir: &std::path::Path,
+) -> anyhow::Result<Figure> {
+    let streams = streams(args);
+    let config =
+        BlockTrackerConfig::new(streams.clone()).checkpoint_dir(dir).wal_config(wal_config(args));
+    let tracker = ReceivedBlockTracker::open(config, Arc::new(SystemClock))?;
+    let wal = Arc::clone(tracker.wal().context("the WAL is enabled")?);
+    let bus = Bus::builder().inbox_shards(receivers.max(2)).inbox_capacity(1 << 16).build()?;
+    let endpoint = bus.register("ReceivedBlockTracker", BlockTrackerEndpoint::new(tracker))?;
+    let per_receiver = args.blocks / receivers as u64;
+    let barrier = Arc::new(Barrier::new(receivers + 1));
+    let mut threads = Vec::new();
+    for receiver in 0..receivers {
+        let (endpoint, barrier, streams) = (endpoint.clone(), barrier.clone(), streams.clone());
+        // The same number of blocks in flight whatever the batch size.
+        let in_flight = (args.in_flight / batch).max(1);
+        threads.push(std::thread::spawn(move || -> anyhow::Result<Histogram<u64>> {
+            let mut histogram = Histogram::<u64>::new(3)?;
+            let mut outstanding = VecDeque::with_capacity(in_flight);
+            let base = receiver as u64 * per_receiver;
+            let make = |seq: u64| block(streams[(seq % streams.len() as u64) as usize], base + seq);
+            barrier.wait();
+            let mut seq = 0;
+            while seq < per_receiver {
+                if outstanding.len() == in_flight {
+                    wait_one(&mut outstanding, &mut histogram)?;
+                }
+                let end = (seq + batch as u64).min(per_receiver);
+                let reply = if batch == 1 {
+                    Outstanding::One(endpoint.ask(AddBlock(make(seq))))
+                } else {
+                    Outstanding::Many(endpoint.ask(AddBlocks((seq..end).map(make).collect())))
+                };
+                outstanding.push_back((Instant::now(), reply));
+                seq = end;
+            }
+            while !outstanding.is_empty() {
+                wait_one(&mut outstanding, &mut histogram)?;
+            }
+            Ok(histogram)
+        }));
+    }
+    barrier.wait();
+    let started = Instant::now();
+    let mut histogram = Histogram::<u64>::new(3)?;
+    for thread in threads {
+        let partial = thread.join().map_err(|_| anyhow::anyhow!("receiver panicked"))??;
+        histogram.add(partial)?;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let stats = wal.stats();
+    endpoint.ask(StopTracker).wait()?;
+    bus.shutdown()?;
+    let additions = per_receiver * receivers as u64;
+    let spark = if receivers == 1 { SPARK_ADD_1_THREAD } else { SPARK_ADD_2_THREADS };
+    let rate = additions as f64 / seconds;
+    Ok(Figure::new("blocks/add", additions, seconds)
+        .with_latency(Percentiles::from_histogram(&histogram))
+        .with("receivers", receivers)
+        .with("streams", streams.len())
+        .with("in_flight", args.in_flight)
+        .with("blocks_per_ask", batch)
+        .with("durable", "synced (group commit)")
+        .with("syncs", stats.syncs)
+        .with("additions_per_sync", additions as f64 / stats.syncs.max(1) as f64)
+        .with("bytes_per_event", stats.bytes as f64 / stats.appends.max(1) as f64)
+        .with("io_path", stats.io_path.map_or("?", |path| path.as_str()))
+        .with("spark_msgs_per_sec", spark)
+        .with("spark_durable", "never synced")
+        .with("ratio_vs_spark", rate / spark))
+}
+
+/// An ask in flight.
+enum Outstanding {
+    One(coordbus::Reply<bool>),
+    Many(coordbus::Reply<Vec<bool>>),
+}
+
+/// Waits for the oldest ask; records its latency once per block it carried.
+fn wait_one(
+    outstanding: &mut VecDeque<(Instant, Outstanding)>,
+    histogram: &mut Histogram<u64>,
+) -> anyhow::Result<()> {
+    let (sent, reply) = outstanding.pop_front().expect("not empty");
+    let (logged, blocks) = match reply {
+        Outstanding::One(reply) => (reply.wait()?, 1),
+        Outstanding::Many(reply) => {
+            let results = reply.wait()?;
+            (results.iter().all(|logged| *logged), results.len() as u64)
+        }
+    };
+    if !logged {
+        bail!("an addition was not logged");
+    }
+    histogram.record_n(sent.elapsed().as_nanos() as u64, blocks)?;
+    Ok(())
+}
+
+fn run_recover_and_allocate(
+    args: &BlocksArgs,
+    dir: &std::path::Path,
+) -> anyhow::Result<Vec<Figure>> {
+    let streams = streams(args);
+    let config =
+        BlockTrackerConfig::new(streams.clone()).checkpoint_dir(dir).wal_config(wal_config(args));
+    let clock = Arc::new(SystemClock);
+
+    // Log the additions (appended without waiting, then made durable once).
+    let mut writer = ReceivedBlockTracker::open(config.clone(), clock.clone())?;
+    let mut last = None;
+    for seq in 0..args.recover_events {
+        let stream = streams[(seq % streams.len() as u64) as usize];
+        match writer.add_block_deferred(block(stream, seq)) {
+            Logged::Pending(lsn) => last = Some(lsn),
+            other => bail!("addition {seq} not logged: {other:?}"),
+        }
+    }
+    if let (Some(lsn), Some(log)) = (last, writer.log()) {
+        log.wait_durable(lsn, Duration::from_secs(60))?;
+    }
+    let stats = writer.wal().context("the WAL is enabled")?.stats();
+    let bytes_per_event = stats.bytes as f64 / stats.appends.max(1) as f64;
+    writer.stop()?;
+    drop(writer);
+
+    // The tracker's recovery as a restarted driver meets it (the files just written, in the
+    // page cache), then the WAL's own opening scan alone, a second time. The allocation of
+    // every block is one record, so new segments must hold it (about 100 bytes per block).
+    let mut recover_config = config.recover(true);
+    let allocation_bytes_max = (args.recover_events * 128 + (1 << 20)).next_multiple_of(1 << 20);
+    recover_config.wal.segment_size_bytes =
+        recover_config.wal.segment_size_bytes.max(allocation_bytes_max);
+    let started = Instant::now();
+    let mut tracker = ReceivedBlockTracker::open(recover_config, clock)?;
+    let recover_seconds = started.elapsed().as_secs_f64();
+    let started = Instant::now();
+    let wal_dir = dir.join(RECEIVED_BLOCK_METADATA_DIR);
+    let options = WalOptions { read_only: true, ..WalOptions::default() };
+    Wal::open_with_options(&wal_dir, wal_config(args), options)?.close()?;
+    let wal_open_seconds = started.elapsed().as_secs_f64();
+    let recovered = tracker.recovered_events();
+    if recovered != args.recover_events {
+        bail!("recovered {recovered} events, logged {}", args.recover_events);
+    }
+
+    let started = Instant::now();
+    tracker.allocate_blocks_to_batch(BatchTime(1))?;
+    let allocate_seconds = started.elapsed().as_secs_f64();
+    let allocated = tracker.blocks_of_batch(BatchTime(1)).block_count() as u64;
+    if allocated != args.recover_events {
+        bail!("allocated {allocated} blocks, expected {}", args.recover_events);
+    }
+    let allocation_bytes = tracker.wal().map_or(0, |wal| wal.stats().bytes);
+    tracker.stop()?;
+
+    Ok(vec![
+        Figure::new("blocks/recover", recovered, recover_seconds)
+            .with("streams", streams.len())
+            .with("segment_mib", args.segment_mib)
+            .with("bytes_per_event", bytes_per_event)
+            .with("wal_scan_again_seconds", wal_open_seconds)
+            .with("spark_seconds", SPARK_RECOVER_1M_SECONDS * recovered as f64 / 1e6)
+            .with("spark_bytes_per_event", SPARK_BYTES_PER_EVENT)
+            .with(
+                "speedup_vs_spark",
+                SPARK_RECOVER_1M_SECONDS * recovered as f64 / 1e6 / recover_seconds,
+            ),
+        Figure::new("blocks/allocate", allocated, allocate_seconds)
+            .with("streams", streams.len())
+            .with("durable", "synced")
+            .with("allocation_event_bytes", allocation_bytes)
+            .with("bytes_per_event", allocation_bytes as f64 / allocated.max(1) as f64),
+    ])
+}

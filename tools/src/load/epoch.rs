@@ -1,0 +1,603 @@
+//! Workload `epoch`: the epoch coordinator endpoint under a continuous-processing load.
+//!
+//! `--producers N` threads play the executors: each owns a contiguous range of the
+//! `--partitions P` reader and writer partitions and, for every epoch, sends one
+//! `ReportPartitionOffset` and one `CommitPartitionEpoch` per partition with `send_batch`. A
+//! driver thread plays the epoch update thread: it asks `IncrementAndGetEpoch` whenever the
+//! producers need the next epoch. As in Spark, tasks only start an epoch the driver announced,
+//! and (flow control of this tool) they stay at most `--window` epochs ahead of the last
+//! committed one. The query collaborator timestamps every commit; the commit latency of an epoch
+//! is from the moment its last message was handed to the bus to its commit.
+//!
+//! `--baseline reference` then applies the same message stream (the producers' batches in
+//! round-robin order) to the reference model and, for comparison, to the fast state machine,
+//! directly on this thread (no bus, which favours the reference). The reference model rescans
+//! its maps on every message, so it gets a time budget (`--baseline-seconds`) and is measured
+//! on the prefix of the stream it gets through.
+//!
+//! `--durability group|every` puts a `DurableQuery` (the offset and commit logs in the WAL, on
+//! a temporary directory removed afterwards) in front of the load query: group commit
+//! (`Durability::GroupCommit`, the WAL's default 200 us / 1 MiB groups) or a sync per record
+//! (`Durability::EveryRecord`). The coordinator never waits for a sync, but the run only ends
+//! when the last epoch's commit record is durable, and that moment ends the measured time.
+
+use std::{
+    sync::{
+        atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering},
+        Arc, Barrier, OnceLock,
+    },
+    thread::Thread,
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context as _};
+use coordbus::{
+    coordinators::epoch::{
+        coordinator_name, reference::ReferenceEpochCoordinator, CollaboratorError,
+        CommitPartitionEpoch, DurableQuery, Epoch, EpochConfig, EpochCoordinator, EpochEndpoint,
+        EpochError, EpochMessage, GetEpochStats, IncrementAndGetEpoch, PartitionId, Payload, Query,
+        ReportPartitionOffset, SetReaderPartitions, SetWriterPartitions, Sink,
+    },
+    wal::{self, Wal, WalConfig},
+    Bus,
+};
+use hdrhistogram::Histogram;
+
+use crate::report::{Figure, Percentiles};
+
+/// Durability of the commit records.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Durability {
+    /// In memory only.
+    None,
+    /// WAL with group commit.
+    Group,
+    /// WAL with a sync per record.
+    Every,
+}
+
+impl Durability {
+    fn name(self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::Group => "group",
+            Self::Every => "every",
+        }
+    }
+}
+
+/// What to compare against.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Baseline {
+    /// No baseline.
+    None,
+    /// The reference model (Spark's algorithm) on the same stream.
+    Reference,
+}
+
+/// Flags of the `epoch` workload.
+#[derive(clap::Args, Debug, Clone)]
+pub struct EpochArgs {
+    /// Reader partitions, and as many writer partitions.
+    #[arg(long, default_value_t = 1000)]
+    pub partitions: i32,
+    /// Epochs to run (each is 2 x partitions messages).
+    #[arg(long, default_value_t = 5000)]
+    pub epochs: i64,
+    /// Producer threads (each owns a contiguous range of partitions).
+    #[arg(long, default_value_t = 1)]
+    pub producers: usize,
+    /// Messages per `send_batch`.
+    #[arg(long, default_value_t = 512)]
+    pub batch: usize,
+    /// How many epochs the producers may run ahead of the last committed epoch; 0 = auto
+    /// (about 64 Ki messages in flight, at least 4 epochs). The inbox's capacity is the other
+    /// bound: a full inbox makes `send_batch` wait.
+    #[arg(long, default_value_t = 0)]
+    pub window: i64,
+    /// Commit durability: none (in memory), group (WAL, group commit) or every (WAL, a sync
+    /// per record).
+    #[arg(long, value_enum, default_value_t = Durability::None)]
+    pub durability: Durability,
+    /// With `--durability group`: longest a record waits for its group (the WAL's
+    /// `GroupCommit::max_delay`), in microseconds.
+    #[arg(long, default_value_t = 200)]
+    pub group_delay_us: u64,
+    /// Baseline run in the same process on the same message stream.
+    #[arg(long, value_enum, default_value_t = Baseline::Reference)]
+    pub baseline: Baseline,
+    /// Time budget of the reference model run, in seconds.
+    #[arg(long, default_value_t = 2.0)]
+    pub baseline_seconds: f64,
+    /// Backlog limit of the coordinator (all three limits).
+    #[arg(long, default_value_t = 1_000_000)]
+    pub backlog_limit: usize,
+    /// Inbox capacity per shard (messages).
+    #[arg(long, default_value_t = 1 << 16)]
+    pub inbox_capacity: usize,
+}
+
+/// A run of a few seconds for the no-argument invocation.
+pub fn quick() -> EpochArgs {
+    EpochArgs {
+        partitions: 1000,
+        epochs: 2000,
+        producers: 1,
+        batch: 512,
+        window: 0,
+        durability: Durability::None,
+        group_delay_us: 200,
+        baseline: Baseline::Reference,
+        baseline_seconds: 1.0,
+        backlog_limit: 1_000_000,
+        inbox_capacity: 1 << 16,
+    }
+}
+
+/// State shared by the query collaborator (on the endpoint thread) and the load threads.
+struct Shared {
+    start: Instant,
+    committed: AtomicI64,
+    driver_epoch: AtomicI64,
+    /// Per epoch (index epoch - 1): nanoseconds since `start` when its last message was sent.
+    last_sent_ns: Vec<AtomicU64>,
+    /// Per epoch: nanoseconds since `start` when it was committed.
+    committed_ns: Vec<AtomicU64>,
+    stopped: AtomicBool,
+    failed: AtomicBool,
+    /// The producer and driver threads, woken on every commit and every new driver epoch.
+    waiters: OnceLock<Vec<Thread>>,
+}
+
+impl Shared {
+    fn now_ns(&self) -> u64 {
+        self.start.elapsed().as_nanos() as u64
+    }
+
+    fn wake_all(&self) {
+        for thread in self.waiters.get().map_or(&[][..], Vec::as_slice) {
+            thread.unpark();
+        }
+    }
+
+    /// Waits until `ready()`: spins briefly, then parks (woken by [`Shared::wake_all`]; the
+    /// timeout only bounds a missed wake-up). Returns false if the run was stopped.
+    fn wait_until(&self, ready: impl Fn() -> bool) -> bool {
+        let mut spins = 0u32;
+        while !ready() {
+            if self.stopped.load(Ordering::Relaxed) {
+                return false;
+            }
+            if spins < 256 {
+                spins += 1;
+                std::hint::spin_loop();
+            } else {
+                std::thread::park_timeout(Duration::from_micros(500));
+            }
+        }
+        true
+    }
+}
+
+struct LoadQuery(Arc<Shared>);
+
+impl Query for LoadQuery {
+    fn add_offsets(
+        &mut self,
+        _: Epoch,
+        offsets: &[(PartitionId, Payload)],
+    ) -> Result<(), CollaboratorError> {
+        std::hint::black_box(offsets);
+        Ok(())
+    }
+
+    fn commit(&mut self, epoch: Epoch) -> Result<(), CollaboratorError> {
+        let shared = &self.0;
+        if let Some(slot) = shared.committed_ns.get((epoch.0 - 1) as usize) {
+            slot.store(shared.now_ns(), Ordering::Relaxed);
+        }
+        shared.committed.store(epoch.0, Ordering::Release);
+        shared.wake_all();
+        Ok(())
+    }
+
+    fn stop(&mut self, error: EpochError) {
+        if !self.0.failed.swap(true, Ordering::Relaxed) {
+            eprintln!("epoch workload: the coordinator stopped the query: {error}");
+        }
+    }
+}
+
+struct LoadSink;
+
+impl Sink for LoadSink {
+    fn commit(
+        &mut self,
+        _: Epoch,
+        messages: &[(PartitionId, Payload)],
+    ) -> Result<(), CollaboratorError> {
+        std::hint::black_box(messages);
+        Ok(())
+    }
+}
+
+/// The messages producer `range` sends for `epoch`, in order.
+fn epoch_messages(range: std::ops::Range<i32>, epoch: i64, out: &mut Vec<EpochMessage>) {
+    for partition in range {
+        out.push(
+            ReportPartitionOffset {
+                partition,
+                epoch,
+                offset: (epoch << 20 | i64::from(partition)).into(),
+            }
+            .into(),
+        );
+        out.push(
+            CommitPartitionEpoch { partition, epoch, message: i64::from(partition).into() }.into(),
+        );
+    }
+}
+
+fn ranges(partitions: i32, producers: usize) -> Vec<std::ops::Range<i32>> {
+    let producers = producers as i64;
+    (0..producers)
+        .map(|index| {
+            let start = (i64::from(partitions) * index / producers) as i32;
+            let end = (i64::from(partitions) * (index + 1) / producers) as i32;
+            start..end
+        })
+        .collect()
+}
+
+fn validate(args: &EpochArgs) -> anyhow::Result<()> {
+    if args.partitions < 1 || args.epochs < 1 || args.producers < 1 || args.batch < 1 {
+        bail!("--partitions, --epochs, --producers and --batch must be at least 1");
+    }
+    if args.producers > args.partitions as usize {
+        bail!("--producers must not exceed --partitions");
+    }
+    if args.window < 0 {
+        bail!("--window must be at least 0 (0 = auto)");
+    }
+    Ok(())
+}
+
+/// Runs the workload.
+pub fn run(args: &EpochArgs) -> anyhow::Result<Vec<Figure>> {
+    validate(args)?;
+    let mut figures = vec![run_bus(args)?];
+    if args.baseline == Baseline::Reference {
+        let (ours, reference) = run_direct(args);
+        let bus = figures.remove(0);
+        let bus = bus.with_baseline("reference (direct)", reference.msgs_per_sec());
+        figures.push(bus);
+        figures.push(ours.with_baseline("reference (direct)", reference.msgs_per_sec()));
+    }
+    Ok(figures)
+}
+
+/// The window in epochs (`--window 0`: about 64 Ki messages in flight, at least 4 epochs).
+fn window_epochs(args: &EpochArgs) -> i64 {
+    if args.window > 0 {
+        args.window
+    } else {
+        (65_536 / (2 * i64::from(args.partitions))).max(4)
+    }
+}
+
+fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
+    let epochs = args.epochs;
+    let window = window_epochs(args);
+    let shared = Arc::new(Shared {
+        start: Instant::now(),
+        committed: AtomicI64::new(0),
+        driver_epoch: AtomicI64::new(1),
+        last_sent_ns: (0..epochs).map(|_| AtomicU64::new(0)).collect(),
+        committed_ns: (0..epochs).map(|_| AtomicU64::new(0)).collect(),
+        stopped: AtomicBool::new(false),
+        failed: AtomicBool::new(false),
+        waiters: OnceLock::new(),
+    });
+    let bus = Bus::builder()
+        .inbox_shards(args.producers + 1)
+        .inbox_capacity(args.inbox_capacity)
+        .build()?;
+    let config = EpochConfig::new(1).with_backlog_limit(args.backlog_limit);
+    let load_query = LoadQuery(Arc::clone(&shared));
+    // The WAL directory lives until the end of this function (removed on drop).
+    let mut wal_dir = None;
+    let mut durable_status = None;
+    let query: Box<dyn Query + Send> = match args.durability {
+        Durability::None => Box::new(load_query),
+        Durability::Group | Durability::Every => {
+            let dir = tempfile::TempDir::new().context("temporary WAL directory")?;
+            let durability = match args.durability {
+                Durability::Every => wal::Durability::EveryRecord,
+                _ => wal::Durability::GroupCommit {
+                    max_delay: Duration::from_micros(args.group_delay_us),
+                    max_bytes: 4 << 20,
+                },
+            };
+            let wal = Wal::open(dir.path(), WalConfig { durability, ..WalConfig::default() })?;
+            let query = DurableQuery::from_wal(wal, load_query)?;
+            durable_status = Some(query.status());
+            wal_dir = Some(dir);
+            Box::new(query)
+        }
+    };
+    let endpoint = EpochEndpoint::new(config, query, LoadSink)?;
+    let coordinator = bus.register(coordinator_name("load"), endpoint)?;
+    coordinator.ask(SetReaderPartitions(args.partitions)).wait()?;
+    coordinator.ask(SetWriterPartitions(args.partitions)).wait()?;
+
+    let barrier = Arc::new(Barrier::new(args.producers + 2));
+    let mut threads = Vec::new();
+    for range in ranges(args.partitions, args.producers) {
+        let (shared, coordinator, barrier) =
+            (Arc::clone(&shared), coordinator.clone(), Arc::clone(&barrier));
+        let batch = args.batch;
+        threads.push(std::thread::spawn(move || -> anyhow::Result<()> {
+            let mut messages: Vec<EpochMessage> = Vec::new();
+            // (epoch, index of its last message in `messages`), in order.
+            let mut ends: Vec<(i64, usize)> = Vec::new();
+            barrier.wait();
+            let mut next = 1;
+            while next <= epochs {
+                let ready = || {
+                    shared.driver_epoch.load(Ordering::Acquire) >= next
+                        && next - shared.committed.load(Ordering::Acquire) <= window
+                };
+                if !shared.wait_until(ready) {
+                    return Ok(());
+                }
+                // Every epoch the driver announced and the window allows, in one stream.
+                let last = shared
+                    .driver_epoch
+                    .load(Ordering::Acquire)
+                    .min(shared.committed.load(Ordering::Acquire) + window)
+                    .min(epochs);
+                messages.clear();
+                ends.clear();
+                for epoch in next..=last {
+                    epoch_messages(range.clone(), epoch, &mut messages);
+                    ends.push((epoch, messages.len() - 1));
+                }
+                next = last + 1;
+                let mut ends = ends.iter().peekable();
+                let mut sent = 0;
+                let mut rest = messages.drain(..);
+                while rest.len() > 0 {
+                    let chunk: Vec<EpochMessage> = rest.by_ref().take(batch).collect();
+                    let sent_ns = shared.now_ns();
+                    let chunk_len = chunk.len();
+                    coordinator
+                        .send_batch(chunk)
+                        .map_err(|_| anyhow::anyhow!("the coordinator stopped"))?;
+                    sent += chunk_len;
+                    while let Some(&&(epoch, end)) = ends.peek() {
+                        if end >= sent {
+                            break;
+                        }
+                        shared.last_sent_ns[(epoch - 1) as usize]
+                            .fetch_max(sent_ns, Ordering::Relaxed);
+                        ends.next();
+                    }
+                }
+            }
+            Ok(())
+        }));
+    }
+    let driver = {
+        let (shared, coordinator, barrier) =
+            (Arc::clone(&shared), coordinator.clone(), Arc::clone(&barrier));
+        std::thread::spawn(move || -> anyhow::Result<()> {
+            barrier.wait();
+            let mut driver_epoch = 1;
+            while driver_epoch < epochs {
+                let ready = || driver_epoch - shared.committed.load(Ordering::Acquire) < window;
+                if !shared.wait_until(ready) {
+                    return Ok(());
+                }
+                // Announce every epoch the window allows with pipelined asks (one per epoch, as
+                // Spark's epoch thread does), waiting only for the last reply.
+                let room = window - (driver_epoch - shared.committed.load(Ordering::Acquire));
+                let asks = room.clamp(1, epochs - driver_epoch);
+                let mut last = None;
+                for _ in 0..asks {
+                    last = Some(coordinator.ask(IncrementAndGetEpoch));
+                }
+                if let Some(reply) = last {
+                    driver_epoch = reply.wait()?;
+                }
+                shared.driver_epoch.store(driver_epoch, Ordering::Release);
+                shared.wake_all();
+            }
+            Ok(())
+        })
+    };
+
+    let mut waiters: Vec<Thread> = threads.iter().map(|t| t.thread().clone()).collect();
+    waiters.push(driver.thread().clone());
+    let _ = shared.waiters.set(waiters);
+    barrier.wait();
+    let started = Instant::now();
+    let started_ns = shared.now_ns();
+    // Bounded wait (polling, so this thread takes no core from the run): a stall (lost
+    // commit, stopped query) ends the run with an error.
+    let deadline = started + Duration::from_secs(60) + Duration::from_micros(epochs as u64 * 50);
+    while shared.committed.load(Ordering::Acquire) < epochs {
+        if Instant::now() > deadline || shared.failed.load(Ordering::Relaxed) {
+            shared.stopped.store(true, Ordering::Relaxed);
+            shared.wake_all();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let committed = shared.committed.load(Ordering::Acquire);
+    let mut finished_ns = shared
+        .committed_ns
+        .get((committed.max(1) - 1) as usize)
+        .map_or(0, |ns| ns.load(Ordering::Relaxed));
+    let mut not_durable = None;
+    if let Some(status) = &durable_status {
+        // The run ends when the last commit record is durable.
+        if status.wait_durable_committed(Epoch(committed), Duration::from_secs(60)) {
+            finished_ns = shared.now_ns();
+        } else {
+            not_durable = Some(status.wal_failure());
+        }
+    }
+    for thread in threads {
+        thread.join().map_err(|_| anyhow::anyhow!("producer panicked"))??;
+    }
+    driver.join().map_err(|_| anyhow::anyhow!("driver panicked"))??;
+    let stats = coordinator.ask(GetEpochStats).wait()?;
+    bus.shutdown()?;
+    drop(wal_dir);
+    if let Some(failure) = not_durable {
+        bail!("the commit record of epoch {committed} did not become durable (WAL: {failure:?})");
+    }
+    if committed < epochs {
+        bail!(
+            "only {committed} of {epochs} epochs committed (stats: {stats:?}); the query was \
+             stopped: {}",
+            shared.failed.load(Ordering::Relaxed)
+        );
+    }
+    if stats.counters.dropped() != 0 {
+        bail!("the coordinator dropped messages: {:?}", stats.counters);
+    }
+
+    let seconds = finished_ns.saturating_sub(started_ns) as f64 / 1e9;
+    let messages = 2 * args.partitions as u64 * epochs as u64;
+    let mut latency = Histogram::<u64>::new(3).context("histogram")?;
+    for (sent, done) in shared.last_sent_ns.iter().zip(&shared.committed_ns) {
+        let (sent, done) = (sent.load(Ordering::Relaxed), done.load(Ordering::Relaxed));
+        latency.record(done.saturating_sub(sent).max(1))?;
+    }
+    Ok(Figure::new("epoch", messages, seconds)
+        .with_latency(Percentiles::from_histogram(&latency))
+        .with("partitions", args.partitions)
+        .with("durability", args.durability.name())
+        .with("producers", args.producers as u64)
+        .with("epochs", epochs)
+        .with("window", window)
+        .with("epochs_per_sec", epochs as f64 / seconds.max(1e-9))
+        .with("peak_rss_mib", peak_rss_mib()))
+}
+
+/// The fast state machine and the reference model on the same stream, on this thread.
+fn run_direct(args: &EpochArgs) -> (Figure, Figure) {
+    let ranges = ranges(args.partitions, args.producers);
+    let stream_epoch = |epoch: i64, out: &mut Vec<EpochMessage>| {
+        // The producers' batches in round-robin order, as the endpoint would drain them.
+        let mut per_producer: Vec<Vec<EpochMessage>> = ranges
+            .iter()
+            .map(|range| {
+                let mut messages = Vec::new();
+                epoch_messages(range.clone(), epoch, &mut messages);
+                messages
+            })
+            .collect();
+        let mut cursors = vec![0usize; per_producer.len()];
+        loop {
+            let mut progressed = false;
+            for (producer, messages) in per_producer.iter_mut().enumerate() {
+                let start = cursors[producer];
+                let end = (start + args.batch).min(messages.len());
+                if start < end {
+                    out.extend(messages[start..end].iter().cloned());
+                    cursors[producer] = end;
+                    progressed = true;
+                }
+            }
+            if !progressed {
+                break;
+            }
+        }
+    };
+    let config = EpochConfig::new(1).with_backlog_limit(args.backlog_limit);
+
+    let mut reference = ReferenceEpochCoordinator::new(config.clone(), LoadSinkQuery, LoadSink)
+        .expect("valid configuration");
+    let _ = reference.set_reader_partitions(args.partitions);
+    let _ = reference.set_writer_partitions(args.partitions);
+    let budget = Duration::from_secs_f64(args.baseline_seconds);
+    let mut buffer = Vec::new();
+    let (mut reference_messages, mut reference_time) = (0u64, Duration::ZERO);
+    for epoch in 1..=args.epochs {
+        buffer.clear();
+        stream_epoch(epoch, &mut buffer);
+        let count = buffer.len() as u64;
+        let started = Instant::now();
+        for message in buffer.drain(..) {
+            let _ = reference.apply(message);
+        }
+        reference_time += started.elapsed();
+        reference_messages += count;
+        if reference_time > budget {
+            break;
+        }
+    }
+    let reference_epochs = reference.last_committed().0;
+
+    let mut ours =
+        EpochCoordinator::new(config, LoadSinkQuery, LoadSink).expect("valid configuration");
+    let _ = ours.set_reader_partitions(args.partitions);
+    let _ = ours.set_writer_partitions(args.partitions);
+    let (mut our_messages, mut our_time) = (0u64, Duration::ZERO);
+    for epoch in 1..=args.epochs {
+        buffer.clear();
+        stream_epoch(epoch, &mut buffer);
+        our_messages += buffer.len() as u64;
+        let started = Instant::now();
+        for message in buffer.drain(..) {
+            let _ = ours.apply(message);
+        }
+        our_time += started.elapsed();
+    }
+    let ours = Figure::new("epoch/state-machine", our_messages, our_time.as_secs_f64())
+        .with("partitions", args.partitions)
+        .with("durability", "none")
+        .with("epochs", ours.last_committed().0)
+        .with("epochs_per_sec", ours.last_committed().0 as f64 / our_time.as_secs_f64().max(1e-9));
+    let reference =
+        Figure::new("epoch/reference", reference_messages, reference_time.as_secs_f64())
+            .with("epochs", reference_epochs);
+    (ours, reference)
+}
+
+/// A query for the direct runs: does nothing.
+struct LoadSinkQuery;
+
+impl Query for LoadSinkQuery {
+    fn add_offsets(
+        &mut self,
+        _: Epoch,
+        offsets: &[(PartitionId, Payload)],
+    ) -> Result<(), CollaboratorError> {
+        std::hint::black_box(offsets);
+        Ok(())
+    }
+    fn commit(&mut self, epoch: Epoch) -> Result<(), CollaboratorError> {
+        std::hint::black_box(epoch);
+        Ok(())
+    }
+    fn stop(&mut self, error: EpochError) {
+        eprintln!("epoch workload (direct run): query stopped: {error}");
+    }
+}
+
+/// Peak resident memory of this process (VmHWM), in MiB; 0 if unknown.
+fn peak_rss_mib() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find(|line| line.starts_with("VmHWM:"))
+                .and_then(|line| line.split_whitespace().nth(1))
+                .and_then(|kib| kib.parse::<f64>().ok())
+        })
+        .map_or(0.0, |kib| kib / 1024.0)
+}
