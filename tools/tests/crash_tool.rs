@@ -54,18 +54,42 @@ fn wal_kill_loop_loses_nothing_and_cleans_up() {
 }
 
 #[test]
-fn injected_loss_fails_the_run_and_keeps_the_image() {
+fn epoch_kill_loop_loses_nothing_and_cleans_up() {
+    assert_nothing_lost("epoch", 8);
+}
+
+#[test]
+fn blocks_kill_loop_loses_nothing_and_cleans_up() {
+    assert_nothing_lost("blocks", 8);
+}
+
+fn assert_injected_loss_detected(target: &str, subdir: &str) {
     let parent = tempfile::tempdir().unwrap();
     let (code, summary, stderr) =
-        crash(&["--target", "wal", "--iterations", "5", "--inject-loss"], parent.path());
+        crash(&["--target", target, "--iterations", "5", "--inject-loss"], parent.path());
     assert_eq!(code, Some(1), "{summary} / {stderr}");
     assert!(summary["lost"].as_u64().unwrap() >= 1, "{summary}");
     assert_eq!(summary["passed"], false);
     // The run stops at the failing iteration and keeps its directory, named on stderr.
     assert_eq!(summary["iterations"], 1);
     let kept = summary["kept_dir"].as_str().expect("a kept directory");
-    assert!(Path::new(kept).join("wal").is_dir(), "{kept}");
+    assert!(Path::new(kept).join(subdir).is_dir(), "{kept}");
     assert!(stderr.contains(kept), "{stderr}");
+}
+
+#[test]
+fn injected_wal_loss_fails_the_run_and_keeps_the_image() {
+    assert_injected_loss_detected("wal", "wal");
+}
+
+#[test]
+fn injected_epoch_loss_fails_the_run_and_keeps_the_image() {
+    assert_injected_loss_detected("epoch", "epoch");
+}
+
+#[test]
+fn injected_block_loss_fails_the_run_and_keeps_the_image() {
+    assert_injected_loss_detected("blocks", "blocks");
 }
 
 #[test]
