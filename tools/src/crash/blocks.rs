@@ -31,8 +31,8 @@ use coordbus::{
     clock::{Clock, SystemClock},
     coordinators::block_tracker::{
         AddBlock, AllocateBlocksToBatch, BatchTime, BlockStoreResult, BlockTrackerConfig,
-        BlockTrackerEndpoint, GetBlocksOfBatch, ReceivedBlockInfo, ReceivedBlockTracker,
-        StreamBlockId, StreamId, TrackerEvent, RECEIVED_BLOCK_METADATA_DIR,
+        BlockTrackerEndpoint, CleanupOldBatches, GetBlocksOfBatch, ReceivedBlockInfo,
+        ReceivedBlockTracker, StreamBlockId, StreamId, TrackerEvent, RECEIVED_BLOCK_METADATA_DIR,
     },
     wal::{Durability, Lsn, Wal, WalConfig, WalOptions},
     Bus,
@@ -46,6 +46,10 @@ const STREAMS: u64 = 2;
 const ID_STRIDE: u64 = 1 << 40;
 /// The child's batch interval.
 const BATCH_INTERVAL: Duration = Duration::from_millis(2);
+/// The child cleans up old batches after every this many allocations.
+const CLEANUP_EVERY: u64 = 8;
+/// Age (ms of batch time) of the batches a cleanup forgets.
+const CLEANUP_AGE_MS: i64 = 10;
 /// Longest a reply may take (a hang is a failure, not a wait).
 const REPLY_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -102,8 +106,15 @@ fn snapshot(tracker: &ReceivedBlockTracker) -> Snapshot {
     Snapshot { blocks, batches }
 }
 
+/// Prints one whole line and flushes it (the parent reads lines as they come).
+fn print_line(stdout: &Mutex<std::io::Stdout>, line: &str) -> std::io::Result<()> {
+    let mut out = stdout.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    writeln!(out, "{line}")?;
+    out.flush()
+}
+
 /// The child: a driver that works until killed.
-pub fn child(work: &Path, _seed: u64, _iteration: u64) -> anyhow::Result<()> {
+pub fn child(work: &Path, _seed: u64, iteration: u64) -> anyhow::Result<()> {
     let clock = Arc::new(SystemClock);
     let tracker = ReceivedBlockTracker::open(config(work), clock.clone())
         .with_context(|| format!("recovering the tracker in {}", work.display()))?;
@@ -121,6 +132,7 @@ pub fn child(work: &Path, _seed: u64, _iteration: u64) -> anyhow::Result<()> {
     let bus = Bus::builder().inbox_shards(4).build()?;
     let endpoint = bus.register("ReceivedBlockTracker", BlockTrackerEndpoint::new(tracker))?;
     let stdout = Arc::new(Mutex::new(std::io::stdout()));
+    let mut allocations = 0u64;
     let receivers: Vec<_> = (0..RECEIVERS)
         .map(|receiver| {
             let (endpoint, stdout) = (endpoint.clone(), Arc::clone(&stdout));
@@ -138,9 +150,7 @@ pub fn child(work: &Path, _seed: u64, _iteration: u64) -> anyhow::Result<()> {
                     if !endpoint.ask(AddBlock(info)).wait_timeout(REPLY_TIMEOUT)? {
                         bail!("the tracker did not log block {block_id}");
                     }
-                    let mut out = stdout.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-                    writeln!(out, "A {receiver} {seq}")?;
-                    out.flush()?;
+                    print_line(&stdout, &format!("A {receiver} {seq}"))?;
                 }
                 Ok(())
             })
@@ -160,11 +170,21 @@ pub fn child(work: &Path, _seed: u64, _iteration: u64) -> anyhow::Result<()> {
             for block in batch.streams().iter().flat_map(|stream| &stream.blocks) {
                 line.push_str(&format!(" {}", block.block_id().unique_id));
             }
-            let mut out = stdout.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            writeln!(out, "{line}")?;
-            out.flush()?;
+            print_line(&stdout, &line)?;
         }
         next_time = time + 1;
+        allocations += 1;
+        if allocations % CLEANUP_EVERY == 0 {
+            // Forget the batches older than CLEANUP_AGE_MS (and delete old WAL segments),
+            // as a driver does once batches are done. `c` says a cleanup may happen (its
+            // batches may vanish), `C` that it is acknowledged (they must stay gone).
+            let threshold = clock.now_ms().min(time) - CLEANUP_AGE_MS;
+            print_line(&stdout, &format!("c {threshold}"))?;
+            let wait = iteration % 2 == 0;
+            let cleanup = CleanupOldBatches { threshold: BatchTime(threshold), wait };
+            endpoint.ask(cleanup).wait_timeout(REPLY_TIMEOUT)?;
+            print_line(&stdout, &format!("C {threshold}"))?;
+        }
         // The batch interval of this little driver (receivers keep adding meanwhile).
         std::thread::sleep(BATCH_INTERVAL);
     }
@@ -177,8 +197,16 @@ pub struct BlocksChecker {
     acked: HashSet<u64>,
     /// Every block id an earlier check recovered (durable since: the check closed the log).
     recovered: HashSet<u64>,
-    /// Every processed batch: time -> block ids in order.
-    processed: BTreeMap<i64, Vec<u64>>,
+    /// Every batch seen (processed by a child or recovered by a check): time -> block ids.
+    known: BTreeMap<i64, Vec<u64>>,
+    /// The last processed batch time.
+    last_processed: Option<i64>,
+    /// Batch times removed by cleanup events found in the journal (a cleanup event lives at
+    /// least until the check after the run that wrote it: the active segment is never
+    /// deleted, and every run starts a new one).
+    cleaned: HashSet<i64>,
+    /// The highest acknowledged cleanup threshold.
+    cleanup_acked: Option<i64>,
 }
 
 impl BlocksChecker {
@@ -188,8 +216,30 @@ impl BlocksChecker {
             work: work.to_path_buf(),
             acked: HashSet::new(),
             recovered: HashSet::new(),
-            processed: BTreeMap::new(),
+            known: BTreeMap::new(),
+            last_processed: None,
+            cleaned: HashSet::new(),
+            cleanup_acked: None,
         }
+    }
+
+    fn journal_dir(&self) -> PathBuf {
+        checkpoint_dir(&self.work).join(RECEIVED_BLOCK_METADATA_DIR)
+    }
+
+    /// Adds the batch times of the journal's cleanup events to `cleaned`.
+    fn read_cleanups(&mut self) -> anyhow::Result<()> {
+        let wal = Wal::open_with_options(
+            self.journal_dir(),
+            config(&self.work).wal,
+            WalOptions { read_only: true, ..WalOptions::default() },
+        )?;
+        for record in wal.iter_from(Lsn::ZERO)? {
+            if let TrackerEvent::BatchCleanup(event) = TrackerEvent::decode(&record?.bytes)? {
+                self.cleaned.extend(event.times.iter().map(|time| time.0));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -237,6 +287,7 @@ impl Checker for BlocksChecker {
         counts: &mut Counts,
     ) -> anyhow::Result<Option<Duration>> {
         let mut batches_this_run = 0u64;
+        let mut processed_this_run = BTreeMap::new();
         for line in lines {
             let mut words = line.split(' ');
             match words.next() {
@@ -253,12 +304,21 @@ impl Checker for BlocksChecker {
                 Some("P") => {
                     let Some(Ok(time)) = words.next().map(str::parse::<i64>) else { continue };
                     let ids: Vec<u64> = words.filter_map(|word| word.parse().ok()).collect();
-                    if self.processed.keys().next_back().is_some_and(|last| *last >= time) {
+                    if self.last_processed.is_some_and(|last| last >= time) {
                         counts.out_of_order += 1;
                         counts.note(iteration, format!("batch {time} processed after a later one"));
                     }
-                    self.processed.insert(time, ids);
+                    self.last_processed = Some(time);
+                    self.known.insert(time, ids.clone());
+                    processed_this_run.insert(time, ids);
                     batches_this_run += 1;
+                }
+                Some("C") => {
+                    let Some(Ok(threshold)) = words.next().map(str::parse::<i64>) else {
+                        continue;
+                    };
+                    self.cleanup_acked = self.cleanup_acked.max(Some(threshold));
+                    counts.add_extra("cleanups_acked", 1);
                 }
                 _ => {}
             }
@@ -280,6 +340,14 @@ impl Checker for BlocksChecker {
         let snapshot = snapshot(&tracker);
         tracker.stop().context("closing the recovered tracker")?;
         drop(tracker);
+        self.read_cleanups().context("reading the journal's cleanup events")?;
+        // Blocks of batches a durable cleanup removed: processed, then rightly forgotten.
+        let mut cleaned_blocks: HashMap<u64, i64> = HashMap::new();
+        for (time, ids) in &self.known {
+            if self.cleaned.contains(time) && !snapshot.batches.contains_key(time) {
+                cleaned_blocks.extend(ids.iter().map(|id| (*id, *time)));
+            }
+        }
 
         // Each block exactly once, intact.
         let mut places: HashMap<u64, Vec<Option<i64>>> = HashMap::new();
@@ -306,15 +374,24 @@ impl Checker for BlocksChecker {
                 );
             }
         }
+        for (id, time) in &cleaned_blocks {
+            if let Some(found) = places.get(id) {
+                counts.duplicated += 1;
+                counts.note(
+                    iteration,
+                    format!("block {id} of cleaned batch {time} again: {found:?}"),
+                );
+            }
+        }
         let expected: HashSet<&u64> = self.acked.iter().chain(self.recovered.iter()).collect();
         for id in expected {
-            if !places.contains_key(id) {
+            if !places.contains_key(id) && !cleaned_blocks.contains_key(id) {
                 counts.lost += 1;
                 counts.note(iteration, format!("block {}/{} lost", id / ID_STRIDE, id % ID_STRIDE));
             }
         }
-        // Processed batches stay allocated with the same blocks.
-        for (time, ids) in &self.processed {
+        // Processed batches stay allocated with the same blocks, unless durably cleaned.
+        for (time, ids) in &processed_this_run {
             match snapshot.batches.get(time) {
                 Some(recovered) if recovered == ids => {}
                 Some(recovered) => {
@@ -326,12 +403,25 @@ impl Checker for BlocksChecker {
                         ),
                     );
                 }
+                None if self.cleaned.contains(time) => {}
                 None => {
                     counts.lost += 1;
                     counts.note(iteration, format!("processed batch {time} lost"));
                 }
             }
         }
+        // An acknowledged cleanup stays done.
+        if let Some(threshold) = self.cleanup_acked {
+            if let Some(time) = snapshot.batches.keys().find(|time| **time < threshold) {
+                counts.lost += 1;
+                counts.note(
+                    iteration,
+                    format!("batch {time} is back although cleanup below {threshold} was acked"),
+                );
+            }
+        }
+        self.known.extend(snapshot.batches.iter().map(|(time, ids)| (*time, ids.clone())));
+        counts.set_extra("batches_cleaned", self.cleaned.len() as u64);
         let unallocated = snapshot.blocks.iter().filter(|(_, place)| place.is_none()).count();
         counts.set_extra("blocks", places.len() as u64);
         counts.set_extra("batches", snapshot.batches.len() as u64);
