@@ -7,16 +7,21 @@
 //! addition is acknowledged (the reply `true` means durable), and a batch loop that allocates
 //! the unallocated blocks to a new batch time every 2 ms and prints the batch it then reads
 //! back as processed (`P <time> <id>...`; the reply to the allocation means durable). Each
-//! receiver resumes after the last of its blocks the journal holds. Block ids encode the
-//! receiver and its sequence number; the metadata repeats them, so a block recovered with
-//! someone else's metadata is caught.
+//! receiver resumes after the last of its blocks the journal holds. Every 8 allocations the
+//! loop cleans up batches older than 10 ms (alternately waiting for the WAL files to go or
+//! not) and prints `C <threshold>` once that is acknowledged, so cleanup events and segment
+//! deletion are crashed too. Block ids encode the receiver and its sequence number; the
+//! metadata repeats them, so a block recovered with someone else's metadata is caught.
 //!
-//! Parent: recovers the tracker itself (the recovery time) and checks that every acknowledged
-//! block, and every block an earlier check recovered, is present exactly once, either in one
-//! allocated batch or still unallocated (`lost`, `duplicated`); that each block is intact (its
-//! stream and metadata match its id: `corrupt_accepted`); that every processed batch is still
-//! allocated with exactly the blocks the child processed (`lost` or `corrupt_accepted`); and
-//! that processed batch times increase across all runs (`out_of_order`).
+//! Parent: recovers the tracker itself (the recovery time), reads the journal's durable
+//! cleanup events, and checks that every acknowledged block, and every block an earlier check
+//! recovered, is present exactly once, either in one allocated batch or still unallocated, or
+//! else was in a batch that a durable cleanup removed (`lost`, `duplicated`: a block of a
+//! cleaned batch must not come back); that each block is intact (its stream and metadata match
+//! its id: `corrupt_accepted`); that every batch processed in the run is still allocated with
+//! exactly the blocks the child processed, unless durably cleaned (`lost` or
+//! `corrupt_accepted`); that no batch below an acknowledged cleanup threshold is back
+//! (`lost`); and that processed batch times increase across all runs (`out_of_order`).
 
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
