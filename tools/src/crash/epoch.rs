@@ -276,3 +276,21 @@ impl Checker for EpochChecker {
         Ok(Some(recovery))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::parse;
+
+    #[test]
+    fn child_lines_are_parsed_and_noise_ignored() {
+        let lines: Vec<String> =
+            ["start 4", "sink 4 ok", "durable 4", "sink 5 bad", "durable 3", "junk 1", "sink"]
+                .iter()
+                .map(ToString::to_string)
+                .collect();
+        let printed = parse(&lines);
+        assert_eq!(printed.start, Some(4));
+        assert_eq!(printed.sink, vec![(4, true), (5, false)]);
+        assert_eq!(printed.durable_max, Some(4));
+    }
+}

@@ -545,3 +545,24 @@ pub fn cut_log(dir: &Path, id: coordbus::wal::SegmentId, offset: u64) -> anyhow:
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Counts;
+
+    #[test]
+    fn any_bad_count_fails_and_extras_add_up() {
+        let mut counts = Counts { acked: 10, ..Counts::default() };
+        assert!(!counts.failed());
+        counts.add_extra("records", 2);
+        counts.add_extra("records", 3);
+        counts.set_extra("segments", 4);
+        assert_eq!(counts.extra, vec![("records", 5), ("segments", 4)]);
+        for index in 0..30 {
+            counts.note(index, "x");
+        }
+        assert_eq!(counts.notes.len(), super::NOTES_MAX);
+        counts.duplicated = 1;
+        assert!(counts.failed());
+    }
+}

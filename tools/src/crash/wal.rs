@@ -280,3 +280,29 @@ impl Checker for WalChecker {
         Ok(Some(recovery))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{payload, printed, self_check};
+    use crate::rng::Rng;
+
+    #[test]
+    fn payloads_check_themselves_and_a_flipped_bit_is_caught() {
+        let mut rng = Rng::new(3);
+        let mut bytes = payload(&mut rng, 40);
+        assert!(self_check(&bytes));
+        bytes[10] ^= 0x10;
+        assert!(!self_check(&bytes));
+        assert!(!self_check(&[1, 2, 3]));
+    }
+
+    #[test]
+    fn only_whole_durable_lines_count() {
+        let lines: Vec<String> =
+            ["durable 1 7", "durable 2", "noise", "durable x 1", "durable 3 9"]
+                .iter()
+                .map(ToString::to_string)
+                .collect();
+        assert_eq!(printed(&lines), vec![(1, 7), (3, 9)]);
+    }
+}
