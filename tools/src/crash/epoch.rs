@@ -5,7 +5,8 @@
 //! `start S` (the first epoch it will run), hosts an `EpochEndpoint` on the bus with a sink
 //! that prints `sink E` for each epoch it commits, and sends whole epochs (3 reader partitions
 //! reporting offsets `E * 1000 + p`, 2 writer partitions committing), with an
-//! `IncrementAndGetEpoch` ask after each as the epoch thread would. After each ask it prints
+//! `IncrementAndGetEpoch` ask after each as the epoch thread would. It first re-delivers the
+//! whole last committed epoch, as stale tasks do after a restart (it must be dropped). After each ask it prints
 //! `durable D` when the last commit record known durable has advanced to `D`. Iterations
 //! alternate group commit and `EveryRecord`; the log keeps the last 20 epochs, so `clean`
 //! also runs under the kill.
@@ -91,7 +92,10 @@ pub fn child(work: &Path, _seed: u64, iteration: u64) -> anyhow::Result<()> {
     epoch.ask(SetReaderPartitions(READERS)).wait_timeout(REPLY_TIMEOUT)?;
     epoch.ask(SetWriterPartitions(WRITERS)).wait_timeout(REPLY_TIMEOUT)?;
     let mut printed = start - 1;
-    for e in start.. {
+    // Stale tasks re-deliver the last committed epoch after the restart: the coordinator must
+    // drop it (the sink must not see it again).
+    let first = if start > 0 { start - 1 } else { start };
+    for e in first.. {
         for partition in 0..READERS {
             let offset = offset(partition, e);
             epoch.send(ReportPartitionOffset { partition, epoch: e, offset })?;
