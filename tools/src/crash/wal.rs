@@ -1,0 +1,308 @@
+//! Target `wal`: self-checking records appended until the kill.
+//!
+//! Child: opens (recovers) the log in `<work>/wal` and appends records whose first 4 bytes are
+//! the CRC32C of the rest, in the mode the iteration picks (`EveryRecord` with one thread, or
+//! `GroupCommit` with two threads appending small batches; each on the io_uring path when the
+//! kernel allows it and on the pwrite path, alternating). It prints `durable <lsn> <crc>` for
+//! each record once `wait_durable` returned for it.
+//!
+//! Parent: reopens the log in strict mode (the recovery time), and checks that LSNs run
+//! contiguously from 1, that every record passes its self-check, that every printed LSN is
+//! present with the printed checksum, that every record verified after earlier kills is still
+//! there unchanged, and, after closing, that a second read-only scan finds no torn tail (no
+//! garbage after the tail).
+
+use std::{
+    io::Write,
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use anyhow::Context;
+use coordbus::wal::{scan_dir, Durability, IoMode, Lsn, RecoveryMode, Wal, WalConfig, WalOptions};
+
+use crate::{rng::Rng, Checker, Counts};
+
+/// Segment size: small, so that rolls happen within a run.
+const SEGMENT_SIZE_BYTES: u64 = 256 << 10;
+
+fn config(durability: Durability) -> WalConfig {
+    WalConfig {
+        segment_size_bytes: SEGMENT_SIZE_BYTES,
+        durability,
+        recovery: RecoveryMode::Strict,
+        rolling_interval: None,
+    }
+}
+
+fn wal_dir(work: &Path) -> PathBuf {
+    work.join("wal")
+}
+
+/// The mode of an iteration: (name, durability, I/O path, appending threads).
+fn mode(iteration: u64) -> (&'static str, Durability, IoMode, u64) {
+    match iteration % 4 {
+        0 => ("every-record/auto", Durability::EveryRecord, IoMode::Auto, 1),
+        1 => ("group-commit/auto", Durability::default(), IoMode::Auto, 2),
+        2 => ("every-record/pwrite", Durability::EveryRecord, IoMode::Pwrite, 1),
+        _ => ("group-commit/pwrite", Durability::default(), IoMode::Pwrite, 2),
+    }
+}
+
+/// A self-checking payload of `len + 4` bytes: CRC32C of the body, then the body.
+fn payload(rng: &mut Rng, len: usize) -> Vec<u8> {
+    let mut out = vec![0u8; 4];
+    out.extend((0..len).map(|_| rng.next_u64() as u8));
+    let crc = crc32c::crc32c(&out[4..]);
+    out[..4].copy_from_slice(&crc.to_le_bytes());
+    out
+}
+
+fn self_check(bytes: &[u8]) -> bool {
+    bytes.len() >= 4
+        && bytes[..4].try_into().map(u32::from_le_bytes).ok() == Some(crc32c::crc32c(&bytes[4..]))
+}
+
+/// The child: appends until killed.
+pub fn child(work: &Path, seed: u64, iteration: u64) -> anyhow::Result<()> {
+    let (_, durability, io, threads) = mode(iteration);
+    let dir = wal_dir(work);
+    let wal = Arc::new(
+        Wal::open_with_options(
+            &dir,
+            config(durability),
+            // Every group through the ring (when it is live), so both write paths of the
+            // io_uring engine are crashed.
+            WalOptions { io, uring_direct_max_bytes: 0, ..WalOptions::default() },
+        )
+        .with_context(|| format!("opening the log in {}", dir.display()))?,
+    );
+    let workers: Vec<_> = (0..threads)
+        .map(|thread| {
+            let wal = Arc::clone(&wal);
+            std::thread::spawn(move || -> anyhow::Result<()> {
+                let mut rng = Rng::new(seed ^ (iteration << 20) ^ (thread << 56));
+                loop {
+                    let batch = if threads == 1 { 1 } else { 1 + rng.below(8) };
+                    let mut appended = Vec::with_capacity(batch as usize);
+                    for _ in 0..batch {
+                        let len = 8 + rng.below(300) as usize;
+                        let bytes = payload(&mut rng, len);
+                        let (lsn, _) = wal.append_bytes(&bytes, 0)?;
+                        appended.push((lsn, crc32c::crc32c(&bytes)));
+                    }
+                    let last = appended.last().map_or(Lsn::ZERO, |(lsn, _)| *lsn);
+                    wal.wait_durable(last)?;
+                    let mut out = std::io::stdout().lock();
+                    for (lsn, crc) in appended {
+                        writeln!(out, "durable {} {crc}", lsn.0)?;
+                    }
+                    out.flush()?;
+                }
+            })
+        })
+        .collect();
+    for worker in workers {
+        worker.join().map_err(|_| anyhow::anyhow!("an appender panicked"))??;
+    }
+    Ok(())
+}
+
+/// The parent's side: what every earlier check verified.
+pub struct WalChecker {
+    dir: PathBuf,
+    /// CRC32C of each record verified so far, index `lsn - 1`.
+    verified: Vec<u32>,
+}
+
+impl WalChecker {
+    /// A checker for the log in `<work>/wal`.
+    pub fn new(work: &Path) -> Self {
+        Self { dir: wal_dir(work), verified: Vec::new() }
+    }
+}
+
+/// The `(lsn, crc)` pairs of the child's `durable` lines.
+fn printed(lines: &[String]) -> Vec<(u64, u32)> {
+    lines
+        .iter()
+        .filter_map(|line| {
+            let mut words = line.strip_prefix("durable ")?.split(' ');
+            Some((words.next()?.parse().ok()?, words.next()?.parse().ok()?))
+        })
+        .collect()
+}
+
+impl Checker for WalChecker {
+    fn is_ack(&self, line: &str) -> bool {
+        line.starts_with("durable ")
+    }
+
+    fn inject_loss(&mut self, lines: &[String]) -> anyhow::Result<()> {
+        let Some(last) = printed(lines).iter().map(|(lsn, _)| *lsn).max() else {
+            return Ok(());
+        };
+        let handle = {
+            let wal = Wal::open_with_options(
+                &self.dir,
+                config(Durability::default()),
+                WalOptions { read_only: true, ..WalOptions::default() },
+            )?;
+            let mut found = None;
+            for record in wal.iter_from(Lsn(last))? {
+                let record = record?;
+                if record.lsn.0 == last {
+                    found = Some(record.handle);
+                    break;
+                }
+            }
+            found.with_context(|| format!("LSN {last} not found to inject its loss"))?
+        };
+        // Cut the log just before the last acknowledged record: as if its bytes never
+        // reached the disk although it was acknowledged.
+        crate::cut_log(&self.dir, handle.segment, handle.offset)
+    }
+
+    fn check(
+        &mut self,
+        iteration: u64,
+        lines: &[String],
+        counts: &mut Counts,
+    ) -> anyhow::Result<Option<Duration>> {
+        let printed = printed(lines);
+        counts.acked += printed.len() as u64;
+        let started = Instant::now();
+        let wal = match Wal::open(&self.dir, config(Durability::default())) {
+            Ok(wal) => wal,
+            Err(error) => {
+                counts.open_failures += 1;
+                counts.lost += printed.len() as u64 + self.verified.len() as u64;
+                counts.note(iteration, format!("reopening the log failed: {error}"));
+                return Ok(None);
+            }
+        };
+        let recovery = started.elapsed();
+        if let Some(tail) = &wal.recovery_report().torn_tail {
+            counts.add_extra("torn_tails_cut", 1);
+            counts.add_extra("torn_records_discarded", tail.records_discarded);
+        }
+        // Read every record: LSNs contiguous from 1, each intact.
+        let mut crcs: Vec<u32> = Vec::new();
+        let mut iter_error = None;
+        for record in wal.iter_from(Lsn::ZERO)? {
+            let record = match record {
+                Ok(record) => record,
+                Err(error) => {
+                    iter_error = Some(error);
+                    break;
+                }
+            };
+            let expected = crcs.len() as u64 + 1;
+            if record.lsn.0 < expected {
+                counts.duplicated += 1;
+                counts.note(iteration, format!("LSN {} again after {}", record.lsn, expected - 1));
+                continue;
+            }
+            if record.lsn.0 > expected {
+                counts.out_of_order += 1;
+                counts.note(iteration, format!("LSN gap: {} follows {}", record.lsn, expected - 1));
+                // Keep positions aligned with LSNs; the gap's LSNs hold no checksum.
+                crcs.resize((record.lsn.0 - 1) as usize, 0);
+            }
+            if !self_check(&record.bytes) {
+                counts.corrupt_accepted += 1;
+                counts.note(iteration, format!("record {} fails its self-check", record.lsn));
+            }
+            crcs.push(crc32c::crc32c(&record.bytes));
+        }
+        if let Some(error) = iter_error {
+            counts.corrupt_accepted += 1;
+            counts.note(iteration, format!("reading the recovered log failed: {error}"));
+        }
+        // Every record verified before this run, and every record printed durable in it.
+        let expected = self
+            .verified
+            .iter()
+            .enumerate()
+            .map(|(index, crc)| (index as u64 + 1, *crc, "verified earlier"))
+            .chain(printed.iter().map(|(lsn, crc)| (*lsn, *crc, "acknowledged")));
+        for (lsn, crc, what) in expected {
+            match crcs.get((lsn as usize).wrapping_sub(1)) {
+                Some(stored) if *stored == crc => {}
+                Some(stored) => {
+                    counts.corrupt_accepted += 1;
+                    counts.note(
+                        iteration,
+                        format!("{what} LSN {lsn}: checksum {stored:#x}, expected {crc:#x}"),
+                    );
+                }
+                None => {
+                    counts.lost += 1;
+                    counts.note(
+                        iteration,
+                        format!("{what} LSN {lsn} lost (the log ends at {})", crcs.len()),
+                    );
+                }
+            }
+        }
+        wal.close()?;
+        drop(wal);
+        // The cut tail stays cut: a second, read-only scan finds a clean end.
+        let scan = scan_dir(&self.dir, RecoveryMode::Strict);
+        match scan {
+            Ok(scan)
+                if scan.report.torn_tail.is_none() && scan.report.records == crcs.len() as u64 => {}
+            Ok(scan) => {
+                counts.out_of_order += 1;
+                counts.note(
+                    iteration,
+                    format!(
+                        "garbage after the tail on a second scan: {} (expected {} records)",
+                        scan.report,
+                        crcs.len()
+                    ),
+                );
+            }
+            Err(error) => {
+                counts.open_failures += 1;
+                counts.note(iteration, format!("second scan failed: {error}"));
+            }
+        }
+        counts.set_extra("records", crcs.len() as u64);
+        self.verified = crcs;
+        let kind = if matches!(mode(iteration).1, Durability::EveryRecord) {
+            "kills_every_record"
+        } else {
+            "kills_group_commit"
+        };
+        counts.add_extra(kind, 1);
+        Ok(Some(recovery))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{payload, printed, self_check};
+    use crate::rng::Rng;
+
+    #[test]
+    fn payloads_check_themselves_and_a_flipped_bit_is_caught() {
+        let mut rng = Rng::new(3);
+        let mut bytes = payload(&mut rng, 40);
+        assert!(self_check(&bytes));
+        bytes[10] ^= 0x10;
+        assert!(!self_check(&bytes));
+        assert!(!self_check(&[1, 2, 3]));
+    }
+
+    #[test]
+    fn only_whole_durable_lines_count() {
+        let lines: Vec<String> =
+            ["durable 1 7", "durable 2", "noise", "durable x 1", "durable 3 9"]
+                .iter()
+                .map(ToString::to_string)
+                .collect();
+        assert_eq!(printed(&lines), vec![(1, 7), (3, 9)]);
+    }
+}
