@@ -428,7 +428,10 @@ impl<C: Clock> StateStoreCoordinator<C> {
         if executor_id.is_empty() {
             return self.reject(StateStoreError::EmptyExecutorId { provider_id });
         }
-        Ok(self.location(provider_id).is_some_and(|location| location.executor_id == executor_id))
+        let active =
+            self.location(provider_id).is_some_and(|location| location.executor_id == executor_id);
+        tracing::debug!(%provider_id, %executor_id, active, "verified state store instance");
+        Ok(active)
     }
 
     /// The string form of where `provider_id` is active (`executor_<host>_<executorId>`), or

@@ -194,6 +194,7 @@ fn run_add(
     }
     let seconds = started.elapsed().as_secs_f64();
     let stats = wal.stats();
+    let endpoint_stats = endpoint.stats();
     endpoint.ask(StopTracker).wait()?;
     bus.shutdown()?;
     let additions = per_receiver * receivers as u64;
@@ -212,7 +213,9 @@ fn run_add(
         .with("io_path", stats.io_path.map_or("?", |path| path.as_str()))
         .with("spark_msgs_per_sec", spark)
         .with("spark_durable", "never synced")
-        .with("ratio_vs_spark", rate / spark))
+        .with("ratio_vs_spark", rate / spark)
+        .with_endpoint_stats("endpoint_stats", &endpoint_stats)
+        .with_wal_stats("wal_stats", &stats))
 }
 
 /// An ask in flight.

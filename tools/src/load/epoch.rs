@@ -452,6 +452,7 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
     }
     driver.join().map_err(|_| anyhow::anyhow!("driver panicked"))??;
     let stats = coordinator.ask(GetEpochStats).wait()?;
+    let endpoint_stats = coordinator.stats();
     bus.shutdown()?;
     drop(wal_dir);
     if let Some(failure) = not_durable {
@@ -483,7 +484,8 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
         .with("epochs", epochs)
         .with("window", window)
         .with("epochs_per_sec", epochs as f64 / seconds.max(1e-9))
-        .with("peak_rss_mib", peak_rss_mib()))
+        .with("peak_rss_mib", peak_rss_mib())
+        .with_endpoint_stats("endpoint_stats", &endpoint_stats))
 }
 
 /// The fast state machine and the reference model on the same stream, on this thread.

@@ -106,6 +106,30 @@ impl Figure {
         )
     }
 
+    /// Attaches a WAL's counters under `key` when `--stats` is on.
+    pub fn with_wal_stats(self, key: &str, stats: &coordbus::wal::WalStats) -> Self {
+        if !crate::stats_enabled() {
+            return self;
+        }
+        self.with(
+            key,
+            json!({
+                "appends": stats.appends,
+                "bytes": stats.bytes,
+                "groups": stats.groups,
+                "syncs": stats.syncs,
+                "sync_p50_us": stats.sync_p50_us,
+                "sync_p99_us": stats.sync_p99_us,
+                "appended_lsn": stats.appended_lsn.0,
+                "durable_lsn": stats.durable_lsn.0,
+                "durable_lag_records": stats.appended_lsn.0.saturating_sub(stats.durable_lsn.0),
+                "segments": stats.segments,
+                "cleaned_segments": stats.cleaned_segments,
+                "io_path": stats.io_path.map(|path| path.as_str()),
+            }),
+        )
+    }
+
     pub fn ratio(&self) -> Option<f64> {
         self.baseline
             .as_ref()

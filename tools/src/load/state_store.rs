@@ -131,6 +131,10 @@ pub fn run(args: &StateStoreArgs) -> anyhow::Result<Vec<Figure>> {
     figures.push(verify_pipelined(args, &coordinator, &stores)?);
     figures.push(location(args, &coordinator, &stores)?);
     figures.push(deactivate(args, &coordinator, &stores)?);
+    let endpoint_stats = coordinator.endpoint().stats();
+    if let Some(first) = figures.first_mut() {
+        *first = first.clone().with_endpoint_stats("endpoint_stats", &endpoint_stats);
+    }
     coordinator.stop_coordinator()?;
     bus.shutdown()?;
     Ok(figures)

@@ -255,7 +255,8 @@ fn throughput_figure(
         .with("latency", "append call (sampled 1/1024)")
         .with("groups", stats.groups)
         .with("syncs", stats.syncs)
-        .with("sync_p50_us", stats.sync_p50_us);
+        .with("sync_p50_us", stats.sync_p50_us)
+        .with_wal_stats("wal_stats", &stats);
     wal.close()?;
     drop(wal);
     std::fs::remove_dir_all(&dir).ok();
