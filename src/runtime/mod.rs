@@ -23,7 +23,7 @@ use std::{
     any::Any,
     sync::{
         atomic::{AtomicBool, AtomicU64, Ordering},
-        Arc, Mutex,
+        mpsc, Arc, Mutex, PoisonError,
     },
     thread::JoinHandle,
     time::Instant,
@@ -72,6 +72,18 @@ pub struct Bus {
     shared: Arc<BusShared>,
     cores: CorePlanner,
     threads: Mutex<Vec<(String, JoinHandle<()>)>>,
+    /// Each endpoint thread sends one unit here as it ends (even by panic), so shutdown can
+    /// wait for threads with a deadline instead of polling.
+    thread_ended: (mpsc::Sender<()>, Mutex<mpsc::Receiver<()>>),
+}
+
+/// Sends on drop: tells the bus an endpoint thread ended, however it ended.
+struct EndedSignal(mpsc::Sender<()>);
+
+impl Drop for EndedSignal {
+    fn drop(&mut self) {
+        let _bus_gone = self.0.send(());
+    }
 }
 
 impl std::fmt::Debug for Bus {
@@ -100,6 +112,10 @@ impl Bus {
                 shut_down: AtomicBool::new(false),
             }),
             threads: Mutex::new(Vec::new()),
+            thread_ended: {
+                let (sender, receiver) = mpsc::channel();
+                (sender, Mutex::new(receiver))
+            },
         }
     }
 
@@ -178,16 +194,24 @@ impl Bus {
         let idle = self.config.idle;
         let drain_batch = self.config.drain_batch;
         let thread_name: String = format!("cb-{name}").chars().take(15).collect();
+        let ended = EndedSignal(self.thread_ended.0.clone());
         let handle = std::thread::Builder::new()
             .name(thread_name)
             .spawn(move || {
+                let _ended = ended;
                 if let Some(core) = core {
                     pin::pin_current_thread(core, &inbox.name);
                 }
                 worker::run_endpoint(endpoint, inbox, idle, drain_batch);
             })
-            .map_err(|error| BusError::Spawn { name: name.clone(), reason: error.to_string() })?;
-        self.threads.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push((name, handle));
+            .map_err(|error| {
+                // The closure, and with it its end signal, was dropped: take that signal back
+                // so the count of signals keeps matching the count of threads.
+                let ended = self.thread_ended.1.lock().unwrap_or_else(PoisonError::into_inner);
+                let _ = ended.try_recv();
+                BusError::Spawn { name: name.clone(), reason: error.to_string() }
+            })?;
+        self.threads.lock().unwrap_or_else(PoisonError::into_inner).push((name, handle));
         Ok(())
     }
 
@@ -249,16 +273,24 @@ impl Bus {
         for name in names {
             let _already_gone = self.stop(&name);
         }
-        let threads = std::mem::take(
-            &mut *self.threads.lock().unwrap_or_else(std::sync::PoisonError::into_inner),
-        );
+        let threads =
+            std::mem::take(&mut *self.threads.lock().unwrap_or_else(PoisonError::into_inner));
         let deadline = Instant::now() + self.config.shutdown_timeout;
+        let ended = self.thread_ended.1.lock().unwrap_or_else(PoisonError::into_inner);
+        // Every thread sends exactly one signal as it ends; wait for as many as there are
+        // threads, up to the deadline.
+        let mut unsignalled = threads.len();
+        while unsignalled > 0 {
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            if ended.recv_timeout(remaining).is_err() {
+                break;
+            }
+            unsignalled -= 1;
+        }
         let mut first_error = None;
         for (name, handle) in threads {
-            while !handle.is_finished() && Instant::now() < deadline {
-                std::thread::sleep(std::time::Duration::from_micros(200));
-            }
-            if !handle.is_finished() {
+            // With every signal in, each thread is at most finishing its exit: join is prompt.
+            if unsignalled > 0 && !handle.is_finished() {
                 tracing::error!(endpoint = %name, "endpoint thread did not finish; detached");
                 continue;
             }
