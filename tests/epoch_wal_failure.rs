@@ -144,8 +144,11 @@ fn a_failed_wal_fail_stops_the_coordinator_and_durable_commits_survive() {
             _ => None,
         })
         .collect();
-    assert_eq!(stops.len(), 1, "{stops:?}");
+    // The first stop names the failing epoch. A later epoch's offsets may meet the failed log
+    // too and report again (SPEC 0.3: every failing check reports; the query keeps the first).
+    assert!(!stops.is_empty(), "the query was stopped");
     assert!(stops[0].contains(&format!("epoch {failed}")), "{stops:?}");
+    assert!(stops.iter().all(|stop| stop.contains("failed")), "{stops:?}");
     assert!(
         calls(&log).iter().all(|call| !matches!(call, Call::SinkCommit(4, _))),
         "nothing commits after the failure"

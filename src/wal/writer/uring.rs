@@ -8,11 +8,11 @@
 //! finished with `pwrite` afterwards and synced again, so the durability claim never rests on a
 //! sync that ran before all bytes were written.
 //!
-//! A group that is a single write of at most `WalOptions::uring_direct_max_bytes` (default
-//! [`DIRECT_GROUP_BYTES`]; typical of
-//! `EveryRecord` and of light load) is written with `pwrite` and synced with `fdatasync`
-//! directly: with nothing to overlap, the ring would only add a hop to the kernel worker
-//! thread that executes the sync, which costs latency.
+//! By default every group goes through the ring. As an opt-in tuning, a group that is a single
+//! write of at most `WalOptions::uring_direct_max_bytes` (typical of `EveryRecord` and of light
+//! load) can be written with `pwrite` and synced with `fdatasync` directly: with nothing to
+//! overlap, the ring only adds a hop to the kernel worker thread that executes the sync.
+//! [`DIRECT_GROUP_BYTES`] is the size measured to pay off here.
 //!
 //! This module also holds the writer's other system-call glue (`posix_fallocate`); it is one of
 //! the three modules allowed to use `unsafe` (STYLE.md).
@@ -36,8 +36,8 @@ use crate::{
 
 /// Largest single write submitted (1 MiB: the size ANCHORS measured best).
 pub const WRITE_CHUNK_BYTES: usize = 1 << 20;
-/// Default for `WalOptions::uring_direct_max_bytes`: groups of one write up to this size are
-/// written and synced with plain system calls.
+/// A good value for the opt-in `WalOptions::uring_direct_max_bytes`: groups of one write up to
+/// this size are then written and synced with plain system calls.
 pub const DIRECT_GROUP_BYTES: usize = 64 << 10;
 const RING_ENTRIES: u32 = 64;
 const SYNC_USER_DATA: u64 = u64::MAX;
