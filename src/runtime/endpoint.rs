@@ -329,8 +329,14 @@ impl<E: Endpoint> EndpointRef<E> {
         }
         let (sender, receiver) = oneshot::channel();
         let envelope = Envelope::Request(request.into_request(Replier::from_sender(sender)));
-        let deadline = Instant::now() + self.inbox.ask_timeout;
-        match self.inbox.queue.push(envelope, Some(deadline)) {
+        // The clock is read only if the shard is full (the deadline bounds the wait for room).
+        let pushed = match self.inbox.queue.try_push(envelope) {
+            Err(QueueError::Full(envelope)) => {
+                self.inbox.queue.push(envelope, Some(Instant::now() + self.inbox.ask_timeout))
+            }
+            outcome => outcome,
+        };
+        match pushed {
             Ok(()) => Reply::pending(receiver, self.inbox.ask_timeout),
             Err(QueueError::Closed(_)) => {
                 Reply::failed(AskError::Stopped { endpoint: self.inbox.name.clone() })
