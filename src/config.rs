@@ -43,10 +43,16 @@ impl Default for Idle {
 /// Settings of a [`Bus`](crate::Bus); built by [`BusBuilder`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BusConfig {
-    /// Rings per endpoint inbox, rounded up to a power of two (default 4; 1 ..= 1024).
+    /// Single-producer lanes per endpoint inbox (default 16; 0 ..= 1024): each of the first
+    /// producer threads of the process (by a per-thread index, recycled when a thread ends)
+    /// gets a lane of its own in each inbox it sends to, allocated on its first send; other
+    /// threads share the inbox's rings. 0: every producer uses the rings.
+    pub inbox_lanes: usize,
+    /// Shared multi-producer rings per endpoint inbox, rounded up to a power of two (default 4; 1 ..= 1024).
     pub inbox_shards: usize,
-    /// Messages per ring, rounded up to a power of two (default 16384; 2 ..= 2^24). A full ring
-    /// makes `send` wait: this bounds memory per endpoint.
+    /// Messages per lane and per ring, rounded up to a power of two (default 16384;
+    /// 2 ..= 2^24). A full lane or ring makes `send` wait: with the lane and ring counts this
+    /// bounds memory per endpoint.
     pub inbox_capacity: usize,
     /// Thread placement (default [`Pinning::Off`]).
     pub pinning: Pinning,
@@ -65,6 +71,7 @@ pub struct BusConfig {
 impl Default for BusConfig {
     fn default() -> Self {
         Self {
+            inbox_lanes: crate::queue::DEFAULT_LANES,
             inbox_shards: 4,
             inbox_capacity: 1 << 14,
             pinning: Pinning::Off,
@@ -88,6 +95,9 @@ impl BusConfig {
             reason: &'static str,
         ) -> ConfigError {
             ConfigError::Invalid { setting, value: format!("{value:?}"), reason }
+        }
+        if self.inbox_lanes > crate::queue::MAX_LANES {
+            return Err(invalid("inbox_lanes", self.inbox_lanes, "must be 0 ..= 1024"));
         }
         if !(1..=1024).contains(&self.inbox_shards) {
             return Err(invalid("inbox_shards", self.inbox_shards, "must be 1 ..= 1024"));
@@ -117,7 +127,13 @@ pub struct BusBuilder {
 }
 
 impl BusBuilder {
-    /// Rings per endpoint inbox.
+    /// Single-producer lanes per endpoint inbox.
+    pub fn inbox_lanes(mut self, lanes: usize) -> Self {
+        self.config.inbox_lanes = lanes;
+        self
+    }
+
+    /// Shared rings per endpoint inbox.
     pub fn inbox_shards(mut self, shards: usize) -> Self {
         self.config.inbox_shards = shards;
         self
@@ -185,6 +201,8 @@ mod tests {
         let error = BusBuilder::default().pinning(Pinning::Cores(vec![])).build().unwrap_err();
         assert!(error.to_string().starts_with("pinning = []"));
         assert!(BusBuilder::default().inbox_capacity(1).build().is_err());
+        let error = BusBuilder::default().inbox_lanes(1025).build().unwrap_err();
+        assert_eq!(error.to_string(), "inbox_lanes = 1025 is invalid: must be 0 ..= 1024");
         assert!(BusBuilder::default().drain_batch(0).build().is_err());
         assert!(BusBuilder::default().ask_timeout(Duration::ZERO).build().is_err());
     }

@@ -513,8 +513,15 @@ fn block_on<F: std::future::Future>(future: F) -> F::Output {
     }
 }
 
+/// Two producers on one 4-slot ring shared by both (no lanes: the full inbox holds 4), or each
+/// on its own 4-slot lane (1024 lane places, so that both surely get one: it holds 8).
 #[test]
 fn stop_releases_producers_blocked_on_a_full_inbox() {
+    stop_releases_blocked_producers(0, 4);
+    stop_releases_blocked_producers(1024, 8);
+}
+
+fn stop_releases_blocked_producers(lanes: usize, full_depth: u64) {
     struct Gate(crossbeam_channel::Receiver<()>);
     impl Endpoint for Gate {
         type Message = u64;
@@ -530,7 +537,7 @@ fn stop_releases_producers_blocked_on_a_full_inbox() {
             Ok(())
         }
     }
-    let bus = Bus::builder().inbox_shards(1).inbox_capacity(4).build().unwrap();
+    let bus = Bus::builder().inbox_lanes(lanes).inbox_shards(1).inbox_capacity(4).build().unwrap();
     let (open_gate, gate) = crossbeam_channel::bounded(1);
     let endpoint = bus.register("gate", Gate(gate)).unwrap();
     let blocked = Arc::new(AtomicUsize::new(0));
@@ -553,15 +560,15 @@ fn stop_releases_producers_blocked_on_a_full_inbox() {
             })
         })
         .collect();
-    // Both producers have started and the 4-slot inbox is full (the handler is stuck on the
-    // first message): every producer is blocked in `send` or about to be.
+    // Both producers have started and the inbox is full (the handler is stuck on a first
+    // message): every producer is blocked in `send` or about to be.
     let deadline = std::time::Instant::now() + WAIT;
-    while (blocked.load(Ordering::SeqCst) < 2 || endpoint.stats().inbox_depth < 4)
+    while (blocked.load(Ordering::SeqCst) < 2 || endpoint.stats().inbox_depth < full_depth)
         && std::time::Instant::now() < deadline
     {
         std::thread::yield_now();
     }
-    assert_eq!(endpoint.stats().inbox_depth, 4, "inbox is full");
+    assert_eq!(endpoint.stats().inbox_depth, full_depth, "inbox is full ({lanes} lanes)");
     endpoint.stop();
     for producer in producers {
         assert!(matches!(producer.join().unwrap(), Err(SendError::Stopped { .. })));

@@ -1,57 +1,53 @@
-//! The data plane: a sharded, bounded, lock-free inbox with one consumer.
+//! The data plane: a bounded, lock-free inbox with one consumer.
 //!
 //! Parts:
-//! * `ring`: one bounded MPSC ring (Vyukov stamps, batch claims, a closed mark in the tail).
-//!   The only `unsafe` code of the queue.
+//! * `lane`: a bounded SPSC lane owned by one producer thread (plain stores, cached indices,
+//!   a `busy` flag for closing), and the table of an inbox's lanes, allocated on first use.
+//! * `ring`: one bounded MPSC ring (Vyukov stamps, batch claims, a closed mark in the tail),
+//!   shared by the producers that have no lane.
+//! * `barrier`: the asymmetric barrier (compiler fence for producers, `membarrier` for the
+//!   consumer's rare park and close decisions) that lets a lane push use no locked instruction.
+//! * `producer`: a small per-thread index, recycled when the thread ends.
 //! * `wake`: parking and waking of the consumer (doorbell) and of producers blocked on a full
 //!   inbox, without lost wake-ups.
-//! * [`ShardedQueue`] (here): several rings behind one consumer. A producer thread is given a
-//!   fixed shard the first time it sends (a per-thread index, modulo the shard count), so all
-//!   of one thread's messages, one-way and request-reply alike, travel through one FIFO ring:
-//!   per-sender order (SPEC A.4) holds by construction. Producers on different shards never
-//!   touch the same cache lines.
+//! * [`ShardedQueue`] (here): the lanes and the shared rings behind one consumer. A producer
+//!   thread with index `i` below the lane count always pushes into lane `i`; any other thread
+//!   always pushes into shared ring `i % shards`. Either way all of one thread's messages,
+//!   one-way and request-reply alike, travel through one FIFO: per-sender order (SPEC A.4)
+//!   holds by construction.
+//!
+//! Why lanes: with several producers on one MPSC ring each push needs a compare-exchange, a
+//! locked instruction that drains the store buffer and so waits for the cache-line transfer of
+//! the previous slot write. A lane has one producer, so a push is a slot write and a release
+//! store; only the consumer pays for the ordering, and only when it parks or closes.
 //!
 //! Invariants: messages of one producer thread are consumed in the order they were pushed;
 //! every message that was accepted is consumed exactly once, also after `close` (the consumer
-//! drains until every ring is drained); after `close` no push succeeds. The send path takes no
-//! lock: a compare-exchange to claim, a release store to publish, one read of the doorbell.
+//! drains until every lane and ring is drained); after `close` no push succeeds. The send path
+//! takes no lock.
 //!
 //! What it does not do: dispatch, threads, timeouts on the consumer side. Those live in
 //! `runtime`. This module imports nothing else from the crate except the `sync` shim.
 
+mod barrier;
+mod lane;
+mod producer;
 mod ring;
 mod wake;
 
-use std::{
-    cell::Cell,
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
 use crossbeam_utils::{Backoff, CachePadded};
 
+pub use self::barrier::BarrierMode;
 pub(crate) use self::ring::{ClaimError, PushError};
 use self::{
+    lane::{Lane, LanePushError, LaneTable},
+    producer::producer_index,
     ring::Ring,
     wake::{Doorbell, ProducerWaiters},
 };
 use crate::sync::{AtomicBool, AtomicUsize, Ordering};
-
-/// Index of a producer thread, handed out once per thread; `index % shards` picks its shard.
-fn producer_index() -> usize {
-    static NEXT_PRODUCER_INDEX: std::sync::atomic::AtomicUsize =
-        std::sync::atomic::AtomicUsize::new(0);
-    thread_local! {
-        static PRODUCER_INDEX: Cell<usize> = const { Cell::new(usize::MAX) };
-    }
-    PRODUCER_INDEX.with(|cell| {
-        let mut index = cell.get();
-        if index == usize::MAX {
-            index = NEXT_PRODUCER_INDEX.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            cell.set(index);
-        }
-        index
-    })
-}
 
 /// Why a push failed; the message (or the messages not taken) is handed back.
 #[derive(Debug, PartialEq, Eq)]
@@ -64,59 +60,117 @@ pub enum QueueError<T> {
     Timeout(T),
 }
 
-/// A bounded inbox of several MPSC rings drained by one consumer thread.
+/// Lane places of an inbox unless told otherwise: producers with a lower index get a lane.
+pub const DEFAULT_LANES: usize = 16;
+
+/// Most lane places an inbox can have (the number of recycled producer indices).
+pub const MAX_LANES: usize = producer::RECYCLED_INDICES;
+
+/// Where the calling thread's messages go.
+enum Target<'a, T> {
+    Lane(&'a Lane<T>),
+    Shard(&'a Ring<T>),
+}
+
+/// Read-mostly state every push reads: one cache line, written only by `close`.
+#[derive(Debug, Default)]
+struct CloseState {
+    /// Set first by `close`: pushes that see it refuse.
+    closed: AtomicBool,
+    /// Set by `close` after the heavy barrier: from then on a lane that is not busy and empty
+    /// will stay empty.
+    fenced: AtomicBool,
+}
+
+/// A bounded inbox drained by one consumer thread: single-producer lanes for the first
+/// producer threads, shared MPSC rings for the others.
 ///
 /// Producers may be any threads; consumer methods (`drain_round`, `park_until_work`,
 /// `is_drained`) must only be called from the one consumer thread.
 pub struct ShardedQueue<T> {
+    lanes: LaneTable<T>,
     shards: Box<[Ring<T>]>,
+    close_state: CachePadded<CloseState>,
+    barrier: BarrierMode,
     doorbell: Doorbell,
     blocked_producers: ProducerWaiters,
-    /// High-water mark of a single shard's depth, sampled by the consumer per drained batch.
+    /// High-water mark of one lane's or shard's depth, sampled by the consumer per batch.
     depth_high_water: AtomicUsize,
-    /// Set once by `close`, after every ring is closed; never written on the send path.
-    closed: CachePadded<AtomicBool>,
 }
 
 impl<T> std::fmt::Debug for ShardedQueue<T> {
     fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         formatter
             .debug_struct("ShardedQueue")
+            .field("lanes", &self.lanes.count())
             .field("shards", &self.shards.len())
             .field("capacity_per_shard", &self.shards[0].capacity())
             .field("len", &self.len())
             .field("closed", &self.is_closed())
+            .field("barrier", &self.barrier)
             .finish()
     }
 }
 
 impl<T> ShardedQueue<T> {
-    /// `shard_count` rings of `capacity_per_shard` slots each (both rounded up to a power of
-    /// two; at least 1 shard of 2 slots).
+    /// [`DEFAULT_LANES`] lanes and `shard_count` shared rings, each of `capacity_per_shard`
+    /// slots (counts and capacity rounded up to powers of two; at least 1 ring of 2 slots).
+    /// Lanes are allocated on their owner's first push.
     pub fn new(shard_count: usize, capacity_per_shard: usize) -> Self {
+        Self::with_lanes(DEFAULT_LANES, shard_count, capacity_per_shard)
+    }
+
+    /// Like [`ShardedQueue::new`] with `lane_count` lane places (0: every producer uses the
+    /// shared rings).
+    pub fn with_lanes(lane_count: usize, shard_count: usize, capacity_per_shard: usize) -> Self {
+        Self::with_barrier(BarrierMode::detect(), lane_count, shard_count, capacity_per_shard)
+    }
+
+    /// Like [`ShardedQueue::with_lanes`] with the barrier mode chosen by the caller (tests run
+    /// the fenced fallback this way).
+    pub(crate) fn with_barrier(
+        barrier: BarrierMode,
+        lane_count: usize,
+        shard_count: usize,
+        capacity_per_shard: usize,
+    ) -> Self {
         let shard_count = shard_count.max(1).next_power_of_two();
         Self {
+            lanes: LaneTable::new(lane_count, capacity_per_shard),
             shards: (0..shard_count).map(|_| Ring::with_capacity(capacity_per_shard)).collect(),
-            doorbell: Doorbell::default(),
+            close_state: CachePadded::default(),
+            barrier,
+            doorbell: Doorbell::new(barrier),
             blocked_producers: ProducerWaiters::default(),
             depth_high_water: AtomicUsize::new(0),
-            closed: CachePadded::new(AtomicBool::new(false)),
         }
     }
 
-    /// Number of shards.
+    /// Number of shared rings.
     pub fn shard_count(&self) -> usize {
         self.shards.len()
     }
 
-    /// Slots per shard.
+    /// Number of lane places.
+    pub fn lane_count(&self) -> usize {
+        self.lanes.count()
+    }
+
+    /// Slots per shard and per lane.
     pub fn capacity_per_shard(&self) -> usize {
         self.shards[0].capacity()
     }
 
-    /// Messages queued and not yet consumed, over all shards (approximate while running).
+    /// How producers and the consumer order their wake-up and close decisions.
+    pub fn barrier_mode(&self) -> BarrierMode {
+        self.barrier
+    }
+
+    /// Messages queued and not yet consumed, over all lanes and rings (approximate while
+    /// running).
     pub fn len(&self) -> usize {
-        self.shards.iter().map(Ring::len).sum()
+        self.lanes.allocated().map(Lane::len).sum::<usize>()
+            + self.shards.iter().map(Ring::len).sum::<usize>()
     }
 
     /// Whether nothing is queued (approximate while running).
@@ -124,30 +178,56 @@ impl<T> ShardedQueue<T> {
         self.len() == 0
     }
 
-    /// The largest depth of one shard seen by the consumer.
+    /// The largest depth of one lane or ring seen by the consumer.
     pub fn depth_high_water(&self) -> usize {
         self.depth_high_water.load(Ordering::Relaxed)
     }
 
     /// Whether the queue was closed (a read-mostly flag, cheap to poll).
     pub fn is_closed(&self) -> bool {
-        self.closed.load(Ordering::Acquire)
+        self.close_state.closed.load(Ordering::Acquire)
     }
 
-    /// The shard of the calling thread (a mask, not a division: the shard count is a power of
-    /// two).
-    #[inline]
-    fn my_shard(&self) -> &Ring<T> {
-        &self.shards[producer_index() & (self.shards.len() - 1)]
+    /// The calling thread's lane or ring.
+    #[inline(always)]
+    fn target(&self) -> Target<'_, T> {
+        let index = producer_index();
+        if index < self.lanes.count() {
+            Target::Lane(self.lanes.own(index))
+        } else {
+            Target::Shard(self.shared_ring(index))
+        }
+    }
+
+    #[inline(always)]
+    fn shared_ring(&self, producer_index: usize) -> &Ring<T> {
+        &self.shards[producer_index & (self.shards.len() - 1)]
     }
 
     /// Pushes without waiting.
     ///
     /// # Errors
-    /// `Full` if the caller's shard has no free slot, `Closed` after [`ShardedQueue::close`].
-    #[inline]
+    /// `Full` if the caller's lane or ring has no free slot, `Closed` after
+    /// [`ShardedQueue::close`].
+    #[inline(always)]
     pub fn try_push(&self, value: T) -> Result<(), QueueError<T>> {
-        match self.my_shard().push(value) {
+        let index = producer_index();
+        if index >= self.lanes.count() {
+            return self.try_push_shared(index, value);
+        }
+        match self.lanes.own(index).push(value, &self.close_state.closed, self.barrier) {
+            Ok(()) => {
+                self.doorbell.ring();
+                Ok(())
+            }
+            Err(LanePushError::Full(value)) => Err(QueueError::Full(value)),
+            Err(LanePushError::Closed(value)) => Err(QueueError::Closed(value)),
+        }
+    }
+
+    /// `try_push` for a thread without a lane.
+    fn try_push_shared(&self, index: usize, value: T) -> Result<(), QueueError<T>> {
+        match self.shared_ring(index).push(value) {
             Ok(()) => {
                 self.doorbell.ring();
                 Ok(())
@@ -157,12 +237,12 @@ impl<T> ShardedQueue<T> {
         }
     }
 
-    /// Pushes, waiting for room while the shard is full: spinning briefly, then parked, until
-    /// `deadline` (none: as long as it takes).
+    /// Pushes, waiting for room while the caller's lane or ring is full: spinning briefly, then
+    /// parked, until `deadline` (none: as long as it takes).
     ///
     /// # Errors
     /// `Closed` if the queue is or becomes closed, `Timeout` if the deadline passes first.
-    #[inline]
+    #[inline(always)]
     pub fn push(&self, value: T, deadline: Option<Instant>) -> Result<(), QueueError<T>> {
         match self.try_push(value) {
             Err(QueueError::Full(value)) => self.push_slow(value, deadline),
@@ -172,33 +252,53 @@ impl<T> ShardedQueue<T> {
 
     #[cold]
     fn push_slow(&self, value: T, deadline: Option<Instant>) -> Result<(), QueueError<T>> {
+        let target = self.target();
         let mut pending = Some(value);
-        let backoff = Backoff::new();
-        while !backoff.is_completed() {
-            match self.try_push(pending.take().expect("value present while looping")) {
-                Err(QueueError::Full(value)) => pending = Some(value),
-                outcome => return outcome,
+        // Retries only once a batch of slots is free (or the queue closed): writing into the
+        // slot the consumer has just freed would bounce that cache line between the two cores
+        // for every message while the queue stays full.
+        let attempt = |pending: &mut Option<T>| {
+            if !self.has_room_to_resume(&target) && !self.is_closed() {
+                return None;
             }
-            backoff.snooze();
-        }
-        self.blocked_producers.wait_until(|| {
-            let value = pending.take().expect("value present while waiting");
-            match self.try_push(value) {
-                Err(QueueError::Full(value)) if deadline_passed(deadline) => {
-                    Some(Err(QueueError::Timeout(value)))
-                }
+            match self.try_push(pending.take().expect("value present while waiting")) {
                 Err(QueueError::Full(value)) => {
-                    pending = Some(value);
+                    *pending = Some(value);
                     None
                 }
                 outcome => Some(outcome),
             }
+        };
+        let backoff = Backoff::new();
+        while !backoff.is_completed() {
+            if let Some(outcome) = attempt(&mut pending) {
+                return outcome;
+            }
+            backoff.snooze();
+        }
+        self.blocked_producers.wait_until(|| {
+            if let Some(outcome) = attempt(&mut pending) {
+                Some(outcome)
+            } else if deadline_passed(deadline) {
+                Some(Err(QueueError::Timeout(pending.take().expect("value present"))))
+            } else {
+                None
+            }
         })
     }
 
-    /// Pushes all of `values` in order, claiming as many slots as possible with each
-    /// compare-exchange (one publication per claim), waiting for room like [`push`] when the
-    /// shard is full.
+    /// Whether a producer that found its lane or ring full should try again: an eighth of it
+    /// (at most 64 slots) is free.
+    fn has_room_to_resume(&self, target: &Target<'_, T>) -> bool {
+        let resume = (self.capacity_per_shard() / 8).clamp(1, 64);
+        match target {
+            Target::Lane(lane) => lane.has_room(resume),
+            Target::Shard(shard) => shard.len() + resume <= shard.capacity(),
+        }
+    }
+
+    /// Pushes all of `values` in order, publishing as many as fit with each store (lane) or
+    /// compare-exchange (ring), waiting for room like [`push`] when full.
     ///
     /// # Errors
     /// `Closed` or `Timeout` with the messages not pushed (those before them were).
@@ -213,53 +313,83 @@ impl<T> ShardedQueue<T> {
         I: IntoIterator<Item = T>,
         I::IntoIter: ExactSizeIterator,
     {
-        let shard = self.my_shard();
+        let target = self.target();
         let mut rest = values.into_iter();
-        let mut want = rest.len().min(shard.capacity());
         let backoff = Backoff::new();
         while rest.len() > 0 {
-            want = want.clamp(1, rest.len().min(shard.capacity()));
-            match shard.claim(want) {
-                Ok(claim) => {
-                    let len = claim.len();
-                    shard.fill(claim, rest.by_ref().take(len));
-                    self.doorbell.ring();
-                    backoff.reset();
-                    want = rest.len();
+            let pushed = match &target {
+                Target::Lane(lane) => {
+                    lane.push_batch(&mut rest, &self.close_state.closed, self.barrier)
                 }
-                Err(ClaimError::Closed) => return Err(QueueError::Closed(rest.collect())),
-                Err(ClaimError::Full) if want > 1 => want /= 2,
-                Err(ClaimError::Full) => {
-                    if backoff.is_completed() {
-                        let room = self.blocked_producers.wait_until(|| {
-                            if shard.len() < shard.capacity() || shard.is_closed() {
-                                Some(true)
-                            } else if deadline_passed(deadline) {
-                                Some(false)
-                            } else {
-                                None
-                            }
-                        });
-                        if !room {
+                Target::Shard(shard) => Self::push_batch_into_ring(shard, &mut rest),
+            };
+            match pushed {
+                Ok(0) => {
+                    // Full: wait until a batch of slots is free (see `push_slow`).
+                    while !self.has_room_to_resume(&target) && !self.is_closed() {
+                        if !backoff.is_completed() {
+                            backoff.snooze();
+                        } else if !self.wait_for_room(&target, deadline) {
                             return Err(QueueError::Timeout(rest.collect()));
                         }
-                    } else {
-                        backoff.snooze();
                     }
                 }
+                Ok(_) => {
+                    self.doorbell.ring();
+                    backoff.reset();
+                }
+                Err(()) => return Err(QueueError::Closed(rest.collect())),
             }
         }
         Ok(())
     }
 
-    /// Closes every shard: no push succeeds from now on; what is queued stays to be drained.
+    /// Claims as many ring slots as are free for the next values (halving the claim while the
+    /// ring is too full) and fills them. `Ok(0)`: full; `Err(())`: closed.
+    fn push_batch_into_ring(
+        shard: &Ring<T>,
+        rest: &mut impl ExactSizeIterator<Item = T>,
+    ) -> Result<usize, ()> {
+        let mut want = rest.len().min(shard.capacity());
+        loop {
+            match shard.claim(want) {
+                Ok(claim) => {
+                    let len = claim.len();
+                    shard.fill(claim, rest.by_ref().take(len));
+                    return Ok(len);
+                }
+                Err(ClaimError::Closed) => return Err(()),
+                Err(ClaimError::Full) if want > 1 => want /= 2,
+                Err(ClaimError::Full) => return Ok(0),
+            }
+        }
+    }
+
+    /// Parks (bounded) until the target has room to resume or is closed; `false` if the
+    /// deadline passed.
+    fn wait_for_room(&self, target: &Target<'_, T>, deadline: Option<Instant>) -> bool {
+        self.blocked_producers.wait_until(|| {
+            if self.has_room_to_resume(target) || self.is_closed() {
+                Some(true)
+            } else if deadline_passed(deadline) {
+                Some(false)
+            } else {
+                None
+            }
+        })
+    }
+
+    /// Closes the queue: no push succeeds from now on; what is queued stays to be drained.
     /// Wakes the consumer and blocked producers. Returns `false` if it was already closed.
     pub fn close(&self) -> bool {
-        let mut first = false;
         for shard in self.shards.iter() {
-            first |= shard.close();
+            shard.close();
         }
-        self.closed.store(true, Ordering::Release);
+        let first = !self.close_state.closed.swap(true, Ordering::SeqCst);
+        // Pairs with every lane push's `busy` store and lane allocation (see `lane`): after
+        // this, a lane seen idle and empty stays empty.
+        self.barrier.heavy();
+        self.close_state.fenced.store(true, Ordering::Release);
         self.doorbell.wake();
         self.blocked_producers.wake_all_if_any();
         first
@@ -270,17 +400,22 @@ impl<T> ShardedQueue<T> {
         self.doorbell.bind_consumer();
     }
 
-    /// Consumer: takes up to `max_per_shard` messages from every shard in turn (fair: no shard
-    /// can starve another). Returns how many were handled.
+    /// Consumer: takes up to `max_per_shard` messages from every lane and ring in turn (fair:
+    /// none can starve another). Returns how many were handled.
     pub fn drain_round(&self, max_per_shard: usize, mut handle: impl FnMut(T)) -> usize {
         let mut total = 0;
+        for lane in self.lanes.allocated() {
+            let taken = lane.pop_batch(max_per_shard, &mut handle);
+            if taken > 0 {
+                self.note_depth(taken + lane.len());
+                total += taken;
+            }
+        }
         for shard in self.shards.iter() {
             let depth = shard.len();
             let taken = shard.pop_batch(max_per_shard, &mut handle);
             if taken > 0 {
-                if depth > self.depth_high_water.load(Ordering::Relaxed) {
-                    self.depth_high_water.store(depth, Ordering::Relaxed);
-                }
+                self.note_depth(depth);
                 total += taken;
             }
         }
@@ -290,17 +425,29 @@ impl<T> ShardedQueue<T> {
         total
     }
 
+    /// Consumer: raises the depth high-water mark (single writer, plain stores).
+    #[inline]
+    fn note_depth(&self, depth: usize) {
+        if depth > self.depth_high_water.load(Ordering::Relaxed) {
+            self.depth_high_water.store(depth, Ordering::Relaxed);
+        }
+    }
+
     /// Consumer: parks for at most `timeout`, unless something is (or becomes) queued or the
     /// queue is closed.
     pub fn park_until_work(&self, timeout: Duration) {
         self.doorbell.park_unless(timeout, || {
-            self.is_closed() || self.shards.iter().any(|shard| !shard.is_empty_for_consumer())
+            self.is_closed()
+                || self.lanes.allocated().any(|lane| !lane.is_empty_for_consumer())
+                || self.shards.iter().any(|shard| !shard.is_empty_for_consumer())
         });
     }
 
     /// Consumer: closed and every accepted message consumed.
     pub fn is_drained(&self) -> bool {
-        self.shards.iter().all(Ring::is_drained)
+        self.close_state.fenced.load(Ordering::Acquire)
+            && self.lanes.allocated().all(Lane::is_drained)
+            && self.shards.iter().all(Ring::is_drained)
     }
 }
 
@@ -313,70 +460,144 @@ mod tests {
     use super::*;
     use std::sync::Arc;
 
-    #[test]
-    fn one_thread_uses_one_shard_so_its_messages_stay_in_order() {
-        let queue = ShardedQueue::new(4, 8);
-        for value in 0..8 {
-            queue.try_push(value).unwrap();
-        }
-        assert!(matches!(queue.try_push(8), Err(QueueError::Full(8))));
-        let mut seen = Vec::new();
-        queue.drain_round(100, |value| seen.push(value));
-        assert_eq!(seen, (0..8).collect::<Vec<_>>());
+    /// Every test runs on each kind of inbox: lanes with the live barrier mode, lanes with the
+    /// fenced fallback, and shared rings only. `MAX_LANES` places guarantee the test thread a
+    /// lane whatever its index.
+    fn each_kind<T>(shards: usize, capacity: usize) -> Vec<(&'static str, ShardedQueue<T>)> {
+        vec![
+            ("lanes", ShardedQueue::with_lanes(MAX_LANES, shards, capacity)),
+            (
+                "fenced lanes",
+                ShardedQueue::with_barrier(BarrierMode::Fenced, MAX_LANES, shards, capacity),
+            ),
+            ("rings", ShardedQueue::with_lanes(0, shards, capacity)),
+        ]
     }
 
     #[test]
-    fn push_with_deadline_times_out_on_a_full_shard() {
-        let queue = ShardedQueue::new(1, 2);
-        queue.try_push(1).unwrap();
-        queue.try_push(2).unwrap();
-        let deadline = Instant::now() + Duration::from_millis(20);
-        assert_eq!(queue.push(3, Some(deadline)), Err(QueueError::Timeout(3)));
-        assert_eq!(
-            queue.push_batch(vec![4, 5], Some(Instant::now())),
-            Err(QueueError::Timeout(vec![4, 5]))
-        );
+    fn one_thread_uses_one_fifo_so_its_messages_stay_in_order() {
+        for (kind, queue) in each_kind(4, 8) {
+            for value in 0..8 {
+                queue.try_push(value).unwrap();
+            }
+            assert!(matches!(queue.try_push(8), Err(QueueError::Full(8))), "{kind}");
+            let mut seen = Vec::new();
+            queue.drain_round(100, |value| seen.push(value));
+            assert_eq!(seen, (0..8).collect::<Vec<_>>(), "{kind}");
+            assert_eq!(queue.depth_high_water(), 8, "{kind}");
+        }
+    }
+
+    #[test]
+    fn push_with_deadline_times_out_when_full() {
+        for (kind, queue) in each_kind(1, 2) {
+            queue.try_push(1).unwrap();
+            queue.try_push(2).unwrap();
+            let deadline = Instant::now() + Duration::from_millis(20);
+            assert_eq!(queue.push(3, Some(deadline)), Err(QueueError::Timeout(3)), "{kind}");
+            assert_eq!(
+                queue.push_batch(vec![4, 5], Some(Instant::now())),
+                Err(QueueError::Timeout(vec![4, 5])),
+                "{kind}"
+            );
+        }
     }
 
     #[test]
     fn batch_larger_than_capacity_flows_through_with_a_consumer() {
-        let queue = Arc::new(ShardedQueue::<i32>::new(2, 16));
-        let consumer = {
-            let queue = Arc::clone(&queue);
-            std::thread::spawn(move || {
-                queue.bind_consumer();
-                let mut seen = Vec::new();
-                while seen.len() < 1000 {
-                    if queue.drain_round(7, |value| seen.push(value)) == 0 {
-                        queue.park_until_work(Duration::from_millis(5));
+        for (kind, queue) in each_kind::<i32>(2, 16) {
+            let queue = Arc::new(queue);
+            let consumer = {
+                let queue = Arc::clone(&queue);
+                std::thread::spawn(move || {
+                    queue.bind_consumer();
+                    let mut seen = Vec::new();
+                    while seen.len() < 1000 {
+                        if queue.drain_round(7, |value| seen.push(value)) == 0 {
+                            queue.park_until_work(Duration::from_millis(5));
+                        }
                     }
-                }
-                seen
-            })
-        };
-        queue.push_batch(0..1000, None).unwrap();
-        assert_eq!(consumer.join().unwrap(), (0..1000).collect::<Vec<_>>());
+                    seen
+                })
+            };
+            queue.push_batch(0..1000, None).unwrap();
+            assert_eq!(consumer.join().unwrap(), (0..1000).collect::<Vec<_>>(), "{kind}");
+        }
     }
 
     #[test]
     fn close_wakes_blocked_producer_with_closed() {
-        let queue = Arc::new(ShardedQueue::new(1, 2));
-        queue.try_push(1).unwrap();
-        queue.try_push(2).unwrap();
-        let producer = {
-            let queue = Arc::clone(&queue);
-            std::thread::spawn(move || queue.push(3, None))
-        };
-        // The producer is either about to block or blocked; closing must release it either way.
-        while queue.blocked_producers_registered() == 0 && !producer.is_finished() {
-            std::thread::yield_now();
+        for (kind, queue) in each_kind(1, 2) {
+            let queue = Arc::new(queue);
+            let producer = {
+                let queue = Arc::clone(&queue);
+                std::thread::spawn(move || {
+                    queue.try_push(1).unwrap();
+                    queue.try_push(2).unwrap();
+                    queue.push(3, None)
+                })
+            };
+            // The producer is about to block or blocked; closing must release it either way.
+            while queue.blocked_producers_registered() == 0 && !producer.is_finished() {
+                std::thread::yield_now();
+            }
+            assert!(queue.close());
+            assert!(!queue.close(), "second close reports already closed");
+            assert_eq!(producer.join().unwrap(), Err(QueueError::Closed(3)), "{kind}");
+            assert_eq!(queue.try_push(4), Err(QueueError::Closed(4)), "{kind}");
+            let mut seen = Vec::new();
+            queue.drain_round(10, |value| seen.push(value));
+            assert_eq!(seen, vec![1, 2], "{kind}");
+            assert!(queue.is_drained(), "{kind}");
         }
-        queue.close();
-        assert_eq!(producer.join().unwrap(), Err(QueueError::Closed(3)));
-        let mut seen = Vec::new();
-        queue.drain_round(10, |value| seen.push(value));
-        assert_eq!(seen, vec![1, 2]);
-        assert!(queue.is_drained());
+    }
+
+    /// Producers keep pushing while the queue closes under them: every push that returned
+    /// `Ok` is consumed exactly once, in per-producer order, and the consumer sees the queue
+    /// drained only after that.
+    #[test]
+    fn close_during_pushes_loses_and_duplicates_nothing() {
+        const PRODUCERS: usize = 3;
+        for (kind, queue) in each_kind::<(usize, usize)>(2, 64) {
+            let queue = Arc::new(queue);
+            let producers: Vec<_> = (0..PRODUCERS)
+                .map(|producer| {
+                    let queue = Arc::clone(&queue);
+                    std::thread::spawn(move || {
+                        let mut accepted = 0;
+                        loop {
+                            match queue.push((producer, accepted), None) {
+                                Ok(()) => accepted += 1,
+                                Err(QueueError::Closed(_)) => return accepted,
+                                Err(other) => panic!("unexpected {other:?}"),
+                            }
+                        }
+                    })
+                })
+                .collect();
+            queue.bind_consumer();
+            let mut next_expected = [0usize; PRODUCERS];
+            let mut consume = |(producer, sequence): (usize, usize)| {
+                assert_eq!(sequence, next_expected[producer], "{kind}: per-producer FIFO");
+                next_expected[producer] += 1;
+            };
+            let mut consumed = 0;
+            while consumed < 20_000 {
+                let taken = queue.drain_round(32, &mut consume);
+                if taken == 0 {
+                    queue.park_until_work(Duration::from_millis(1));
+                }
+                consumed += taken;
+            }
+            queue.close();
+            while !queue.is_drained() {
+                queue.drain_round(32, &mut consume);
+            }
+            drop(consume);
+            let accepted: Vec<usize> =
+                producers.into_iter().map(|handle| handle.join().unwrap()).collect();
+            assert_eq!(next_expected.to_vec(), accepted, "{kind}: consumed == accepted");
+        }
     }
 
     impl<T: Send> ShardedQueue<T> {

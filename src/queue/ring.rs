@@ -125,11 +125,6 @@ impl<T> Ring<T> {
         tail.saturating_sub(head)
     }
 
-    /// Whether [`Ring::close`] was called.
-    pub(crate) fn is_closed(&self) -> bool {
-        self.tail.load(Ordering::Acquire) & CLOSED_BIT != 0
-    }
-
     /// Marks the ring closed; later pushes fail with `Closed`. Returns `false` if it already was.
     pub(crate) fn close(&self) -> bool {
         self.tail.fetch_or(CLOSED_BIT, Ordering::SeqCst) & CLOSED_BIT == 0

@@ -1,49 +1,46 @@
 //! Parking and waking without lost wake-ups, in both directions.
 //!
 //! * [`Doorbell`]: the consumer (an endpoint thread) parks when idle; producers ring it after
-//!   publishing. The consumer raises `sleeping` and then re-checks the rings; a producer claims
-//!   its position and then reads `sleeping`. Both sides use sequentially consistent operations
-//!   (Dekker's pattern), so at least one of them sees the other: either the consumer finds the
-//!   message and does not park, or the producer sees `sleeping` and unparks it. On x86 the
-//!   producer's claim is a locked compare-exchange and its SeqCst load is a plain load, so the
-//!   fast path pays nothing extra; `sleeping` is read-mostly and stays shared in every cache.
+//!   publishing. The consumer raises `sleeping`, runs the inbox's heavy barrier and then
+//!   re-checks the lanes and rings; a producer publishes, runs the light barrier and then reads
+//!   `sleeping` (the store-load pairing of `queue::barrier`), so at least one of them sees the
+//!   other: either the consumer finds the message and does not park, or the producer sees
+//!   `sleeping` and unparks it. In asymmetric mode the producer's side is a compiler fence and a
+//!   plain load of a read-mostly flag that stays shared in every cache.
 //! * [`ProducerWaiters`]: producers that find the inbox full register themselves and park; the
-//!   consumer, after freeing slots, wakes them. Same pattern with fences on both sides. Parking
-//!   always has a short timeout as well, so even a protocol bug could only cost latency, never a
-//!   hang.
+//!   consumer, after freeing slots, wakes them. Same pattern with fences on both sides (a slow
+//!   path on both). Parking always has a short timeout as well, so even a protocol bug could
+//!   only cost latency, never a hang.
 
 use std::time::Duration;
 
 use crossbeam_queue::SegQueue;
 use crossbeam_utils::CachePadded;
 
+use super::barrier::BarrierMode;
 use crate::sync::{current_thread, fence, park_timeout, AtomicBool, AtomicUsize, Ordering, Thread};
 
 /// The longest a parked producer sleeps before re-checking on its own.
 const PRODUCER_PARK_MAX: Duration = Duration::from_millis(1);
 
-/// Loom treats SeqCst loads and stores like acquire/release and so cannot see the store-load
-/// pairing the doorbell relies on (it reports a lost wake-up that the C++20 model, which Rust
-/// follows, rules out: all SeqCst operations, the producer's claim included, form one total
-/// order). Under loom the pairing is spelled out with fences; in normal builds this is nothing,
-/// because a fence on the send path would cost a full barrier per message.
-#[inline(always)]
-fn loom_sequential_consistency_fence() {
-    #[cfg(loom)]
-    fence(Ordering::SeqCst);
-}
-
 /// Wakes a parked consumer.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Doorbell {
     /// True while the consumer is parked or about to park. Written by the consumer (set) and by
     /// the consumer or a producer (clear).
     sleeping: CachePadded<AtomicBool>,
     /// The consumer thread; bound once by the consumer before it first raises `sleeping`.
     consumer: std::sync::OnceLock<Thread>,
+    /// How producers and the consumer pair their store-load orderings.
+    barrier: BarrierMode,
 }
 
 impl Doorbell {
+    /// A doorbell whose two sides pair through `barrier`.
+    pub(crate) fn new(barrier: BarrierMode) -> Self {
+        Self { sleeping: CachePadded::default(), consumer: std::sync::OnceLock::new(), barrier }
+    }
+
     /// Consumer: records the calling thread as the one to unpark. Idempotent.
     pub(crate) fn bind_consumer(&self) {
         let _ = self.consumer.set(current_thread());
@@ -54,7 +51,7 @@ impl Doorbell {
     pub(crate) fn park_unless(&self, timeout: Duration, has_work: impl FnOnce() -> bool) {
         debug_assert!(self.consumer.get().is_some(), "bind_consumer before parking");
         self.sleeping.store(true, Ordering::SeqCst);
-        loom_sequential_consistency_fence();
+        self.barrier.heavy();
         if !has_work() {
             park_timeout(timeout);
         }
@@ -64,7 +61,7 @@ impl Doorbell {
     /// Producer: called after publishing; unparks the consumer if it is (about to be) parked.
     #[inline]
     pub(crate) fn ring(&self) {
-        loom_sequential_consistency_fence();
+        self.barrier.light();
         if self.sleeping.load(Ordering::SeqCst) {
             self.wake();
         }
@@ -144,7 +141,7 @@ mod loom_tests {
     #[test]
     fn loom_doorbell_has_no_lost_wakeup() {
         loom::model(|| {
-            let doorbell = Arc::new(Doorbell::default());
+            let doorbell = Arc::new(Doorbell::new(BarrierMode::Fenced));
             let published = Arc::new(AtomicBool::new(false));
             doorbell.bind_consumer();
             let producer = {

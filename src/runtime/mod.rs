@@ -145,7 +145,11 @@ impl Bus {
                 let inbox = Arc::new(Inbox::<E> {
                     name: name.clone(),
                     id: self.shared.next_id.fetch_add(1, Ordering::Relaxed),
-                    queue: ShardedQueue::new(self.config.inbox_shards, self.config.inbox_capacity),
+                    queue: ShardedQueue::with_lanes(
+                        self.config.inbox_lanes,
+                        self.config.inbox_shards,
+                        self.config.inbox_capacity,
+                    ),
                     counters: Default::default(),
                     bus: Arc::downgrade(&self.shared),
                     ask_timeout: self.config.ask_timeout,

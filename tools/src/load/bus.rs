@@ -93,6 +93,9 @@ pub struct BusArgs {
     /// Inbox rings per endpoint.
     #[arg(long, default_value_t = 4)]
     pub shards: usize,
+    /// Single-producer lanes per inbox (0: every producer on the shared rings)
+    #[arg(long, default_value_t = coordbus::queue::DEFAULT_LANES)]
+    pub lanes: usize,
     /// Slots per inbox ring (and the capacity of the baselines' queues).
     #[arg(long, default_value_t = 1 << 14)]
     pub capacity: usize,
@@ -112,14 +115,22 @@ pub fn quick_bus(producers: usize, batch: usize, baseline: BusBaseline) -> BusAr
         messages: if batch > 1 { 100_000_000 } else { 20_000_000 },
         baseline,
         shards: 4,
+        lanes: coordbus::queue::DEFAULT_LANES,
         capacity: 1 << 14,
         pin: false,
         spin_us: 50,
     }
 }
 
-fn bus_for(shards: usize, capacity: usize, pin: bool, spin: Duration) -> anyhow::Result<Bus> {
+fn bus_for(
+    lanes: usize,
+    shards: usize,
+    capacity: usize,
+    pin: bool,
+    spin: Duration,
+) -> anyhow::Result<Bus> {
     Ok(Bus::builder()
+        .inbox_lanes(lanes)
         .inbox_shards(shards)
         .inbox_capacity(capacity)
         .pinning(if pin { Pinning::RoundRobin } else { Pinning::Off })
@@ -155,7 +166,13 @@ fn measure_bus(
     args: &BusArgs,
     per_producer: u64,
 ) -> anyhow::Result<(Duration, coordbus::EndpointStats)> {
-    let bus = bus_for(args.shards, args.capacity, args.pin, Duration::from_micros(args.spin_us))?;
+    let bus = bus_for(
+        args.lanes,
+        args.shards,
+        args.capacity,
+        args.pin,
+        Duration::from_micros(args.spin_us),
+    )?;
     let endpoint = bus.register("load-bus", NoOp::default())?;
     let start = Arc::new(Barrier::new(args.producers + 1));
     let producers: Vec<_> = (0..args.producers)
@@ -341,7 +358,13 @@ pub fn run_ask(args: &AskArgs) -> anyhow::Result<Vec<Figure>> {
     if args.in_flight == 0 || args.messages == 0 {
         bail!("--in-flight and --messages must be at least 1");
     }
-    let bus = bus_for(1, 1 << 12, args.pin, Duration::from_micros(args.spin_us))?;
+    let bus = bus_for(
+        coordbus::queue::DEFAULT_LANES,
+        1,
+        1 << 12,
+        args.pin,
+        Duration::from_micros(args.spin_us),
+    )?;
     let endpoint = bus.register("load-ask", NoOp::default())?;
     let mut histogram = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?;
     let began = Instant::now();

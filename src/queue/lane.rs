@@ -1,0 +1,496 @@
+//! A bounded single-producer, single-consumer lane, and the table of lanes of one inbox.
+//!
+//! A lane belongs to one producer thread at a time (the holder of a producer index, see
+//! `queue::producer`), so the producer needs no compare-exchange: it writes the value and then
+//! the slot's stamp with a plain release store. Position `p` is full when its slot's stamp is
+//! `p + 1`; the consumer polls the stamp of the slot at its head, so a message costs one cache
+//! line that travels with the value (polling a shared tail index instead would drag the
+//! producer's index line back and forth once per message whenever the consumer has caught up).
+//! The consumer never writes slots: it publishes its head with a release store, and the producer
+//! rereads that head only when its cached copy says the lane is full. The producer's tail is
+//! published too (relaxed, on its own line) but read only for statistics and teardown.
+//!
+//! Closing. The producer cannot mark its tail closed (no read-modify-write on the hot path), so
+//! a lane has a `busy` flag instead: a push raises it, then reads the inbox's `closed` flag, and
+//! lowers it after publishing (or after refusing). The closer stores `closed`, then runs the
+//! heavy barrier (see `queue::barrier`), and only then lets the consumer decide "drained". That
+//! is the store-load pairing of the barrier module on (`busy`, `closed`): either the push sees
+//! `closed` and refuses the message, or the consumer sees `busy` and waits until the push is
+//! published. So every push that returned `Ok` is consumed, and none after that returned `Ok`.
+//!
+//! Indices grow without wrapping (2^64 messages at one per nanosecond last 584 years).
+//!
+//! This file holds `unsafe` for the slot cells (written by the one producer, read by the one
+//! consumer, ordered by the tail and head stores) and for the lane table's lazily allocated
+//! lanes (freed only when the table is dropped).
+#![allow(unsafe_code)]
+
+use std::mem::MaybeUninit;
+
+use crossbeam_utils::CachePadded;
+
+use super::barrier::BarrierMode;
+use crate::sync::{AtomicBool, AtomicPtr, AtomicUsize, Ordering, UnsafeCell};
+
+/// Why a lane push did not take the message; the message is handed back.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum LanePushError<T> {
+    /// No free slot right now.
+    Full(T),
+    /// The inbox was closed.
+    Closed(T),
+}
+
+/// The producer's cache line.
+#[derive(Debug, Default)]
+struct ProducerSide {
+    /// Next position to write (read by others only for statistics and teardown).
+    tail: AtomicUsize,
+    /// Raised while a push is between its check of `closed` and its publication.
+    busy: AtomicBool,
+    /// The consumer's head as last read by the producer (producer-only, relaxed).
+    cached_head: AtomicUsize,
+}
+
+/// The consumer's cache line.
+#[derive(Debug, Default)]
+struct ConsumerSide {
+    /// Next position to read; published with release after the value was moved out.
+    head: AtomicUsize,
+}
+
+/// How many positions ahead of its head the consumer asks the CPU to fetch: the lines were
+/// last written by the producer's core, and fetching them early overlaps the transfers.
+const PREFETCH_AHEAD: usize = 16;
+
+/// Hints the CPU to bring `slot`'s line into this core's cache.
+#[inline(always)]
+fn prefetch<T>(slot: &Slot<T>) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `_mm_prefetch` needs SSE, part of every x86_64 CPU; a prefetch never faults,
+    // whatever the address (it is only a hint), and the address is of a live slot anyway.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+            std::ptr::from_ref(slot).cast::<i8>(),
+        );
+    }
+}
+
+/// One cell of the lane and its stamp.
+struct Slot<T> {
+    /// `p + 1` once the value of position `p` is written (release); anything else: not full.
+    stamp: AtomicUsize,
+    /// Initialised exactly while `head <= p < tail` for the slot's current position `p`.
+    value: UnsafeCell<MaybeUninit<T>>,
+}
+
+/// A bounded SPSC lane. Producer methods (`push`, `push_batch`) must only be called by the
+/// lane's current owner; consumer methods (`pop_batch`, `is_empty_for_consumer`, `is_drained`)
+/// only by the inbox's consumer thread.
+pub(crate) struct Lane<T> {
+    producer: CachePadded<ProducerSide>,
+    consumer: CachePadded<ConsumerSide>,
+    /// `capacity` slots; `capacity` is a power of two. Slot `p & mask` holds position `p`.
+    slots: Box<[Slot<T>]>,
+    mask: usize,
+}
+
+// SAFETY: values of `T` move from the producing thread to the consuming thread through the
+// cells; the tail/head protocol gives each cell exactly one accessor at a time, so `T: Send`
+// suffices for sharing the lane.
+unsafe impl<T: Send> Send for Lane<T> {}
+// SAFETY: as above; every shared mutation is an atomic or a cell guarded by tail and head.
+unsafe impl<T: Send> Sync for Lane<T> {}
+
+impl<T> Lane<T> {
+    /// A lane of `capacity` slots, rounded up to a power of two (at least 2).
+    pub(crate) fn with_capacity(capacity: usize) -> Self {
+        let capacity = capacity.max(2).next_power_of_two();
+        Self {
+            producer: CachePadded::default(),
+            consumer: CachePadded::default(),
+            slots: (0..capacity)
+                .map(|_| Slot {
+                    stamp: AtomicUsize::new(0),
+                    value: UnsafeCell::new(MaybeUninit::uninit()),
+                })
+                .collect(),
+            mask: capacity - 1,
+        }
+    }
+
+    /// Number of slots.
+    pub(crate) fn capacity(&self) -> usize {
+        self.mask + 1
+    }
+
+    /// Messages published and not yet consumed (approximate while running).
+    pub(crate) fn len(&self) -> usize {
+        let head = self.consumer.head.load(Ordering::Acquire);
+        self.producer.tail.load(Ordering::Acquire).saturating_sub(head)
+    }
+
+    #[inline(always)]
+    fn slot(&self, position: usize) -> &Slot<T> {
+        let index = position & self.mask;
+        debug_assert!(index < self.slots.len());
+        // SAFETY: `slots.len() == mask + 1` (set in `with_capacity`, never changed), so
+        // `position & mask` is a valid index; this skips a bounds check per message.
+        unsafe { self.slots.get_unchecked(index) }
+    }
+
+    /// Producer: raises `busy` and checks `closed` (the pairing of the module doc).
+    #[inline(always)]
+    fn enter(&self, closed: &AtomicBool, barrier: BarrierMode) -> bool {
+        self.producer.busy.store(true, Ordering::Relaxed);
+        barrier.light();
+        if closed.load(Ordering::Relaxed) {
+            self.producer.busy.store(false, Ordering::Release);
+            return false;
+        }
+        true
+    }
+
+    /// Producer: free slots, rereading the consumer's head only when the cached copy does not
+    /// show at least `wanted`.
+    #[inline(always)]
+    fn free_slots(&self, tail: usize, wanted: usize) -> usize {
+        let capacity = self.capacity();
+        let free = capacity - (tail - self.producer.cached_head.load(Ordering::Relaxed));
+        if free >= wanted {
+            return free;
+        }
+        let head = self.consumer.head.load(Ordering::Acquire);
+        self.producer.cached_head.store(head, Ordering::Relaxed);
+        capacity - (tail - head)
+    }
+
+    /// Producer (owner only): pushes one message, or hands it back.
+    #[inline]
+    pub(crate) fn push(
+        &self,
+        value: T,
+        closed: &AtomicBool,
+        barrier: BarrierMode,
+    ) -> Result<(), LanePushError<T>> {
+        if !self.enter(closed, barrier) {
+            return Err(LanePushError::Closed(value));
+        }
+        let tail = self.producer.tail.load(Ordering::Relaxed);
+        if self.free_slots(tail, 1) == 0 {
+            self.producer.busy.store(false, Ordering::Release);
+            return Err(LanePushError::Full(value));
+        }
+        self.write(tail, value);
+        self.producer.tail.store(tail + 1, Ordering::Relaxed);
+        self.producer.busy.store(false, Ordering::Release);
+        Ok(())
+    }
+
+    /// Producer: writes the value of `position` and publishes it through the slot's stamp.
+    #[inline(always)]
+    fn write(&self, position: usize, value: T) {
+        let slot = self.slot(position);
+        slot.value.with_mut(|cell| {
+            // SAFETY: the caller checked `position - head < capacity`, so the consumer has moved
+            // the previous value of this slot out (it published a head beyond it); only the
+            // owner writes slots, and the consumer reads this one only after the stamp store.
+            unsafe { (*cell).write(value) };
+        });
+        slot.stamp.store(position + 1, Ordering::Release);
+    }
+
+    /// Producer (owner only): pushes as many of `values` as fit, publishing them with one tail
+    /// store. Returns how many were taken (0 when the lane is full).
+    ///
+    /// # Errors
+    /// `Err(())` if the inbox was closed (nothing taken).
+    pub(crate) fn push_batch(
+        &self,
+        values: &mut impl ExactSizeIterator<Item = T>,
+        closed: &AtomicBool,
+        barrier: BarrierMode,
+    ) -> Result<usize, ()> {
+        if !self.enter(closed, barrier) {
+            return Err(());
+        }
+        let tail = self.producer.tail.load(Ordering::Relaxed);
+        let count = self.free_slots(tail, values.len()).min(values.len());
+        for position in tail..tail + count {
+            // `free_slots` showed `position - head < capacity` for all of them.
+            self.write(position, values.next().expect("ExactSizeIterator yields its len"));
+        }
+        self.producer.tail.store(tail + count, Ordering::Relaxed);
+        self.producer.busy.store(false, Ordering::Release);
+        Ok(count)
+    }
+
+    /// Producer: whether at least `slots` slots are free (for a blocked producer's re-check).
+    pub(crate) fn has_room(&self, slots: usize) -> bool {
+        let tail = self.producer.tail.load(Ordering::Relaxed);
+        tail - self.consumer.head.load(Ordering::Acquire) + slots <= self.capacity()
+    }
+
+    /// Consumer: moves up to `max` published messages to `handle`, in order. Returns how many.
+    ///
+    /// The head is published before each handler call, so a panicking handler leaves the lane
+    /// consistent (its message counts as consumed).
+    pub(crate) fn pop_batch(&self, max: usize, mut handle: impl FnMut(T)) -> usize {
+        let start = self.consumer.head.load(Ordering::Relaxed);
+        let mut head = start;
+        while head - start < max {
+            let slot = self.slot(head);
+            if slot.stamp.load(Ordering::Acquire) != head + 1 {
+                break;
+            }
+            prefetch(self.slot(head + PREFETCH_AHEAD));
+            let value = slot.value.with(|cell| {
+                // SAFETY: stamp `head + 1` (acquired above) means the owner wrote this value and
+                // released it; only this consumer reads it, once, before handing the slot back
+                // with the head store below (the producer rewrites it only after seeing that).
+                unsafe { cell.cast::<T>().read() }
+            });
+            head += 1;
+            self.consumer.head.store(head, Ordering::Release);
+            handle(value);
+        }
+        head - start
+    }
+
+    /// Consumer: whether the position at the head is not published yet.
+    pub(crate) fn is_empty_for_consumer(&self) -> bool {
+        let head = self.consumer.head.load(Ordering::Relaxed);
+        self.slot(head).stamp.load(Ordering::Acquire) != head + 1
+    }
+
+    /// Consumer, once the inbox is closed and the close barrier has run: no push is in flight
+    /// and everything published was consumed.
+    pub(crate) fn is_drained(&self) -> bool {
+        !self.producer.busy.load(Ordering::Acquire) && self.is_empty_for_consumer()
+    }
+}
+
+impl<T> Drop for Lane<T> {
+    fn drop(&mut self) {
+        // `&mut self`: no producer or consumer runs. Positions head..tail hold published values.
+        let head = self.consumer.head.load(Ordering::Relaxed);
+        let tail = self.producer.tail.load(Ordering::Relaxed);
+        for position in head..tail {
+            self.slot(position).value.with_mut(|cell| {
+                // SAFETY: published and not consumed, so initialised; exclusive access.
+                unsafe { std::ptr::drop_in_place(cell.cast::<T>()) };
+            });
+        }
+    }
+}
+
+/// The lanes of one inbox, indexed by producer index, each allocated on its owner's first push.
+pub(crate) struct LaneTable<T> {
+    /// Null until the owner of that index first pushes; then a `Box<Lane<T>>` leaked into the
+    /// table and freed only by `Drop`.
+    lanes: Box<[AtomicPtr<Lane<T>>]>,
+    /// One more than the highest allocated index: the consumer scans `0..in_use`.
+    in_use: CachePadded<AtomicUsize>,
+    lane_capacity: usize,
+}
+
+// SAFETY: the table hands out `&Lane<T>` to its owner thread and to the consumer; `Lane<T>` is
+// `Sync` for `T: Send`, and the pointers themselves are atomics.
+unsafe impl<T: Send> Send for LaneTable<T> {}
+// SAFETY: as above.
+unsafe impl<T: Send> Sync for LaneTable<T> {}
+
+impl<T> LaneTable<T> {
+    /// `count` lane places (none allocated) of `lane_capacity` slots each.
+    pub(crate) fn new(count: usize, lane_capacity: usize) -> Self {
+        Self {
+            lanes: (0..count).map(|_| AtomicPtr::new(std::ptr::null_mut())).collect(),
+            in_use: CachePadded::new(AtomicUsize::new(0)),
+            lane_capacity,
+        }
+    }
+
+    /// Number of lane places.
+    pub(crate) fn count(&self) -> usize {
+        self.lanes.len()
+    }
+
+    /// The lane at `index`, if its owner has pushed at least once.
+    #[inline(always)]
+    pub(crate) fn get(&self, index: usize) -> Option<&Lane<T>> {
+        let pointer = self.lanes[index].load(Ordering::Acquire);
+        // SAFETY: a non-null pointer came from `Box::into_raw` in `allocate` (published with
+        // release, read with acquire above) and is freed only in `Drop`, which needs `&mut self`;
+        // so it points to a live, initialised lane for as long as `&self` lives.
+        unsafe { pointer.as_ref() }
+    }
+
+    /// Producer: the caller's lane (its producer index), allocated on first use.
+    #[inline(always)]
+    pub(crate) fn own(&self, index: usize) -> &Lane<T> {
+        match self.get(index) {
+            Some(lane) => lane,
+            None => self.allocate(index),
+        }
+    }
+
+    #[cold]
+    fn allocate(&self, index: usize) -> &Lane<T> {
+        let pointer = Box::into_raw(Box::new(Lane::with_capacity(self.lane_capacity)));
+        // Only the owner of `index` allocates it, so nobody else can have stored meanwhile.
+        self.lanes[index].store(pointer, Ordering::Release);
+        // SeqCst: the consumer must not miss a lane whose owner goes on to see the inbox open
+        // (this store pairs with the close barrier like `busy` does).
+        self.in_use.fetch_max(index + 1, Ordering::SeqCst);
+        self.get(index).expect("lane just stored")
+    }
+
+    /// Consumer: every allocated lane, in index order.
+    #[inline]
+    pub(crate) fn allocated(&self) -> impl Iterator<Item = &Lane<T>> {
+        let in_use = self.in_use.load(Ordering::Acquire);
+        (0..in_use).filter_map(|index| self.get(index))
+    }
+}
+
+impl<T> Drop for LaneTable<T> {
+    fn drop(&mut self) {
+        for place in self.lanes.iter() {
+            let pointer = place.load(Ordering::Relaxed);
+            if !pointer.is_null() {
+                // SAFETY: produced by `Box::into_raw` in `allocate`, stored once, and dropped
+                // only here, with exclusive access to the table.
+                drop(unsafe { Box::from_raw(pointer) });
+            }
+        }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    fn open() -> AtomicBool {
+        AtomicBool::new(false)
+    }
+
+    #[test]
+    fn push_pop_in_order_full_and_wrap() {
+        let closed = open();
+        let lane = Lane::with_capacity(4);
+        for mode in [BarrierMode::Fenced, BarrierMode::detect()] {
+            for value in 0..4 {
+                lane.push(value, &closed, mode).unwrap();
+            }
+            assert_eq!(lane.push(99, &closed, mode), Err(LanePushError::Full(99)));
+            let mut seen = Vec::new();
+            assert_eq!(lane.pop_batch(3, |value| seen.push(value)), 3);
+            let mut rest = 4..6;
+            assert_eq!(lane.push_batch(&mut rest, &closed, mode), Ok(2), "wraps around");
+            lane.pop_batch(10, |value| seen.push(value));
+            lane.pop_batch(10, |value| seen.push(value));
+            assert_eq!(seen, vec![0, 1, 2, 3, 4, 5]);
+            assert!(lane.is_empty_for_consumer());
+        }
+    }
+
+    #[test]
+    fn closed_inbox_refuses_and_keeps_published_messages() {
+        let closed = open();
+        let lane = Lane::with_capacity(4);
+        lane.push(1, &closed, BarrierMode::Fenced).unwrap();
+        closed.store(true, Ordering::SeqCst);
+        assert_eq!(lane.push(2, &closed, BarrierMode::Fenced), Err(LanePushError::Closed(2)));
+        assert_eq!(lane.push_batch(&mut (3..4), &closed, BarrierMode::Fenced), Err(()));
+        assert!(!lane.is_drained());
+        let mut seen = Vec::new();
+        lane.pop_batch(10, |value| seen.push(value));
+        assert_eq!(seen, vec![1]);
+        assert!(lane.is_drained());
+    }
+
+    #[test]
+    fn drop_releases_unconsumed_messages_and_lanes() {
+        let marker = Arc::new(());
+        let closed = open();
+        let table = LaneTable::new(4, 4);
+        assert!(table.get(2).is_none());
+        let lane = table.own(2);
+        lane.push(Arc::clone(&marker), &closed, BarrierMode::Fenced).unwrap();
+        lane.push(Arc::clone(&marker), &closed, BarrierMode::Fenced).unwrap();
+        lane.pop_batch(1, drop);
+        assert_eq!(table.allocated().count(), 1);
+        assert_eq!(Arc::strong_count(&marker), 2);
+        drop(table);
+        assert_eq!(Arc::strong_count(&marker), 1);
+    }
+
+    #[test]
+    fn concurrent_producer_and_consumer_keep_order() {
+        let count: usize = if cfg!(miri) { 500 } else { 1_000_000 };
+        let closed = Arc::new(open());
+        let lane = Arc::new(Lane::with_capacity(64));
+        let producer = {
+            let (lane, closed) = (Arc::clone(&lane), Arc::clone(&closed));
+            std::thread::spawn(move || {
+                let mut next = 0;
+                while next < count {
+                    let batch = (next..(next + 7).min(count)).collect::<Vec<_>>();
+                    let mut values = batch.into_iter();
+                    next += lane.push_batch(&mut values, &closed, BarrierMode::detect()).unwrap();
+                    if values.len() > 0 {
+                        std::thread::yield_now();
+                    }
+                }
+            })
+        };
+        let mut expected = 0;
+        while expected < count {
+            if lane.pop_batch(16, |value| {
+                assert_eq!(value, expected);
+                expected += 1;
+            }) == 0
+            {
+                std::thread::yield_now();
+            }
+        }
+        producer.join().unwrap();
+        assert!(lane.is_empty_for_consumer());
+    }
+}
+
+#[cfg(all(test, loom))]
+mod loom_tests {
+    use super::*;
+    use loom::{sync::Arc, thread};
+
+    /// A producer pushing while the inbox closes: every push that returned `Ok` is consumed
+    /// before the consumer sees the lane drained, in order, and nothing else is.
+    #[test]
+    fn loom_lane_close_drains_exactly_what_was_accepted() {
+        loom::model(|| {
+            let lane = Arc::new(Lane::with_capacity(2));
+            let closed = Arc::new(AtomicBool::new(false));
+            let producer = {
+                let (lane, closed) = (Arc::clone(&lane), Arc::clone(&closed));
+                thread::spawn(move || {
+                    let first = lane.push(1u32, &closed, BarrierMode::Fenced).is_ok();
+                    let second = lane.push(2u32, &closed, BarrierMode::Fenced).is_ok();
+                    usize::from(first) + usize::from(second)
+                })
+            };
+            // The closer's sequence (see `ShardedQueue::close`), then the consumer's drain loop.
+            closed.store(true, Ordering::SeqCst);
+            BarrierMode::Fenced.heavy();
+            let mut seen = Vec::new();
+            while !lane.is_drained() {
+                lane.pop_batch(2, |value| seen.push(value));
+                thread::yield_now();
+            }
+            let accepted = producer.join().unwrap();
+            assert_eq!(seen.len(), accepted);
+            assert!(seen.iter().copied().eq(1..=u32::try_from(accepted).unwrap()));
+        });
+    }
+}
