@@ -82,7 +82,8 @@ pub use crate::{
     config::{BusBuilder, BusConfig, Idle, Pinning},
     error::{AskError, BusError, ConfigError, Error, HandlerError, SendError},
     runtime::{
-        Ask, Bus, Context, Endpoint, EndpointRef, EndpointStats, Replier, Reply, TimeSummary,
+        Ask, Bus, Context, DroppedCount, Endpoint, EndpointRef, EndpointStats, Replier, Reply,
+        TimeSummary, OTHER_DROP_REASONS,
     },
 };
 pub use crate::{

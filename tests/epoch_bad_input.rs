@@ -216,6 +216,12 @@ fn after_stop_writes_one_way_messages_are_dropped_requests_still_work() {
         harness.stats(),
         counters_plus(before.counters, |c| c.dropped_writes_stopped += 3),
     );
+    let endpoint_stats = harness.epoch.stats();
+    assert_eq!(endpoint_stats.dropped, 3, "the bus endpoint's stats count the drops too");
+    assert_eq!(
+        endpoint_stats.dropped_by_reason,
+        [coordbus::DroppedCount { reason: DropReason::WritesStopped.label(), count: 3 }]
+    );
     assert_eq!(harness.calls(), [add_offsets(1, 1)], "epoch 1 never commits");
     assert_eq!(harness.epoch.ask(IncrementAndGetEpoch).wait_timeout(REPLY_TIMEOUT).unwrap(), 2);
     assert_eq!(harness.barrier(), 2);

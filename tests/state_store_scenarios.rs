@@ -294,7 +294,12 @@ fn bad_input_fails_asks_with_typed_errors_and_counts_one_way_reports() {
     assert_eq!(counters.rejected, 7);
     assert_eq!(counters.reports, 4);
     assert_eq!(counters.new_instances, 1);
-    assert_eq!(coordinator.endpoint().stats().failed, 2);
+    let endpoint_stats = coordinator.endpoint().stats();
+    assert_eq!(endpoint_stats.failed, 2);
+    assert_eq!(
+        endpoint_stats.dropped_by_reason,
+        [coordbus::DroppedCount { reason: "invalid report", count: 2 }]
+    );
     assert_eq!(coordinator.get_location(good).unwrap().as_deref(), Some("executor_hostX_exec1"));
     bus.shutdown().unwrap();
 }

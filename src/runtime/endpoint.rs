@@ -102,10 +102,11 @@ pub(crate) struct EndpointCounters {
     pub(crate) failed: std::sync::atomic::AtomicU64,
     pub(crate) panicked: std::sync::atomic::AtomicU64,
     pub(crate) handler_time_ns: super::stats::Log2Histogram,
+    pub(crate) dropped: super::stats::DropCounters,
 }
 
 /// A snapshot of an endpoint's counters.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub struct EndpointStats {
     /// Messages accepted into the inbox (handled + queued).
@@ -122,6 +123,10 @@ pub struct EndpointStats {
     pub inbox_depth_high_water: u64,
     /// Handler time of sampled messages (one in 64).
     pub handler_time: super::stats::TimeSummary,
+    /// Messages the endpoint handled but dropped (see [`Context::record_dropped`]), in total.
+    pub dropped: u64,
+    /// The same, by reason (reasons with a non-zero count, in order of first use).
+    pub dropped_by_reason: Vec<super::stats::DroppedCount>,
 }
 
 /// The shared state of one registered endpoint.
@@ -166,7 +171,10 @@ impl<E: Endpoint> Inbox<E> {
         use std::sync::atomic::Ordering::Relaxed;
         let handled = self.counters.handled.load(Relaxed);
         let depth = self.queue.len() as u64;
+        let dropped_by_reason = self.counters.dropped.snapshot();
         EndpointStats {
+            dropped: dropped_by_reason.iter().map(|dropped| dropped.count).sum(),
+            dropped_by_reason,
             received: handled + depth,
             handled,
             failed: self.counters.failed.load(Relaxed),
@@ -199,6 +207,13 @@ impl<E: Endpoint> Context<E> {
     /// handled, then `on_stop` runs. Idempotent.
     pub fn stop(&self) {
         self.inbox.stop();
+    }
+
+    /// Counts a message this endpoint dropped (handled without effect), under `reason`; it
+    /// shows in [`EndpointStats::dropped_by_reason`]. No allocation, no lock: meant to be
+    /// called per message. Up to 8 distinct reasons are counted by name, further ones together.
+    pub fn record_dropped(&self, reason: &'static str) {
+        self.inbox.counters.dropped.record(reason);
     }
 
     /// A reference to this endpoint (asking it from its own handler fails with

@@ -35,7 +35,7 @@ use self::{endpoint::Inbox, pin::CorePlanner};
 pub use self::{
     endpoint::{Ask, Context, Endpoint, EndpointRef, EndpointStats},
     reply::{Replier, Reply},
-    stats::TimeSummary,
+    stats::{DroppedCount, TimeSummary, OTHER_DROP_REASONS},
 };
 use crate::{
     config::{BusBuilder, BusConfig},

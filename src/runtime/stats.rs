@@ -1,4 +1,5 @@
-//! Cheap always-on measurements of an endpoint: a power-of-two histogram of handler times.
+//! Cheap always-on measurements of an endpoint: a power-of-two histogram of handler times, and
+//! counts of the messages the endpoint dropped, by reason.
 //!
 //! Timing every message would cost two clock reads (~40 ns) per message, more than the rest of
 //! the handling path; so one message in [`HANDLER_TIME_SAMPLE_EVERY`] is timed. The histogram
@@ -73,9 +74,83 @@ pub struct TimeSummary {
     pub max_ns_at_most: Option<u64>,
 }
 
+/// Distinct drop reasons an endpoint can count by name; further reasons are counted together
+/// under [`OTHER_DROP_REASONS`].
+pub(crate) const NAMED_DROP_REASONS: usize = 8;
+
+/// The reason under which drops beyond the first [`NAMED_DROP_REASONS`] reasons are counted.
+pub const OTHER_DROP_REASONS: &str = "other reasons";
+
+/// Messages an endpoint dropped, by reason: a fixed table (no allocation, no lock), written by
+/// the endpoint thread only, readable from any thread.
+#[derive(Debug, Default)]
+pub(crate) struct DropCounters {
+    /// Reasons in order of first use; a set entry never changes.
+    reasons: [std::sync::OnceLock<&'static str>; NAMED_DROP_REASONS],
+    /// `counts[i]` for `reasons[i]`; the last one for [`OTHER_DROP_REASONS`].
+    counts: [AtomicU64; NAMED_DROP_REASONS + 1],
+}
+
+impl DropCounters {
+    /// Writer only: counts one dropped message.
+    pub(crate) fn record(&self, reason: &'static str) {
+        let index = self
+            .reasons
+            .iter()
+            .position(|entry| *entry.get_or_init(|| reason) == reason)
+            .unwrap_or(NAMED_DROP_REASONS);
+        let count = &self.counts[index];
+        count.store(count.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+    }
+
+    /// Every reason with a non-zero count, in order of first use.
+    pub(crate) fn snapshot(&self) -> Vec<DroppedCount> {
+        let named = self.reasons.iter().filter_map(|entry| entry.get().copied());
+        named
+            .chain(std::iter::once(OTHER_DROP_REASONS))
+            .zip(&self.counts)
+            .map(|(reason, count)| DroppedCount { reason, count: count.load(Ordering::Relaxed) })
+            .filter(|dropped| dropped.count > 0)
+            .collect()
+    }
+}
+
+/// How many messages an endpoint dropped for one reason.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DroppedCount {
+    /// The reason, as the endpoint named it in [`Context::record_dropped`](crate::Context).
+    pub reason: &'static str,
+    /// Messages dropped for it.
+    pub count: u64,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn drops_are_counted_by_reason_and_overflow_into_other() {
+        let drops = DropCounters::default();
+        assert!(drops.snapshot().is_empty());
+        drops.record("writes stopped");
+        drops.record("stale epoch");
+        drops.record("writes stopped");
+        assert_eq!(
+            drops.snapshot(),
+            vec![
+                DroppedCount { reason: "writes stopped", count: 2 },
+                DroppedCount { reason: "stale epoch", count: 1 },
+            ]
+        );
+        const MANY: [&str; 10] = ["a", "b", "c", "d", "e", "f", "g", "h", "i", "j"];
+        for reason in MANY {
+            drops.record(reason);
+        }
+        let snapshot = drops.snapshot();
+        assert_eq!(snapshot.len(), NAMED_DROP_REASONS + 1);
+        assert_eq!(snapshot.last(), Some(&DroppedCount { reason: OTHER_DROP_REASONS, count: 4 }));
+        assert_eq!(snapshot.iter().map(|dropped| dropped.count).sum::<u64>(), 13);
+    }
 
     #[test]
     fn quantiles_are_power_of_two_upper_bounds() {

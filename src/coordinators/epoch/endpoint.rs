@@ -193,10 +193,17 @@ where
     }
 
     #[inline]
-    fn handle(&mut self, message: EpochMessage, _: &Context<Self>) -> Result<(), HandlerError> {
-        // A dropped message was counted and logged by the state machine; the sender of a
-        // one-way message is not told (SPEC A.2, B.6).
-        let _dropped = self.coordinator.apply(message);
+    fn handle(
+        &mut self,
+        message: EpochMessage,
+        context: &Context<Self>,
+    ) -> Result<(), HandlerError> {
+        // A dropped message was counted and logged by the state machine, and is counted by
+        // reason in the endpoint's stats; the sender of a one-way message is not told (SPEC
+        // A.2, B.6).
+        if let Err(rejected) = self.coordinator.apply(message) {
+            context.record_dropped(rejected.reason.label());
+        }
         Ok(())
     }
 

@@ -540,6 +540,20 @@ pub enum DropReason {
     DuplicateCommit,
 }
 
+impl DropReason {
+    /// A short fixed name of the reason (for counters such as
+    /// [`EndpointStats::dropped_by_reason`](crate::EndpointStats)).
+    pub fn label(&self) -> &'static str {
+        match self {
+            Self::WritesStopped => "writes stopped",
+            Self::NegativePartition => "negative partition id",
+            Self::PartitionOutOfRange { .. } => "partition id out of range",
+            Self::StaleEpoch { .. } => "stale epoch",
+            Self::DuplicateCommit => "duplicate commit",
+        }
+    }
+}
+
 /// A one-way message the coordinator dropped, with the values that explain why.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("{kind} of partition {partition} for epoch {epoch} dropped: {reason}")]

@@ -279,11 +279,14 @@ impl Endpoint for StateStoreCoordinatorEndpoint {
     fn handle(
         &mut self,
         message: ReportActiveInstance,
-        _context: &Context<Self>,
+        context: &Context<Self>,
     ) -> Result<(), HandlerError> {
-        self.coordinator
-            .report_active_instance(message.provider_id, message.location)
-            .map_err(Into::into)
+        self.coordinator.report_active_instance(message.provider_id, message.location).map_err(
+            |error| {
+                context.record_dropped("invalid report");
+                error.into()
+            },
+        )
     }
 
     fn handle_request(

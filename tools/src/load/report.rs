@@ -102,6 +102,12 @@ impl Figure {
                 "handler_time_p50_ns_at_most": time.p50_ns_at_most,
                 "handler_time_p99_ns_at_most": time.p99_ns_at_most,
                 "handler_time_max_ns_at_most": time.max_ns_at_most,
+                "dropped": stats.dropped,
+                "dropped_by_reason": stats
+                    .dropped_by_reason
+                    .iter()
+                    .map(|dropped| (dropped.reason.to_owned(), json!(dropped.count)))
+                    .collect::<serde_json::Map<_, _>>(),
             }),
         )
     }
