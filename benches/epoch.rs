@@ -11,12 +11,15 @@
 //! epoch: `add_offsets` of `P` 8-byte offsets then `commit`, on a WAL in a temporary directory
 //! with page-cache durability (`Durability::None`): the sync thread's writes run beside it. With
 //! group commit a tight loop would measure the disk instead: the appends outrun the syncs and
-//! wait for staging space.
+//! wait for staging space. Baseline in the same group (`plain_file_append`): the same bytes
+//! (partition id + 8-byte offset per partition, then a commit marker) appended to one plain file
+//! with two `write` calls per epoch (the page cache too), the least a log without framing,
+//! checksums or recovery could do.
 
 // criterion_group! generates an undocumented function.
 #![allow(missing_docs)]
 
-use std::hint::black_box;
+use std::{hint::black_box, io::Write};
 
 use coordbus::{
     coordinators::epoch::{
@@ -193,6 +196,21 @@ fn durable_query(criterion: &mut Criterion) {
                 query.add_offsets(Epoch(epoch), &offsets).expect("append offsets");
                 query.commit(Epoch(epoch)).expect("append commit");
                 epoch += 1;
+            });
+        });
+        let mut plain = std::fs::File::create(dir.path().join("plain.log")).expect("plain file");
+        let mut plain_epoch = 0i64;
+        let mut record = Vec::with_capacity(offsets.len() * 12 + 8);
+        group.bench_function(BenchmarkId::new("plain_file_append", partitions), |bencher| {
+            bencher.iter(|| {
+                record.clear();
+                for (partition, _) in &offsets {
+                    record.extend_from_slice(&partition.0.to_le_bytes());
+                    record.extend_from_slice(&plain_epoch.to_le_bytes());
+                }
+                plain.write_all(&record).expect("append offsets");
+                plain.write_all(&plain_epoch.to_le_bytes()).expect("append commit");
+                plain_epoch += 1;
             });
         });
         group.finish();
