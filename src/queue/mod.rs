@@ -412,10 +412,11 @@ impl<T> ShardedQueue<T> {
             }
         }
         for shard in self.shards.iter() {
-            let depth = shard.len();
+            // Depth is read only after a non-empty batch: reading a ring's tail on every idle
+            // poll would pull the producers' hottest cache line to this core.
             let taken = shard.pop_batch(max_per_shard, &mut handle);
             if taken > 0 {
-                self.note_depth(depth);
+                self.note_depth(taken + shard.len());
                 total += taken;
             }
         }
