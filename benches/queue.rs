@@ -53,10 +53,10 @@ impl Contender for ShardedQueue<Message> {
     }
 
     fn consume(&self, count: u64) -> u64 {
-        self.bind_consumer();
+        let mut consumer = self.consumer().expect("one consumer per bench queue");
         let (mut received, mut sum) = (0, 0u64);
         while received < count {
-            let taken = self.drain_round(256, |message| sum = sum.wrapping_add(message[0]));
+            let taken = consumer.drain_round(256, |message| sum = sum.wrapping_add(message[0]));
             received += taken as u64;
             if taken == 0 {
                 std::hint::spin_loop();
@@ -156,10 +156,13 @@ fn queue_groups(criterion: &mut Criterion) {
             if producers == 1 { "queue/spsc".to_owned() } else { "queue/mpsc_2p".to_owned() };
         let mut group = criterion.benchmark_group(name);
         group.throughput(Throughput::Elements(MESSAGES)).sample_size(10);
-        // One shard per producer: each producer thread gets its own ring.
-        let ours = Arc::new(ShardedQueue::<Message>::new(producers as usize, CAPACITY));
+        // A fresh queue per measurement (a queue has one consumer for life); each producer
+        // thread gets its own lane.
         group.bench_function("coordbus_sharded", |bench| {
-            bench.iter_custom(|iterations| run_contender(&ours, producers, iterations))
+            bench.iter_custom(|iterations| {
+                let ours = Arc::new(ShardedQueue::<Message>::new(producers as usize, CAPACITY));
+                run_contender(&ours, producers, iterations)
+            })
         });
         let array = Arc::new(ArrayQueue::<Message>::new(CAPACITY));
         group.bench_function("crossbeam_array_queue", |bench| {

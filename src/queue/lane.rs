@@ -18,6 +18,16 @@
 //! `closed` and refuses the message, or the consumer sees `busy` and waits until the push is
 //! published. So every push that returned `Ok` is consumed, and none after that returned `Ok`.
 //!
+//! The algorithm is the cached-index SPSC ring of FastForward (Giacomoni et al., PPoPP 2008)
+//! and Rigtorp's `SPSCQueue`, with the per-slot full marks of Vyukov's bounded queue.
+//!
+//! Ownership: exactly one thread at a time, and never re-entrantly, calls the producer methods
+//! of a lane. That rests on two things outside this file: `queue::producer` never gives one
+//! index to two live threads, and `ShardedQueue` hands lane `i` only to the holder of index `i`
+//! (`ShardedQueue::target`, `try_push`). The producer methods never run caller code between
+//! raising `busy` and publishing, except `push_batch`'s iterator, which its only caller
+//! (`ShardedQueue::push_batch_from`, crate-private) requires to be a plain mapped vector.
+//!
 //! Indices grow without wrapping (2^64 messages at one per nanosecond last 584 years).
 //!
 //! This file holds `unsafe` for the slot cells (written by the one producer, read by the one
@@ -80,7 +90,8 @@ fn prefetch<T>(slot: &Slot<T>) {
 struct Slot<T> {
     /// `p + 1` once the value of position `p` is written (release); anything else: not full.
     stamp: AtomicUsize,
-    /// Initialised exactly while `head <= p < tail` for the slot's current position `p`.
+    /// Initialised exactly while `stamp == p + 1` and `p >= head` for the slot's current
+    /// position `p` (the stamp is published before the producer's `tail` is).
     value: UnsafeCell<MaybeUninit<T>>,
 }
 
@@ -96,8 +107,10 @@ pub(crate) struct Lane<T> {
 }
 
 // SAFETY: values of `T` move from the producing thread to the consuming thread through the
-// cells; the tail/head protocol gives each cell exactly one accessor at a time, so `T: Send`
-// suffices for sharing the lane.
+// cells. The owner thread (see "Ownership" in the module doc) writes a cell only while it is
+// free (`position - head < capacity`) and publishes it with its stamp; the one consumer reads
+// it only after acquiring that stamp and frees it with its head store. So each cell has one
+// accessor at a time and `T: Send` suffices for sharing the lane.
 unsafe impl<T: Send> Send for Lane<T> {}
 // SAFETY: as above; every shared mutation is an atomic or a cell guarded by tail and head.
 unsafe impl<T: Send> Sync for Lane<T> {}
@@ -142,6 +155,10 @@ impl<T> Lane<T> {
     /// Producer: raises `busy` and checks `closed` (the pairing of the module doc).
     #[inline(always)]
     fn enter(&self, closed: &AtomicBool, barrier: BarrierMode) -> bool {
+        debug_assert!(
+            !self.producer.busy.load(Ordering::Relaxed),
+            "lane entered re-entrantly or after an unwound push"
+        );
         self.producer.busy.store(true, Ordering::Relaxed);
         barrier.light();
         if closed.load(Ordering::Relaxed) {
@@ -216,13 +233,17 @@ impl<T> Lane<T> {
         }
         let tail = self.producer.tail.load(Ordering::Relaxed);
         let count = self.free_slots(tail, values.len()).min(values.len());
+        // Stores the tail and lowers `busy` however this ends: should the iterator break its
+        // contract and panic (or yield fewer values than its `len`), the lane stays consistent
+        // with what was written.
+        let mut published = PublishOnDrop { lane: self, tail, written: 0 };
         for position in tail..tail + count {
+            let Some(value) = values.next() else { break };
             // `free_slots` showed `position - head < capacity` for all of them.
-            self.write(position, values.next().expect("ExactSizeIterator yields its len"));
+            self.write(position, value);
+            published.written += 1;
         }
-        self.producer.tail.store(tail + count, Ordering::Relaxed);
-        self.producer.busy.store(false, Ordering::Release);
-        Ok(count)
+        Ok(published.written)
     }
 
     /// Producer: whether at least `slots` slots are free (for a blocked producer's re-check).
@@ -281,6 +302,20 @@ impl<T> Drop for Lane<T> {
                 unsafe { std::ptr::drop_in_place(cell.cast::<T>()) };
             });
         }
+    }
+}
+
+/// Publishes a batch's tail and lowers `busy` when dropped (see [`Lane::push_batch`]).
+struct PublishOnDrop<'a, T> {
+    lane: &'a Lane<T>,
+    tail: usize,
+    written: usize,
+}
+
+impl<T> Drop for PublishOnDrop<'_, T> {
+    fn drop(&mut self) {
+        self.lane.producer.tail.store(self.tail + self.written, Ordering::Relaxed);
+        self.lane.producer.busy.store(false, Ordering::Release);
     }
 }
 
@@ -465,32 +500,51 @@ mod loom_tests {
     use super::*;
     use loom::{sync::Arc, thread};
 
-    /// A producer pushing while the inbox closes: every push that returned `Ok` is consumed
-    /// before the consumer sees the lane drained, in order, and nothing else is.
+    /// A producer pushing three messages into a 2-slot lane (so a slot is reused after the
+    /// consumer frees it), a separate thread closing the inbox (the `ShardedQueue::close`
+    /// sequence: closed, heavy barrier, fenced), and the consumer draining until it may call
+    /// the lane drained: every push that returned `Ok` is consumed, in order, exactly once, and
+    /// nothing else is.
     #[test]
     fn loom_lane_close_drains_exactly_what_was_accepted() {
         loom::model(|| {
             let lane = Arc::new(Lane::with_capacity(2));
             let closed = Arc::new(AtomicBool::new(false));
+            let fenced = Arc::new(AtomicBool::new(false));
             let producer = {
                 let (lane, closed) = (Arc::clone(&lane), Arc::clone(&closed));
                 thread::spawn(move || {
-                    let first = lane.push(1u32, &closed, BarrierMode::Fenced).is_ok();
-                    let second = lane.push(2u32, &closed, BarrierMode::Fenced).is_ok();
-                    usize::from(first) + usize::from(second)
+                    let mut accepted = 0u32;
+                    while accepted < 3 {
+                        match lane.push(accepted + 1, &closed, BarrierMode::Fenced) {
+                            Ok(()) => accepted += 1,
+                            Err(LanePushError::Full(_)) => thread::yield_now(),
+                            Err(LanePushError::Closed(_)) => break,
+                        }
+                    }
+                    accepted
                 })
             };
-            // The closer's sequence (see `ShardedQueue::close`), then the consumer's drain loop.
-            closed.store(true, Ordering::SeqCst);
-            BarrierMode::Fenced.heavy();
+            let closer = {
+                let (closed, fenced) = (Arc::clone(&closed), Arc::clone(&fenced));
+                thread::spawn(move || {
+                    closed.store(true, Ordering::SeqCst);
+                    BarrierMode::Fenced.heavy();
+                    fenced.store(true, Ordering::Release);
+                })
+            };
             let mut seen = Vec::new();
-            while !lane.is_drained() {
+            loop {
+                let done = fenced.load(Ordering::Acquire) && lane.is_drained();
                 lane.pop_batch(2, |value| seen.push(value));
+                if done {
+                    break;
+                }
                 thread::yield_now();
             }
             let accepted = producer.join().unwrap();
-            assert_eq!(seen.len(), accepted);
-            assert!(seen.iter().copied().eq(1..=u32::try_from(accepted).unwrap()));
+            closer.join().unwrap();
+            assert!(seen.iter().copied().eq(1..=accepted), "seen {seen:?}, accepted {accepted}");
         });
     }
 }

@@ -35,7 +35,10 @@ mod producer;
 mod ring;
 mod wake;
 
-use std::time::{Duration, Instant};
+use std::{
+    marker::PhantomData,
+    time::{Duration, Instant},
+};
 
 use crossbeam_utils::{Backoff, CachePadded};
 
@@ -85,8 +88,8 @@ struct CloseState {
 /// A bounded inbox drained by one consumer thread: single-producer lanes for the first
 /// producer threads, shared MPSC rings for the others.
 ///
-/// Producers may be any threads; consumer methods (`drain_round`, `park_until_work`,
-/// `is_drained`) must only be called from the one consumer thread.
+/// Producers may be any threads. The consuming side is a [`Consumer`], handed out once, that
+/// stays on the thread that took it.
 pub struct ShardedQueue<T> {
     lanes: LaneTable<T>,
     shards: Box<[Ring<T>]>,
@@ -96,6 +99,8 @@ pub struct ShardedQueue<T> {
     blocked_producers: ProducerWaiters,
     /// High-water mark of one lane's or shard's depth, sampled by the consumer per batch.
     depth_high_water: AtomicUsize,
+    /// Set once the [`Consumer`] was handed out.
+    consumer_taken: AtomicBool,
 }
 
 impl<T> std::fmt::Debug for ShardedQueue<T> {
@@ -143,6 +148,7 @@ impl<T> ShardedQueue<T> {
             doorbell: Doorbell::new(barrier),
             blocked_producers: ProducerWaiters::default(),
             depth_high_water: AtomicUsize::new(0),
+            consumer_taken: AtomicBool::new(false),
         }
     }
 
@@ -229,7 +235,7 @@ impl<T> ShardedQueue<T> {
     fn try_push_shared(&self, index: usize, value: T) -> Result<(), QueueError<T>> {
         match self.shared_ring(index).push(value) {
             Ok(()) => {
-                self.doorbell.ring();
+                self.doorbell.ring_after_sequentially_consistent_claim();
                 Ok(())
             }
             Err(PushError::Full(value)) => Err(QueueError::Full(value)),
@@ -287,13 +293,15 @@ impl<T> ShardedQueue<T> {
         })
     }
 
-    /// Whether a producer that found its lane or ring full should try again: an eighth of it
-    /// (at most 64 slots) is free.
+    /// Whether a producer that found its lane or ring full should try again. A lane: once an
+    /// eighth of it (at most 64 slots) is free; its one consumer drains it to empty and wakes
+    /// its producer after every productive round, so the wait is short. A shared ring: once any
+    /// slot is free, as other producers may keep it nearly full and would starve a waiter that
+    /// asked for more.
     fn has_room_to_resume(&self, target: &Target<'_, T>) -> bool {
-        let resume = (self.capacity_per_shard() / 8).clamp(1, 64);
         match target {
-            Target::Lane(lane) => lane.has_room(resume),
-            Target::Shard(shard) => shard.len() + resume <= shard.capacity(),
+            Target::Lane(lane) => lane.has_room((self.capacity_per_shard() / 8).clamp(1, 64)),
+            Target::Shard(shard) => shard.len() < shard.capacity(),
         }
     }
 
@@ -304,17 +312,23 @@ impl<T> ShardedQueue<T> {
     /// `Closed` or `Timeout` with the messages not pushed (those before them were).
     ///
     /// [`push`]: ShardedQueue::push
-    pub fn push_batch<I>(
+    pub fn push_batch(
         &self,
-        values: I,
+        values: Vec<T>,
         deadline: Option<Instant>,
-    ) -> Result<(), QueueError<Vec<T>>>
-    where
-        I: IntoIterator<Item = T>,
-        I::IntoIter: ExactSizeIterator,
-    {
+    ) -> Result<(), QueueError<Vec<T>>> {
+        self.push_batch_from(values.into_iter(), deadline)
+    }
+
+    /// [`push_batch`](ShardedQueue::push_batch) from an iterator that the queue drives inside
+    /// a lane's critical section: it must neither panic nor push into this queue (a mapped
+    /// `vec::IntoIter` with a constructor as the map, as the bus passes, does neither).
+    pub(crate) fn push_batch_from(
+        &self,
+        mut rest: impl ExactSizeIterator<Item = T>,
+        deadline: Option<Instant>,
+    ) -> Result<(), QueueError<Vec<T>>> {
         let target = self.target();
-        let mut rest = values.into_iter();
         let backoff = Backoff::new();
         while rest.len() > 0 {
             let pushed = match &target {
@@ -395,35 +409,14 @@ impl<T> ShardedQueue<T> {
         first
     }
 
-    /// Consumer: records the calling thread as the consumer (to be unparked by producers).
-    pub fn bind_consumer(&self) {
+    /// The consuming side, bound to the calling thread (producers unpark it). Handed out once:
+    /// `None` if it was taken before.
+    pub fn consumer(&self) -> Option<Consumer<'_, T>> {
+        if self.consumer_taken.swap(true, Ordering::AcqRel) {
+            return None;
+        }
         self.doorbell.bind_consumer();
-    }
-
-    /// Consumer: takes up to `max_per_shard` messages from every lane and ring in turn (fair:
-    /// none can starve another). Returns how many were handled.
-    pub fn drain_round(&self, max_per_shard: usize, mut handle: impl FnMut(T)) -> usize {
-        let mut total = 0;
-        for lane in self.lanes.allocated() {
-            let taken = lane.pop_batch(max_per_shard, &mut handle);
-            if taken > 0 {
-                self.note_depth(taken + lane.len());
-                total += taken;
-            }
-        }
-        for shard in self.shards.iter() {
-            // Depth is read only after a non-empty batch: reading a ring's tail on every idle
-            // poll would pull the producers' hottest cache line to this core.
-            let taken = shard.pop_batch(max_per_shard, &mut handle);
-            if taken > 0 {
-                self.note_depth(taken + shard.len());
-                total += taken;
-            }
-        }
-        if total > 0 {
-            self.blocked_producers.wake_all_if_any();
-        }
-        total
+        Some(Consumer { queue: self, _bound_to_this_thread: PhantomData })
     }
 
     /// Consumer: raises the depth high-water mark (single writer, plain stores).
@@ -433,22 +426,84 @@ impl<T> ShardedQueue<T> {
             self.depth_high_water.store(depth, Ordering::Relaxed);
         }
     }
+}
 
-    /// Consumer: parks for at most `timeout`, unless something is (or becomes) queued or the
-    /// queue is closed.
-    pub fn park_until_work(&self, timeout: Duration) {
-        self.doorbell.park_unless(timeout, || {
-            self.is_closed()
-                || self.lanes.allocated().any(|lane| !lane.is_empty_for_consumer())
-                || self.shards.iter().any(|shard| !shard.is_empty_for_consumer())
+/// The one consumer of a [`ShardedQueue`]: neither `Send` nor `Sync` nor `Clone`, so its lanes
+/// and rings are read by exactly one thread, and `&mut self` on the draining methods rules out
+/// a handler draining the queue it is called from.
+pub struct Consumer<'a, T> {
+    queue: &'a ShardedQueue<T>,
+    /// `*const ()` makes the type neither `Send` nor `Sync`.
+    _bound_to_this_thread: PhantomData<*const ()>,
+}
+
+impl<T> std::fmt::Debug for Consumer<'_, T> {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.debug_struct("Consumer").field("queue", self.queue).finish()
+    }
+}
+
+impl<T> Consumer<'_, T> {
+    /// Takes up to `max_per_shard` messages from every lane and ring in turn (fair: none can
+    /// starve another). Returns how many were handled.
+    ///
+    /// If `handle` panics, the messages before it stay consumed, the panicking one counts as
+    /// consumed, and the rest stay queued for the next round.
+    pub fn drain_round(&mut self, max_per_shard: usize, mut handle: impl FnMut(T)) -> usize {
+        let queue = self.queue;
+        // Wakes blocked producers also when a handler panics out of the round.
+        let mut round = WakeProducersOnDrop { queue, taken: 0 };
+        for lane in queue.lanes.allocated() {
+            let taken = lane.pop_batch(max_per_shard, &mut handle);
+            if taken > 0 {
+                queue.note_depth(taken + lane.len());
+                round.taken += taken;
+            }
+        }
+        for shard in queue.shards.iter() {
+            // Depth is read only after a non-empty batch: reading a ring's tail on every idle
+            // poll would pull the producers' hottest cache line to this core.
+            let taken = shard.pop_batch(max_per_shard, &mut handle);
+            if taken > 0 {
+                queue.note_depth(taken + shard.len());
+                round.taken += taken;
+            }
+        }
+        round.taken
+    }
+
+    /// Parks for at most `timeout`, unless something is (or becomes) queued or the queue is
+    /// closed.
+    pub fn park_until_work(&mut self, timeout: Duration) {
+        let queue = self.queue;
+        queue.doorbell.park_unless(timeout, || {
+            queue.is_closed()
+                || queue.lanes.allocated().any(|lane| !lane.is_empty_for_consumer())
+                || queue.shards.iter().any(|shard| !shard.is_empty_for_consumer())
         });
     }
 
-    /// Consumer: closed and every accepted message consumed.
+    /// Closed and every accepted message consumed.
     pub fn is_drained(&self) -> bool {
-        self.close_state.fenced.load(Ordering::Acquire)
-            && self.lanes.allocated().all(Lane::is_drained)
-            && self.shards.iter().all(Ring::is_drained)
+        let queue = self.queue;
+        queue.close_state.fenced.load(Ordering::Acquire)
+            && queue.lanes.allocated().all(Lane::is_drained)
+            && queue.shards.iter().all(Ring::is_drained)
+    }
+}
+
+/// Wakes producers blocked on a full inbox when a drain round that took messages ends, also by
+/// unwinding.
+struct WakeProducersOnDrop<'a, T> {
+    queue: &'a ShardedQueue<T>,
+    taken: usize,
+}
+
+impl<T> Drop for WakeProducersOnDrop<'_, T> {
+    fn drop(&mut self) {
+        if self.taken > 0 || std::thread::panicking() {
+            self.queue.blocked_producers.wake_all_if_any();
+        }
     }
 }
 
@@ -483,8 +538,9 @@ mod tests {
             }
             assert!(matches!(queue.try_push(8), Err(QueueError::Full(8))), "{kind}");
             let mut seen = Vec::new();
-            queue.drain_round(100, |value| seen.push(value));
+            queue.consumer().unwrap().drain_round(100, |value| seen.push(value));
             assert_eq!(seen, (0..8).collect::<Vec<_>>(), "{kind}");
+            assert!(queue.consumer().is_none(), "{kind}: one consumer only");
             assert_eq!(queue.depth_high_water(), 8, "{kind}");
         }
     }
@@ -511,17 +567,17 @@ mod tests {
             let consumer = {
                 let queue = Arc::clone(&queue);
                 std::thread::spawn(move || {
-                    queue.bind_consumer();
+                    let mut consumer = queue.consumer().unwrap();
                     let mut seen = Vec::new();
                     while seen.len() < 1000 {
-                        if queue.drain_round(7, |value| seen.push(value)) == 0 {
-                            queue.park_until_work(Duration::from_millis(5));
+                        if consumer.drain_round(7, |value| seen.push(value)) == 0 {
+                            consumer.park_until_work(Duration::from_millis(5));
                         }
                     }
                     seen
                 })
             };
-            queue.push_batch(0..1000, None).unwrap();
+            queue.push_batch((0..1000).collect(), None).unwrap();
             assert_eq!(consumer.join().unwrap(), (0..1000).collect::<Vec<_>>(), "{kind}");
         }
     }
@@ -546,10 +602,11 @@ mod tests {
             assert!(!queue.close(), "second close reports already closed");
             assert_eq!(producer.join().unwrap(), Err(QueueError::Closed(3)), "{kind}");
             assert_eq!(queue.try_push(4), Err(QueueError::Closed(4)), "{kind}");
+            let mut consumer = queue.consumer().unwrap();
             let mut seen = Vec::new();
-            queue.drain_round(10, |value| seen.push(value));
+            consumer.drain_round(10, |value| seen.push(value));
             assert_eq!(seen, vec![1, 2], "{kind}");
-            assert!(queue.is_drained(), "{kind}");
+            assert!(consumer.is_drained(), "{kind}");
         }
     }
 
@@ -576,7 +633,7 @@ mod tests {
                     })
                 })
                 .collect();
-            queue.bind_consumer();
+            let mut consumer = queue.consumer().unwrap();
             let mut next_expected = [0usize; PRODUCERS];
             let mut consume = |(producer, sequence): (usize, usize)| {
                 assert_eq!(sequence, next_expected[producer], "{kind}: per-producer FIFO");
@@ -584,15 +641,15 @@ mod tests {
             };
             let mut consumed = 0;
             while consumed < 20_000 {
-                let taken = queue.drain_round(32, &mut consume);
+                let taken = consumer.drain_round(32, &mut consume);
                 if taken == 0 {
-                    queue.park_until_work(Duration::from_millis(1));
+                    consumer.park_until_work(Duration::from_millis(1));
                 }
                 consumed += taken;
             }
             queue.close();
-            while !queue.is_drained() {
-                queue.drain_round(32, &mut consume);
+            while !consumer.is_drained() {
+                consumer.drain_round(32, &mut consume);
             }
             drop(consume);
             let accepted: Vec<usize> =

@@ -19,9 +19,8 @@
 //! (release): "free, for the producer at `p + capacity`". Positions grow without wrapping (2^63
 //! of them at one message per nanosecond last 292 years).
 //!
-//! This file is the only place in the queue with `unsafe`: the slot cells are written by the one
-//! producer that claimed the position and read by the one consumer, the stamp protocol above
-//! ordering the two.
+//! This file holds `unsafe` for the slot cells: each is written by the one producer that
+//! claimed its position and read by the one consumer, the stamp protocol above ordering the two.
 #![allow(unsafe_code)]
 
 use std::mem::MaybeUninit;

@@ -62,6 +62,14 @@ impl Doorbell {
     #[inline]
     pub(crate) fn ring(&self) {
         self.barrier.light();
+        self.ring_after_sequentially_consistent_claim();
+    }
+
+    /// [`Doorbell::ring`] for a producer whose publication was itself a `SeqCst`
+    /// read-modify-write (a shared ring's claim): that already orders it before the load below,
+    /// so no barrier is needed.
+    #[inline]
+    pub(crate) fn ring_after_sequentially_consistent_claim(&self) {
         if self.sleeping.load(Ordering::SeqCst) {
             self.wake();
         }
@@ -83,8 +91,18 @@ pub(crate) struct ProducerWaiters {
     /// Number of producers between registering and leaving. Read by the consumer after it frees
     /// slots; a stale registration only causes a spurious wake-up.
     count: CachePadded<AtomicUsize>,
-    /// Threads to unpark. May hold threads that already left; unparking those is harmless.
-    threads: SegQueue<Thread>,
+    /// Waiters to unpark, each at most once at a time (see [`Waiter::queued`]). May hold
+    /// waiters that already left; unparking those is harmless.
+    waiters: SegQueue<std::sync::Arc<Waiter>>,
+}
+
+/// One producer's registration for one wait.
+#[derive(Debug)]
+struct Waiter {
+    thread: Thread,
+    /// True while this waiter is in the queue: a producer that wakes up by its park timeout
+    /// does not queue itself again, so a stuck consumer cannot make the queue grow.
+    queued: AtomicBool,
 }
 
 impl ProducerWaiters {
@@ -93,9 +111,15 @@ impl ProducerWaiters {
     /// `try_again` returns `Some(result)` to finish, `None` to keep waiting; it is always called
     /// after registering, so a consumer that frees a slot in between is sure to wake us.
     pub(crate) fn wait_until<R>(&self, mut try_again: impl FnMut() -> Option<R>) -> R {
+        let waiter = std::sync::Arc::new(Waiter {
+            thread: current_thread(),
+            queued: AtomicBool::new(false),
+        });
         loop {
             self.count.fetch_add(1, Ordering::SeqCst);
-            self.threads.push(current_thread());
+            if !waiter.queued.swap(true, Ordering::AcqRel) {
+                self.waiters.push(std::sync::Arc::clone(&waiter));
+            }
             fence(Ordering::SeqCst);
             let outcome = try_again();
             if outcome.is_none() {
@@ -125,8 +149,9 @@ impl ProducerWaiters {
 
     #[cold]
     fn wake_all(&self) {
-        while let Some(thread) = self.threads.pop() {
-            thread.unpark();
+        while let Some(waiter) = self.waiters.pop() {
+            waiter.queued.store(false, Ordering::Release);
+            waiter.thread.unpark();
         }
     }
 }

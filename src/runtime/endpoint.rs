@@ -318,7 +318,7 @@ impl<E: Endpoint> EndpointRef<E> {
     pub fn send_batch(&self, messages: Vec<E::Message>) -> Result<(), SendError<Vec<E::Message>>> {
         // Mapped lazily: the messages go straight from the caller's vector into the slots.
         let envelopes = messages.into_iter().map(Envelope::Message);
-        self.inbox.queue.push_batch(envelopes, None).map_err(|error| {
+        self.inbox.queue.push_batch_from(envelopes, None).map_err(|error| {
             let unwrap_all = |envelopes: Vec<Envelope<E>>| {
                 envelopes.into_iter().filter_map(Envelope::into_message).collect()
             };

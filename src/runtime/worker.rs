@@ -34,7 +34,7 @@ pub(crate) fn run_endpoint<E: Endpoint>(
     idle: Idle,
     drain_batch: usize,
 ) {
-    inbox.queue.bind_consumer();
+    let mut consumer = inbox.queue.consumer().expect("an inbox has exactly one endpoint thread");
     inbox.enter_thread();
     let context = Context { inbox: Arc::clone(&inbox) };
     guarded_hook(&inbox.name, "on_start", || endpoint.on_start(&context));
@@ -49,7 +49,7 @@ pub(crate) fn run_endpoint<E: Endpoint>(
         // each handler call, so a panic unwinding out of the round leaves the inbox consistent
         // (the panicking message counts as consumed) and the next round carries on.
         let round = catch_unwind(AssertUnwindSafe(|| {
-            inbox.queue.drain_round(drain_batch, |envelope| {
+            consumer.drain_round(drain_batch, |envelope| {
                 let sampled = handled_total % HANDLER_TIME_SAMPLE_EVERY == 0;
                 handled_total += 1;
                 // Single writer, plain stores: before every request (so a reply never shows a
@@ -85,7 +85,7 @@ pub(crate) fn run_endpoint<E: Endpoint>(
         }
         // Idle. Touch only read-mostly state here: polling the rings' tails would steal the
         // producers' hottest cache line on every turn of this loop.
-        if inbox.queue.is_closed() && inbox.queue.is_drained() {
+        if inbox.queue.is_closed() && consumer.is_drained() {
             break;
         }
         let spin = match idle {
@@ -104,7 +104,7 @@ pub(crate) fn run_endpoint<E: Endpoint>(
             yields += 1;
             std::thread::yield_now();
         } else {
-            inbox.queue.park_until_work(PARK_MAX);
+            consumer.park_until_work(PARK_MAX);
         }
     }
     guarded_hook(&inbox.name, "on_stop", || endpoint.on_stop());
