@@ -50,7 +50,9 @@
 
 mod data;
 mod endpoint;
+mod journal;
 mod log;
+mod receiver;
 mod types;
 
 use std::{
@@ -64,13 +66,15 @@ pub use self::{
     data::ReceiverBlockStore,
     endpoint::{
         AddBlock, AddBlocks, AllocateBlocksToBatch, BlockTrackerEndpoint, BlockTrackerMessage,
-        BlockTrackerRequest, CleanupOldBatches, GetBlocksOfBatch, GetBlocksOfBatchAndStream,
-        GetUnallocatedBlocks, HasUnallocatedBlocks, StopTracker,
+        BlockTrackerRequest, CleanupOldBatches, ConnectReceiver, GetBlocksOfBatch,
+        GetBlocksOfBatchAndStream, GetUnallocatedBlocks, HasUnallocatedBlocks, StopTracker,
     },
     log::{BlockLog, BlockLogError, WalBlockLog},
+    receiver::{AddReceipt, BlockReceiver, LoggedBlocks},
     types::{
         AllocatedBlocks, BatchAllocationEvent, BatchCleanupEvent, BatchTime, BlockAdditionEvent,
-        BlockStoreResult, ReceivedBlockInfo, StreamBlockId, StreamBlocks, StreamId, TrackerEvent,
+        BlockAdditionsEvent, BlockStoreResult, ReceivedBlockInfo, StreamBlockId, StreamBlocks,
+        StreamId, TrackerEvent,
     },
 };
 use crate::{
@@ -121,6 +125,12 @@ pub enum BlockTrackerError {
     NotInReceiverLog {
         /// The block.
         block_id: StreamBlockId,
+    },
+    /// An event could not be serialized.
+    #[error("a tracker event could not be serialized: {message}")]
+    Encode {
+        /// What went wrong.
+        message: String,
     },
     /// A journal record is not a valid tracker event.
     #[error("a journal record is not a valid tracker event: {message}")]
@@ -235,7 +245,11 @@ pub struct ReceivedBlockTracker {
     /// `None`: WAL disabled.
     log: Option<Arc<dyn BlockLog>>,
     write_timeout: Duration,
-    unallocated: BTreeMap<StreamId, VecDeque<ReceivedBlockInfo>>,
+    /// Per stream, the unallocated blocks with their place in the log ([`QueueKey`]), in
+    /// arrival order: hand-overs of concurrent receivers arrive as interleaved runs, each in
+    /// log order, and the queue is sorted by key (a stable merge of those runs) whenever its
+    /// order is observed, so every observer sees log order.
+    unallocated: BTreeMap<StreamId, VecDeque<Queued>>,
     allocated: BTreeMap<BatchTime, AllocatedBlocks>,
     last_allocated: Option<BatchTime>,
     recovered_events: u64,
@@ -338,6 +352,11 @@ impl ReceivedBlockTracker {
         self.recovered_events
     }
 
+    /// How long a synchronous write waits for durability (Spark's batching timeout).
+    pub fn write_timeout(&self) -> Duration {
+        self.write_timeout
+    }
+
     /// The clock the tracker stamps its records with.
     pub fn clock(&self) -> &Arc<dyn Clock> {
         &self.clock
@@ -398,18 +417,20 @@ impl ReceivedBlockTracker {
     /// an error of the log step is logged and answered false.
     pub fn add_block(&mut self, info: ReceivedBlockInfo) -> bool {
         let event = TrackerEvent::BlockAddition(BlockAdditionEvent { info });
-        let logged = match self.write_to_log(&event) {
-            Ok(logged) => logged,
+        let (logged, lsn) = match self.append(&event) {
+            Ok(Append::Disabled) => (true, Lsn::ZERO),
+            Ok(Append::Appended(lsn)) => (self.wait(event.kind(), lsn), lsn),
+            Ok(Append::Failed) => (false, Lsn::ZERO),
             Err(error) => {
                 tracing::warn!(%error, "adding a block failed");
-                false
+                (false, Lsn::ZERO)
             }
         };
         if logged {
             let TrackerEvent::BlockAddition(BlockAdditionEvent { info }) = event else {
                 unreachable!("built above")
             };
-            self.enqueue(info);
+            self.enqueue(QueueKey::new(lsn, 0), info);
         }
         logged
     }
@@ -431,34 +452,68 @@ impl ReceivedBlockTracker {
             let TrackerEvent::BlockAddition(BlockAdditionEvent { info }) = event else {
                 unreachable!("built above")
             };
-            self.enqueue(info);
+            let lsn = if let Logged::Pending(lsn) = outcome { lsn } else { Lsn::ZERO };
+            self.enqueue(QueueKey::new(lsn, 0), info);
         }
         outcome
     }
 
-    fn enqueue(&mut self, info: ReceivedBlockInfo) {
-        self.unallocated.entry(info.stream_id()).or_default().push_back(info);
+    /// Queues blocks whose addition record somebody else already appended to this tracker's
+    /// log as `lsn` (a receiver logging outside the tracker, SPEC D.3/D.4; the bus endpoint's
+    /// [`BlockReceiver`]): `blocks` in the record's order, `Lsn::ZERO` when the WAL is
+    /// disabled. No I/O. The blocks take their place in the queues by log position, not by
+    /// arrival, so the queues always equal what a replay of the log would build, whatever
+    /// order concurrent receivers' hand-overs arrive in.
+    ///
+    /// The caller must not report the additions before `lsn` is durable, and must pass the
+    /// LSN the record really got: an allocation logged after this call may list these blocks,
+    /// which is only sound if their record precedes it in the log.
+    pub fn apply_logged_additions(
+        &mut self,
+        lsn: Lsn,
+        blocks: impl IntoIterator<Item = ReceivedBlockInfo>,
+    ) {
+        for (index, info) in blocks.into_iter().enumerate() {
+            // A record cannot hold 2^32 blocks (its payload is limited to 4 GiB).
+            self.enqueue(QueueKey::new(lsn, index as u32), info);
+        }
     }
 
-    /// Takes every configured stream's queue into an allocation event for `time`.
-    fn take_allocation(&mut self, time: BatchTime) -> TrackerEvent {
+    /// Appends `info` to its stream's queue (sorted by key when observed: field doc).
+    fn enqueue(&mut self, key: QueueKey, info: ReceivedBlockInfo) {
+        self.unallocated.entry(info.stream_id()).or_default().push_back(Queued { key, info });
+    }
+
+    /// Takes every configured stream's queue into an allocation event for `time`; the keys
+    /// are kept aside in case the allocation is not written.
+    fn take_allocation(&mut self, time: BatchTime) -> (TrackerEvent, Vec<Vec<QueueKey>>) {
+        let mut keys = Vec::with_capacity(self.stream_ids.len());
         let blocks = AllocatedBlocks::new(self.stream_ids.iter().map(|stream| {
-            let queue = self.unallocated.get_mut(stream).map(std::mem::take).unwrap_or_default();
-            (*stream, Vec::from(queue))
+            let mut queue =
+                self.unallocated.get_mut(stream).map(std::mem::take).unwrap_or_default();
+            // Stable and linear on the usual input (a few sorted runs).
+            queue.make_contiguous().sort_by_key(|queued| queued.key);
+            let (stream_keys, infos): (Vec<QueueKey>, Vec<ReceivedBlockInfo>) =
+                queue.into_iter().map(|queued| (queued.key, queued.info)).unzip();
+            keys.push(stream_keys);
+            (*stream, infos)
         }));
-        TrackerEvent::BatchAllocation(BatchAllocationEvent { time, blocks })
+        (TrackerEvent::BatchAllocation(BatchAllocationEvent { time, blocks }), keys)
     }
 
-    /// Puts the blocks of an allocation that was not written back at the front of their
-    /// queues (they were the whole queues when taken).
-    fn restore_allocation(&mut self, event: TrackerEvent) {
+    /// Puts the blocks of an allocation that was not written back into their queues (they
+    /// were the whole queues when taken).
+    fn restore_allocation(&mut self, event: TrackerEvent, keys: Vec<Vec<QueueKey>>) {
         let TrackerEvent::BatchAllocation(BatchAllocationEvent { blocks, .. }) = event else {
             unreachable!("only allocations are restored")
         };
-        for StreamBlocks { stream_id, blocks } in blocks.into_streams() {
+        // `AllocatedBlocks` lists every configured stream once, sorted, as `stream_ids` is.
+        for (StreamBlocks { stream_id, blocks }, keys) in
+            blocks.into_streams().into_iter().zip(keys)
+        {
             let queue = self.unallocated.entry(stream_id).or_default();
             let newer = std::mem::take(queue);
-            queue.extend(blocks);
+            queue.extend(keys.into_iter().zip(blocks).map(|(key, info)| Queued { key, info }));
             queue.extend(newer);
         }
     }
@@ -496,11 +551,11 @@ impl ReceivedBlockTracker {
         if self.is_stale_batch(time) {
             return Ok(());
         }
-        let event = self.take_allocation(time);
+        let (event, keys) = self.take_allocation(time);
         let logged = match self.write_to_log(&event) {
             Ok(logged) => logged,
             Err(error) => {
-                self.restore_allocation(event);
+                self.restore_allocation(event, keys);
                 return Err(error);
             }
         };
@@ -508,7 +563,7 @@ impl ReceivedBlockTracker {
             self.apply_allocation(event);
         } else {
             tracing::info!(batch = time.0, "possibly processed batch {time} was not allocated");
-            self.restore_allocation(event);
+            self.restore_allocation(event, keys);
         }
         Ok(())
     }
@@ -524,18 +579,18 @@ impl ReceivedBlockTracker {
         if self.is_stale_batch(time) {
             return Ok(Logged::Skipped);
         }
-        let event = self.take_allocation(time);
+        let (event, keys) = self.take_allocation(time);
         let outcome = match self.append(&event) {
             Ok(Append::Disabled) => Logged::Done,
             Ok(Append::Appended(lsn)) => Logged::Pending(lsn),
             Ok(Append::Failed) => Logged::Failed,
             Err(error) => {
-                self.restore_allocation(event);
+                self.restore_allocation(event, keys);
                 return Err(error);
             }
         };
         if outcome == Logged::Failed {
-            self.restore_allocation(event);
+            self.restore_allocation(event, keys);
         } else {
             self.apply_allocation(event);
         }
@@ -653,7 +708,11 @@ impl ReceivedBlockTracker {
     pub fn unallocated_blocks(&self, stream: StreamId) -> Vec<ReceivedBlockInfo> {
         self.unallocated
             .get(&stream)
-            .map(|queue| queue.iter().cloned().collect())
+            .map(|queue| {
+                let mut queued: Vec<&Queued> = queue.iter().collect();
+                queued.sort_by_key(|queued| queued.key);
+                queued.into_iter().map(|queued| queued.info.clone()).collect()
+            })
             .unwrap_or_default()
     }
 
@@ -710,16 +769,29 @@ impl ReceivedBlockTracker {
             return Ok((0, Lsn::ZERO));
         };
         let mut through = Lsn::ZERO;
+        let mut events = 0;
         let mut apply = |lsn: Lsn, event: TrackerEvent| match event {
             TrackerEvent::BlockAddition(BlockAdditionEvent { mut info }) => {
                 through = lsn;
+                events += 1;
                 if lsn <= invalid_through {
                     info.set_block_id_valid(false);
                 }
-                self.enqueue(info);
+                self.enqueue(QueueKey::new(lsn, 0), info);
+            }
+            TrackerEvent::BlockAdditions(BlockAdditionsEvent { infos }) => {
+                through = lsn;
+                events += infos.len() as u64;
+                for (index, mut info) in infos.into_iter().enumerate() {
+                    if lsn <= invalid_through {
+                        info.set_block_id_valid(false);
+                    }
+                    self.enqueue(QueueKey::new(lsn, index as u32), info);
+                }
             }
             TrackerEvent::BatchAllocation(BatchAllocationEvent { time, blocks }) => {
                 through = lsn;
+                events += 1;
                 for entry in blocks.streams() {
                     if let Some(queue) = self.unallocated.get_mut(&entry.stream_id) {
                         remove_listed(queue, &entry.blocks);
@@ -730,17 +802,45 @@ impl ReceivedBlockTracker {
             }
             TrackerEvent::BatchCleanup(BatchCleanupEvent { times }) => {
                 through = lsn;
+                events += 1;
                 self.forget_batches(&times);
             }
         };
-        let events = log.replay(last, &mut apply)?;
+        log.replay(last, &mut apply)?;
         Ok((events, through))
+    }
+}
+
+/// A queued block's place in the log: the LSN of its addition record and its index in that
+/// record. Queues are sorted by it, which is the order a replay of the log queues them in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct QueueKey {
+    lsn: Lsn,
+    index: u32,
+}
+
+impl QueueKey {
+    fn new(lsn: Lsn, index: u32) -> Self {
+        Self { lsn, index }
+    }
+}
+
+/// An unallocated block and its place in the log.
+#[derive(Debug, Clone)]
+struct Queued {
+    key: QueueKey,
+    info: ReceivedBlockInfo,
+}
+
+impl PartialEq<ReceivedBlockInfo> for Queued {
+    fn eq(&self, other: &ReceivedBlockInfo) -> bool {
+        self.info == *other
     }
 }
 
 /// Removes from `queue` exactly the blocks in `listed` (by equality, each listed block once).
 /// An allocation normally lists a prefix of the queue, which is removed in one step.
-fn remove_listed(queue: &mut VecDeque<ReceivedBlockInfo>, listed: &[ReceivedBlockInfo]) {
+fn remove_listed(queue: &mut VecDeque<Queued>, listed: &[ReceivedBlockInfo]) {
     if listed.is_empty() {
         return;
     }
@@ -754,7 +854,7 @@ fn remove_listed(queue: &mut VecDeque<ReceivedBlockInfo>, listed: &[ReceivedBloc
     for block in listed {
         *counts.entry(block).or_default() += 1;
     }
-    queue.retain(|queued| match counts.get_mut(queued) {
+    queue.retain(|queued| match counts.get_mut(&queued.info) {
         Some(count) if *count > 0 => {
             *count -= 1;
             false
@@ -780,14 +880,18 @@ mod tests {
 
     #[test]
     fn remove_listed_handles_prefix_and_scattered_and_duplicates() {
-        let mut queue: VecDeque<_> = (0..6).map(|id| info(1, id)).collect();
+        let queued = |id: u64| Queued { key: QueueKey::new(Lsn(id), 0), info: info(1, id) };
+        let ids = |queue: &VecDeque<Queued>| {
+            queue.iter().map(|b| b.info.block_id().unique_id).collect::<Vec<_>>()
+        };
+        let mut queue: VecDeque<_> = (0..6).map(queued).collect();
         remove_listed(&mut queue, &[info(1, 0), info(1, 1)]);
-        assert_eq!(queue.iter().map(|b| b.block_id().unique_id).collect::<Vec<_>>(), [2, 3, 4, 5]);
+        assert_eq!(ids(&queue), [2, 3, 4, 5]);
         remove_listed(&mut queue, &[info(1, 5), info(1, 3), info(1, 9)]);
-        assert_eq!(queue.iter().map(|b| b.block_id().unique_id).collect::<Vec<_>>(), [2, 4]);
-        let mut queue: VecDeque<_> = [info(1, 1), info(1, 1), info(1, 2)].into();
+        assert_eq!(ids(&queue), [2, 4]);
+        let mut queue: VecDeque<_> = [queued(1), queued(1), queued(2)].into();
         remove_listed(&mut queue, &[info(1, 2), info(1, 1)]);
-        assert_eq!(queue.iter().map(|b| b.block_id().unique_id).collect::<Vec<_>>(), [1]);
+        assert_eq!(ids(&queue), [1]);
     }
 
     #[test]
@@ -815,7 +919,7 @@ mod tests {
             TrackerEvent::BatchCleanup(BatchCleanupEvent { times: vec![BatchTime(1)] }),
         ];
         for event in events {
-            let bytes = crate::record::to_bytes(&event).unwrap();
+            let bytes = event.encode().unwrap();
             assert_eq!(TrackerEvent::decode(&bytes).unwrap(), event);
         }
     }

@@ -1,10 +1,13 @@
 //! Workloads `blocks/add`, `blocks/allocate`, `blocks/recover`: the received-block tracker
 //! with its WAL.
 //!
-//! * `blocks/add`: R receiver threads each keep `--in-flight` `AddBlock` asks outstanding
-//!   against the tracker endpoint (blocks spread over `--streams` streams); an ask counts when
-//!   its reply arrives, which is only once its record is durable (synced, group commit). Run
-//!   with 1 receiver and with `--receivers`. Latency is per addition (ask to durable reply).
+//! * `blocks/add`: R receiver threads each keep `--in-flight` additions outstanding against
+//!   the tracker endpoint (blocks spread over `--streams` streams), through a `BlockReceiver`
+//!   (receiver-side logging: the receiver thread appends the record and hands the logged
+//!   block to the endpoint) or, with `--asks`, through `AddBlock`/`AddBlocks` asks (the
+//!   endpoint thread logs). An addition counts once its record is durable (synced, group
+//!   commit). Run with 1 receiver, with `--receivers`, and with `--receivers` and `--batch`
+//!   blocks per record (or per ask). Latency is per addition (add to durable answer).
 //! * `blocks/recover`: `--recover-events` additions are logged, the tracker is stopped, and a
 //!   new tracker is built with recovery on: `seconds` is the construction time, `messages` the
 //!   events replayed.
@@ -25,9 +28,9 @@ use anyhow::{bail, Context as _};
 use coordbus::{
     clock::SystemClock,
     coordinators::block_tracker::{
-        AddBlock, AddBlocks, BatchTime, BlockStoreResult, BlockTrackerConfig, BlockTrackerEndpoint,
-        Logged, ReceivedBlockInfo, ReceivedBlockTracker, StopTracker, StreamBlockId, StreamId,
-        RECEIVED_BLOCK_METADATA_DIR,
+        AddBlock, AddBlocks, AddReceipt, BatchTime, BlockReceiver, BlockStoreResult,
+        BlockTrackerConfig, BlockTrackerEndpoint, Logged, ReceivedBlockInfo, ReceivedBlockTracker,
+        StopTracker, StreamBlockId, StreamId, RECEIVED_BLOCK_METADATA_DIR,
     },
     wal::{Durability, Wal, WalConfig, WalOptions},
     Bus,
@@ -61,6 +64,10 @@ pub struct BlocksArgs {
     /// extra run).
     #[arg(long, default_value_t = 64)]
     pub batch: usize,
+    /// Add through `AddBlock`/`AddBlocks` asks (the endpoint logs) instead of a
+    /// `BlockReceiver` (the receiver logs).
+    #[arg(long)]
+    pub asks: bool,
     /// Asks each receiver keeps outstanding.
     #[arg(long, default_value_t = 4096)]
     pub in_flight: usize,
@@ -89,6 +96,7 @@ pub fn quick() -> BlocksArgs {
         blocks: 500_000,
         in_flight: 4096,
         batch: 64,
+        asks: false,
         recover_events: 1_000_000,
         max_delay_us: 200,
         max_group_bytes: 1 << 20,
@@ -159,11 +167,25 @@ fn run_add(
         let (endpoint, barrier, streams) = (endpoint.clone(), barrier.clone(), streams.clone());
         // The same number of blocks in flight whatever the batch size.
         let in_flight = (args.in_flight / batch).max(1);
+        let asks = args.asks;
         threads.push(std::thread::spawn(move || -> anyhow::Result<Histogram<u64>> {
             let mut histogram = Histogram::<u64>::new(3)?;
-            let mut outstanding = VecDeque::with_capacity(in_flight);
             let base = receiver as u64 * per_receiver;
             let make = |seq: u64| block(streams[(seq % streams.len() as u64) as usize], base + seq);
+            if !asks {
+                let handle = BlockReceiver::connect(&endpoint)?;
+                barrier.wait();
+                add_through_receiver(
+                    &handle,
+                    per_receiver,
+                    batch,
+                    in_flight,
+                    make,
+                    &mut histogram,
+                )?;
+                return Ok(histogram);
+            }
+            let mut outstanding = VecDeque::with_capacity(in_flight);
             barrier.wait();
             let mut seq = 0;
             while seq < per_receiver {
@@ -206,6 +228,7 @@ fn run_add(
         .with("streams", streams.len())
         .with("in_flight", args.in_flight)
         .with("blocks_per_ask", batch)
+        .with("add_path", if args.asks { "AddBlock asks" } else { "BlockReceiver" })
         .with("durable", "synced (group commit)")
         .with("syncs", stats.syncs)
         .with("additions_per_sync", additions as f64 / stats.syncs.max(1) as f64)
@@ -216,6 +239,52 @@ fn run_add(
         .with("ratio_vs_spark", rate / spark)
         .with_endpoint_stats("endpoint_stats", &endpoint_stats)
         .with_wal_stats("wal_stats", &stats))
+}
+
+/// Adds `count` blocks through a receiver handle, `batch` per record, `in_flight` records
+/// outstanding; records each addition's latency (add to durable).
+fn add_through_receiver(
+    receiver: &BlockReceiver,
+    count: u64,
+    batch: usize,
+    in_flight: usize,
+    make: impl Fn(u64) -> ReceivedBlockInfo,
+    histogram: &mut Histogram<u64>,
+) -> anyhow::Result<()> {
+    let mut outstanding = VecDeque::with_capacity(in_flight);
+    let mut seq = 0;
+    while seq < count {
+        if outstanding.len() == in_flight {
+            finish_oldest(&mut outstanding, histogram)?;
+        }
+        let end = (seq + batch as u64).min(count);
+        let sent = Instant::now();
+        let receipt = if batch == 1 {
+            receiver.add_block(make(seq))
+        } else {
+            receiver.add_blocks((seq..end).map(&make).collect())
+        };
+        outstanding.push_back((sent, receipt));
+        seq = end;
+    }
+    while !outstanding.is_empty() {
+        finish_oldest(&mut outstanding, histogram)?;
+    }
+    Ok(())
+}
+
+/// Waits for the oldest receipt; records its latency once per block it carried.
+fn finish_oldest(
+    outstanding: &mut VecDeque<(Instant, AddReceipt<'_>)>,
+    histogram: &mut Histogram<u64>,
+) -> anyhow::Result<()> {
+    let (sent, receipt) = outstanding.pop_front().expect("not empty");
+    let blocks = receipt.block_count() as u64;
+    if !receipt.wait() {
+        bail!("an addition was not logged");
+    }
+    histogram.record_n(sent.elapsed().as_nanos() as u64, blocks)?;
+    Ok(())
 }
 
 /// An ask in flight.
