@@ -6,7 +6,8 @@
 //!   tracker (`add_block_deferred`), made durable once at the end: the cost without the bus.
 //! * `blocks/recover_100k`: constructing a tracker with recovery over 100 000 logged
 //!   additions (the WAL scan plus the replay).
-//! * `blocks/event_codec`: serializing and decoding (validated) one addition event.
+//! * `blocks/event_codec`: serializing and decoding (validated) one addition event in the
+//!   journal's compact layout.
 //!
 //! Smoke-run with `cargo bench --bench block_tracker -- --quick` (or `--test`).
 
@@ -133,7 +134,7 @@ fn codec(c: &mut Criterion) {
     group.throughput(Throughput::Elements(1));
     group.bench_function("event_codec", |b| {
         b.iter(|| {
-            let bytes = coordbus::record::to_bytes(std::hint::black_box(&event)).unwrap();
+            let bytes = std::hint::black_box(&event).encode().unwrap();
             TrackerEvent::decode(&bytes).unwrap()
         });
     });
