@@ -52,16 +52,13 @@ mod data;
 mod endpoint;
 mod journal;
 mod log;
+mod queue;
 mod receiver;
 mod types;
 
-use std::{
-    collections::{BTreeMap, HashMap, VecDeque},
-    path::PathBuf,
-    sync::Arc,
-    time::Duration,
-};
+use std::{collections::BTreeMap, path::PathBuf, sync::Arc, time::Duration};
 
+use self::queue::{Bounds, ChunkBlocks, StreamQueue};
 pub use self::{
     data::ReceiverBlockStore,
     endpoint::{
@@ -245,11 +242,8 @@ pub struct ReceivedBlockTracker {
     /// `None`: WAL disabled.
     log: Option<Arc<dyn BlockLog>>,
     write_timeout: Duration,
-    /// Per stream, the unallocated blocks with their place in the log ([`QueueKey`]), in
-    /// arrival order: hand-overs of concurrent receivers arrive as interleaved runs, each in
-    /// log order, and the queue is sorted by key (a stable merge of those runs) whenever its
-    /// order is observed, so every observer sees log order.
-    unallocated: BTreeMap<StreamId, VecDeque<Queued>>,
+    /// Per stream, the unallocated blocks, observed in log order (`queue` module).
+    unallocated: BTreeMap<StreamId, StreamQueue>,
     allocated: BTreeMap<BatchTime, AllocatedBlocks>,
     last_allocated: Option<BatchTime>,
     recovered_events: u64,
@@ -430,7 +424,7 @@ impl ReceivedBlockTracker {
             let TrackerEvent::BlockAddition(BlockAdditionEvent { info }) = event else {
                 unreachable!("built above")
             };
-            self.enqueue(QueueKey::new(lsn, 0), info);
+            self.enqueue(lsn, info);
         }
         logged
     }
@@ -453,7 +447,7 @@ impl ReceivedBlockTracker {
                 unreachable!("built above")
             };
             let lsn = if let Logged::Pending(lsn) = outcome { lsn } else { Lsn::ZERO };
-            self.enqueue(QueueKey::new(lsn, 0), info);
+            self.enqueue(lsn, info);
         }
         outcome
     }
@@ -473,48 +467,55 @@ impl ReceivedBlockTracker {
         lsn: Lsn,
         blocks: impl IntoIterator<Item = ReceivedBlockInfo>,
     ) {
-        for (index, info) in blocks.into_iter().enumerate() {
-            // A record cannot hold 2^32 blocks (its payload is limited to 4 GiB).
-            self.enqueue(QueueKey::new(lsn, index as u32), info);
+        // A vector passes through `collect` without a copy.
+        let blocks: Vec<ReceivedBlockInfo> = blocks.into_iter().collect();
+        let Some(first) = blocks.first().map(ReceivedBlockInfo::stream_id) else {
+            return;
+        };
+        if blocks.iter().all(|info| info.stream_id() == first) {
+            // One stream (a receiver belongs to one): the vector becomes the chunk as it is.
+            self.unallocated.entry(first).or_default().push(lsn, ChunkBlocks::from_vec(blocks));
+            return;
+        }
+        let mut by_stream: BTreeMap<StreamId, ChunkBlocks> = BTreeMap::new();
+        for info in blocks {
+            by_stream.entry(info.stream_id()).or_default().push(info);
+        }
+        for (stream, blocks) in by_stream {
+            self.unallocated.entry(stream).or_default().push(lsn, blocks);
         }
     }
 
-    /// Appends `info` to its stream's queue (sorted by key when observed: field doc).
-    fn enqueue(&mut self, key: QueueKey, info: ReceivedBlockInfo) {
-        self.unallocated.entry(info.stream_id()).or_default().push_back(Queued { key, info });
+    /// Queues one block added as record `lsn`.
+    fn enqueue(&mut self, lsn: Lsn, info: ReceivedBlockInfo) {
+        let stream = info.stream_id();
+        self.unallocated.entry(stream).or_default().push(lsn, smallvec::smallvec![info]);
     }
 
-    /// Takes every configured stream's queue into an allocation event for `time`; the keys
-    /// are kept aside in case the allocation is not written.
-    fn take_allocation(&mut self, time: BatchTime) -> (TrackerEvent, Vec<Vec<QueueKey>>) {
-        let mut keys = Vec::with_capacity(self.stream_ids.len());
+    /// Takes every configured stream's queue into an allocation event for `time`; the chunk
+    /// bounds are kept aside in case the allocation is not written.
+    fn take_allocation(&mut self, time: BatchTime) -> (TrackerEvent, Vec<Bounds>) {
+        let mut bounds = Vec::with_capacity(self.stream_ids.len());
         let blocks = AllocatedBlocks::new(self.stream_ids.iter().map(|stream| {
-            let mut queue =
-                self.unallocated.get_mut(stream).map(std::mem::take).unwrap_or_default();
-            // Stable and linear on the usual input (a few sorted runs).
-            queue.make_contiguous().sort_by_key(|queued| queued.key);
-            let (stream_keys, infos): (Vec<QueueKey>, Vec<ReceivedBlockInfo>) =
-                queue.into_iter().map(|queued| (queued.key, queued.info)).unzip();
-            keys.push(stream_keys);
+            let (infos, stream_bounds) =
+                self.unallocated.get_mut(stream).map(StreamQueue::take).unwrap_or_default();
+            bounds.push(stream_bounds);
             (*stream, infos)
         }));
-        (TrackerEvent::BatchAllocation(BatchAllocationEvent { time, blocks }), keys)
+        (TrackerEvent::BatchAllocation(BatchAllocationEvent { time, blocks }), bounds)
     }
 
     /// Puts the blocks of an allocation that was not written back into their queues (they
     /// were the whole queues when taken).
-    fn restore_allocation(&mut self, event: TrackerEvent, keys: Vec<Vec<QueueKey>>) {
+    fn restore_allocation(&mut self, event: TrackerEvent, bounds: Vec<Bounds>) {
         let TrackerEvent::BatchAllocation(BatchAllocationEvent { blocks, .. }) = event else {
             unreachable!("only allocations are restored")
         };
         // `AllocatedBlocks` lists every configured stream once, sorted, as `stream_ids` is.
-        for (StreamBlocks { stream_id, blocks }, keys) in
-            blocks.into_streams().into_iter().zip(keys)
+        for (StreamBlocks { stream_id, blocks }, bounds) in
+            blocks.into_streams().into_iter().zip(bounds)
         {
-            let queue = self.unallocated.entry(stream_id).or_default();
-            let newer = std::mem::take(queue);
-            queue.extend(keys.into_iter().zip(blocks).map(|(key, info)| Queued { key, info }));
-            queue.extend(newer);
+            self.unallocated.entry(stream_id).or_default().restore(blocks, bounds);
         }
     }
 
@@ -551,11 +552,11 @@ impl ReceivedBlockTracker {
         if self.is_stale_batch(time) {
             return Ok(());
         }
-        let (event, keys) = self.take_allocation(time);
+        let (event, bounds) = self.take_allocation(time);
         let logged = match self.write_to_log(&event) {
             Ok(logged) => logged,
             Err(error) => {
-                self.restore_allocation(event, keys);
+                self.restore_allocation(event, bounds);
                 return Err(error);
             }
         };
@@ -563,7 +564,7 @@ impl ReceivedBlockTracker {
             self.apply_allocation(event);
         } else {
             tracing::info!(batch = time.0, "possibly processed batch {time} was not allocated");
-            self.restore_allocation(event, keys);
+            self.restore_allocation(event, bounds);
         }
         Ok(())
     }
@@ -579,18 +580,18 @@ impl ReceivedBlockTracker {
         if self.is_stale_batch(time) {
             return Ok(Logged::Skipped);
         }
-        let (event, keys) = self.take_allocation(time);
+        let (event, bounds) = self.take_allocation(time);
         let outcome = match self.append(&event) {
             Ok(Append::Disabled) => Logged::Done,
             Ok(Append::Appended(lsn)) => Logged::Pending(lsn),
             Ok(Append::Failed) => Logged::Failed,
             Err(error) => {
-                self.restore_allocation(event, keys);
+                self.restore_allocation(event, bounds);
                 return Err(error);
             }
         };
         if outcome == Logged::Failed {
-            self.restore_allocation(event, keys);
+            self.restore_allocation(event, bounds);
         } else {
             self.apply_allocation(event);
         }
@@ -706,14 +707,7 @@ impl ReceivedBlockTracker {
 
     /// The unallocated blocks of `stream`, oldest first.
     pub fn unallocated_blocks(&self, stream: StreamId) -> Vec<ReceivedBlockInfo> {
-        self.unallocated
-            .get(&stream)
-            .map(|queue| {
-                let mut queued: Vec<&Queued> = queue.iter().collect();
-                queued.sort_by_key(|queued| queued.key);
-                queued.into_iter().map(|queued| queued.info.clone()).collect()
-            })
-            .unwrap_or_default()
+        self.unallocated.get(&stream).map(StreamQueue::to_vec).unwrap_or_default()
     }
 
     /// The allocated batch times, oldest first.
@@ -777,24 +771,24 @@ impl ReceivedBlockTracker {
                 if lsn <= invalid_through {
                     info.set_block_id_valid(false);
                 }
-                self.enqueue(QueueKey::new(lsn, 0), info);
+                self.enqueue(lsn, info);
             }
-            TrackerEvent::BlockAdditions(BlockAdditionsEvent { infos }) => {
+            TrackerEvent::BlockAdditions(BlockAdditionsEvent { mut infos }) => {
                 through = lsn;
                 events += infos.len() as u64;
-                for (index, mut info) in infos.into_iter().enumerate() {
-                    if lsn <= invalid_through {
+                if lsn <= invalid_through {
+                    for info in &mut infos {
                         info.set_block_id_valid(false);
                     }
-                    self.enqueue(QueueKey::new(lsn, index as u32), info);
                 }
+                self.apply_logged_additions(lsn, infos);
             }
             TrackerEvent::BatchAllocation(BatchAllocationEvent { time, blocks }) => {
                 through = lsn;
                 events += 1;
                 for entry in blocks.streams() {
                     if let Some(queue) = self.unallocated.get_mut(&entry.stream_id) {
-                        remove_listed(queue, &entry.blocks);
+                        queue.remove_listed(&entry.blocks);
                     }
                 }
                 self.allocated.insert(time, blocks);
@@ -811,58 +805,6 @@ impl ReceivedBlockTracker {
     }
 }
 
-/// A queued block's place in the log: the LSN of its addition record and its index in that
-/// record. Queues are sorted by it, which is the order a replay of the log queues them in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-struct QueueKey {
-    lsn: Lsn,
-    index: u32,
-}
-
-impl QueueKey {
-    fn new(lsn: Lsn, index: u32) -> Self {
-        Self { lsn, index }
-    }
-}
-
-/// An unallocated block and its place in the log.
-#[derive(Debug, Clone)]
-struct Queued {
-    key: QueueKey,
-    info: ReceivedBlockInfo,
-}
-
-impl PartialEq<ReceivedBlockInfo> for Queued {
-    fn eq(&self, other: &ReceivedBlockInfo) -> bool {
-        self.info == *other
-    }
-}
-
-/// Removes from `queue` exactly the blocks in `listed` (by equality, each listed block once).
-/// An allocation normally lists a prefix of the queue, which is removed in one step.
-fn remove_listed(queue: &mut VecDeque<Queued>, listed: &[ReceivedBlockInfo]) {
-    if listed.is_empty() {
-        return;
-    }
-    if listed.len() <= queue.len()
-        && queue.iter().zip(listed).all(|(queued, block)| queued == block)
-    {
-        queue.drain(..listed.len());
-        return;
-    }
-    let mut counts: HashMap<&ReceivedBlockInfo, usize> = HashMap::with_capacity(listed.len());
-    for block in listed {
-        *counts.entry(block).or_default() += 1;
-    }
-    queue.retain(|queued| match counts.get_mut(&queued.info) {
-        Some(count) if *count > 0 => {
-            *count -= 1;
-            false
-        }
-        _ => true,
-    });
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -876,22 +818,6 @@ mod tests {
             BlockStoreResult::BlockManager { block_id },
         )
         .unwrap()
-    }
-
-    #[test]
-    fn remove_listed_handles_prefix_and_scattered_and_duplicates() {
-        let queued = |id: u64| Queued { key: QueueKey::new(Lsn(id), 0), info: info(1, id) };
-        let ids = |queue: &VecDeque<Queued>| {
-            queue.iter().map(|b| b.info.block_id().unique_id).collect::<Vec<_>>()
-        };
-        let mut queue: VecDeque<_> = (0..6).map(queued).collect();
-        remove_listed(&mut queue, &[info(1, 0), info(1, 1)]);
-        assert_eq!(ids(&queue), [2, 3, 4, 5]);
-        remove_listed(&mut queue, &[info(1, 5), info(1, 3), info(1, 9)]);
-        assert_eq!(ids(&queue), [2, 4]);
-        let mut queue: VecDeque<_> = [queued(1), queued(1), queued(2)].into();
-        remove_listed(&mut queue, &[info(1, 2), info(1, 1)]);
-        assert_eq!(ids(&queue), [1]);
     }
 
     #[test]

@@ -22,17 +22,21 @@
 
 use std::{
     collections::VecDeque,
-    sync::{Arc, Barrier},
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, Barrier,
+    },
     time::{Duration, Instant},
 };
 
 use anyhow::{bail, Context as _};
 use coordbus::{
-    clock::SystemClock,
+    clock::{Clock, SystemClock},
     coordinators::block_tracker::{
-        AddBlock, AddBlocks, AddReceipt, BatchTime, BlockReceiver, BlockStoreResult,
-        BlockTrackerConfig, BlockTrackerEndpoint, Logged, ReceivedBlockInfo, ReceivedBlockTracker,
-        StopTracker, StreamBlockId, StreamId, RECEIVED_BLOCK_METADATA_DIR,
+        AddBlock, AddBlocks, AddReceipt, AllocateBlocksToBatch, BatchTime, BlockReceiver,
+        BlockStoreResult, BlockTrackerConfig, BlockTrackerEndpoint, CleanupOldBatches, Logged,
+        ReceivedBlockInfo, ReceivedBlockTracker, StopTracker, StreamBlockId, StreamId,
+        RECEIVED_BLOCK_METADATA_DIR,
     },
     wal::{Durability, Wal, WalConfig, WalOptions},
     Bus,
@@ -70,6 +74,9 @@ pub struct BlocksArgs {
     /// `BlockReceiver` (the receiver logs).
     #[arg(long)]
     pub asks: bool,
+    /// Of the `blocks/add` runs, only the one with `--receivers` and `--batch` (profiling).
+    #[arg(long)]
+    pub batch_only: bool,
     /// Blocks (single-block additions) each receiver keeps outstanding.
     #[arg(long, default_value_t = 4096)]
     pub in_flight: usize,
@@ -78,6 +85,10 @@ pub struct BlocksArgs {
     /// the window bounds the rate at window / latency per receiver, Little's law).
     #[arg(long, default_value_t = 16_384)]
     pub batch_in_flight: usize,
+    /// Batch interval of the driver loop that allocates and cleans up batches while the
+    /// receivers add (0: no loop, the blocks pile up unallocated).
+    #[arg(long, default_value_t = 20)]
+    pub batch_interval_ms: u64,
     /// Logged additions for `blocks/recover` and `blocks/allocate`.
     #[arg(long, default_value_t = 1_000_000)]
     pub recover_events: u64,
@@ -105,6 +116,8 @@ pub fn quick() -> BlocksArgs {
         batch_in_flight: 16_384,
         batch: 64,
         asks: false,
+        batch_only: false,
+        batch_interval_ms: 20,
         recover_events: 1_000_000,
         max_delay_us: 200,
         max_group_bytes: 1 << 20,
@@ -144,7 +157,11 @@ pub fn run(args: &BlocksArgs) -> anyhow::Result<Vec<Figure>> {
     let mut figures = Vec::new();
     let mut receiver_counts = vec![1, args.receivers];
     receiver_counts.dedup();
-    let mut runs: Vec<(usize, usize)> = receiver_counts.into_iter().map(|r| (r, 1)).collect();
+    let mut runs: Vec<(usize, usize)> = if args.batch_only && args.batch > 1 {
+        Vec::new()
+    } else {
+        receiver_counts.into_iter().map(|r| (r, 1)).collect()
+    };
     if args.batch > 1 {
         runs.push((args.receivers, args.batch));
     }
@@ -216,6 +233,12 @@ fn run_add(
             Ok(histogram)
         }));
     }
+    let done = Arc::new(AtomicBool::new(false));
+    let driver = (args.batch_interval_ms > 0).then(|| {
+        let (endpoint, done) = (endpoint.clone(), Arc::clone(&done));
+        let interval = Duration::from_millis(args.batch_interval_ms);
+        std::thread::spawn(move || batch_loop(&endpoint, &done, interval))
+    });
     barrier.wait();
     let started = Instant::now();
     let mut histogram = Histogram::<u64>::new(3)?;
@@ -224,6 +247,11 @@ fn run_add(
         histogram.add(partial)?;
     }
     let seconds = started.elapsed().as_secs_f64();
+    done.store(true, Ordering::Release);
+    let batches = match driver {
+        Some(driver) => driver.join().map_err(|_| anyhow::anyhow!("batch loop panicked"))??,
+        None => 0,
+    };
     let stats = wal.stats();
     let endpoint_stats = endpoint.stats();
     endpoint.ask(StopTracker).wait()?;
@@ -237,6 +265,8 @@ fn run_add(
         .with("streams", streams.len())
         .with("in_flight", if batch == 1 { args.in_flight } else { args.batch_in_flight })
         .with("blocks_per_ask", batch)
+        .with("batch_interval_ms", args.batch_interval_ms)
+        .with("batches_allocated", batches)
         .with("add_path", if args.asks { "AddBlock asks" } else { "BlockReceiver" })
         .with("durable", "synced (group commit)")
         .with("syncs", stats.syncs)
@@ -249,6 +279,29 @@ fn run_add(
         .with("ratio_vs_spark", rate / spark)
         .with_endpoint_stats("endpoint_stats", &endpoint_stats)
         .with_wal_stats("wal_stats", &stats))
+}
+
+/// The driver's batch loop while receivers add: every `interval` allocates the unallocated
+/// blocks to a batch, then forgets the batches before it (processed at once), as Spark's job
+/// generator does; so the tracker's memory stays bounded and is reused. Returns the batches.
+fn batch_loop(
+    endpoint: &coordbus::EndpointRef<BlockTrackerEndpoint>,
+    done: &AtomicBool,
+    interval: Duration,
+) -> anyhow::Result<u64> {
+    let clock = SystemClock;
+    let mut last = 0;
+    let mut batches = 0;
+    while !done.load(Ordering::Acquire) {
+        std::thread::sleep(interval);
+        let time = clock.now_ms().max(last + 1);
+        endpoint.ask(AllocateBlocksToBatch(BatchTime(time))).wait()?;
+        batches += 1;
+        last = time;
+        let threshold = time.min(clock.now_ms() - 1);
+        endpoint.ask(CleanupOldBatches { threshold: BatchTime(threshold), wait: false }).wait()?;
+    }
+    Ok(batches)
 }
 
 /// Adds `count` blocks through a receiver handle, `batch` per record, `in_flight` records
