@@ -78,8 +78,12 @@ impl StreamQueue {
         blocks
     }
 
-    /// Empties the queue into one vector in log order, plus the chunk bounds for `restore`.
-    pub(super) fn take(&mut self) -> (Vec<ReceivedBlockInfo>, Bounds) {
+    /// Empties the queue into one vector in log order (`spare`'s memory if given), plus the
+    /// chunk bounds for `restore`.
+    pub(super) fn take(
+        &mut self,
+        spare: Option<Vec<ReceivedBlockInfo>>,
+    ) -> (Vec<ReceivedBlockInfo>, Bounds) {
         self.sort();
         let mut chunks = std::mem::take(&mut self.chunks);
         let len = std::mem::replace(&mut self.len, 0);
@@ -90,7 +94,10 @@ impl StreamQueue {
             let chunk = chunks.pop_front().expect("one chunk");
             return (chunk.blocks.into_vec(), bounds);
         }
-        let mut blocks = Vec::with_capacity(len);
+        let mut blocks = spare.unwrap_or_default();
+        debug_assert!(blocks.is_empty(), "spares are emptied");
+        blocks.clear();
+        blocks.reserve_exact(len);
         for chunk in chunks {
             blocks.extend(chunk.blocks);
         }
@@ -185,7 +192,7 @@ mod tests {
     fn observers_see_log_order_whatever_the_arrival_order() {
         let mut queue = queue(&[(5, &[50, 51]), (3, &[30]), (7, &[70]), (4, &[40, 41])]);
         assert_eq!(ids(&queue.to_vec()), [30, 40, 41, 50, 51, 70]);
-        let (taken, bounds) = queue.take();
+        let (taken, bounds) = queue.take(Some(Vec::with_capacity(2)));
         assert_eq!(ids(&taken), [30, 40, 41, 50, 51, 70]);
         assert!(queue.is_empty());
         queue.push(Lsn(9), [info(90)].into_iter().collect());

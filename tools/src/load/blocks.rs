@@ -197,7 +197,12 @@ fn run_add(
         threads.push(std::thread::spawn(move || -> anyhow::Result<Histogram<u64>> {
             let mut histogram = Histogram::<u64>::new(3)?;
             let base = receiver as u64 * per_receiver;
-            let make = |seq: u64| block(streams[(seq % streams.len() as u64) as usize], base + seq);
+            // Single additions rotate over the streams block by block; a batch holds blocks of
+            // one stream (a receiver serves one stream, as in Spark) and batches rotate.
+            let make = |seq: u64| {
+                let turn = if batch == 1 { seq } else { seq / batch as u64 };
+                block(streams[(turn % streams.len() as u64) as usize], base + seq)
+            };
             if !asks {
                 let handle = BlockReceiver::connect(&endpoint)?;
                 barrier.wait();
