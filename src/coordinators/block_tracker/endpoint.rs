@@ -1,5 +1,5 @@
-//! The tracker hosted on the bus: receivers ask `AddBlock`, the batch side asks for
-//! allocations, blocks of batches and cleanups (SPEC 0.5).
+//! The tracker hosted on the bus: receivers ask `AddBlock` or log through a `BlockReceiver`,
+//! the batch side asks for allocations, blocks of batches and cleanups (SPEC 0.5).
 //!
 //! ## Durable acknowledgements without blocking
 //! A handler appends the event to the WAL (which returns at once), applies it to the tracker
@@ -21,20 +21,34 @@
 //!   handled, but only once every event applied before them is durable: no answer ever
 //!   exposes a change that a crash could still undo.
 //!
+//! ## Two ways to add blocks
+//! * `AddBlock`/`AddBlocks` asks: the endpoint thread serializes and appends each addition
+//!   itself (one record per block) and answers once it is durable.
+//! * A [`BlockReceiver`] (asked for with [`ConnectReceiver`]): the receiver's own thread
+//!   appends the record and sends the logged blocks as a one-way
+//!   [`BlockTrackerMessage::Logged`]; the endpoint only applies them (no I/O) and remembers the
+//!   largest such LSN (`applied_lsn`). The receiver learns durability from the WAL directly
+//!   (the `receiver` module doc has the ordering argument). This is what scales: the endpoint
+//!   thread no longer serializes or appends additions, and a receiver may log many blocks in
+//!   one record.
+//!
 //! ## Choice: apply at append time, acknowledge at durability
-//! The state is changed when the event is appended, in append (LSN) order, because the
-//! endpoint is the only writer of the journal: the in-memory state is always the replay of the
-//! journal up to the last appended LSN, so after a crash recovery rebuilds exactly what any
-//! acknowledged answer described. (Spark's D.3 order "log, then enqueue" matters there because
-//! its writers race outside the lock; here there is no race.) An allocation may therefore take
-//! a block whose addition is not yet durable: its own record has a later LSN, so it is durable
-//! only if the addition is, and it is acknowledged only then. Per sender, requests keep their
-//! order: a receiver's additions are acknowledged in the order it sent them, and a query sees
-//! every earlier request of the same sender.
+//! The state is changed when the event is appended (or, for a receiver's record, when its
+//! hand-over arrives), and the queues are observed in log order, so the in-memory state is
+//! always the replay of the journal up to the records applied: after a crash recovery
+//! rebuilds exactly what any acknowledged answer described. An allocation may take a block
+//! whose addition is not yet durable: its own record has a later LSN, so it is durable only
+//! if the addition is, and it is acknowledged only then. Queries wait for every record the
+//! state reflects (`applied_lsn` and the waiting requests). Per sender, requests keep their
+//! order: a receiver's additions are acknowledged in the order it sent them, and a query
+//! sees every earlier request and hand-over of the same sender.
 //!
 //! If the WAL fails, every waiting request fails (`AddBlock` answers `false`, allocations and
 //! cleanups answer normally as SPEC D.5 wants, queries fail) and the state is rebuilt from the
-//! journal's durable prefix. A failed write may still be durable (module doc of the tracker).
+//! journal's durable prefix; receivers' hand-overs are dropped from then on (the rebuilt
+//! state holds every durable record, and no later one can become durable). A durability
+//! callback watches `applied_lsn` too, so a failure is noticed even when no request waits. A
+//! failed write may still be durable (module doc of the tracker).
 
 use std::{
     collections::VecDeque,

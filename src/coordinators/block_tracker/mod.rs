@@ -3,11 +3,17 @@
 //!
 //! ## Parts
 //! * `types`: identifiers, [`ReceivedBlockInfo`], [`AllocatedBlocks`] and the journal events
-//!   ([`TrackerEvent`]), all rkyv records that round-trip exactly.
+//!   ([`TrackerEvent`]).
+//! * `journal`: the events' compact record layout (64 bytes framed for one block, about 4
+//!   bytes per block in a multi-block record), validated on decode.
 //! * `log`: [`BlockLog`], the journal as a trait, and [`WalBlockLog`] over coordbus's WAL.
+//! * `queue`: one stream's unallocated blocks, as chunks of records, observed in log order.
 //! * this module: [`ReceivedBlockTracker`], the plain state machine (no threads).
 //! * `endpoint`: [`BlockTrackerEndpoint`], the tracker hosted on the bus, acknowledging each
 //!   request once its journal record is durable.
+//! * `receiver`: [`BlockReceiver`], receiver-side logging: a receiver appends its addition
+//!   records itself (outside the tracker, as SPEC D.3 allows) and hands the logged blocks to
+//!   the endpoint, pipelined and batched.
 //! * `data`: [`ReceiverBlockStore`], a receiver-side log for the blocks' bytes.
 //!
 //! ## The state machine
@@ -22,10 +28,14 @@
 //! event is durable (at most [`BlockTrackerConfig::write_timeout`], Spark's batching timeout)
 //! before changing the state. The `*_deferred` methods are for hosts that acknowledge
 //! asynchronously (the bus endpoint): they append the event, apply it at once, and return the
-//! LSN the caller must see durable before it tells anyone about the change. Because the host
-//! applies events in the order they were appended, the in-memory state always equals the replay
-//! of the log up to the last appended LSN; if the log fails before that LSN is durable, the
-//! host calls [`ReceivedBlockTracker::rebuild_from_log`] to fall back to the durable prefix.
+//! LSN the caller must see durable before it tells anyone about the change.
+//! [`ReceivedBlockTracker::apply_logged_additions`] queues blocks whose record a receiver
+//! appended itself. Queues are observed in log order (by the records' LSNs, not by arrival),
+//! and recovery removes exactly the blocks an allocation lists, so the in-memory state always
+//! equals the replay of the log up to the records applied, also when a receiver's addition
+//! was appended before an allocation but applied after it (it stays unallocated in both); if
+//! the log fails before those are durable, the host calls
+//! [`ReceivedBlockTracker::rebuild_from_log`] to fall back to the durable prefix.
 //!
 //! ## A write reported as failed may still be durable
 //! SPEC 0.5 and D.5: when a write "fails" because durability was not confirmed in time (the
