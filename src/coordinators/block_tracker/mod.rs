@@ -519,7 +519,7 @@ impl ReceivedBlockTracker {
         let mut bounds = Vec::with_capacity(self.stream_ids.len());
         let blocks = AllocatedBlocks::new(self.stream_ids.iter().map(|stream| {
             let (infos, stream_bounds) = match self.unallocated.get_mut(stream) {
-                Some(queue) if !queue.is_empty() => queue.take(self.spare.pop()),
+                Some(queue) if !queue.is_empty() => queue.take(take_spare(&mut self.spare)),
                 _ => Default::default(),
             };
             bounds.push(stream_bounds);
@@ -833,6 +833,12 @@ impl ReceivedBlockTracker {
         log.replay(last, &mut apply)?;
         Ok((events, through))
     }
+}
+
+/// The largest spare block vector, if any.
+fn take_spare(spare: &mut Vec<Vec<ReceivedBlockInfo>>) -> Option<Vec<ReceivedBlockInfo>> {
+    let largest = (0..spare.len()).max_by_key(|index| spare[*index].capacity())?;
+    Some(spare.swap_remove(largest))
 }
 
 #[cfg(test)]

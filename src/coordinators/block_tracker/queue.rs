@@ -85,20 +85,20 @@ impl StreamQueue {
         spare: Option<Vec<ReceivedBlockInfo>>,
     ) -> (Vec<ReceivedBlockInfo>, Bounds) {
         self.sort();
-        let mut chunks = std::mem::take(&mut self.chunks);
         let len = std::mem::replace(&mut self.len, 0);
         self.sorted = true;
-        let bounds = chunks.iter().map(|chunk| (chunk.lsn, chunk.blocks.len())).collect();
+        let bounds = self.chunks.iter().map(|chunk| (chunk.lsn, chunk.blocks.len())).collect();
         // One spilled chunk (one receiver's record): its vector is the allocation's, no copy.
-        if chunks.len() == 1 && chunks[0].blocks.spilled() {
-            let chunk = chunks.pop_front().expect("one chunk");
+        if self.chunks.len() == 1 && self.chunks[0].blocks.spilled() {
+            let chunk = self.chunks.pop_front().expect("one chunk");
             return (chunk.blocks.into_vec(), bounds);
         }
         let mut blocks = spare.unwrap_or_default();
         debug_assert!(blocks.is_empty(), "spares are emptied");
         blocks.clear();
         blocks.reserve_exact(len);
-        for chunk in chunks {
+        // Drained, not taken: the chunk list keeps its memory for the next batch.
+        for chunk in self.chunks.drain(..) {
             blocks.extend(chunk.blocks);
         }
         (blocks, bounds)
