@@ -81,9 +81,10 @@ pub struct BlocksArgs {
     #[arg(long, default_value_t = 4096)]
     pub in_flight: usize,
     /// Blocks each receiver keeps outstanding in the `--batch` run (a receiver that batches
-    /// its blocks into records keeps more of them in flight; at a sync latency of about 2 ms
-    /// the window bounds the rate at window / latency per receiver, Little's law).
-    #[arg(long, default_value_t = 16_384)]
+    /// its blocks into records keeps more of them in flight). An addition waits for the sync
+    /// in progress and then its own (2 to 8 ms here), so the window bounds the rate at about
+    /// window / latency per receiver (Little's law).
+    #[arg(long, default_value_t = 32_768)]
     pub batch_in_flight: usize,
     /// Batch interval of the driver loop that allocates and cleans up batches while the
     /// receivers add (0: no loop, the blocks pile up unallocated).
@@ -113,7 +114,7 @@ pub fn quick() -> BlocksArgs {
         receivers: 2,
         blocks: 500_000,
         in_flight: 4096,
-        batch_in_flight: 16_384,
+        batch_in_flight: 32_768,
         batch: 64,
         asks: false,
         batch_only: false,
