@@ -166,7 +166,7 @@ impl BlockReceiver {
 
     /// Logs the additions of `infos` in one record (one LSN, one frame: what makes many
     /// additions per second cheap) and hands them to the endpoint in order. All or nothing:
-    /// the receipt resolves to one answer for every block.
+    /// the receipt resolves to one answer for every block (`true` at once for no block).
     pub fn add_blocks(&self, infos: Vec<ReceivedBlockInfo>) -> AddReceipt<'_> {
         self.log_and_hand_over(TrackerEvent::BlockAdditions(BlockAdditionsEvent { infos }))
     }
@@ -178,6 +178,10 @@ impl BlockReceiver {
 
     fn log_and_hand_over(&self, event: TrackerEvent) -> AddReceipt<'_> {
         let blocks = event.event_count() as usize;
+        if blocks == 0 {
+            // Nothing to log or hand over.
+            return AddReceipt { receiver: self, outcome: Outcome::Done(true), blocks };
+        }
         let failed = AddReceipt { receiver: self, outcome: Outcome::Done(false), blocks };
         let lsn = match &self.log {
             None => Lsn::ZERO,
