@@ -35,7 +35,12 @@
 //!
 //! `false` means not logged, with SPEC D.5's caveat: a record appended and then not confirmed
 //! (a timeout, a WAL failure after the write, an endpoint that stopped before the hand-over)
-//! may still be durable, and a later recovery shows the block.
+//! may still be durable, and a later recovery shows the block. One case shows it without a
+//! restart: a receipt whose wait times out (the sync took longer than the write timeout but
+//! did not fail) answers `false`, yet its blocks were handed over and stay queued; they are
+//! allocated like any other once durable, so a receiver that retries them adds them twice
+//! (the at-least-once behaviour consumers must tolerate anyway). A WAL failure, in contrast,
+//! rolls the endpoint back to the durable prefix.
 
 use std::time::Duration;
 
