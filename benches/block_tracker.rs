@@ -2,11 +2,14 @@
 //!
 //! * `blocks/add_durable`: `AddBlock` asks through the bus endpoint, 1 receiver thread with
 //!   256 asks in flight; an addition counts when its reply says it is durable (group commit).
+//! * `blocks/add_receiver`: the same through a `BlockReceiver` (the receiver thread logs, the
+//!   endpoint only applies), 256 additions in flight.
 //! * `blocks/add_state_machine`: the same additions appended straight through the plain
 //!   tracker (`add_block_deferred`), made durable once at the end: the cost without the bus.
 //! * `blocks/recover_100k`: constructing a tracker with recovery over 100 000 logged
 //!   additions (the WAL scan plus the replay).
-//! * `blocks/event_codec`: serializing and decoding (validated) one addition event.
+//! * `blocks/event_codec`: serializing and decoding (validated) one addition event in the
+//!   journal's compact layout.
 //!
 //! Smoke-run with `cargo bench --bench block_tracker -- --quick` (or `--test`).
 
@@ -22,9 +25,9 @@ use std::{
 use coordbus::{
     clock::SystemClock,
     coordinators::block_tracker::{
-        AddBlock, BlockAdditionEvent, BlockStoreResult, BlockTrackerConfig, BlockTrackerEndpoint,
-        Logged, ReceivedBlockInfo, ReceivedBlockTracker, StopTracker, StreamBlockId, StreamId,
-        TrackerEvent,
+        AddBlock, AddReceipt, BlockAdditionEvent, BlockReceiver, BlockStoreResult,
+        BlockTrackerConfig, BlockTrackerEndpoint, Logged, ReceivedBlockInfo, ReceivedBlockTracker,
+        StopTracker, StreamBlockId, StreamId, TrackerEvent,
     },
     Bus,
 };
@@ -65,6 +68,32 @@ fn add(c: &mut Criterion) {
             }
             for reply in outstanding {
                 assert!(reply.wait().unwrap());
+            }
+            let elapsed = started.elapsed();
+            endpoint.ask(StopTracker).wait().unwrap();
+            bus.shutdown().unwrap();
+            elapsed
+        });
+    });
+    group.bench_function("add_receiver", |b| {
+        b.iter_custom(|iters| {
+            let dir = tempfile::tempdir().unwrap();
+            let tracker =
+                ReceivedBlockTracker::open(config(dir.path()), Arc::new(SystemClock)).unwrap();
+            let bus = Bus::builder().build().unwrap();
+            let endpoint = bus.register("tracker", BlockTrackerEndpoint::new(tracker)).unwrap();
+            let receiver = BlockReceiver::connect(&endpoint).unwrap();
+            let mut outstanding = VecDeque::with_capacity(256);
+            let started = Instant::now();
+            for unique_id in 0..iters {
+                if outstanding.len() == 256 {
+                    let receipt: AddReceipt<'_> = outstanding.pop_front().unwrap();
+                    assert!(receipt.wait());
+                }
+                outstanding.push_back(receiver.add_block(block(unique_id)));
+            }
+            for receipt in outstanding {
+                assert!(receipt.wait());
             }
             let elapsed = started.elapsed();
             endpoint.ask(StopTracker).wait().unwrap();
@@ -133,7 +162,7 @@ fn codec(c: &mut Criterion) {
     group.throughput(Throughput::Elements(1));
     group.bench_function("event_codec", |b| {
         b.iter(|| {
-            let bytes = coordbus::record::to_bytes(std::hint::black_box(&event)).unwrap();
+            let bytes = std::hint::black_box(&event).encode().unwrap();
             TrackerEvent::decode(&bytes).unwrap()
         });
     });

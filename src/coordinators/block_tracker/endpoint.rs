@@ -1,5 +1,5 @@
-//! The tracker hosted on the bus: receivers ask `AddBlock`, the batch side asks for
-//! allocations, blocks of batches and cleanups (SPEC 0.5).
+//! The tracker hosted on the bus: receivers ask `AddBlock` or log through a `BlockReceiver`,
+//! the batch side asks for allocations, blocks of batches and cleanups (SPEC 0.5).
 //!
 //! ## Durable acknowledgements without blocking
 //! A handler appends the event to the WAL (which returns at once), applies it to the tracker
@@ -21,20 +21,34 @@
 //!   handled, but only once every event applied before them is durable: no answer ever
 //!   exposes a change that a crash could still undo.
 //!
+//! ## Two ways to add blocks
+//! * `AddBlock`/`AddBlocks` asks: the endpoint thread serializes and appends each addition
+//!   itself (one record per block) and answers once it is durable.
+//! * A [`BlockReceiver`] (asked for with [`ConnectReceiver`]): the receiver's own thread
+//!   appends the record and sends the logged blocks as a one-way
+//!   [`BlockTrackerMessage::Logged`]; the endpoint only applies them (no I/O) and remembers the
+//!   largest such LSN (`applied_lsn`). The receiver learns durability from the WAL directly
+//!   (the `receiver` module doc has the ordering argument). This is what scales: the endpoint
+//!   thread no longer serializes or appends additions, and a receiver may log many blocks in
+//!   one record.
+//!
 //! ## Choice: apply at append time, acknowledge at durability
-//! The state is changed when the event is appended, in append (LSN) order, because the
-//! endpoint is the only writer of the journal: the in-memory state is always the replay of the
-//! journal up to the last appended LSN, so after a crash recovery rebuilds exactly what any
-//! acknowledged answer described. (Spark's D.3 order "log, then enqueue" matters there because
-//! its writers race outside the lock; here there is no race.) An allocation may therefore take
-//! a block whose addition is not yet durable: its own record has a later LSN, so it is durable
-//! only if the addition is, and it is acknowledged only then. Per sender, requests keep their
-//! order: a receiver's additions are acknowledged in the order it sent them, and a query sees
-//! every earlier request of the same sender.
+//! The state is changed when the event is appended (or, for a receiver's record, when its
+//! hand-over arrives), and the queues are observed in log order, so the in-memory state is
+//! always the replay of the journal up to the records applied: after a crash recovery
+//! rebuilds exactly what any acknowledged answer described. An allocation may take a block
+//! whose addition is not yet durable: its own record has a later LSN, so it is durable only
+//! if the addition is, and it is acknowledged only then. Queries wait for every record the
+//! state reflects (`applied_lsn` and the waiting requests). Per sender, requests keep their
+//! order: a receiver's additions are acknowledged in the order it sent them, and a query
+//! sees every earlier request and hand-over of the same sender.
 //!
 //! If the WAL fails, every waiting request fails (`AddBlock` answers `false`, allocations and
 //! cleanups answer normally as SPEC D.5 wants, queries fail) and the state is rebuilt from the
-//! journal's durable prefix. A failed write may still be durable (module doc of the tracker).
+//! journal's durable prefix; receivers' hand-overs are dropped from then on (the rebuilt
+//! state holds every durable record, and no later one can become durable). A durability
+//! callback watches `applied_lsn` too, so a failure is noticed even when no request waits. A
+//! failed write may still be durable (module doc of the tracker).
 
 use std::{
     collections::VecDeque,
@@ -46,8 +60,9 @@ use std::{
 };
 
 use super::{
-    AllocatedBlocks, BatchTime, BlockTrackerError, Logged, ReceivedBlockInfo, ReceivedBlockTracker,
-    StreamId,
+    receiver::{LoggedBlocks, LoggedPayload},
+    AllocatedBlocks, BatchTime, BlockReceiver, BlockTrackerError, Logged, ReceivedBlockInfo,
+    ReceivedBlockTracker, StreamId,
 };
 use crate::{
     error::HandlerError,
@@ -59,12 +74,14 @@ use crate::{
 const STOP_DURABILITY_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// One-way messages of [`BlockTrackerEndpoint`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug)]
 #[non_exhaustive]
 pub enum BlockTrackerMessage {
     /// The WAL made more events durable: answer the requests waiting for them. Sent by the
     /// endpoint's own durability callback; sending it from elsewhere is harmless.
     Durable,
+    /// Blocks a [`BlockReceiver`] logged: queue them (no I/O on the endpoint's thread).
+    Logged(LoggedBlocks),
 }
 
 /// Requests of [`BlockTrackerEndpoint`]; build them with the request structs ([`AddBlock`],
@@ -90,6 +107,8 @@ pub enum BlockTrackerRequest {
     CleanupOldBatches(BatchTime, bool, Replier<()>),
     /// See [`StopTracker`].
     Stop(Replier<()>),
+    /// See [`ConnectReceiver`].
+    ConnectReceiver(Replier<BlockReceiver>),
 }
 
 /// Adds a block; answers `true` once its record is durable, `false` if it was not written.
@@ -140,6 +159,11 @@ pub struct CleanupOldBatches {
 #[derive(Debug, Clone, Copy)]
 pub struct StopTracker;
 
+/// A [`BlockReceiver`] for this endpoint: a handle that logs additions on the receiver's own
+/// thread (see [`BlockReceiver::connect`]).
+#[derive(Debug, Clone, Copy)]
+pub struct ConnectReceiver;
+
 macro_rules! ask_impl {
     ($request:ty, $reply:ty, |$value:ident, $replier:ident| $build:expr) => {
         impl Ask<BlockTrackerEndpoint> for $request {
@@ -169,6 +193,7 @@ ask_impl!(CleanupOldBatches, (), |r, p| BlockTrackerRequest::CleanupOldBatches(
     p
 ));
 ask_impl!(StopTracker, (), |_r, p| BlockTrackerRequest::Stop(p));
+ask_impl!(ConnectReceiver, BlockReceiver, |_r, p| BlockTrackerRequest::ConnectReceiver(p));
 
 /// A request waiting for its LSN to become durable.
 enum Pending {
@@ -264,6 +289,14 @@ pub struct BlockTrackerEndpoint {
     waker: Arc<Waker>,
     /// The tracker was stopped (the WAL closed).
     stopped: bool,
+    /// The largest LSN of the blocks receivers handed over and the endpoint applied: queries
+    /// wait for it to be durable, and a durability callback watches it so that a WAL failure
+    /// is noticed even when no request waits.
+    applied_lsn: Lsn,
+    /// The state was rebuilt from the log's durable prefix (after a WAL failure): it holds
+    /// every durable block already, and no later record can become durable, so receivers'
+    /// hand-overs are dropped from then on.
+    rebuilt: bool,
 }
 
 impl std::fmt::Debug for BlockTrackerEndpoint {
@@ -278,7 +311,14 @@ impl std::fmt::Debug for BlockTrackerEndpoint {
 impl BlockTrackerEndpoint {
     /// Hosts `tracker` (already recovered, if it was asked to).
     pub fn new(tracker: ReceivedBlockTracker) -> Self {
-        Self { tracker, pending: VecDeque::new(), waker: Arc::default(), stopped: false }
+        Self {
+            tracker,
+            pending: VecDeque::new(),
+            waker: Arc::default(),
+            stopped: false,
+            applied_lsn: Lsn::ZERO,
+            rebuilt: false,
+        }
     }
 
     /// The hosted tracker.
@@ -286,19 +326,23 @@ impl BlockTrackerEndpoint {
         &self.tracker
     }
 
+    /// The LSN everything applied so far waits for: the last waiting request's, or the last
+    /// handed-over block's if that is later.
+    fn awaited_lsn(&self) -> Lsn {
+        self.pending.back().map_or(self.applied_lsn, |pending| pending.lsn().max(self.applied_lsn))
+    }
+
     /// Answers every waiting request whose LSN is durable; on a WAL failure fails the rest
     /// and rebuilds the state; otherwise makes sure a callback is armed for the rest.
     fn complete_durable(&mut self) {
         loop {
-            let Some(front) = self.pending.front().map(Pending::lsn) else {
-                return;
-            };
             let Some(durable) = self.tracker.log().map(|log| log.durable_lsn()) else {
                 return;
             };
-            // Most calls find nothing new durable and no failure: two loads, no lock.
-            if front > durable
-                && self.waker.armed.load(Ordering::Acquire)
+            let awaited = self.awaited_lsn();
+            // Most calls find nothing new durable and no failure: a few loads, no lock.
+            if self.pending.front().is_none_or(|front| front.lsn() > durable)
+                && (awaited <= durable || self.waker.armed.load(Ordering::Acquire))
                 && !self.waker.failed.load(Ordering::Acquire)
             {
                 return;
@@ -307,14 +351,13 @@ impl BlockTrackerEndpoint {
                 let pending = self.pending.pop_front().expect("checked");
                 self.finish(pending, Ok(()));
             }
-            let Some(back) = self.pending.back().map(Pending::lsn) else {
-                return;
-            };
             if let Some(error) = self.waker.failure() {
-                self.fail_pending(error);
+                if awaited > durable || !self.pending.is_empty() {
+                    self.fail_pending(error);
+                }
                 return;
             }
-            if self.waker.armed.swap(true, Ordering::AcqRel) {
+            if awaited <= durable || self.waker.armed.swap(true, Ordering::AcqRel) {
                 return;
             }
             let Some(log) = self.tracker.log() else {
@@ -322,7 +365,7 @@ impl BlockTrackerEndpoint {
             };
             let waker = Arc::clone(&self.waker);
             log.notify_when_durable(
-                back,
+                awaited,
                 Box::new(move |result| {
                     if let Err(error) = result {
                         let mut failure =
@@ -349,6 +392,8 @@ impl BlockTrackerEndpoint {
     /// The WAL failed: fail every waiting request and fall back to the durable prefix.
     fn fail_pending(&mut self, error: WalError) {
         let pending = std::mem::take(&mut self.pending);
+        self.rebuilt = true;
+        self.applied_lsn = Lsn::ZERO;
         tracing::warn!(%error, requests = pending.len(),
             "the block tracker's WAL failed; failing the requests waiting for durability");
         for request in pending {
@@ -392,15 +437,16 @@ impl BlockTrackerEndpoint {
     /// Answers a query with `value`, now if nothing is waiting for durability, else once
     /// everything applied so far is durable.
     fn answer<T: Send + 'static>(&mut self, value: T, replier: Replier<T>) {
-        match self.pending.back().map(Pending::lsn) {
-            None => replier.reply(value),
-            Some(lsn) => {
-                let complete = move |outcome: Result<(), WalError>| match outcome {
-                    Ok(()) => replier.reply(value),
-                    Err(error) => replier.fail(BlockTrackerError::Wal(error)),
-                };
-                self.pending.push_back(Pending::Query { lsn, complete: Box::new(complete) });
-            }
+        let lsn = self.awaited_lsn();
+        let durable = self.tracker.log().map_or(Lsn::ZERO, |log| log.durable_lsn());
+        if self.pending.is_empty() && lsn <= durable {
+            replier.reply(value);
+        } else {
+            let complete = move |outcome: Result<(), WalError>| match outcome {
+                Ok(()) => replier.reply(value),
+                Err(error) => replier.fail(BlockTrackerError::Wal(error)),
+            };
+            self.pending.push_back(Pending::Query { lsn, complete: Box::new(complete) });
         }
     }
 
@@ -410,10 +456,9 @@ impl BlockTrackerEndpoint {
             return;
         }
         self.stopped = true;
-        if let (Some(log), Some(back)) =
-            (self.tracker.log().cloned(), self.pending.back().map(Pending::lsn))
-        {
-            if let Err(error) = log.wait_durable(back, STOP_DURABILITY_TIMEOUT) {
+        let awaited = self.awaited_lsn();
+        if let Some(log) = self.tracker.log().cloned() {
+            if let Err(error) = log.wait_durable(awaited, STOP_DURABILITY_TIMEOUT) {
                 tracing::warn!(%error, "stopping the block tracker before its events were durable");
             }
             let durable = log.durable_lsn();
@@ -451,6 +496,22 @@ impl Endpoint for BlockTrackerEndpoint {
     ) -> Result<(), HandlerError> {
         match message {
             BlockTrackerMessage::Durable => self.complete_durable(),
+            BlockTrackerMessage::Logged(LoggedBlocks { lsn, blocks }) => {
+                if self.rebuilt {
+                    tracing::debug!(%lsn, "dropping blocks handed over after the WAL failed");
+                    return Ok(());
+                }
+                match blocks {
+                    LoggedPayload::One(info) => {
+                        self.tracker.apply_logged_additions(lsn, std::iter::once(info))
+                    }
+                    LoggedPayload::Many(infos) => self.tracker.apply_logged_additions(lsn, infos),
+                }
+                if lsn > self.applied_lsn {
+                    self.applied_lsn = lsn;
+                }
+                self.complete_durable();
+            }
         }
         Ok(())
     }
@@ -533,6 +594,15 @@ impl Endpoint for BlockTrackerEndpoint {
                     Err(error) => replier.fail(error),
                 }
             }
+            BlockTrackerRequest::ConnectReceiver(replier) => match self.waker.endpoint.get() {
+                Some(endpoint) => replier.reply(BlockReceiver::new(
+                    endpoint.clone(),
+                    self.tracker.log().cloned(),
+                    Arc::clone(self.tracker.clock()),
+                    self.tracker.write_timeout(),
+                )),
+                None => replier.fail("the block tracker endpoint has not started"),
+            },
             BlockTrackerRequest::Stop(replier) => {
                 self.stop_tracker();
                 // Stopped before the answer, so the asker sees the endpoint stopped.

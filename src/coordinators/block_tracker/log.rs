@@ -6,6 +6,8 @@
 
 use std::{path::Path, sync::Arc, time::Duration};
 
+use rkyv::util::AlignedVec;
+
 use super::{types::TrackerEvent, BlockTrackerError};
 use crate::wal::{DurableCallback, Lsn, Wal, WalConfig, WalError};
 
@@ -83,7 +85,16 @@ pub trait BlockLog: Send + Sync + 'static {
     }
 }
 
-/// [`BlockLog`] over a [`Wal`]: each event is one rkyv record.
+/// Largest serialization buffer a thread keeps between appends.
+const KEPT_BUF_BYTES_MAX: usize = 1 << 20;
+
+thread_local! {
+    /// The serialization buffer of this thread's appends: reused, so an append allocates
+    /// nothing once it has grown to the largest record.
+    static ENCODE_BUF: std::cell::Cell<AlignedVec> = std::cell::Cell::new(AlignedVec::new());
+}
+
+/// [`BlockLog`] over a [`Wal`]: each event is one compact rkyv record (`journal` module).
 #[derive(Debug, Clone)]
 pub struct WalBlockLog {
     wal: Arc<Wal>,
@@ -106,7 +117,18 @@ impl WalBlockLog {
 
 impl BlockLog for WalBlockLog {
     fn append(&self, event: &TrackerEvent, time_ms: i64) -> Result<Lsn, BlockLogError> {
-        Ok(self.wal.append(event, time_ms)?.0)
+        ENCODE_BUF.with(|cell| {
+            let buf = cell.take();
+            let buf = event.encode_into(buf).map_err(|error| BlockLogError::Raised {
+                message: format!("serializing a {}: {error}", event.kind()),
+            })?;
+            let outcome = self.wal.append_bytes(&buf, time_ms);
+            // A huge record (a large allocation) does not pin its buffer for good.
+            if buf.capacity() <= KEPT_BUF_BYTES_MAX {
+                cell.set(buf);
+            }
+            Ok(outcome?.0)
+        })
     }
 
     fn wait_durable(&self, lsn: Lsn, timeout: Duration) -> Result<(), WalError> {

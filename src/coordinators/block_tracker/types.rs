@@ -6,7 +6,7 @@
 
 use std::hash::{Hash, Hasher};
 
-use rkyv::rancor;
+use rkyv::util::AlignedVec;
 
 use super::BlockTrackerError;
 use crate::wal::RecordHandle;
@@ -130,11 +130,17 @@ impl BlockStoreResult {
 #[derive(Debug, Clone, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct ReceivedBlockInfo {
     stream_id: StreamId,
-    num_records: Option<i64>,
-    metadata: Option<Vec<u8>>,
+    /// The record count, or [`NO_RECORD_COUNT`] (a count is never negative): 8 bytes instead
+    /// of an `Option`'s 16, as the tracker holds millions of these.
+    num_records: i64,
+    /// A boxed slice: 16 bytes instead of a vector's 24.
+    metadata: Option<Box<[u8]>>,
     store_result: BlockStoreResult,
     block_id_valid: bool,
 }
+
+/// `ReceivedBlockInfo::num_records` when the count is unknown.
+const NO_RECORD_COUNT: i64 = -1;
 
 impl ReceivedBlockInfo {
     /// A block info; `block_id_valid` starts true.
@@ -155,7 +161,13 @@ impl ReceivedBlockInfo {
                 });
             }
         }
-        Ok(Self { stream_id, num_records, metadata, store_result, block_id_valid: true })
+        Ok(Self {
+            stream_id,
+            num_records: num_records.unwrap_or(NO_RECORD_COUNT),
+            metadata: metadata.map(Vec::into_boxed_slice),
+            store_result,
+            block_id_valid: true,
+        })
     }
 
     /// The stream the block belongs to.
@@ -165,7 +177,7 @@ impl ReceivedBlockInfo {
 
     /// Records in the block, if known (never negative).
     pub fn num_records(&self) -> Option<i64> {
-        self.num_records
+        (self.num_records != NO_RECORD_COUNT).then_some(self.num_records)
     }
 
     /// Opaque metadata of the receiver.
@@ -281,14 +293,23 @@ impl AllocatedBlocks {
 }
 
 /// A block was added (SPEC D.2).
-#[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BlockAdditionEvent {
     /// The block.
     pub info: ReceivedBlockInfo,
 }
 
+/// Several blocks were added together (one journal record for what SPEC D.2 calls one
+/// `BlockAdditionEvent` per block): a receiver logs the blocks it has ready in one record, so
+/// they share one LSN and one frame. Replay treats it exactly as that many additions in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockAdditionsEvent {
+    /// The blocks, in the order they were added.
+    pub infos: Vec<ReceivedBlockInfo>,
+}
+
 /// The unallocated blocks were allocated to a batch (SPEC D.2).
-#[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BatchAllocationEvent {
     /// The batch.
     pub time: BatchTime,
@@ -297,17 +318,20 @@ pub struct BatchAllocationEvent {
 }
 
 /// Batches were cleaned up (SPEC D.2).
-#[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BatchCleanupEvent {
     /// The batch times removed (possibly none).
     pub times: Vec<BatchTime>,
 }
 
-/// One journal record of the tracker: exactly one of the three events.
-#[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+/// One journal record of the tracker. Its layout on disk is the compact one of the `journal`
+/// module ([`TrackerEvent::encode`], [`TrackerEvent::decode`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TrackerEvent {
     /// [`BlockAdditionEvent`].
     BlockAddition(BlockAdditionEvent),
+    /// [`BlockAdditionsEvent`].
+    BlockAdditions(BlockAdditionsEvent),
     /// [`BatchAllocationEvent`].
     BatchAllocation(BatchAllocationEvent),
     /// [`BatchCleanupEvent`].
@@ -319,19 +343,41 @@ impl TrackerEvent {
     pub fn kind(&self) -> &'static str {
         match self {
             Self::BlockAddition(_) => "BlockAdditionEvent",
+            Self::BlockAdditions(_) => "BlockAdditionEvents",
             Self::BatchAllocation(_) => "BatchAllocationEvent",
             Self::BatchCleanup(_) => "BatchCleanupEvent",
         }
     }
 
-    /// Validates `bytes` (an rkyv archive read from the log) and decodes the event.
+    /// The number of SPEC D.2 events this record stands for (blocks for additions, else 1).
+    pub fn event_count(&self) -> u64 {
+        match self {
+            Self::BlockAdditions(BlockAdditionsEvent { infos }) => infos.len() as u64,
+            _ => 1,
+        }
+    }
+
+    /// Serializes the event into its journal record (a fresh buffer).
+    ///
+    /// # Errors
+    /// [`BlockTrackerError::Encode`] if serialization fails.
+    pub fn encode(&self) -> Result<AlignedVec, BlockTrackerError> {
+        super::journal::encode_into(self, AlignedVec::new())
+    }
+
+    /// Serializes the event into `buf` (cleared first; reuse it to save an allocation).
+    ///
+    /// # Errors
+    /// [`BlockTrackerError::Encode`] if serialization fails.
+    pub fn encode_into(&self, buf: AlignedVec) -> Result<AlignedVec, BlockTrackerError> {
+        super::journal::encode_into(self, buf)
+    }
+
+    /// Validates `bytes` (a journal record read from the log) and decodes the event.
     ///
     /// # Errors
     /// [`BlockTrackerError::Decode`] if the bytes are not a valid event.
     pub fn decode(bytes: &[u8]) -> Result<Self, BlockTrackerError> {
-        let archived = crate::record::access::<TrackerEvent>(bytes)
-            .map_err(|error| BlockTrackerError::Decode { message: error.to_string() })?;
-        rkyv::deserialize::<TrackerEvent, rancor::Error>(archived)
-            .map_err(|error| BlockTrackerError::Decode { message: error.to_string() })
+        super::journal::decode(bytes)
     }
 }

@@ -3,8 +3,11 @@
 //!
 //! Child: recovers the tracker from `<work>/blocks` (its WAL lives in
 //! `receivedBlockMetadata` there), hosts it on the bus, and runs receiver threads (3, on 2
-//! streams) adding blocks with `AddBlock`, each printing `A <receiver> <seq>` once its
-//! addition is acknowledged (the reply `true` means durable), and a batch loop that allocates
+//! streams), each printing `A <receiver> <seq>` once a block's addition is acknowledged
+//! (`true` means durable): receiver 0 asks `AddBlock` (the endpoint logs), receivers 1 and 2
+//! log their records themselves through a `BlockReceiver`, pipelined (up to 16 additions in
+//! flight), receiver 1 one block per record and receiver 2 up to 4 (`add_blocks`), so
+//! receiver-side records race the endpoint's allocations under the kill. A batch loop allocates
 //! the unallocated blocks to a new batch time every 2 ms and prints the batch it then reads
 //! back as processed (`P <time> <id>...`; the reply to the allocation means durable). Each
 //! receiver resumes after the last of its blocks the journal holds. Every 8 allocations the
@@ -35,9 +38,10 @@ use anyhow::{bail, Context};
 use coordbus::{
     clock::{Clock, SystemClock},
     coordinators::block_tracker::{
-        AddBlock, AllocateBlocksToBatch, BatchTime, BlockStoreResult, BlockTrackerConfig,
-        BlockTrackerEndpoint, CleanupOldBatches, GetBlocksOfBatch, ReceivedBlockInfo,
-        ReceivedBlockTracker, StreamBlockId, StreamId, TrackerEvent, RECEIVED_BLOCK_METADATA_DIR,
+        AddBlock, AllocateBlocksToBatch, BatchTime, BlockReceiver, BlockStoreResult,
+        BlockTrackerConfig, BlockTrackerEndpoint, CleanupOldBatches, GetBlocksOfBatch,
+        ReceivedBlockInfo, ReceivedBlockTracker, StreamBlockId, StreamId, TrackerEvent,
+        RECEIVED_BLOCK_METADATA_DIR,
     },
     wal::{Durability, Lsn, Wal, WalConfig, WalOptions},
     Bus,
@@ -144,20 +148,49 @@ pub fn child(work: &Path, _seed: u64, iteration: u64) -> anyhow::Result<()> {
             let start = resume[receiver as usize];
             std::thread::spawn(move || -> anyhow::Result<()> {
                 let stream = stream_of(receiver);
-                for seq in start.. {
+                let make = |seq: u64| {
                     let block_id = StreamBlockId { stream, unique_id: receiver * ID_STRIDE + seq };
-                    let info = ReceivedBlockInfo::new(
+                    ReceivedBlockInfo::new(
                         stream,
                         Some((seq % 100) as i64),
                         Some(metadata(receiver, seq)),
                         BlockStoreResult::BlockManager { block_id },
-                    )?;
-                    if !endpoint.ask(AddBlock(info)).wait_timeout(REPLY_TIMEOUT)? {
-                        bail!("the tracker did not log block {block_id}");
+                    )
+                };
+                if receiver == 0 {
+                    for seq in start.. {
+                        if !endpoint.ask(AddBlock(make(seq)?)).wait_timeout(REPLY_TIMEOUT)? {
+                            bail!("the tracker did not log block {seq} of receiver 0");
+                        }
+                        print_line(&stdout, &format!("A {receiver} {seq}"))?;
                     }
-                    print_line(&stdout, &format!("A {receiver} {seq}"))?;
+                    return Ok(());
                 }
-                Ok(())
+                let handle = BlockReceiver::connect(&endpoint)?;
+                let mut in_flight = std::collections::VecDeque::new();
+                let mut seq = start;
+                loop {
+                    let count = if receiver == 1 { 1 } else { 1 + seq % 4 };
+                    let blocks = (seq..seq + count).map(make).collect::<Result<Vec<_>, _>>()?;
+                    let receipt = if count == 1 {
+                        handle.add_block(blocks.into_iter().next().context("one block")?)
+                    } else {
+                        handle.add_blocks(blocks)
+                    };
+                    in_flight.push_back((seq, count, receipt));
+                    seq += count;
+                    if in_flight.len() >= 16 {
+                        let (first, count, receipt) = in_flight.pop_front().context("in flight")?;
+                        if !receipt.wait_timeout(REPLY_TIMEOUT) {
+                            bail!(
+                                "the tracker did not log blocks {first}.. of receiver {receiver}"
+                            );
+                        }
+                        for seq in first..first + count {
+                            print_line(&stdout, &format!("A {receiver} {seq}"))?;
+                        }
+                    }
+                }
             })
         })
         .collect();
@@ -273,11 +306,16 @@ impl Checker for BlocksChecker {
             let mut found = None;
             for record in wal.iter_from(Lsn::ZERO)? {
                 let record = record?;
-                if let TrackerEvent::BlockAddition(event) = TrackerEvent::decode(&record.bytes)? {
-                    if event.info.block_id().unique_id == last {
-                        found = Some(record.handle);
-                        break;
+                let holds_last = match TrackerEvent::decode(&record.bytes)? {
+                    TrackerEvent::BlockAddition(event) => event.info.block_id().unique_id == last,
+                    TrackerEvent::BlockAdditions(event) => {
+                        event.infos.iter().any(|info| info.block_id().unique_id == last)
                     }
+                    _ => false,
+                };
+                if holds_last {
+                    found = Some(record.handle);
+                    break;
                 }
             }
             found.with_context(|| format!("no addition record of block {last} to cut"))?

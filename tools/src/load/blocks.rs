@@ -1,10 +1,15 @@
 //! Workloads `blocks/add`, `blocks/allocate`, `blocks/recover`: the received-block tracker
 //! with its WAL.
 //!
-//! * `blocks/add`: R receiver threads each keep `--in-flight` `AddBlock` asks outstanding
-//!   against the tracker endpoint (blocks spread over `--streams` streams); an ask counts when
-//!   its reply arrives, which is only once its record is durable (synced, group commit). Run
-//!   with 1 receiver and with `--receivers`. Latency is per addition (ask to durable reply).
+//! * `blocks/add`: R receiver threads each keep `--in-flight` additions outstanding against
+//!   the tracker endpoint (blocks spread over `--streams` streams), through a `BlockReceiver`
+//!   (receiver-side logging: the receiver thread appends the record and hands the logged
+//!   block to the endpoint) or, with `--asks`, through `AddBlock`/`AddBlocks` asks (the
+//!   endpoint thread logs). An addition counts once its record is durable (synced, group
+//!   commit). Run with 1 receiver, with `--receivers`, and with `--receivers` and `--batch`
+//!   blocks per record (or per ask), that run keeping `--batch-in-flight` blocks outstanding
+//!   per receiver. Latency is per addition (add to durable answer). `bytes_per_event` is
+//!   framed WAL bytes per addition; `records` counts the WAL records.
 //! * `blocks/recover`: `--recover-events` additions are logged, the tracker is stopped, and a
 //!   new tracker is built with recovery on: `seconds` is the construction time, `messages` the
 //!   events replayed.
@@ -17,16 +22,20 @@
 
 use std::{
     collections::VecDeque,
-    sync::{Arc, Barrier},
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, Barrier,
+    },
     time::{Duration, Instant},
 };
 
 use anyhow::{bail, Context as _};
 use coordbus::{
-    clock::SystemClock,
+    clock::{Clock, SystemClock},
     coordinators::block_tracker::{
-        AddBlock, AddBlocks, BatchTime, BlockStoreResult, BlockTrackerConfig, BlockTrackerEndpoint,
-        Logged, ReceivedBlockInfo, ReceivedBlockTracker, StopTracker, StreamBlockId, StreamId,
+        AddBlock, AddBlocks, AddReceipt, AllocateBlocksToBatch, BatchTime, BlockReceiver,
+        BlockStoreResult, BlockTrackerConfig, BlockTrackerEndpoint, CleanupOldBatches, Logged,
+        ReceivedBlockInfo, ReceivedBlockTracker, StopTracker, StreamBlockId, StreamId,
         RECEIVED_BLOCK_METADATA_DIR,
     },
     wal::{Durability, Wal, WalConfig, WalOptions},
@@ -61,9 +70,26 @@ pub struct BlocksArgs {
     /// extra run).
     #[arg(long, default_value_t = 64)]
     pub batch: usize,
-    /// Asks each receiver keeps outstanding.
+    /// Add through `AddBlock`/`AddBlocks` asks (the endpoint logs) instead of a
+    /// `BlockReceiver` (the receiver logs).
+    #[arg(long)]
+    pub asks: bool,
+    /// Of the `blocks/add` runs, only the one with `--receivers` and `--batch` (profiling).
+    #[arg(long)]
+    pub batch_only: bool,
+    /// Blocks (single-block additions) each receiver keeps outstanding.
     #[arg(long, default_value_t = 4096)]
     pub in_flight: usize,
+    /// Blocks each receiver keeps outstanding in the `--batch` run (a receiver that batches
+    /// its blocks into records keeps more of them in flight). An addition waits for the sync
+    /// in progress and then its own (2 to 8 ms here), so the window bounds the rate at about
+    /// window / latency per receiver (Little's law).
+    #[arg(long, default_value_t = 32_768)]
+    pub batch_in_flight: usize,
+    /// Batch interval of the driver loop that allocates and cleans up batches while the
+    /// receivers add (0: no loop, the blocks pile up unallocated).
+    #[arg(long, default_value_t = 20)]
+    pub batch_interval_ms: u64,
     /// Logged additions for `blocks/recover` and `blocks/allocate`.
     #[arg(long, default_value_t = 1_000_000)]
     pub recover_events: u64,
@@ -88,7 +114,11 @@ pub fn quick() -> BlocksArgs {
         receivers: 2,
         blocks: 500_000,
         in_flight: 4096,
+        batch_in_flight: 32_768,
         batch: 64,
+        asks: false,
+        batch_only: false,
+        batch_interval_ms: 20,
         recover_events: 1_000_000,
         max_delay_us: 200,
         max_group_bytes: 1 << 20,
@@ -128,7 +158,11 @@ pub fn run(args: &BlocksArgs) -> anyhow::Result<Vec<Figure>> {
     let mut figures = Vec::new();
     let mut receiver_counts = vec![1, args.receivers];
     receiver_counts.dedup();
-    let mut runs: Vec<(usize, usize)> = receiver_counts.into_iter().map(|r| (r, 1)).collect();
+    let mut runs: Vec<(usize, usize)> = if args.batch_only && args.batch > 1 {
+        Vec::new()
+    } else {
+        receiver_counts.into_iter().map(|r| (r, 1)).collect()
+    };
     if args.batch > 1 {
         runs.push((args.receivers, args.batch));
     }
@@ -157,13 +191,33 @@ fn run_add(
     let mut threads = Vec::new();
     for receiver in 0..receivers {
         let (endpoint, barrier, streams) = (endpoint.clone(), barrier.clone(), streams.clone());
-        // The same number of blocks in flight whatever the batch size.
-        let in_flight = (args.in_flight / batch).max(1);
+        // A window of blocks in flight, whatever the batch size.
+        let window = if batch == 1 { args.in_flight } else { args.batch_in_flight };
+        let in_flight = (window / batch).max(1);
+        let asks = args.asks;
         threads.push(std::thread::spawn(move || -> anyhow::Result<Histogram<u64>> {
             let mut histogram = Histogram::<u64>::new(3)?;
-            let mut outstanding = VecDeque::with_capacity(in_flight);
             let base = receiver as u64 * per_receiver;
-            let make = |seq: u64| block(streams[(seq % streams.len() as u64) as usize], base + seq);
+            // Single additions rotate over the streams block by block; a batch holds blocks of
+            // one stream (a receiver serves one stream, as in Spark) and batches rotate.
+            let make = |seq: u64| {
+                let turn = if batch == 1 { seq } else { seq / batch as u64 };
+                block(streams[(turn % streams.len() as u64) as usize], base + seq)
+            };
+            if !asks {
+                let handle = BlockReceiver::connect(&endpoint)?;
+                barrier.wait();
+                add_through_receiver(
+                    &handle,
+                    per_receiver,
+                    batch,
+                    in_flight,
+                    make,
+                    &mut histogram,
+                )?;
+                return Ok(histogram);
+            }
+            let mut outstanding = VecDeque::with_capacity(in_flight);
             barrier.wait();
             let mut seq = 0;
             while seq < per_receiver {
@@ -185,6 +239,12 @@ fn run_add(
             Ok(histogram)
         }));
     }
+    let done = Arc::new(AtomicBool::new(false));
+    let driver = (args.batch_interval_ms > 0).then(|| {
+        let (endpoint, done) = (endpoint.clone(), Arc::clone(&done));
+        let interval = Duration::from_millis(args.batch_interval_ms);
+        std::thread::spawn(move || batch_loop(&endpoint, &done, interval))
+    });
     barrier.wait();
     let started = Instant::now();
     let mut histogram = Histogram::<u64>::new(3)?;
@@ -193,6 +253,11 @@ fn run_add(
         histogram.add(partial)?;
     }
     let seconds = started.elapsed().as_secs_f64();
+    done.store(true, Ordering::Release);
+    let batches = match driver {
+        Some(driver) => driver.join().map_err(|_| anyhow::anyhow!("batch loop panicked"))??,
+        None => 0,
+    };
     let stats = wal.stats();
     let endpoint_stats = endpoint.stats();
     endpoint.ask(StopTracker).wait()?;
@@ -204,18 +269,91 @@ fn run_add(
         .with_latency(Percentiles::from_histogram(&histogram))
         .with("receivers", receivers)
         .with("streams", streams.len())
-        .with("in_flight", args.in_flight)
+        .with("in_flight", if batch == 1 { args.in_flight } else { args.batch_in_flight })
         .with("blocks_per_ask", batch)
+        .with("batch_interval_ms", args.batch_interval_ms)
+        .with("batches_allocated", batches)
+        .with("add_path", if args.asks { "AddBlock asks" } else { "BlockReceiver" })
         .with("durable", "synced (group commit)")
         .with("syncs", stats.syncs)
         .with("additions_per_sync", additions as f64 / stats.syncs.max(1) as f64)
-        .with("bytes_per_event", stats.bytes as f64 / stats.appends.max(1) as f64)
+        .with("bytes_per_event", stats.bytes as f64 / additions.max(1) as f64)
+        .with("records", stats.appends)
         .with("io_path", stats.io_path.map_or("?", |path| path.as_str()))
         .with("spark_msgs_per_sec", spark)
         .with("spark_durable", "never synced")
         .with("ratio_vs_spark", rate / spark)
         .with_endpoint_stats("endpoint_stats", &endpoint_stats)
         .with_wal_stats("wal_stats", &stats))
+}
+
+/// The driver's batch loop while receivers add: every `interval` allocates the unallocated
+/// blocks to a batch, then forgets the batches before it (processed at once), as Spark's job
+/// generator does; so the tracker's memory stays bounded and is reused. Returns the batches.
+fn batch_loop(
+    endpoint: &coordbus::EndpointRef<BlockTrackerEndpoint>,
+    done: &AtomicBool,
+    interval: Duration,
+) -> anyhow::Result<u64> {
+    let clock = SystemClock;
+    let mut last = 0;
+    let mut batches = 0;
+    while !done.load(Ordering::Acquire) {
+        std::thread::sleep(interval);
+        let time = clock.now_ms().max(last + 1);
+        endpoint.ask(AllocateBlocksToBatch(BatchTime(time))).wait()?;
+        batches += 1;
+        last = time;
+        let threshold = time.min(clock.now_ms() - 1);
+        endpoint.ask(CleanupOldBatches { threshold: BatchTime(threshold), wait: false }).wait()?;
+    }
+    Ok(batches)
+}
+
+/// Adds `count` blocks through a receiver handle, `batch` per record, `in_flight` records
+/// outstanding; records each addition's latency (add to durable).
+fn add_through_receiver(
+    receiver: &BlockReceiver,
+    count: u64,
+    batch: usize,
+    in_flight: usize,
+    make: impl Fn(u64) -> ReceivedBlockInfo,
+    histogram: &mut Histogram<u64>,
+) -> anyhow::Result<()> {
+    let mut outstanding = VecDeque::with_capacity(in_flight);
+    let mut seq = 0;
+    while seq < count {
+        if outstanding.len() == in_flight {
+            finish_oldest(&mut outstanding, histogram)?;
+        }
+        let end = (seq + batch as u64).min(count);
+        let sent = Instant::now();
+        let receipt = if batch == 1 {
+            receiver.add_block(make(seq))
+        } else {
+            receiver.add_blocks((seq..end).map(&make).collect())
+        };
+        outstanding.push_back((sent, receipt));
+        seq = end;
+    }
+    while !outstanding.is_empty() {
+        finish_oldest(&mut outstanding, histogram)?;
+    }
+    Ok(())
+}
+
+/// Waits for the oldest receipt; records its latency once per block it carried.
+fn finish_oldest(
+    outstanding: &mut VecDeque<(Instant, AddReceipt<'_>)>,
+    histogram: &mut Histogram<u64>,
+) -> anyhow::Result<()> {
+    let (sent, receipt) = outstanding.pop_front().expect("not empty");
+    let blocks = receipt.block_count() as u64;
+    if !receipt.wait() {
+        bail!("an addition was not logged");
+    }
+    histogram.record_n(sent.elapsed().as_nanos() as u64, blocks)?;
+    Ok(())
 }
 
 /// An ask in flight.

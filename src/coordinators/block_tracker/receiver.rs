@@ -1,0 +1,309 @@
+//! Receiver-side logging: a receiver writes its block-addition records to the journal itself
+//! and hands the logged blocks to the tracker endpoint, which only applies them.
+//!
+//! ## Why
+//! Through [`super::AddBlock`] asks the endpoint thread serializes and appends every addition
+//! itself, and one thread then bounds the whole system's additions. SPEC D.3 writes an
+//! addition's record outside the tracker's lock precisely so that concurrent receivers can
+//! log in parallel (Spark's `addBlock` does the same); [`BlockReceiver`] does that on the bus:
+//! the receiver's thread encodes and appends the record (the WAL's append is a short critical
+//! section, the sync is shared by group commit), then sends the endpoint a one-way
+//! [`LoggedBlocks`] message with the record's LSN. The endpoint applies it to the state
+//! machine ([`ReceivedBlockTracker::apply_logged_additions`]), with no I/O.
+//!
+//! ## Ordering with allocations (why recovery still rebuilds the exact state)
+//! * The endpoint learns of a block only after its record was appended, and an allocation is
+//!   appended by the endpoint after it applied the blocks it lists: an allocation record only
+//!   ever lists blocks whose addition records precede it in the log.
+//! * An addition can be appended before an allocation and reach the endpoint after it. At
+//!   runtime the block then stays unallocated; recovery replays additions in log order and an
+//!   allocation removes exactly the blocks it lists (SPEC D.4), so the block stays unallocated
+//!   after recovery too.
+//! * Hand-overs of concurrent receivers can arrive out of log order; the tracker queues blocks
+//!   by log position (LSN, index in the record), so its queues are always those a replay
+//!   builds.
+//!
+//! ## What an acknowledgement means
+//! [`BlockReceiver::add_block`] returns an [`AddReceipt`] at once; the receipt resolves to
+//! `true` once the record's LSN is durable (synced) and the blocks were handed to the
+//! endpoint; never before the sync. A receiver may keep many receipts in flight (pipelining);
+//! [`BlockReceiver::add_blocks`] logs several blocks in one record. The endpoint applies the
+//! blocks when it reaches the message: a later ask from the same thread sees them (per-sender
+//! FIFO); another thread's allocation may run first, and the blocks then go to a later batch.
+//! A crash after the acknowledgement cannot lose them: they are in the durable log and
+//! recovery queues them.
+//!
+//! `false` means not logged, with SPEC D.5's caveat: a record appended and then not confirmed
+//! (a timeout, a WAL failure after the write, an endpoint that stopped before the hand-over)
+//! may still be durable, and a later recovery shows the block. One case shows it without a
+//! restart: a receipt whose wait times out (the sync took longer than the write timeout but
+//! did not fail) answers `false`, yet its blocks were handed over and stay queued; they are
+//! allocated like any other once durable, so a receiver that retries them adds them twice
+//! (the at-least-once behaviour consumers must tolerate anyway). A WAL failure, in contrast,
+//! rolls the endpoint back to the durable prefix.
+
+use std::time::Duration;
+
+use super::{
+    BlockAdditionEvent, BlockAdditionsEvent, BlockLog, BlockLogError, BlockTrackerEndpoint,
+    BlockTrackerMessage, ReceivedBlockInfo, TrackerEvent,
+};
+use crate::{
+    clock::Clock,
+    error::{AskError, SendError},
+    runtime::EndpointRef,
+    wal::{Lsn, WalError},
+};
+
+/// Blocks a [`BlockReceiver`] logged, on their way to the endpoint. Only a receiver builds
+/// one: the LSN must be the one the record really got.
+#[derive(Debug)]
+pub struct LoggedBlocks {
+    pub(super) lsn: Lsn,
+    pub(super) blocks: LoggedPayload,
+}
+
+/// One block or several. The single block is held inline: the endpoint's inbox slots hold an
+/// `AddBlock` request's block inline anyway, so this costs no slot space and saves an
+/// allocation per addition.
+#[derive(Debug)]
+pub(super) enum LoggedPayload {
+    One(ReceivedBlockInfo),
+    Many(Vec<ReceivedBlockInfo>),
+}
+
+impl LoggedBlocks {
+    /// The LSN of the blocks' record (`Lsn::ZERO` when the WAL is disabled).
+    pub fn lsn(&self) -> Lsn {
+        self.lsn
+    }
+
+    /// The number of blocks.
+    pub fn len(&self) -> usize {
+        match &self.blocks {
+            LoggedPayload::One(_) => 1,
+            LoggedPayload::Many(blocks) => blocks.len(),
+        }
+    }
+
+    /// Whether there are no blocks.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A receiver's handle on a [`BlockTrackerEndpoint`]: logs additions on the calling thread
+/// (module doc). Cheap to clone; each receiver thread may hold its own.
+///
+/// # Examples
+/// ```
+/// use std::sync::Arc;
+/// use coordbus::Bus;
+/// use coordbus::clock::SystemClock;
+/// use coordbus::coordinators::block_tracker::*;
+///
+/// let dir = tempfile::tempdir()?;
+/// let config = BlockTrackerConfig::new([StreamId(0)]).checkpoint_dir(dir.path());
+/// let tracker = ReceivedBlockTracker::open(config, Arc::new(SystemClock))?;
+/// let bus = Bus::builder().build()?;
+/// let endpoint = bus.register("ReceivedBlockTracker", BlockTrackerEndpoint::new(tracker))?;
+/// let receiver = BlockReceiver::connect(&endpoint)?;
+/// let blocks: Vec<_> = (0..3)
+///     .map(|unique_id| {
+///         let block_id = StreamBlockId { stream: StreamId(0), unique_id };
+///         ReceivedBlockInfo::new(
+///             StreamId(0), None, None, BlockStoreResult::BlockManager { block_id })
+///     })
+///     .collect::<Result<_, _>>()?;
+/// let first = receiver.add_block(blocks[0].clone());      // returns at once
+/// let rest = receiver.add_blocks(blocks[1..].to_vec());   // one record for both
+/// assert!(first.wait() && rest.wait());                   // true: durable
+/// assert_eq!(endpoint.ask(GetUnallocatedBlocks(StreamId(0))).wait()?, blocks);
+/// endpoint.ask(StopTracker).wait()?;
+/// bus.shutdown()?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone)]
+pub struct BlockReceiver {
+    endpoint: EndpointRef<BlockTrackerEndpoint>,
+    /// The tracker's journal (`None`: WAL disabled).
+    log: Option<std::sync::Arc<dyn BlockLog>>,
+    clock: std::sync::Arc<dyn Clock>,
+    /// How long a hand-over waits for room in the inbox and a receipt for durability.
+    write_timeout: Duration,
+}
+
+impl std::fmt::Debug for BlockReceiver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BlockReceiver")
+            .field("endpoint", &self.endpoint)
+            .field("wal_enabled", &self.log.is_some())
+            .field("write_timeout", &self.write_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl BlockReceiver {
+    pub(super) fn new(
+        endpoint: EndpointRef<BlockTrackerEndpoint>,
+        log: Option<std::sync::Arc<dyn BlockLog>>,
+        clock: std::sync::Arc<dyn Clock>,
+        write_timeout: Duration,
+    ) -> Self {
+        Self { endpoint, log, clock, write_timeout }
+    }
+
+    /// Asks the endpoint for a receiver handle (the same as asking
+    /// [`super::ConnectReceiver`]).
+    ///
+    /// # Errors
+    /// The ask's error (the endpoint stopped, a timeout).
+    pub fn connect(endpoint: &EndpointRef<BlockTrackerEndpoint>) -> Result<Self, AskError> {
+        endpoint.ask(super::ConnectReceiver).wait()
+    }
+
+    /// Logs the addition of `info` in one record and hands it to the endpoint; the receipt
+    /// says once the record is durable. Never blocks on a sync (only, briefly, when the WAL's
+    /// staging buffer or the endpoint's inbox is full).
+    pub fn add_block(&self, info: ReceivedBlockInfo) -> AddReceipt<'_> {
+        self.log_and_hand_over(TrackerEvent::BlockAddition(BlockAdditionEvent { info }))
+    }
+
+    /// Logs the additions of `infos` in one record (one LSN, one frame: what makes many
+    /// additions per second cheap) and hands them to the endpoint in order. All or nothing:
+    /// the receipt resolves to one answer for every block (`true` at once for no block).
+    pub fn add_blocks(&self, infos: Vec<ReceivedBlockInfo>) -> AddReceipt<'_> {
+        self.log_and_hand_over(TrackerEvent::BlockAdditions(BlockAdditionsEvent { infos }))
+    }
+
+    /// [`Self::add_block`] and wait for its receipt.
+    pub fn add_block_and_wait(&self, info: ReceivedBlockInfo) -> bool {
+        self.add_block(info).wait()
+    }
+
+    fn log_and_hand_over(&self, event: TrackerEvent) -> AddReceipt<'_> {
+        let blocks = event.event_count() as usize;
+        if blocks == 0 {
+            // Nothing to log or hand over.
+            return AddReceipt { receiver: self, outcome: Outcome::Done(true), blocks };
+        }
+        let failed = AddReceipt { receiver: self, outcome: Outcome::Done(false), blocks };
+        let lsn = match &self.log {
+            None => Lsn::ZERO,
+            Some(log) => match log.append(&event, self.clock.now_ms()) {
+                Ok(lsn) => lsn,
+                Err(error) => {
+                    match error {
+                        BlockLogError::Wal(error) => tracing::warn!(
+                            event = event.kind(), %error, "failed to write to the write-ahead log"
+                        ),
+                        error => tracing::warn!(%error, "adding blocks failed"),
+                    }
+                    return failed;
+                }
+            },
+        };
+        let payload = match event {
+            TrackerEvent::BlockAddition(BlockAdditionEvent { info }) => LoggedPayload::One(info),
+            TrackerEvent::BlockAdditions(BlockAdditionsEvent { infos }) => {
+                LoggedPayload::Many(infos)
+            }
+            _ => unreachable!("only additions are logged here"),
+        };
+        let message = BlockTrackerMessage::Logged(LoggedBlocks { lsn, blocks: payload });
+        // Try first: the bounded send reads the clock for its deadline.
+        let sent = match self.endpoint.try_send(message) {
+            Err(SendError::Full { message, .. }) => {
+                self.endpoint.send_timeout(message, self.write_timeout)
+            }
+            outcome => outcome,
+        };
+        if let Err(error) = sent {
+            tracing::warn!(%lsn, %error,
+                "logged blocks could not be handed to the tracker; a recovery may show them");
+            return failed;
+        }
+        let outcome = if self.log.is_some() { Outcome::Pending(lsn) } else { Outcome::Done(true) };
+        AddReceipt { receiver: self, outcome, blocks }
+    }
+}
+
+/// Where an addition stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    /// Known: logged (and handed over) or not.
+    Done(bool),
+    /// Handed over; logged once this LSN is durable.
+    Pending(Lsn),
+}
+
+/// The answer to a [`BlockReceiver`] addition, to wait on like a `Reply` (module doc: what
+/// `true` means). Borrows its receiver so that keeping thousands in flight costs no reference
+/// counting.
+#[derive(Debug)]
+#[must_use = "an addition is acknowledged only through its receipt"]
+pub struct AddReceipt<'r> {
+    receiver: &'r BlockReceiver,
+    outcome: Outcome,
+    blocks: usize,
+}
+
+impl AddReceipt<'_> {
+    /// The LSN of the record, if it was logged and handed over.
+    pub fn lsn(&self) -> Option<Lsn> {
+        match self.outcome {
+            Outcome::Pending(lsn) => Some(lsn),
+            Outcome::Done(_) => None,
+        }
+    }
+
+    /// The number of blocks the addition carried.
+    pub fn block_count(&self) -> usize {
+        self.blocks
+    }
+
+    /// The answer if it is known without waiting: `Some(true)` once durable, `Some(false)` if
+    /// not logged or the log failed, `None` while the sync is pending.
+    pub fn try_result(&self) -> Option<bool> {
+        match self.outcome {
+            Outcome::Done(logged) => Some(logged),
+            Outcome::Pending(lsn) => {
+                let log = self.receiver.log.as_ref().expect("pending only with a log");
+                if log.durable_lsn() >= lsn {
+                    return Some(true);
+                }
+                match log.wait_durable(lsn, Duration::ZERO) {
+                    Ok(()) => Some(true),
+                    Err(WalError::Timeout { .. }) => None,
+                    Err(_) => Some(false),
+                }
+            }
+        }
+    }
+
+    /// Waits until the answer is known, at most the tracker's write timeout (Spark's batching
+    /// timeout): `false` if it was not logged, the log failed, or durability was not confirmed
+    /// in time (then it may still become durable: SPEC D.5).
+    pub fn wait(self) -> bool {
+        let timeout = self.receiver.write_timeout;
+        self.wait_timeout(timeout)
+    }
+
+    /// [`Self::wait`] with an explicit bound.
+    pub fn wait_timeout(self, timeout: Duration) -> bool {
+        match self.outcome {
+            Outcome::Done(logged) => logged,
+            Outcome::Pending(lsn) => {
+                let log = self.receiver.log.as_ref().expect("pending only with a log");
+                match log.wait_durable(lsn, timeout) {
+                    Ok(()) => true,
+                    Err(error) => {
+                        tracing::warn!(%lsn, %error,
+                            "a block addition was not confirmed durable; it may still be (SPEC D.5)");
+                        false
+                    }
+                }
+            }
+        }
+    }
+}

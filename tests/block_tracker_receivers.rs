@@ -1,0 +1,404 @@
+//! Receiver-side logging: receivers append their block-addition records themselves and hand
+//! the logged blocks to the tracker, which applies them with no I/O. Goal: acknowledgements
+//! never come before the sync, a WAL failure answers false and rolls the state back to the
+//! durable prefix, and recovery rebuilds exactly the pre-crash state whatever order appends,
+//! hand-overs and allocations interleave in (SPEC D.3, D.4).
+//!
+//! Method: the interleavings that matter (an addition appended before an allocation but
+//! applied after it; hand-overs arriving out of log order) are built step by step on the
+//! plain state machine through its public API (`BlockLog::append`,
+//! `apply_logged_additions`); the bus path runs two pipelined receivers against a batch loop
+//! and compares the state before the stop with the recovered one. A gated file layer holds
+//! or fails `fdatasync` on demand, so "not yet durable" is a fact, not a timing guess.
+
+use std::{
+    collections::BTreeMap,
+    io,
+    os::fd::RawFd,
+    path::Path,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, Condvar, Mutex,
+    },
+    time::Duration,
+};
+
+use coordbus::{
+    clock::{ManualClock, SystemClock},
+    coordinators::block_tracker::{
+        AllocateBlocksToBatch, BatchTime, BlockAdditionEvent, BlockAdditionsEvent, BlockLog,
+        BlockReceiver, BlockStoreResult, BlockTrackerConfig, BlockTrackerEndpoint,
+        GetBlocksOfBatch, GetUnallocatedBlocks, HasUnallocatedBlocks, ReceivedBlockInfo,
+        ReceivedBlockTracker, StopTracker, StreamBlockId, StreamId, TrackerEvent, WalBlockLog,
+        RECEIVED_BLOCK_METADATA_DIR,
+    },
+    wal::{
+        storage::{FileStorage, Storage, StorageFile},
+        IoMode, Wal, WalConfig, WalOptions,
+    },
+    Bus,
+};
+
+const STREAMS: [StreamId; 2] = [StreamId(1), StreamId(2)];
+
+fn info(stream: i32, unique_id: u64) -> ReceivedBlockInfo {
+    let block_id = StreamBlockId { stream: StreamId(stream), unique_id };
+    ReceivedBlockInfo::new(
+        StreamId(stream),
+        Some(unique_id as i64),
+        None,
+        BlockStoreResult::BlockManager { block_id },
+    )
+    .unwrap()
+}
+
+/// Everything observable of a tracker's state.
+#[derive(Debug, PartialEq, Eq)]
+struct State {
+    unallocated: Vec<Vec<ReceivedBlockInfo>>,
+    batches: BTreeMap<BatchTime, Vec<Vec<ReceivedBlockInfo>>>,
+    last_allocated: Option<BatchTime>,
+}
+
+fn state_of(tracker: &ReceivedBlockTracker) -> State {
+    State {
+        unallocated: STREAMS.iter().map(|stream| tracker.unallocated_blocks(*stream)).collect(),
+        batches: tracker
+            .allocated_batch_times()
+            .into_iter()
+            .map(|time| {
+                let blocks = STREAMS
+                    .iter()
+                    .map(|stream| tracker.blocks_of_batch_and_stream(time, *stream))
+                    .collect();
+                (time, blocks)
+            })
+            .collect(),
+        last_allocated: tracker.last_allocated_batch_time(),
+    }
+}
+
+fn open(dir: &Path, recover: bool) -> ReceivedBlockTracker {
+    let config = BlockTrackerConfig::new(STREAMS).checkpoint_dir(dir).recover(recover);
+    ReceivedBlockTracker::open(config, Arc::new(ManualClock::new(1_000))).unwrap()
+}
+
+/// Appends `blocks` as a receiver would (one record) and waits until it is durable.
+fn append_as_receiver(
+    tracker: &ReceivedBlockTracker,
+    blocks: &[ReceivedBlockInfo],
+) -> coordbus::wal::Lsn {
+    let log = tracker.log().unwrap();
+    let event = if let [only] = blocks {
+        TrackerEvent::BlockAddition(BlockAdditionEvent { info: only.clone() })
+    } else {
+        TrackerEvent::BlockAdditions(BlockAdditionsEvent { infos: blocks.to_vec() })
+    };
+    let lsn = log.append(&event, 1_000).unwrap();
+    log.wait_durable(lsn, Duration::from_secs(10)).unwrap();
+    lsn
+}
+
+#[test]
+fn an_addition_logged_before_an_allocation_but_applied_after_it_stays_unallocated() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut tracker = open(dir.path(), false);
+    assert!(tracker.add_block(info(1, 1)));
+    // A receiver appends block 2; before the tracker applies it, a batch is allocated.
+    let late = info(1, 2);
+    let late_lsn = append_as_receiver(&tracker, std::slice::from_ref(&late));
+    tracker.allocate_blocks_to_batch(BatchTime(100)).unwrap();
+    tracker.apply_logged_additions(late_lsn, [late.clone()]);
+    assert_eq!(tracker.blocks_of_batch_and_stream(BatchTime(100), StreamId(1)), [info(1, 1)]);
+    assert_eq!(tracker.unallocated_blocks(StreamId(1)), std::slice::from_ref(&late));
+    let before = state_of(&tracker);
+    drop(tracker); // a crash: nothing more is written
+
+    let recovered = open(dir.path(), true);
+    assert_eq!(state_of(&recovered), before);
+    assert!(recovered.unallocated_blocks(StreamId(1)).iter().all(|b| !b.is_block_id_valid()));
+}
+
+#[test]
+fn hand_overs_arriving_out_of_log_order_queue_in_log_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut tracker = open(dir.path(), false);
+    // Receiver A logs one block, receiver B logs a record of three; B's hand-over arrives
+    // first, then a later block of A's.
+    let a1 = info(1, 10);
+    let b = [info(1, 20), info(2, 21), info(1, 22)];
+    let a2 = info(2, 11);
+    let a1_lsn = append_as_receiver(&tracker, std::slice::from_ref(&a1));
+    let b_lsn = append_as_receiver(&tracker, &b);
+    let a2_lsn = append_as_receiver(&tracker, std::slice::from_ref(&a2));
+    tracker.apply_logged_additions(b_lsn, b.clone());
+    tracker.apply_logged_additions(a2_lsn, [a2.clone()]);
+    tracker.apply_logged_additions(a1_lsn, [a1.clone()]);
+    assert_eq!(tracker.unallocated_blocks(StreamId(1)), [a1.clone(), b[0].clone(), b[2].clone()]);
+    assert_eq!(tracker.unallocated_blocks(StreamId(2)), [b[1].clone(), a2.clone()]);
+    let unallocated_before = state_of(&tracker);
+    let (_copy, recovered) = open_copy(dir.path());
+    assert_eq!(state_of(&recovered), unallocated_before);
+
+    tracker.allocate_blocks_to_batch(BatchTime(200)).unwrap();
+    assert_eq!(
+        tracker.blocks_of_batch_and_stream(BatchTime(200), StreamId(1)),
+        [a1, b[0].clone(), b[2].clone()]
+    );
+    let before = state_of(&tracker);
+    drop(tracker);
+    assert_eq!(state_of(&open(dir.path(), true)), before);
+}
+
+/// Recovers a second tracker from a copy of the log while the first keeps it open.
+fn open_copy(dir: &Path) -> (tempfile::TempDir, ReceivedBlockTracker) {
+    let copy = tempfile::tempdir().unwrap();
+    let source = dir.join(RECEIVED_BLOCK_METADATA_DIR);
+    let target = copy.path().join(RECEIVED_BLOCK_METADATA_DIR);
+    std::fs::create_dir_all(&target).unwrap();
+    for entry in std::fs::read_dir(source).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), target.join(entry.file_name())).unwrap();
+    }
+    let tracker = open(copy.path(), true);
+    (copy, tracker)
+}
+
+#[test]
+fn pipelined_receivers_and_a_batch_loop_recover_to_the_exact_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = BlockTrackerConfig::new(STREAMS).checkpoint_dir(dir.path());
+    let tracker = ReceivedBlockTracker::open(config.clone(), Arc::new(SystemClock)).unwrap();
+    let wal = Arc::clone(tracker.wal().unwrap());
+    let bus = Bus::builder().inbox_shards(3).build().unwrap();
+    let endpoint =
+        bus.register("ReceivedBlockTracker", BlockTrackerEndpoint::new(tracker)).unwrap();
+    let per_receiver: u64 = if cfg!(miri) { 20 } else { 3_000 };
+    let receivers: Vec<_> = (0..2u64)
+        .map(|receiver| {
+            let (endpoint, wal) = (endpoint.clone(), wal.clone());
+            std::thread::spawn(move || {
+                let handle = BlockReceiver::connect(&endpoint).unwrap();
+                let make = |seq: u64| info(1 + (seq % 2) as i32, receiver * 1_000_000 + seq);
+                let mut in_flight = std::collections::VecDeque::new();
+                let mut seq = 0;
+                while seq < per_receiver {
+                    // Receiver 0 adds one block per record, receiver 1 up to 7.
+                    let count = if receiver == 0 { 1 } else { 1 + seq % 7 }.min(per_receiver - seq);
+                    let receipt = if count == 1 {
+                        handle.add_block(make(seq))
+                    } else {
+                        handle.add_blocks((seq..seq + count).map(make).collect())
+                    };
+                    in_flight.push_back(receipt);
+                    if in_flight.len() > 64 {
+                        let receipt = in_flight.pop_front().unwrap();
+                        let lsn = receipt.lsn().expect("logged and handed over");
+                        assert!(receipt.wait(), "addition not logged");
+                        assert!(wal.durable_lsn() >= lsn, "acknowledged before the sync");
+                    }
+                    seq += count;
+                }
+                in_flight.into_iter().all(|receipt| receipt.wait())
+            })
+        })
+        .collect();
+    let mut time = 0;
+    while receivers.iter().any(|receiver| !receiver.is_finished()) {
+        time += 10;
+        endpoint.ask(AllocateBlocksToBatch(BatchTime(time))).wait().unwrap();
+    }
+    for receiver in receivers {
+        assert!(receiver.join().unwrap());
+    }
+    // The hand-overs the receivers made are handled before this thread's next asks only per
+    // sender; wait until every block is in the state (bounded).
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let total = |endpoint: &coordbus::EndpointRef<BlockTrackerEndpoint>| -> u64 {
+        let allocated: usize = (1..=time / 10)
+            .map(|batch| {
+                endpoint.ask(GetBlocksOfBatch(BatchTime(batch * 10))).wait().unwrap().block_count()
+            })
+            .sum();
+        let unallocated: usize = STREAMS
+            .iter()
+            .map(|stream| endpoint.ask(GetUnallocatedBlocks(*stream)).wait().unwrap().len())
+            .sum();
+        (allocated + unallocated) as u64
+    };
+    while total(&endpoint) < 2 * per_receiver {
+        assert!(std::time::Instant::now() < deadline, "hand-overs did not arrive");
+        std::thread::yield_now();
+    }
+    time += 10;
+    endpoint.ask(AllocateBlocksToBatch(BatchTime(time))).wait().unwrap();
+    assert!(!endpoint.ask(HasUnallocatedBlocks).wait().unwrap());
+    // One more receiver record lands after the last allocation and stays unallocated.
+    let handle = BlockReceiver::connect(&endpoint).unwrap();
+    assert!(handle.add_blocks(vec![info(1, 7), info(2, 8)]).wait());
+
+    let mut before_batches = BTreeMap::new();
+    let mut seen = std::collections::HashSet::new();
+    for batch in 1..=time / 10 {
+        let blocks = endpoint.ask(GetBlocksOfBatch(BatchTime(batch * 10))).wait().unwrap();
+        for stream in blocks.streams() {
+            for block in &stream.blocks {
+                assert!(seen.insert(block.block_id()), "block allocated twice: {block:?}");
+            }
+        }
+        before_batches.insert(batch * 10, blocks);
+    }
+    assert_eq!(seen.len() as u64, 2 * per_receiver);
+    let before_unallocated: Vec<_> = STREAMS
+        .iter()
+        .map(|stream| endpoint.ask(GetUnallocatedBlocks(*stream)).wait().unwrap())
+        .collect();
+    assert_eq!(before_unallocated, [vec![info(1, 7)], vec![info(2, 8)]]);
+    endpoint.ask(StopTracker).wait().unwrap();
+    bus.shutdown().unwrap();
+
+    let recovered =
+        ReceivedBlockTracker::open(config.recover(true), Arc::new(SystemClock)).unwrap();
+    for (time, blocks) in before_batches {
+        assert_eq!(recovered.blocks_of_batch(BatchTime(time)), blocks, "batch {time}");
+    }
+    let after_unallocated: Vec<_> =
+        STREAMS.iter().map(|stream| recovered.unallocated_blocks(*stream)).collect();
+    assert_eq!(after_unallocated, before_unallocated);
+    assert_eq!(recovered.last_allocated_batch_time(), Some(BatchTime(time)));
+}
+
+/// Real files whose `fdatasync` waits while `held` and fails once `fail` is set.
+#[derive(Debug, Default)]
+struct Gate {
+    held: Mutex<bool>,
+    opened: Condvar,
+    fail: AtomicBool,
+}
+
+impl Gate {
+    fn set_held(&self, held: bool) {
+        *self.held.lock().unwrap() = held;
+        self.opened.notify_all();
+    }
+}
+
+#[derive(Debug)]
+struct GatedStorage(Arc<Gate>);
+
+#[derive(Debug)]
+struct GatedFile {
+    inner: Arc<dyn StorageFile>,
+    gate: Arc<Gate>,
+}
+
+impl Storage for GatedStorage {
+    fn create_dir_all(&self, dir: &Path) -> io::Result<()> {
+        FileStorage.create_dir_all(dir)
+    }
+    fn create(&self, path: &Path) -> io::Result<Arc<dyn StorageFile>> {
+        Ok(Arc::new(GatedFile { inner: FileStorage.create(path)?, gate: self.0.clone() }))
+    }
+    fn open_existing(&self, path: &Path) -> io::Result<Arc<dyn StorageFile>> {
+        Ok(Arc::new(GatedFile { inner: FileStorage.open_existing(path)?, gate: self.0.clone() }))
+    }
+    fn remove(&self, path: &Path) -> io::Result<()> {
+        FileStorage.remove(path)
+    }
+    fn sync_dir(&self, dir: &Path) -> io::Result<()> {
+        FileStorage.sync_dir(dir)
+    }
+}
+
+impl StorageFile for GatedFile {
+    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<usize> {
+        self.inner.write_at(buf, offset)
+    }
+    fn sync_data(&self) -> io::Result<()> {
+        let held = self.gate.held.lock().unwrap();
+        drop(self.gate.opened.wait_while(held, |held| *held).unwrap());
+        if self.gate.fail.load(Ordering::SeqCst) {
+            return Err(io::Error::from_raw_os_error(5)); // EIO
+        }
+        self.inner.sync_data()
+    }
+    fn allocate(&self, len: u64) -> io::Result<()> {
+        self.inner.allocate(len)
+    }
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        self.inner.set_len(len)
+    }
+    fn raw_fd(&self) -> Option<RawFd> {
+        None
+    }
+}
+
+fn gated_endpoint(
+    dir: &Path,
+    gate: &Arc<Gate>,
+) -> (Bus, coordbus::EndpointRef<BlockTrackerEndpoint>) {
+    let wal = Wal::open_with_options(
+        dir.join(RECEIVED_BLOCK_METADATA_DIR),
+        WalConfig::default(),
+        WalOptions {
+            io: IoMode::Pwrite,
+            storage: Arc::new(GatedStorage(gate.clone())),
+            ..WalOptions::default()
+        },
+    )
+    .unwrap();
+    let log: Arc<dyn BlockLog> = Arc::new(WalBlockLog::from_wal(Arc::new(wal)));
+    let tracker = ReceivedBlockTracker::with_log(
+        BlockTrackerConfig::new(STREAMS),
+        Arc::new(SystemClock),
+        Some(log),
+    )
+    .unwrap();
+    let bus = Bus::builder().build().unwrap();
+    let endpoint = bus.register("tracker", BlockTrackerEndpoint::new(tracker)).unwrap();
+    (bus, endpoint)
+}
+
+#[test]
+fn a_receipt_resolves_only_after_the_sync_and_queries_wait_for_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let gate = Arc::new(Gate::default());
+    let (bus, endpoint) = gated_endpoint(dir.path(), &gate);
+    let receiver = BlockReceiver::connect(&endpoint).unwrap();
+    gate.set_held(true);
+    let receipt = receiver.add_block(info(1, 1));
+    assert!(receipt.lsn().is_some());
+    assert_eq!(receipt.try_result(), None, "the sync is held: not durable yet");
+    // The query sees the handed-over block, but is answered only once it is durable.
+    let query = endpoint.ask(GetUnallocatedBlocks(StreamId(1)));
+    assert!(query.wait_timeout(Duration::from_millis(50)).is_err(), "answered before the sync");
+    gate.set_held(false);
+    assert!(receipt.wait());
+    assert_eq!(endpoint.ask(GetUnallocatedBlocks(StreamId(1))).wait().unwrap(), [info(1, 1)]);
+    endpoint.ask(StopTracker).wait().unwrap();
+    bus.shutdown().unwrap();
+}
+
+#[test]
+fn a_failed_sync_answers_false_and_rolls_handed_over_blocks_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let gate = Arc::new(Gate::default());
+    let (bus, endpoint) = gated_endpoint(dir.path(), &gate);
+    let receiver = BlockReceiver::connect(&endpoint).unwrap();
+    assert!(receiver.add_block(info(1, 1)).wait());
+    gate.set_held(true);
+    let lost = receiver.add_blocks(vec![info(1, 2), info(2, 3)]);
+    // The hand-over is applied before the next ask of this thread is handled.
+    let query = endpoint.ask(HasUnallocatedBlocks);
+    gate.fail.store(true, Ordering::SeqCst);
+    gate.set_held(false);
+    assert!(!lost.wait(), "the sync failed");
+    assert!(query.wait().is_err(), "the state it saw was not durable");
+    assert_eq!(endpoint.ask(GetUnallocatedBlocks(StreamId(1))).wait().unwrap(), [info(1, 1)]);
+    assert!(endpoint.ask(GetUnallocatedBlocks(StreamId(2))).wait().unwrap().is_empty());
+    // The failed log takes nothing more.
+    assert!(!receiver.add_block(info(1, 4)).wait());
+    assert_eq!(endpoint.ask(GetUnallocatedBlocks(StreamId(1))).wait().unwrap(), [info(1, 1)]);
+    endpoint.ask(StopTracker).wait().unwrap();
+    bus.shutdown().unwrap();
+}
