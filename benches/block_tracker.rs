@@ -6,10 +6,16 @@
 //!   endpoint only applies), 256 additions in flight.
 //! * `blocks/add_state_machine`: the same additions appended straight through the plain
 //!   tracker (`add_block_deferred`), made durable once at the end: the cost without the bus.
+//! * baseline `blocks/add_mutex_file_sync`: the plain way with the same durability, in the
+//!   same group: one thread pushes each block into a `Mutex<VecDeque>` and appends its encoded
+//!   event to a plain file, with one `fdatasync` per 256 additions (the same window).
 //! * `blocks/recover_100k`: constructing a tracker with recovery over 100 000 logged
-//!   additions (the WAL scan plus the replay).
+//!   additions (the WAL scan plus the replay). Baseline `blocks/recover_100k_plain_file`:
+//!   reading a plain file of the same 100 000 length-prefixed encoded events and decoding each
+//!   into a queue (no framing, checksums or segments).
 //! * `blocks/event_codec`: serializing and decoding (validated) one addition event in the
-//!   journal's compact layout.
+//!   journal's compact layout. Baseline `blocks/event_codec_rkyv`: the same block as an rkyv
+//!   archive (serialize, then validated access), the general-purpose zero-copy format.
 //!
 //! Smoke-run with `cargo bench --bench block_tracker -- --quick` (or `--test`).
 
@@ -18,6 +24,7 @@
 
 use std::{
     collections::VecDeque,
+    io::Write,
     sync::Arc,
     time::{Duration, Instant},
 };
@@ -101,6 +108,25 @@ fn add(c: &mut Criterion) {
             elapsed
         });
     });
+    group.bench_function("add_mutex_file_sync", |b| {
+        b.iter_custom(|iters| {
+            let dir = tempfile::tempdir().unwrap();
+            let mut file = std::fs::File::create(dir.path().join("plain.log")).unwrap();
+            let queue = std::sync::Mutex::new(VecDeque::new());
+            let started = Instant::now();
+            for unique_id in 0..iters {
+                let info = block(unique_id);
+                let event = TrackerEvent::BlockAddition(BlockAdditionEvent { info: info.clone() });
+                file.write_all(&event.encode().unwrap()).unwrap();
+                queue.lock().unwrap().push_back(info);
+                if unique_id % 256 == 255 {
+                    file.sync_data().unwrap();
+                }
+            }
+            file.sync_data().unwrap();
+            started.elapsed()
+        });
+    });
     group.bench_function("add_state_machine", |b| {
         b.iter_custom(|iters| {
             let dir = tempfile::tempdir().unwrap();
@@ -153,6 +179,36 @@ fn recover(c: &mut Criterion) {
             BatchSize::PerIteration,
         );
     });
+    let plain = dir.path().join("plain-events.bin");
+    {
+        let mut bytes = Vec::new();
+        for unique_id in 0..EVENTS {
+            let event = TrackerEvent::BlockAddition(BlockAdditionEvent { info: block(unique_id) });
+            let encoded = event.encode().unwrap();
+            bytes.extend_from_slice(&u32::try_from(encoded.len()).unwrap().to_le_bytes());
+            bytes.extend_from_slice(&encoded);
+        }
+        std::fs::write(&plain, bytes).unwrap();
+    }
+    group.bench_function("recover_100k_plain_file", |b| {
+        b.iter(|| {
+            let bytes = std::fs::read(&plain).unwrap();
+            let mut queue = VecDeque::new();
+            let mut rest = &bytes[..];
+            while let Some((length, tail)) = rest.split_first_chunk::<4>() {
+                let length = u32::from_le_bytes(*length) as usize;
+                let (event, tail) = tail.split_at(length);
+                // The journal's records are rkyv-framed: decoding needs them aligned, as the
+                // WAL's memory map gives them.
+                let mut aligned = rkyv::util::AlignedVec::<16>::new();
+                aligned.extend_from_slice(event);
+                queue.push_back(TrackerEvent::decode(&aligned).unwrap());
+                rest = tail;
+            }
+            assert_eq!(queue.len() as u64, EVENTS);
+            queue
+        });
+    });
     group.finish();
 }
 
@@ -164,6 +220,16 @@ fn codec(c: &mut Criterion) {
         b.iter(|| {
             let bytes = std::hint::black_box(&event).encode().unwrap();
             TrackerEvent::decode(&bytes).unwrap()
+        });
+    });
+    let info = block(42);
+    group.bench_function("event_codec_rkyv", |b| {
+        b.iter(|| {
+            let bytes = rkyv::to_bytes::<rkyv::rancor::Error>(std::hint::black_box(&info)).unwrap();
+            let archived =
+                rkyv::access::<rkyv::Archived<ReceivedBlockInfo>, rkyv::rancor::Error>(&bytes)
+                    .unwrap();
+            rkyv::deserialize::<ReceivedBlockInfo, rkyv::rancor::Error>(archived).unwrap()
         });
     });
     group.finish();
