@@ -360,17 +360,9 @@ impl<T> LaneTable<T> {
         unsafe { pointer.as_ref() }
     }
 
-    /// Producer: the caller's lane (its producer index), allocated on first use.
-    #[inline(always)]
-    pub(crate) fn own(&self, index: usize) -> &Lane<T> {
-        match self.get(index) {
-            Some(lane) => lane,
-            None => self.allocate(index),
-        }
-    }
-
+    /// Producer (the holder of `index` only): allocates its lane, on its first push.
     #[cold]
-    fn allocate(&self, index: usize) -> &Lane<T> {
+    pub(crate) fn allocate(&self, index: usize) -> &Lane<T> {
         let pointer = Box::into_raw(Box::new(Lane::with_capacity(self.lane_capacity)));
         // Only the owner of `index` allocates it, so nobody else can have stored meanwhile.
         self.lanes[index].store(pointer, Ordering::Release);
@@ -451,7 +443,7 @@ mod tests {
         let closed = open();
         let table = LaneTable::new(4, 4);
         assert!(table.get(2).is_none());
-        let lane = table.own(2);
+        let lane = table.allocate(2);
         lane.push(Arc::clone(&marker), &closed, BarrierMode::Fenced).unwrap();
         lane.push(Arc::clone(&marker), &closed, BarrierMode::Fenced).unwrap();
         lane.pop_batch(1, drop);

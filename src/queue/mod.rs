@@ -126,7 +126,7 @@ impl<T> ShardedQueue<T> {
     }
 
     /// Like [`ShardedQueue::new`] with `lane_count` lane places (0: every producer uses the
-    /// shared rings).
+    /// shared rings; at most [`MAX_LANES`]).
     pub fn with_lanes(lane_count: usize, shard_count: usize, capacity_per_shard: usize) -> Self {
         Self::with_barrier(BarrierMode::detect(), lane_count, shard_count, capacity_per_shard)
     }
@@ -141,7 +141,7 @@ impl<T> ShardedQueue<T> {
     ) -> Self {
         let shard_count = shard_count.max(1).next_power_of_two();
         Self {
-            lanes: LaneTable::new(lane_count, capacity_per_shard),
+            lanes: LaneTable::new(lane_count.min(MAX_LANES), capacity_per_shard),
             shards: (0..shard_count).map(|_| Ring::with_capacity(capacity_per_shard)).collect(),
             close_state: CachePadded::default(),
             barrier,
@@ -198,11 +198,23 @@ impl<T> ShardedQueue<T> {
     #[inline(always)]
     fn target(&self) -> Target<'_, T> {
         let index = producer_index();
-        if index < self.lanes.count() {
-            Target::Lane(self.lanes.own(index))
-        } else {
-            Target::Shard(self.shared_ring(index))
+        match self.own_lane(index) {
+            Some(lane) => Target::Lane(lane),
+            // No lane place, or closed before this thread's lane existed: the (closed) ring
+            // answers.
+            None => Target::Shard(self.shared_ring(index)),
         }
+    }
+
+    /// The lane of the producer with `index`, allocated on first use; `None` if `index` has no
+    /// lane place, or if the queue is closed and the lane was never allocated (no memory for a
+    /// lane that could never take a message).
+    #[inline(always)]
+    fn own_lane(&self, index: usize) -> Option<&Lane<T>> {
+        if index >= self.lanes.count() {
+            return None;
+        }
+        self.lanes.get(index).or_else(|| (!self.is_closed()).then(|| self.lanes.allocate(index)))
     }
 
     #[inline(always)]
@@ -218,10 +230,10 @@ impl<T> ShardedQueue<T> {
     #[inline(always)]
     pub fn try_push(&self, value: T) -> Result<(), QueueError<T>> {
         let index = producer_index();
-        if index >= self.lanes.count() {
+        let Some(lane) = self.own_lane(index) else {
             return self.try_push_shared(index, value);
-        }
-        match self.lanes.own(index).push(value, &self.close_state.closed, self.barrier) {
+        };
+        match lane.push(value, &self.close_state.closed, self.barrier) {
             Ok(()) => {
                 self.doorbell.ring();
                 Ok(())
@@ -608,6 +620,15 @@ mod tests {
             assert_eq!(seen, vec![1, 2], "{kind}");
             assert!(consumer.is_drained(), "{kind}");
         }
+    }
+
+    #[test]
+    fn push_after_close_allocates_no_lane() {
+        let queue = ShardedQueue::<u32>::with_lanes(MAX_LANES, 1, 1 << 10);
+        queue.close();
+        assert_eq!(queue.try_push(1), Err(QueueError::Closed(1)));
+        assert_eq!(queue.push_batch(vec![2, 3], None), Err(QueueError::Closed(vec![2, 3])));
+        assert_eq!(queue.lanes.allocated().count(), 0);
     }
 
     /// Producers keep pushing while the queue closes under them: every push that returned
