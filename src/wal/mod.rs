@@ -14,6 +14,7 @@
 //! * `reader`: memory maps, record guards and the in-order iterator.
 //! * `recovery`: the scan run when a log is opened (and by `coordbus-wal verify`).
 //! * `storage`: the file layer the sync thread writes through (fault injection in tests).
+//! * `lock`: the directory lock that keeps a second writer out.
 //!
 //! ## Data path
 //! An appender serializes its value (rkyv) with no lock held, then takes the append lock for a
@@ -80,8 +81,13 @@
 //!   deletion is durable on return.
 //! * Close flushes and syncs everything appended before it (the rule), then rejects
 //!   appends with [`WalError::Closed`].
-//! * Two `Wal` objects must not write the same directory at once (not detected).
+//! * Two `Wal` objects never write the same directory at once: a writer holds an exclusive
+//!   `flock` on the directory from `open` (or, for a directory that did not exist yet, from its
+//!   creation by the first write) until its sync thread exits at close/drop; a second open
+//!   fails with [`WalError::Locked`] naming the directory. Read-only opens take no lock, and
+//!   [`is_locked`] tells tools whether a live writer holds it. Details in `lock`.
 
+pub(crate) mod lock;
 pub(crate) mod reader;
 pub(crate) mod recovery;
 pub mod segment;
@@ -103,6 +109,7 @@ use std::{
 
 use crossbeam_utils::CachePadded;
 
+pub use self::lock::is_locked;
 use self::segment::{Segment, SegmentHeader, Window, HEADER_LEN as SEGMENT_HEADER_LEN};
 pub use self::{
     reader::{ArchivedRecord, RecordBytes, RecordRef, WalIter},
@@ -646,7 +653,8 @@ impl Wal {
     /// (SPEC E.3).
     ///
     /// # Errors
-    /// [`WalError::InvalidConfig`], [`WalError::Corruption`] (strict mode),
+    /// [`WalError::Locked`] if another `Wal` (in this or another process) has `dir` open for
+    /// writing, [`WalError::InvalidConfig`], [`WalError::Corruption`] (strict mode),
     /// [`WalError::UnsupportedVersion`], [`WalError::Io`].
     pub fn open(dir: impl AsRef<Path>, config: WalConfig) -> Result<Wal, WalError> {
         Self::open_with_options(dir, config, WalOptions::default())
@@ -696,6 +704,10 @@ impl Wal {
             },
         };
         let io_path = engine.path();
+        // Lock before recovery reads or cuts anything: a second writer must not even recover
+        // (it would cut the first one's in-flight tail). Read-only opens change nothing and
+        // take no lock.
+        let dir_lock = if options.read_only { None } else { lock::DirLock::try_acquire(&dir)? };
         let recovered =
             recovery::recover(&dir, &config, options.storage.as_ref(), options.read_only)?;
         tracing::info!(dir = ?dir, report = %recovered.report, io_path = io_path.as_str(),
@@ -747,7 +759,7 @@ impl Wal {
             Some(
                 std::thread::Builder::new()
                     .name("coordbus-wal-sync".into())
-                    .spawn(move || writer::run(thread_shared, engine))
+                    .spawn(move || writer::run(thread_shared, engine, dir_lock))
                     .map_err(|error| {
                         WalError::from_io("spawn sync thread", dir.clone(), 0, &error)
                     })?,

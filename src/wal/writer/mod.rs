@@ -22,8 +22,8 @@ use std::{
 use crate::{
     error::WalError,
     wal::{
-        lock, reader::SegmentMap, segment::Segment, storage::StorageFile, Chunk, Durability,
-        IoPath, Shared,
+        lock, lock::DirLock, reader::SegmentMap, segment::Segment, storage::StorageFile, Chunk,
+        Durability, IoPath, Shared,
     },
 };
 
@@ -71,11 +71,14 @@ struct Writer {
     engine: Box<dyn IoEngine>,
     current: Option<OpenSegment>,
     dir_ready: bool,
+    /// The directory lock (module `wal::lock`): taken at open if the directory existed, else
+    /// when this thread creates it. Dropped when this thread exits, after the last sync.
+    dir_lock: Option<DirLock>,
 }
 
 /// The sync thread's body; returns when the log closes.
-pub(crate) fn run(shared: Arc<Shared>, engine: Box<dyn IoEngine>) {
-    let mut writer = Writer { shared, engine, current: None, dir_ready: false };
+pub(crate) fn run(shared: Arc<Shared>, engine: Box<dyn IoEngine>, dir_lock: Option<DirLock>) {
+    let mut writer = Writer { shared, engine, current: None, dir_ready: false, dir_lock };
     // The second staging buffer, sized like the first so neither regrows (and re-faults fresh
     // pages) in steady state.
     let mut spare_buf: Vec<u8> = Vec::with_capacity(lock(&writer.shared.append).buf.capacity());
@@ -104,6 +107,8 @@ pub(crate) fn run(shared: Arc<Shared>, engine: Box<dyn IoEngine>) {
         spare_buf.clear();
         spare_chunks.clear();
     }
+    // Everything is written and synced (or the log failed): another writer may take over.
+    writer.dir_lock = None;
     let leftover = {
         let mut sync = lock(&writer.shared.sync);
         sync.writer_exited = true;
@@ -256,6 +261,11 @@ impl Writer {
                 storage
                     .sync_dir(parent)
                     .map_err(|error| WalError::from_io("sync directory", parent, 0, &error))?;
+            }
+            if self.dir_lock.is_none() {
+                // The directory did not exist at open; another writer may have created and
+                // locked it since. Nothing is written before the lock is held.
+                self.dir_lock = Some(DirLock::acquire_existing(&shared.dir)?);
             }
             self.dir_ready = true;
         }
