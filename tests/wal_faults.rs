@@ -1,11 +1,16 @@
 //! Fault injection through the WAL's storage trait: fsync failure (EIO), disk full (ENOSPC on
-//! preallocation and on write), short writes.
+//! preallocation and on write), short writes, on both I/O paths.
 //!
 //! Goal (SPEC 0.6): after a failed sync the log accepts no more writes and never reports the
 //! failed records durable; disk full is a clear error; records acknowledged before the failure
 //! are intact after reopening; short writes are completed, not lost.
-//! Method: a `FaultStorage` wraps the real file layer and fails on command. It hides the file
-//! descriptors, so the sync thread writes through the trait even when io_uring is available.
+//! Method: a `FaultStorage` wraps the real file layer and fails on command. Every test runs
+//! twice: on the pwrite path (the fault file hides its descriptor, so writes and syncs go
+//! through `write_at`/`sync_data`, which fail) and with the io_uring writer live (the fault
+//! file exposes the real descriptor and answers `ring_fault`, so the writes and `fdatasync`s
+//! submitted to the ring complete with the injected EIO/ENOSPC or are shortened). The uring
+//! variant checks that the ring really consulted the fault plan; it is skipped, with a printed
+//! reason, only if the kernel refuses io_uring.
 
 use std::{
     io,
@@ -19,7 +24,8 @@ use std::{
 };
 
 use coordbus::wal::{
-    Durability, FileStorage, Lsn, Storage, StorageFile, Wal, WalConfig, WalError, WalOptions,
+    Durability, FileStorage, IoMode, IoPath, Lsn, RingFault, RingOp, Storage, StorageFile, Wal,
+    WalConfig, WalError, WalOptions,
 };
 
 #[derive(Debug, Default)]
@@ -32,7 +38,12 @@ struct Faults {
     write_enospc: AtomicBool,
     /// Write at most this many bytes per call (0: no limit).
     short_write_bytes: AtomicU64,
+    /// Successful syncs (either path).
     syncs: AtomicU64,
+    /// Operations the io_uring engine submitted after asking the fault plan.
+    ring_ops: AtomicU64,
+    /// Expose the descriptor so the io_uring engine writes the file itself.
+    ring: bool,
 }
 
 #[derive(Debug)]
@@ -101,16 +112,91 @@ impl StorageFile for FaultFile {
     }
 
     fn raw_fd(&self) -> Option<RawFd> {
-        None
+        if self.faults.ring {
+            self.inner.raw_fd()
+        } else {
+            None
+        }
+    }
+
+    fn ring_fault(&self, op: RingOp) -> Option<RingFault> {
+        self.faults.ring_ops.fetch_add(1, Ordering::SeqCst);
+        match op {
+            RingOp::SyncData if self.faults.sync_eio.load(Ordering::SeqCst) => {
+                Some(RingFault::Errno(libc::EIO))
+            }
+            RingOp::SyncData => {
+                self.faults.syncs.fetch_add(1, Ordering::SeqCst);
+                None
+            }
+            RingOp::Write { .. } if self.faults.write_enospc.load(Ordering::SeqCst) => {
+                Some(RingFault::Errno(libc::ENOSPC))
+            }
+            RingOp::Write { len, .. } => {
+                let limit = self.faults.short_write_bytes.load(Ordering::SeqCst) as usize;
+                (limit > 0 && len > limit).then_some(RingFault::ShortWrite(limit))
+            }
+            _ => None,
+        }
     }
 }
 
-fn open_faulty(dir: &Path, durability: Durability, segment_size_bytes: u64) -> (Wal, Arc<Faults>) {
-    let faults = Arc::new(Faults::default());
+/// The two write paths every test runs on.
+#[derive(Debug, Clone, Copy)]
+enum IoVariant {
+    Pwrite,
+    Uring,
+}
+
+/// Runs `test` on both paths (the uring one only if the kernel allows io_uring).
+fn on_both_paths(test: impl Fn(IoVariant)) {
+    test(IoVariant::Pwrite);
+    match io_uring_refusal() {
+        None => test(IoVariant::Uring),
+        Some(reason) => {
+            eprintln!("skipping the io_uring variant: the kernel refuses io_uring: {reason}")
+        }
+    }
+}
+
+/// Why the kernel refuses io_uring, if it does.
+fn io_uring_refusal() -> Option<String> {
+    let dir = tempfile::tempdir().unwrap();
+    match Wal::open_with_options(
+        dir.path(),
+        WalConfig::default(),
+        WalOptions { io: IoMode::IoUring, ..WalOptions::default() },
+    ) {
+        Ok(_) => None,
+        Err(error) => Some(error.to_string()),
+    }
+}
+
+/// After a test: on the uring path, the ring must have asked the fault plan (so the faults hit
+/// the live io_uring writer, not a fallback).
+fn assert_path_used(wal: &Wal, faults: &Faults) {
+    if faults.ring {
+        assert_eq!(wal.io_path(), IoPath::IoUring);
+        assert!(faults.ring_ops.load(Ordering::SeqCst) > 0, "the ring never saw the fault plan");
+    } else {
+        assert_eq!(wal.io_path(), IoPath::Pwrite);
+        assert_eq!(faults.ring_ops.load(Ordering::SeqCst), 0);
+    }
+}
+
+fn open_faulty(
+    path: IoVariant,
+    dir: &Path,
+    durability: Durability,
+    segment_size_bytes: u64,
+) -> (Wal, Arc<Faults>) {
+    let ring = matches!(path, IoVariant::Uring);
+    let faults = Arc::new(Faults { ring, ..Faults::default() });
     let wal = Wal::open_with_options(
         dir,
         WalConfig { segment_size_bytes, durability, ..WalConfig::default() },
         WalOptions {
+            io: if ring { IoMode::IoUring } else { IoMode::Pwrite },
             storage: Arc::new(FaultStorage { faults: Arc::clone(&faults) }),
             ..WalOptions::default()
         },
@@ -127,9 +213,13 @@ fn records(dir: &Path) -> Vec<Vec<u8>> {
 
 #[test]
 fn a_failed_fsync_fails_the_log_for_good_and_keeps_acknowledged_records() {
+    on_both_paths(a_failed_fsync_fails_the_log_for_good_on);
+}
+
+fn a_failed_fsync_fails_the_log_for_good_on(path: IoVariant) {
     for durability in [Durability::default(), Durability::EveryRecord] {
         let dir = tempfile::tempdir().unwrap();
-        let (wal, faults) = open_faulty(dir.path(), durability, 1 << 20);
+        let (wal, faults) = open_faulty(path, dir.path(), durability, 1 << 20);
         let (acked, _) = wal.append_bytes(b"acknowledged", 1).unwrap();
         wal.wait_durable(acked).unwrap();
         faults.sync_eio.store(true, Ordering::SeqCst);
@@ -151,6 +241,7 @@ fn a_failed_fsync_fails_the_log_for_good_and_keeps_acknowledged_records() {
         assert!(receiver.recv_timeout(Duration::from_secs(10)).unwrap().is_err());
         assert!(matches!(wal.close(), Err(WalError::Failed { .. })));
         assert!(wal.durable_lsn() < doomed);
+        assert_path_used(&wal, &faults);
         drop(wal);
         let found = records(dir.path());
         assert_eq!(found[0], b"acknowledged");
@@ -159,8 +250,12 @@ fn a_failed_fsync_fails_the_log_for_good_and_keeps_acknowledged_records() {
 
 #[test]
 fn disk_full_on_preallocation_is_a_clear_error() {
+    on_both_paths(disk_full_on_preallocation_on);
+}
+
+fn disk_full_on_preallocation_on(path: IoVariant) {
     let dir = tempfile::tempdir().unwrap();
-    let (wal, faults) = open_faulty(dir.path(), Durability::EveryRecord, 4096);
+    let (wal, faults) = open_faulty(path, dir.path(), Durability::EveryRecord, 4096);
     let mut acknowledged = Vec::new();
     for index in 0..20u8 {
         let (lsn, _) = wal.append_bytes(&[index; 100], 0).unwrap();
@@ -193,6 +288,7 @@ fn disk_full_on_preallocation_is_a_clear_error() {
     let later = wal.append_bytes(b"x", 0).unwrap_err();
     assert!(matches!(later.root_cause(), WalError::DiskFull { .. }));
     let _ = wal.close();
+    assert_path_used(&wal, &faults);
     drop(wal);
     let found = records(dir.path());
     assert_eq!(&found[..20], &acknowledged[..]);
@@ -200,22 +296,34 @@ fn disk_full_on_preallocation_is_a_clear_error() {
 
 #[test]
 fn disk_full_on_write_is_a_clear_error() {
+    on_both_paths(disk_full_on_write_on);
+}
+
+fn disk_full_on_write_on(path: IoVariant) {
     let dir = tempfile::tempdir().unwrap();
-    let (wal, faults) = open_faulty(dir.path(), Durability::default(), 1 << 20);
+    let (wal, faults) = open_faulty(path, dir.path(), Durability::default(), 1 << 20);
     let (acked, _) = wal.append_bytes(b"before", 0).unwrap();
     wal.wait_durable(acked).unwrap();
     faults.write_enospc.store(true, Ordering::SeqCst);
     let (lsn, _) = wal.append_bytes(b"after", 0).unwrap();
     let error = wal.wait_durable(lsn).unwrap_err();
     assert!(matches!(error.root_cause(), WalError::DiskFull { op: "write", .. }), "{error:?}");
+    assert!(error.to_string().contains("disk full"), "{error}");
+    assert!(wal.durable_lsn() < lsn);
+    assert!(matches!(wal.append_bytes(b"later", 0), Err(WalError::Failed { .. })));
+    assert_path_used(&wal, &faults);
     drop(wal);
     assert_eq!(records(dir.path()), vec![b"before".to_vec()]);
 }
 
 #[test]
 fn short_writes_are_completed() {
+    on_both_paths(short_writes_are_completed_on);
+}
+
+fn short_writes_are_completed_on(path: IoVariant) {
     let dir = tempfile::tempdir().unwrap();
-    let (wal, faults) = open_faulty(dir.path(), Durability::default(), 64 << 10);
+    let (wal, faults) = open_faulty(path, dir.path(), Durability::default(), 64 << 10);
     faults.short_write_bytes.store(7, Ordering::SeqCst);
     let mut expected = Vec::new();
     let mut last = Lsn::ZERO;
@@ -227,6 +335,7 @@ fn short_writes_are_completed() {
     wal.wait_durable(last).unwrap();
     assert!(faults.syncs.load(Ordering::SeqCst) > 0);
     wal.close().unwrap();
+    assert_path_used(&wal, &faults);
     drop(wal);
     assert_eq!(records(dir.path()), expected);
 }

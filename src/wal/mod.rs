@@ -114,7 +114,7 @@ use self::segment::{Segment, SegmentHeader, Window, HEADER_LEN as SEGMENT_HEADER
 pub use self::{
     reader::{ArchivedRecord, RecordBytes, RecordRef, WalIter},
     recovery::{scan_dir, CorruptionNote, DirScan, RecoveryReport, SegmentSummary, TornTail},
-    storage::{FileStorage, RealFile, Storage, StorageFile},
+    storage::{FileStorage, RealFile, RingFault, RingOp, Storage, StorageFile},
 };
 pub use crate::error::WalError;
 use crate::{

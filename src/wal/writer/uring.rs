@@ -26,6 +26,7 @@ use io_uring::{opcode, squeue, types, IoUring};
 use crate::{
     error::WalError,
     wal::{
+        storage::{RingFault, RingOp, StorageFile},
         writer::{
             pwrite::{sync_file, write_all_at},
             IoEngine, SyncTarget, WriteOp,
@@ -113,17 +114,18 @@ impl IoEngine for UringEngine {
         for (batch_index, batch) in batches.into_iter().enumerate() {
             let with_sync = sync.filter(|_| batch_index + 1 == batch_count);
             let mut expected = 0usize;
+            // Results injected by the storage's fault plan, per slot (and for the sync).
+            let mut injected: Vec<Option<i32>> = vec![None; batch.len()];
+            let mut sync_injected: Option<i32> = None;
             {
                 let mut submission = self.ring.submission();
                 for (slot, piece) in batch.iter().enumerate() {
                     let op = &ops[piece.op];
                     let fd = op.file.raw_fd().expect("checked above");
-                    let len = u32::try_from(piece.len).expect("pieces are at most 1 MiB");
-                    let entry =
-                        opcode::Write::new(types::Fd(fd), op.buf[piece.start..].as_ptr(), len)
-                            .offset(op.offset + piece.start as u64)
-                            .build()
-                            .user_data(slot as u64);
+                    let file_offset = op.offset + piece.start as u64;
+                    let (entry, fault) = write_entry(op.file, fd, op.buf, *piece, file_offset);
+                    injected[slot] = fault;
+                    let entry = entry.user_data(slot as u64);
                     // SAFETY: the buffer `op.buf[piece.start..piece.start + len]` is borrowed
                     // from `ops` for this whole call, and this function does not return before
                     // every submitted entry completed (submit_and_wait below waits for all), so
@@ -135,11 +137,9 @@ impl IoEngine for UringEngine {
                 }
                 if let Some(target) = with_sync {
                     let fd = target.file.raw_fd().expect("checked above");
-                    let entry = opcode::Fsync::new(types::Fd(fd))
-                        .flags(types::FsyncFlags::DATASYNC)
-                        .build()
-                        .flags(squeue::Flags::IO_DRAIN)
-                        .user_data(SYNC_USER_DATA);
+                    let (entry, fault) = sync_entry(target.file, fd);
+                    sync_injected = fault;
+                    let entry = entry.flags(squeue::Flags::IO_DRAIN).user_data(SYNC_USER_DATA);
                     // SAFETY: an fsync entry carries no buffer; the descriptor stays open for
                     // the call, which waits for the completion below.
                     unsafe { submission.push(&entry) }.expect("ring has room for the sync");
@@ -162,8 +162,8 @@ impl IoEngine for UringEngine {
                 }
                 for entry in self.ring.completion() {
                     completed += 1;
-                    let result = entry.result();
                     if entry.user_data() == SYNC_USER_DATA {
+                        let result = sync_injected.unwrap_or(entry.result());
                         let target = with_sync.expect("a sync was submitted");
                         if result < 0 {
                             let error = std::io::Error::from_raw_os_error(-result);
@@ -178,7 +178,9 @@ impl IoEngine for UringEngine {
                         }
                         continue;
                     }
-                    let piece = batch[entry.user_data() as usize];
+                    let slot = entry.user_data() as usize;
+                    let piece = batch[slot];
+                    let result = injected[slot].unwrap_or(entry.result());
                     if result < 0 {
                         let error = std::io::Error::from_raw_os_error(-result);
                         if error.kind() == std::io::ErrorKind::Interrupted {
@@ -225,6 +227,38 @@ impl IoEngine for UringEngine {
             sync_file(target)?;
         }
         Ok(())
+    }
+}
+
+/// The ring entry for writing `piece` of `buf` at `file_offset`, as the file's fault plan
+/// (`StorageFile::ring_fault`) has it: the real write, a shorter one, or a no-op standing in
+/// for a failed write (its injected result, a negative errno, is returned beside it).
+fn write_entry(
+    file: &dyn StorageFile,
+    fd: RawFd,
+    buf: &[u8],
+    piece: Piece,
+    file_offset: u64,
+) -> (squeue::Entry, Option<i32>) {
+    let mut len = piece.len;
+    match file.ring_fault(RingOp::Write { offset: file_offset, len }) {
+        None => {}
+        Some(RingFault::Errno(errno)) => return (opcode::Nop::new().build(), Some(-errno.abs())),
+        Some(RingFault::ShortWrite(max)) => len = len.min(max.max(1)),
+    }
+    let len = u32::try_from(len).expect("pieces are at most 1 MiB");
+    let entry = opcode::Write::new(types::Fd(fd), buf[piece.start..].as_ptr(), len)
+        .offset(file_offset)
+        .build();
+    (entry, None)
+}
+
+/// The ring entry for `fdatasync` of `fd`, or a no-op with an injected errno (see
+/// [`write_entry`]).
+fn sync_entry(file: &dyn StorageFile, fd: RawFd) -> (squeue::Entry, Option<i32>) {
+    match file.ring_fault(RingOp::SyncData) {
+        Some(RingFault::Errno(errno)) => (opcode::Nop::new().build(), Some(-errno.abs())),
+        _ => (opcode::Fsync::new(types::Fd(fd)).flags(types::FsyncFlags::DATASYNC).build(), None),
     }
 }
 
