@@ -40,10 +40,23 @@ struct Faults {
     short_write_bytes: AtomicU64,
     /// Successful syncs (either path).
     syncs: AtomicU64,
+    /// Fail every sync from this one on (1-based count of syncs asked for; 0: never).
+    fail_sync_from: AtomicU64,
+    /// Syncs asked for (either path).
+    sync_requests: AtomicU64,
     /// Operations the io_uring engine submitted after asking the fault plan.
     ring_ops: AtomicU64,
     /// Expose the descriptor so the io_uring engine writes the file itself.
     ring: bool,
+}
+
+impl Faults {
+    /// Counts a sync request; true if the plan fails it.
+    fn planned_sync_failure(&self) -> bool {
+        let number = self.sync_requests.fetch_add(1, Ordering::SeqCst) + 1;
+        let from = self.fail_sync_from.load(Ordering::SeqCst);
+        from > 0 && number >= from
+    }
 }
 
 #[derive(Debug)]
@@ -93,7 +106,7 @@ impl StorageFile for FaultFile {
     }
 
     fn sync_data(&self) -> io::Result<()> {
-        if self.faults.sync_eio.load(Ordering::SeqCst) {
+        if self.faults.sync_eio.load(Ordering::SeqCst) || self.faults.planned_sync_failure() {
             return Err(io::Error::from_raw_os_error(libc::EIO));
         }
         self.faults.syncs.fetch_add(1, Ordering::SeqCst);
@@ -122,7 +135,10 @@ impl StorageFile for FaultFile {
     fn ring_fault(&self, op: RingOp) -> Option<RingFault> {
         self.faults.ring_ops.fetch_add(1, Ordering::SeqCst);
         match op {
-            RingOp::SyncData if self.faults.sync_eio.load(Ordering::SeqCst) => {
+            RingOp::SyncData
+                if self.faults.sync_eio.load(Ordering::SeqCst)
+                    || self.faults.planned_sync_failure() =>
+            {
                 Some(RingFault::Errno(libc::EIO))
             }
             RingOp::SyncData => {
@@ -338,4 +354,79 @@ fn short_writes_are_completed_on(path: IoVariant) {
     assert_path_used(&wal, &faults);
     drop(wal);
     assert_eq!(records(dir.path()), expected);
+}
+
+#[test]
+fn a_failed_fsync_amid_concurrent_groups_never_reports_a_later_group_durable() {
+    on_both_paths(a_failed_fsync_amid_concurrent_groups_on);
+}
+
+/// Two appenders and small groups, so several groups are on the ring when the eighth sync
+/// fails (io_uring path). Every record is watched with a durability callback: exactly the LSNs up to
+/// the final durable watermark are acknowledged, they are contiguous from 1, and all of them
+/// are intact after reopening; everything later is reported failed.
+fn a_failed_fsync_amid_concurrent_groups_on(path: IoVariant) {
+    let dir = tempfile::tempdir().unwrap();
+    let durability =
+        Durability::GroupCommit { max_delay: Duration::from_micros(20), max_bytes: 2048 };
+    let (wal, faults) = open_faulty(path, dir.path(), durability, 1 << 20);
+    faults.fail_sync_from.store(8, Ordering::SeqCst);
+    let wal = Arc::new(wal);
+    let outcomes = Arc::new(std::sync::Mutex::new(Vec::<(u64, bool)>::new()));
+    let appenders: Vec<_> = (0..2u8)
+        .map(|thread| {
+            let wal = Arc::clone(&wal);
+            let outcomes = Arc::clone(&outcomes);
+            std::thread::spawn(move || {
+                let mut appended = Vec::new();
+                for index in 0..3000u32 {
+                    let mut payload = vec![thread; 40];
+                    payload[1..5].copy_from_slice(&index.to_le_bytes());
+                    let Ok((lsn, _)) = wal.append_bytes(&payload, 0) else {
+                        break;
+                    };
+                    let outcomes = Arc::clone(&outcomes);
+                    wal.notify_when_durable(
+                        lsn,
+                        Box::new(move |result| {
+                            outcomes.lock().unwrap().push((lsn.0, result.is_ok()))
+                        }),
+                    );
+                    appended.push((lsn.0, payload));
+                    // Pause now and then for durability, so there are many groups and syncs.
+                    if index % 100 == 99 && wal.wait_durable(lsn).is_err() {
+                        break;
+                    }
+                }
+                appended
+            })
+        })
+        .collect();
+    let mut appended: Vec<(u64, Vec<u8>)> =
+        appenders.into_iter().flat_map(|appender| appender.join().unwrap()).collect();
+    appended.sort();
+    // Close runs every pending callback (durable, failed or closed) before it returns.
+    let error = wal.close().unwrap_err();
+    match error.root_cause() {
+        WalError::Io { op, message, .. } => {
+            assert_eq!(*op, "fdatasync");
+            assert!(message.contains("Input/output error"), "{message}");
+        }
+        other => panic!("expected the fdatasync error, got {other:?}"),
+    }
+    assert_path_used(&wal, &faults);
+    let durable = wal.durable_lsn().0;
+    let outcomes = outcomes.lock().unwrap().clone();
+    assert_eq!(outcomes.len(), appended.len(), "every callback ran once");
+    let mut acknowledged: Vec<u64> =
+        outcomes.iter().filter(|(_, ok)| *ok).map(|(lsn, _)| *lsn).collect();
+    acknowledged.sort();
+    assert_eq!(acknowledged, (1..=durable).collect::<Vec<_>>(), "acknowledged = 1..=durable");
+    assert!(durable < appended.last().unwrap().0, "the failure left records unacknowledged");
+    drop(wal);
+    let found = records(dir.path());
+    assert!(found.len() as u64 >= durable);
+    for (lsn, payload) in appended.iter().take(durable as usize) {
+        assert_eq!(&found[*lsn as usize - 1], payload, "LSN {lsn}");
+    }
 }
