@@ -18,14 +18,10 @@
 //! * `lock`: the directory lock that keeps a second writer out.
 //!
 //! ## Data path
-//! An appender serializes its value (rkyv) and frames it (header, CRC32C, padding) into a
-//! per-thread scratch buffer with no lock held, for the LSN it will most likely get (the one
-//! after the last appended). It then takes the append lock for a few tens of nanoseconds:
-//! it assigns the LSN and the place (segment, offset), rolls to a new segment if needed, and
-//! copies the finished frame into the staging buffer. If another appender took the guessed
-//! LSN first (contention), the frame is encoded again under the lock (the CRC is over the
-//! header, LSN included, so it cannot be patched). One appender never misses; so the CRC of a
-//! large record is computed outside the critical section whenever appenders do not race. The sync thread swaps
+//! An appender serializes its value (rkyv) with no lock held, then takes the append lock for a
+//! few tens of nanoseconds: it assigns the LSN and the place (segment, offset), rolls to a new
+//! segment if needed, and copies the frame into the staging buffer, computing its CRC in the
+//! same pass (hardware CRC32C: a few nanoseconds for a 96-byte frame). The sync thread swaps
 //! the staging buffer for an empty one, writes it with one submission (io_uring) or a few
 //! `pwrite`s, and syncs; then it publishes the durable LSN and runs the durability callbacks.
 //! Appenders never wait for I/O; they wait only when the staging buffer is full (two groups of
@@ -158,9 +154,6 @@ use crate::{
 /// in force is twice the group size (`max_bytes`) clamped to 1 MiB ..= this, or 8 MiB without
 /// group commit.
 pub const STAGING_LIMIT_BYTES: usize = 64 << 20;
-
-/// Capacity an appender thread's framing scratch buffer keeps between appends.
-const SCRATCH_KEEP_BYTES: u64 = 64 << 10;
 
 /// The staging limit for `durability`.
 fn staging_limit(durability: Durability) -> usize {
@@ -439,10 +432,6 @@ pub struct WalStats {
     pub appends: u64,
     /// Framed bytes appended since opening.
     pub bytes: u64,
-    /// Appends whose frame (header, CRC) was computed before the append lock: the LSN guessed
-    /// outside the lock was right (always, with one appender). The others were framed again
-    /// under the lock because another appender took that LSN first.
-    pub appends_framed_outside_lock: u64,
     /// Groups written by the sync thread.
     pub groups: u64,
     /// `fdatasync` calls completed.
@@ -505,8 +494,6 @@ pub(crate) struct AppendState {
     pub(crate) closing: bool,
     pub(crate) appends: u64,
     pub(crate) bytes: u64,
-    /// Appends whose frame was encoded before the lock (the guessed LSN was right).
-    pub(crate) framed_outside_lock: u64,
 }
 
 /// State guarded by the sync lock (paired with `durable_cv`).
@@ -702,12 +689,6 @@ impl std::fmt::Debug for Wal {
 
 static FALLBACK_LOGGED: std::sync::Once = std::sync::Once::new();
 
-thread_local! {
-    /// Where an appender frames its record before taking the append lock (reused, so small
-    /// appends allocate nothing). Trimmed after a large record.
-    static FRAME_SCRATCH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
 impl Wal {
     /// Opens (and recovers) the log in `dir` with the default I/O path and file layer.
     ///
@@ -795,7 +776,6 @@ impl Wal {
                 closing: options.read_only,
                 appends: 0,
                 bytes: 0,
-                framed_outside_lock: 0,
             }),
             writer_cv: Condvar::new(),
             ring_waker,
@@ -904,19 +884,6 @@ impl Wal {
             _ => None,
         };
         let staging_limit = staging_limit(shared.config.durability);
-        // Frame the record before taking the lock, for the LSN it will most likely get (the
-        // one after the last appended): the CRC and the header are then computed outside the
-        // critical section, which only copies the finished bytes. If another appender took
-        // that LSN first, the frame is encoded again under the lock. The durable LSN read here
-        // may be older than under the lock; that only makes `sync_gap` larger, which recovery
-        // reads conservatively (it proves less, never more).
-        let guessed_lsn = shared.appended_lsn.load(Ordering::Acquire) + 1;
-        let synced_lsn = shared.synced_lsn.load(Ordering::Acquire);
-        FRAME_SCRATCH.with_borrow_mut(|scratch| -> Result<(), WalError> {
-            scratch.clear();
-            frame::encode_into(scratch, payload, guessed_lsn, time_ms, synced_lsn)?;
-            Ok(())
-        })?;
         let mut state = lock(&shared.append);
         loop {
             if state.closing {
@@ -948,18 +915,13 @@ impl Wal {
         let mut guard = state;
         let state = &mut *guard;
         let buf_start = state.buf.len();
-        if lsn == guessed_lsn {
-            FRAME_SCRATCH.with_borrow(|scratch| state.buf.extend_from_slice(scratch));
-            state.framed_outside_lock += 1;
-        } else {
-            frame::encode_into(
-                &mut state.buf,
-                payload,
-                lsn,
-                time_ms,
-                shared.synced_lsn.load(Ordering::Relaxed),
-            )?;
-        }
+        frame::encode_into(
+            &mut state.buf,
+            payload,
+            lsn,
+            time_ms,
+            shared.synced_lsn.load(Ordering::Relaxed),
+        )?;
         debug_assert_eq!(state.buf.len() - buf_start, frame_len as usize);
         let active = state.active.as_ref().expect("rolled above");
         match state.chunks.last_mut() {
@@ -1002,9 +964,6 @@ impl Wal {
             shared.wake_ring();
         } else if wake {
             shared.writer_cv.notify_one();
-        }
-        if frame_len > SCRATCH_KEEP_BYTES {
-            FRAME_SCRATCH.with_borrow_mut(|scratch| scratch.shrink_to(SCRATCH_KEEP_BYTES as usize));
         }
         Ok((Lsn(lsn), RecordHandle { segment, offset, len: payload.len() as u32 }))
     }
@@ -1268,14 +1227,13 @@ impl Wal {
     /// Counters (cheap: a few atomic loads and one short lock).
     pub fn stats(&self) -> WalStats {
         let shared = &*self.shared;
-        let (appends, bytes, framed_outside_lock) = {
+        let (appends, bytes) = {
             let state = lock(&shared.append);
-            (state.appends, state.bytes, state.framed_outside_lock)
+            (state.appends, state.bytes)
         };
         WalStats {
             appends,
             bytes,
-            appends_framed_outside_lock: framed_outside_lock,
             groups: shared.groups.load(Ordering::Relaxed),
             syncs: shared.syncs.load(Ordering::Relaxed),
             sync_p50_us: shared.sync_percentile_us(0.5),
@@ -1362,54 +1320,6 @@ mod tests {
         let times: Vec<i64> =
             wal.iter_from(Lsn::ZERO).unwrap().map(|record| record.unwrap().time_ms).collect();
         assert_eq!(times, vec![12_345, 12_350]);
-    }
-
-    #[test]
-    fn frames_built_outside_the_lock_carry_their_real_lsn_under_contention() {
-        let dir = tempfile::tempdir().unwrap();
-        let config = WalConfig {
-            segment_size_bytes: 256 << 10,
-            durability: Durability::None,
-            ..WalConfig::default()
-        };
-        let wal = Arc::new(Wal::open(dir.path(), config.clone()).unwrap());
-        // One appender: every guess is right.
-        for index in 0..100u32 {
-            wal.append_bytes(&index.to_le_bytes(), 0).unwrap();
-        }
-        assert_eq!(wal.stats().appends_framed_outside_lock, 100);
-        // Two appenders racing for LSNs, with sizes up to several KiB (rolls included).
-        let appenders: Vec<_> = (0..2u8)
-            .map(|thread| {
-                let wal = Arc::clone(&wal);
-                std::thread::spawn(move || {
-                    (0..2000u32)
-                        .map(|index| {
-                            let len = 1 + (index as usize * 37 + thread as usize * 11) % 3000;
-                            let payload = vec![thread.wrapping_add(index as u8); len];
-                            (wal.append_bytes(&payload, 0).unwrap().0, payload)
-                        })
-                        .collect::<Vec<_>>()
-                })
-            })
-            .collect();
-        let mut appended: Vec<(Lsn, Vec<u8>)> =
-            appenders.into_iter().flat_map(|appender| appender.join().unwrap()).collect();
-        appended.sort();
-        let stats = wal.stats();
-        assert_eq!(stats.appends, 4100);
-        assert!(stats.appends_framed_outside_lock >= 100);
-        wal.close().unwrap();
-        drop(wal);
-        // Strict recovery checks every frame's CRC and LSN order.
-        let wal = Wal::open(dir.path(), config).unwrap();
-        assert_eq!(wal.recovery_report().last_lsn, Lsn(4100));
-        let records: Vec<_> = wal.iter_from(Lsn(101)).unwrap().map(|r| r.unwrap()).collect();
-        assert_eq!(records.len(), appended.len());
-        for (record, (lsn, payload)) in records.iter().zip(&appended) {
-            assert_eq!(record.lsn, *lsn);
-            assert_eq!(&*record.bytes, &payload[..]);
-        }
     }
 
     #[test]
