@@ -272,6 +272,15 @@ pub enum WalError {
         /// The first failure.
         cause: Box<WalError>,
     },
+    /// Another writer (in this or another process) has the log's directory open: two writers
+    /// would interleave their records, so the second is refused.
+    #[error(
+        "the write-ahead log in {dir:?} is already open for writing (the directory is locked)"
+    )]
+    Locked {
+        /// The log's directory.
+        dir: std::path::PathBuf,
+    },
     /// The log was closed.
     #[error("the write-ahead log is closed")]
     Closed,

@@ -1,11 +1,16 @@
 //! Fault injection through the WAL's storage trait: fsync failure (EIO), disk full (ENOSPC on
-//! preallocation and on write), short writes.
+//! preallocation and on write), short writes, on both I/O paths.
 //!
 //! Goal (SPEC 0.6): after a failed sync the log accepts no more writes and never reports the
 //! failed records durable; disk full is a clear error; records acknowledged before the failure
 //! are intact after reopening; short writes are completed, not lost.
-//! Method: a `FaultStorage` wraps the real file layer and fails on command. It hides the file
-//! descriptors, so the sync thread writes through the trait even when io_uring is available.
+//! Method: a `FaultStorage` wraps the real file layer and fails on command. Every test runs
+//! twice: on the pwrite path (the fault file hides its descriptor, so writes and syncs go
+//! through `write_at`/`sync_data`, which fail) and with the io_uring writer live (the fault
+//! file exposes the real descriptor and answers `ring_fault`, so the writes and `fdatasync`s
+//! submitted to the ring complete with the injected EIO/ENOSPC or are shortened). The uring
+//! variant checks that the ring really consulted the fault plan; it is skipped, with a printed
+//! reason, only if the kernel refuses io_uring.
 
 use std::{
     io,
@@ -19,7 +24,8 @@ use std::{
 };
 
 use coordbus::wal::{
-    Durability, FileStorage, Lsn, Storage, StorageFile, Wal, WalConfig, WalError, WalOptions,
+    Durability, FileStorage, IoMode, IoPath, Lsn, RingFault, RingOp, Storage, StorageFile, Wal,
+    WalConfig, WalError, WalOptions,
 };
 
 #[derive(Debug, Default)]
@@ -32,7 +38,25 @@ struct Faults {
     write_enospc: AtomicBool,
     /// Write at most this many bytes per call (0: no limit).
     short_write_bytes: AtomicU64,
+    /// Successful syncs (either path).
     syncs: AtomicU64,
+    /// Fail every sync from this one on (1-based count of syncs asked for; 0: never).
+    fail_sync_from: AtomicU64,
+    /// Syncs asked for (either path).
+    sync_requests: AtomicU64,
+    /// Operations the io_uring engine submitted after asking the fault plan.
+    ring_ops: AtomicU64,
+    /// Expose the descriptor so the io_uring engine writes the file itself.
+    ring: bool,
+}
+
+impl Faults {
+    /// Counts a sync request; true if the plan fails it.
+    fn planned_sync_failure(&self) -> bool {
+        let number = self.sync_requests.fetch_add(1, Ordering::SeqCst) + 1;
+        let from = self.fail_sync_from.load(Ordering::SeqCst);
+        from > 0 && number >= from
+    }
 }
 
 #[derive(Debug)]
@@ -82,7 +106,7 @@ impl StorageFile for FaultFile {
     }
 
     fn sync_data(&self) -> io::Result<()> {
-        if self.faults.sync_eio.load(Ordering::SeqCst) {
+        if self.faults.sync_eio.load(Ordering::SeqCst) || self.faults.planned_sync_failure() {
             return Err(io::Error::from_raw_os_error(libc::EIO));
         }
         self.faults.syncs.fetch_add(1, Ordering::SeqCst);
@@ -101,16 +125,94 @@ impl StorageFile for FaultFile {
     }
 
     fn raw_fd(&self) -> Option<RawFd> {
-        None
+        if self.faults.ring {
+            self.inner.raw_fd()
+        } else {
+            None
+        }
+    }
+
+    fn ring_fault(&self, op: RingOp) -> Option<RingFault> {
+        self.faults.ring_ops.fetch_add(1, Ordering::SeqCst);
+        match op {
+            RingOp::SyncData
+                if self.faults.sync_eio.load(Ordering::SeqCst)
+                    || self.faults.planned_sync_failure() =>
+            {
+                Some(RingFault::Errno(libc::EIO))
+            }
+            RingOp::SyncData => {
+                self.faults.syncs.fetch_add(1, Ordering::SeqCst);
+                None
+            }
+            RingOp::Write { .. } if self.faults.write_enospc.load(Ordering::SeqCst) => {
+                Some(RingFault::Errno(libc::ENOSPC))
+            }
+            RingOp::Write { len, .. } => {
+                let limit = self.faults.short_write_bytes.load(Ordering::SeqCst) as usize;
+                (limit > 0 && len > limit).then_some(RingFault::ShortWrite(limit))
+            }
+            _ => None,
+        }
     }
 }
 
-fn open_faulty(dir: &Path, durability: Durability, segment_size_bytes: u64) -> (Wal, Arc<Faults>) {
-    let faults = Arc::new(Faults::default());
+/// The two write paths every test runs on.
+#[derive(Debug, Clone, Copy)]
+enum IoVariant {
+    Pwrite,
+    Uring,
+}
+
+/// Runs `test` on both paths (the uring one only if the kernel allows io_uring).
+fn on_both_paths(test: impl Fn(IoVariant)) {
+    test(IoVariant::Pwrite);
+    match io_uring_refusal() {
+        None => test(IoVariant::Uring),
+        Some(reason) => {
+            eprintln!("skipping the io_uring variant: the kernel refuses io_uring: {reason}")
+        }
+    }
+}
+
+/// Why the kernel refuses io_uring, if it does.
+fn io_uring_refusal() -> Option<String> {
+    let dir = tempfile::tempdir().unwrap();
+    match Wal::open_with_options(
+        dir.path(),
+        WalConfig::default(),
+        WalOptions { io: IoMode::IoUring, ..WalOptions::default() },
+    ) {
+        Ok(_) => None,
+        Err(error) => Some(error.to_string()),
+    }
+}
+
+/// After a test: on the uring path, the ring must have asked the fault plan (so the faults hit
+/// the live io_uring writer, not a fallback).
+fn assert_path_used(wal: &Wal, faults: &Faults) {
+    if faults.ring {
+        assert_eq!(wal.io_path(), IoPath::IoUring);
+        assert!(faults.ring_ops.load(Ordering::SeqCst) > 0, "the ring never saw the fault plan");
+    } else {
+        assert_eq!(wal.io_path(), IoPath::Pwrite);
+        assert_eq!(faults.ring_ops.load(Ordering::SeqCst), 0);
+    }
+}
+
+fn open_faulty(
+    path: IoVariant,
+    dir: &Path,
+    durability: Durability,
+    segment_size_bytes: u64,
+) -> (Wal, Arc<Faults>) {
+    let ring = matches!(path, IoVariant::Uring);
+    let faults = Arc::new(Faults { ring, ..Faults::default() });
     let wal = Wal::open_with_options(
         dir,
         WalConfig { segment_size_bytes, durability, ..WalConfig::default() },
         WalOptions {
+            io: if ring { IoMode::IoUring } else { IoMode::Pwrite },
             storage: Arc::new(FaultStorage { faults: Arc::clone(&faults) }),
             ..WalOptions::default()
         },
@@ -127,9 +229,13 @@ fn records(dir: &Path) -> Vec<Vec<u8>> {
 
 #[test]
 fn a_failed_fsync_fails_the_log_for_good_and_keeps_acknowledged_records() {
+    on_both_paths(a_failed_fsync_fails_the_log_for_good_on);
+}
+
+fn a_failed_fsync_fails_the_log_for_good_on(path: IoVariant) {
     for durability in [Durability::default(), Durability::EveryRecord] {
         let dir = tempfile::tempdir().unwrap();
-        let (wal, faults) = open_faulty(dir.path(), durability, 1 << 20);
+        let (wal, faults) = open_faulty(path, dir.path(), durability, 1 << 20);
         let (acked, _) = wal.append_bytes(b"acknowledged", 1).unwrap();
         wal.wait_durable(acked).unwrap();
         faults.sync_eio.store(true, Ordering::SeqCst);
@@ -151,6 +257,7 @@ fn a_failed_fsync_fails_the_log_for_good_and_keeps_acknowledged_records() {
         assert!(receiver.recv_timeout(Duration::from_secs(10)).unwrap().is_err());
         assert!(matches!(wal.close(), Err(WalError::Failed { .. })));
         assert!(wal.durable_lsn() < doomed);
+        assert_path_used(&wal, &faults);
         drop(wal);
         let found = records(dir.path());
         assert_eq!(found[0], b"acknowledged");
@@ -159,8 +266,12 @@ fn a_failed_fsync_fails_the_log_for_good_and_keeps_acknowledged_records() {
 
 #[test]
 fn disk_full_on_preallocation_is_a_clear_error() {
+    on_both_paths(disk_full_on_preallocation_on);
+}
+
+fn disk_full_on_preallocation_on(path: IoVariant) {
     let dir = tempfile::tempdir().unwrap();
-    let (wal, faults) = open_faulty(dir.path(), Durability::EveryRecord, 4096);
+    let (wal, faults) = open_faulty(path, dir.path(), Durability::EveryRecord, 4096);
     let mut acknowledged = Vec::new();
     for index in 0..20u8 {
         let (lsn, _) = wal.append_bytes(&[index; 100], 0).unwrap();
@@ -193,6 +304,7 @@ fn disk_full_on_preallocation_is_a_clear_error() {
     let later = wal.append_bytes(b"x", 0).unwrap_err();
     assert!(matches!(later.root_cause(), WalError::DiskFull { .. }));
     let _ = wal.close();
+    assert_path_used(&wal, &faults);
     drop(wal);
     let found = records(dir.path());
     assert_eq!(&found[..20], &acknowledged[..]);
@@ -200,22 +312,34 @@ fn disk_full_on_preallocation_is_a_clear_error() {
 
 #[test]
 fn disk_full_on_write_is_a_clear_error() {
+    on_both_paths(disk_full_on_write_on);
+}
+
+fn disk_full_on_write_on(path: IoVariant) {
     let dir = tempfile::tempdir().unwrap();
-    let (wal, faults) = open_faulty(dir.path(), Durability::default(), 1 << 20);
+    let (wal, faults) = open_faulty(path, dir.path(), Durability::default(), 1 << 20);
     let (acked, _) = wal.append_bytes(b"before", 0).unwrap();
     wal.wait_durable(acked).unwrap();
     faults.write_enospc.store(true, Ordering::SeqCst);
     let (lsn, _) = wal.append_bytes(b"after", 0).unwrap();
     let error = wal.wait_durable(lsn).unwrap_err();
     assert!(matches!(error.root_cause(), WalError::DiskFull { op: "write", .. }), "{error:?}");
+    assert!(error.to_string().contains("disk full"), "{error}");
+    assert!(wal.durable_lsn() < lsn);
+    assert!(matches!(wal.append_bytes(b"later", 0), Err(WalError::Failed { .. })));
+    assert_path_used(&wal, &faults);
     drop(wal);
     assert_eq!(records(dir.path()), vec![b"before".to_vec()]);
 }
 
 #[test]
 fn short_writes_are_completed() {
+    on_both_paths(short_writes_are_completed_on);
+}
+
+fn short_writes_are_completed_on(path: IoVariant) {
     let dir = tempfile::tempdir().unwrap();
-    let (wal, faults) = open_faulty(dir.path(), Durability::default(), 64 << 10);
+    let (wal, faults) = open_faulty(path, dir.path(), Durability::default(), 64 << 10);
     faults.short_write_bytes.store(7, Ordering::SeqCst);
     let mut expected = Vec::new();
     let mut last = Lsn::ZERO;
@@ -227,6 +351,82 @@ fn short_writes_are_completed() {
     wal.wait_durable(last).unwrap();
     assert!(faults.syncs.load(Ordering::SeqCst) > 0);
     wal.close().unwrap();
+    assert_path_used(&wal, &faults);
     drop(wal);
     assert_eq!(records(dir.path()), expected);
+}
+
+#[test]
+fn a_failed_fsync_amid_concurrent_groups_never_reports_a_later_group_durable() {
+    on_both_paths(a_failed_fsync_amid_concurrent_groups_on);
+}
+
+/// Two appenders and small groups, so several groups are on the ring when the eighth sync
+/// fails (io_uring path). Every record is watched with a durability callback: exactly the LSNs up to
+/// the final durable watermark are acknowledged, they are contiguous from 1, and all of them
+/// are intact after reopening; everything later is reported failed.
+fn a_failed_fsync_amid_concurrent_groups_on(path: IoVariant) {
+    let dir = tempfile::tempdir().unwrap();
+    let durability =
+        Durability::GroupCommit { max_delay: Duration::from_micros(20), max_bytes: 2048 };
+    let (wal, faults) = open_faulty(path, dir.path(), durability, 1 << 20);
+    faults.fail_sync_from.store(8, Ordering::SeqCst);
+    let wal = Arc::new(wal);
+    let outcomes = Arc::new(std::sync::Mutex::new(Vec::<(u64, bool)>::new()));
+    let appenders: Vec<_> = (0..2u8)
+        .map(|thread| {
+            let wal = Arc::clone(&wal);
+            let outcomes = Arc::clone(&outcomes);
+            std::thread::spawn(move || {
+                let mut appended = Vec::new();
+                for index in 0..3000u32 {
+                    let mut payload = vec![thread; 40];
+                    payload[1..5].copy_from_slice(&index.to_le_bytes());
+                    let Ok((lsn, _)) = wal.append_bytes(&payload, 0) else {
+                        break;
+                    };
+                    let outcomes = Arc::clone(&outcomes);
+                    wal.notify_when_durable(
+                        lsn,
+                        Box::new(move |result| {
+                            outcomes.lock().unwrap().push((lsn.0, result.is_ok()))
+                        }),
+                    );
+                    appended.push((lsn.0, payload));
+                    // Pause now and then for durability, so there are many groups and syncs.
+                    if index % 100 == 99 && wal.wait_durable(lsn).is_err() {
+                        break;
+                    }
+                }
+                appended
+            })
+        })
+        .collect();
+    let mut appended: Vec<(u64, Vec<u8>)> =
+        appenders.into_iter().flat_map(|appender| appender.join().unwrap()).collect();
+    appended.sort();
+    // Close runs every pending callback (durable, failed or closed) before it returns.
+    let error = wal.close().unwrap_err();
+    match error.root_cause() {
+        WalError::Io { op, message, .. } => {
+            assert_eq!(*op, "fdatasync");
+            assert!(message.contains("Input/output error"), "{message}");
+        }
+        other => panic!("expected the fdatasync error, got {other:?}"),
+    }
+    assert_path_used(&wal, &faults);
+    let durable = wal.durable_lsn().0;
+    let outcomes = outcomes.lock().unwrap().clone();
+    assert_eq!(outcomes.len(), appended.len(), "every callback ran once");
+    let mut acknowledged: Vec<u64> =
+        outcomes.iter().filter(|(_, ok)| *ok).map(|(lsn, _)| *lsn).collect();
+    acknowledged.sort();
+    assert_eq!(acknowledged, (1..=durable).collect::<Vec<_>>(), "acknowledged = 1..=durable");
+    assert!(durable < appended.last().unwrap().0, "the failure left records unacknowledged");
+    drop(wal);
+    let found = records(dir.path());
+    assert!(found.len() as u64 >= durable);
+    for (lsn, payload) in appended.iter().take(durable as usize) {
+        assert_eq!(&found[*lsn as usize - 1], payload, "LSN {lsn}");
+    }
 }

@@ -10,10 +10,12 @@
 //! ## Parts
 //! * `segment`: file naming, the segment header, the shared state of one segment.
 //! * `writer`: the sync thread (group commit) and its two I/O paths, `writer::uring`
-//!   (io_uring: parallel writes plus a drained `fdatasync`) and `writer::pwrite` (fallback).
+//!   (io_uring: groups pipelined, parallel writes, one `fdatasync` in flight) and
+//!   `writer::pwrite` (fallback: one group at a time).
 //! * `reader`: memory maps, record guards and the in-order iterator.
 //! * `recovery`: the scan run when a log is opened (and by `coordbus-wal verify`).
 //! * `storage`: the file layer the sync thread writes through (fault injection in tests).
+//! * `lock`: the directory lock that keeps a second writer out.
 //!
 //! ## Data path
 //! An appender serializes its value (rkyv) with no lock held, then takes the append lock for a
@@ -24,7 +26,34 @@
 //! `pwrite`s, and syncs; then it publishes the durable LSN and runs the durability callbacks.
 //! Appenders never wait for I/O; they wait only when the staging buffer is full (two groups of
 //! `max_bytes`, at most [`STAGING_LIMIT_BYTES`]): back-pressure, so memory stays bounded and
-//! the two buffers stay warm when the disk is slower than the appenders.
+//! the buffers stay warm when the disk is slower than the appenders.
+//!
+//! ## Pipelined group commit (io_uring path)
+//! On the io_uring path the sync thread does not wait for a group's sync before taking the
+//! next group: up to `GROUPS_IN_FLIGHT_MAX` (8) groups are on the ring at once, so group k+1's
+//! writes run while group k's `fdatasync` is in flight (the classic pipelined group commit of
+//! database logs: the disk flushes one batch while the next is copied to the page cache).
+//! * Writes of a group are submitted as soon as the group is taken (no links, no drain).
+//! * At most one `fdatasync` is on the ring. It is submitted only after the writes of every
+//!   group it covers were seen complete, and it covers all groups written so far; groups
+//!   whose writes complete while it runs are covered by the next one (so one sync may make
+//!   several groups durable; the `syncs` counter counts syncs, `groups` groups).
+//! * Completions are reaped in any order but applied in LSN order: a group is reported
+//!   written only after every earlier group, and durable only when a sync covering it
+//!   completed; so the durable watermark moves only to the last LSN of a group whose sync
+//!   completed and whose predecessors are all durable.
+//! * The first failed write or sync fails the log at once (nothing later is ever reported
+//!   durable, even if a later sync succeeds; no sync is retried). The ring is emptied before
+//!   any buffer is reused.
+//! * A roll, a segment's first group, the opt-in direct path and files without a descriptor
+//!   (fault injection through `write_at`) drain the pipeline and go one group at a time, so
+//!   the segment-order rules below hold unchanged.
+//! * While groups are in flight the sync thread waits in the ring, not on the condition
+//!   variable; appenders wake it there through a non-blocking pipe the ring polls, and the
+//!   group-commit delay becomes the wait's timeout.
+//!
+//! The `pwrite` path keeps one group at a time: with blocking calls there is nothing to
+//! overlap without a second thread.
 //!
 //! Group commit: with [`Durability::GroupCommit`] the sync thread lets a group grow for up to
 //! `max_delay` after its first record or until it holds `max_bytes`; with
@@ -80,8 +109,13 @@
 //!   deletion is durable on return.
 //! * Close flushes and syncs everything appended before it (the rule), then rejects
 //!   appends with [`WalError::Closed`].
-//! * Two `Wal` objects must not write the same directory at once (not detected).
+//! * Two `Wal` objects never write the same directory at once: a writer holds an exclusive
+//!   `flock` on the directory from `open` (or, for a directory that did not exist yet, from its
+//!   creation by the first write) until its sync thread exits at close/drop; a second open
+//!   fails with [`WalError::Locked`] naming the directory. Read-only opens take no lock, and
+//!   [`is_locked`] tells tools whether a live writer holds it. Details in `lock`.
 
+pub(crate) mod lock;
 pub(crate) mod reader;
 pub(crate) mod recovery;
 pub mod segment;
@@ -103,11 +137,12 @@ use std::{
 
 use crossbeam_utils::CachePadded;
 
+pub use self::lock::is_locked;
 use self::segment::{Segment, SegmentHeader, Window, HEADER_LEN as SEGMENT_HEADER_LEN};
 pub use self::{
     reader::{ArchivedRecord, RecordBytes, RecordRef, WalIter},
     recovery::{scan_dir, CorruptionNote, DirScan, RecoveryReport, SegmentSummary, TornTail},
-    storage::{FileStorage, RealFile, Storage, StorageFile},
+    storage::{FileStorage, RealFile, RingFault, RingOp, Storage, StorageFile},
 };
 pub use crate::error::WalError;
 use crate::{
@@ -448,8 +483,11 @@ pub(crate) struct AppendState {
     pub(crate) chunks: Vec<Chunk>,
     /// When the first record of the staged group was appended.
     pub(crate) group_started: Option<Instant>,
-    /// The sync thread is waiting on `writer_cv` and wants a notification.
+    /// The sync thread is waiting and wants a notification.
     pub(crate) writer_idle: bool,
+    /// With `writer_idle`: it waits in the io_uring ring (wake it through
+    /// `Shared::ring_waker`), not on `writer_cv`.
+    pub(crate) writer_in_ring: bool,
     /// Appenders waiting on `space_cv`.
     pub(crate) space_waiters: usize,
     /// `close` was called: appends are rejected, the sync thread drains and exits.
@@ -472,6 +510,9 @@ pub(crate) struct Shared {
     pub(crate) append: Mutex<AppendState>,
     /// Wakes the sync thread (with `append`).
     pub(crate) writer_cv: Condvar,
+    /// Wakes the sync thread while it waits in the io_uring ring (pipelined path only): one
+    /// byte into a non-blocking pipe the ring polls.
+    pub(crate) ring_waker: Option<std::io::PipeWriter>,
     /// Wakes appenders waiting for staging space (with `append`).
     pub(crate) space_cv: Condvar,
     /// Tracked segments in id order (the active one last).
@@ -530,6 +571,15 @@ impl Shared {
         let failed = self.failed_error();
         for callback in callbacks.into_values().flatten() {
             callback(Err(failed.clone()));
+        }
+    }
+
+    /// Wakes the sync thread out of a wait in the io_uring ring. The pipe is non-blocking: if
+    /// it is full, a wake is already pending.
+    pub(crate) fn wake_ring(&self) {
+        if let Some(waker) = &self.ring_waker {
+            use std::io::Write;
+            let _ = (&*waker).write(&[1]);
         }
     }
 
@@ -646,7 +696,8 @@ impl Wal {
     /// (SPEC E.3).
     ///
     /// # Errors
-    /// [`WalError::InvalidConfig`], [`WalError::Corruption`] (strict mode),
+    /// [`WalError::Locked`] if another `Wal` (in this or another process) has `dir` open for
+    /// writing, [`WalError::InvalidConfig`], [`WalError::Corruption`] (strict mode),
     /// [`WalError::UnsupportedVersion`], [`WalError::Io`].
     pub fn open(dir: impl AsRef<Path>, config: WalConfig) -> Result<Wal, WalError> {
         Self::open_with_options(dir, config, WalOptions::default())
@@ -696,6 +747,11 @@ impl Wal {
             },
         };
         let io_path = engine.path();
+        let ring_waker = engine.waker();
+        // Lock before recovery reads or cuts anything: a second writer must not even recover
+        // (it would cut the first one's in-flight tail). Read-only opens change nothing and
+        // take no lock.
+        let dir_lock = if options.read_only { None } else { lock::DirLock::try_acquire(&dir)? };
         let recovered =
             recovery::recover(&dir, &config, options.storage.as_ref(), options.read_only)?;
         tracing::info!(dir = ?dir, report = %recovered.report, io_path = io_path.as_str(),
@@ -715,12 +771,14 @@ impl Wal {
                 chunks: Vec::new(),
                 group_started: None,
                 writer_idle: false,
+                writer_in_ring: false,
                 space_waiters: 0,
                 closing: options.read_only,
                 appends: 0,
                 bytes: 0,
             }),
             writer_cv: Condvar::new(),
+            ring_waker,
             space_cv: Condvar::new(),
             segments: RwLock::new(recovered.segments),
             appended_lsn: CachePadded::new(AtomicU64::new(last_lsn)),
@@ -747,7 +805,7 @@ impl Wal {
             Some(
                 std::thread::Builder::new()
                     .name("coordbus-wal-sync".into())
-                    .spawn(move || writer::run(thread_shared, engine))
+                    .spawn(move || writer::run(thread_shared, engine, dir_lock))
                     .map_err(|error| {
                         WalError::from_io("spawn sync thread", dir.clone(), 0, &error)
                     })?,
@@ -895,12 +953,16 @@ impl Wal {
         }
         let wake = state.writer_idle
             && (first_of_group || group_commit_bytes.is_none_or(|max| state.buf.len() >= max));
+        let wake_ring = wake && state.writer_in_ring;
         if wake {
             state.writer_idle = false;
+            state.writer_in_ring = false;
         }
         let segment = active.header.id;
         drop(guard);
-        if wake {
+        if wake_ring {
+            shared.wake_ring();
+        } else if wake {
             shared.writer_cv.notify_one();
         }
         Ok((Lsn(lsn), RecordHandle { segment, offset, len: payload.len() as u32 }))
@@ -1200,6 +1262,9 @@ impl Wal {
         self.shared.writer_cv.notify_all();
         self.shared.space_cv.notify_all();
         let handle = lock(&self.writer).take();
+        if handle.is_some() {
+            self.shared.wake_ring();
+        }
         // A durability callback may drop the last reference to the log on the sync thread
         // itself; that thread then finishes on its own once `closing` is seen.
         let handle = handle.filter(|handle| handle.thread().id() != std::thread::current().id());

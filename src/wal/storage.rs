@@ -7,9 +7,14 @@
 //!
 //! Reading does not go through this layer: readers map the files read-only (`reader`).
 //! The io_uring engine writes through the file descriptor from [`StorageFile::raw_fd`]; a
-//! storage that returns `None` there (as fault-injecting wrappers should) is written through
-//! [`StorageFile::write_at`] and synced through [`StorageFile::sync_data`] even when io_uring is
-//! the live path.
+//! storage that returns `None` there is written through [`StorageFile::write_at`] and synced
+//! through [`StorageFile::sync_data`] even when io_uring is the live path. To inject faults on
+//! the io_uring path itself, a wrapper returns the real descriptor and answers
+//! [`StorageFile::ring_fault`]: the engine asks it before each write and `fdatasync` it submits
+//! to the ring, and a [`RingFault`] turns that submission into a failed one (the entry is
+//! replaced by a no-op whose completion carries the injected errno) or a short write (the
+//! entry writes fewer bytes than asked). Everything after the submission (completion
+//! handling, the failure rule, publishing) is the live code.
 
 use std::{
     fmt::Debug,
@@ -50,6 +55,39 @@ pub trait StorageFile: Send + Sync + Debug {
     /// The descriptor io_uring may write and sync through, or `None` to force the methods
     /// above.
     fn raw_fd(&self) -> Option<RawFd>;
+    /// Fault injection on the io_uring path: called by the io_uring engine for each `op` it is
+    /// about to submit for this file. `None` (the default, and what real files answer)
+    /// submits it unchanged.
+    fn ring_fault(&self, op: RingOp) -> Option<RingFault> {
+        let _ = op;
+        None
+    }
+}
+
+/// An operation the io_uring engine is about to submit (see [`StorageFile::ring_fault`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RingOp {
+    /// A write of `len` bytes at `offset`.
+    Write {
+        /// File offset of the first byte.
+        offset: u64,
+        /// Bytes to write.
+        len: usize,
+    },
+    /// An `fdatasync`.
+    SyncData,
+}
+
+/// How [`StorageFile::ring_fault`] changes a submission.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RingFault {
+    /// Submit a no-op in its place and report this errno (e.g. `libc::EIO`, `libc::ENOSPC`)
+    /// as the operation's result: nothing is written or synced.
+    Errno(i32),
+    /// For a write: submit only the first this many bytes (a short write; at least 1).
+    ShortWrite(usize),
 }
 
 /// The real file system.

@@ -1,20 +1,25 @@
 //! The sync thread: takes the staged group, writes it, syncs it, publishes durability.
 //!
-//! One thread per log owns all writing, so writes and syncs never race each other and the
-//! order rules of the format (module `wal`) hold by construction:
+//! One thread per log owns all writing, so the order rules of the format (module `wal`) hold
+//! by construction:
 //! * a group is written in LSN order; a group spanning a roll first writes and syncs the old
-//!   segment, then creates the new file and writes the rest;
-//! * the durable LSN moves only after the sync covering it completed;
-//! * the first failed write or sync fails the log for good (nothing is retried).
+//!   segment, then creates the new file and writes the rest (with the pipeline drained);
+//! * the durable LSN moves only after a sync covering it (and every earlier LSN) completed;
+//! * the first failed write or sync fails the log for good (nothing is retried);
+//! * the directory lock (module `wal::lock`) is held from open (or the directory's creation)
+//!   until this thread exits.
 //!
-//! The two I/O paths implement [`IoEngine`]: [`uring::UringEngine`] and
-//! [`pwrite::PwriteEngine`].
+//! Two loops: `run_serial` (one group at a time: the pwrite path) and `run_pipelined` (the
+//! io_uring path: several groups on the ring, described in the `wal` module doc under
+//! "Pipelined group commit"). The two I/O paths implement [`IoEngine`]:
+//! [`uring::UringEngine`] (which also runs the pipeline) and [`pwrite::PwriteEngine`].
 
 pub(crate) mod pwrite;
 pub(crate) mod uring;
 
 use std::{
-    path::Path,
+    io::PipeWriter,
+    path::{Path, PathBuf},
     sync::{atomic::Ordering, Arc},
     time::Instant,
 };
@@ -22,8 +27,8 @@ use std::{
 use crate::{
     error::WalError,
     wal::{
-        lock, reader::SegmentMap, segment::Segment, storage::StorageFile, Chunk, Durability,
-        IoPath, Shared,
+        lock, lock::DirLock, reader::SegmentMap, segment::Segment, storage::StorageFile, Chunk,
+        Durability, IoPath, Shared,
     },
 };
 
@@ -54,6 +59,64 @@ pub(crate) trait IoEngine: Send {
         ops: &[WriteOp<'_>],
         sync: Option<&SyncTarget<'_>>,
     ) -> Result<(), WalError>;
+    /// The io_uring engine, which can also pipeline groups.
+    fn as_uring(&mut self) -> Option<&mut uring::UringEngine> {
+        None
+    }
+    /// A handle appenders write to to wake the sync thread while it waits for I/O (pipelining
+    /// engines only).
+    fn waker(&self) -> Option<PipeWriter> {
+        None
+    }
+}
+
+/// One contiguous range of a group's buffer and where it goes in the segment file.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Run {
+    pub(crate) buf_start: usize,
+    pub(crate) buf_end: usize,
+    pub(crate) file_offset: u64,
+}
+
+/// What the sync thread publishes once a pipelined group is written, then durable.
+#[derive(Debug, Clone)]
+pub(crate) struct GroupSummary {
+    pub(crate) segment: Arc<Segment>,
+    pub(crate) last_lsn: u64,
+    /// Segment offset just past the group's last byte.
+    pub(crate) end_offset: u64,
+    pub(crate) max_time_ms: i64,
+    pub(crate) started: Instant,
+}
+
+/// A group handed to the io_uring pipeline: it owns its bytes until they are written.
+pub(crate) struct RingGroup {
+    pub(crate) buf: Vec<u8>,
+    pub(crate) runs: Vec<Run>,
+    pub(crate) file: Arc<dyn StorageFile>,
+    pub(crate) path: PathBuf,
+    /// Sync the group (durable modes).
+    pub(crate) sync: bool,
+    pub(crate) summary: GroupSummary,
+}
+
+/// Progress of pipelined groups, reported in LSN order.
+pub(crate) enum RingEvent {
+    /// Every byte of the group is written (page cache); its buffer comes back for reuse.
+    Written { summary: GroupSummary, buf: Vec<u8> },
+    /// The group's sync completed (`synced`) or it needed none; every earlier group is done.
+    /// `sync_last`: the group is the last one its sync covered (one sync may cover several).
+    Done { summary: GroupSummary, synced: bool, sync_last: bool },
+    /// A write or sync failed: the log fails, nothing later is reported.
+    Failed(WalError),
+}
+
+/// What the non-blocking look at the staging buffer found.
+enum Take {
+    /// A group was swapped out (`closing` as in [`Writer::take_group`]).
+    Group { closing: bool },
+    /// Nothing ready: wait for I/O, or until `deadline` when a group is filling.
+    Wait { deadline: Option<Instant> },
 }
 
 /// The segment file the sync thread is writing.
@@ -71,39 +134,22 @@ struct Writer {
     engine: Box<dyn IoEngine>,
     current: Option<OpenSegment>,
     dir_ready: bool,
+    /// The directory lock (module `wal::lock`): taken at open if the directory existed, else
+    /// when this thread creates it. Dropped when this thread exits, after the last sync.
+    dir_lock: Option<DirLock>,
 }
 
 /// The sync thread's body; returns when the log closes.
-pub(crate) fn run(shared: Arc<Shared>, engine: Box<dyn IoEngine>) {
-    let mut writer = Writer { shared, engine, current: None, dir_ready: false };
-    // The second staging buffer, sized like the first so neither regrows (and re-faults fresh
-    // pages) in steady state.
-    let mut spare_buf: Vec<u8> = Vec::with_capacity(lock(&writer.shared.append).buf.capacity());
-    let mut spare_chunks: Vec<Chunk> = Vec::new();
-    loop {
-        let Some(closing) = writer.take_group(&mut spare_buf, &mut spare_chunks) else {
-            continue;
-        };
-        if spare_chunks.is_empty() {
-            if closing {
-                writer.finish();
-                break;
-            }
-            continue;
-        }
-        if writer.shared.failure().is_none() {
-            let started = Instant::now();
-            match writer.write_group(&spare_buf, &spare_chunks) {
-                Ok(()) => {
-                    writer.shared.groups.fetch_add(1, Ordering::Relaxed);
-                    writer.shared.record_sync_latency(started.elapsed());
-                }
-                Err(error) => writer.shared.fail(error),
-            }
-        }
-        spare_buf.clear();
-        spare_chunks.clear();
+pub(crate) fn run(shared: Arc<Shared>, engine: Box<dyn IoEngine>, dir_lock: Option<DirLock>) {
+    let mut writer = Writer { shared, engine, current: None, dir_ready: false, dir_lock };
+    let pipelined = writer.shared.ring_waker.is_some() && writer.engine.as_uring().is_some();
+    if pipelined {
+        writer.run_pipelined();
+    } else {
+        writer.run_serial();
     }
+    // Everything is written and synced (or the log failed): another writer may take over.
+    writer.dir_lock = None;
     let leftover = {
         let mut sync = lock(&writer.shared.sync);
         sync.writer_exited = true;
@@ -116,6 +162,258 @@ pub(crate) fn run(shared: Arc<Shared>, engine: Box<dyn IoEngine>) {
 }
 
 impl Writer {
+    /// One group at a time: take, write, sync, publish (the pwrite path).
+    fn run_serial(&mut self) {
+        // The second staging buffer, sized like the first so neither regrows (and re-faults
+        // fresh pages) in steady state.
+        let mut spare_buf: Vec<u8> = Vec::with_capacity(lock(&self.shared.append).buf.capacity());
+        let mut spare_chunks: Vec<Chunk> = Vec::new();
+        loop {
+            let Some(closing) = self.take_group(&mut spare_buf, &mut spare_chunks) else {
+                continue;
+            };
+            if spare_chunks.is_empty() {
+                if closing {
+                    self.finish();
+                    break;
+                }
+                continue;
+            }
+            self.write_group_serial(&spare_buf, &spare_chunks);
+            spare_buf.clear();
+            spare_chunks.clear();
+        }
+    }
+
+    /// Writes one group synchronously (unless the log failed) and counts it.
+    fn write_group_serial(&mut self, buf: &[u8], chunks: &[Chunk]) {
+        if self.shared.failure().is_some() {
+            return;
+        }
+        let started = Instant::now();
+        match self.write_group(buf, chunks) {
+            Ok(()) => {
+                self.shared.groups.fetch_add(1, Ordering::Relaxed);
+                self.shared.record_sync_latency(started.elapsed());
+            }
+            Err(error) => self.shared.fail(error),
+        }
+    }
+
+    /// Several groups on the ring at once (the io_uring path): group k+1's writes are
+    /// submitted while group k's `fdatasync` runs. See the module doc of `wal` ("Pipelined
+    /// group commit") for the rules.
+    fn run_pipelined(&mut self) {
+        let capacity = lock(&self.shared.append).buf.capacity();
+        let mut pool: Vec<Vec<u8>> = Vec::new();
+        let mut buf: Vec<u8> = Vec::with_capacity(capacity);
+        let mut chunks: Vec<Chunk> = Vec::new();
+        let mut events: Vec<RingEvent> = Vec::new();
+        loop {
+            self.pump(&mut events, &mut pool);
+            let in_flight = self.uring().groups_in_flight();
+            let closing = if in_flight == 0 {
+                // Nothing on the ring: block on the staging buffer alone.
+                match self.take_group(&mut buf, &mut chunks) {
+                    Some(closing) => closing,
+                    None => continue,
+                }
+            } else if in_flight < uring::GROUPS_IN_FLIGHT_MAX {
+                match self.try_take_group(&mut buf, &mut chunks) {
+                    Take::Group { closing } => closing,
+                    Take::Wait { deadline } => {
+                        self.uring().wait(deadline, true);
+                        continue;
+                    }
+                }
+            } else {
+                // The pipeline is full: wait for I/O only.
+                self.uring().wait(None, false);
+                continue;
+            };
+            if chunks.is_empty() {
+                if closing {
+                    self.drain(&mut events, &mut pool);
+                    self.finish();
+                    break;
+                }
+                continue;
+            }
+            if self.shared.failure().is_none() {
+                if self.can_pipeline(&chunks) {
+                    let next = pool.pop().unwrap_or_else(|| Vec::with_capacity(capacity));
+                    let group_buf = std::mem::replace(&mut buf, next);
+                    let group = self.ring_group(group_buf, &chunks);
+                    self.uring().submit_group(group);
+                } else {
+                    // A roll, the first group of a segment, the opt-in direct path, or a file
+                    // without a descriptor: one group at a time, after the ring is empty.
+                    self.drain(&mut events, &mut pool);
+                    self.write_group_serial(&buf, &chunks);
+                }
+            }
+            buf.clear();
+            chunks.clear();
+        }
+    }
+
+    fn uring(&mut self) -> &mut uring::UringEngine {
+        self.engine.as_uring().expect("the pipelined loop runs on the io_uring engine")
+    }
+
+    /// Reaps completions (without waiting) and publishes what they completed.
+    fn pump(&mut self, events: &mut Vec<RingEvent>, pool: &mut Vec<Vec<u8>>) {
+        let uring = self.uring();
+        uring.poll();
+        uring.take_events(events);
+        for event in events.drain(..) {
+            self.on_event(event, pool);
+        }
+    }
+
+    /// Waits until every pipelined group is durable (or the log failed).
+    fn drain(&mut self, events: &mut Vec<RingEvent>, pool: &mut Vec<Vec<u8>>) {
+        loop {
+            self.pump(events, pool);
+            if self.uring().groups_in_flight() == 0 {
+                return;
+            }
+            self.uring().wait(None, false);
+        }
+    }
+
+    fn on_event(&mut self, event: RingEvent, pool: &mut Vec<Vec<u8>>) {
+        let durable_mode = self.durable_mode();
+        match event {
+            RingEvent::Written { summary, mut buf } => {
+                let segment = &summary.segment;
+                segment.max_time_ms.fetch_max(summary.max_time_ms, Ordering::AcqRel);
+                segment.last_lsn.store(summary.last_lsn, Ordering::Release);
+                segment.end_offset.store(summary.end_offset, Ordering::Release);
+                if let Some(current) = self.current.as_mut() {
+                    debug_assert!(Arc::ptr_eq(&current.segment, segment));
+                    current.last_lsn = summary.last_lsn;
+                    current.dirty = true;
+                }
+                let durable = if durable_mode {
+                    self.shared.synced_lsn.load(Ordering::Acquire)
+                } else {
+                    summary.last_lsn
+                };
+                self.shared.publish(summary.last_lsn, durable);
+                buf.clear();
+                pool.push(buf);
+            }
+            RingEvent::Done { summary, synced, sync_last } => {
+                if synced {
+                    // Every earlier group is durable too (events come in order), so the
+                    // watermark may move to this group's last LSN.
+                    if sync_last {
+                        self.shared.syncs.fetch_add(1, Ordering::Relaxed);
+                    }
+                    self.shared.synced_lsn.store(summary.last_lsn, Ordering::Release);
+                    self.shared.publish(summary.last_lsn, summary.last_lsn);
+                    if let Some(current) = self.current.as_mut() {
+                        if current.last_lsn == summary.last_lsn {
+                            current.dirty = false;
+                        }
+                    }
+                }
+                self.shared.groups.fetch_add(1, Ordering::Relaxed);
+                self.shared.record_sync_latency(summary.started.elapsed());
+            }
+            RingEvent::Failed(error) => {
+                // Never reported durable, never retried: the log is failed for good. The ring
+                // is emptied before the buffers are reused.
+                self.shared.fail(error);
+                pool.extend(self.uring().abandon());
+            }
+        }
+    }
+
+    /// Whether the staged group can go on the ring behind the groups in flight: it lies
+    /// wholly in the segment being written (no roll, no first group of a segment), that file
+    /// has a descriptor, and it is not a group the opt-in direct path takes.
+    fn can_pipeline(&mut self, chunks: &[Chunk]) -> bool {
+        let in_flight = self.uring().groups_in_flight();
+        let direct_max_bytes = self.uring().direct_max_bytes();
+        let Some(current) = &self.current else {
+            return false;
+        };
+        if current.file.raw_fd().is_none()
+            || !chunks.iter().all(|chunk| Arc::ptr_eq(&chunk.segment, &current.segment))
+        {
+            return false;
+        }
+        let total: usize = chunks.iter().map(|chunk| chunk.buf_end - chunk.buf_start).sum();
+        !(in_flight == 0 && chunks.len() <= 1 && total <= direct_max_bytes)
+    }
+
+    fn ring_group(&self, buf: Vec<u8>, chunks: &[Chunk]) -> RingGroup {
+        let current = self.current.as_ref().expect("checked by can_pipeline");
+        let last = chunks.last().expect("a group is not empty");
+        RingGroup {
+            buf,
+            runs: chunks
+                .iter()
+                .map(|chunk| Run {
+                    buf_start: chunk.buf_start,
+                    buf_end: chunk.buf_end,
+                    file_offset: chunk.file_offset,
+                })
+                .collect(),
+            file: Arc::clone(&current.file),
+            path: current.segment.path.clone(),
+            sync: self.durable_mode(),
+            summary: GroupSummary {
+                segment: Arc::clone(&current.segment),
+                last_lsn: last.last_lsn,
+                end_offset: last.file_offset + (last.buf_end - last.buf_start) as u64,
+                max_time_ms: chunks.iter().map(|chunk| chunk.max_time_ms).max().unwrap_or(i64::MIN),
+                started: Instant::now(),
+            },
+        }
+    }
+
+    /// The non-blocking [`Writer::take_group`]: swaps a ready group out, or says how long to
+    /// wait (and asks appenders to wake the ring wait).
+    fn try_take_group(&mut self, buf: &mut Vec<u8>, chunks: &mut Vec<Chunk>) -> Take {
+        let shared = &*self.shared;
+        let mut state = lock(&shared.append);
+        if state.chunks.is_empty() {
+            if state.closing {
+                state.writer_idle = false;
+                state.writer_in_ring = false;
+                return Take::Group { closing: true };
+            }
+            state.writer_idle = true;
+            state.writer_in_ring = true;
+            return Take::Wait { deadline: None };
+        }
+        if let Durability::GroupCommit { max_delay, max_bytes } = shared.config.durability {
+            if !state.closing && state.buf.len() < max_bytes {
+                let deadline = state.group_started.expect("set with the first chunk") + max_delay;
+                if Instant::now() < deadline {
+                    state.writer_idle = true;
+                    state.writer_in_ring = true;
+                    return Take::Wait { deadline: Some(deadline) };
+                }
+            }
+        }
+        state.writer_idle = false;
+        state.writer_in_ring = false;
+        std::mem::swap(&mut state.buf, buf);
+        std::mem::swap(&mut state.chunks, chunks);
+        state.group_started = None;
+        let closing = state.closing;
+        let wake_appenders = state.space_waiters > 0;
+        drop(state);
+        if wake_appenders {
+            shared.space_cv.notify_all();
+        }
+        Take::Group { closing }
+    }
+
     /// Waits for a group and swaps it into `buf`/`chunks`. Returns `Some(closing)` once it
     /// swapped (the group may be empty only when closing), `None` to look again.
     fn take_group(&mut self, buf: &mut Vec<u8>, chunks: &mut Vec<Chunk>) -> Option<bool> {
@@ -130,6 +428,7 @@ impl Writer {
                         let now = Instant::now();
                         if now < deadline {
                             state.writer_idle = true;
+                            state.writer_in_ring = false;
                             state = shared
                                 .writer_cv
                                 .wait_timeout(state, deadline - now)
@@ -146,6 +445,7 @@ impl Writer {
                 return Some(true);
             }
             state.writer_idle = true;
+            state.writer_in_ring = false;
             state = shared.writer_cv.wait(state).unwrap_or_else(std::sync::PoisonError::into_inner);
         }
         state.writer_idle = false;
@@ -256,6 +556,11 @@ impl Writer {
                 storage
                     .sync_dir(parent)
                     .map_err(|error| WalError::from_io("sync directory", parent, 0, &error))?;
+            }
+            if self.dir_lock.is_none() {
+                // The directory did not exist at open; another writer may have created and
+                // locked it since. Nothing is written before the lock is held.
+                self.dir_lock = Some(DirLock::acquire_existing(&shared.dir)?);
             }
             self.dir_ready = true;
         }

@@ -1,12 +1,29 @@
-//! The io_uring write path: one submission per group, writes in parallel, the sync drained.
+//! The io_uring write path: groups pipelined on one ring, writes in parallel.
 //!
 //! A group's bytes are cut into writes of at most [`WRITE_CHUNK_BYTES`], pushed to the
 //! submission queue with no links between them (ANCHORS: chaining the writes with IO_LINK
-//! serializes them and runs at a third of the speed), followed by one `fdatasync` flagged
-//! `IO_DRAIN`, so the kernel starts the sync only after every earlier write completed. One
-//! `io_uring_enter` submits the lot and waits for all completions. A short or failed write is
-//! finished with `pwrite` afterwards and synced again, so the durability claim never rests on a
-//! sync that ran before all bytes were written.
+//! serializes them and runs at a third of the speed).
+//!
+//! Pipelined (the normal case, driven by the sync thread's `run_pipelined`): a group's writes
+//! are submitted at once, without waiting for earlier groups; their completions are reaped in
+//! any order and applied in LSN order (`take_events`). One `fdatasync` at a time is on the
+//! ring, submitted only after the writes of every group it covers completed, covering all of
+//! them; while it runs, later groups' writes proceed. See the `wal` module doc, "Pipelined
+//! group commit". Every buffer the kernel reads stays owned by the engine until its write's
+//! completion was reaped, and `Drop` waits for every entry in flight.
+//!
+//! One group at a time (`write_and_sync`: the first group of a segment, rolls, seals at
+//! close, and the unit tests): the writes are followed by one `fdatasync` flagged `IO_DRAIN`,
+//! so the kernel starts the sync only after every earlier write completed, and one
+//! `io_uring_enter` submits the lot and waits for all completions.
+//!
+//! On both, a short or failed write is finished with `pwrite` afterwards and synced again (or
+//! before the covering sync is submitted), so the durability claim never rests on a sync that
+//! ran before all bytes were written.
+//!
+//! Fault injection: before each write or sync entry the file's `StorageFile::ring_fault` is
+//! asked; an injected errno replaces the entry with a no-op whose completion carries it, an
+//! injected short write submits fewer bytes. The completion handling is the live code.
 //!
 //! By default every group goes through the ring. As an opt-in tuning, a group that is a single
 //! write of at most `WalOptions::uring_direct_max_bytes` (typical of `EveryRecord` and of light
@@ -14,21 +31,29 @@
 //! overlap, the ring only adds a hop to the kernel worker thread that executes the sync.
 //! [`DIRECT_GROUP_BYTES`] is the size measured to pay off here.
 //!
-//! This module also holds the writer's other system-call glue (`posix_fallocate`); it is one of
-//! the three modules allowed to use `unsafe` (STYLE.md).
+//! This module also holds the writer's other system-call glue (`posix_fallocate`, the wake
+//! pipe's `O_NONBLOCK`); it is one of the three modules allowed to use `unsafe` (STYLE.md).
 
 #![allow(unsafe_code)]
 
-use std::os::fd::RawFd;
+use std::{
+    collections::VecDeque,
+    io::{PipeReader, PipeWriter, Read},
+    os::fd::{AsRawFd, RawFd},
+    path::PathBuf,
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
 use io_uring::{opcode, squeue, types, IoUring};
 
 use crate::{
     error::WalError,
     wal::{
+        storage::{RingFault, RingOp, StorageFile},
         writer::{
             pwrite::{sync_file, write_all_at},
-            IoEngine, SyncTarget, WriteOp,
+            GroupSummary, IoEngine, RingEvent, RingGroup, SyncTarget, WriteOp,
         },
         IoPath,
     },
@@ -39,14 +64,94 @@ pub const WRITE_CHUNK_BYTES: usize = 1 << 20;
 /// A good value for the opt-in `WalOptions::uring_direct_max_bytes`: groups of one write up to
 /// this size are then written and synced with plain system calls.
 pub const DIRECT_GROUP_BYTES: usize = 64 << 10;
-const RING_ENTRIES: u32 = 64;
+/// Most groups on the ring at once (pipelining depth): their chunk lists stay until durable,
+/// their buffers until written. When it is reached, the sync thread waits for I/O and the
+/// staging buffer keeps filling (appenders wait only when it is full).
+pub(crate) const GROUPS_IN_FLIGHT_MAX: usize = 8;
+const RING_ENTRIES: u32 = 128;
+/// The drained sync of the one-group-at-a-time path (`write_and_sync`).
 const SYNC_USER_DATA: u64 = u64::MAX;
+/// The poll on the wake pipe.
+const WAKE_USER_DATA: u64 = u64::MAX - 1;
+/// Pipelined entries carry `seq << SEQ_SHIFT | code`: the group's sequence number and what the
+/// entry is (a write's piece index, or `CODE_SYNC`).
+const SEQ_SHIFT: u32 = 20;
+const CODE_MASK: u64 = (1 << SEQ_SHIFT) - 1;
+/// The `fdatasync` covering every group up to `seq`.
+const CODE_SYNC: u64 = CODE_MASK;
 
 /// Writes and syncs through an io_uring instance owned by the sync thread.
 pub struct UringEngine {
     ring: IoUring,
     /// Groups of one write up to this many bytes bypass the ring (0: none do).
     direct_max_bytes: usize,
+    /// Read end of the wake pipe (non-blocking). While the sync thread waits in the ring for
+    /// completions, a poll on it is armed, so an appender can wake it by writing a byte to
+    /// [`UringEngine::waker`].
+    wake_reader: PipeReader,
+    wake_writer: PipeWriter,
+    /// The poll on `wake_reader` is submitted and has not completed.
+    wake_armed: bool,
+    /// Groups on the ring, in LSN order; the front is popped once durable.
+    groups: VecDeque<GroupInFlight>,
+    /// Sequence number of the next group submitted.
+    next_seq: u64,
+    /// Pipelined entries submitted and not yet reaped (the wake poll is not counted). Buffers
+    /// are released only when their writes were reaped; `Drop` waits for this to reach zero.
+    entries_in_flight: usize,
+    /// Completions read from the ring, processed after the borrow of the queue ends.
+    reaped: Vec<(u64, i32)>,
+    /// The one `fdatasync` on the ring, if any. It was submitted after the writes of every
+    /// group up to its `seq` completed, so it covers all of them.
+    sync_in_flight: Option<SyncInFlight>,
+    /// The first failure of a pipelined write or sync (reported once by `take_events`).
+    error: Option<WalError>,
+}
+
+/// The pipelined `fdatasync` on the ring.
+struct SyncInFlight {
+    /// Last group it covers.
+    seq: u64,
+    /// Result injected by the fault plan.
+    injected: Option<i32>,
+    /// Keeps the descriptor open until the completion is reaped.
+    _file: Arc<dyn StorageFile>,
+    path: PathBuf,
+}
+
+/// One byte range of a group's buffer, written with one entry.
+#[derive(Debug, Clone, Copy)]
+struct RingPiece {
+    buf_start: usize,
+    len: usize,
+    file_offset: u64,
+}
+
+/// A group on the ring and what its completions said so far.
+struct GroupInFlight {
+    seq: u64,
+    /// The group's bytes: read by the kernel until every write entry completed (then handed
+    /// back to the sync thread, leaving this empty).
+    buf: Vec<u8>,
+    file: Arc<dyn StorageFile>,
+    path: PathBuf,
+    pieces: Vec<RingPiece>,
+    /// Results injected by the fault plan, per piece.
+    injected: Vec<Option<i32>>,
+    writes_pending: usize,
+    /// Bytes the ring left unwritten (short or interrupted writes), finished with `pwrite`.
+    leftovers: Vec<RingPiece>,
+    /// The group must be synced (durable modes).
+    sync: bool,
+    /// Its writes completed (leftovers included) and were reported (`RingEvent::Written`).
+    written: bool,
+    /// A sync submitted after `written` covers it.
+    sync_submitted: bool,
+    /// That sync completed successfully.
+    synced: bool,
+    /// It is the last group that sync covers (so the sync is counted once).
+    sync_last: bool,
+    summary: GroupSummary,
 }
 
 impl std::fmt::Debug for UringEngine {
@@ -61,8 +166,368 @@ impl UringEngine {
     /// # Errors
     /// The kernel's error (ENOSYS without io_uring, EPERM under seccomp or when disabled).
     pub fn new(direct_max_bytes: usize) -> std::io::Result<Self> {
-        Ok(Self { ring: IoUring::new(RING_ENTRIES)?, direct_max_bytes })
+        let ring = IoUring::new(RING_ENTRIES)?;
+        let (wake_reader, wake_writer) = std::io::pipe()?;
+        set_nonblocking(wake_reader.as_raw_fd())?;
+        set_nonblocking(wake_writer.as_raw_fd())?;
+        Ok(Self {
+            ring,
+            direct_max_bytes,
+            wake_reader,
+            wake_writer,
+            wake_armed: false,
+            groups: VecDeque::new(),
+            next_seq: 1,
+            entries_in_flight: 0,
+            reaped: Vec::new(),
+            sync_in_flight: None,
+            error: None,
+        })
     }
+
+    /// A handle that wakes the sync thread while it waits in the ring (write one byte; the
+    /// pipe is non-blocking, so a full pipe, which already means a pending wake, is ignored).
+    pub(crate) fn waker(&self) -> std::io::Result<PipeWriter> {
+        self.wake_writer.try_clone()
+    }
+
+    /// The opt-in direct-path threshold (`WalOptions::uring_direct_max_bytes`).
+    pub(crate) fn direct_max_bytes(&self) -> usize {
+        self.direct_max_bytes
+    }
+
+    /// Groups submitted and not yet durable (or failed).
+    pub(crate) fn groups_in_flight(&self) -> usize {
+        self.groups.len()
+    }
+
+    /// Pushes `entry`, first submitting (and if need be waiting for completions) until the
+    /// submission queue has `room` free slots, so a linked pair is never split across two
+    /// submissions.
+    ///
+    /// # Safety
+    /// The buffer and descriptor `entry` refers to must stay valid until its completion is
+    /// reaped.
+    unsafe fn push(&mut self, entry: &squeue::Entry, room: usize) {
+        loop {
+            let free = {
+                let submission = self.ring.submission();
+                submission.capacity() - submission.len()
+            };
+            if free >= room {
+                break;
+            }
+            if !self.enter(0, None) {
+                // The kernel is busy (completion queue overflow): make room by reaping.
+                self.enter(1, None);
+                self.reap();
+            }
+        }
+        // SAFETY: the caller keeps what `entry` points at valid until its completion (this
+        // function's contract); the loop above made room.
+        unsafe { self.ring.submission().push(entry) }.expect("room was made above");
+    }
+
+    /// Enters the kernel: submits what is queued and waits for `want` completions, at most
+    /// `timeout`. Returns false if the kernel asked to retry (EAGAIN/EBUSY) before taking the
+    /// queued entries; a timeout or a signal counts as done (the caller looks again).
+    fn enter(&mut self, want: usize, timeout: Option<Duration>) -> bool {
+        let result = match timeout {
+            None if want == 0 => self.ring.submit(),
+            None => self.ring.submit_and_wait(want),
+            Some(timeout) if timeout.is_zero() => self.ring.submit(),
+            Some(timeout) => {
+                let timespec = types::Timespec::from(timeout);
+                let args = types::SubmitArgs::new().timespec(&timespec);
+                self.ring.submitter().submit_with_args(want, &args)
+            }
+        };
+        match result {
+            Ok(_) => true,
+            Err(error) if matches!(error.raw_os_error(), Some(libc::ETIME | libc::EINTR)) => true,
+            Err(error) if matches!(error.raw_os_error(), Some(libc::EAGAIN | libc::EBUSY)) => false,
+            // The ring itself failed with entries in flight whose buffers must not be released:
+            // a broken invariant.
+            Err(error) => panic!("io_uring_enter failed with entries in flight: {error}"),
+        }
+    }
+
+    /// Submits a group's writes without waiting. Its sync is submitted by
+    /// [`UringEngine::take_events`] once its writes (and those of every earlier group)
+    /// completed and no other sync is on the ring.
+    pub(crate) fn submit_group(&mut self, group: RingGroup) {
+        let RingGroup { buf, runs, file, path, sync, summary } = group;
+        let fd = file.raw_fd().expect("the writer pipelines only files with a descriptor");
+        let mut pieces = Vec::new();
+        for run in &runs {
+            let mut start = run.buf_start;
+            while start < run.buf_end {
+                let len = (run.buf_end - start).min(WRITE_CHUNK_BYTES);
+                let file_offset = run.file_offset + (start - run.buf_start) as u64;
+                pieces.push(RingPiece { buf_start: start, len, file_offset });
+                start += len;
+            }
+        }
+        assert!(!pieces.is_empty() && pieces.len() < CODE_SYNC as usize, "1..2^20 writes");
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.groups.push_back(GroupInFlight {
+            seq,
+            buf,
+            file,
+            path,
+            injected: vec![None; pieces.len()],
+            writes_pending: pieces.len(),
+            leftovers: Vec::new(),
+            sync,
+            written: false,
+            sync_submitted: false,
+            synced: false,
+            sync_last: false,
+            summary,
+            pieces,
+        });
+        let index = self.groups.len() - 1;
+        for slot in 0..self.groups[index].pieces.len() {
+            let group = &self.groups[index];
+            let piece = group.pieces[slot];
+            let as_piece = Piece { op: 0, start: piece.buf_start, len: piece.len };
+            let (entry, fault) =
+                write_entry(group.file.as_ref(), fd, &group.buf, as_piece, piece.file_offset);
+            let entry = entry.user_data(seq << SEQ_SHIFT | slot as u64);
+            self.groups[index].injected[slot] = fault;
+            self.entries_in_flight += 1;
+            // SAFETY: the entry reads `buf[piece.buf_start..][..len]` of the group's buffer,
+            // which `self.groups` owns and releases only after this write's completion was
+            // reaped (`take_events` hands it back when `writes_pending` is zero; `abandon` and
+            // `Drop` first wait for every entry in flight). Moving the group inside the deque
+            // does not move the heap buffer. The descriptor belongs to `group.file`, kept
+            // alive by the same group.
+            unsafe { self.push(&entry, 1) };
+        }
+        self.enter(0, None);
+    }
+
+    /// Submits one `fdatasync` covering every group up to the one at `last` (all written).
+    fn submit_sync(&mut self, last: usize) {
+        let group = &self.groups[last];
+        let fd = group.file.raw_fd().expect("checked at submission");
+        let (entry, injected) = sync_entry(group.file.as_ref(), fd);
+        let entry = entry.user_data(group.seq << SEQ_SHIFT | CODE_SYNC);
+        self.sync_in_flight = Some(SyncInFlight {
+            seq: group.seq,
+            injected,
+            _file: Arc::clone(&group.file),
+            path: group.path.clone(),
+        });
+        for group in self.groups.iter_mut().take(last + 1) {
+            group.sync_submitted = true;
+        }
+        self.groups[last].sync_last = true;
+        self.entries_in_flight += 1;
+        // SAFETY: no buffer; `sync_in_flight` keeps the descriptor open until the completion.
+        unsafe { self.push(&entry, 1) };
+        self.enter(0, None);
+    }
+
+    /// Reaps completions without waiting.
+    pub(crate) fn poll(&mut self) {
+        self.reap();
+    }
+
+    /// Waits until at least one completion arrives (or `deadline` passes), then reaps. With
+    /// `wake`, a byte written to the wake pipe also ends the wait.
+    pub(crate) fn wait(&mut self, deadline: Option<Instant>, wake: bool) {
+        if wake && !self.wake_armed {
+            let entry =
+                opcode::PollAdd::new(types::Fd(self.wake_reader.as_raw_fd()), libc::POLLIN as u32)
+                    .build()
+                    .user_data(WAKE_USER_DATA);
+            // SAFETY: a poll entry carries no buffer; the pipe is owned by `self`, which
+            // outlives the ring's use of it (the ring is dropped with `self`).
+            unsafe { self.push(&entry, 1) };
+            self.wake_armed = true;
+        }
+        let timeout = deadline.map(|deadline| deadline.saturating_duration_since(Instant::now()));
+        if !self.enter(1, timeout) {
+            self.enter(0, None);
+        }
+        self.reap();
+    }
+
+    /// Reads every available completion into the state of its group (or of the sync).
+    fn reap(&mut self) {
+        let mut reaped = std::mem::take(&mut self.reaped);
+        reaped.extend(self.ring.completion().map(|entry| (entry.user_data(), entry.result())));
+        for &(user_data, result) in &reaped {
+            if user_data == WAKE_USER_DATA {
+                self.on_wake(result);
+                continue;
+            }
+            self.entries_in_flight -= 1;
+            let seq = user_data >> SEQ_SHIFT;
+            let code = user_data & CODE_MASK;
+            if code == CODE_SYNC {
+                let sync = self.sync_in_flight.take().expect("a sync completion has its sync");
+                debug_assert_eq!(sync.seq, seq);
+                let result = sync.injected.unwrap_or(result);
+                if result < 0 {
+                    let error = std::io::Error::from_raw_os_error(-result);
+                    self.error.get_or_insert(WalError::from_io("fdatasync", &sync.path, 0, &error));
+                } else {
+                    // It was submitted after the writes of every group up to `seq` completed.
+                    for group in self.groups.iter_mut().take_while(|group| group.seq <= seq) {
+                        debug_assert!(group.written && group.sync_submitted);
+                        group.synced = true;
+                    }
+                }
+                continue;
+            }
+            let front = self.groups.front().expect("a completion belongs to a group").seq;
+            let group = &mut self.groups[(seq - front) as usize];
+            debug_assert_eq!(group.seq, seq);
+            let slot = code as usize;
+            group.writes_pending -= 1;
+            let piece = group.pieces[slot];
+            let result = group.injected[slot].unwrap_or(result);
+            if result < 0 {
+                if matches!(-result, libc::EINTR | libc::EAGAIN) {
+                    group.leftovers.push(piece);
+                } else {
+                    let error = std::io::Error::from_raw_os_error(-result);
+                    let error = WalError::from_io("write", &group.path, piece.len as u64, &error);
+                    self.error.get_or_insert(error);
+                }
+            } else if (result as usize) < piece.len {
+                let done = result as usize;
+                group.leftovers.push(RingPiece {
+                    buf_start: piece.buf_start + done,
+                    len: piece.len - done,
+                    file_offset: piece.file_offset + done as u64,
+                });
+            }
+        }
+        reaped.clear();
+        self.reaped = reaped;
+    }
+
+    /// Completes the armed wake poll (by waking it) and reaps it, so no entry of the
+    /// pipelined path is left on the ring.
+    fn disarm_wake(&mut self) {
+        if self.wake_armed {
+            use std::io::Write;
+            let _ = (&self.wake_writer).write(&[1]);
+            while self.wake_armed {
+                self.enter(1, None);
+                self.reap();
+            }
+        }
+    }
+
+    fn on_wake(&mut self, result: i32) {
+        self.wake_armed = false;
+        if result >= 0 {
+            let mut scratch = [0u8; 64];
+            // Non-blocking: stops at WouldBlock once the pipe is empty.
+            while matches!((&self.wake_reader).read(&mut scratch), Ok(read) if read > 0) {}
+        }
+    }
+
+    /// Moves the groups forward in LSN order and reports what changed: writes complete
+    /// (`Written`, in order, with the buffer handed back), durable (`Done`, in order: a group
+    /// is reported only once a sync that started after its writes, and those of every earlier
+    /// group, completed), or the first failure (`Failed`, once; the caller then calls
+    /// [`UringEngine::abandon`]). Short writes are finished here with `pwrite` before the
+    /// group counts as written. When no sync is on the ring, one is submitted here covering
+    /// every group written so far: while it runs, later groups' writes proceed, and the next
+    /// sync covers all of those that completed meanwhile.
+    pub(crate) fn take_events(&mut self, events: &mut Vec<RingEvent>) {
+        if let Some(error) = self.error.take() {
+            events.push(RingEvent::Failed(error));
+            return;
+        }
+        let mut last_written = None;
+        for index in 0..self.groups.len() {
+            let group = &mut self.groups[index];
+            if group.writes_pending > 0 {
+                // Later groups are reported written only after this one.
+                break;
+            }
+            if !group.written {
+                for piece in std::mem::take(&mut group.leftovers) {
+                    let op = WriteOp {
+                        file: group.file.as_ref(),
+                        path: &group.path,
+                        buf: &group.buf[piece.buf_start..piece.buf_start + piece.len],
+                        offset: piece.file_offset,
+                    };
+                    if let Err(error) = write_all_at(&op) {
+                        events.push(RingEvent::Failed(error));
+                        return;
+                    }
+                }
+                group.written = true;
+                events.push(RingEvent::Written {
+                    summary: group.summary.clone(),
+                    buf: std::mem::take(&mut group.buf),
+                });
+            }
+            last_written = Some(index);
+        }
+        if let Some(last) = last_written {
+            let group = &self.groups[last];
+            if self.sync_in_flight.is_none() && group.sync && !group.sync_submitted {
+                self.submit_sync(last);
+            }
+        }
+        while let Some(group) = self.groups.front() {
+            if !group.written || (group.sync && !group.synced) {
+                break;
+            }
+            let group = self.groups.pop_front().expect("front exists");
+            events.push(RingEvent::Done {
+                summary: group.summary,
+                synced: group.sync,
+                sync_last: group.sync_last,
+            });
+        }
+    }
+
+    /// After a failure: waits until the kernel is done with every entry in flight, then drops
+    /// the groups (nothing more is reported) and hands their buffers back.
+    pub(crate) fn abandon(&mut self) -> Vec<Vec<u8>> {
+        while self.entries_in_flight > 0 {
+            self.enter(1, None);
+            self.reap();
+        }
+        self.sync_in_flight = None;
+        // The log is failed already; what the drained entries reported changes nothing.
+        self.error = None;
+        self.groups.drain(..).map(|group| group.buf).filter(|buf| buf.capacity() > 0).collect()
+    }
+}
+
+impl Drop for UringEngine {
+    fn drop(&mut self) {
+        // The kernel may still read buffers of groups in flight (a panic unwinding the sync
+        // thread): wait for it before they are freed.
+        let _ = self.abandon();
+    }
+}
+
+/// Sets `O_NONBLOCK` on a descriptor this module owns.
+fn set_nonblocking(fd: RawFd) -> std::io::Result<()> {
+    // SAFETY: fcntl with F_GETFL/F_SETFL takes no pointers; `fd` is a live pipe end owned by
+    // the caller for the duration of the call.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    if flags < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: as above.
+    if unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// One submitted write: which op, which byte range of it.
@@ -78,6 +543,20 @@ impl IoEngine for UringEngine {
         IoPath::IoUring
     }
 
+    fn as_uring(&mut self) -> Option<&mut UringEngine> {
+        Some(self)
+    }
+
+    fn waker(&self) -> Option<PipeWriter> {
+        match UringEngine::waker(self) {
+            Ok(waker) => Some(waker),
+            Err(error) => {
+                tracing::warn!(%error, "no wake pipe for the io_uring writer; groups go one at a time");
+                None
+            }
+        }
+    }
+
     fn write_and_sync(
         &mut self,
         ops: &[WriteOp<'_>],
@@ -86,6 +565,7 @@ impl IoEngine for UringEngine {
         // Files without a descriptor go through their storage methods. A group that is one
         // small write has nothing to overlap: io_uring would only add the hop to the kernel
         // worker that runs the fdatasync, so it is written and synced directly.
+        assert_eq!(self.entries_in_flight, 0, "the pipeline is drained before a serial write");
         let total: usize = ops.iter().map(|op| op.buf.len()).sum();
         if ops.iter().any(|op| op.file.raw_fd().is_none())
             || sync.is_some_and(|target| target.file.raw_fd().is_none())
@@ -93,6 +573,8 @@ impl IoEngine for UringEngine {
         {
             return super::pwrite::PwriteEngine.write_and_sync(ops, sync);
         }
+        // The drained sync below waits for every earlier entry, the wake poll included.
+        self.disarm_wake();
         let mut pieces = Vec::new();
         for (index, op) in ops.iter().enumerate() {
             let mut start = 0;
@@ -113,17 +595,18 @@ impl IoEngine for UringEngine {
         for (batch_index, batch) in batches.into_iter().enumerate() {
             let with_sync = sync.filter(|_| batch_index + 1 == batch_count);
             let mut expected = 0usize;
+            // Results injected by the storage's fault plan, per slot (and for the sync).
+            let mut injected: Vec<Option<i32>> = vec![None; batch.len()];
+            let mut sync_injected: Option<i32> = None;
             {
                 let mut submission = self.ring.submission();
                 for (slot, piece) in batch.iter().enumerate() {
                     let op = &ops[piece.op];
                     let fd = op.file.raw_fd().expect("checked above");
-                    let len = u32::try_from(piece.len).expect("pieces are at most 1 MiB");
-                    let entry =
-                        opcode::Write::new(types::Fd(fd), op.buf[piece.start..].as_ptr(), len)
-                            .offset(op.offset + piece.start as u64)
-                            .build()
-                            .user_data(slot as u64);
+                    let file_offset = op.offset + piece.start as u64;
+                    let (entry, fault) = write_entry(op.file, fd, op.buf, *piece, file_offset);
+                    injected[slot] = fault;
+                    let entry = entry.user_data(slot as u64);
                     // SAFETY: the buffer `op.buf[piece.start..piece.start + len]` is borrowed
                     // from `ops` for this whole call, and this function does not return before
                     // every submitted entry completed (submit_and_wait below waits for all), so
@@ -135,11 +618,9 @@ impl IoEngine for UringEngine {
                 }
                 if let Some(target) = with_sync {
                     let fd = target.file.raw_fd().expect("checked above");
-                    let entry = opcode::Fsync::new(types::Fd(fd))
-                        .flags(types::FsyncFlags::DATASYNC)
-                        .build()
-                        .flags(squeue::Flags::IO_DRAIN)
-                        .user_data(SYNC_USER_DATA);
+                    let (entry, fault) = sync_entry(target.file, fd);
+                    sync_injected = fault;
+                    let entry = entry.flags(squeue::Flags::IO_DRAIN).user_data(SYNC_USER_DATA);
                     // SAFETY: an fsync entry carries no buffer; the descriptor stays open for
                     // the call, which waits for the completion below.
                     unsafe { submission.push(&entry) }.expect("ring has room for the sync");
@@ -160,10 +641,16 @@ impl IoEngine for UringEngine {
                         panic!("io_uring_enter failed with entries in flight: {error}");
                     }
                 }
+                let mut woke = None;
                 for entry in self.ring.completion() {
+                    if entry.user_data() == WAKE_USER_DATA {
+                        // The pipelined path's wake poll (armed earlier): not ours to count.
+                        woke = Some(entry.result());
+                        continue;
+                    }
                     completed += 1;
-                    let result = entry.result();
                     if entry.user_data() == SYNC_USER_DATA {
+                        let result = sync_injected.unwrap_or(entry.result());
                         let target = with_sync.expect("a sync was submitted");
                         if result < 0 {
                             let error = std::io::Error::from_raw_os_error(-result);
@@ -178,7 +665,9 @@ impl IoEngine for UringEngine {
                         }
                         continue;
                     }
-                    let piece = batch[entry.user_data() as usize];
+                    let slot = entry.user_data() as usize;
+                    let piece = batch[slot];
+                    let result = injected[slot].unwrap_or(entry.result());
                     if result < 0 {
                         let error = std::io::Error::from_raw_os_error(-result);
                         if error.kind() == std::io::ErrorKind::Interrupted {
@@ -199,6 +688,9 @@ impl IoEngine for UringEngine {
                             len: piece.len - result as usize,
                         });
                     }
+                }
+                if let Some(result) = woke {
+                    self.on_wake(result);
                 }
             }
         }
@@ -228,6 +720,38 @@ impl IoEngine for UringEngine {
     }
 }
 
+/// The ring entry for writing `piece` of `buf` at `file_offset`, as the file's fault plan
+/// (`StorageFile::ring_fault`) has it: the real write, a shorter one, or a no-op standing in
+/// for a failed write (its injected result, a negative errno, is returned beside it).
+fn write_entry(
+    file: &dyn StorageFile,
+    fd: RawFd,
+    buf: &[u8],
+    piece: Piece,
+    file_offset: u64,
+) -> (squeue::Entry, Option<i32>) {
+    let mut len = piece.len;
+    match file.ring_fault(RingOp::Write { offset: file_offset, len }) {
+        None => {}
+        Some(RingFault::Errno(errno)) => return (opcode::Nop::new().build(), Some(-errno.abs())),
+        Some(RingFault::ShortWrite(max)) => len = len.min(max.max(1)),
+    }
+    let len = u32::try_from(len).expect("pieces are at most 1 MiB");
+    let entry = opcode::Write::new(types::Fd(fd), buf[piece.start..].as_ptr(), len)
+        .offset(file_offset)
+        .build();
+    (entry, None)
+}
+
+/// The ring entry for `fdatasync` of `fd`, or a no-op with an injected errno (see
+/// [`write_entry`]).
+fn sync_entry(file: &dyn StorageFile, fd: RawFd) -> (squeue::Entry, Option<i32>) {
+    match file.ring_fault(RingOp::SyncData) {
+        Some(RingFault::Errno(errno)) => (opcode::Nop::new().build(), Some(-errno.abs())),
+        _ => (opcode::Fsync::new(types::Fd(fd)).flags(types::FsyncFlags::DATASYNC).build(), None),
+    }
+}
+
 /// `posix_fallocate(fd, 0, len)`: reserves the blocks of a new segment. Returns 0 or an errno.
 pub(crate) fn posix_fallocate(fd: RawFd, len: libc::off_t) -> i32 {
     // SAFETY: posix_fallocate takes no pointers, so it cannot touch this process's memory; `fd`
@@ -237,10 +761,204 @@ pub(crate) fn posix_fallocate(fd: RawFd, len: libc::off_t) -> i32 {
 
 #[cfg(test)]
 mod tests {
-    use std::path::Path;
+    use std::{
+        path::Path,
+        sync::atomic::{AtomicU64, Ordering},
+    };
 
     use super::*;
-    use crate::wal::storage::{FileStorage, Storage};
+    use crate::wal::{
+        segment::{Segment, SegmentHeader},
+        storage::{FileStorage, Storage},
+        writer::Run,
+        SegmentId,
+    };
+
+    /// A real file whose ring submissions follow a small fault plan.
+    #[derive(Debug)]
+    struct PlannedFile {
+        inner: Arc<dyn StorageFile>,
+        /// Fail the n-th `fdatasync` submitted to the ring (1-based; 0: none) with EIO.
+        fail_sync_number: u64,
+        /// Shorten ring writes to this many bytes (0: no).
+        short_write_bytes: usize,
+        syncs: AtomicU64,
+    }
+
+    impl StorageFile for PlannedFile {
+        fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<usize> {
+            self.inner.write_at(buf, offset)
+        }
+        fn sync_data(&self) -> std::io::Result<()> {
+            self.inner.sync_data()
+        }
+        fn allocate(&self, len: u64) -> std::io::Result<()> {
+            self.inner.allocate(len)
+        }
+        fn set_len(&self, len: u64) -> std::io::Result<()> {
+            self.inner.set_len(len)
+        }
+        fn raw_fd(&self) -> Option<RawFd> {
+            self.inner.raw_fd()
+        }
+        fn ring_fault(&self, op: RingOp) -> Option<RingFault> {
+            match op {
+                RingOp::SyncData => {
+                    let number = self.syncs.fetch_add(1, Ordering::SeqCst) + 1;
+                    (number == self.fail_sync_number).then_some(RingFault::Errno(libc::EIO))
+                }
+                RingOp::Write { len, .. } => (self.short_write_bytes > 0
+                    && len > self.short_write_bytes)
+                    .then_some(RingFault::ShortWrite(self.short_write_bytes)),
+            }
+        }
+    }
+
+    struct Fixture {
+        _dir: tempfile::TempDir,
+        path: PathBuf,
+        file: Arc<dyn StorageFile>,
+        segment: Arc<Segment>,
+    }
+
+    fn fixture(fail_sync_number: u64, short_write_bytes: usize) -> Fixture {
+        let dir = tempfile::tempdir().unwrap();
+        let header = SegmentHeader {
+            id: SegmentId(1),
+            first_lsn: 1,
+            window: None,
+            segment_size_bytes: 16 << 20,
+        };
+        let segment = Arc::new(Segment::new(dir.path(), header));
+        let path = segment.path.clone();
+        let file: Arc<dyn StorageFile> = Arc::new(PlannedFile {
+            inner: FileStorage.create(&path).unwrap(),
+            fail_sync_number,
+            short_write_bytes,
+            syncs: AtomicU64::new(0),
+        });
+        Fixture { _dir: dir, path, file, segment }
+    }
+
+    /// A group of `len` bytes of value `lsn as u8`, written at `offset`, ending with `lsn`.
+    fn group(fixture: &Fixture, lsn: u64, offset: u64, len: usize) -> RingGroup {
+        RingGroup {
+            buf: vec![lsn as u8; len],
+            runs: vec![Run { buf_start: 0, buf_end: len, file_offset: offset }],
+            file: Arc::clone(&fixture.file),
+            path: fixture.path.clone(),
+            sync: true,
+            summary: GroupSummary {
+                segment: Arc::clone(&fixture.segment),
+                last_lsn: lsn,
+                end_offset: offset + len as u64,
+                max_time_ms: 0,
+                started: Instant::now(),
+            },
+        }
+    }
+
+    /// What happened, in order: ("written" | "done" | "failed", lsn).
+    fn drive(engine: &mut UringEngine, stop_at_failure: bool) -> Vec<(&'static str, u64)> {
+        let mut seen = Vec::new();
+        let mut events = Vec::new();
+        // Bounded: each round waits for at least one completion.
+        for _ in 0..10_000 {
+            engine.poll();
+            engine.take_events(&mut events);
+            for event in events.drain(..) {
+                match event {
+                    RingEvent::Written { summary, .. } => seen.push(("written", summary.last_lsn)),
+                    RingEvent::Done { summary, synced, .. } => {
+                        assert!(synced);
+                        seen.push(("done", summary.last_lsn));
+                    }
+                    RingEvent::Failed(error) => {
+                        assert!(matches!(error, WalError::Io { op: "fdatasync", .. }), "{error}");
+                        seen.push(("failed", 0));
+                        if stop_at_failure {
+                            let _ = engine.abandon();
+                            return seen;
+                        }
+                    }
+                }
+            }
+            if engine.groups_in_flight() == 0 {
+                return seen;
+            }
+            engine.wait(None, false);
+        }
+        panic!("the ring did not finish: {seen:?}");
+    }
+
+    #[test]
+    fn groups_in_flight_are_written_then_made_durable_in_lsn_order() {
+        let Ok(mut engine) = UringEngine::new(0) else {
+            eprintln!("io_uring unavailable here; the pwrite path covers this machine");
+            return;
+        };
+        let fixture = fixture(0, 0);
+        // Three groups on the ring at once: one of three 1 MiB writes, then two small ones.
+        engine.submit_group(group(&fixture, 1, 0, 3 << 20));
+        engine.submit_group(group(&fixture, 2, 3 << 20, 100));
+        engine.submit_group(group(&fixture, 3, (3 << 20) + 100, 100));
+        assert_eq!(engine.groups_in_flight(), 3);
+        let seen = drive(&mut engine, false);
+        let written: Vec<u64> =
+            seen.iter().filter(|(kind, _)| *kind == "written").map(|(_, lsn)| *lsn).collect();
+        let done: Vec<u64> =
+            seen.iter().filter(|(kind, _)| *kind == "done").map(|(_, lsn)| *lsn).collect();
+        assert_eq!(written, vec![1, 2, 3]);
+        assert_eq!(done, vec![1, 2, 3]);
+        for lsn in 1..=3 {
+            let at = |kind| seen.iter().position(|event| *event == (kind, lsn)).unwrap();
+            assert!(at("written") < at("done"), "{seen:?}");
+        }
+        let bytes = std::fs::read(&fixture.path).unwrap();
+        assert_eq!(bytes.len(), (3 << 20) + 200);
+        assert!(bytes[..3 << 20].iter().all(|byte| *byte == 1));
+        assert!(bytes[3 << 20..(3 << 20) + 100].iter().all(|byte| *byte == 2));
+        assert!(bytes[(3 << 20) + 100..].iter().all(|byte| *byte == 3));
+    }
+
+    #[test]
+    fn a_failed_sync_leaves_no_group_behind_it_durable() {
+        let Ok(mut engine) = UringEngine::new(0) else {
+            eprintln!("io_uring unavailable here; the pwrite path covers this machine");
+            return;
+        };
+        // The second sync fails. The first group is made durable alone (its sync is submitted
+        // before the others exist); the second and third are behind the failed sync, and the
+        // third's writes (and any sync after) must never make them durable.
+        let fixture = fixture(2, 0);
+        engine.submit_group(group(&fixture, 1, 0, 4096));
+        let first = drive(&mut engine, true);
+        assert_eq!(first, vec![("written", 1), ("done", 1)]);
+        engine.submit_group(group(&fixture, 2, 4096, 4096));
+        engine.submit_group(group(&fixture, 3, 8192, 4096));
+        let seen = drive(&mut engine, true);
+        assert!(seen.contains(&("failed", 0)), "{seen:?}");
+        assert!(!seen.iter().any(|(kind, _)| *kind == "done"), "{seen:?}");
+        assert_eq!(engine.groups_in_flight(), 0);
+        assert_eq!(engine.entries_in_flight, 0);
+    }
+
+    #[test]
+    fn short_ring_writes_are_finished_before_the_covering_sync() {
+        let Ok(mut engine) = UringEngine::new(0) else {
+            eprintln!("io_uring unavailable here; the pwrite path covers this machine");
+            return;
+        };
+        let fixture = fixture(0, 10);
+        engine.submit_group(group(&fixture, 1, 0, 1000));
+        engine.submit_group(group(&fixture, 2, 1000, 3000));
+        let seen = drive(&mut engine, false);
+        assert_eq!(seen.iter().filter(|(kind, _)| *kind == "done").count(), 2, "{seen:?}");
+        let bytes = std::fs::read(&fixture.path).unwrap();
+        assert_eq!(bytes.len(), 4000);
+        assert!(bytes[..1000].iter().all(|byte| *byte == 1));
+        assert!(bytes[1000..].iter().all(|byte| *byte == 2));
+    }
 
     #[test]
     fn many_writes_and_large_writes_land_where_asked_through_the_ring() {

@@ -6,13 +6,17 @@
 //!   lines.
 //! * `verify DIR`: a strict scan; the exit code says whether the log is healthy.
 //!
-//! Nothing is written: the scans are read-only (a torn tail is reported, not cut).
+//! Nothing is written: the scans are read-only (a torn tail is reported, not cut), so they
+//! work on a log a live writer holds open. Each command says whether a writer holds the
+//! directory lock: if one does, a "torn tail" may be records still being written.
 
 use std::{path::PathBuf, process::ExitCode};
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use coordbus::wal::{scan_dir, Lsn, RecoveryMode, SegmentSummary, Wal, WalConfig, WalOptions};
+use coordbus::wal::{
+    is_locked, scan_dir, Lsn, RecoveryMode, SegmentSummary, Wal, WalConfig, WalOptions,
+};
 use serde_json::json;
 
 #[global_allocator]
@@ -84,7 +88,18 @@ fn summary_json(segment: &SegmentSummary) -> serde_json::Value {
     })
 }
 
+/// One line on the writer lock, for text output.
+fn lock_note(locked: bool) -> &'static str {
+    if locked {
+        "writer lock: held by a live writer (the tail may be in flight; this scan cuts nothing)"
+    } else {
+        "writer lock: free (no writer has the log open)"
+    }
+}
+
 fn inspect(dir: &PathBuf, as_json: bool) -> anyhow::Result<ExitCode> {
+    let locked =
+        is_locked(dir).with_context(|| format!("probing the lock of {}", dir.display()))?;
     let scan = scan_dir(dir, RecoveryMode::TolerateCorruption)
         .with_context(|| format!("scanning {}", dir.display()))?;
     let first_corruption = scan.segments.iter().flat_map(|segment| &segment.corruption).next();
@@ -100,6 +115,7 @@ fn inspect(dir: &PathBuf, as_json: bool) -> anyhow::Result<ExitCode> {
                 "records": scan.report.records,
                 "first_lsn": scan.report.first_lsn.0,
                 "last_lsn": scan.report.last_lsn.0,
+                "locked_by_writer": locked,
                 "first_corruption": first_corruption.map(|note| json!({
                     "segment": note.segment.0, "offset": note.offset, "reason": note.reason,
                 })),
@@ -144,6 +160,7 @@ fn inspect(dir: &PathBuf, as_json: bool) -> anyhow::Result<ExitCode> {
         );
     }
     println!("{}", scan.report);
+    println!("{}", lock_note(locked));
     match first_corruption {
         Some(note) => println!(
             "first corruption: segment {} offset {}: {}",
@@ -171,6 +188,9 @@ fn dump(
         WalOptions { read_only: true, ..WalOptions::default() },
     )
     .with_context(|| format!("opening {} read-only", dir.display()))?;
+    if !as_json && is_locked(dir).unwrap_or(false) {
+        eprintln!("{}", lock_note(true));
+    }
     for record in wal.iter_from(Lsn(from))?.take(limit.unwrap_or(usize::MAX)) {
         let record = record?;
         let preview = &record.bytes[..record.bytes.len().min(preview_bytes)];
@@ -204,6 +224,8 @@ fn dump(
 }
 
 fn verify(dir: &PathBuf, as_json: bool) -> ExitCode {
+    // A probe failure (e.g. no permission to open the directory) shows up in the scan below.
+    let locked = is_locked(dir).unwrap_or(false);
     let (code, verdict, detail) = match scan_dir(dir, RecoveryMode::Strict) {
         Ok(scan) if scan.report.torn_tail.is_some() => (2, "torn-tail", scan.report.to_string()),
         Ok(scan) => (0, "healthy", scan.report.to_string()),
@@ -214,9 +236,15 @@ fn verify(dir: &PathBuf, as_json: bool) -> ExitCode {
         Err(error) => (3, "error", error.to_string()),
     };
     if as_json {
-        println!("{}", json!({ "verdict": verdict, "exit_code": code, "detail": detail }));
+        println!(
+            "{}",
+            json!({
+                "verdict": verdict, "exit_code": code, "detail": detail, "locked_by_writer": locked,
+            })
+        );
     } else {
         println!("{verdict}: {detail}");
+        println!("{}", lock_note(locked));
     }
     ExitCode::from(code)
 }

@@ -1,0 +1,133 @@
+//! The writer's lock on a log directory: at most one `Wal` writes a directory at a time.
+//!
+//! The lock is an exclusive `flock(2)` (std's [`File::try_lock`]) on the log directory itself,
+//! opened read-only. Why the directory and not a lock file inside it: SPEC E.3 says creating
+//! the log object must not create the directory or any file (only a write does), and a lock
+//! file would have to be created to be locked. Linux accepts `flock` on a directory descriptor
+//! on every local file system. Why `flock`: the kernel drops it when the last descriptor of its
+//! open file description closes, so a writer killed with `kill -9` never leaves a stale lock
+//! (the crash tests reopen right after the kill), and two opens in one process conflict just
+//! like two processes (each open has its own description). Descriptors are close-on-exec, so a
+//! child process never inherits the lock.
+//!
+//! When it is taken:
+//! * [`Wal::open`](crate::wal::Wal::open) on an existing directory takes it before recovery
+//!   touches anything, and fails with [`WalError::Locked`] if another writer holds it.
+//! * On a missing directory there is nothing to lock yet: the sync thread takes the lock right
+//!   after creating the directory, before writing any segment. If another writer got there
+//!   first, the log fails with [`WalError::Locked`] as its cause and writes nothing.
+//!
+//! It is released when the sync thread exits (at close or drop, after the last sync), so after
+//! `close` returns another writer can open the directory. Read-only opens (tools) take no lock;
+//! [`is_locked`] tells them whether a live writer holds it (its tail may then be in flight).
+
+use std::{
+    fs::{File, TryLockError},
+    io,
+    path::{Path, PathBuf},
+};
+
+use crate::error::WalError;
+
+/// An exclusive lock on a log directory, released on drop.
+#[derive(Debug)]
+pub(crate) struct DirLock {
+    /// The locked directory, opened read-only; closing it releases the lock.
+    _file: File,
+    dir: PathBuf,
+}
+
+impl DirLock {
+    /// Locks `dir`, or returns `Ok(None)` if it does not exist (yet).
+    ///
+    /// # Errors
+    /// [`WalError::Locked`] if another writer holds the lock, [`WalError::Io`] if the
+    /// directory cannot be opened or locked.
+    pub(crate) fn try_acquire(dir: &Path) -> Result<Option<DirLock>, WalError> {
+        let file = match File::open(dir) {
+            Ok(file) => file,
+            Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(error) => return Err(WalError::from_io("open directory to lock", dir, 0, &error)),
+        };
+        match file.try_lock() {
+            Ok(()) => {
+                tracing::debug!(dir = ?dir, "locked the WAL directory");
+                Ok(Some(DirLock { _file: file, dir: dir.to_path_buf() }))
+            }
+            Err(TryLockError::WouldBlock) => Err(WalError::Locked { dir: dir.to_path_buf() }),
+            Err(TryLockError::Error(error)) => {
+                Err(WalError::from_io("lock directory", dir, 0, &error))
+            }
+        }
+    }
+
+    /// Locks `dir`, which must exist.
+    ///
+    /// # Errors
+    /// As [`DirLock::try_acquire`], plus [`WalError::Io`] (not found) if `dir` is missing.
+    pub(crate) fn acquire_existing(dir: &Path) -> Result<DirLock, WalError> {
+        Self::try_acquire(dir)?.ok_or_else(|| WalError::Io {
+            op: "lock directory",
+            path: dir.to_path_buf(),
+            kind: io::ErrorKind::NotFound,
+            message: "the directory vanished right after it was created".into(),
+        })
+    }
+}
+
+impl Drop for DirLock {
+    fn drop(&mut self) {
+        tracing::debug!(dir = ?self.dir, "released the WAL directory lock");
+    }
+}
+
+/// Whether a writer (in this or another process) holds the lock on `dir`. A missing directory
+/// is not locked. The answer may be stale by the time it is read; tools use it to explain what
+/// they see (a live writer's tail may be in flight), not to synchronize.
+///
+/// # Errors
+/// [`WalError::Io`] if the directory cannot be opened or the lock state cannot be read.
+pub fn is_locked(dir: impl AsRef<Path>) -> Result<bool, WalError> {
+    let dir = dir.as_ref();
+    let file = match File::open(dir) {
+        Ok(file) => file,
+        Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(false),
+        Err(error) => return Err(WalError::from_io("open directory", dir, 0, &error)),
+    };
+    // A shared lock conflicts only with a writer's exclusive one; it is released when `file`
+    // closes at the end of this function.
+    match file.try_lock_shared() {
+        Ok(()) => Ok(false),
+        Err(TryLockError::WouldBlock) => Ok(true),
+        Err(TryLockError::Error(error)) => Err(WalError::from_io("probe lock", dir, 0, &error)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_directory_is_locked_once_and_free_after_release() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(!is_locked(dir.path()).unwrap());
+        let lock = DirLock::try_acquire(dir.path()).unwrap().expect("the directory exists");
+        assert!(is_locked(dir.path()).unwrap());
+        match DirLock::try_acquire(dir.path()) {
+            Err(WalError::Locked { dir: locked }) => assert_eq!(locked, dir.path()),
+            other => panic!("expected Locked, got {other:?}"),
+        }
+        drop(lock);
+        assert!(!is_locked(dir.path()).unwrap());
+        assert!(DirLock::try_acquire(dir.path()).unwrap().is_some());
+    }
+
+    #[test]
+    fn a_missing_directory_is_neither_locked_nor_created() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("wal");
+        assert!(DirLock::try_acquire(&missing).unwrap().is_none());
+        assert!(!is_locked(&missing).unwrap());
+        assert!(!missing.exists());
+    }
+}
