@@ -8,7 +8,11 @@
 //! open file description closes, so a writer killed with `kill -9` never leaves a stale lock
 //! (the crash tests reopen right after the kill), and two opens in one process conflict just
 //! like two processes (each open has its own description). Descriptors are close-on-exec, so a
-//! child process never inherits the lock.
+//! child process does not keep the lock, but between its `fork` and its `exec` it holds a copy
+//! of every descriptor of the parent, and with it the lock's description: a log closed while
+//! another thread of the process spawns a child can stay locked for that moment. So a writer
+//! that finds the directory locked retries for up to [`LOCK_GRACE`] before it reports
+//! [`WalError::Locked`] (a bounded wait; a real second writer still fails, only later).
 //!
 //! When it is taken:
 //! * [`Wal::open`](crate::wal::Wal::open) on an existing directory takes it before recovery
@@ -28,6 +32,10 @@ use std::{
 };
 
 use crate::error::WalError;
+
+/// How long a writer retries a held lock before it reports [`WalError::Locked`] (see the
+/// module doc: a child process between `fork` and `exec` holds it briefly).
+pub(crate) const LOCK_GRACE: std::time::Duration = std::time::Duration::from_millis(200);
 
 /// An exclusive lock on a log directory, released on drop.
 #[derive(Debug)]
@@ -49,14 +57,24 @@ impl DirLock {
             Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(None),
             Err(error) => return Err(WalError::from_io("open directory to lock", dir, 0, &error)),
         };
-        match file.try_lock() {
-            Ok(()) => {
-                tracing::debug!(dir = ?dir, "locked the WAL directory");
-                Ok(Some(DirLock { _file: file, dir: dir.to_path_buf() }))
-            }
-            Err(TryLockError::WouldBlock) => Err(WalError::Locked { dir: dir.to_path_buf() }),
-            Err(TryLockError::Error(error)) => {
-                Err(WalError::from_io("lock directory", dir, 0, &error))
+        let deadline = std::time::Instant::now() + LOCK_GRACE;
+        let mut pause = std::time::Duration::from_micros(100);
+        loop {
+            match file.try_lock() {
+                Ok(()) => {
+                    tracing::debug!(dir = ?dir, "locked the WAL directory");
+                    return Ok(Some(DirLock { _file: file, dir: dir.to_path_buf() }));
+                }
+                Err(TryLockError::WouldBlock) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(std::time::Duration::from_millis(10));
+                }
+                Err(TryLockError::WouldBlock) => {
+                    return Err(WalError::Locked { dir: dir.to_path_buf() })
+                }
+                Err(TryLockError::Error(error)) => {
+                    return Err(WalError::from_io("lock directory", dir, 0, &error))
+                }
             }
         }
     }
@@ -129,5 +147,19 @@ mod tests {
         assert!(DirLock::try_acquire(&missing).unwrap().is_none());
         assert!(!is_locked(&missing).unwrap());
         assert!(!missing.exists());
+    }
+
+    /// A lock released within the grace period (as a forked child's copy is, at its exec) is
+    /// taken, not reported as held; the holder here releases it once the waiter is waiting.
+    #[test]
+    fn a_lock_released_within_the_grace_period_is_taken() {
+        let dir = tempfile::tempdir().unwrap();
+        let lock = DirLock::try_acquire(dir.path()).unwrap().expect("the directory exists");
+        let path = dir.path().to_path_buf();
+        let waiter = std::thread::spawn(move || DirLock::try_acquire(&path));
+        // Hold the lock until the waiter has certainly found it held at least once.
+        std::thread::sleep(LOCK_GRACE / 10);
+        drop(lock);
+        assert!(waiter.join().unwrap().unwrap().is_some());
     }
 }
