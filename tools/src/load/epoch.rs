@@ -112,9 +112,12 @@ pub struct EpochArgs {
     /// Backlog limit of the coordinator (all three limits).
     #[arg(long, default_value_t = 1_000_000)]
     pub backlog_limit: usize,
-    /// Inbox capacity per shard (messages).
+    /// Inbox capacity per lane and per shared ring (messages).
     #[arg(long, default_value_t = 1 << 16)]
     pub inbox_capacity: usize,
+    /// Single-producer lanes of the coordinator's inbox (0: producers share rings).
+    #[arg(long, default_value_t = coordbus::queue::DEFAULT_LANES)]
+    pub inbox_lanes: usize,
 }
 
 /// A run of a few seconds for the no-argument invocation.
@@ -131,6 +134,7 @@ pub fn quick() -> EpochArgs {
         baseline_seconds: 1.0,
         backlog_limit: 1_000_000,
         inbox_capacity: 1 << 16,
+        inbox_lanes: coordbus::queue::DEFAULT_LANES,
     }
 }
 
@@ -299,6 +303,7 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
         waiters: OnceLock::new(),
     });
     let bus = Bus::builder()
+        .inbox_lanes(args.inbox_lanes)
         .inbox_shards(args.producers + 1)
         .inbox_capacity(args.inbox_capacity)
         .build()?;
