@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The PERF.md series: every figure three times, back to back, one JSON object per line.
+# Usage: tools/scripts/perf-series.sh [out.jsonl]   (after `cargo build --release --workspace`;
+# run it with nothing else busy on the machine: it measures for about six minutes).
+set -u
+L="$(dirname "$0")/../../target/release/coordbus-load"
+OUT=${1:-perf-series.jsonl}
+: > "$OUT"
+run() {
+    echo "# $*" >&2
+    for i in 1 2 3; do
+        "$L" --json "$@" 2>/dev/null | sed "s|^{|{\"cmd\":\"$*\",\"run\":$i,|" >> "$OUT"
+    done
+}
+run bus --messages 30000000
+run bus --messages 30000000 --lanes 0
+run bus --messages 30000000 --producers 2
+run bus --messages 30000000 --producers 2 --lanes 0
+run bus --messages 30000000 --producers 4
+run bus --messages 30000000 --producers 8
+run bus --messages 300000000 --batch 256 --baseline ring
+run bus --messages 300000000 --batch 256
+run ask --messages 1000000
+run ask --messages 3000000 --in-flight 64
+run epoch --partitions 1 --epochs 100000 --baseline reference
+for p in 100 1000 10000; do run epoch --partitions "$p" --baseline reference; done
+run epoch --partitions 1000 --producers 2
+run epoch --partitions 1000 --producers 4
+run state-store --producers 2
+run state-store --producers 4
+for i in 1 2 3; do
+    for durability in none group; do
+        "$L" --json epoch --partitions 1000 --durability "$durability" 2>/dev/null |
+            sed "s|^{|{\"cmd\":\"epoch durability $durability\",\"run\":$i,|" >> "$OUT"
+    done
+done
+run wal
+run wal-recover
+run blocks
