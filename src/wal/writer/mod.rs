@@ -140,6 +140,27 @@ struct Writer {
 }
 
 /// The sync thread's body; returns when the log closes.
+/// Moves the appenders' pending group into `buf`/`chunks` (they get the empty buffers back),
+/// releases the append lock and wakes appenders waiting for staging space. Returns whether the
+/// log is closing.
+fn swap_out_group(
+    shared: &Shared,
+    mut state: std::sync::MutexGuard<'_, crate::wal::AppendState>,
+    buf: &mut Vec<u8>,
+    chunks: &mut Vec<Chunk>,
+) -> bool {
+    std::mem::swap(&mut state.buf, buf);
+    std::mem::swap(&mut state.chunks, chunks);
+    state.group_started = None;
+    let closing = state.closing;
+    let wake_appenders = state.space_waiters > 0;
+    drop(state);
+    if wake_appenders {
+        shared.space_cv.notify_all();
+    }
+    closing
+}
+
 pub(crate) fn run(shared: Arc<Shared>, engine: Box<dyn IoEngine>, dir_lock: Option<DirLock>) {
     let mut writer = Writer { shared, engine, current: None, dir_ready: false, dir_lock };
     let pipelined = writer.shared.ring_waker.is_some() && writer.engine.as_uring().is_some();
@@ -402,16 +423,7 @@ impl Writer {
         }
         state.writer_idle = false;
         state.writer_in_ring = false;
-        std::mem::swap(&mut state.buf, buf);
-        std::mem::swap(&mut state.chunks, chunks);
-        state.group_started = None;
-        let closing = state.closing;
-        let wake_appenders = state.space_waiters > 0;
-        drop(state);
-        if wake_appenders {
-            shared.space_cv.notify_all();
-        }
-        Take::Group { closing }
+        Take::Group { closing: swap_out_group(shared, state, buf, chunks) }
     }
 
     /// Waits for a group and swaps it into `buf`/`chunks`. Returns `Some(closing)` once it
@@ -449,16 +461,7 @@ impl Writer {
             state = shared.writer_cv.wait(state).unwrap_or_else(std::sync::PoisonError::into_inner);
         }
         state.writer_idle = false;
-        std::mem::swap(&mut state.buf, buf);
-        std::mem::swap(&mut state.chunks, chunks);
-        state.group_started = None;
-        let closing = state.closing;
-        let wake_appenders = state.space_waiters > 0;
-        drop(state);
-        if wake_appenders {
-            shared.space_cv.notify_all();
-        }
-        Some(closing)
+        Some(swap_out_group(shared, state, buf, chunks))
     }
 
     fn durable_mode(&self) -> bool {
