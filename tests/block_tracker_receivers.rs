@@ -390,6 +390,10 @@ fn a_failed_sync_answers_false_and_rolls_handed_over_blocks_back() {
     let lost = receiver.add_blocks(vec![info(1, 2), info(2, 3)]);
     // The hand-over is applied before the next ask of this thread is handled.
     let query = endpoint.ask(HasUnallocatedBlocks);
+    // An ask answered at once: once it returns, the query above has been handled (per-sender
+    // order) and is waiting for the sync. Without it the failure below may reach the endpoint
+    // (from the WAL's thread) first, and the query would then rightly see only durable state.
+    let _ = BlockReceiver::connect(&endpoint).unwrap();
     gate.fail.store(true, Ordering::SeqCst);
     gate.set_held(false);
     assert!(!lost.wait(), "the sync failed");
