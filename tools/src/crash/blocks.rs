@@ -297,30 +297,19 @@ impl Checker for BlocksChecker {
         // Cut the journal at the last acknowledged block's addition record, as if it (and
         // everything after it) never reached the disk.
         let dir = checkpoint_dir(&self.work).join(RECEIVED_BLOCK_METADATA_DIR);
-        let handle = {
-            let wal = Wal::open_with_options(
-                &dir,
-                config(&self.work).wal,
-                WalOptions { read_only: true, ..WalOptions::default() },
-            )?;
-            let mut found = None;
-            for record in wal.iter_from(Lsn::ZERO)? {
-                let record = record?;
-                let holds_last = match TrackerEvent::decode(&record.bytes)? {
-                    TrackerEvent::BlockAddition(event) => event.info.block_id().unique_id == last,
-                    TrackerEvent::BlockAdditions(event) => {
-                        event.infos.iter().any(|info| info.block_id().unique_id == last)
-                    }
-                    _ => false,
-                };
-                if holds_last {
-                    found = Some(record.handle);
-                    break;
+        let cut = crate::cut_log_at_first(&dir, config(&self.work).wal, Lsn::ZERO, |record| {
+            Ok(match TrackerEvent::decode(&record.bytes)? {
+                TrackerEvent::BlockAddition(event) => event.info.block_id().unique_id == last,
+                TrackerEvent::BlockAdditions(event) => {
+                    event.infos.iter().any(|info| info.block_id().unique_id == last)
                 }
-            }
-            found.with_context(|| format!("no addition record of block {last} to cut"))?
-        };
-        crate::cut_log(&dir, handle.segment, handle.offset)
+                _ => false,
+            })
+        })?;
+        if !cut {
+            bail!("no addition record of block {last} to cut");
+        }
+        Ok(())
     }
 
     fn check(

@@ -32,7 +32,7 @@ use coordbus::{
         EpochConfig, EpochEndpoint, IncrementAndGetEpoch, PartitionId, Payload,
         ReportPartitionOffset, SetReaderPartitions, SetWriterPartitions, Sink,
     },
-    wal::{Durability, Lsn, Wal, WalConfig, WalOptions},
+    wal::{Durability, Lsn, WalConfig},
     Bus,
 };
 
@@ -173,23 +173,14 @@ impl Checker for EpochChecker {
         // Records carry their epoch as WAL time: cut the log before the first record of the
         // last acknowledged epoch (its offsets, then its commit), as if they never reached
         // the disk.
-        let handle = {
-            let wal = Wal::open_with_options(
-                &self.dir,
-                config(self.iteration),
-                WalOptions { read_only: true, ..WalOptions::default() },
-            )?;
-            let mut found = None;
-            for record in wal.iter_from(Lsn::ZERO)? {
-                let record = record?;
-                if record.time_ms >= last {
-                    found = Some(record.handle);
-                    break;
-                }
-            }
-            found.with_context(|| format!("no record of epoch {last} to cut"))?
-        };
-        crate::cut_log(&self.dir, handle.segment, handle.offset)
+        let cut =
+            crate::cut_log_at_first(&self.dir, config(self.iteration), Lsn::ZERO, |record| {
+                Ok(record.time_ms >= last)
+            })?;
+        if !cut {
+            bail!("no record of epoch {last} to cut");
+        }
+        Ok(())
     }
 
     fn check(

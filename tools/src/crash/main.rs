@@ -523,6 +523,34 @@ fn tail_of(path: &Path) -> String {
     }
 }
 
+/// Cuts a log (`--inject-loss`) just before the first record from `from` on for which
+/// `matches` holds, as if it and everything after it never reached the disk (see [`cut_log`]).
+/// Returns `false`, leaving the log as it is, if no record matches.
+pub fn cut_log_at_first(
+    dir: &Path,
+    config: coordbus::wal::WalConfig,
+    from: coordbus::wal::Lsn,
+    mut matches: impl FnMut(&coordbus::wal::RecordRef) -> anyhow::Result<bool>,
+) -> anyhow::Result<bool> {
+    let handle = {
+        let options = coordbus::wal::WalOptions { read_only: true, ..Default::default() };
+        let wal = coordbus::wal::Wal::open_with_options(dir, config, options)?;
+        let mut found = None;
+        for record in wal.iter_from(from)? {
+            let record = record?;
+            if matches(&record)? {
+                found = Some(record.handle);
+                break;
+            }
+        }
+        found
+    };
+    match handle {
+        Some(handle) => cut_log(dir, handle.segment, handle.offset).map(|()| true),
+        None => Ok(false),
+    }
+}
+
 /// Cuts a log (`--inject-loss`): truncates segment `id` at `offset` and deletes every later
 /// segment, as if those bytes never reached the disk.
 pub fn cut_log(dir: &Path, id: coordbus::wal::SegmentId, offset: u64) -> anyhow::Result<()> {

@@ -143,25 +143,18 @@ impl Checker for WalChecker {
         let Some(last) = printed(lines).iter().map(|(lsn, _)| *lsn).max() else {
             return Ok(());
         };
-        let handle = {
-            let wal = Wal::open_with_options(
-                &self.dir,
-                config(Durability::default()),
-                WalOptions { read_only: true, ..WalOptions::default() },
-            )?;
-            let mut found = None;
-            for record in wal.iter_from(Lsn(last))? {
-                let record = record?;
-                if record.lsn.0 == last {
-                    found = Some(record.handle);
-                    break;
-                }
-            }
-            found.with_context(|| format!("LSN {last} not found to inject its loss"))?
-        };
         // Cut the log just before the last acknowledged record: as if its bytes never
         // reached the disk although it was acknowledged.
-        crate::cut_log(&self.dir, handle.segment, handle.offset)
+        let cut = crate::cut_log_at_first(
+            &self.dir,
+            config(Durability::default()),
+            Lsn(last),
+            |record| Ok(record.lsn.0 == last),
+        )?;
+        if !cut {
+            anyhow::bail!("LSN {last} not found to inject its loss");
+        }
+        Ok(())
     }
 
     fn check(
