@@ -112,7 +112,7 @@ pub(crate) struct Lane<T> {
 // it only after acquiring that stamp and frees it with its head store. So each cell has one
 // accessor at a time and `T: Send` suffices for sharing the lane.
 unsafe impl<T: Send> Send for Lane<T> {}
-// SAFETY: as above; every shared mutation is an atomic or a cell guarded by tail and head.
+// SAFETY: as above; every shared mutation is an atomic or a cell guarded by its stamp and the head.
 unsafe impl<T: Send> Sync for Lane<T> {}
 
 impl<T> Lane<T> {
