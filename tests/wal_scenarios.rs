@@ -461,3 +461,68 @@ fn wal_d2_clean_boundary_is_strict_and_current_file_never_cleaned() {
     assert!(wal.clean(first_max_time, true).unwrap().deleted.is_empty());
     assert_eq!(wal.clean(first_max_time + 1, true).unwrap().deleted, vec![first]);
 }
+
+/// Waits (bounded) until the log counts `count` deleted segments.
+fn wait_for_cleaned_segments(wal: &Wal, count: u64) -> bool {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while wal.stats().cleaned_segments != count {
+        if std::time::Instant::now() > deadline {
+            return false;
+        }
+        std::thread::yield_now();
+    }
+    true
+}
+
+#[test]
+fn clean_without_wait_leaves_the_deletion_to_the_sync_thread() {
+    for (durability, io) in variants() {
+        let dir = tempfile::tempdir().unwrap();
+        let wal = Wal::open_with_options(
+            dir.path(),
+            WalConfig { segment_size_bytes: 4096, durability, ..WalConfig::default() },
+            WalOptions { io, ..WalOptions::default() },
+        )
+        .unwrap();
+        let mut segments = Vec::new();
+        let mut last = Lsn::ZERO;
+        for time in 0..200 {
+            let (lsn, handle) = wal.append_bytes(&[1; 100], time).unwrap();
+            segments.push(handle.segment);
+            last = lsn;
+        }
+        wal.wait_durable(last).unwrap();
+        segments.dedup();
+        let files_before = segment_files(dir.path()).len();
+        assert_eq!(files_before, segments.len(), "{durability:?} {io:?}");
+        // Every sealed segment but the last two ends before time 150.
+        let report = wal.clean(150, false).unwrap();
+        assert!(report.deleted.is_empty(), "nothing deleted by the caller: {report:?}");
+        assert!(report.failed.is_empty());
+        let expected: Vec<_> =
+            segments.iter().copied().filter(|segment| report.queued.contains(segment)).collect();
+        assert_eq!(report.queued, expected);
+        assert!(report.queued.len() >= 2 && report.queued.len() < segments.len() - 1);
+        assert_eq!(report.bytes_freed, 4096 * report.queued.len() as u64);
+        // They left the log at once...
+        let first_record =
+            RecordHandle { segment: report.queued[0], offset: segment::HEADER_LEN, len: 100 };
+        assert!(matches!(wal.read_bytes(first_record), Err(WalError::NotFound { .. })));
+        // ...and their files go soon after.
+        assert!(
+            wait_for_cleaned_segments(&wal, report.queued.len() as u64),
+            "{durability:?} {io:?}: {} deleted",
+            wal.stats().cleaned_segments
+        );
+        assert_eq!(segment_files(dir.path()).len(), files_before - report.queued.len());
+        // Once the log is closed, no sync thread is left: clean deletes by itself.
+        wal.close().unwrap();
+        let report = wal.clean(i64::MAX, false).unwrap();
+        assert!(report.queued.is_empty(), "{report:?}");
+        assert_eq!(
+            segment_files(dir.path()).len(),
+            files_before - wal.stats().cleaned_segments as usize
+        );
+        assert!(!report.deleted.is_empty());
+    }
+}

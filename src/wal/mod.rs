@@ -105,8 +105,10 @@
 //! * After opening, the first append starts a new segment (like Spark's new writer), so the
 //!   recovered tail is sealed as it was found (after cutting a torn tail).
 //! * `clean` never deletes the active segment, nor a segment whose bytes are not all written
-//!   yet. Unlinking is cheap and done inline; `wait = true` also syncs the directory so the
-//!   deletion is durable on return.
+//!   yet. With `wait = true` it unlinks the files itself and syncs the directory, so the
+//!   deletion is durable on return; without, the sync thread unlinks them (SPEC E.4's
+//!   asynchronous deletion: dropping a segment's cached pages costs milliseconds that a
+//!   coordinator's thread should not pay). A log closed before that deletes them at close.
 //! * Close flushes and syncs everything appended before it (the rule), then rejects
 //!   appends with [`WalError::Closed`].
 //! * Two `Wal` objects never write the same directory at once: a writer holds an exclusive
@@ -414,12 +416,16 @@ impl Default for WalOptions {
     }
 }
 
-/// What [`Wal::clean`] did.
+/// What [`Wal::clean`] did. Every selected segment is no longer tracked, whatever happens to
+/// its file.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct CleanReport {
-    /// Segments deleted (no longer tracked).
+    /// Segments whose files were deleted (`wait`, or a closed log).
     pub deleted: Vec<SegmentId>,
-    /// Bytes of the deleted files (their preallocated size).
+    /// Segments whose files the sync thread deletes next (without `wait`; SPEC E.4's
+    /// asynchronous deletion). A failure there is logged.
+    pub queued: Vec<SegmentId>,
+    /// Bytes of the deleted or queued files (their preallocated size).
     pub bytes_freed: u64,
     /// Segments selected but whose file could not be deleted (logged; SPEC E.4 ignores them).
     pub failed: Vec<(SegmentId, String)>,
@@ -502,6 +508,14 @@ pub(crate) struct SyncState {
     pub(crate) writer_exited: bool,
 }
 
+/// Segment files waiting for the sync thread to delete them.
+#[derive(Debug, Default)]
+pub(crate) struct Doomed {
+    pub(crate) segments: Vec<Arc<Segment>>,
+    /// The sync thread will not look again: `clean` deletes by itself.
+    pub(crate) writer_exited: bool,
+}
+
 /// Everything the appenders, readers and the sync thread share.
 pub(crate) struct Shared {
     pub(crate) dir: PathBuf,
@@ -526,6 +540,9 @@ pub(crate) struct Shared {
     /// Last LSN reported durable (stored under `sync`).
     pub(crate) durable_lsn: CachePadded<AtomicU64>,
     pub(crate) sync: Mutex<SyncState>,
+    /// Segments `clean` untracked without waiting, for the sync thread to delete (SPEC E.4:
+    /// deletion runs on the log's thread).
+    pub(crate) doomed: Mutex<Doomed>,
     /// Signalled after every group (durable LSN and written bytes moved) and on failure.
     pub(crate) durable_cv: Condvar,
     pub(crate) failed: OnceLock<WalError>,
@@ -607,6 +624,54 @@ impl Shared {
         for callback in ready.into_values().flatten() {
             callback(Ok(()));
         }
+    }
+
+    /// Deletes the files of `segments` (no longer tracked), adding what happened to `report`.
+    /// Failures are logged and reported, never retried (SPEC E.4).
+    pub(crate) fn delete_segments(&self, segments: Vec<Arc<Segment>>, report: &mut CleanReport) {
+        for segment in segments {
+            match self.storage.remove(&segment.path) {
+                Ok(()) => {
+                    report.deleted.push(segment.header.id);
+                    report.bytes_freed += segment.file_len();
+                }
+                Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+                    report.deleted.push(segment.header.id);
+                }
+                Err(error) => {
+                    tracing::warn!(path = ?segment.path, %error, "could not delete a WAL segment");
+                    report.failed.push((segment.header.id, error.to_string()));
+                    continue;
+                }
+            }
+            // After the unlink: a reader that sees the count sees the file gone.
+            self.cleaned_segments.fetch_add(1, Ordering::Release);
+        }
+    }
+
+    /// Hands `segments` to the sync thread for deletion and wakes it. Returns them if the sync
+    /// thread has exited (the caller deletes them itself).
+    fn doom(&self, segments: Vec<Arc<Segment>>) -> Option<Vec<Arc<Segment>>> {
+        {
+            let mut doomed = lock(&self.doomed);
+            if doomed.writer_exited {
+                return Some(segments);
+            }
+            doomed.segments.extend(segments);
+        }
+        // Under the append lock, so a sync thread about to wait sees the work first (it
+        // checks `doomed` under the same lock) or is woken by this.
+        let state = lock(&self.append);
+        if state.writer_in_ring {
+            self.wake_ring();
+        }
+        self.writer_cv.notify_all();
+        drop(state);
+        None
+    }
+
+    pub(crate) fn has_doomed(&self) -> bool {
+        !lock(&self.doomed).segments.is_empty()
     }
 
     pub(crate) fn record_sync_latency(&self, elapsed: Duration) {
@@ -789,6 +854,7 @@ impl Wal {
                 callbacks: BTreeMap::new(),
                 writer_exited: options.read_only,
             }),
+            doomed: Mutex::new(Doomed { segments: Vec::new(), writer_exited: options.read_only }),
             read_only: options.read_only,
             durable_cv: Condvar::new(),
             failed: OnceLock::new(),
@@ -1140,8 +1206,10 @@ impl Wal {
     }
 
     /// Deletes every segment whose end time is strictly below `threshold_ms` (SPEC 0.6, E.4):
-    /// never the active segment, nor one not yet completely written. With `wait`, the
-    /// directory is synced so the deletions are durable on return.
+    /// never the active segment, nor one not yet completely written. The segments leave the
+    /// log at once. With `wait`, their files are deleted here and the directory is synced, so
+    /// the deletions are durable on return; without, the sync thread deletes the files
+    /// ([`CleanReport::queued`]), and the caller pays nothing for dropping their cached pages.
     ///
     /// # Errors
     /// [`WalError::Io`] only if syncing the directory fails (failed deletions are reported in
@@ -1190,26 +1258,22 @@ impl Wal {
             selected
         };
         let mut report = CleanReport::default();
-        for segment in selected {
-            match shared.storage.remove(&segment.path) {
-                Ok(()) => {
-                    report.deleted.push(segment.header.id);
-                    report.bytes_freed += segment.file_len();
-                }
-                Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
-                    report.deleted.push(segment.header.id);
-                }
-                Err(error) => {
-                    tracing::warn!(path = ?segment.path, %error, "could not delete a WAL segment");
-                    report.failed.push((segment.header.id, error.to_string()));
-                }
+        if wait {
+            shared.delete_segments(selected, &mut report);
+            if !report.deleted.is_empty() {
+                shared.storage.sync_dir(&shared.dir).map_err(|error| {
+                    WalError::from_io("sync directory", shared.dir.clone(), 0, &error)
+                })?;
             }
-        }
-        shared.cleaned_segments.fetch_add(report.deleted.len() as u64, Ordering::Relaxed);
-        if wait && !report.deleted.is_empty() {
-            shared.storage.sync_dir(&shared.dir).map_err(|error| {
-                WalError::from_io("sync directory", shared.dir.clone(), 0, &error)
-            })?;
+        } else {
+            report.queued = selected.iter().map(|segment| segment.header.id).collect();
+            report.bytes_freed = selected.iter().map(|segment| segment.file_len()).sum();
+            if let Some(selected) = shared.doom(selected) {
+                // No sync thread to hand them to (closed): delete them here.
+                report.queued.clear();
+                report.bytes_freed = 0;
+                shared.delete_segments(selected, &mut report);
+            }
         }
         Ok(report)
     }

@@ -213,6 +213,11 @@ impl DurableQueryStatus {
         durable(status)
     }
 
+    /// The counters of the query's log, while it is open.
+    pub fn wal_stats(&self) -> Option<crate::wal::WalStats> {
+        self.0.wal.upgrade().map(|wal| wal.stats())
+    }
+
     /// The WAL failure that stopped recording, if any.
     pub fn wal_failure(&self) -> Option<WalError> {
         self.0.wal_failure.get().cloned()

@@ -28,7 +28,7 @@ use crate::{
     error::WalError,
     wal::{
         lock, lock::DirLock, reader::SegmentMap, segment::Segment, storage::StorageFile, Chunk,
-        Durability, IoPath, Shared,
+        CleanReport, Durability, IoPath, Shared,
     },
 };
 
@@ -115,8 +115,10 @@ pub(crate) enum RingEvent {
 enum Take {
     /// A group was swapped out (`closing` as in [`Writer::take_group`]).
     Group { closing: bool },
-    /// Nothing ready: wait for I/O, or until `deadline` when a group is filling.
-    Wait { deadline: Option<Instant> },
+    /// Nothing to take yet: wait for I/O or for an appender's wake-up.
+    Wait,
+    /// Other work first (segments to delete): look again without waiting.
+    Again,
 }
 
 /// The segment file the sync thread is writing.
@@ -169,6 +171,13 @@ pub(crate) fn run(shared: Arc<Shared>, engine: Box<dyn IoEngine>, dir_lock: Opti
     } else {
         writer.run_serial();
     }
+    // From now on `clean` deletes by itself; what it queued before is deleted here.
+    let leftover_doomed = {
+        let mut doomed = lock(&writer.shared.doomed);
+        doomed.writer_exited = true;
+        std::mem::take(&mut doomed.segments)
+    };
+    writer.shared.delete_segments(leftover_doomed, &mut CleanReport::default());
     // Everything is written and synced (or the log failed): another writer may take over.
     writer.dir_lock = None;
     let leftover = {
@@ -190,6 +199,7 @@ impl Writer {
         let mut spare_buf: Vec<u8> = Vec::with_capacity(lock(&self.shared.append).buf.capacity());
         let mut spare_chunks: Vec<Chunk> = Vec::new();
         loop {
+            self.delete_doomed();
             let Some(closing) = self.take_group(&mut spare_buf, &mut spare_chunks) else {
                 continue;
             };
@@ -232,6 +242,7 @@ impl Writer {
         let mut events: Vec<RingEvent> = Vec::new();
         loop {
             self.pump(&mut events, &mut pool);
+            self.delete_doomed();
             let in_flight = self.uring().groups_in_flight();
             let closing = if in_flight == 0 {
                 // Nothing on the ring: block on the staging buffer alone.
@@ -242,10 +253,11 @@ impl Writer {
             } else if in_flight < uring::GROUPS_IN_FLIGHT_MAX {
                 match self.try_take_group(&mut buf, &mut chunks) {
                     Take::Group { closing } => closing,
-                    Take::Wait { deadline } => {
-                        self.uring().wait(deadline, true);
+                    Take::Wait => {
+                        self.uring().wait(None, true);
                         continue;
                     }
+                    Take::Again => continue,
                 }
             } else {
                 // The pipeline is full: wait for I/O only.
@@ -396,11 +408,16 @@ impl Writer {
         }
     }
 
-    /// The non-blocking [`Writer::take_group`]: swaps a ready group out, or says how long to
-    /// wait (and asks appenders to wake the ring wait).
+    /// The non-blocking [`Writer::take_group`], called while groups are in flight: swaps a
+    /// ready group out, or says to wait (and asks appenders to wake the ring wait).
     fn try_take_group(&mut self, buf: &mut Vec<u8>, chunks: &mut Vec<Chunk>) -> Take {
         let shared = &*self.shared;
         let mut state = lock(&shared.append);
+        if shared.has_doomed() {
+            state.writer_idle = false;
+            state.writer_in_ring = false;
+            return Take::Again;
+        }
         if state.chunks.is_empty() {
             if state.closing {
                 state.writer_idle = false;
@@ -409,16 +426,17 @@ impl Writer {
             }
             state.writer_idle = true;
             state.writer_in_ring = true;
-            return Take::Wait { deadline: None };
+            return Take::Wait;
         }
-        if let Durability::GroupCommit { max_delay, max_bytes } = shared.config.durability {
+        if let Durability::GroupCommit { max_bytes, .. } = shared.config.durability {
             if !state.closing && state.buf.len() < max_bytes {
-                let deadline = state.group_started.expect("set with the first chunk") + max_delay;
-                if Instant::now() < deadline {
-                    state.writer_idle = true;
-                    state.writer_in_ring = true;
-                    return Take::Wait { deadline: Some(deadline) };
-                }
+                // Earlier groups are on their way to durability: this one could not become
+                // durable before the next sync anyway, so it keeps growing until they are
+                // done (then `take_group` applies the delay) or it is full: one write and one
+                // wake-up of this thread per sync instead of one per `max_delay`.
+                state.writer_idle = true;
+                state.writer_in_ring = true;
+                return Take::Wait;
             }
         }
         state.writer_idle = false;
@@ -432,6 +450,12 @@ impl Writer {
         let shared = &*self.shared;
         let mut state = lock(&shared.append);
         loop {
+            if shared.has_doomed() {
+                // Segments to delete first (checked under the append lock, which `clean`
+                // takes to wake this thread: no wake-up is lost).
+                state.writer_idle = false;
+                return None;
+            }
             if !state.chunks.is_empty() {
                 if let Durability::GroupCommit { max_delay, max_bytes } = shared.config.durability {
                     if !state.closing && state.buf.len() < max_bytes {
@@ -462,6 +486,15 @@ impl Writer {
         }
         state.writer_idle = false;
         Some(swap_out_group(shared, state, buf, chunks))
+    }
+
+    /// Deletes the files of the segments `clean` queued (SPEC E.4: on the log's thread;
+    /// failures are logged and not retried).
+    fn delete_doomed(&self) {
+        let doomed = std::mem::take(&mut lock(&self.shared.doomed).segments);
+        if !doomed.is_empty() {
+            self.shared.delete_segments(doomed, &mut CleanReport::default());
+        }
     }
 
     fn durable_mode(&self) -> bool {

@@ -458,6 +458,7 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
     driver.join().map_err(|_| anyhow::anyhow!("driver panicked"))??;
     let stats = coordinator.ask(GetEpochStats).wait()?;
     let endpoint_stats = coordinator.stats();
+    let wal_stats = durable_status.as_ref().and_then(|status| status.wal_stats());
     bus.shutdown()?;
     drop(wal_dir);
     if let Some(failure) = not_durable {
@@ -481,7 +482,7 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
         let (sent, done) = (sent.load(Ordering::Relaxed), done.load(Ordering::Relaxed));
         latency.record(done.saturating_sub(sent).max(1))?;
     }
-    Ok(Figure::new("epoch", messages, seconds)
+    let figure = Figure::new("epoch", messages, seconds)
         .with_latency(Percentiles::from_histogram(&latency))
         .with("partitions", args.partitions)
         .with("durability", args.durability.name())
@@ -490,7 +491,11 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
         .with("window", window)
         .with("epochs_per_sec", epochs as f64 / seconds.max(1e-9))
         .with("peak_rss_mib", peak_rss_mib())
-        .with_endpoint_stats("endpoint_stats", &endpoint_stats))
+        .with_endpoint_stats("endpoint_stats", &endpoint_stats);
+    Ok(match &wal_stats {
+        Some(stats) => figure.with_wal_stats("wal_stats", stats),
+        None => figure,
+    })
 }
 
 /// The fast state machine and the reference model on the same stream, on this thread.
