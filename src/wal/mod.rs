@@ -34,6 +34,13 @@
 //! writes run while group k's `fdatasync` is in flight (the classic pipelined group commit of
 //! database logs: the disk flushes one batch while the next is copied to the page cache).
 //! * Writes of a group are submitted as soon as the group is taken (no links, no drain).
+//! * With group commit, a group that is not full (`max_bytes`) is not taken while earlier
+//!   groups are still on their way to durability: it could not become durable before the
+//!   next sync anyway, so it keeps growing and goes on the ring when they are done (then the
+//!   group delay applies as usual). Under load that makes one write and one sync per sync
+//!   time instead of one write per `max_delay`; on this 2-core class every sync costs the
+//!   kernel a worker wake-up, an interrupt and a journal commit, so fewer, larger groups
+//!   leave more CPU to the appenders. Full groups still overlap the sync in flight.
 //! * At most one `fdatasync` is on the ring. It is submitted only after the writes of every
 //!   group it covers were seen complete, and it covers all groups written so far; groups
 //!   whose writes complete while it runs are covered by the next one (so one sync may make
