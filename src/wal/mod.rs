@@ -496,17 +496,46 @@ pub(crate) struct AppendState {
     pub(crate) chunks: Vec<Chunk>,
     /// When the first record of the staged group was appended.
     pub(crate) group_started: Option<Instant>,
-    /// The sync thread is waiting and wants a notification.
+    /// The sync thread is waiting and wants a notification (set through
+    /// [`AppendState::set_writer_wait`]).
     pub(crate) writer_idle: bool,
     /// With `writer_idle`: it waits in the io_uring ring (wake it through
     /// `Shared::ring_waker`), not on `writer_cv`.
     pub(crate) writer_in_ring: bool,
+    /// With `writer_idle`: only a full group (`max_bytes`) needs a wake-up, not a group's first
+    /// record.
+    pub(crate) writer_until_full: bool,
     /// Appenders waiting on `space_cv`.
     pub(crate) space_waiters: usize,
     /// `close` was called: appends are rejected, the sync thread drains and exits.
     pub(crate) closing: bool,
     pub(crate) appends: u64,
     pub(crate) bytes: u64,
+}
+
+/// How the sync thread waits, which decides when an appender must wake it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum WriterWait {
+    /// Not waiting: no wake-up needed.
+    Running,
+    /// On `writer_cv`, for a group's first record or a full group.
+    Condvar,
+    /// In the io_uring ring, for a group's first record or a full group.
+    Ring,
+    /// In the io_uring ring, for a full group only (groups in flight end the wait).
+    RingUntilFull,
+}
+
+impl AppendState {
+    /// Records how the sync thread waits.
+    pub(crate) fn set_writer_wait(&mut self, wait: WriterWait) {
+        (self.writer_idle, self.writer_in_ring, self.writer_until_full) = match wait {
+            WriterWait::Running => (false, false, false),
+            WriterWait::Condvar => (true, false, false),
+            WriterWait::Ring => (true, true, false),
+            WriterWait::RingUntilFull => (true, true, true),
+        };
+    }
 }
 
 /// State guarded by the sync lock (paired with `durable_cv`).
@@ -844,6 +873,7 @@ impl Wal {
                 group_started: None,
                 writer_idle: false,
                 writer_in_ring: false,
+                writer_until_full: false,
                 space_waiters: 0,
                 closing: options.read_only,
                 appends: 0,
@@ -1025,13 +1055,13 @@ impl Wal {
             state.group_started = Some(Instant::now());
         }
         let wake = state.writer_idle
-            && (first_of_group || group_commit_bytes.is_none_or(|max| state.buf.len() >= max));
+            && ((first_of_group && !state.writer_until_full)
+                || group_commit_bytes.is_none_or(|max| state.buf.len() >= max));
         let wake_ring = wake && state.writer_in_ring;
-        if wake {
-            state.writer_idle = false;
-            state.writer_in_ring = false;
-        }
         let segment = active.header.id;
+        if wake {
+            state.set_writer_wait(WriterWait::Running);
+        }
         drop(guard);
         if wake_ring {
             shared.wake_ring();

@@ -28,7 +28,7 @@ use crate::{
     error::WalError,
     wal::{
         lock, lock::DirLock, reader::SegmentMap, segment::Segment, storage::StorageFile, Chunk,
-        CleanReport, Durability, IoPath, Shared,
+        CleanReport, Durability, IoPath, Shared, WriterWait,
     },
 };
 
@@ -414,18 +414,22 @@ impl Writer {
         let shared = &*self.shared;
         let mut state = lock(&shared.append);
         if shared.has_doomed() {
-            state.writer_idle = false;
-            state.writer_in_ring = false;
+            state.set_writer_wait(WriterWait::Running);
             return Take::Again;
         }
         if state.chunks.is_empty() {
             if state.closing {
-                state.writer_idle = false;
-                state.writer_in_ring = false;
+                state.set_writer_wait(WriterWait::Running);
                 return Take::Group { closing: true };
             }
-            state.writer_idle = true;
-            state.writer_in_ring = true;
+            // With group commit a new group's first record needs no wake-up: the groups in
+            // flight end this wait, and the group is held until then anyway (below).
+            let group_commit = matches!(shared.config.durability, Durability::GroupCommit { .. });
+            state.set_writer_wait(if group_commit {
+                WriterWait::RingUntilFull
+            } else {
+                WriterWait::Ring
+            });
             return Take::Wait;
         }
         if let Durability::GroupCommit { max_bytes, .. } = shared.config.durability {
@@ -434,13 +438,11 @@ impl Writer {
                 // durable before the next sync anyway, so it keeps growing until they are
                 // done (then `take_group` applies the delay) or it is full: one write and one
                 // wake-up of this thread per sync instead of one per `max_delay`.
-                state.writer_idle = true;
-                state.writer_in_ring = true;
+                state.set_writer_wait(WriterWait::RingUntilFull);
                 return Take::Wait;
             }
         }
-        state.writer_idle = false;
-        state.writer_in_ring = false;
+        state.set_writer_wait(WriterWait::Running);
         Take::Group { closing: swap_out_group(shared, state, buf, chunks) }
     }
 
@@ -453,7 +455,7 @@ impl Writer {
             if shared.has_doomed() {
                 // Segments to delete first (checked under the append lock, which `clean`
                 // takes to wake this thread: no wake-up is lost).
-                state.writer_idle = false;
+                state.set_writer_wait(WriterWait::Running);
                 return None;
             }
             if !state.chunks.is_empty() {
@@ -463,8 +465,7 @@ impl Writer {
                             state.group_started.expect("set with the first chunk") + max_delay;
                         let now = Instant::now();
                         if now < deadline {
-                            state.writer_idle = true;
-                            state.writer_in_ring = false;
+                            state.set_writer_wait(WriterWait::Condvar);
                             state = shared
                                 .writer_cv
                                 .wait_timeout(state, deadline - now)
@@ -477,14 +478,13 @@ impl Writer {
                 break;
             }
             if state.closing {
-                state.writer_idle = false;
+                state.set_writer_wait(WriterWait::Running);
                 return Some(true);
             }
-            state.writer_idle = true;
-            state.writer_in_ring = false;
+            state.set_writer_wait(WriterWait::Condvar);
             state = shared.writer_cv.wait(state).unwrap_or_else(std::sync::PoisonError::into_inner);
         }
-        state.writer_idle = false;
+        state.set_writer_wait(WriterWait::Running);
         Some(swap_out_group(shared, state, buf, chunks))
     }
 
