@@ -542,6 +542,34 @@ impl AppendState {
 pub(crate) struct SyncState {
     pub(crate) callbacks: BTreeMap<u64, Vec<DurableCallback>>,
     pub(crate) writer_exited: bool,
+    /// Threads waiting on `durable_cv` for durability (`wait_durable`).
+    pub(crate) durable_waiters: usize,
+    /// Threads waiting on `durable_cv` for written bytes (readers of a record being written).
+    pub(crate) written_waiters: usize,
+}
+
+impl SyncState {
+    /// Waits on `durable_cv` (at most `timeout`) counted in `waiters(self)`, so that the sync
+    /// thread signals only when someone waits for what it published.
+    pub(crate) fn wait_counted<'a>(
+        mut guard: MutexGuard<'a, SyncState>,
+        condvar: &Condvar,
+        timeout: Option<Duration>,
+        waiters: fn(&mut SyncState) -> &mut usize,
+    ) -> MutexGuard<'a, SyncState> {
+        *waiters(&mut guard) += 1;
+        let mut guard = match timeout {
+            None => condvar.wait(guard).unwrap_or_else(std::sync::PoisonError::into_inner),
+            Some(timeout) => {
+                condvar
+                    .wait_timeout(guard, timeout)
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .0
+            }
+        };
+        *waiters(&mut guard) -= 1;
+        guard
+    }
 }
 
 /// Segment files waiting for the sync thread to delete them.
@@ -643,20 +671,29 @@ impl Shared {
     /// Publishes progress of the sync thread and runs the callbacks now due.
     pub(crate) fn publish(&self, written: u64, durable: u64) {
         self.written_lsn.fetch_max(written, Ordering::AcqRel);
-        let ready = {
+        let (ready, wake) = {
             let mut sync = lock(&self.sync);
             let previous = self.durable_lsn.load(Ordering::Acquire);
-            if durable > previous {
+            let durable_moved = durable > previous;
+            if durable_moved {
                 self.durable_lsn.store(durable, Ordering::Release);
             }
-            if sync.callbacks.first_key_value().is_some_and(|(lsn, _)| *lsn <= durable) {
+            // Waiters register under this lock before waiting, so none is missed; a wake-up
+            // nobody waits for (or one for bytes written when only durability is awaited)
+            // would cost a system call and a spurious context switch per group.
+            let wake = sync.written_waiters > 0 || (durable_moved && sync.durable_waiters > 0);
+            let ready = if sync.callbacks.first_key_value().is_some_and(|(lsn, _)| *lsn <= durable)
+            {
                 let later = sync.callbacks.split_off(&(durable + 1));
                 std::mem::replace(&mut sync.callbacks, later)
             } else {
                 BTreeMap::new()
-            }
+            };
+            (ready, wake)
         };
-        self.durable_cv.notify_all();
+        if wake {
+            self.durable_cv.notify_all();
+        }
         for callback in ready.into_values().flatten() {
             callback(Ok(()));
         }
@@ -890,6 +927,8 @@ impl Wal {
             sync: Mutex::new(SyncState {
                 callbacks: BTreeMap::new(),
                 writer_exited: options.read_only,
+                durable_waiters: 0,
+                written_waiters: 0,
             }),
             doomed: Mutex::new(Doomed { segments: Vec::new(), writer_exited: options.read_only }),
             read_only: options.read_only,
@@ -1160,10 +1199,8 @@ impl Wal {
             if sync.writer_exited {
                 return Err(WalError::Closed);
             }
-            sync = match deadline {
-                None => {
-                    shared.durable_cv.wait(sync).unwrap_or_else(std::sync::PoisonError::into_inner)
-                }
+            let remaining = match deadline {
+                None => None,
                 Some(deadline) => {
                     let now = Instant::now();
                     if now >= deadline {
@@ -1173,13 +1210,12 @@ impl Wal {
                             timeout: timeout.unwrap_or_default(),
                         });
                     }
-                    shared
-                        .durable_cv
-                        .wait_timeout(sync, deadline - now)
-                        .unwrap_or_else(std::sync::PoisonError::into_inner)
-                        .0
+                    Some(deadline - now)
                 }
             };
+            sync = SyncState::wait_counted(sync, &shared.durable_cv, remaining, |sync| {
+                &mut sync.durable_waiters
+            });
         }
     }
 

@@ -28,7 +28,7 @@ use memmap2::Mmap;
 use crate::{
     error::{RecordError, WalError},
     record::{self, frame, Checked},
-    wal::{lock, segment::Segment, segment::HEADER_LEN, Lsn, RecordHandle, Shared},
+    wal::{lock, segment::Segment, segment::HEADER_LEN, Lsn, RecordHandle, Shared, SyncState},
 };
 
 /// How long a read waits for a record appended but not yet written before giving up.
@@ -322,11 +322,10 @@ fn wait_written(
         if now >= deadline {
             return Err(not_found("the record was not written within 60 s"));
         }
-        sync = shared
-            .durable_cv
-            .wait_timeout(sync, (deadline - now).min(Duration::from_millis(50)))
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .0;
+        let timeout = (deadline - now).min(Duration::from_millis(50));
+        sync = SyncState::wait_counted(sync, &shared.durable_cv, Some(timeout), |sync| {
+            &mut sync.written_waiters
+        });
     }
 }
 

@@ -255,6 +255,8 @@ impl Writer {
                     Take::Group { closing } => closing,
                     Take::Wait => {
                         self.uring().wait(None, true);
+                        // Running again: appenders need not wake it (a pipe write each).
+                        lock(&self.shared.append).set_writer_wait(WriterWait::Running);
                         continue;
                     }
                     Take::Again => continue,
