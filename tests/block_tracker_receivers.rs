@@ -2,7 +2,8 @@
 //! the logged blocks to the tracker, which applies them with no I/O. Goal: acknowledgements
 //! never come before the sync, a WAL failure answers false and rolls the state back to the
 //! durable prefix, and recovery rebuilds exactly the pre-crash state whatever order appends,
-//! hand-overs and allocations interleave in (SPEC D.3, D.4).
+//! hand-overs and allocations interleave in (SPEC D.3, D.4); a receiver combines the blocks
+//! it adds while its last record syncs into one record, and never leaves one unlogged.
 //!
 //! Method: the interleavings that matter (an addition appended before an allocation but
 //! applied after it; hand-overs arriving out of log order) are built step by step on the
@@ -30,7 +31,7 @@ use coordbus::{
         BlockReceiver, BlockStoreResult, BlockTrackerConfig, BlockTrackerEndpoint,
         GetBlocksOfBatch, GetUnallocatedBlocks, HasUnallocatedBlocks, ReceivedBlockInfo,
         ReceivedBlockTracker, StopTracker, StreamBlockId, StreamId, TrackerEvent, WalBlockLog,
-        RECEIVED_BLOCK_METADATA_DIR,
+        COMBINE_MAX_BLOCKS, RECEIVED_BLOCK_METADATA_DIR,
     },
     wal::{
         storage::{FileStorage, Storage, StorageFile},
@@ -193,13 +194,16 @@ fn pipelined_receivers_and_a_batch_loop_recover_to_the_exact_state() {
                     in_flight.push_back(receipt);
                     if in_flight.len() > 64 {
                         let receipt = in_flight.pop_front().unwrap();
+                        // Polling flushes a combined block's batch: its LSN is known after.
+                        assert_ne!(receipt.try_result(), Some(false), "addition not logged");
                         let lsn = receipt.lsn().expect("logged and handed over");
                         assert!(receipt.wait(), "addition not logged");
                         assert!(wal.durable_lsn() >= lsn, "acknowledged before the sync");
                     }
                     seq += count;
                 }
-                in_flight.into_iter().all(|receipt| receipt.wait())
+                let all_logged = in_flight.into_iter().all(|receipt| receipt.wait());
+                all_logged
             })
         })
         .collect();
@@ -403,6 +407,94 @@ fn a_failed_sync_answers_false_and_rolls_handed_over_blocks_back() {
     // The failed log takes nothing more.
     assert!(!receiver.add_block(info(1, 4)).wait());
     assert_eq!(endpoint.ask(GetUnallocatedBlocks(StreamId(1))).wait().unwrap(), [info(1, 1)]);
+    endpoint.ask(StopTracker).wait().unwrap();
+    bus.shutdown().unwrap();
+}
+
+#[test]
+fn a_lone_addition_is_logged_at_once_and_later_ones_combine_while_it_syncs() {
+    let dir = tempfile::tempdir().unwrap();
+    let gate = Arc::new(Gate::default());
+    let (bus, endpoint) = gated_endpoint(dir.path(), &gate);
+    let receiver = BlockReceiver::connect(&endpoint).unwrap();
+    gate.set_held(true);
+    let first = receiver.add_block(info(1, 1));
+    let first_lsn = first.lsn().expect("nothing was in flight: logged at once");
+    // The first record is not durable: the next blocks wait in the receiver's batch.
+    let second = receiver.add_block(info(1, 2));
+    let third = receiver.add_block(info(2, 3));
+    assert_eq!((second.lsn(), third.lsn()), (None, None), "pending, not logged yet");
+    // Polling a receipt flushes its batch: both blocks go in the next record.
+    assert_eq!(second.try_result(), None, "logged, the sync is held");
+    assert_eq!(second.lsn(), Some(coordbus::wal::Lsn(first_lsn.0 + 1)));
+    assert_eq!(third.lsn(), second.lsn(), "one record for the batch");
+    gate.set_held(false);
+    assert!(first.wait() && second.wait() && third.wait());
+    assert_eq!(
+        endpoint.ask(GetUnallocatedBlocks(StreamId(1))).wait().unwrap(),
+        [info(1, 1), info(1, 2)]
+    );
+    assert_eq!(endpoint.ask(GetUnallocatedBlocks(StreamId(2))).wait().unwrap(), [info(2, 3)]);
+    // Everything is durable again: the next lone block is logged at once.
+    let fourth = receiver.add_block(info(1, 4));
+    assert_eq!(fourth.lsn(), Some(coordbus::wal::Lsn(first_lsn.0 + 2)));
+    assert!(fourth.wait());
+    endpoint.ask(StopTracker).wait().unwrap();
+    bus.shutdown().unwrap();
+}
+
+#[test]
+fn a_full_batch_is_logged_without_being_asked_and_add_blocks_keeps_the_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let gate = Arc::new(Gate::default());
+    let (bus, endpoint) = gated_endpoint(dir.path(), &gate);
+    let receiver = BlockReceiver::connect(&endpoint).unwrap();
+    gate.set_held(true);
+    let first = receiver.add_block(info(1, 0));
+    let first_lsn = first.lsn().unwrap().0;
+    let batch: Vec<_> =
+        (1..=COMBINE_MAX_BLOCKS as u64).map(|id| receiver.add_block(info(1, id))).collect();
+    // The batch filled up and was logged as one record, nobody asking.
+    assert!(batch.iter().all(|receipt| receipt.lsn() == Some(coordbus::wal::Lsn(first_lsn + 1))));
+    // A pending block, then an explicit multi-block record: the pending one is logged first.
+    let pending = receiver.add_block(info(2, 1_000));
+    assert_eq!(pending.lsn(), None);
+    let many = receiver.add_blocks(vec![info(2, 1_001), info(2, 1_002)]);
+    assert_eq!(pending.lsn(), Some(coordbus::wal::Lsn(first_lsn + 2)));
+    assert_eq!(many.lsn(), Some(coordbus::wal::Lsn(first_lsn + 3)));
+    gate.set_held(false);
+    assert!(first.wait() && pending.wait() && many.wait());
+    assert!(batch.into_iter().all(|receipt| receipt.wait()));
+    let stream1 = endpoint.ask(GetUnallocatedBlocks(StreamId(1))).wait().unwrap();
+    assert_eq!(stream1, (0..=COMBINE_MAX_BLOCKS as u64).map(|id| info(1, id)).collect::<Vec<_>>());
+    assert_eq!(
+        endpoint.ask(GetUnallocatedBlocks(StreamId(2))).wait().unwrap(),
+        [info(2, 1_000), info(2, 1_001), info(2, 1_002)]
+    );
+    endpoint.ask(StopTracker).wait().unwrap();
+    bus.shutdown().unwrap();
+}
+
+#[test]
+fn pending_blocks_are_logged_when_their_receipt_or_their_receiver_is_dropped() {
+    let dir = tempfile::tempdir().unwrap();
+    let gate = Arc::new(Gate::default());
+    let (bus, endpoint) = gated_endpoint(dir.path(), &gate);
+    let receiver = BlockReceiver::connect(&endpoint).unwrap();
+    gate.set_held(true);
+    let first = receiver.add_block(info(1, 1));
+    drop(receiver.add_block(info(1, 2)));
+    // The dropped receipt flushed its batch: the next block finds it empty.
+    let third = receiver.add_block(info(1, 3));
+    assert_eq!(third.try_result(), None, "flushed by polling; the sync is held");
+    assert_eq!(third.lsn(), Some(coordbus::wal::Lsn(first.lsn().unwrap().0 + 2)));
+    // A receipt forgotten (never dropped): the receiver's drop logs its block.
+    std::mem::forget(receiver.add_block(info(1, 4)));
+    gate.set_held(false);
+    assert!(first.wait() && third.wait());
+    drop(receiver);
+    let blocks = endpoint.ask(GetUnallocatedBlocks(StreamId(1))).wait().unwrap();
+    assert_eq!(blocks, [info(1, 1), info(1, 2), info(1, 3), info(1, 4)]);
     endpoint.ask(StopTracker).wait().unwrap();
     bus.shutdown().unwrap();
 }

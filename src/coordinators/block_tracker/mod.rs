@@ -77,7 +77,7 @@ pub use self::{
         GetBlocksOfBatchAndStream, GetUnallocatedBlocks, HasUnallocatedBlocks, StopTracker,
     },
     log::{BlockLog, BlockLogError, WalBlockLog},
-    receiver::{AddReceipt, BlockReceiver, LoggedBlocks},
+    receiver::{AddReceipt, BlockReceiver, LoggedBlocks, COMBINE_MAX_BLOCKS},
     types::{
         AllocatedBlocks, BatchAllocationEvent, BatchCleanupEvent, BatchTime, BlockAdditionEvent,
         BlockAdditionsEvent, BlockStoreResult, ReceivedBlockInfo, StreamBlockId, StreamBlocks,

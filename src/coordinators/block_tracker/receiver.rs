@@ -33,6 +33,21 @@
 //! A crash after the acknowledgement cannot lose them: they are in the durable log and
 //! recovery queues them.
 //!
+//! ## Combining (Nagle's rule)
+//! A receiver that adds one block at a time while its previous record is still being synced
+//! gains nothing from logging each block at once: none of them can be acknowledged before the
+//! next sync. So [`BlockReceiver::add_block`] logs at once only when the receiver has nothing
+//! in flight (its last record is durable: a lone addition pays no delay); otherwise the block
+//! joins the receiver's pending batch, logged as one record (one frame, one hand-over, one
+//! apply on the endpoint) when the batch holds [`COMBINE_MAX_BLOCKS`] blocks, when a receipt
+//! of the batch is waited on, polled or dropped, on [`BlockReceiver::flush`], on
+//! [`BlockReceiver::add_blocks`] (which keeps the receiver's order), or when the receiver is
+//! dropped. Spark's driver WAL batches concurrent `addBlock` writes the same way
+//! (`BatchedWriteAheadLog`). Acknowledgements are unchanged: a receipt is `true` only once the
+//! record holding its block is durable. What changes is when a pending block reaches the
+//! endpoint: a query from the receiver's own thread sees it once it was flushed (a receipt
+//! resolved, or `flush`).
+//!
 //! `false` means not logged, with SPEC D.5's caveat: a record appended and then not confirmed
 //! (a timeout, a WAL failure after the write, an endpoint that stopped before the hand-over)
 //! may still be durable, and a later recovery shows the block. One case shows it without a
@@ -42,7 +57,10 @@
 //! (the at-least-once behaviour consumers must tolerate anyway). A WAL failure, in contrast,
 //! rolls the endpoint back to the durable prefix.
 
-use std::time::Duration;
+use std::{
+    sync::{Arc, Mutex, MutexGuard, OnceLock},
+    time::Duration,
+};
 
 use super::{
     BlockAdditionEvent, BlockAdditionsEvent, BlockLog, BlockLogError, BlockTrackerEndpoint,
@@ -123,14 +141,53 @@ impl LoggedBlocks {
 /// bus.shutdown()?;
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
-#[derive(Clone)]
 pub struct BlockReceiver {
     endpoint: EndpointRef<BlockTrackerEndpoint>,
     /// The tracker's journal (`None`: WAL disabled).
-    log: Option<std::sync::Arc<dyn BlockLog>>,
-    clock: std::sync::Arc<dyn Clock>,
+    log: Option<Arc<dyn BlockLog>>,
+    clock: Arc<dyn Clock>,
     /// How long a hand-over waits for room in the inbox and a receipt for durability.
     write_timeout: Duration,
+    /// Blocks waiting to be logged together (module doc, "Combining"). Each clone has its
+    /// own; the lock is only contended by receipts resolved on other threads.
+    pending: Mutex<PendingBatch>,
+}
+
+/// Most blocks a pending batch holds before it is logged.
+pub const COMBINE_MAX_BLOCKS: usize = 256;
+
+/// A receiver's pending batch.
+#[derive(Debug, Default)]
+struct PendingBatch {
+    infos: Vec<ReceivedBlockInfo>,
+    /// Shared with the receipts of the blocks in `infos`.
+    outcome: Arc<BatchOutcome>,
+    /// The LSN of the receiver's last record (`Lsn::ZERO`: none yet).
+    last_lsn: Lsn,
+}
+
+/// What happened to a batch once it was flushed: `Some(lsn)` logged in record `lsn` and
+/// handed over, `None` not logged.
+#[derive(Debug, Default)]
+struct BatchOutcome(OnceLock<Option<Lsn>>);
+
+impl Clone for BlockReceiver {
+    /// A handle on the same tracker with a pending batch of its own.
+    fn clone(&self) -> Self {
+        Self::new(
+            self.endpoint.clone(),
+            self.log.clone(),
+            Arc::clone(&self.clock),
+            self.write_timeout,
+        )
+    }
+}
+
+impl Drop for BlockReceiver {
+    /// Logs what is still pending (receipts dropped unresolved already did).
+    fn drop(&mut self) {
+        self.flush();
+    }
 }
 
 impl std::fmt::Debug for BlockReceiver {
@@ -139,6 +196,7 @@ impl std::fmt::Debug for BlockReceiver {
             .field("endpoint", &self.endpoint)
             .field("wal_enabled", &self.log.is_some())
             .field("write_timeout", &self.write_timeout)
+            .field("pending_blocks", &self.lock_pending().infos.len())
             .finish_non_exhaustive()
     }
 }
@@ -146,11 +204,16 @@ impl std::fmt::Debug for BlockReceiver {
 impl BlockReceiver {
     pub(super) fn new(
         endpoint: EndpointRef<BlockTrackerEndpoint>,
-        log: Option<std::sync::Arc<dyn BlockLog>>,
-        clock: std::sync::Arc<dyn Clock>,
+        log: Option<Arc<dyn BlockLog>>,
+        clock: Arc<dyn Clock>,
         write_timeout: Duration,
     ) -> Self {
-        Self { endpoint, log, clock, write_timeout }
+        Self { endpoint, log, clock, write_timeout, pending: Mutex::new(PendingBatch::default()) }
+    }
+
+    fn lock_pending(&self) -> MutexGuard<'_, PendingBatch> {
+        // The batch is plain data; a panic elsewhere leaves it consistent.
+        self.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Asks the endpoint for a receiver handle (the same as asking
@@ -162,18 +225,71 @@ impl BlockReceiver {
         endpoint.ask(super::ConnectReceiver).wait()
     }
 
-    /// Logs the addition of `info` in one record and hands it to the endpoint; the receipt
-    /// says once the record is durable. Never blocks on a sync (only, briefly, when the WAL's
-    /// staging buffer or the endpoint's inbox is full).
+    /// Adds `info`: logs it in a record of its own and hands it to the endpoint if this
+    /// receiver has nothing in flight, else adds it to the pending batch (module doc,
+    /// "Combining"). The receipt says once the record holding it is durable. Never blocks on
+    /// a sync (only, briefly, when the WAL's staging buffer or the endpoint's inbox is full).
     pub fn add_block(&self, info: ReceivedBlockInfo) -> AddReceipt<'_> {
-        self.log_and_hand_over(TrackerEvent::BlockAddition(BlockAdditionEvent { info }))
+        let mut pending = self.lock_pending();
+        let nothing_in_flight = pending.infos.is_empty()
+            && self.log.as_ref().is_none_or(|log| log.durable_lsn() >= pending.last_lsn);
+        if nothing_in_flight {
+            let outcome = self.log_and_hand_over(single(info), &mut pending);
+            return AddReceipt { receiver: self, outcome, blocks: 1 };
+        }
+        pending.infos.push(info);
+        let batch = Arc::clone(&pending.outcome);
+        if pending.infos.len() >= COMBINE_MAX_BLOCKS {
+            self.flush_locked(&mut pending);
+        }
+        AddReceipt { receiver: self, outcome: Outcome::Batched(batch), blocks: 1 }
     }
 
     /// Logs the additions of `infos` in one record (one LSN, one frame: what makes many
-    /// additions per second cheap) and hands them to the endpoint in order. All or nothing:
-    /// the receipt resolves to one answer for every block (`true` at once for no block).
+    /// additions per second cheap) and hands them to the endpoint in order, after the pending
+    /// batch. All or nothing: the receipt resolves to one answer for every block (`true` at
+    /// once for no block).
     pub fn add_blocks(&self, infos: Vec<ReceivedBlockInfo>) -> AddReceipt<'_> {
-        self.log_and_hand_over(TrackerEvent::BlockAdditions(BlockAdditionsEvent { infos }))
+        let blocks = infos.len();
+        let mut pending = self.lock_pending();
+        self.flush_locked(&mut pending);
+        let event = TrackerEvent::BlockAdditions(BlockAdditionsEvent { infos });
+        let outcome = self.log_and_hand_over(event, &mut pending);
+        AddReceipt { receiver: self, outcome, blocks }
+    }
+
+    /// Logs the pending batch now (module doc, "Combining"): its blocks reach the endpoint
+    /// before anything this thread sends it afterwards. Their receipts say how it went.
+    pub fn flush(&self) {
+        self.flush_locked(&mut self.lock_pending());
+    }
+
+    /// Logs the pending batch if `batch` is still it.
+    fn flush_batch(&self, batch: &Arc<BatchOutcome>) {
+        let mut pending = self.lock_pending();
+        if Arc::ptr_eq(&pending.outcome, batch) {
+            self.flush_locked(&mut pending);
+        }
+    }
+
+    fn flush_locked(&self, pending: &mut PendingBatch) {
+        let infos = std::mem::take(&mut pending.infos);
+        if infos.is_empty() {
+            return;
+        }
+        let batch = std::mem::take(&mut pending.outcome);
+        let event = if infos.len() == 1 {
+            single(infos.into_iter().next().expect("one block"))
+        } else {
+            TrackerEvent::BlockAdditions(BlockAdditionsEvent { infos })
+        };
+        let logged = match self.log_and_hand_over(event, pending) {
+            Outcome::Pending(lsn) => Some(lsn),
+            Outcome::Done(true) => Some(Lsn::ZERO),
+            Outcome::Done(false) => None,
+            Outcome::Batched(_) => unreachable!("log_and_hand_over answers for its record"),
+        };
+        let _ = batch.0.set(logged);
     }
 
     /// [`Self::add_block`] and wait for its receipt.
@@ -181,13 +297,14 @@ impl BlockReceiver {
         self.add_block(info).wait()
     }
 
-    fn log_and_hand_over(&self, event: TrackerEvent) -> AddReceipt<'_> {
-        let blocks = event.event_count() as usize;
-        if blocks == 0 {
+    /// Logs `event` as one record and hands its blocks to the endpoint (the caller holds the
+    /// pending batch's lock, so this receiver's records keep their order).
+    fn log_and_hand_over(&self, event: TrackerEvent, pending: &mut PendingBatch) -> Outcome {
+        if event.event_count() == 0 {
             // Nothing to log or hand over.
-            return AddReceipt { receiver: self, outcome: Outcome::Done(true), blocks };
+            return Outcome::Done(true);
         }
-        let failed = AddReceipt { receiver: self, outcome: Outcome::Done(false), blocks };
+        let failed = Outcome::Done(false);
         let lsn = match &self.log {
             None => Lsn::ZERO,
             Some(log) => match log.append(&event, self.clock.now_ms()) {
@@ -223,18 +340,28 @@ impl BlockReceiver {
                 "logged blocks could not be handed to the tracker; a recovery may show them");
             return failed;
         }
-        let outcome = if self.log.is_some() { Outcome::Pending(lsn) } else { Outcome::Done(true) };
-        AddReceipt { receiver: self, outcome, blocks }
+        if self.log.is_some() {
+            pending.last_lsn = lsn;
+            Outcome::Pending(lsn)
+        } else {
+            Outcome::Done(true)
+        }
     }
 }
 
+fn single(info: ReceivedBlockInfo) -> TrackerEvent {
+    TrackerEvent::BlockAddition(BlockAdditionEvent { info })
+}
+
 /// Where an addition stands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 enum Outcome {
     /// Known: logged (and handed over) or not.
     Done(bool),
     /// Handed over; logged once this LSN is durable.
     Pending(Lsn),
+    /// In a batch that is pending or was flushed (its outcome then says how).
+    Batched(Arc<BatchOutcome>),
 }
 
 /// The answer to a [`BlockReceiver`] addition, to wait on like a `Reply` (module doc: what
@@ -249,11 +376,13 @@ pub struct AddReceipt<'r> {
 }
 
 impl AddReceipt<'_> {
-    /// The LSN of the record, if it was logged and handed over.
+    /// The LSN of the record, if it was logged and handed over (for a combined block: once
+    /// its batch was flushed).
     pub fn lsn(&self) -> Option<Lsn> {
-        match self.outcome {
-            Outcome::Pending(lsn) => Some(lsn),
+        match &self.outcome {
+            Outcome::Pending(lsn) => Some(*lsn),
             Outcome::Done(_) => None,
+            Outcome::Batched(batch) => batch.0.get().copied().flatten(),
         }
     }
 
@@ -262,10 +391,28 @@ impl AddReceipt<'_> {
         self.blocks
     }
 
+    /// Where the addition stands, flushing its batch first if it is still pending.
+    fn settled(&self) -> Outcome {
+        match &self.outcome {
+            Outcome::Batched(batch) => {
+                if batch.0.get().is_none() {
+                    self.receiver.flush_batch(batch);
+                }
+                match batch.0.get() {
+                    Some(Some(lsn)) if self.receiver.log.is_some() => Outcome::Pending(*lsn),
+                    Some(Some(_)) => Outcome::Done(true),
+                    Some(None) | None => Outcome::Done(false),
+                }
+            }
+            outcome => outcome.clone(),
+        }
+    }
+
     /// The answer if it is known without waiting: `Some(true)` once durable, `Some(false)` if
-    /// not logged or the log failed, `None` while the sync is pending.
+    /// not logged or the log failed, `None` while the sync is pending. Flushes a pending
+    /// batch holding the block.
     pub fn try_result(&self) -> Option<bool> {
-        match self.outcome {
+        match self.settled() {
             Outcome::Done(logged) => Some(logged),
             Outcome::Pending(lsn) => {
                 let log = self.receiver.log.as_ref().expect("pending only with a log");
@@ -278,6 +425,7 @@ impl AddReceipt<'_> {
                     Err(_) => Some(false),
                 }
             }
+            Outcome::Batched(_) => unreachable!("settled"),
         }
     }
 
@@ -291,7 +439,7 @@ impl AddReceipt<'_> {
 
     /// [`Self::wait`] with an explicit bound.
     pub fn wait_timeout(self, timeout: Duration) -> bool {
-        match self.outcome {
+        match self.settled() {
             Outcome::Done(logged) => logged,
             Outcome::Pending(lsn) => {
                 let log = self.receiver.log.as_ref().expect("pending only with a log");
@@ -303,6 +451,18 @@ impl AddReceipt<'_> {
                         false
                     }
                 }
+            }
+            Outcome::Batched(_) => unreachable!("settled"),
+        }
+    }
+}
+
+impl Drop for AddReceipt<'_> {
+    /// A receipt dropped unresolved still gets its block logged: its batch is flushed.
+    fn drop(&mut self) {
+        if let Outcome::Batched(batch) = &self.outcome {
+            if batch.0.get().is_none() {
+                self.receiver.flush_batch(batch);
             }
         }
     }
