@@ -237,6 +237,10 @@ impl BlockReceiver {
             let outcome = self.log_and_hand_over(single(info), &mut pending);
             return AddReceipt { receiver: self, outcome, blocks: 1 };
         }
+        if pending.infos.capacity() == 0 {
+            // Sized once per batch: growing it block by block reallocates several times.
+            pending.infos.reserve_exact(COMBINE_MAX_BLOCKS);
+        }
         pending.infos.push(info);
         let batch = Arc::clone(&pending.outcome);
         if pending.infos.len() >= COMBINE_MAX_BLOCKS {
