@@ -112,6 +112,9 @@ pub struct UringEngine {
 struct SyncInFlight {
     /// Last group it covers.
     seq: u64,
+    /// Linked behind that group's only write (`IO_LINK`): the kernel starts it when the write
+    /// completed in full, and cancels it if the write fails or comes up short.
+    linked: bool,
     /// Result injected by the fault plan.
     injected: Option<i32>,
     /// Keeps the descriptor open until the completion is reaped.
@@ -141,6 +144,8 @@ struct GroupInFlight {
     writes_pending: usize,
     /// Bytes the ring left unwritten (short or interrupted writes), finished with `pwrite`.
     leftovers: Vec<RingPiece>,
+    /// Some bytes were finished with `pwrite` (after a sync linked to the write ran, maybe).
+    rewritten: bool,
     /// The group must be synced (durable modes).
     sync: bool,
     /// Its writes completed (leftovers included) and were reported (`RingEvent::Written`).
@@ -269,6 +274,12 @@ impl UringEngine {
             }
         }
         assert!(!pieces.is_empty() && pieces.len() < CODE_SYNC as usize, "1..2^20 writes");
+        // Alone on the ring and written with one entry: its fdatasync is linked behind the
+        // write, so the kernel worker that runs the write runs the sync next, without a round
+        // trip through this thread (buffered writes run on io_uring's workers here). Several
+        // writes would need a chain, which serializes them.
+        let link_sync =
+            sync && pieces.len() == 1 && self.groups.is_empty() && self.sync_in_flight.is_none();
         let seq = self.next_seq;
         self.next_seq += 1;
         self.groups.push_back(GroupInFlight {
@@ -279,6 +290,7 @@ impl UringEngine {
             injected: vec![None; pieces.len()],
             writes_pending: pieces.len(),
             leftovers: Vec::new(),
+            rewritten: false,
             sync,
             written: false,
             sync_submitted: false,
@@ -294,7 +306,10 @@ impl UringEngine {
             let as_piece = Piece { op: 0, start: piece.buf_start, len: piece.len };
             let (entry, fault) =
                 write_entry(group.file.as_ref(), fd, &group.buf, as_piece, piece.file_offset);
-            let entry = entry.user_data(seq << SEQ_SHIFT | slot as u64);
+            let mut entry = entry.user_data(seq << SEQ_SHIFT | slot as u64);
+            if link_sync {
+                entry = entry.flags(squeue::Flags::IO_LINK);
+            }
             self.groups[index].injected[slot] = fault;
             self.entries_in_flight += 1;
             // SAFETY: the entry reads `buf[piece.buf_start..][..len]` of the group's buffer,
@@ -302,20 +317,32 @@ impl UringEngine {
             // reaped (`take_events` hands it back when `writes_pending` is zero; `abandon` and
             // `Drop` first wait for every entry in flight). Moving the group inside the deque
             // does not move the heap buffer. The descriptor belongs to `group.file`, kept
-            // alive by the same group.
-            unsafe { self.push(&entry, 1) };
+            // alive by the same group. With `link_sync` there is room for the linked sync too,
+            // so the pair goes in one submission.
+            unsafe { self.push(&entry, if link_sync { 2 } else { 1 }) };
+        }
+        if link_sync {
+            self.push_sync(index, true);
         }
         self.enter(0, None);
     }
 
     /// Submits one `fdatasync` covering every group up to the one at `last` (all written).
     fn submit_sync(&mut self, last: usize) {
+        self.push_sync(last, false);
+        self.enter(0, None);
+    }
+
+    /// Queues the `fdatasync` covering every group up to the one at `last`: after their
+    /// writes completed, or `linked` behind the last write just queued (the only one in flight).
+    fn push_sync(&mut self, last: usize, linked: bool) {
         let group = &self.groups[last];
         let fd = group.file.raw_fd().expect("checked at submission");
         let (entry, injected) = sync_entry(group.file.as_ref(), fd);
         let entry = entry.user_data(group.seq << SEQ_SHIFT | CODE_SYNC);
         self.sync_in_flight = Some(SyncInFlight {
             seq: group.seq,
+            linked,
             injected,
             _file: Arc::clone(&group.file),
             path: group.path.clone(),
@@ -327,7 +354,6 @@ impl UringEngine {
         self.entries_in_flight += 1;
         // SAFETY: no buffer; `sync_in_flight` keeps the descriptor open until the completion.
         unsafe { self.push(&entry, 1) };
-        self.enter(0, None);
     }
 
     /// Reaps completions without waiting.
@@ -371,13 +397,16 @@ impl UringEngine {
                 let sync = self.sync_in_flight.take().expect("a sync completion has its sync");
                 debug_assert_eq!(sync.seq, seq);
                 let result = sync.injected.unwrap_or(result);
+                if sync.linked && self.linked_sync_void(seq, result) {
+                    continue;
+                }
                 if result < 0 {
                     let error = std::io::Error::from_raw_os_error(-result);
                     self.error.get_or_insert(WalError::from_io("fdatasync", &sync.path, 0, &error));
                 } else {
                     // It was submitted after the writes of every group up to `seq` completed.
                     for group in self.groups.iter_mut().take_while(|group| group.seq <= seq) {
-                        debug_assert!(group.written && group.sync_submitted);
+                        debug_assert!((group.written || sync.linked) && group.sync_submitted);
                         group.synced = true;
                     }
                 }
@@ -392,6 +421,7 @@ impl UringEngine {
             let result = group.injected[slot].unwrap_or(result);
             if result < 0 {
                 if matches!(-result, libc::EINTR | libc::EAGAIN) {
+                    group.rewritten = true;
                     group.leftovers.push(piece);
                 } else {
                     let error = std::io::Error::from_raw_os_error(-result);
@@ -400,6 +430,7 @@ impl UringEngine {
                 }
             } else if (result as usize) < piece.len {
                 let done = result as usize;
+                group.rewritten = true;
                 group.leftovers.push(RingPiece {
                     buf_start: piece.buf_start + done,
                     len: piece.len - done,
@@ -409,6 +440,25 @@ impl UringEngine {
         }
         reaped.clear();
         self.reaped = reaped;
+    }
+
+    /// Whether the completion (`result`) of the sync linked behind group `seq`'s write proves
+    /// nothing: the kernel cancelled it (the write failed or came up short: `ECANCELED`), it
+    /// ran before bytes the ring left unwritten were finished with `pwrite`, or the write's
+    /// own completion was not reaped yet. The group then
+    /// waits for a sync submitted the usual way, after its writes (`take_events`); a failed
+    /// write has already failed the log.
+    fn linked_sync_void(&mut self, seq: u64, result: i32) -> bool {
+        let group = self.groups.iter_mut().find(|group| group.seq == seq);
+        let group = group.expect("a linked sync's group stays until it is durable");
+        // Its write's completion not reaped yet (completions may be reaped in any order):
+        // nothing is known about it, so the sync counts for nothing (one sync more at worst).
+        if result != -libc::ECANCELED && !group.rewritten && group.writes_pending == 0 {
+            return false;
+        }
+        group.sync_submitted = false;
+        group.sync_last = false;
+        true
     }
 
     /// Completes the armed wake poll (by waking it) and reaps it, so no entry of the
@@ -783,10 +833,19 @@ mod tests {
         /// Shorten ring writes to this many bytes (0: no).
         short_write_bytes: usize,
         syncs: AtomicU64,
+        /// What was submitted or written, in order: "ring write", "sync", "pwrite".
+        log: std::sync::Mutex<Vec<&'static str>>,
+    }
+
+    impl PlannedFile {
+        fn note(&self, what: &'static str) {
+            self.log.lock().unwrap().push(what);
+        }
     }
 
     impl StorageFile for PlannedFile {
         fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<usize> {
+            self.note("pwrite");
             self.inner.write_at(buf, offset)
         }
         fn sync_data(&self) -> std::io::Result<()> {
@@ -802,6 +861,10 @@ mod tests {
             self.inner.raw_fd()
         }
         fn ring_fault(&self, op: RingOp) -> Option<RingFault> {
+            self.note(match op {
+                RingOp::SyncData => "sync",
+                RingOp::Write { .. } => "ring write",
+            });
             match op {
                 RingOp::SyncData => {
                     let number = self.syncs.fetch_add(1, Ordering::SeqCst) + 1;
@@ -818,6 +881,7 @@ mod tests {
         _dir: tempfile::TempDir,
         path: PathBuf,
         file: Arc<dyn StorageFile>,
+        planned: Arc<PlannedFile>,
         segment: Arc<Segment>,
     }
 
@@ -831,13 +895,15 @@ mod tests {
         };
         let segment = Arc::new(Segment::new(dir.path(), header));
         let path = segment.path.clone();
-        let file: Arc<dyn StorageFile> = Arc::new(PlannedFile {
+        let planned = Arc::new(PlannedFile {
             inner: FileStorage.create(&path).unwrap(),
             fail_sync_number,
             short_write_bytes,
             syncs: AtomicU64::new(0),
+            log: std::sync::Mutex::new(Vec::new()),
         });
-        Fixture { _dir: dir, path, file, segment }
+        let file: Arc<dyn StorageFile> = planned.clone();
+        Fixture { _dir: dir, path, file, planned, segment }
     }
 
     /// A group of `len` bytes of value `lsn as u8`, written at `offset`, ending with `lsn`.
@@ -941,6 +1007,30 @@ mod tests {
         assert!(!seen.iter().any(|(kind, _)| *kind == "done"), "{seen:?}");
         assert_eq!(engine.groups_in_flight(), 0);
         assert_eq!(engine.entries_in_flight, 0);
+    }
+
+    #[test]
+    fn a_lone_group_has_its_sync_linked_and_a_short_write_voids_that_sync() {
+        let Ok(mut engine) = UringEngine::new(0) else {
+            eprintln!("io_uring unavailable here; the pwrite path covers this machine");
+            return;
+        };
+        // Alone on the ring, one write: write and sync go in together, one sync in all.
+        let whole = fixture(0, 0);
+        engine.submit_group(group(&whole, 1, 0, 1000));
+        assert_eq!(*whole.planned.log.lock().unwrap(), ["ring write", "sync"]);
+        assert_eq!(drive(&mut engine, false), [("written", 1), ("done", 1)]);
+        assert_eq!(whole.planned.log.lock().unwrap().len(), 2, "no second sync");
+        // The ring writes 10 bytes of 1000: the linked sync ran (or was cancelled) before the
+        // rest was written with pwrite, so only a sync after that makes the group durable.
+        let short = fixture(0, 10);
+        engine.submit_group(group(&short, 2, 0, 1000));
+        assert_eq!(drive(&mut engine, false), [("written", 2), ("done", 2)]);
+        let log = short.planned.log.lock().unwrap().clone();
+        let rewrite = log.iter().rposition(|what| *what == "pwrite").expect("a rewrite");
+        assert!(log[rewrite..].contains(&"sync"), "no sync after the rewrite: {log:?}");
+        let bytes = std::fs::read(&short.path).unwrap();
+        assert!(bytes.len() == 1000 && bytes.iter().all(|byte| *byte == 2));
     }
 
     #[test]
