@@ -8,7 +8,8 @@
 //! are submitted at once, without waiting for earlier groups; their completions are reaped in
 //! any order and applied in LSN order (`take_events`). One `fdatasync` at a time is on the
 //! ring, submitted only after the writes of every group it covers completed, covering all of
-//! them; while it runs, later groups' writes proceed. See the `wal` module doc, "Pipelined
+//! them (or, for a group alone on the ring with one write, linked behind that write); while
+//! it runs, later groups' writes proceed. See the `wal` module doc, "Pipelined
 //! group commit". Every buffer the kernel reads stays owned by the engine until its write's
 //! completion was reaped, and `Drop` waits for every entry in flight.
 //!
