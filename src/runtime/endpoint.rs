@@ -12,7 +12,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use super::{reply::Reply, BusShared, Replier};
+use super::{
+    reply::{request_pair, Reply},
+    BusShared, Replier,
+};
 use crate::{
     error::{AskError, HandlerError, SendError},
     queue::{QueueError, ShardedQueue},
@@ -342,8 +345,8 @@ impl<E: Endpoint> EndpointRef<E> {
         if CURRENT_INBOX.with(std::cell::Cell::get) == self.inbox.address() {
             return Reply::failed(AskError::SelfAsk { endpoint: self.inbox.name.clone() });
         }
-        let (sender, receiver) = oneshot::channel();
-        let envelope = Envelope::Request(request.into_request(Replier::from_sender(sender)));
+        let (replier, reply) = request_pair(self.inbox.ask_timeout);
+        let envelope = Envelope::Request(request.into_request(replier));
         // The clock is read only if the shard is full (the deadline bounds the wait for room).
         let pushed = match self.inbox.queue.try_push(envelope) {
             Err(QueueError::Full(envelope)) => {
@@ -352,7 +355,7 @@ impl<E: Endpoint> EndpointRef<E> {
             outcome => outcome,
         };
         match pushed {
-            Ok(()) => Reply::pending(receiver, self.inbox.ask_timeout),
+            Ok(()) => reply,
             Err(QueueError::Closed(_)) => {
                 Reply::failed(AskError::Stopped { endpoint: self.inbox.name.clone() })
             }
