@@ -37,8 +37,9 @@ use crate::{
     sync::{current_thread, park_timeout, spin_loop},
 };
 
-/// How long a waiting asker spins before it parks.
-const ASKER_SPIN: Duration = Duration::from_micros(30);
+/// How long a waiting asker spins before it parks (not at all under loom, where the clock is
+/// not modelled and the number of spins must not depend on it).
+const ASKER_SPIN: Duration = if cfg!(loom) { Duration::ZERO } else { Duration::from_micros(30) };
 
 /// Polls of the state between two clock reads while the asker spins (one under loom, whose
 /// every spin is a scheduling point).
@@ -122,6 +123,12 @@ impl<T: Send + 'static> Replier<T> {
     /// Whether the asker has stopped waiting (a reply would be discarded).
     pub fn is_abandoned(&self) -> bool {
         self.completer.as_ref().is_none_or(Completer::is_abandoned)
+    }
+
+    /// Whether the asker has registered to be woken (it is parked or about to park).
+    #[cfg(all(test, not(loom)))]
+    fn asker_registered(&self) -> bool {
+        self.completer.as_ref().is_some_and(Completer::asker_registered)
     }
 }
 
@@ -439,6 +446,12 @@ mod slot {
             self.slot().state.load(Ordering::Relaxed) == ABANDONED
         }
 
+        /// Whether the receiver is registered for a wake-up (tests drive the park path).
+        #[cfg(all(test, not(loom)))]
+        pub(crate) fn asker_registered(&self) -> bool {
+            self.slot().state.load(Ordering::Relaxed) == WAITING
+        }
+
         /// Delivers `outcome` (or drops it if the asker gave up) and wakes a parked asker.
         pub(crate) fn complete(self, outcome: Result<T, AskError>) {
             let slot_ptr = self.slot;
@@ -668,5 +681,308 @@ mod slot {
                 }
             }
         }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use std::{
+        sync::{
+            atomic::{AtomicUsize, Ordering},
+            Arc,
+        },
+        task::Wake,
+    };
+
+    use super::*;
+
+    /// Counts its drops, so a test can check that every outcome is dropped exactly once.
+    #[derive(Debug)]
+    struct Counted(Arc<AtomicUsize>);
+
+    impl Drop for Counted {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Spins (yielding) until `condition` holds; fails the test after 10 s.
+    fn wait_for(condition: impl Fn() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !condition() {
+            assert!(Instant::now() < deadline, "condition not reached within 10 s");
+            std::thread::yield_now();
+        }
+    }
+
+    #[test]
+    fn a_reply_sent_before_the_wait_is_taken_at_once() {
+        let (replier, reply) = Replier::pair();
+        replier.reply(7u64);
+        assert_eq!(reply.wait_timeout(Duration::ZERO).expect("replied"), 7);
+    }
+
+    #[test]
+    fn a_parked_asker_is_woken_by_a_reply_from_another_thread() {
+        let (replier, reply) = Replier::pair();
+        let answering = std::thread::spawn(move || {
+            // Answer only once the asker has registered, so the park and wake path runs.
+            wait_for(|| replier.asker_registered());
+            replier.reply(String::from("late but awaited"));
+        });
+        assert_eq!(reply.wait_timeout(Duration::from_secs(10)).expect("woken"), "late but awaited");
+        answering.join().expect("answering thread");
+    }
+
+    #[test]
+    fn a_parked_asker_is_woken_by_a_dropped_replier_with_no_reply() {
+        let (replier, reply) = Replier::<u64>::pair();
+        let dropping = std::thread::spawn(move || {
+            wait_for(|| replier.asker_registered());
+            drop(replier);
+        });
+        assert!(matches!(reply.wait_timeout(Duration::from_secs(10)), Err(AskError::NoReply)));
+        dropping.join().expect("dropping thread");
+    }
+
+    #[test]
+    fn timeout_then_late_reply_is_dropped_once_and_the_replier_sees_it_abandoned() {
+        let drops = Arc::new(AtomicUsize::new(0));
+        let (replier, reply) = Replier::<Counted>::pair();
+        assert!(!replier.is_abandoned());
+        let timeout = Duration::from_millis(2);
+        match reply.wait_timeout(timeout) {
+            Err(AskError::Timeout { timeout: reported }) => assert_eq!(reported, timeout),
+            other => panic!("expected a timeout, got {other:?}"),
+        }
+        assert!(replier.is_abandoned());
+        replier.reply(Counted(Arc::clone(&drops)));
+        assert_eq!(drops.load(Ordering::SeqCst), 1, "the late reply was dropped exactly once");
+    }
+
+    #[test]
+    fn an_untaken_reply_is_dropped_with_its_handle() {
+        let drops = Arc::new(AtomicUsize::new(0));
+        let (replier, reply) = Replier::<Counted>::pair();
+        replier.reply(Counted(Arc::clone(&drops)));
+        assert_eq!(drops.load(Ordering::SeqCst), 0);
+        drop(reply);
+        assert_eq!(drops.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn dropped_replier_gives_no_reply_and_fail_gives_the_handler_error() {
+        let (replier, reply) = Replier::<u64>::pair();
+        drop(replier);
+        assert!(matches!(reply.wait(), Err(AskError::NoReply)));
+
+        let (replier, reply) = Replier::<u64>::pair();
+        replier.fail(HandlerError::from("no such epoch"));
+        match reply.wait() {
+            Err(AskError::Handler(cause)) => assert_eq!(cause.to_string(), "no such epoch"),
+            other => panic!("expected a handler error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn try_take_is_none_until_the_reply_then_gives_it_once() {
+        let (replier, mut reply) = Replier::pair();
+        assert!(reply.try_take().is_none());
+        assert!(format!("{reply:?}").contains("pending"));
+        replier.reply(3u8);
+        assert!(format!("{reply:?}").contains("ready"));
+        assert_eq!(reply.try_take().expect("arrived").expect("ok"), 3);
+        assert!(matches!(reply.try_take(), Some(Err(AskError::NoReply))));
+    }
+
+    #[test]
+    fn a_replier_dropped_by_a_panicking_handler_fails_with_the_panic_message() {
+        let (replier, reply) = Replier::<u64>::pair();
+        let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+            let _held = replier;
+            panic!("handler gave up");
+        }));
+        assert!(unwound.is_err());
+        fail_replies_orphaned_by_panic("handler gave up");
+        match reply.wait_timeout(Duration::from_secs(10)) {
+            Err(AskError::HandlerPanicked { message }) => assert_eq!(message, "handler gave up"),
+            other => panic!("expected HandlerPanicked, got {other:?}"),
+        }
+    }
+
+    /// Counts wake-ups.
+    struct CountingWaker(AtomicUsize);
+
+    impl Wake for CountingWaker {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn polling_registers_the_waker_and_the_reply_wakes_it() {
+        let counter = Arc::new(CountingWaker(AtomicUsize::new(0)));
+        let waker = std::task::Waker::from(Arc::clone(&counter));
+        let mut task = TaskContext::from_waker(&waker);
+        let (replier, mut reply) = Replier::pair();
+        assert!(Pin::new(&mut reply).poll(&mut task).is_pending());
+        // A second poll replaces the registration rather than adding one.
+        assert!(Pin::new(&mut reply).poll(&mut task).is_pending());
+        let answering = std::thread::spawn(move || replier.reply(11u32));
+        wait_for(|| counter.0.load(Ordering::SeqCst) > 0);
+        answering.join().expect("answering thread");
+        assert_eq!(counter.0.load(Ordering::SeqCst), 1, "woken exactly once");
+        match Pin::new(&mut reply).poll(&mut task) {
+            Poll::Ready(Ok(value)) => assert_eq!(value, 11),
+            other => panic!("expected the reply, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn polling_after_the_deadline_times_out_and_abandons() {
+        let waker = std::task::Waker::from(Arc::new(CountingWaker(AtomicUsize::new(0))));
+        let mut task = TaskContext::from_waker(&waker);
+        let (replier, mut reply) = request_pair::<u64>(Duration::ZERO);
+        match Pin::new(&mut reply).poll(&mut task) {
+            Poll::Ready(Err(AskError::Timeout { timeout })) => assert_eq!(timeout, Duration::ZERO),
+            other => panic!("expected a timeout, got {other:?}"),
+        }
+        assert!(replier.is_abandoned());
+        replier.reply(1);
+    }
+
+    /// Replies racing timeouts of every length around the reply's arrival: each outcome is
+    /// either delivered or dropped, exactly once, and never both.
+    #[test]
+    fn racing_replies_and_timeouts_deliver_or_drop_every_outcome_exactly_once() {
+        let rounds: usize = if cfg!(miri) { 50 } else { 20_000 };
+        let drops = Arc::new(AtomicUsize::new(0));
+        let (repliers, asked) = crossbeam_queue_pair(rounds);
+        let answering = {
+            let drops = Arc::clone(&drops);
+            std::thread::spawn(move || {
+                for _ in 0..rounds {
+                    let replier: Replier<Counted> = loop {
+                        if let Some(replier) = repliers.pop() {
+                            break replier;
+                        }
+                        std::hint::spin_loop();
+                    };
+                    replier.reply(Counted(Arc::clone(&drops)));
+                }
+            })
+        };
+        let mut delivered = 0usize;
+        for round in 0..rounds {
+            let (replier, reply) = Replier::pair();
+            asked.push(replier).expect("queue sized for every round");
+            // Fixed pattern of timeouts from zero to a few microseconds.
+            let timeout = Duration::from_nanos((round % 7) as u64 * 700);
+            if let Ok(value) = reply.wait_timeout(timeout) {
+                delivered += 1;
+                drop(value);
+            }
+        }
+        answering.join().expect("answering thread");
+        assert_eq!(drops.load(Ordering::SeqCst), rounds, "delivered {delivered}");
+    }
+
+    fn crossbeam_queue_pair<T>(
+        capacity: usize,
+    ) -> (Arc<crossbeam_queue::ArrayQueue<T>>, Arc<crossbeam_queue::ArrayQueue<T>>) {
+        let queue = Arc::new(crossbeam_queue::ArrayQueue::new(capacity));
+        (Arc::clone(&queue), queue)
+    }
+}
+
+/// Loom models of the reply slot: a reply racing a parking asker, a timeout, a dropped handle
+/// and a polling task. Loom reports a lost wake-up as a deadlock, a leaked or doubly dropped
+/// outcome through its `Arc` tracking, and unsynchronised cell accesses as errors.
+#[cfg(all(test, loom))]
+mod loom_tests {
+    use loom::{sync::Arc, thread};
+
+    use super::*;
+
+    /// Polls `future`, parking (loom's park) between wake-ups: a lost wake-up is a deadlock.
+    fn block_on<F: Future>(future: F) -> F::Output {
+        struct Unpark(thread::Thread);
+        impl std::task::Wake for Unpark {
+            fn wake(self: std::sync::Arc<Self>) {
+                self.0.unpark();
+            }
+        }
+        let waker = std::task::Waker::from(std::sync::Arc::new(Unpark(thread::current())));
+        let mut task = TaskContext::from_waker(&waker);
+        let mut future = std::pin::pin!(future);
+        loop {
+            if let Poll::Ready(output) = future.as_mut().poll(&mut task) {
+                return output;
+            }
+            thread::park();
+        }
+    }
+
+    #[test]
+    fn loom_reply_wakes_a_parking_asker() {
+        loom::model(|| {
+            let (replier, reply) = Replier::pair();
+            let value = Arc::new(5u8);
+            let answering = thread::spawn(move || replier.reply(value));
+            let got = reply.wait_timeout(Duration::from_secs(3600)).expect("replied");
+            assert_eq!(*got, 5);
+            answering.join().unwrap();
+        });
+    }
+
+    #[test]
+    fn loom_dropped_replier_wakes_a_parking_asker() {
+        loom::model(|| {
+            let (replier, reply) = Replier::<Arc<u8>>::pair();
+            let dropping = thread::spawn(move || drop(replier));
+            assert!(matches!(
+                reply.wait_timeout(Duration::from_secs(3600)),
+                Err(AskError::NoReply)
+            ));
+            dropping.join().unwrap();
+        });
+    }
+
+    #[test]
+    fn loom_reply_racing_a_timeout_is_delivered_or_dropped_once() {
+        loom::model(|| {
+            let (replier, reply) = Replier::pair();
+            let value = Arc::new(5u8);
+            let answering = thread::spawn(move || replier.reply(value));
+            // A zero timeout still registers and withdraws, racing the reply at every step.
+            match reply.wait_timeout(Duration::ZERO) {
+                Ok(got) => assert_eq!(*got, 5),
+                Err(error) => assert!(matches!(error, AskError::Timeout { .. })),
+            }
+            answering.join().unwrap();
+        });
+    }
+
+    #[test]
+    fn loom_reply_racing_a_dropped_handle_is_dropped_once() {
+        loom::model(|| {
+            let (replier, reply) = Replier::pair();
+            let value = Arc::new(5u8);
+            let answering = thread::spawn(move || replier.reply(value));
+            drop(reply);
+            answering.join().unwrap();
+        });
+    }
+
+    #[test]
+    fn loom_reply_wakes_a_polling_task() {
+        loom::model(|| {
+            let (replier, reply) = Replier::pair();
+            let value = Arc::new(5u8);
+            let answering = thread::spawn(move || replier.reply(value));
+            let got = block_on(reply).expect("replied");
+            assert_eq!(*got, 5);
+            answering.join().unwrap();
+        });
     }
 }
