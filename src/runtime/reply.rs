@@ -227,7 +227,7 @@ impl<T> Reply<T> {
                 return receiver.take_ready();
             }
             spins = spins.wrapping_add(1);
-            if spins % SPINS_PER_CLOCK_READ == 0 && start.elapsed() >= spin_for {
+            if spins.is_multiple_of(SPINS_PER_CLOCK_READ) && start.elapsed() >= spin_for {
                 break;
             }
             spin_loop();
@@ -331,6 +331,8 @@ impl<T> Future for Reply<T> {
 mod slot {
     #![allow(unsafe_code)]
 
+    #[cfg(not(loom))]
+    use std::alloc::Layout;
     use std::{mem::MaybeUninit, ptr::NonNull, task::Waker};
 
     use crate::{
@@ -386,26 +388,188 @@ mod slot {
 
     /// A new slot: its completer and its receiver.
     pub(crate) fn channel<T>() -> (Completer<T>, Receiver<T>) {
-        let slot = Box::new(Slot {
+        let slot = allocate(Slot {
             state: AtomicU8::new(EMPTY),
             waiter: UnsafeCell::new(None),
             outcome: UnsafeCell::new(MaybeUninit::uninit()),
         });
-        let slot = NonNull::from(Box::leak(slot));
         (Completer { slot }, Receiver { slot })
     }
 
-    /// Frees a slot whose outcome has been moved out or dropped, or was never written.
+    /// Moves `slot` to a block from this thread's cache, or to a new one.
+    #[cfg(not(loom))]
+    fn allocate<T>(slot: Slot<T>) -> NonNull<Slot<T>> {
+        let layout = Layout::new::<Slot<T>>();
+        let block = cache::take(layout).unwrap_or_else(|| {
+            // SAFETY: the layout is not zero-sized (a slot holds at least its state byte).
+            let raw = unsafe { std::alloc::alloc(layout) };
+            NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout))
+        });
+        let block = block.cast::<Slot<T>>();
+        // SAFETY: the block is valid for writes of `layout`, the layout of `Slot<T>`, and
+        // holds no live value (fresh, or cached only after its slot was dropped in place).
+        unsafe { block.as_ptr().write(slot) };
+        block
+    }
+
+    /// Loom tracks its cells and atomics per object: plain boxes, no block reuse.
+    #[cfg(loom)]
+    fn allocate<T>(slot: Slot<T>) -> NonNull<Slot<T>> {
+        NonNull::from(Box::leak(Box::new(slot)))
+    }
+
+    /// Drops a slot whose outcome has been moved out or dropped, or was never written, and
+    /// gives its block back to this thread's cache (or to the allocator).
     ///
     /// # Safety
     /// `slot` came from `channel`, the caller owns it exclusively (the state is `READY` and
     /// the caller is the receiver, or `ABANDONED` and the caller is the completer, with that
     /// state read by an acquire), and nothing uses it afterwards.
     unsafe fn free<T>(slot: NonNull<Slot<T>>) {
-        // SAFETY: the block came from `Box::leak` in `channel` and, per the caller's duty, no
-        // other reference to it exists or will be used. The outcome is `MaybeUninit`, so it is
-        // not dropped here; the waiter (an `Option`) is.
-        drop(unsafe { Box::from_raw(slot.as_ptr()) });
+        #[cfg(not(loom))]
+        {
+            let layout = Layout::new::<Slot<T>>();
+            // SAFETY: per the caller's duty the slot is initialized, exclusively ours and
+            // never used again. The outcome is `MaybeUninit`, so it is not dropped here; the
+            // waiter (an `Option`, possibly a `Waker` running foreign code) is, before the
+            // cache is entered.
+            unsafe { std::ptr::drop_in_place(slot.as_ptr()) };
+            if let Err(block) = cache::give(layout, slot.cast()) {
+                // SAFETY: the block was allocated with `layout` (by `allocate` for this type,
+                // or for another type of the same layout) and holds no live value.
+                unsafe { std::alloc::dealloc(block.as_ptr(), layout) };
+            }
+        }
+        #[cfg(loom)]
+        {
+            // SAFETY: the block came from `Box::leak` in `allocate` and, per the caller's
+            // duty, no other reference to it exists or will be used.
+            drop(unsafe { Box::from_raw(slot.as_ptr()) });
+        }
+    }
+
+    /// A per-thread cache of free slot blocks, by layout, so that an ask costs no trip to the
+    /// allocator: a thread that keeps asks in flight frees each reply's block and takes it
+    /// again for its next ask. Blocks freed by the replier's thread (an abandoned ask) go to
+    /// that thread's cache; a block may serve any type of the same layout. Bounded: at most
+    /// [`cache::BLOCKS_PER_LAYOUT`] blocks for each of [`cache::LAYOUTS_MAX`] layouts per
+    /// thread; the rest go back to the allocator, and so does the cache when its thread ends.
+    #[cfg(not(loom))]
+    mod cache {
+        use std::{alloc::Layout, cell::RefCell, ptr::NonNull};
+
+        /// Cached blocks per layout (a thread with more asks in flight allocates the excess).
+        pub(super) const BLOCKS_PER_LAYOUT: usize = 256;
+        /// Layouts cached per thread (one per reply type size and alignment in practice).
+        pub(super) const LAYOUTS_MAX: usize = 8;
+
+        struct Cache {
+            /// Free blocks, each allocated with the global allocator and the layout it is
+            /// filed under, holding no live value.
+            free_by_layout: Vec<(Layout, Vec<NonNull<u8>>)>,
+        }
+
+        impl Drop for Cache {
+            fn drop(&mut self) {
+                for (layout, blocks) in self.free_by_layout.drain(..) {
+                    for block in blocks {
+                        // SAFETY: filed under `layout`, allocated with it, no live value,
+                        // and the cache is the block's only owner.
+                        unsafe { std::alloc::dealloc(block.as_ptr(), layout) };
+                    }
+                }
+            }
+        }
+
+        thread_local! {
+            static CACHE: RefCell<Cache> = const {
+                RefCell::new(Cache { free_by_layout: Vec::new() })
+            };
+        }
+
+        /// A free block of `layout`, if this thread has one.
+        #[inline]
+        pub(super) fn take(layout: Layout) -> Option<NonNull<u8>> {
+            // try_with: during thread teardown the cache may be gone; allocate instead.
+            CACHE
+                .try_with(|cache| {
+                    let mut cache = cache.borrow_mut();
+                    let (_, blocks) =
+                        cache.free_by_layout.iter_mut().find(|(filed, _)| *filed == layout)?;
+                    blocks.pop()
+                })
+                .ok()
+                .flatten()
+        }
+
+        /// Files a free block of `layout` (allocated with it, holding no live value), or
+        /// hands it back if the cache is full or gone.
+        #[inline]
+        pub(super) fn give(layout: Layout, block: NonNull<u8>) -> Result<(), NonNull<u8>> {
+            CACHE
+                .try_with(|cache| {
+                    let mut cache = cache.borrow_mut();
+                    let index =
+                        match cache.free_by_layout.iter().position(|(filed, _)| *filed == layout) {
+                            Some(index) => index,
+                            None if cache.free_by_layout.len() < LAYOUTS_MAX => {
+                                cache.free_by_layout.push((layout, Vec::new()));
+                                cache.free_by_layout.len() - 1
+                            }
+                            None => return Err(block),
+                        };
+                    let blocks = &mut cache.free_by_layout[index].1;
+                    if blocks.len() < BLOCKS_PER_LAYOUT {
+                        blocks.push(block);
+                        Ok(())
+                    } else {
+                        Err(block)
+                    }
+                })
+                .unwrap_or(Err(block))
+        }
+
+        /// Blocks of `layout` cached by this thread.
+        #[cfg(test)]
+        pub(super) fn cached(layout: Layout) -> usize {
+            CACHE.with(|cache| {
+                let cache = cache.borrow();
+                cache
+                    .free_by_layout
+                    .iter()
+                    .find(|(filed, _)| *filed == layout)
+                    .map_or(0, |(_, blocks)| blocks.len())
+            })
+        }
+    }
+
+    #[cfg(all(test, not(loom)))]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn a_taken_reply_block_serves_the_next_ask_and_the_cache_is_bounded() {
+            let (completer, receiver) = channel::<u64>();
+            let first = receiver.slot;
+            completer.complete(Ok(1));
+            assert_eq!(receiver.take_ready().expect("ok"), 1);
+            let (completer, receiver) = channel::<u64>();
+            assert_eq!(receiver.slot, first, "the freed block was taken again");
+            drop(completer);
+            assert!(matches!(receiver.take_ready(), Err(AskError::NoReply)));
+
+            // A type of another layout gets its own blocks; many in flight at once fill the
+            // cache up to its bound and no further.
+            let layout = Layout::new::<Slot<[u64; 9]>>();
+            let in_flight = cache::BLOCKS_PER_LAYOUT + 10;
+            let pairs: Vec<_> = (0..in_flight).map(|_| channel::<[u64; 9]>()).collect();
+            assert_eq!(cache::cached(layout), 0);
+            for (completer, receiver) in pairs {
+                completer.complete(Ok([7; 9]));
+                assert_eq!(receiver.take_ready().expect("ok"), [7; 9]);
+            }
+            assert_eq!(cache::cached(layout), cache::BLOCKS_PER_LAYOUT);
+        }
     }
 
     /// Backs off while the other side is inside a transient state.
@@ -503,7 +667,7 @@ mod slot {
                         slot.outcome.with_mut(|cell| {
                             // SAFETY: written just above; `ABANDONED` is final and gives this
                             // completer the whole block, so nobody else reads the cell.
-                            unsafe { (*cell).assume_init_drop() };
+                            unsafe { std::ptr::drop_in_place(cell.cast::<Result<T, AskError>>()) };
                         });
                         // SAFETY: `ABANDONED` was read by an acquire (the compare-exchange
                         // failure ordering), the receiver is gone, and `slot` is not used
@@ -578,7 +742,7 @@ mod slot {
             let outcome = slot.outcome.with(|cell| {
                 // SAFETY: `READY` means the completer initialized the outcome and released
                 // it; the receiver reads it exactly once (this consumes the receiver).
-                unsafe { (*cell).assume_init_read() }
+                unsafe { cell.cast::<Result<T, AskError>>().read() }
             });
             // SAFETY: `READY` gives the receiver the block, the outcome was moved out above,
             // and `slot` is not used after this call.
