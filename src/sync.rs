@@ -9,13 +9,13 @@
 pub(crate) use loom::{
     hint::spin_loop,
     sync::atomic::{fence, AtomicBool, AtomicPtr, AtomicU8, AtomicUsize, Ordering},
-    thread::{current as current_thread, park, Thread},
+    thread::{current as current_thread, park, yield_now, Thread},
 };
 #[cfg(not(loom))]
 pub(crate) use std::{
     hint::spin_loop,
     sync::atomic::{fence, AtomicBool, AtomicPtr, AtomicU8, AtomicUsize, Ordering},
-    thread::{current as current_thread, park_timeout, Thread},
+    thread::{current as current_thread, park_timeout, yield_now, Thread},
 };
 
 /// Parks the current thread for at most `timeout` (loom: until unparked; loom has no timeouts).
