@@ -8,8 +8,9 @@
 //! * The asker's common path has no read-modify-write and no clock read. With many asks in
 //!   flight the oldest reply is usually there by the time the asker waits for it: one acquire
 //!   load sees it, the asker reads the outcome and frees the block. A general one-shot channel
-//!   (such as the `oneshot` crate) spends a swap on the receiver's drop to decide who frees; here the state machine decides it (the replier never touches the slot again once
-//!   it has published), and the clock is read only once the reply was not there at first look.
+//!   (such as the `oneshot` crate) spends a swap on the receiver's drop to decide who frees;
+//!   here the state machine decides it (the replier never touches the slot again once it has
+//!   published), and the clock is read only once the reply was not there at first look.
 //! * The replier publishes with one compare-exchange, which also tells it whether the asker is
 //!   parked (then it takes the waiter and wakes it) or gone (then it frees the slot).
 //! * No allocator call per ask: freed slot blocks go to a small per-thread cache and the
