@@ -314,10 +314,14 @@ impl<T> Future for Reply<T> {
 /// | state       | outcome cell            | waiter cell | set by                          |
 /// | ----------- | ----------------------- | ----------- | ------------------------------- |
 /// | `EMPTY`     | completer (may write)   | receiver    | start; receiver (unregister)    |
-/// | `WAITING`   | completer (may write)   | shared, read by nobody until `WAKING` | receiver (register) |
+/// | `WAITING`   | completer (may write)   | untouched   | receiver (register)             |
 /// | `WAKING`    | completer               | completer   | completer (takes the waiter)    |
 /// | `READY`     | receiver (initialized)  | receiver    | completer (publication)         |
 /// | `ABANDONED` | completer               | completer   | receiver (gave up)              |
+///
+/// In `WAITING` the waiter cell holds the receiver's waiter and nobody touches it: the
+/// completer takes it only after moving to `WAKING`, the receiver only after moving back to
+/// `EMPTY` (or, abandoning, leaves it for the completer to drop with the block).
 ///
 /// `READY` and `ABANDONED` are final, and each hands the whole block to one side, which frees
 /// it: the receiver after taking the outcome, the completer once it arrives (dropping its
