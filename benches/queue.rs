@@ -5,7 +5,8 @@
 //!   consumer thread draining, producers pushing `MESSAGES` in total.
 //! * `bus/send`, `bus/send_batch`: through a registered endpoint (dispatch included).
 //! * `bus/ask`: one synchronous request-reply round trip against an endpoint that busy-polls,
-//!   baseline: crossbeam channels with a fresh bounded(1) reply channel per request.
+//!   and a sliding window of 64 asks in flight (per ask); baseline: crossbeam channels with a
+//!   fresh bounded(1) reply channel per request.
 //!
 //! Multi-threaded cases use `iter_custom` with a barrier and explicit start/stop instants.
 //! Run: `cargo bench --bench queue` (add `-- --quick` for a short smoke run).
@@ -211,6 +212,9 @@ impl Endpoint for Summer {
     }
 }
 
+/// Asks kept outstanding by the `bus/ask` in-flight cases.
+const ASKS_IN_FLIGHT: usize = 64;
+
 fn bus_groups(criterion: &mut Criterion) {
     let bus = Bus::builder()
         .inbox_shards(2)
@@ -272,6 +276,45 @@ fn bus_groups(criterion: &mut Criterion) {
             let (reply, answer) = crossbeam_channel::bounded(1);
             requests.send(reply).expect("server alive");
             answer.recv().expect("server answers")
+        })
+    });
+    // Many asks in flight: a sliding window of ASKS_IN_FLIGHT outstanding asks, one element
+    // per ask (the "asks/s with many asks in flight").
+    group.bench_function("coordbus_64_in_flight", |bench| {
+        bench.iter_custom(|iterations| {
+            let mut outstanding = std::collections::VecDeque::with_capacity(ASKS_IN_FLIGHT);
+            let began = Instant::now();
+            for _ in 0..iterations {
+                if outstanding.len() == ASKS_IN_FLIGHT {
+                    let reply: coordbus::Reply<u64> = outstanding.pop_front().expect("in flight");
+                    std::hint::black_box(reply.wait().expect("reply"));
+                }
+                outstanding.push_back(endpoint.ask(Sum));
+            }
+            for reply in outstanding {
+                std::hint::black_box(reply.wait().expect("reply"));
+            }
+            began.elapsed()
+        })
+    });
+    group.bench_function("crossbeam_oneshot_64_in_flight", |bench| {
+        bench.iter_custom(|iterations| {
+            let mut outstanding = std::collections::VecDeque::with_capacity(ASKS_IN_FLIGHT);
+            let began = Instant::now();
+            for _ in 0..iterations {
+                if outstanding.len() == ASKS_IN_FLIGHT {
+                    let answer: crossbeam_channel::Receiver<u64> =
+                        outstanding.pop_front().expect("in flight");
+                    std::hint::black_box(answer.recv().expect("server answers"));
+                }
+                let (reply, answer) = crossbeam_channel::bounded(1);
+                requests.send(reply).expect("server alive");
+                outstanding.push_back(answer);
+            }
+            for answer in outstanding {
+                std::hint::black_box(answer.recv().expect("server answers"));
+            }
+            began.elapsed()
         })
     });
     group.finish();

@@ -8,14 +8,14 @@
 #[cfg(loom)]
 pub(crate) use loom::{
     hint::spin_loop,
-    sync::atomic::{fence, AtomicBool, AtomicPtr, AtomicUsize, Ordering},
-    thread::{current as current_thread, park, Thread},
+    sync::atomic::{fence, AtomicBool, AtomicPtr, AtomicU8, AtomicUsize, Ordering},
+    thread::{current as current_thread, park, yield_now, Thread},
 };
 #[cfg(not(loom))]
 pub(crate) use std::{
     hint::spin_loop,
-    sync::atomic::{fence, AtomicBool, AtomicPtr, AtomicUsize, Ordering},
-    thread::{current as current_thread, park_timeout, Thread},
+    sync::atomic::{fence, AtomicBool, AtomicPtr, AtomicU8, AtomicUsize, Ordering},
+    thread::{current as current_thread, park_timeout, yield_now, Thread},
 };
 
 /// Parks the current thread for at most `timeout` (loom: until unparked; loom has no timeouts).

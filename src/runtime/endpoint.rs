@@ -12,7 +12,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use super::{reply::Reply, BusShared, Replier};
+use super::{
+    reply::{request_pair, Reply},
+    BusShared, Replier,
+};
 use crate::{
     error::{AskError, HandlerError, SendError},
     queue::{QueueError, ShardedQueue},
@@ -342,17 +345,33 @@ impl<E: Endpoint> EndpointRef<E> {
         if CURRENT_INBOX.with(std::cell::Cell::get) == self.inbox.address() {
             return Reply::failed(AskError::SelfAsk { endpoint: self.inbox.name.clone() });
         }
-        let (sender, receiver) = oneshot::channel();
-        let envelope = Envelope::Request(request.into_request(Replier::from_sender(sender)));
-        // The clock is read only if the shard is full (the deadline bounds the wait for room).
-        let pushed = match self.inbox.queue.try_push(envelope) {
-            Err(QueueError::Full(envelope)) => {
+        let (replier, reply) = request_pair(self.inbox.ask_timeout);
+        let envelope = Envelope::Request(request.into_request(replier));
+        // Only the tag of the push's outcome is inspected on this path: matching on the whole
+        // result lets the compiler spill it and reload it wider than it was stored, a failed
+        // store-to-load forwarding that waits for the inbox slot's write (a cache miss, the
+        // line was last read by the endpoint) to drain.
+        match self.inbox.queue.try_push(envelope) {
+            Ok(()) => reply,
+            Err(refused) => self.ask_refused(refused, reply),
+        }
+    }
+
+    /// The rest of an ask whose first push was refused: waits for room if the shard was full
+    /// (the clock is read only here; the deadline bounds the wait), else fails the reply.
+    #[cold]
+    #[inline(never)]
+    fn ask_refused<T>(&self, refused: QueueError<Envelope<E>>, reply: Reply<T>) -> Reply<T> {
+        let pushed = match refused {
+            QueueError::Full(envelope) => {
                 self.inbox.queue.push(envelope, Some(Instant::now() + self.inbox.ask_timeout))
             }
-            outcome => outcome,
+            refused => Err(refused),
         };
         match pushed {
-            Ok(()) => Reply::pending(receiver, self.inbox.ask_timeout),
+            Ok(()) => reply,
+            // Dropping `reply` abandons the slot; the replier inside the refused envelope
+            // is dropped with it and frees the slot.
             Err(QueueError::Closed(_)) => {
                 Reply::failed(AskError::Stopped { endpoint: self.inbox.name.clone() })
             }

@@ -1,14 +1,30 @@
 //! Request-reply plumbing: the [`Replier`] a handler answers through, and the [`Reply`] handle
 //! the asker waits on (blocking, with a timeout, or as a `Future`).
 //!
-//! Each ask gets a fresh one-shot channel from the `oneshot` crate (lock-free, one allocation,
-//! works both blocking and async without a runtime). The asker first spins briefly on the
-//! channel, because an endpoint that is busy-polling answers in well under a microsecond and
-//! parking would cost several; then it blocks with the timeout.
+//! Each ask gets one reply slot (module [`slot`]): a single heap block holding a small state
+//! word, the outcome, and the asker's waiter (a thread to unpark or a task's waker). The slot
+//! is this crate's own one-shot channel, shaped for the ask path:
+//!
+//! * The asker's common path has no read-modify-write and no clock read. With many asks in
+//!   flight the oldest reply is usually there by the time the asker waits for it: one acquire
+//!   load sees it, the asker reads the outcome and frees the block. A general one-shot channel
+//!   (such as the `oneshot` crate) spends a swap on the receiver's drop to decide who frees;
+//!   here the state machine decides it (the replier never touches the slot again once it has
+//!   published), and the clock is read only once the reply was not there at first look.
+//! * The replier publishes with one compare-exchange, which also tells it whether the asker is
+//!   parked (then it takes the waiter and wakes it) or gone (then it frees the slot).
+//! * No allocator call per ask: freed slot blocks go to a small per-thread cache and the
+//!   asking thread's next ask takes one back (through mimalloc's aligned allocation path, a
+//!   fresh block per ask costs about 200 instructions, more than the rest of the asker's side).
+//!
+//! A waiting asker spins briefly on the state, because an endpoint that is busy-polling
+//! answers in well under a microsecond and parking would cost several; then it registers its
+//! thread and parks until the reply or its deadline. An asker that gives up (timeout, or the
+//! [`Reply`] dropped) hands the slot to the replier, whose later answer is dropped harmlessly.
 //!
 //! A handler that panics while it owns a `Replier` drops it during unwinding; the drop parks the
-//! sender in a thread-local list, and the endpoint thread, once it has caught the panic, fails
-//! each parked sender with the panic's message. Nothing of this runs unless a panic happens.
+//! replier in a thread-local list, and the endpoint thread, once it has caught the panic, fails
+//! each parked replier with the panic's message. Nothing of this runs unless a panic happens.
 
 use std::{
     cell::RefCell,
@@ -18,19 +34,32 @@ use std::{
     time::{Duration, Instant},
 };
 
-use crate::error::{AskError, HandlerError};
+use self::slot::{Completer, Receiver, Waiter};
+use crate::{
+    error::{AskError, HandlerError},
+    sync::{current_thread, park_timeout, spin_loop},
+};
 
-type ReplySender<T> = oneshot::Sender<Result<T, AskError>>;
-type ReplyReceiver<T> = oneshot::Receiver<Result<T, AskError>>;
+/// How long a waiting asker spins before it parks (not at all under loom, where the clock is
+/// not modelled and the number of spins must not depend on it).
+const ASKER_SPIN: Duration = if cfg!(loom) { Duration::ZERO } else { Duration::from_micros(30) };
 
-/// How long a waiting asker spins before it blocks.
-const ASKER_SPIN: Duration = Duration::from_micros(30);
+/// Polls of the state between two clock reads while the asker spins (one under loom, whose
+/// every spin is a scheduling point).
+const SPINS_PER_CLOCK_READ: u32 = if cfg!(loom) { 1 } else { 64 };
+
+/// Longest single park of a waiting asker; it re-checks and parks again (an unpark wakes it at
+/// once, this only bounds the sleep of an asker without a deadline).
+const PARK_MAX: Duration = Duration::from_millis(100);
+
+/// Default timeout of a [`Replier::pair`] reply (no bus, so no `ask_timeout` setting).
+const PAIR_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// Fails one orphaned reply with a panic message.
 type FailWithPanic = Box<dyn FnOnce(&str)>;
 
 thread_local! {
-    /// Senders dropped while their handler was panicking, waiting for the panic message.
+    /// Repliers dropped while their handler was panicking, waiting for the panic message.
     static ORPHANED_BY_PANIC: RefCell<Vec<FailWithPanic>> = const {
         RefCell::new(Vec::new())
     };
@@ -44,6 +73,16 @@ pub(crate) fn fail_replies_orphaned_by_panic(panic_message: &str) {
     }
 }
 
+/// A connected replier and reply handle whose [`Reply::wait`] and `.await` use
+/// `default_timeout`.
+pub(crate) fn request_pair<T: Send + 'static>(default_timeout: Duration) -> (Replier<T>, Reply<T>) {
+    let (completer, receiver) = slot::channel();
+    (
+        Replier { completer: Some(completer) },
+        Reply { state: ReplyState::Pending(receiver), default_timeout, poll_deadline: None },
+    )
+}
+
 /// The answering side of one request: answer exactly once with [`reply`](Replier::reply) or
 /// [`fail`](Replier::fail). It may be kept and answered later, from any thread (this is how
 /// durable work is acknowledged once the WAL has synced it).
@@ -52,71 +91,80 @@ pub(crate) fn fail_replies_orphaned_by_panic(panic_message: &str) {
 /// (timed out or dropped its [`Reply`]), answering is harmless and does nothing.
 #[must_use = "a request must be answered with reply() or fail()"]
 pub struct Replier<T: Send + 'static> {
-    sender: Option<ReplySender<T>>,
+    /// `None` once answered (or handed to the panic list).
+    completer: Option<Completer<T>>,
 }
 
 impl<T: Send + 'static> std::fmt::Debug for Replier<T> {
     fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        formatter.debug_struct("Replier").field("answered", &self.sender.is_none()).finish()
+        formatter.debug_struct("Replier").field("answered", &self.completer.is_none()).finish()
     }
 }
 
 impl<T: Send + 'static> Replier<T> {
     /// A connected replier and reply handle, not bound to any endpoint (for driving a state
-    /// machine directly, in tests or embeddings without the bus).
+    /// machine directly, in tests or embeddings without the bus). [`Reply::wait`] on it waits
+    /// at most 120 s.
     pub fn pair() -> (Replier<T>, Reply<T>) {
-        let (sender, receiver) = oneshot::channel();
-        (Replier { sender: Some(sender) }, Reply::pending(receiver, Duration::from_secs(120)))
-    }
-
-    pub(crate) fn from_sender(sender: ReplySender<T>) -> Self {
-        Self { sender: Some(sender) }
+        request_pair(PAIR_TIMEOUT)
     }
 
     /// Answers with `value`.
     pub fn reply(mut self, value: T) {
-        if let Some(sender) = self.sender.take() {
-            let _asker_gone = sender.send(Ok(value));
+        if let Some(completer) = self.completer.take() {
+            completer.complete(Ok(value));
         }
     }
 
     /// Answers with a failure; the asker sees [`AskError::Handler`] with `error` as its cause.
     pub fn fail(mut self, error: impl Into<HandlerError>) {
-        if let Some(sender) = self.sender.take() {
-            let _asker_gone = sender.send(Err(AskError::Handler(error.into())));
+        if let Some(completer) = self.completer.take() {
+            completer.complete(Err(AskError::Handler(error.into())));
         }
     }
 
     /// Whether the asker has stopped waiting (a reply would be discarded).
     pub fn is_abandoned(&self) -> bool {
-        self.sender.as_ref().is_none_or(oneshot::Sender::is_closed)
+        self.completer.as_ref().is_none_or(Completer::is_abandoned)
+    }
+
+    /// Whether the asker has registered to be woken (it is parked or about to park).
+    #[cfg(all(test, not(loom)))]
+    fn asker_registered(&self) -> bool {
+        self.completer.as_ref().is_some_and(Completer::asker_registered)
     }
 }
 
 impl<T: Send + 'static> Drop for Replier<T> {
     fn drop(&mut self) {
-        let Some(sender) = self.sender.take() else {
+        let Some(completer) = self.completer.take() else {
             return;
         };
         if std::thread::panicking() {
             let fail = move |panic_message: &str| {
-                let _asker_gone = sender
-                    .send(Err(AskError::HandlerPanicked { message: panic_message.to_owned() }));
+                completer
+                    .complete(Err(AskError::HandlerPanicked { message: panic_message.to_owned() }));
             };
-            // try_with: during thread teardown the list may be gone; then the asker sees
-            // NoReply, which is still an error and never a hang.
+            // try_with: during thread teardown the list may be gone; then the closure (and the
+            // completer in it) is dropped here and the asker sees NoReply, which is still an
+            // error and never a hang.
             let _ = ORPHANED_BY_PANIC.try_with(|list| list.borrow_mut().push(Box::new(fail)));
+        } else {
+            completer.complete(Err(AskError::NoReply));
         }
     }
 }
 
 enum ReplyState<T> {
-    Pending(ReplyReceiver<T>),
+    Pending(Receiver<T>),
+    /// Failed before it was queued, or already taken (`None`: later takes see `NoReply`).
     Failed(Option<AskError>),
 }
 
 /// The asking side of one request: wait for it blocking ([`wait`](Reply::wait),
 /// [`wait_timeout`](Reply::wait_timeout)) or `.await` it (no particular async runtime needed).
+///
+/// Dropping it before the reply came is allowed: the reply is then discarded when it arrives.
 #[must_use = "a reply does nothing unless waited on or awaited"]
 pub struct Reply<T> {
     state: ReplyState<T>,
@@ -129,18 +177,16 @@ pub struct Reply<T> {
 impl<T> std::fmt::Debug for Reply<T> {
     fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let state = match &self.state {
+            ReplyState::Pending(receiver) if receiver.is_ready() => "ready",
             ReplyState::Pending(_) => "pending",
-            ReplyState::Failed(_) => "failed",
+            ReplyState::Failed(Some(_)) => "failed",
+            ReplyState::Failed(None) => "taken",
         };
         formatter.debug_struct("Reply").field("state", &state).finish()
     }
 }
 
 impl<T> Reply<T> {
-    pub(crate) fn pending(receiver: ReplyReceiver<T>, default_timeout: Duration) -> Self {
-        Self { state: ReplyState::Pending(receiver), default_timeout, poll_deadline: None }
-    }
-
     pub(crate) fn failed(error: AskError) -> Self {
         Self {
             state: ReplyState::Failed(Some(error)),
@@ -168,24 +214,47 @@ impl<T> Reply<T> {
             ReplyState::Pending(receiver) => receiver,
             ReplyState::Failed(error) => return Err(error.unwrap_or(AskError::NoReply)),
         };
+        // First look without reading the clock: with many asks in flight the reply is usually
+        // there already.
+        let mut receiver = match receiver.try_take() {
+            Ok(outcome) => return outcome,
+            Err(receiver) => receiver,
+        };
         let start = Instant::now();
+        // No deadline if `timeout` is too large to represent: wait until the reply comes.
+        let deadline = start.checked_add(timeout);
+        let spin_for = ASKER_SPIN.min(timeout);
         let mut spins = 0u32;
         loop {
-            match receiver.try_recv() {
-                Ok(outcome) => return outcome,
-                Err(oneshot::TryRecvError::Disconnected) => return Err(AskError::NoReply),
-                Err(oneshot::TryRecvError::Empty) => {}
+            if receiver.is_ready() {
+                return receiver.take_ready();
             }
-            spins += 1;
-            if spins % 64 == 0 && start.elapsed() >= ASKER_SPIN.min(timeout) {
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(SPINS_PER_CLOCK_READ) && start.elapsed() >= spin_for {
                 break;
             }
-            std::hint::spin_loop();
+            spin_loop();
         }
-        match receiver.recv_deadline(start + timeout) {
-            Ok(outcome) => outcome,
-            Err(oneshot::RecvTimeoutError::Timeout) => Err(AskError::Timeout { timeout }),
-            Err(oneshot::RecvTimeoutError::Disconnected) => Err(AskError::NoReply),
+        if !receiver.register(Waiter::Thread(current_thread())) {
+            return receiver.take_ready();
+        }
+        loop {
+            let remaining = match deadline {
+                Some(deadline) => deadline.saturating_duration_since(Instant::now()),
+                None => Duration::MAX,
+            };
+            if remaining.is_zero() {
+                // A reply that won the race with the deadline is still delivered.
+                if receiver.unregister() {
+                    return receiver.take_ready();
+                }
+                // Dropping the receiver hands the slot to the replier.
+                return Err(AskError::Timeout { timeout });
+            }
+            park_timeout(remaining.min(PARK_MAX));
+            if receiver.is_ready() {
+                return receiver.take_ready();
+            }
         }
     }
 
@@ -193,11 +262,15 @@ impl<T> Reply<T> {
     pub fn try_take(&mut self) -> Option<Result<T, AskError>> {
         match &mut self.state {
             ReplyState::Failed(error) => Some(Err(error.take().unwrap_or(AskError::NoReply))),
-            ReplyState::Pending(receiver) => match receiver.try_recv() {
-                Ok(outcome) => Some(outcome),
-                Err(oneshot::TryRecvError::Empty) => None,
-                Err(oneshot::TryRecvError::Disconnected) => Some(Err(AskError::NoReply)),
-            },
+            ReplyState::Pending(receiver) if receiver.is_ready() => {
+                let ReplyState::Pending(receiver) =
+                    std::mem::replace(&mut self.state, ReplyState::Failed(None))
+                else {
+                    unreachable!("matched Pending just above");
+                };
+                Some(receiver.take_ready())
+            }
+            ReplyState::Pending(_) => None,
         }
     }
 }
@@ -209,20 +282,875 @@ impl<T> Future for Reply<T> {
 
     fn poll(self: Pin<&mut Self>, task: &mut TaskContext<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
+        if let Some(outcome) = this.try_take() {
+            return Poll::Ready(outcome);
+        }
         let deadline =
             *this.poll_deadline.get_or_insert_with(|| Instant::now() + this.default_timeout);
-        match &mut this.state {
-            ReplyState::Failed(error) => {
-                Poll::Ready(Err(error.take().unwrap_or(AskError::NoReply)))
+        let ReplyState::Pending(receiver) = &mut this.state else {
+            unreachable!("try_take leaves only a pending reply behind");
+        };
+        if Instant::now() >= deadline {
+            if receiver.unregister() {
+                return Poll::Ready(this.try_take().unwrap_or(Err(AskError::NoReply)));
             }
-            ReplyState::Pending(receiver) => match Pin::new(receiver).poll(task) {
-                Poll::Ready(Ok(outcome)) => Poll::Ready(outcome),
-                Poll::Ready(Err(oneshot::RecvError)) => Poll::Ready(Err(AskError::NoReply)),
-                Poll::Pending if Instant::now() >= deadline => {
-                    Poll::Ready(Err(AskError::Timeout { timeout: this.default_timeout }))
-                }
-                Poll::Pending => Poll::Pending,
-            },
+            // Dropping the receiver hands the slot to the replier.
+            this.state = ReplyState::Failed(None);
+            return Poll::Ready(Err(AskError::Timeout { timeout: this.default_timeout }));
         }
+        if receiver.register(Waiter::Task(task.waker().clone())) {
+            Poll::Pending
+        } else {
+            Poll::Ready(this.try_take().unwrap_or(Err(AskError::NoReply)))
+        }
+    }
+}
+
+/// The reply slot: one heap block shared by a [`Completer`] (inside the `Replier`) and a
+/// [`Receiver`] (inside the `Reply`), with ownership handed over through one state byte.
+///
+/// States and who owns what (the transitions are the only writes of `state`):
+///
+/// | state       | outcome cell            | waiter cell | set by                          |
+/// | ----------- | ----------------------- | ----------- | ------------------------------- |
+/// | `EMPTY`     | completer (may write)   | receiver    | start; receiver (unregister)    |
+/// | `WAITING`   | completer (may write)   | untouched   | receiver (register)             |
+/// | `WAKING`    | completer               | completer   | completer (takes the waiter)    |
+/// | `READY`     | receiver (initialized)  | receiver    | completer (publication)         |
+/// | `ABANDONED` | completer               | completer   | receiver (gave up)              |
+///
+/// In `WAITING` the waiter cell holds the receiver's waiter and nobody touches it: the
+/// completer takes it only after moving to `WAKING`, the receiver only after moving back to
+/// `EMPTY` (or, abandoning, leaves it for the completer to drop with the block).
+///
+/// `READY` and `ABANDONED` are final, and each hands the whole block to one side, which frees
+/// it: the receiver after taking the outcome, the completer once it arrives (dropping its
+/// outcome unread). Whoever frees has acquired the other side's release of its last write, so
+/// no access can race with the free. The completer never touches the block after it published
+/// `READY`: in the `WAITING` case it first moves the waiter out under `WAKING`, then publishes,
+/// then wakes the waiter it owns.
+///
+/// The asker's waits therefore cost acquire loads only (no read-modify-write), and the
+/// completer one compare-exchange when nobody waits (the usual case with asks in flight).
+/// The protocol is the classic one-shot channel with a waker slot (as in the `oneshot` and
+/// `futures::channel::oneshot` crates), with the state deciding deallocation instead of a
+/// reference count. The loom models at the end of this file check it.
+mod slot {
+    #![allow(unsafe_code)]
+
+    #[cfg(not(loom))]
+    use std::alloc::Layout;
+    use std::{mem::MaybeUninit, ptr::NonNull, task::Waker};
+
+    use crate::{
+        error::AskError,
+        sync::{spin_loop, yield_now, AtomicU8, Ordering, Thread, UnsafeCell},
+    };
+
+    /// No outcome yet; the asker is not registered for a wake-up.
+    const EMPTY: u8 = 0;
+    /// No outcome yet; the asker stored a waiter and may be parked.
+    const WAITING: u8 = 1;
+    /// The completer is moving the waiter out before publishing (lasts a few instructions).
+    const WAKING: u8 = 2;
+    /// The outcome is written; the block belongs to the receiver.
+    const READY: u8 = 3;
+    /// The asker gave up; the block belongs to the completer.
+    const ABANDONED: u8 = 4;
+
+    /// Spins on a transient state before yielding the processor (the other side may have been
+    /// preempted inside its few-instruction critical section).
+    const SPINS_BEFORE_YIELD: u32 = 64;
+
+    /// How a parked asker is woken.
+    pub(crate) enum Waiter {
+        /// A thread blocked in `wait_timeout`.
+        Thread(Thread),
+        /// A task awaiting the reply.
+        Task(Waker),
+    }
+
+    impl Waiter {
+        fn wake(self) {
+            match self {
+                Self::Thread(thread) => thread.unpark(),
+                Self::Task(waker) => waker.wake(),
+            }
+        }
+    }
+
+    struct Slot<T> {
+        /// One of the constants above; the ownership table of the module doc says who may
+        /// move it where. Transitions into `WAITING` and `ABANDONED` (receiver) and into
+        /// `READY` (completer) are release operations; every read that leads to touching a
+        /// cell is an acquire.
+        state: AtomicU8,
+        /// `Some` only while the receiver is registered (`WAITING`), or transiently while it
+        /// re-registers or after a registration that lost to `READY`.
+        waiter: UnsafeCell<Option<Waiter>>,
+        /// Initialized once the completer wrote it (always before `READY`; possibly before it
+        /// found `ABANDONED`, then it drops it itself).
+        outcome: UnsafeCell<MaybeUninit<Result<T, AskError>>>,
+    }
+
+    /// A new slot: its completer and its receiver.
+    pub(crate) fn channel<T>() -> (Completer<T>, Receiver<T>) {
+        let slot = allocate(Slot {
+            state: AtomicU8::new(EMPTY),
+            waiter: UnsafeCell::new(None),
+            outcome: UnsafeCell::new(MaybeUninit::uninit()),
+        });
+        (Completer { slot }, Receiver { slot })
+    }
+
+    /// Moves `slot` to a block from this thread's cache, or to a new one.
+    #[cfg(not(loom))]
+    fn allocate<T>(slot: Slot<T>) -> NonNull<Slot<T>> {
+        let layout = Layout::new::<Slot<T>>();
+        let block = cache::take(layout).unwrap_or_else(|| {
+            // SAFETY: the layout is not zero-sized (a slot holds at least its state byte).
+            let raw = unsafe { std::alloc::alloc(layout) };
+            NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout))
+        });
+        let block = block.cast::<Slot<T>>();
+        // SAFETY: the block is valid for writes of `layout`, the layout of `Slot<T>`, and
+        // holds no live value (fresh, or cached only after its slot was dropped in place).
+        unsafe { block.as_ptr().write(slot) };
+        block
+    }
+
+    /// Loom tracks its cells and atomics per object: plain boxes, no block reuse.
+    #[cfg(loom)]
+    fn allocate<T>(slot: Slot<T>) -> NonNull<Slot<T>> {
+        NonNull::from(Box::leak(Box::new(slot)))
+    }
+
+    /// Drops a slot whose outcome has been moved out or dropped, or was never written, and
+    /// gives its block back to this thread's cache (or to the allocator).
+    ///
+    /// # Safety
+    /// `slot` came from `channel`, the caller owns it exclusively (the state is `READY` and
+    /// the caller is the receiver, or `ABANDONED` and the caller is the completer, with that
+    /// state read by an acquire), and nothing uses it afterwards.
+    unsafe fn free<T>(slot: NonNull<Slot<T>>) {
+        #[cfg(not(loom))]
+        {
+            let layout = Layout::new::<Slot<T>>();
+            // SAFETY: per the caller's duty the slot is initialized, exclusively ours and
+            // never used again. The outcome is `MaybeUninit`, so it is not dropped here; the
+            // waiter (an `Option`, possibly a `Waker` running foreign code) is, before the
+            // cache is entered.
+            unsafe { std::ptr::drop_in_place(slot.as_ptr()) };
+            if let Err(block) = cache::give(layout, slot.cast()) {
+                // SAFETY: the block was allocated with `layout` (by `allocate` for this type,
+                // or for another type of the same layout) and holds no live value.
+                unsafe { std::alloc::dealloc(block.as_ptr(), layout) };
+            }
+        }
+        #[cfg(loom)]
+        {
+            // SAFETY: the block came from `Box::leak` in `allocate` and, per the caller's
+            // duty, no other reference to it exists or will be used.
+            drop(unsafe { Box::from_raw(slot.as_ptr()) });
+        }
+    }
+
+    /// A per-thread cache of free slot blocks, by layout, so that an ask costs no trip to the
+    /// allocator: a thread that keeps asks in flight frees each reply's block and takes it
+    /// again for its next ask. Blocks freed by the replier's thread (an abandoned ask) go to
+    /// that thread's cache; a block may serve any type of the same layout. Bounded: at most
+    /// [`cache::BLOCKS_PER_LAYOUT`] blocks for each of [`cache::LAYOUTS_MAX`] layouts per
+    /// thread; the rest go back to the allocator, and so does the cache when its thread ends.
+    #[cfg(not(loom))]
+    mod cache {
+        use std::{alloc::Layout, cell::RefCell, ptr::NonNull};
+
+        /// Cached blocks per layout (a thread with more asks in flight allocates the excess).
+        pub(super) const BLOCKS_PER_LAYOUT: usize = 256;
+        /// Layouts cached per thread (one per reply type size and alignment in practice).
+        pub(super) const LAYOUTS_MAX: usize = 8;
+
+        struct Cache {
+            /// Free blocks, each allocated with the global allocator and the layout it is
+            /// filed under, holding no live value.
+            free_by_layout: Vec<(Layout, Vec<NonNull<u8>>)>,
+        }
+
+        impl Drop for Cache {
+            fn drop(&mut self) {
+                for (layout, blocks) in self.free_by_layout.drain(..) {
+                    for block in blocks {
+                        // SAFETY: filed under `layout`, allocated with it, no live value,
+                        // and the cache is the block's only owner.
+                        unsafe { std::alloc::dealloc(block.as_ptr(), layout) };
+                    }
+                }
+            }
+        }
+
+        thread_local! {
+            static CACHE: RefCell<Cache> = const {
+                RefCell::new(Cache { free_by_layout: Vec::new() })
+            };
+        }
+
+        /// A free block of `layout`, if this thread has one.
+        #[inline]
+        pub(super) fn take(layout: Layout) -> Option<NonNull<u8>> {
+            // try_with: during thread teardown the cache may be gone; allocate instead.
+            CACHE
+                .try_with(|cache| {
+                    let mut cache = cache.borrow_mut();
+                    let (_, blocks) =
+                        cache.free_by_layout.iter_mut().find(|(filed, _)| *filed == layout)?;
+                    blocks.pop()
+                })
+                .ok()
+                .flatten()
+        }
+
+        /// Files a free block of `layout` (allocated with it, holding no live value), or
+        /// hands it back if the cache is full or gone.
+        #[inline]
+        pub(super) fn give(layout: Layout, block: NonNull<u8>) -> Result<(), NonNull<u8>> {
+            CACHE
+                .try_with(|cache| {
+                    let mut cache = cache.borrow_mut();
+                    let index =
+                        match cache.free_by_layout.iter().position(|(filed, _)| *filed == layout) {
+                            Some(index) => index,
+                            None if cache.free_by_layout.len() < LAYOUTS_MAX => {
+                                cache.free_by_layout.push((layout, Vec::new()));
+                                cache.free_by_layout.len() - 1
+                            }
+                            None => return Err(block),
+                        };
+                    let blocks = &mut cache.free_by_layout[index].1;
+                    if blocks.len() < BLOCKS_PER_LAYOUT {
+                        blocks.push(block);
+                        Ok(())
+                    } else {
+                        Err(block)
+                    }
+                })
+                .unwrap_or(Err(block))
+        }
+
+        /// Blocks of `layout` cached by this thread.
+        #[cfg(test)]
+        pub(super) fn cached(layout: Layout) -> usize {
+            CACHE.with(|cache| {
+                let cache = cache.borrow();
+                cache
+                    .free_by_layout
+                    .iter()
+                    .find(|(filed, _)| *filed == layout)
+                    .map_or(0, |(_, blocks)| blocks.len())
+            })
+        }
+    }
+
+    #[cfg(all(test, not(loom)))]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn a_taken_reply_block_serves_the_next_ask_and_the_cache_is_bounded() {
+            let (completer, receiver) = channel::<u64>();
+            let first = receiver.slot;
+            completer.complete(Ok(1));
+            assert_eq!(receiver.take_ready().expect("ok"), 1);
+            let (completer, receiver) = channel::<u64>();
+            assert_eq!(receiver.slot, first, "the freed block was taken again");
+            drop(completer);
+            assert!(matches!(receiver.take_ready(), Err(AskError::NoReply)));
+
+            // A type of another layout gets its own blocks; many in flight at once fill the
+            // cache up to its bound and no further.
+            let layout = Layout::new::<Slot<[u64; 9]>>();
+            let in_flight = cache::BLOCKS_PER_LAYOUT + 10;
+            let pairs: Vec<_> = (0..in_flight).map(|_| channel::<[u64; 9]>()).collect();
+            assert_eq!(cache::cached(layout), 0);
+            for (completer, receiver) in pairs {
+                completer.complete(Ok([7; 9]));
+                assert_eq!(receiver.take_ready().expect("ok"), [7; 9]);
+            }
+            assert_eq!(cache::cached(layout), cache::BLOCKS_PER_LAYOUT);
+        }
+    }
+
+    /// Backs off while the other side is inside a transient state.
+    fn back_off(spins: &mut u32) {
+        *spins += 1;
+        if *spins < SPINS_BEFORE_YIELD {
+            spin_loop();
+        } else {
+            yield_now();
+        }
+    }
+
+    /// The replier's half. Dropping it unanswered completes with [`AskError::NoReply`].
+    pub(crate) struct Completer<T> {
+        slot: NonNull<Slot<T>>,
+    }
+
+    // SAFETY: the completer moves a `T` into the slot (hence `T: Send`) and may run on any
+    // thread; every access to the shared block is ordered by the state protocol of the module
+    // doc, never by the thread it runs on.
+    unsafe impl<T: Send> Send for Completer<T> {}
+    // SAFETY: through `&Completer` only `is_abandoned` runs, an atomic load.
+    unsafe impl<T: Send> Sync for Completer<T> {}
+
+    impl<T> Completer<T> {
+        fn slot(&self) -> &Slot<T> {
+            // SAFETY: the block stays allocated while the completer exists: only `READY`
+            // (which this completer alone sets, in `complete`, after which it is gone) lets
+            // the receiver free it.
+            unsafe { self.slot.as_ref() }
+        }
+
+        /// Whether the asker gave up (an answer would be dropped).
+        pub(crate) fn is_abandoned(&self) -> bool {
+            self.slot().state.load(Ordering::Relaxed) == ABANDONED
+        }
+
+        /// Whether the receiver is registered for a wake-up (tests drive the park path).
+        #[cfg(all(test, not(loom)))]
+        pub(crate) fn asker_registered(&self) -> bool {
+            self.slot().state.load(Ordering::Relaxed) == WAITING
+        }
+
+        /// Delivers `outcome` (or drops it if the asker gave up) and wakes a parked asker.
+        pub(crate) fn complete(self, outcome: Result<T, AskError>) {
+            let slot_ptr = self.slot;
+            std::mem::forget(self);
+            // SAFETY: as in `Completer::slot`: alive until this function publishes `READY`,
+            // after which `slot` is not used again (every path below returns right after).
+            let slot = unsafe { slot_ptr.as_ref() };
+            slot.outcome.with_mut(|cell| {
+                // SAFETY: the state is `EMPTY`, `WAITING` or `ABANDONED` (only this completer
+                // moves it further), in all of which the completer owns the outcome cell; it
+                // is written once, as `complete` consumes the completer.
+                unsafe { (*cell).write(outcome) };
+            });
+            let mut current = EMPTY;
+            let mut spins = 0u32;
+            loop {
+                match current {
+                    EMPTY => match slot.state.compare_exchange(
+                        EMPTY,
+                        READY,
+                        Ordering::Release,
+                        Ordering::Acquire,
+                    ) {
+                        Ok(_) => return,
+                        Err(actual) => current = actual,
+                    },
+                    WAITING => match slot.state.compare_exchange(
+                        WAITING,
+                        WAKING,
+                        Ordering::Acquire,
+                        Ordering::Acquire,
+                    ) {
+                        Ok(_) => {
+                            let waiter = slot.waiter.with_mut(|cell| {
+                                // SAFETY: `WAKING` gives the completer the waiter cell; the
+                                // acquire above made the receiver's write of it visible.
+                                unsafe { (*cell).take() }
+                            });
+                            slot.state.store(READY, Ordering::Release);
+                            // The block may be freed from here on; the waiter is our own.
+                            if let Some(waiter) = waiter {
+                                waiter.wake();
+                            }
+                            return;
+                        }
+                        Err(actual) => current = actual,
+                    },
+                    ABANDONED => {
+                        slot.outcome.with_mut(|cell| {
+                            // SAFETY: written just above; `ABANDONED` is final and gives this
+                            // completer the whole block, so nobody else reads the cell.
+                            unsafe { std::ptr::drop_in_place(cell.cast::<Result<T, AskError>>()) };
+                        });
+                        // SAFETY: `ABANDONED` was read by an acquire (the compare-exchange
+                        // failure ordering), the receiver is gone, and `slot` is not used
+                        // after this call.
+                        unsafe { free(slot_ptr) };
+                        return;
+                    }
+                    _ => {
+                        // `WAKING` and `READY` are set by this completer only, which has not
+                        // done so yet; `current` came from the state word.
+                        debug_assert!(false, "completer found state {current}");
+                        back_off(&mut spins);
+                        current = slot.state.load(Ordering::Acquire);
+                    }
+                }
+            }
+        }
+    }
+
+    impl<T> Drop for Completer<T> {
+        fn drop(&mut self) {
+            let completer = Completer { slot: self.slot };
+            completer.complete(Err(AskError::NoReply));
+        }
+    }
+
+    /// The asker's half. Dropping it before the outcome is taken hands the block to the
+    /// completer (the outcome is then discarded when it arrives).
+    pub(crate) struct Receiver<T> {
+        slot: NonNull<Slot<T>>,
+    }
+
+    // SAFETY: the receiver moves a `T` out of the slot (hence `T: Send`), on whichever thread
+    // holds it; every access to the shared block is ordered by the state protocol.
+    unsafe impl<T: Send> Send for Receiver<T> {}
+    // SAFETY: through `&Receiver` only `is_ready` runs, an atomic load.
+    unsafe impl<T: Send> Sync for Receiver<T> {}
+
+    impl<T> Receiver<T> {
+        fn slot(&self) -> &Slot<T> {
+            // SAFETY: the block stays allocated while the receiver exists: only `ABANDONED`
+            // (which this receiver alone sets, in `drop`) lets the completer free it.
+            unsafe { self.slot.as_ref() }
+        }
+
+        /// Whether the outcome is there ([`Receiver::take_ready`] will not wait).
+        #[inline]
+        pub(crate) fn is_ready(&self) -> bool {
+            self.slot().state.load(Ordering::Acquire) == READY
+        }
+
+        /// The outcome if it is there, else the receiver back.
+        #[inline]
+        pub(crate) fn try_take(self) -> Result<Result<T, AskError>, Self> {
+            if self.is_ready() {
+                Ok(self.take_ready())
+            } else {
+                Err(self)
+            }
+        }
+
+        /// Takes the outcome and frees the block. Call only once [`Receiver::is_ready`] (or
+        /// [`Receiver::unregister`]) said so; should that not hold, it waits for the outcome.
+        pub(crate) fn take_ready(self) -> Result<T, AskError> {
+            debug_assert!(self.is_ready(), "take_ready before the outcome was published");
+            self.wait_until_ready();
+            let slot_ptr = self.slot;
+            std::mem::forget(self);
+            // SAFETY: the state is `READY` (read by an acquire in `wait_until_ready`), so the
+            // block is the receiver's and stays allocated until the `free` below.
+            let slot = unsafe { slot_ptr.as_ref() };
+            let outcome = slot.outcome.with(|cell| {
+                // SAFETY: `READY` means the completer initialized the outcome and released
+                // it; the receiver reads it exactly once (this consumes the receiver).
+                unsafe { cell.cast::<Result<T, AskError>>().read() }
+            });
+            // SAFETY: `READY` gives the receiver the block, the outcome was moved out above,
+            // and `slot` is not used after this call.
+            unsafe { free(slot_ptr) };
+            outcome
+        }
+
+        /// Stores `waiter` to be woken when the outcome is published. Returns `false` (and
+        /// stores nothing lasting) if the outcome is already there. Replaces an earlier
+        /// registration.
+        pub(crate) fn register(&mut self, waiter: Waiter) -> bool {
+            if self.unregister() {
+                return false;
+            }
+            let slot = self.slot();
+            // After `unregister` returned `false` the state is `EMPTY` or later `READY`:
+            // the receiver owns the waiter cell in both.
+            slot.waiter.with_mut(|cell| {
+                // SAFETY: in `EMPTY` (and `READY`) the receiver owns the waiter cell, and only
+                // the receiver leaves those states except by the completer's publication,
+                // which does not touch the cell.
+                unsafe { *cell = Some(waiter) };
+            });
+            match slot.state.compare_exchange(EMPTY, WAITING, Ordering::Release, Ordering::Acquire)
+            {
+                Ok(_) => true,
+                // Published meanwhile: the waiter stays in the cell, which is still ours, and
+                // is dropped with the block.
+                Err(actual) => {
+                    debug_assert_eq!(actual, READY);
+                    false
+                }
+            }
+        }
+
+        /// Withdraws a registration. Returns whether the outcome is there (then it waits out
+        /// a completer that is just waking us, so the outcome can be taken at once).
+        pub(crate) fn unregister(&mut self) -> bool {
+            let slot = self.slot();
+            match slot.state.compare_exchange(WAITING, EMPTY, Ordering::Acquire, Ordering::Acquire)
+            {
+                Ok(_) => {
+                    let waiter = slot.waiter.with_mut(|cell| {
+                        // SAFETY: back in `EMPTY`, the receiver owns the waiter cell; the
+                        // completer never read it (it would have had to move to `WAKING`).
+                        unsafe { (*cell).take() }
+                    });
+                    drop(waiter);
+                    false
+                }
+                Err(EMPTY) => false,
+                Err(_) => {
+                    self.wait_until_ready();
+                    true
+                }
+            }
+        }
+
+        /// Waits out `WAKING` (a few instructions of the completer); returns once `READY` was
+        /// read by an acquire.
+        fn wait_until_ready(&self) {
+            let mut spins = 0u32;
+            while self.slot().state.load(Ordering::Acquire) != READY {
+                back_off(&mut spins);
+            }
+        }
+    }
+
+    impl<T> Drop for Receiver<T> {
+        fn drop(&mut self) {
+            let slot = self.slot();
+            let mut current = slot.state.load(Ordering::Acquire);
+            let mut spins = 0u32;
+            loop {
+                match current {
+                    READY => {
+                        let receiver = Receiver { slot: self.slot };
+                        drop(receiver.take_ready());
+                        return;
+                    }
+                    EMPTY | WAITING => {
+                        // A registered waiter stays in the cell and is dropped with the block
+                        // by the completer.
+                        match slot.state.compare_exchange(
+                            current,
+                            ABANDONED,
+                            Ordering::Release,
+                            Ordering::Acquire,
+                        ) {
+                            Ok(_) => return,
+                            Err(actual) => current = actual,
+                        }
+                    }
+                    _ => {
+                        // `WAKING`: the completer publishes in a few instructions.
+                        debug_assert_eq!(current, WAKING);
+                        back_off(&mut spins);
+                        current = slot.state.load(Ordering::Acquire);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use std::{
+        sync::{
+            atomic::{AtomicUsize, Ordering},
+            Arc,
+        },
+        task::Wake,
+    };
+
+    use super::*;
+
+    /// Counts its drops, so a test can check that every outcome is dropped exactly once.
+    #[derive(Debug)]
+    struct Counted(Arc<AtomicUsize>);
+
+    impl Drop for Counted {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Spins (yielding) until `condition` holds; fails the test after 10 s.
+    fn wait_for(condition: impl Fn() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !condition() {
+            assert!(Instant::now() < deadline, "condition not reached within 10 s");
+            std::thread::yield_now();
+        }
+    }
+
+    #[test]
+    fn a_reply_sent_before_the_wait_is_taken_at_once() {
+        let (replier, reply) = Replier::pair();
+        replier.reply(7u64);
+        assert_eq!(reply.wait_timeout(Duration::ZERO).expect("replied"), 7);
+    }
+
+    #[test]
+    fn a_parked_asker_is_woken_by_a_reply_from_another_thread() {
+        let (replier, reply) = Replier::pair();
+        let answering = std::thread::spawn(move || {
+            // Answer only once the asker has registered, so the park and wake path runs.
+            wait_for(|| replier.asker_registered());
+            replier.reply(String::from("late but awaited"));
+        });
+        assert_eq!(reply.wait_timeout(Duration::from_secs(10)).expect("woken"), "late but awaited");
+        answering.join().expect("answering thread");
+    }
+
+    #[test]
+    fn a_parked_asker_is_woken_by_a_dropped_replier_with_no_reply() {
+        let (replier, reply) = Replier::<u64>::pair();
+        let dropping = std::thread::spawn(move || {
+            wait_for(|| replier.asker_registered());
+            drop(replier);
+        });
+        assert!(matches!(reply.wait_timeout(Duration::from_secs(10)), Err(AskError::NoReply)));
+        dropping.join().expect("dropping thread");
+    }
+
+    #[test]
+    fn timeout_then_late_reply_is_dropped_once_and_the_replier_sees_it_abandoned() {
+        let drops = Arc::new(AtomicUsize::new(0));
+        let (replier, reply) = Replier::<Counted>::pair();
+        assert!(!replier.is_abandoned());
+        let timeout = Duration::from_millis(2);
+        match reply.wait_timeout(timeout) {
+            Err(AskError::Timeout { timeout: reported }) => assert_eq!(reported, timeout),
+            other => panic!("expected a timeout, got {other:?}"),
+        }
+        assert!(replier.is_abandoned());
+        replier.reply(Counted(Arc::clone(&drops)));
+        assert_eq!(drops.load(Ordering::SeqCst), 1, "the late reply was dropped exactly once");
+    }
+
+    #[test]
+    fn an_untaken_reply_is_dropped_with_its_handle() {
+        let drops = Arc::new(AtomicUsize::new(0));
+        let (replier, reply) = Replier::<Counted>::pair();
+        replier.reply(Counted(Arc::clone(&drops)));
+        assert_eq!(drops.load(Ordering::SeqCst), 0);
+        drop(reply);
+        assert_eq!(drops.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn dropped_replier_gives_no_reply_and_fail_gives_the_handler_error() {
+        let (replier, reply) = Replier::<u64>::pair();
+        drop(replier);
+        assert!(matches!(reply.wait(), Err(AskError::NoReply)));
+
+        let (replier, reply) = Replier::<u64>::pair();
+        replier.fail(HandlerError::from("no such epoch"));
+        match reply.wait() {
+            Err(AskError::Handler(cause)) => assert_eq!(cause.to_string(), "no such epoch"),
+            other => panic!("expected a handler error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn try_take_is_none_until_the_reply_then_gives_it_once() {
+        let (replier, mut reply) = Replier::pair();
+        assert!(reply.try_take().is_none());
+        assert!(format!("{reply:?}").contains("pending"));
+        replier.reply(3u8);
+        assert!(format!("{reply:?}").contains("ready"));
+        assert_eq!(reply.try_take().expect("arrived").expect("ok"), 3);
+        assert!(matches!(reply.try_take(), Some(Err(AskError::NoReply))));
+    }
+
+    #[test]
+    fn a_replier_dropped_by_a_panicking_handler_fails_with_the_panic_message() {
+        let (replier, reply) = Replier::<u64>::pair();
+        let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+            let _held = replier;
+            panic!("handler gave up");
+        }));
+        assert!(unwound.is_err());
+        fail_replies_orphaned_by_panic("handler gave up");
+        match reply.wait_timeout(Duration::from_secs(10)) {
+            Err(AskError::HandlerPanicked { message }) => assert_eq!(message, "handler gave up"),
+            other => panic!("expected HandlerPanicked, got {other:?}"),
+        }
+    }
+
+    /// Counts wake-ups.
+    struct CountingWaker(AtomicUsize);
+
+    impl Wake for CountingWaker {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn polling_registers_the_waker_and_the_reply_wakes_it() {
+        let counter = Arc::new(CountingWaker(AtomicUsize::new(0)));
+        let waker = std::task::Waker::from(Arc::clone(&counter));
+        let mut task = TaskContext::from_waker(&waker);
+        let (replier, mut reply) = Replier::pair();
+        assert!(Pin::new(&mut reply).poll(&mut task).is_pending());
+        // A second poll replaces the registration rather than adding one.
+        assert!(Pin::new(&mut reply).poll(&mut task).is_pending());
+        let answering = std::thread::spawn(move || replier.reply(11u32));
+        wait_for(|| counter.0.load(Ordering::SeqCst) > 0);
+        answering.join().expect("answering thread");
+        assert_eq!(counter.0.load(Ordering::SeqCst), 1, "woken exactly once");
+        match Pin::new(&mut reply).poll(&mut task) {
+            Poll::Ready(Ok(value)) => assert_eq!(value, 11),
+            other => panic!("expected the reply, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn polling_after_the_deadline_times_out_and_abandons() {
+        let waker = std::task::Waker::from(Arc::new(CountingWaker(AtomicUsize::new(0))));
+        let mut task = TaskContext::from_waker(&waker);
+        let (replier, mut reply) = request_pair::<u64>(Duration::ZERO);
+        match Pin::new(&mut reply).poll(&mut task) {
+            Poll::Ready(Err(AskError::Timeout { timeout })) => assert_eq!(timeout, Duration::ZERO),
+            other => panic!("expected a timeout, got {other:?}"),
+        }
+        assert!(replier.is_abandoned());
+        replier.reply(1);
+    }
+
+    /// Replies racing timeouts of every length around the reply's arrival: each outcome is
+    /// either delivered or dropped, exactly once, and never both.
+    #[test]
+    fn racing_replies_and_timeouts_deliver_or_drop_every_outcome_exactly_once() {
+        let rounds: usize = if cfg!(miri) { 50 } else { 20_000 };
+        let drops = Arc::new(AtomicUsize::new(0));
+        let (repliers, asked) = crossbeam_queue_pair(rounds);
+        let answering = {
+            let drops = Arc::clone(&drops);
+            std::thread::spawn(move || {
+                for _ in 0..rounds {
+                    let replier: Replier<Counted> = loop {
+                        if let Some(replier) = repliers.pop() {
+                            break replier;
+                        }
+                        std::hint::spin_loop();
+                    };
+                    replier.reply(Counted(Arc::clone(&drops)));
+                }
+            })
+        };
+        let mut delivered = 0usize;
+        for round in 0..rounds {
+            let (replier, reply) = Replier::pair();
+            asked.push(replier).expect("queue sized for every round");
+            // Fixed pattern of timeouts from zero to a few microseconds.
+            let timeout = Duration::from_nanos((round % 7) as u64 * 700);
+            if let Ok(value) = reply.wait_timeout(timeout) {
+                delivered += 1;
+                drop(value);
+            }
+        }
+        answering.join().expect("answering thread");
+        assert_eq!(drops.load(Ordering::SeqCst), rounds, "delivered {delivered}");
+    }
+
+    fn crossbeam_queue_pair<T>(
+        capacity: usize,
+    ) -> (Arc<crossbeam_queue::ArrayQueue<T>>, Arc<crossbeam_queue::ArrayQueue<T>>) {
+        let queue = Arc::new(crossbeam_queue::ArrayQueue::new(capacity));
+        (Arc::clone(&queue), queue)
+    }
+}
+
+/// Loom models of the reply slot: a reply racing a parking asker, a timeout, a dropped handle
+/// and a polling task. Loom reports a lost wake-up as a deadlock, a leaked or doubly dropped
+/// outcome through its `Arc` tracking, and unsynchronised cell accesses as errors.
+#[cfg(all(test, loom))]
+mod loom_tests {
+    use loom::{sync::Arc, thread};
+
+    use super::*;
+
+    /// Polls `future`, parking (loom's park) between wake-ups: a lost wake-up is a deadlock.
+    fn block_on<F: Future>(future: F) -> F::Output {
+        struct Unpark(thread::Thread);
+        impl std::task::Wake for Unpark {
+            fn wake(self: std::sync::Arc<Self>) {
+                self.0.unpark();
+            }
+        }
+        let waker = std::task::Waker::from(std::sync::Arc::new(Unpark(thread::current())));
+        let mut task = TaskContext::from_waker(&waker);
+        let mut future = std::pin::pin!(future);
+        loop {
+            if let Poll::Ready(output) = future.as_mut().poll(&mut task) {
+                return output;
+            }
+            thread::park();
+        }
+    }
+
+    #[test]
+    fn loom_reply_wakes_a_parking_asker() {
+        loom::model(|| {
+            let (replier, reply) = Replier::pair();
+            let value = Arc::new(5u8);
+            let answering = thread::spawn(move || replier.reply(value));
+            let got = reply.wait_timeout(Duration::from_secs(3600)).expect("replied");
+            assert_eq!(*got, 5);
+            answering.join().unwrap();
+        });
+    }
+
+    #[test]
+    fn loom_dropped_replier_wakes_a_parking_asker() {
+        loom::model(|| {
+            let (replier, reply) = Replier::<Arc<u8>>::pair();
+            let dropping = thread::spawn(move || drop(replier));
+            assert!(matches!(
+                reply.wait_timeout(Duration::from_secs(3600)),
+                Err(AskError::NoReply)
+            ));
+            dropping.join().unwrap();
+        });
+    }
+
+    #[test]
+    fn loom_reply_racing_a_timeout_is_delivered_or_dropped_once() {
+        loom::model(|| {
+            let (replier, reply) = Replier::pair();
+            let value = Arc::new(5u8);
+            let answering = thread::spawn(move || replier.reply(value));
+            // A zero timeout still registers and withdraws, racing the reply at every step.
+            match reply.wait_timeout(Duration::ZERO) {
+                Ok(got) => assert_eq!(*got, 5),
+                Err(error) => assert!(matches!(error, AskError::Timeout { .. })),
+            }
+            answering.join().unwrap();
+        });
+    }
+
+    #[test]
+    fn loom_reply_racing_a_dropped_handle_is_dropped_once() {
+        loom::model(|| {
+            let (replier, reply) = Replier::pair();
+            let value = Arc::new(5u8);
+            let answering = thread::spawn(move || replier.reply(value));
+            drop(reply);
+            answering.join().unwrap();
+        });
+    }
+
+    #[test]
+    fn loom_reply_wakes_a_polling_task() {
+        loom::model(|| {
+            let (replier, reply) = Replier::pair();
+            let value = Arc::new(5u8);
+            let answering = thread::spawn(move || replier.reply(value));
+            let got = block_on(reply).expect("replied");
+            assert_eq!(*got, 5);
+            answering.join().unwrap();
+        });
     }
 }
