@@ -30,10 +30,13 @@ run state-store --producers 2
 run state-store --producers 4
 for i in 1 2 3; do
     for durability in none group; do
-        "$L" --json epoch --partitions 1000 --durability "$durability" 2>/dev/null |
+        "$L" --json epoch --partitions 1000 --epochs 20000 --durability "$durability" 2>/dev/null |
             sed "s|^{|{\"cmd\":\"epoch durability $durability\",\"run\":$i,|" >> "$OUT"
     done
+    "$L" --json epoch --partitions 1000 --epochs 20000 --durability group --group-delay-us 2000 \
+        2>/dev/null | sed "s|^{|{\"cmd\":\"epoch durability group 2ms\",\"run\":$i,|" >> "$OUT"
 done
 run wal
 run wal-recover
 run blocks
+run blocks --batch 1 --blocks 6000000 --recover-events 1000
