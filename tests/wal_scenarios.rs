@@ -526,3 +526,12 @@ fn clean_without_wait_leaves_the_deletion_to_the_sync_thread() {
         assert!(!report.deleted.is_empty());
     }
 }
+
+#[test]
+fn a_durability_wait_with_a_timeout_too_large_for_the_clock_has_no_deadline() {
+    let dir = tempfile::tempdir().unwrap();
+    let wal = Wal::open(dir.path(), WalConfig::default()).unwrap();
+    let (lsn, _) = wal.append_bytes(b"x", 1).unwrap();
+    wal.wait_durable_timeout(lsn, Duration::MAX).unwrap();
+    wal.close().unwrap();
+}

@@ -148,6 +148,12 @@ thread_local! {
     static CURRENT_INBOX: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
+/// Whether this thread runs an endpoint (its drain loop catches panics and fails the replies
+/// they orphaned).
+pub(crate) fn on_endpoint_thread() -> bool {
+    CURRENT_INBOX.with(std::cell::Cell::get) != 0
+}
+
 impl<E: Endpoint> Inbox<E> {
     fn address(&self) -> usize {
         std::ptr::from_ref(self) as usize
@@ -309,7 +315,8 @@ impl<E: Endpoint> EndpointRef<E> {
     ) -> Result<(), SendError<E::Message>> {
         self.inbox
             .queue
-            .push(Envelope::Message(message.into()), Some(Instant::now() + timeout))
+            // A timeout too large for the clock (`Duration::MAX`) means no deadline.
+            .push(Envelope::Message(message.into()), Instant::now().checked_add(timeout))
             .map_err(|error| self.send_error(unwrap_message(error), Some(timeout)))
     }
 
@@ -364,7 +371,7 @@ impl<E: Endpoint> EndpointRef<E> {
     fn ask_refused<T>(&self, refused: QueueError<Envelope<E>>, reply: Reply<T>) -> Reply<T> {
         let pushed = match refused {
             QueueError::Full(envelope) => {
-                self.inbox.queue.push(envelope, Some(Instant::now() + self.inbox.ask_timeout))
+                self.inbox.queue.push(envelope, Instant::now().checked_add(self.inbox.ask_timeout))
             }
             refused => Err(refused),
         };

@@ -279,13 +279,16 @@ impl Bus {
         }
         let threads =
             std::mem::take(&mut *self.threads.lock().unwrap_or_else(PoisonError::into_inner));
-        let deadline = Instant::now() + self.config.shutdown_timeout;
+        // `None`: a timeout too large for the clock, no deadline.
+        let deadline = Instant::now().checked_add(self.config.shutdown_timeout);
         let ended = self.thread_ended.1.lock().unwrap_or_else(PoisonError::into_inner);
         // Every thread sends exactly one signal as it ends; wait for as many as there are
         // threads, up to the deadline.
         let mut unsignalled = threads.len();
         while unsignalled > 0 {
-            let remaining = deadline.saturating_duration_since(Instant::now());
+            let remaining = deadline.map_or(std::time::Duration::MAX, |deadline| {
+                deadline.saturating_duration_since(Instant::now())
+            });
             if ended.recv_timeout(remaining).is_err() {
                 break;
             }

@@ -65,6 +65,12 @@ thread_local! {
     };
 }
 
+/// Whether a panic left replies waiting for its message on this thread (a handler that
+/// caught a panic itself leaves them behind without the endpoint loop seeing a panic).
+pub(crate) fn has_orphaned_replies() -> bool {
+    ORPHANED_BY_PANIC.with(|list| !list.borrow().is_empty())
+}
+
 /// Fails every reply that a panicking handler dropped, with the panic's message.
 pub(crate) fn fail_replies_orphaned_by_panic(panic_message: &str) {
     let orphaned = ORPHANED_BY_PANIC.with(|list| std::mem::take(&mut *list.borrow_mut()));
@@ -140,7 +146,16 @@ impl<T: Send + 'static> Drop for Replier<T> {
         let Some(completer) = self.completer.take() else {
             return;
         };
-        if std::thread::panicking() {
+        if std::thread::panicking() && !super::endpoint::on_endpoint_thread() {
+            // No endpoint loop here to catch the panic and pass its message on (a replier
+            // moved to another thread, a panic in the asker's own code): fail it at once
+            // rather than let the asker wait out its timeout.
+            completer.complete(Err(AskError::HandlerPanicked {
+                message: "the replier was dropped by a panicking thread that is not an \
+                          endpoint thread (the panic's message is not known here)"
+                    .to_owned(),
+            }));
+        } else if std::thread::panicking() {
             let fail = move |panic_message: &str| {
                 completer
                     .complete(Err(AskError::HandlerPanicked { message: panic_message.to_owned() }));
@@ -170,8 +185,9 @@ pub struct Reply<T> {
     state: ReplyState<T>,
     /// Timeout of [`Reply::wait`] and of awaiting: the bus's `ask_timeout`.
     default_timeout: Duration,
-    /// Deadline for the `Future` implementation, fixed at the first poll.
-    poll_deadline: Option<Instant>,
+    /// Deadline for the `Future` implementation, fixed at the first poll (`Some(None)`: no
+    /// deadline, the timeout being too large for the clock).
+    poll_deadline: Option<Option<Instant>>,
 }
 
 impl<T> std::fmt::Debug for Reply<T> {
@@ -285,12 +301,14 @@ impl<T> Future for Reply<T> {
         if let Some(outcome) = this.try_take() {
             return Poll::Ready(outcome);
         }
-        let deadline =
-            *this.poll_deadline.get_or_insert_with(|| Instant::now() + this.default_timeout);
+        // `None` inside: a timeout too large for the clock, no deadline.
+        let deadline = *this
+            .poll_deadline
+            .get_or_insert_with(|| Instant::now().checked_add(this.default_timeout));
         let ReplyState::Pending(receiver) = &mut this.state else {
             unreachable!("try_take leaves only a pending reply behind");
         };
-        if Instant::now() >= deadline {
+        if deadline.is_some_and(|deadline| Instant::now() >= deadline) {
             if receiver.unregister() {
                 return Poll::Ready(this.try_take().unwrap_or(Err(AskError::NoReply)));
             }
@@ -460,7 +478,8 @@ mod slot {
     /// again for its next ask. Blocks freed by the replier's thread (an abandoned ask) go to
     /// that thread's cache; a block may serve any type of the same layout. Bounded: at most
     /// [`cache::BLOCKS_PER_LAYOUT`] blocks for each of [`cache::LAYOUTS_MAX`] layouts per
-    /// thread; the rest go back to the allocator, and so does the cache when its thread ends.
+    /// thread, blocks of at most [`cache::BLOCK_BYTES_MAX`] bytes; the rest go back to the
+    /// allocator, and so does the cache when its thread ends.
     #[cfg(not(loom))]
     mod cache {
         use std::{alloc::Layout, cell::RefCell, ptr::NonNull};
@@ -469,6 +488,9 @@ mod slot {
         pub(super) const BLOCKS_PER_LAYOUT: usize = 256;
         /// Layouts cached per thread (one per reply type size and alignment in practice).
         pub(super) const LAYOUTS_MAX: usize = 8;
+        /// Largest block cached: a slot holds its reply inline, and a cache of big replies'
+        /// blocks would hold megabytes per thread (at most 8 x 256 x 512 B = 1 MiB here).
+        pub(super) const BLOCK_BYTES_MAX: usize = 512;
 
         struct Cache {
             /// Free blocks, each allocated with the global allocator and the layout it is
@@ -497,6 +519,9 @@ mod slot {
         /// A free block of `layout`, if this thread has one.
         #[inline]
         pub(super) fn take(layout: Layout) -> Option<NonNull<u8>> {
+            if layout.size() > BLOCK_BYTES_MAX {
+                return None;
+            }
             // try_with: during thread teardown the cache may be gone; allocate instead.
             CACHE
                 .try_with(|cache| {
@@ -513,6 +538,9 @@ mod slot {
         /// hands it back if the cache is full or gone.
         #[inline]
         pub(super) fn give(layout: Layout, block: NonNull<u8>) -> Result<(), NonNull<u8>> {
+            if layout.size() > BLOCK_BYTES_MAX {
+                return Err(block);
+            }
             CACHE
                 .try_with(|cache| {
                     let mut cache = cache.borrow_mut();

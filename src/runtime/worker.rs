@@ -15,7 +15,7 @@ use std::{
 
 use super::{
     endpoint::{Context, Endpoint, Envelope, Inbox},
-    reply::fail_replies_orphaned_by_panic,
+    reply::{fail_replies_orphaned_by_panic, has_orphaned_replies},
     stats::HANDLER_TIME_SAMPLE_EVERY,
 };
 use crate::config::Idle;
@@ -66,7 +66,13 @@ pub(crate) fn run_endpoint<E: Endpoint>(
         }));
         inbox.counters.handled.store(handled_total, Ordering::Relaxed);
         let handled = match round {
-            Ok(handled) => handled,
+            Ok(handled) => {
+                if handled > 0 && has_orphaned_replies() {
+                    // A handler caught a panic itself while a replier was being dropped.
+                    fail_replies_orphaned_by_panic("a panic caught inside the handler");
+                }
+                handled
+            }
             Err(payload) => {
                 inbox.counters.panicked.fetch_add(1, Ordering::Relaxed);
                 let message = panic_message(payload.as_ref());

@@ -1191,7 +1191,8 @@ impl Wal {
         if lsn.0 > appended {
             return Err(WalError::NotAppended { lsn: lsn.0, appended });
         }
-        let deadline = timeout.map(|timeout| Instant::now() + timeout);
+        // A timeout too large for the clock (`Duration::MAX`) waits without a deadline.
+        let deadline = timeout.and_then(|timeout| Instant::now().checked_add(timeout));
         let mut sync = lock(&shared.sync);
         loop {
             let durable = shared.durable_lsn.load(Ordering::Acquire);

@@ -1,0 +1,142 @@
+//! Request-reply at its edges: timeouts too large for the clock, and repliers dropped during
+//! panics that no endpoint loop sees.
+//!
+//! Goal: `Duration::MAX` as a timeout means "no deadline" everywhere (never an overflow panic);
+//! a replier dropped by a panicking thread that is not an endpoint thread, or during a panic a
+//! handler catches itself, fails its asker with `HandlerPanicked` at once instead of leaving it
+//! to wait out its timeout. Method: public API only; every wait is bounded by a timeout that a
+//! regression would run into (the assertion then sees `Timeout`, not `HandlerPanicked`).
+
+use std::{
+    future::Future,
+    panic::{catch_unwind, AssertUnwindSafe},
+    pin::pin,
+    sync::{Arc, Mutex},
+    task::{Context as TaskContext, Poll, Wake, Waker},
+    time::Duration,
+};
+
+use coordbus::{Ask, AskError, Bus, Context, Endpoint, HandlerError, Replier};
+
+/// Keeps each replier until told to answer, or drops it inside a panic it catches itself.
+#[derive(Default)]
+struct Keeper {
+    kept: Arc<Mutex<Vec<Replier<u32>>>>,
+}
+
+enum Request {
+    Keep(Replier<u32>),
+    PanicCaughtInside(Replier<u32>),
+}
+
+struct KeepIt;
+impl Ask<Keeper> for KeepIt {
+    type Reply = u32;
+    fn into_request(self, replier: Replier<u32>) -> Request {
+        Request::Keep(replier)
+    }
+}
+
+struct DropItInACaughtPanic;
+impl Ask<Keeper> for DropItInACaughtPanic {
+    type Reply = u32;
+    fn into_request(self, replier: Replier<u32>) -> Request {
+        Request::PanicCaughtInside(replier)
+    }
+}
+
+impl Endpoint for Keeper {
+    type Message = u32;
+    type Request = Request;
+
+    fn handle(&mut self, _: u32, _: &Context<Self>) -> Result<(), HandlerError> {
+        Ok(())
+    }
+
+    fn handle_request(&mut self, request: Request, _: &Context<Self>) -> Result<(), HandlerError> {
+        match request {
+            Request::Keep(replier) => self.kept.lock().unwrap().push(replier),
+            Request::PanicCaughtInside(replier) => {
+                let caught = catch_unwind(AssertUnwindSafe(move || {
+                    let _held = replier;
+                    panic!("inside the handler");
+                }));
+                assert!(caught.is_err());
+            }
+        }
+        Ok(())
+    }
+}
+
+struct NoopWake;
+impl Wake for NoopWake {
+    fn wake(self: Arc<Self>) {}
+}
+
+#[test]
+fn timeouts_too_large_for_the_clock_mean_no_deadline() {
+    let bus = Bus::builder().ask_timeout(Duration::MAX).build().unwrap();
+    let kept = Arc::new(Mutex::new(Vec::new()));
+    let endpoint = bus.register("keeper", Keeper { kept: Arc::clone(&kept) }).unwrap();
+    endpoint.send_timeout(1u32, Duration::MAX).unwrap();
+    // Polled before the reply exists: the future fixes its deadline (none) without panicking.
+    let mut reply = pin!(endpoint.ask(KeepIt));
+    let waker = Waker::from(Arc::new(NoopWake));
+    assert!(reply.as_mut().poll(&mut TaskContext::from_waker(&waker)).is_pending());
+    // Answer it once the endpoint has it (bounded wait on the real condition).
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while kept.lock().unwrap().is_empty() {
+        assert!(std::time::Instant::now() < deadline, "the ask never reached the endpoint");
+        std::thread::yield_now();
+    }
+    kept.lock().unwrap().pop().unwrap().reply(7);
+    assert!(matches!(
+        reply.as_mut().poll(&mut TaskContext::from_waker(&waker)),
+        Poll::Ready(Ok(7))
+    ));
+    // A blocking wait with the bus's (unbounded) timeout.
+    let second = endpoint.ask(KeepIt);
+    let answerer = {
+        let kept = Arc::clone(&kept);
+        std::thread::spawn(move || loop {
+            if let Some(replier) = kept.lock().unwrap().pop() {
+                replier.reply(8);
+                return;
+            }
+            std::thread::yield_now();
+        })
+    };
+    assert_eq!(second.wait().unwrap(), 8);
+    answerer.join().unwrap();
+    bus.shutdown().unwrap();
+}
+
+#[test]
+fn a_replier_dropped_by_a_panicking_thread_fails_its_asker_at_once() {
+    let (replier, reply) = Replier::<u32>::pair();
+    let outcome = std::thread::spawn(move || {
+        let _held = replier;
+        panic!("a worker thread of the engine");
+    })
+    .join();
+    assert!(outcome.is_err());
+    assert!(matches!(
+        reply.wait_timeout(Duration::from_secs(30)),
+        Err(AskError::HandlerPanicked { .. })
+    ));
+}
+
+#[test]
+fn a_replier_dropped_in_a_panic_the_handler_caught_fails_its_asker() {
+    let bus = Bus::builder().build().unwrap();
+    let endpoint = bus.register("keeper", Keeper::default()).unwrap();
+    match endpoint.ask(DropItInACaughtPanic).wait_timeout(Duration::from_secs(30)) {
+        Err(AskError::HandlerPanicked { message }) => {
+            assert!(message.contains("caught inside the handler"), "{message}");
+        }
+        other => panic!("expected HandlerPanicked, got {other:?}"),
+    }
+    // The endpoint keeps serving.
+    endpoint.send(1u32).unwrap();
+    bus.shutdown().unwrap();
+}
