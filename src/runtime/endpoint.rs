@@ -154,6 +154,12 @@ pub(crate) fn on_endpoint_thread() -> bool {
     CURRENT_INBOX.with(std::cell::Cell::get) != 0
 }
 
+/// Marks the calling thread as an endpoint thread (unit tests of the panic path).
+#[cfg(test)]
+pub(crate) fn mark_as_endpoint_thread() {
+    CURRENT_INBOX.with(|current| current.set(usize::MAX));
+}
+
 impl<E: Endpoint> Inbox<E> {
     fn address(&self) -> usize {
         std::ptr::from_ref(self) as usize

@@ -993,6 +993,8 @@ mod tests {
 
     #[test]
     fn a_replier_dropped_by_a_panicking_handler_fails_with_the_panic_message() {
+        // As on an endpoint thread, whose loop passes the caught panic's message on.
+        crate::runtime::endpoint::mark_as_endpoint_thread();
         let (replier, reply) = Replier::<u64>::pair();
         let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
             let _held = replier;
