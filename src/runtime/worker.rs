@@ -20,6 +20,9 @@ use super::{
 };
 use crate::config::Idle;
 
+/// Drain rounds between two looks for replies orphaned by a panic a handler caught itself
+/// (an idle endpoint polls in rounds too, and looks again before it parks).
+const ORPHAN_CHECK_EVERY_ROUNDS: u32 = 64;
 /// CPU spin hints between two polls of an idle inbox.
 const IDLE_PAUSES_PER_POLL: u32 = 4;
 /// Yields after spinning, before parking.
@@ -44,6 +47,7 @@ pub(crate) fn run_endpoint<E: Endpoint>(
     let mut idle_since: Option<Instant> = None;
     let mut yields = 0u32;
     let mut idle_polls = 0u32;
+    let mut rounds = 0u32;
     loop {
         // One `catch_unwind` per round, not per message: the ring publishes its head before
         // each handler call, so a panic unwinding out of the round leaves the inbox consistent
@@ -67,8 +71,11 @@ pub(crate) fn run_endpoint<E: Endpoint>(
         inbox.counters.handled.store(handled_total, Ordering::Relaxed);
         let handled = match round {
             Ok(handled) => {
-                if handled > 0 && has_orphaned_replies() {
-                    // A handler caught a panic itself while a replier was being dropped.
+                // A handler that caught a panic itself while a replier was being dropped left
+                // it waiting for a panic message: fail it, looking every so many rounds (a
+                // thread-local access) rather than after each.
+                rounds = rounds.wrapping_add(1);
+                if rounds % ORPHAN_CHECK_EVERY_ROUNDS == 0 && has_orphaned_replies() {
                     fail_replies_orphaned_by_panic("a panic caught inside the handler");
                 }
                 handled
@@ -107,6 +114,9 @@ pub(crate) fn run_endpoint<E: Endpoint>(
             yields += 1;
             std::thread::yield_now();
         } else {
+            if has_orphaned_replies() {
+                fail_replies_orphaned_by_panic("a panic caught inside the handler");
+            }
             consumer.park_until_work(PARK_MAX);
         }
     }
