@@ -363,13 +363,26 @@ fn gated_endpoint(
     (bus, endpoint)
 }
 
-#[test]
-fn a_receipt_resolves_only_after_the_sync_and_queries_wait_for_it() {
+/// A tracker behind a gated log, a receiver of it, and the log's syncs held.
+fn receiver_with_syncs_held(
+) -> (tempfile::TempDir, Arc<Gate>, Bus, coordbus::EndpointRef<BlockTrackerEndpoint>, BlockReceiver)
+{
     let dir = tempfile::tempdir().unwrap();
     let gate = Arc::new(Gate::default());
     let (bus, endpoint) = gated_endpoint(dir.path(), &gate);
     let receiver = BlockReceiver::connect(&endpoint).unwrap();
     gate.set_held(true);
+    (dir, gate, bus, endpoint, receiver)
+}
+
+fn stop(endpoint: &coordbus::EndpointRef<BlockTrackerEndpoint>, bus: Bus) {
+    endpoint.ask(StopTracker).wait().unwrap();
+    bus.shutdown().unwrap();
+}
+
+#[test]
+fn a_receipt_resolves_only_after_the_sync_and_queries_wait_for_it() {
+    let (_dir, gate, bus, endpoint, receiver) = receiver_with_syncs_held();
     let receipt = receiver.add_block(info(1, 1));
     assert!(receipt.lsn().is_some());
     assert_eq!(receipt.try_result(), None, "the sync is held: not durable yet");
@@ -379,8 +392,7 @@ fn a_receipt_resolves_only_after_the_sync_and_queries_wait_for_it() {
     gate.set_held(false);
     assert!(receipt.wait());
     assert_eq!(endpoint.ask(GetUnallocatedBlocks(StreamId(1))).wait().unwrap(), [info(1, 1)]);
-    endpoint.ask(StopTracker).wait().unwrap();
-    bus.shutdown().unwrap();
+    stop(&endpoint, bus);
 }
 
 #[test]
@@ -407,17 +419,12 @@ fn a_failed_sync_answers_false_and_rolls_handed_over_blocks_back() {
     // The failed log takes nothing more.
     assert!(!receiver.add_block(info(1, 4)).wait());
     assert_eq!(endpoint.ask(GetUnallocatedBlocks(StreamId(1))).wait().unwrap(), [info(1, 1)]);
-    endpoint.ask(StopTracker).wait().unwrap();
-    bus.shutdown().unwrap();
+    stop(&endpoint, bus);
 }
 
 #[test]
 fn a_lone_addition_is_logged_at_once_and_later_ones_combine_while_it_syncs() {
-    let dir = tempfile::tempdir().unwrap();
-    let gate = Arc::new(Gate::default());
-    let (bus, endpoint) = gated_endpoint(dir.path(), &gate);
-    let receiver = BlockReceiver::connect(&endpoint).unwrap();
-    gate.set_held(true);
+    let (_dir, gate, bus, endpoint, receiver) = receiver_with_syncs_held();
     let first = receiver.add_block(info(1, 1));
     let first_lsn = first.lsn().expect("nothing was in flight: logged at once");
     // The first record is not durable: the next blocks wait in the receiver's batch.
@@ -439,17 +446,12 @@ fn a_lone_addition_is_logged_at_once_and_later_ones_combine_while_it_syncs() {
     let fourth = receiver.add_block(info(1, 4));
     assert_eq!(fourth.lsn(), Some(coordbus::wal::Lsn(first_lsn.0 + 2)));
     assert!(fourth.wait());
-    endpoint.ask(StopTracker).wait().unwrap();
-    bus.shutdown().unwrap();
+    stop(&endpoint, bus);
 }
 
 #[test]
 fn a_full_batch_is_logged_without_being_asked_and_add_blocks_keeps_the_order() {
-    let dir = tempfile::tempdir().unwrap();
-    let gate = Arc::new(Gate::default());
-    let (bus, endpoint) = gated_endpoint(dir.path(), &gate);
-    let receiver = BlockReceiver::connect(&endpoint).unwrap();
-    gate.set_held(true);
+    let (_dir, gate, bus, endpoint, receiver) = receiver_with_syncs_held();
     let first = receiver.add_block(info(1, 0));
     let first_lsn = first.lsn().unwrap().0;
     let batch: Vec<_> =
@@ -471,17 +473,12 @@ fn a_full_batch_is_logged_without_being_asked_and_add_blocks_keeps_the_order() {
         endpoint.ask(GetUnallocatedBlocks(StreamId(2))).wait().unwrap(),
         [info(2, 1_000), info(2, 1_001), info(2, 1_002)]
     );
-    endpoint.ask(StopTracker).wait().unwrap();
-    bus.shutdown().unwrap();
+    stop(&endpoint, bus);
 }
 
 #[test]
 fn pending_blocks_are_logged_when_their_receipt_or_their_receiver_is_dropped() {
-    let dir = tempfile::tempdir().unwrap();
-    let gate = Arc::new(Gate::default());
-    let (bus, endpoint) = gated_endpoint(dir.path(), &gate);
-    let receiver = BlockReceiver::connect(&endpoint).unwrap();
-    gate.set_held(true);
+    let (_dir, gate, bus, endpoint, receiver) = receiver_with_syncs_held();
     let first = receiver.add_block(info(1, 1));
     drop(receiver.add_block(info(1, 2)));
     // The dropped receipt flushed its batch: the next block finds it empty.
@@ -495,6 +492,5 @@ fn pending_blocks_are_logged_when_their_receipt_or_their_receiver_is_dropped() {
     drop(receiver);
     let blocks = endpoint.ask(GetUnallocatedBlocks(StreamId(1))).wait().unwrap();
     assert_eq!(blocks, [info(1, 1), info(1, 2), info(1, 3), info(1, 4)]);
-    endpoint.ask(StopTracker).wait().unwrap();
-    bus.shutdown().unwrap();
+    stop(&endpoint, bus);
 }

@@ -448,6 +448,16 @@ fn wal_d2_clean_boundary_is_strict_and_current_file_never_cleaned() {
     let dir = tempfile::tempdir().unwrap();
     let wal = Wal::open(dir.path(), WalConfig { segment_size_bytes: 4096, ..WalConfig::default() })
         .unwrap();
+    let segments = append_small_records_at_times_0_to_199(&wal);
+    let first = segments[0];
+    let first_max_time = segments.iter().rposition(|segment| *segment == first).unwrap() as i64;
+    assert!(wal.clean(first_max_time, true).unwrap().deleted.is_empty());
+    assert_eq!(wal.clean(first_max_time + 1, true).unwrap().deleted, vec![first]);
+}
+
+/// Appends 200 records of 100 bytes with times 0..200, waits until they are durable, and
+/// returns the segment of each.
+fn append_small_records_at_times_0_to_199(wal: &Wal) -> Vec<coordbus::wal::SegmentId> {
     let mut segments = Vec::new();
     let mut last = Lsn::ZERO;
     for time in 0..200 {
@@ -456,10 +466,7 @@ fn wal_d2_clean_boundary_is_strict_and_current_file_never_cleaned() {
         last = lsn;
     }
     wal.wait_durable(last).unwrap();
-    let first = segments[0];
-    let first_max_time = segments.iter().rposition(|segment| *segment == first).unwrap() as i64;
-    assert!(wal.clean(first_max_time, true).unwrap().deleted.is_empty());
-    assert_eq!(wal.clean(first_max_time + 1, true).unwrap().deleted, vec![first]);
+    segments
 }
 
 /// Waits (bounded) until the log counts `count` deleted segments.
@@ -484,14 +491,7 @@ fn clean_without_wait_leaves_the_deletion_to_the_sync_thread() {
             WalOptions { io, ..WalOptions::default() },
         )
         .unwrap();
-        let mut segments = Vec::new();
-        let mut last = Lsn::ZERO;
-        for time in 0..200 {
-            let (lsn, handle) = wal.append_bytes(&[1; 100], time).unwrap();
-            segments.push(handle.segment);
-            last = lsn;
-        }
-        wal.wait_durable(last).unwrap();
+        let mut segments = append_small_records_at_times_0_to_199(&wal);
         segments.dedup();
         let files_before = segment_files(dir.path()).len();
         assert_eq!(files_before, segments.len(), "{durability:?} {io:?}");

@@ -501,15 +501,8 @@ pub(crate) struct AppendState {
     pub(crate) chunks: Vec<Chunk>,
     /// When the first record of the staged group was appended.
     pub(crate) group_started: Option<Instant>,
-    /// The sync thread is waiting and wants a notification (set through
-    /// [`AppendState::set_writer_wait`]).
-    pub(crate) writer_idle: bool,
-    /// With `writer_idle`: it waits in the io_uring ring (wake it through
-    /// `Shared::ring_waker`), not on `writer_cv`.
-    pub(crate) writer_in_ring: bool,
-    /// With `writer_idle`: only a full group (`max_bytes`) needs a wake-up, not a group's first
-    /// record.
-    pub(crate) writer_until_full: bool,
+    /// How the sync thread waits, which decides when an appender must wake it.
+    pub(crate) writer_wait: WriterWait,
     /// Appenders waiting on `space_cv`.
     pub(crate) space_waiters: usize,
     /// `close` was called: appends are rejected, the sync thread drains and exits.
@@ -525,21 +518,33 @@ pub(crate) enum WriterWait {
     Running,
     /// On `writer_cv`, for a group's first record or a full group.
     Condvar,
-    /// In the io_uring ring, for a group's first record or a full group.
+    /// In the io_uring ring (woken through `Shared::ring_waker`), for a group's first record
+    /// or a full group.
     Ring,
     /// In the io_uring ring, for a full group only (groups in flight end the wait).
     RingUntilFull,
 }
 
+impl WriterWait {
+    /// Whether an append that starts a group (`first_of_group`) or fills it (`full`) must wake
+    /// the sync thread.
+    fn wants_wake(self, first_of_group: bool, full: bool) -> bool {
+        match self {
+            Self::Running => false,
+            Self::Condvar | Self::Ring => first_of_group || full,
+            Self::RingUntilFull => full,
+        }
+    }
+
+    fn in_ring(self) -> bool {
+        matches!(self, Self::Ring | Self::RingUntilFull)
+    }
+}
+
 impl AppendState {
     /// Records how the sync thread waits.
     pub(crate) fn set_writer_wait(&mut self, wait: WriterWait) {
-        (self.writer_idle, self.writer_in_ring, self.writer_until_full) = match wait {
-            WriterWait::Running => (false, false, false),
-            WriterWait::Condvar => (true, false, false),
-            WriterWait::Ring => (true, true, false),
-            WriterWait::RingUntilFull => (true, true, true),
-        };
+        self.writer_wait = wait;
     }
 }
 
@@ -740,7 +745,7 @@ impl Shared {
         // Under the append lock, so a sync thread about to wait sees the work first (it
         // checks `doomed` under the same lock) or is woken by this.
         let state = lock(&self.append);
-        if state.writer_in_ring {
+        if state.writer_wait.in_ring() {
             self.wake_ring();
         }
         self.writer_cv.notify_all();
@@ -913,9 +918,7 @@ impl Wal {
                 buf: Vec::with_capacity(staging),
                 chunks: Vec::new(),
                 group_started: None,
-                writer_idle: false,
-                writer_in_ring: false,
-                writer_until_full: false,
+                writer_wait: WriterWait::Running,
                 space_waiters: 0,
                 closing: options.read_only,
                 appends: 0,
@@ -1098,10 +1101,9 @@ impl Wal {
         if first_of_group {
             state.group_started = Some(Instant::now());
         }
-        let wake = state.writer_idle
-            && ((first_of_group && !state.writer_until_full)
-                || group_commit_bytes.is_none_or(|max| state.buf.len() >= max));
-        let wake_ring = wake && state.writer_in_ring;
+        let full = group_commit_bytes.is_none_or(|max| state.buf.len() >= max);
+        let wake = state.writer_wait.wants_wake(first_of_group, full);
+        let wake_ring = wake && state.writer_wait.in_ring();
         let segment = active.header.id;
         if wake {
             state.set_writer_wait(WriterWait::Running);
