@@ -24,19 +24,36 @@ pub enum Pinning {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Idle {
     /// Spin for `spin`, then yield a few times, then park until a producer rings. Lowest
-    /// latency for `spin` after the last message; costs nothing while idle for long.
+    /// latency for `spin` after the last message; costs nothing while idle for long. The
+    /// spinning is paid whatever the traffic: pick this to busy-poll on purpose.
     SpinThenPark {
         /// How long to spin after the last message before yielding and parking.
         spin: Duration,
+    },
+    /// Like `SpinThenPark`, but spin the full `max_spin` only while spinning pays off: while
+    /// most of the endpoint's recent idle gaps (from the inbox running empty to the next
+    /// message) were short, at most [`Idle::SHORT_GAP`]. Otherwise spin just `SHORT_GAP`
+    /// before yielding and parking. A spinning thread takes the core from the threads that
+    /// would produce its messages when there are more busy threads than cores, and a gap
+    /// longer than a wake-up costs less CPU parked than spun (the default).
+    Adaptive {
+        /// The longest spin, used while recent gaps were short.
+        max_spin: Duration,
     },
     /// Park as soon as the inbox is empty (yields the core at once; each wake-up costs a few
     /// microseconds).
     Park,
 }
 
+impl Idle {
+    /// An idle gap at most this long counts as short for [`Idle::Adaptive`]: about what a
+    /// park and a wake-up cost, so spinning through a gap this short is cheaper than parking.
+    pub const SHORT_GAP: Duration = Duration::from_micros(5);
+}
+
 impl Default for Idle {
     fn default() -> Self {
-        Self::SpinThenPark { spin: Duration::from_micros(50) }
+        Self::Adaptive { max_spin: Duration::from_micros(50) }
     }
 }
 
@@ -56,7 +73,8 @@ pub struct BusConfig {
     pub inbox_capacity: usize,
     /// Thread placement (default [`Pinning::Off`]).
     pub pinning: Pinning,
-    /// Idle strategy (default spin 50 us, then park).
+    /// Idle strategy (default [`Idle::Adaptive`]: spin up to 50 us while idle gaps are short, then
+    /// park).
     pub idle: Idle,
     /// Messages taken from one shard before moving to the next (default 256; at least 1).
     pub drain_batch: usize,

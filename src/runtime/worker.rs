@@ -5,6 +5,10 @@
 //! its asker and is logged, and the next message is handled as usual. When a round finds nothing, the thread
 //! follows the configured [`Idle`] strategy: spin (with the CPU's spin hint) for a while after
 //! the last message, then yield a few times, then park until a producer rings the doorbell.
+//! With [`Idle::Adaptive`] the spin is long only while recent idle gaps were short
+//! ([`SpinBudget`]): on a 2-core machine an endpoint that receives a large message every
+//! 60 us spent a third of a core spinning through gaps it could not bridge, taken from the
+//! threads producing its messages.
 //! Once the inbox is closed and drained, `on_stop` runs and the thread ends.
 
 use std::{
@@ -45,6 +49,7 @@ pub(crate) fn run_endpoint<E: Endpoint>(
 
     let mut handled_total = 0u64;
     let mut idle_since: Option<Instant> = None;
+    let mut spin_budget = SpinBudget::new(idle);
     let mut yields = 0u32;
     let mut idle_polls = 0u32;
     let mut rounds = 0u32;
@@ -89,7 +94,9 @@ pub(crate) fn run_endpoint<E: Endpoint>(
             }
         };
         if handled > 0 {
-            idle_since = None;
+            if let Some(since) = idle_since.take() {
+                spin_budget.record_gap(since.elapsed());
+            }
             yields = 0;
             continue;
         }
@@ -98,10 +105,7 @@ pub(crate) fn run_endpoint<E: Endpoint>(
         if inbox.queue.is_closed() && consumer.is_drained() {
             break;
         }
-        let spin = match idle {
-            Idle::SpinThenPark { spin } => spin,
-            Idle::Park => Duration::ZERO,
-        };
+        let spin = spin_budget.spin();
         let since = *idle_since.get_or_insert_with(Instant::now);
         idle_polls = idle_polls.wrapping_add(1);
         // A PAUSE costs tens to ~150 cycles depending on the CPU: a few per poll keep the
@@ -122,6 +126,41 @@ pub(crate) fn run_endpoint<E: Endpoint>(
     }
     guarded_hook(&inbox.name, "on_stop", || endpoint.on_stop());
     tracing::info!(endpoint = %inbox.name, handled = handled_total, "endpoint stopped");
+}
+
+/// How long an idle endpoint spins before yielding and parking, per its [`Idle`] strategy.
+#[derive(Debug, Clone, Copy)]
+struct SpinBudget {
+    idle: Idle,
+    /// Of the recent idle gaps, the share that were short, in 1/256ths (an exponentially
+    /// weighted average: each gap weighs 1/8). Used by [`Idle::Adaptive`] only.
+    short_share: u32,
+}
+
+impl SpinBudget {
+    /// The share above which an adaptive endpoint spins its full `max_spin` (one half).
+    const SPIN_FULL_ABOVE: u32 = 128;
+
+    fn new(idle: Idle) -> Self {
+        // Starts as if gaps were short: the first messages meet a spinning thread.
+        Self { idle, short_share: 256 }
+    }
+
+    /// Notes an idle gap that ended: from the inbox running empty to the next message.
+    fn record_gap(&mut self, gap: Duration) {
+        let short = if gap <= Idle::SHORT_GAP { 256 } else { 0 };
+        self.short_share = (self.short_share * 7 + short) / 8;
+    }
+
+    /// How long to spin now.
+    fn spin(&self) -> Duration {
+        match self.idle {
+            Idle::SpinThenPark { spin } => spin,
+            Idle::Adaptive { max_spin } if self.short_share > Self::SPIN_FULL_ABOVE => max_spin,
+            Idle::Adaptive { max_spin } => max_spin.min(Idle::SHORT_GAP),
+            Idle::Park => Duration::ZERO,
+        }
+    }
 }
 
 /// [`dispatch`], timed into the handler-time histogram. Out of line: it runs for one message in
@@ -165,5 +204,69 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         text.clone()
     } else {
         "non-string panic payload".to_owned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MAX_SPIN: Duration = Duration::from_micros(50);
+    const LONG_GAP: Duration = Duration::from_micros(60);
+
+    fn adaptive() -> SpinBudget {
+        SpinBudget::new(Idle::Adaptive { max_spin: MAX_SPIN })
+    }
+
+    #[test]
+    fn adaptive_spin_shrinks_after_long_gaps_and_grows_back_after_short_ones() {
+        let mut budget = adaptive();
+        assert_eq!(budget.spin(), MAX_SPIN, "a fresh endpoint spins fully");
+        for _ in 0..8 {
+            budget.record_gap(LONG_GAP);
+        }
+        assert_eq!(budget.spin(), Idle::SHORT_GAP, "gaps longer than a wake-up: spin briefly");
+        for _ in 0..8 {
+            budget.record_gap(Duration::from_nanos(300));
+        }
+        assert_eq!(budget.spin(), MAX_SPIN, "short gaps again: spin fully");
+    }
+
+    #[test]
+    fn adaptive_spin_follows_the_majority_of_recent_gaps() {
+        let mut budget = adaptive();
+        // Alternating short and long gaps: half are short, not most.
+        for _ in 0..32 {
+            budget.record_gap(Idle::SHORT_GAP);
+            budget.record_gap(LONG_GAP);
+        }
+        assert_eq!(budget.spin(), Idle::SHORT_GAP);
+        // Three short gaps in four: most are short.
+        for _ in 0..32 {
+            budget.record_gap(Idle::SHORT_GAP);
+            budget.record_gap(Idle::SHORT_GAP);
+            budget.record_gap(Idle::SHORT_GAP);
+            budget.record_gap(LONG_GAP);
+        }
+        assert_eq!(budget.spin(), MAX_SPIN);
+    }
+
+    #[test]
+    fn fixed_strategies_ignore_the_gaps() {
+        let spin = Duration::from_micros(20);
+        let mut fixed = SpinBudget::new(Idle::SpinThenPark { spin });
+        let mut park = SpinBudget::new(Idle::Park);
+        for _ in 0..16 {
+            fixed.record_gap(LONG_GAP);
+            park.record_gap(Duration::ZERO);
+        }
+        assert_eq!(fixed.spin(), spin);
+        assert_eq!(park.spin(), Duration::ZERO);
+        let tiny = Duration::from_micros(1);
+        let mut short_max = SpinBudget::new(Idle::Adaptive { max_spin: tiny });
+        for _ in 0..16 {
+            short_max.record_gap(LONG_GAP);
+        }
+        assert_eq!(short_max.spin(), tiny, "never more than max_spin");
     }
 }

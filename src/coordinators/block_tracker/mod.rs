@@ -498,7 +498,15 @@ impl ReceivedBlockTracker {
             self.unallocated.entry(first).or_default().push(lsn, ChunkBlocks::from_vec(blocks));
             return;
         }
-        let mut by_stream: BTreeMap<StreamId, ChunkBlocks> = BTreeMap::new();
+        // Counted first, so that each stream's chunk is allocated once at its final size.
+        let mut counts: BTreeMap<StreamId, usize> = BTreeMap::new();
+        for info in &blocks {
+            *counts.entry(info.stream_id()).or_default() += 1;
+        }
+        let mut by_stream: BTreeMap<StreamId, ChunkBlocks> = counts
+            .into_iter()
+            .map(|(stream, count)| (stream, ChunkBlocks::with_capacity(count)))
+            .collect();
         for info in blocks {
             by_stream.entry(info.stream_id()).or_default().push(info);
         }

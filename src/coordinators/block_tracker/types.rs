@@ -251,9 +251,16 @@ impl AllocatedBlocks {
     /// Builds an allocation from `(stream, blocks)` pairs; a stream given twice keeps the
     /// blocks of both, in order.
     pub fn new(streams: impl IntoIterator<Item = (StreamId, Vec<ReceivedBlockInfo>)>) -> Self {
+        use std::collections::btree_map::Entry;
         let mut map = std::collections::BTreeMap::<StreamId, Vec<ReceivedBlockInfo>>::new();
         for (stream_id, blocks) in streams {
-            map.entry(stream_id).or_default().extend(blocks);
+            // A stream's first list is moved in, not copied (it can hold millions of blocks).
+            match map.entry(stream_id) {
+                Entry::Vacant(slot) => {
+                    slot.insert(blocks);
+                }
+                Entry::Occupied(mut slot) => slot.get_mut().extend(blocks),
+            }
         }
         Self {
             streams: map
