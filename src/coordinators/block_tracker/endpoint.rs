@@ -600,6 +600,7 @@ impl Endpoint for BlockTrackerEndpoint {
                     self.tracker.log().cloned(),
                     Arc::clone(self.tracker.clock()),
                     self.tracker.write_timeout(),
+                    self.tracker.recycled_vectors(),
                 )),
                 None => replier.fail("the block tracker endpoint has not started"),
             },

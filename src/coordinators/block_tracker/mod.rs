@@ -64,11 +64,15 @@ mod journal;
 mod log;
 mod queue;
 mod receiver;
+mod recycle;
 mod types;
 
 use std::{collections::BTreeMap, path::PathBuf, sync::Arc, time::Duration};
 
-use self::queue::{Bounds, ChunkBlocks, StreamQueue};
+use self::{
+    queue::{Bounds, ChunkBlocks, StreamQueue},
+    recycle::BlockVecPool,
+};
 pub use self::{
     data::ReceiverBlockStore,
     endpoint::{
@@ -264,6 +268,8 @@ pub struct ReceivedBlockTracker {
     /// fault in and zero (which, at millions of blocks per second, cost more than the rest of
     /// the allocation). At most [`SPARE_MAX`] are kept.
     spare: Vec<Vec<ReceivedBlockInfo>>,
+    /// Emptied record vectors go back to the receivers through this pool (module `recycle`).
+    recycled: Arc<BlockVecPool>,
 }
 
 /// Most spare block vectors kept.
@@ -326,6 +332,7 @@ impl ReceivedBlockTracker {
             recovered_events: 0,
             recovered_through: Lsn::ZERO,
             spare: Vec::new(),
+            recycled: Arc::default(),
         };
         if config.recover_from_wal && tracker.log.is_some() {
             let started = std::time::Instant::now();
@@ -489,10 +496,17 @@ impl ReceivedBlockTracker {
         blocks: impl IntoIterator<Item = ReceivedBlockInfo>,
     ) {
         // A vector passes through `collect` without a copy.
-        let blocks: Vec<ReceivedBlockInfo> = blocks.into_iter().collect();
+        let mut blocks: Vec<ReceivedBlockInfo> = blocks.into_iter().collect();
         let Some(first) = blocks.first().map(ReceivedBlockInfo::stream_id) else {
             return;
         };
+        if blocks.len() == 1 {
+            // Kept inline in its chunk; the vector goes back to the receivers.
+            let chunk = blocks.drain(..).collect();
+            self.unallocated.entry(first).or_default().push(lsn, chunk);
+            self.recycled.give_back(blocks);
+            return;
+        }
         if blocks.iter().all(|info| info.stream_id() == first) {
             // One stream (a receiver belongs to one): the vector becomes the chunk as it is.
             self.unallocated.entry(first).or_default().push(lsn, ChunkBlocks::from_vec(blocks));
@@ -505,14 +519,30 @@ impl ReceivedBlockTracker {
         }
         let mut by_stream: BTreeMap<StreamId, ChunkBlocks> = counts
             .into_iter()
-            .map(|(stream, count)| (stream, ChunkBlocks::with_capacity(count)))
+            .map(|(stream, count)| (stream, self.chunk_with_capacity(count)))
             .collect();
-        for info in blocks {
+        for info in blocks.drain(..) {
             by_stream.entry(info.stream_id()).or_default().push(info);
         }
+        self.recycled.give_back(blocks);
         for (stream, blocks) in by_stream {
             self.unallocated.entry(stream).or_default().push(lsn, blocks);
         }
+    }
+
+    /// An empty chunk with room for `count` blocks: inline for one, else a recycled vector
+    /// when one is large enough.
+    fn chunk_with_capacity(&self, count: usize) -> ChunkBlocks {
+        if count > 1 && count <= receiver::COMBINE_MAX_BLOCKS {
+            ChunkBlocks::from_vec(self.recycled.take())
+        } else {
+            ChunkBlocks::with_capacity(count)
+        }
+    }
+
+    /// The pool receivers take their batch vectors from (module `recycle`).
+    pub(crate) fn recycled_vectors(&self) -> Arc<BlockVecPool> {
+        Arc::clone(&self.recycled)
     }
 
     /// Queues one block added as record `lsn`.
@@ -527,7 +557,7 @@ impl ReceivedBlockTracker {
         let mut bounds = Vec::with_capacity(self.stream_ids.len());
         let blocks = AllocatedBlocks::new(self.stream_ids.iter().map(|stream| {
             let (infos, stream_bounds) = match self.unallocated.get_mut(stream) {
-                Some(queue) if !queue.is_empty() => queue.take(take_spare(&mut self.spare)),
+                Some(queue) if !queue.is_empty() => queue.take(take_spare(&mut self.spare), &self.recycled),
                 _ => Default::default(),
             };
             bounds.push(stream_bounds);

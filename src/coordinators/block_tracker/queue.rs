@@ -15,7 +15,7 @@ use std::collections::{HashMap, VecDeque};
 
 use smallvec::SmallVec;
 
-use super::ReceivedBlockInfo;
+use super::{recycle::BlockVecPool, ReceivedBlockInfo};
 use crate::wal::Lsn;
 
 /// The blocks of one stream from one record (one block inline, the common single addition).
@@ -78,11 +78,13 @@ impl StreamQueue {
         blocks
     }
 
-    /// Empties the queue into one vector in log order (`spare`'s memory if given), plus the
-    /// chunk bounds for `restore`.
+    /// Empties the queue into one vector in log order (`spare`'s memory if given, and large
+    /// enough), plus the chunk bounds for `restore`. The emptied chunks' vectors go back to
+    /// `recycled`.
     pub(super) fn take(
         &mut self,
         spare: Option<Vec<ReceivedBlockInfo>>,
+        recycled: &BlockVecPool,
     ) -> (Vec<ReceivedBlockInfo>, Bounds) {
         self.sort();
         let len = std::mem::replace(&mut self.len, 0);
@@ -93,13 +95,23 @@ impl StreamQueue {
             let chunk = self.chunks.pop_front().expect("one chunk");
             return (chunk.blocks.into_vec(), bounds);
         }
-        let mut blocks = spare.unwrap_or_default();
-        debug_assert!(blocks.is_empty(), "spares are emptied");
-        blocks.clear();
-        blocks.reserve_exact(len);
+        // A spare too small would be reallocated, copying its old (unused) capacity.
+        let mut blocks = match spare {
+            Some(mut spare) if spare.capacity() >= len => {
+                spare.clear();
+                spare
+            }
+            _ => Vec::with_capacity(len),
+        };
         // Drained, not taken: the chunk list keeps its memory for the next batch.
         for chunk in self.chunks.drain(..) {
-            blocks.extend(chunk.blocks);
+            if chunk.blocks.spilled() {
+                let mut vector = chunk.blocks.into_vec();
+                blocks.append(&mut vector);
+                recycled.give_back(vector);
+            } else {
+                blocks.extend(chunk.blocks);
+            }
         }
         (blocks, bounds)
     }
@@ -192,7 +204,7 @@ mod tests {
     fn observers_see_log_order_whatever_the_arrival_order() {
         let mut queue = queue(&[(5, &[50, 51]), (3, &[30]), (7, &[70]), (4, &[40, 41])]);
         assert_eq!(ids(&queue.to_vec()), [30, 40, 41, 50, 51, 70]);
-        let (taken, bounds) = queue.take(Some(Vec::with_capacity(2)));
+        let (taken, bounds) = queue.take(Some(Vec::with_capacity(2)), &BlockVecPool::default());
         assert_eq!(ids(&taken), [30, 40, 41, 50, 51, 70]);
         assert!(queue.is_empty());
         queue.push(Lsn(9), [info(90)].into_iter().collect());

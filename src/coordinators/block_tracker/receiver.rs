@@ -63,8 +63,8 @@ use std::{
 };
 
 use super::{
-    BlockAdditionEvent, BlockAdditionsEvent, BlockLog, BlockLogError, BlockTrackerEndpoint,
-    BlockTrackerMessage, ReceivedBlockInfo, TrackerEvent,
+    recycle::BlockVecPool, BlockAdditionEvent, BlockAdditionsEvent, BlockLog, BlockLogError,
+    BlockTrackerEndpoint, BlockTrackerMessage, ReceivedBlockInfo, TrackerEvent,
 };
 use crate::{
     clock::Clock,
@@ -151,6 +151,8 @@ pub struct BlockReceiver {
     /// Blocks waiting to be logged together (module doc, "Combining"). Each clone has its
     /// own; the lock is only contended by receipts resolved on other threads.
     pending: Mutex<PendingBatch>,
+    /// Where batch vectors come from (module `recycle`).
+    recycled: Arc<BlockVecPool>,
 }
 
 /// Most blocks a pending batch holds before it is logged.
@@ -179,6 +181,7 @@ impl Clone for BlockReceiver {
             self.log.clone(),
             Arc::clone(&self.clock),
             self.write_timeout,
+            Arc::clone(&self.recycled),
         )
     }
 }
@@ -207,8 +210,10 @@ impl BlockReceiver {
         log: Option<Arc<dyn BlockLog>>,
         clock: Arc<dyn Clock>,
         write_timeout: Duration,
+        recycled: Arc<BlockVecPool>,
     ) -> Self {
-        Self { endpoint, log, clock, write_timeout, pending: Mutex::new(PendingBatch::default()) }
+        let pending = Mutex::new(PendingBatch::default());
+        Self { endpoint, log, clock, write_timeout, pending, recycled }
     }
 
     fn lock_pending(&self) -> MutexGuard<'_, PendingBatch> {
@@ -238,8 +243,9 @@ impl BlockReceiver {
             return AddReceipt { receiver: self, outcome, blocks: 1 };
         }
         if pending.infos.capacity() == 0 {
-            // Sized once per batch: growing it block by block reallocates several times.
-            pending.infos.reserve_exact(COMBINE_MAX_BLOCKS);
+            // Sized once per batch (growing it block by block reallocates several times), and
+            // recycled by the tracker.
+            pending.infos = self.recycled.take();
         }
         pending.infos.push(info);
         let batch = Arc::clone(&pending.outcome);
@@ -283,7 +289,10 @@ impl BlockReceiver {
         }
         let batch = std::mem::take(&mut pending.outcome);
         let event = if infos.len() == 1 {
-            single(infos.into_iter().next().expect("one block"))
+            let mut infos = infos;
+            let info = infos.pop().expect("one block");
+            self.recycled.give_back(infos);
+            single(info)
         } else {
             TrackerEvent::BlockAdditions(BlockAdditionsEvent { infos })
         };
