@@ -38,7 +38,7 @@ const PARK_MAX: Duration = Duration::from_millis(50);
 pub(crate) fn run_endpoint<E: Endpoint>(
     mut endpoint: E,
     inbox: Arc<Inbox<E>>,
-    idle: Idle,
+    idle_strategy: Idle,
     drain_batch: usize,
 ) {
     let mut consumer = inbox.queue.consumer().expect("an inbox has exactly one endpoint thread");
@@ -49,9 +49,8 @@ pub(crate) fn run_endpoint<E: Endpoint>(
 
     let mut handled_total = 0u64;
     let mut idle_since: Option<Instant> = None;
-    let mut spin_budget = SpinBudget::new(idle);
-    let mut yields = 0u32;
-    let mut idle_polls = 0u32;
+    let mut spin_budget = SpinBudget::new(idle_strategy);
+    let mut idle = IdlePhase::default();
     let mut rounds = 0u32;
     loop {
         // One `catch_unwind` per round, not per message: the ring publishes its head before
@@ -97,7 +96,7 @@ pub(crate) fn run_endpoint<E: Endpoint>(
             if let Some(since) = idle_since.take() {
                 spin_budget.record_gap(since.elapsed());
             }
-            yields = 0;
+            idle = IdlePhase::default();
             continue;
         }
         // Idle. Touch only read-mostly state here: polling the rings' tails would steal the
@@ -105,27 +104,66 @@ pub(crate) fn run_endpoint<E: Endpoint>(
         if inbox.queue.is_closed() && consumer.is_drained() {
             break;
         }
-        let spin = spin_budget.spin();
         let since = *idle_since.get_or_insert_with(Instant::now);
-        idle_polls = idle_polls.wrapping_add(1);
-        // A PAUSE costs tens to ~150 cycles depending on the CPU: a few per poll keep the
-        // reaction time well under a microsecond; the clock is read only every 64 polls.
-        if idle_polls % 64 != 0 || since.elapsed() < spin {
-            for _ in 0..IDLE_PAUSES_PER_POLL {
-                std::hint::spin_loop();
+        match idle.next_step(since, spin_budget.spin()) {
+            IdleStep::Spin => {
+                // A PAUSE costs ~30 ns here (tens to ~150 cycles, by CPU): a few per poll keep
+                // the reaction time well under a microsecond.
+                for _ in 0..IDLE_PAUSES_PER_POLL {
+                    std::hint::spin_loop();
+                }
             }
-        } else if yields < YIELDS_BEFORE_PARK {
-            yields += 1;
-            std::thread::yield_now();
-        } else {
-            if has_orphaned_replies() {
-                fail_replies_orphaned_by_panic("a panic caught inside the handler");
+            IdleStep::Yield => std::thread::yield_now(),
+            IdleStep::Park => {
+                if has_orphaned_replies() {
+                    fail_replies_orphaned_by_panic("a panic caught inside the handler");
+                }
+                consumer.park_until_work(PARK_MAX);
             }
-            consumer.park_until_work(PARK_MAX);
         }
     }
     guarded_hook(&inbox.name, "on_stop", || endpoint.on_stop());
     tracing::info!(endpoint = %inbox.name, handled = handled_total, "endpoint stopped");
+}
+
+/// Idle polls between two clock reads while spinning (about 2 us of spinning here).
+const POLLS_PER_CLOCK_READ: u32 = 16;
+
+/// What an idle endpoint does after a poll that found nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum IdleStep {
+    Spin,
+    Yield,
+    Park,
+}
+
+/// Where an idle period stands: spinning, then yielding, then parking, each phase once (a
+/// yield does not restart the spin).
+#[derive(Debug, Default, Clone, Copy)]
+struct IdlePhase {
+    polls: u32,
+    spin_over: bool,
+    yields: u32,
+}
+
+impl IdlePhase {
+    /// The step after an empty poll, in an idle period that began at `since`.
+    fn next_step(&mut self, since: Instant, spin: Duration) -> IdleStep {
+        if !self.spin_over {
+            self.polls += 1;
+            // The clock is read every few polls only; a zero spin ends at once.
+            let check = spin.is_zero() || self.polls % POLLS_PER_CLOCK_READ == 0;
+            if !check || since.elapsed() < spin {
+                return IdleStep::Spin;
+            }
+            self.spin_over = true;
+        }
+        if self.yields < YIELDS_BEFORE_PARK {
+            self.yields += 1;
+            return IdleStep::Yield;
+        }
+        IdleStep::Park
+    }
 }
 
 /// How long an idle endpoint spins before yielding and parking, per its [`Idle`] strategy.
@@ -249,6 +287,39 @@ mod tests {
             budget.record_gap(LONG_GAP);
         }
         assert_eq!(budget.spin(), MAX_SPIN);
+    }
+
+    #[test]
+    fn an_idle_period_spins_then_yields_then_parks_and_never_spins_again() {
+        let since = Instant::now();
+        let mut phase = IdlePhase::default();
+        let steps: Vec<IdleStep> =
+            (0..YIELDS_BEFORE_PARK + 3).map(|_| phase.next_step(since, Duration::ZERO)).collect();
+        assert!(steps[..YIELDS_BEFORE_PARK as usize].iter().all(|step| *step == IdleStep::Yield));
+        assert!(steps[YIELDS_BEFORE_PARK as usize..].iter().all(|step| *step == IdleStep::Park));
+
+        let mut phase = IdlePhase::default();
+        let long = Duration::from_secs(3600);
+        for _ in 0..10 * POLLS_PER_CLOCK_READ {
+            assert_eq!(phase.next_step(since, long), IdleStep::Spin, "within the spin");
+        }
+        let mut phase = IdlePhase::default();
+        let spin = Duration::from_millis(1);
+        let spin_ended = since + spin;
+        let mut first_after_spin = None;
+        while first_after_spin.is_none() {
+            let step = phase.next_step(since, spin);
+            if step != IdleStep::Spin {
+                first_after_spin = Some(step);
+            }
+        }
+        assert!(Instant::now() >= spin_ended, "spun at least the spin");
+        assert_eq!(first_after_spin, Some(IdleStep::Yield));
+        // The following yields do not restart the spin.
+        for _ in 1..YIELDS_BEFORE_PARK {
+            assert_eq!(phase.next_step(since, spin), IdleStep::Yield);
+        }
+        assert_eq!(phase.next_step(since, spin), IdleStep::Park);
     }
 
     #[test]
