@@ -512,19 +512,32 @@ impl ReceivedBlockTracker {
             self.unallocated.entry(first).or_default().push(lsn, ChunkBlocks::from_vec(blocks));
             return;
         }
-        // Counted first, so that each stream's chunk is allocated once at its final size.
+        // Several streams (a receiver rotating over streams; Spark's serve one each): the
+        // first stream's blocks stay in the record's vector, the others move out, in one pass.
+        let mut others = self.recycled.take();
+        others.extend(blocks.extract_if(.., |info| info.stream_id() != first));
+        self.unallocated.entry(first).or_default().push(lsn, ChunkBlocks::from_vec(blocks));
+        let Some(second) = others.first().map(ReceivedBlockInfo::stream_id) else {
+            return; // Not reached: the record had a block of another stream.
+        };
+        if others.iter().all(|info| info.stream_id() == second) {
+            self.unallocated.entry(second).or_default().push(lsn, ChunkBlocks::from_vec(others));
+            return;
+        }
+        // Three streams or more: counted first, so that each stream's chunk is allocated
+        // once at its final size.
         let mut counts: BTreeMap<StreamId, usize> = BTreeMap::new();
-        for info in &blocks {
+        for info in &others {
             *counts.entry(info.stream_id()).or_default() += 1;
         }
         let mut by_stream: BTreeMap<StreamId, ChunkBlocks> = counts
             .into_iter()
             .map(|(stream, count)| (stream, self.chunk_with_capacity(count)))
             .collect();
-        for info in blocks.drain(..) {
+        for info in others.drain(..) {
             by_stream.entry(info.stream_id()).or_default().push(info);
         }
-        self.recycled.give_back(blocks);
+        self.recycled.give_back(others);
         for (stream, blocks) in by_stream {
             self.unallocated.entry(stream).or_default().push(lsn, blocks);
         }

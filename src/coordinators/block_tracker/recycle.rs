@@ -9,7 +9,7 @@
 //! receivers' time). The tracker gives emptied vectors back to this pool instead, and a
 //! receiver takes one when it starts a batch.
 //!
-//! Bounded: at most [`POOL_VECTORS`] vectors of the batch size are kept (about 10 MB of 80-byte
+//! Bounded: at most [`POOL_VECTORS`] vectors of the batch size are kept (about 20 MB of 80-byte
 //! blocks); the rest are freed as before. Lock-free: a bounded `ArrayQueue`.
 
 use crossbeam_queue::ArrayQueue;
@@ -17,7 +17,7 @@ use crossbeam_queue::ArrayQueue;
 use super::{receiver::COMBINE_MAX_BLOCKS, ReceivedBlockInfo};
 
 /// Most vectors the pool keeps.
-pub(super) const POOL_VECTORS: usize = 512;
+pub(super) const POOL_VECTORS: usize = 1024;
 
 /// Empty block vectors with room for a receiver's batch (module doc).
 #[derive(Debug)]
