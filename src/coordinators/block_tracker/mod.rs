@@ -895,6 +895,7 @@ fn take_spare(spare: &mut Vec<Vec<ReceivedBlockInfo>>) -> Option<Vec<ReceivedBlo
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::clock::SystemClock;
 
     fn info(stream: i32, unique_id: u64) -> ReceivedBlockInfo {
         let block_id = StreamBlockId { stream: StreamId(stream), unique_id };
@@ -905,6 +906,40 @@ mod tests {
             BlockStoreResult::BlockManager { block_id },
         )
         .unwrap()
+    }
+
+    fn ids(blocks: &[ReceivedBlockInfo]) -> Vec<u64> {
+        blocks.iter().map(|block| block.block_id().unique_id).collect()
+    }
+
+    #[test]
+    fn logged_records_of_one_two_and_three_streams_queue_each_block_in_its_stream_in_order() {
+        let config = BlockTrackerConfig::new([StreamId(1), StreamId(2), StreamId(3)]);
+        let mut tracker = ReceivedBlockTracker::with_log(config, Arc::new(SystemClock), None)
+            .expect("no log to replay");
+        tracker.apply_logged_additions(Lsn(1), vec![info(1, 10)]);
+        tracker.apply_logged_additions(Lsn(2), vec![info(2, 20), info(2, 21)]);
+        tracker.apply_logged_additions(
+            Lsn(3),
+            vec![info(1, 11), info(2, 22), info(1, 12), info(2, 23), info(1, 13)],
+        );
+        tracker.apply_logged_additions(
+            Lsn(4),
+            vec![info(3, 30), info(1, 14), info(2, 24), info(3, 31), info(2, 25)],
+        );
+        assert_eq!(ids(&tracker.unallocated_blocks(StreamId(1))), [10, 11, 12, 13, 14]);
+        assert_eq!(ids(&tracker.unallocated_blocks(StreamId(2))), [20, 21, 22, 23, 24, 25]);
+        assert_eq!(ids(&tracker.unallocated_blocks(StreamId(3))), [30, 31]);
+        // Every vector a record arrived in, or that its other streams' blocks moved to, went
+        // back to the receivers' pool or into a queue: none is left over.
+        let recycled = tracker.recycled_vectors();
+        let pooled_before = recycled.len();
+        tracker.allocate_blocks_to_batch(BatchTime(100)).expect("no log to fail");
+        assert!(recycled.len() > pooled_before, "the queues' vectors were handed back");
+        let batch = tracker.blocks_of_batch(BatchTime(100));
+        assert_eq!(ids(batch.blocks_of_stream(StreamId(1))), [10, 11, 12, 13, 14]);
+        assert_eq!(ids(batch.blocks_of_stream(StreamId(2))), [20, 21, 22, 23, 24, 25]);
+        assert_eq!(ids(batch.blocks_of_stream(StreamId(3))), [30, 31]);
     }
 
     #[test]
