@@ -69,10 +69,6 @@ mod types;
 
 use std::{collections::BTreeMap, path::PathBuf, sync::Arc, time::Duration};
 
-use self::{
-    queue::{Bounds, ChunkBlocks, StreamQueue},
-    recycle::BlockVecPool,
-};
 pub use self::{
     data::ReceiverBlockStore,
     endpoint::{
@@ -87,6 +83,10 @@ pub use self::{
         BlockAdditionsEvent, BlockStoreResult, ReceivedBlockInfo, StreamBlockId, StreamBlocks,
         StreamId, TrackerEvent,
     },
+};
+use self::{
+    queue::{Bounds, ChunkBlocks, StreamQueue},
+    recycle::BlockVecPool,
 };
 use crate::{
     clock::Clock,
@@ -570,7 +570,9 @@ impl ReceivedBlockTracker {
         let mut bounds = Vec::with_capacity(self.stream_ids.len());
         let blocks = AllocatedBlocks::new(self.stream_ids.iter().map(|stream| {
             let (infos, stream_bounds) = match self.unallocated.get_mut(stream) {
-                Some(queue) if !queue.is_empty() => queue.take(take_spare(&mut self.spare), &self.recycled),
+                Some(queue) if !queue.is_empty() => {
+                    queue.take(take_spare(&mut self.spare), &self.recycled)
+                }
                 _ => Default::default(),
             };
             bounds.push(stream_bounds);
