@@ -1042,7 +1042,10 @@ impl Wal {
             if shared.failed_flag.load(Ordering::Acquire) {
                 return Err(shared.failed_error());
             }
-            if state.buf.len() < staging_limit {
+            // The frame must fit in the limit (the buffers are allocated at the limit: one
+            // that overflowed was reallocated, and the copy faulted in fresh pages each time);
+            // a frame larger than the limit goes into an empty buffer alone.
+            if state.buf.is_empty() || state.buf.len() + frame_len as usize <= staging_limit {
                 break;
             }
             state.space_waiters += 1;
@@ -1465,6 +1468,38 @@ mod tests {
         let times: Vec<i64> =
             wal.iter_from(Lsn::ZERO).unwrap().map(|record| record.unwrap().time_ms).collect();
         assert_eq!(times, vec![12_345, 12_350]);
+    }
+
+    #[test]
+    fn records_larger_than_the_staging_limit_go_alone_and_the_limit_is_never_overrun() {
+        let dir = tempfile::tempdir().unwrap();
+        let durability =
+            Durability::GroupCommit { max_delay: Duration::from_micros(200), max_bytes: 4096 };
+        let limit = staging_limit(durability);
+        let config = WalConfig { durability, ..WalConfig::default() };
+        let wal = Wal::open(dir.path(), config).unwrap();
+        let big = vec![7u8; limit + limit / 2];
+        let mut payloads: Vec<Vec<u8>> = Vec::new();
+        let mut last = Lsn::ZERO;
+        for round in 0..3u8 {
+            for small in 0..100u8 {
+                payloads.push(vec![round ^ small; 64]);
+            }
+            payloads.push(big.clone());
+        }
+        for payload in &payloads {
+            last = wal.append_bytes_now(payload).unwrap().0;
+            let staged = lock(&wal.shared.append).buf.len();
+            let big_frame = frame::frame_len(big.len()) as usize;
+            assert!(staged <= big_frame.max(limit), "staged {staged} bytes, limit {limit}");
+        }
+        wal.wait_durable(last).unwrap();
+        let read: Vec<Vec<u8>> = wal
+            .iter_from(Lsn::ZERO)
+            .unwrap()
+            .map(|record| record.unwrap().bytes.to_vec())
+            .collect();
+        assert_eq!(read, payloads);
     }
 
     #[test]
