@@ -423,8 +423,7 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
             let mut driver_epoch = 1;
             while driver_epoch < epochs {
                 let resume = window / 2;
-                let ready =
-                    || driver_epoch - shared.committed.load(Ordering::SeqCst) <= resume;
+                let ready = || driver_epoch - shared.committed.load(Ordering::SeqCst) <= resume;
                 if !shared.wait_until(driver_epoch - resume, ready) {
                     return Ok(());
                 }
