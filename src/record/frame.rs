@@ -83,7 +83,7 @@ const ZEROS: [u8; ALIGN] = [0; ALIGN];
 /// One pass over contiguous memory plus four bytes: the same cost to write and to verify.
 pub fn frame_crc(frame: &[u8]) -> u32 {
     debug_assert!(frame.len() >= HEADER_LEN);
-    crc32c::crc32c_append(crc32c::crc32c(&frame[8..]), &frame[0..4])
+    super::crc::crc32c_of_two(&frame[8..], &frame[0..4])
 }
 
 /// Appends a complete frame (header, payload, padding) to `out`.

@@ -12,6 +12,7 @@
 //!
 //! This module does no I/O.
 
+pub(crate) mod crc;
 pub mod frame;
 
 use rkyv::{

@@ -58,7 +58,7 @@ pub(crate) fn run_endpoint<E: Endpoint>(
         // (the panicking message counts as consumed) and the next round carries on.
         let round = catch_unwind(AssertUnwindSafe(|| {
             consumer.drain_round(drain_batch, |envelope| {
-                let sampled = handled_total % HANDLER_TIME_SAMPLE_EVERY == 0;
+                let sampled = handled_total.is_multiple_of(HANDLER_TIME_SAMPLE_EVERY);
                 handled_total += 1;
                 // Single writer, plain stores: before every request (so a reply never shows a
                 // stale count) and after every round.
@@ -79,7 +79,7 @@ pub(crate) fn run_endpoint<E: Endpoint>(
                 // it waiting for a panic message: fail it, looking every so many rounds (a
                 // thread-local access) rather than after each.
                 rounds = rounds.wrapping_add(1);
-                if rounds % ORPHAN_CHECK_EVERY_ROUNDS == 0 && has_orphaned_replies() {
+                if rounds.is_multiple_of(ORPHAN_CHECK_EVERY_ROUNDS) && has_orphaned_replies() {
                     fail_replies_orphaned_by_panic("a panic caught inside the handler");
                 }
                 handled
@@ -152,7 +152,7 @@ impl IdlePhase {
         if !self.spin_over {
             self.polls += 1;
             // The clock is read every few polls only; a zero spin ends at once.
-            let check = spin.is_zero() || self.polls % POLLS_PER_CLOCK_READ == 0;
+            let check = spin.is_zero() || self.polls.is_multiple_of(POLLS_PER_CLOCK_READ);
             if !check || since.elapsed() < spin {
                 return IdleStep::Spin;
             }

@@ -359,7 +359,7 @@ impl WalConfig {
             |setting, value: String, reason| WalError::InvalidConfig { setting, value, reason };
         if self.segment_size_bytes < 4096
             || self.segment_size_bytes > 1 << 40
-            || self.segment_size_bytes % 16 != 0
+            || !self.segment_size_bytes.is_multiple_of(16)
         {
             return Err(invalid(
                 "segment_size_bytes",

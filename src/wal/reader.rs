@@ -273,7 +273,7 @@ pub(crate) fn read_bytes(shared: &Shared, handle: RecordHandle) -> Result<Record
     let segment = shared
         .segment(handle.segment)
         .ok_or(not_found("no such segment (cleaned, or never created)"))?;
-    if handle.offset < HEADER_LEN || handle.offset % frame::ALIGN as u64 != 0 {
+    if handle.offset < HEADER_LEN || !handle.offset.is_multiple_of(frame::ALIGN as u64) {
         return Err(not_found("offset is not a record boundary"));
     }
     let header_end = handle.offset + frame::HEADER_LEN as u64;
