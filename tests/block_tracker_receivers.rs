@@ -202,6 +202,9 @@ fn pipelined_receivers_and_a_batch_loop_recover_to_the_exact_state() {
                     }
                     seq += count;
                 }
+                // A `let`: the receipts borrow the receiver, which must outlive them (a tail
+                // expression's temporaries would be dropped after it).
+                #[allow(clippy::let_and_return)]
                 let all_logged = in_flight.into_iter().all(|receipt| receipt.wait());
                 all_logged
             })

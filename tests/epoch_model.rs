@@ -108,7 +108,7 @@ fn collaborators(case: &Case) -> (RecordingQuery, RecordingSink, CallLog) {
 
 /// A payload unique to operation `index`; every fifth one too long to be inline.
 fn payload(index: usize) -> Payload {
-    if index % 5 == 0 {
+    if index.is_multiple_of(5) {
         Payload::from(format!("a long payload that spills to the heap #{index}").into_bytes())
     } else {
         Payload::from(index as i64)

@@ -672,7 +672,6 @@ mod tests {
             while !consumer.is_drained() {
                 consumer.drain_round(32, &mut consume);
             }
-            drop(consume);
             let accepted: Vec<usize> =
                 producers.into_iter().map(|handle| handle.join().unwrap()).collect();
             assert_eq!(next_expected.to_vec(), accepted, "{kind}: consumed == accepted");

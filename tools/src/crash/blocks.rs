@@ -212,13 +212,13 @@ pub fn child(work: &Path, _seed: u64, iteration: u64) -> anyhow::Result<()> {
         }
         next_time = time + 1;
         allocations += 1;
-        if allocations % CLEANUP_EVERY == 0 {
+        if allocations.is_multiple_of(CLEANUP_EVERY) {
             // Forget the batches older than CLEANUP_AGE_MS (and delete old WAL segments),
             // as a driver does once batches are done. `c` says a cleanup may happen (its
             // batches may vanish), `C` that it is acknowledged (they must stay gone).
             let threshold = clock.now_ms().min(time) - CLEANUP_AGE_MS;
             print_line(&stdout, &format!("c {threshold}"))?;
-            let wait = iteration % 2 == 0;
+            let wait = iteration.is_multiple_of(2);
             let cleanup = CleanupOldBatches { threshold: BatchTime(threshold), wait };
             endpoint.ask(cleanup).wait_timeout(REPLY_TIMEOUT)?;
             print_line(&stdout, &format!("C {threshold}"))?;

@@ -47,7 +47,7 @@ const REPLY_TIMEOUT: Duration = Duration::from_secs(10);
 
 fn config(iteration: u64) -> WalConfig {
     let durability =
-        if iteration % 2 == 0 { Durability::default() } else { Durability::EveryRecord };
+        if iteration.is_multiple_of(2) { Durability::default() } else { Durability::EveryRecord };
     WalConfig { segment_size_bytes: 64 << 10, durability, ..WalConfig::default() }
 }
 
