@@ -93,8 +93,9 @@ pub struct EpochArgs {
     #[arg(long, default_value_t = 512)]
     pub batch: usize,
     /// How many epochs the producers may run ahead of the last committed epoch; 0 = auto
-    /// (about 64 Ki messages in flight, at least 4 epochs). The inbox's capacity is the other
-    /// bound: a full inbox makes `send_batch` wait.
+    /// (about 64 Ki messages in flight, at least 4 epochs). A producer held back resumes when
+    /// half of the window is free. The inbox's capacity is the other bound: a full inbox makes
+    /// `send_batch` wait.
     #[arg(long, default_value_t = 0)]
     pub window: i64,
     /// Commit durability: none (in memory), group (WAL, group commit) or every (WAL, a sync
