@@ -22,6 +22,7 @@ pub enum Pinning {
 
 /// What an endpoint thread does when its inbox is empty.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Idle {
     /// Spin for `spin`, then yield a few times, then park until a producer rings. Lowest
     /// latency for `spin` after the last message; costs nothing while idle for long. The
@@ -35,7 +36,9 @@ pub enum Idle {
     /// message) were short, at most [`Idle::SHORT_GAP`]. Otherwise spin just `SHORT_GAP`
     /// before yielding and parking. A spinning thread takes the core from the threads that
     /// would produce its messages when there are more busy threads than cores, and a gap
-    /// longer than a wake-up costs less CPU parked than spun (the default).
+    /// longer than a wake-up costs less CPU parked than spun (the default). The trade: a
+    /// message after a gap between `SHORT_GAP` and `max_spin` finds the thread parked and
+    /// waits for its wake-up (microseconds); pick `SpinThenPark` to avoid that.
     Adaptive {
         /// The longest spin, used while recent gaps were short.
         max_spin: Duration,

@@ -58,6 +58,11 @@ pub(crate) fn run_endpoint<E: Endpoint>(
         // (the panicking message counts as consumed) and the next round carries on.
         let round = catch_unwind(AssertUnwindSafe(|| {
             consumer.drain_round(drain_batch, |envelope| {
+                // The first message after an idle period ends its gap (before any handling
+                // time; one branch per message, one clock read per idle period).
+                if let Some(since) = idle_since.take() {
+                    spin_budget.record_gap(since.elapsed());
+                }
                 let sampled = handled_total.is_multiple_of(HANDLER_TIME_SAMPLE_EVERY);
                 handled_total += 1;
                 // Single writer, plain stores: before every request (so a reply never shows a
@@ -93,9 +98,6 @@ pub(crate) fn run_endpoint<E: Endpoint>(
             }
         };
         if handled > 0 {
-            if let Some(since) = idle_since.take() {
-                spin_budget.record_gap(since.elapsed());
-            }
             idle = IdlePhase::default();
             continue;
         }
@@ -273,12 +275,15 @@ mod tests {
     #[test]
     fn adaptive_spin_follows_the_majority_of_recent_gaps() {
         let mut budget = adaptive();
-        // Alternating short and long gaps: half are short, not most.
+        // One short gap in three: a minority, whichever gap came last.
         for _ in 0..32 {
             budget.record_gap(Idle::SHORT_GAP);
             budget.record_gap(LONG_GAP);
+            budget.record_gap(LONG_GAP);
         }
         assert_eq!(budget.spin(), Idle::SHORT_GAP);
+        budget.record_gap(Idle::SHORT_GAP);
+        assert_eq!(budget.spin(), Idle::SHORT_GAP, "one short gap does not flip it");
         // Three short gaps in four: most are short.
         for _ in 0..32 {
             budget.record_gap(Idle::SHORT_GAP);
@@ -319,7 +324,9 @@ mod tests {
         for _ in 1..YIELDS_BEFORE_PARK {
             assert_eq!(phase.next_step(since, spin), IdleStep::Yield);
         }
-        assert_eq!(phase.next_step(since, spin), IdleStep::Park);
+        for _ in 0..3 * POLLS_PER_CLOCK_READ {
+            assert_eq!(phase.next_step(since, spin), IdleStep::Park, "parks from now on");
+        }
     }
 
     #[test]

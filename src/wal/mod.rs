@@ -24,9 +24,11 @@
 //! same pass (hardware CRC32C: a few nanoseconds for a 96-byte frame). The sync thread swaps
 //! the staging buffer for an empty one, writes it with one submission (io_uring) or a few
 //! `pwrite`s, and syncs; then it publishes the durable LSN and runs the durability callbacks.
-//! Appenders never wait for I/O; they wait only when the staging buffer is full (two groups of
-//! `max_bytes`, at most [`STAGING_LIMIT_BYTES`]): back-pressure, so memory stays bounded and
-//! the buffers stay warm when the disk is slower than the appenders.
+//! Appenders never wait for I/O; they wait only when their frame does not fit in the staging
+//! buffer (two groups of `max_bytes`, at most [`STAGING_LIMIT_BYTES`]; a larger frame waits
+//! for an empty buffer and goes alone), and then wake the sync thread at once: back-pressure,
+//! so memory stays bounded and the buffers stay warm when the disk is slower than the
+//! appenders. Waiting appenders go before newcomers.
 //!
 //! ## Pipelined group commit (io_uring path)
 //! On the io_uring path the sync thread does not wait for a group's sync before taking the
@@ -164,9 +166,9 @@ use crate::{
     record::{self, frame, Checked, Record},
 };
 
-/// Most bytes the staging buffer may hold before appenders wait for the sync thread. The limit
-/// in force is twice the group size (`max_bytes`) clamped to 1 MiB ..= this, or 8 MiB without
-/// group commit.
+/// Most bytes the staging buffer may hold before appenders wait for the sync thread (a single
+/// frame larger than the limit is staged alone). The limit in force is twice the group size
+/// (`max_bytes`) clamped to 1 MiB ..= this, or 8 MiB without group commit.
 pub const STAGING_LIMIT_BYTES: usize = 64 << 20;
 
 /// The staging limit for `durability`.
@@ -542,6 +544,12 @@ impl WriterWait {
 }
 
 impl AppendState {
+    /// Whether the staged group may keep growing under group commit: it is not full, the log
+    /// is not closing, and no appender waits for room (then the group is due at once).
+    pub(crate) fn group_may_grow(&self, max_bytes: usize) -> bool {
+        !self.closing && self.buf.len() < max_bytes && self.space_waiters == 0
+    }
+
     /// Records how the sync thread waits.
     pub(crate) fn set_writer_wait(&mut self, wait: WriterWait) {
         self.writer_wait = wait;
@@ -1035,6 +1043,7 @@ impl Wal {
         };
         let staging_limit = staging_limit(shared.config.durability);
         let mut state = lock(&shared.append);
+        let mut waited = false;
         loop {
             if state.closing {
                 return Err(if shared.read_only { WalError::ReadOnly } else { WalError::Closed });
@@ -1044,13 +1053,27 @@ impl Wal {
             }
             // The frame must fit in the limit (the buffers are allocated at the limit: one
             // that overflowed was reallocated, and the copy faulted in fresh pages each time);
-            // a frame larger than the limit goes into an empty buffer alone.
-            if state.buf.is_empty() || state.buf.len() + frame_len as usize <= staging_limit {
+            // a frame larger than the limit goes into an empty buffer alone. Appenders already
+            // waiting go before newcomers, so a large frame is not starved by small ones.
+            let fits =
+                state.buf.is_empty() || state.buf.len() + frame_len as usize <= staging_limit;
+            if fits && (waited || state.space_waiters == 0 || state.buf.is_empty()) {
                 break;
+            }
+            // Someone waits for room: the group is due now, not after its delay.
+            if state.writer_wait.wants_wake(false, true) {
+                let in_ring = state.writer_wait.in_ring();
+                state.set_writer_wait(WriterWait::Running);
+                if in_ring {
+                    shared.wake_ring();
+                } else {
+                    shared.writer_cv.notify_one();
+                }
             }
             state.space_waiters += 1;
             state = shared.space_cv.wait(state).unwrap_or_else(std::sync::PoisonError::into_inner);
             state.space_waiters -= 1;
+            waited = true;
         }
         let needs_new = match &state.active {
             None => true,
@@ -1500,6 +1523,29 @@ mod tests {
             .map(|record| record.unwrap().bytes.to_vec())
             .collect();
         assert_eq!(read, payloads);
+    }
+
+    #[test]
+    fn an_appender_waiting_for_room_has_the_group_written_without_waiting_out_its_delay() {
+        let dir = tempfile::tempdir().unwrap();
+        // The limit equals the group size here (64 MiB), so a group can leave no room for a
+        // frame before it is full; its delay is far longer than this test may take.
+        let max_delay = Duration::from_secs(60);
+        let durability = Durability::GroupCommit { max_delay, max_bytes: STAGING_LIMIT_BYTES };
+        assert_eq!(staging_limit(durability), STAGING_LIMIT_BYTES);
+        let config =
+            WalConfig { durability, segment_size_bytes: 256 << 20, ..WalConfig::default() };
+        let wal = Wal::open(dir.path(), config).unwrap();
+        let mib = vec![3u8; 1 << 20];
+        for _ in 0..63 {
+            wal.append_bytes_now(&mib).unwrap();
+        }
+        let started = Instant::now();
+        let (last, _) = wal.append_bytes_now(&vec![4u8; 2 << 20]).unwrap();
+        let waited = started.elapsed();
+        assert!(waited < max_delay / 10, "the appender waited {waited:?} for room");
+        wal.close().unwrap();
+        assert_eq!(wal.durable_lsn(), last);
     }
 
     #[test]

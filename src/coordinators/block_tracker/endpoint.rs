@@ -502,9 +502,7 @@ impl Endpoint for BlockTrackerEndpoint {
                     return Ok(());
                 }
                 match blocks {
-                    LoggedPayload::One(info) => {
-                        self.tracker.apply_logged_additions(lsn, std::iter::once(info))
-                    }
+                    LoggedPayload::One(info) => self.tracker.enqueue(lsn, info),
                     LoggedPayload::Many(infos) => self.tracker.apply_logged_additions(lsn, infos),
                 }
                 if lsn > self.applied_lsn {

@@ -501,7 +501,7 @@ impl ReceivedBlockTracker {
             return;
         };
         if blocks.len() == 1 {
-            // Kept inline in its chunk; the vector goes back to the receivers.
+            // Kept inline in its chunk; a batch-sized vector goes back to the receivers.
             let chunk = blocks.drain(..).collect();
             self.unallocated.entry(first).or_default().push(lsn, chunk);
             self.recycled.give_back(blocks);
@@ -514,11 +514,13 @@ impl ReceivedBlockTracker {
         }
         // Several streams (a receiver rotating over streams; Spark's serve one each): the
         // first stream's blocks stay in the record's vector, the others move out, in one pass.
-        let mut others = self.recycled.take();
+        let moved = blocks.iter().filter(|info| info.stream_id() != first).count();
+        let mut others = self.vector_with_capacity(moved);
         others.extend(blocks.extract_if(.., |info| info.stream_id() != first));
         self.unallocated.entry(first).or_default().push(lsn, ChunkBlocks::from_vec(blocks));
         let Some(second) = others.first().map(ReceivedBlockInfo::stream_id) else {
-            return; // Not reached: the record had a block of another stream.
+            debug_assert!(false, "the record had a block of another stream");
+            return;
         };
         if others.iter().all(|info| info.stream_id() == second) {
             self.unallocated.entry(second).or_default().push(lsn, ChunkBlocks::from_vec(others));
@@ -532,7 +534,9 @@ impl ReceivedBlockTracker {
         }
         let mut by_stream: BTreeMap<StreamId, ChunkBlocks> = counts
             .into_iter()
-            .map(|(stream, count)| (stream, self.chunk_with_capacity(count)))
+            .map(|(stream, count)| {
+                (stream, ChunkBlocks::from_vec(self.vector_with_capacity(count)))
+            })
             .collect();
         for info in others.drain(..) {
             by_stream.entry(info.stream_id()).or_default().push(info);
@@ -543,13 +547,14 @@ impl ReceivedBlockTracker {
         }
     }
 
-    /// An empty chunk with room for `count` blocks: inline for one, else a recycled vector
-    /// when one is large enough.
-    fn chunk_with_capacity(&self, count: usize) -> ChunkBlocks {
-        if count > 1 && count <= receiver::COMBINE_MAX_BLOCKS {
-            ChunkBlocks::from_vec(self.recycled.take())
+    /// An empty vector with room for `count` blocks: a recycled batch-sized one when `count`
+    /// fills at least half of it (so that a queued chunk never holds more than twice the
+    /// memory its blocks need), else one of exactly that capacity.
+    fn vector_with_capacity(&self, count: usize) -> Vec<ReceivedBlockInfo> {
+        if (receiver::COMBINE_MAX_BLOCKS / 2..=receiver::COMBINE_MAX_BLOCKS).contains(&count) {
+            self.recycled.take()
         } else {
-            ChunkBlocks::with_capacity(count)
+            Vec::with_capacity(count)
         }
     }
 
@@ -570,9 +575,7 @@ impl ReceivedBlockTracker {
         let mut bounds = Vec::with_capacity(self.stream_ids.len());
         let blocks = AllocatedBlocks::new(self.stream_ids.iter().map(|stream| {
             let (infos, stream_bounds) = match self.unallocated.get_mut(stream) {
-                Some(queue) if !queue.is_empty() => {
-                    queue.take(take_spare(&mut self.spare), &self.recycled)
-                }
+                Some(queue) if !queue.is_empty() => queue.take(&mut self.spare, &self.recycled),
                 _ => Default::default(),
             };
             bounds.push(stream_bounds);
@@ -692,6 +695,9 @@ impl ReceivedBlockTracker {
                     if blocks.capacity() >= SPARE_CAPACITY_MIN && self.spare.len() < SPARE_MAX {
                         blocks.clear();
                         self.spare.push(blocks);
+                    } else {
+                        // A receiver's record vector that became a batch as it was.
+                        self.recycled.give_back(blocks);
                     }
                 }
             }
@@ -888,12 +894,6 @@ impl ReceivedBlockTracker {
     }
 }
 
-/// The largest spare block vector, if any.
-fn take_spare(spare: &mut Vec<Vec<ReceivedBlockInfo>>) -> Option<Vec<ReceivedBlockInfo>> {
-    let largest = (0..spare.len()).max_by_key(|index| spare[*index].capacity())?;
-    Some(spare.swap_remove(largest))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -914,34 +914,47 @@ mod tests {
         blocks.iter().map(|block| block.block_id().unique_id).collect()
     }
 
+    /// A record's blocks in a vector of a receiver's batch size, as receivers hand them over.
+    fn record(blocks: &[ReceivedBlockInfo]) -> Vec<ReceivedBlockInfo> {
+        let mut record = Vec::with_capacity(receiver::COMBINE_MAX_BLOCKS);
+        record.extend_from_slice(blocks);
+        record
+    }
+
     #[test]
     fn logged_records_of_one_two_and_three_streams_queue_each_block_in_its_stream_in_order() {
         let config = BlockTrackerConfig::new([StreamId(1), StreamId(2), StreamId(3)]);
         let mut tracker = ReceivedBlockTracker::with_log(config, Arc::new(SystemClock), None)
             .expect("no log to replay");
-        tracker.apply_logged_additions(Lsn(1), vec![info(1, 10)]);
-        tracker.apply_logged_additions(Lsn(2), vec![info(2, 20), info(2, 21)]);
+        let recycled = tracker.recycled_vectors();
+        // One block: queued inline, its vector recycled at once.
+        tracker.apply_logged_additions(Lsn(1), record(&[info(1, 10)]));
+        assert_eq!(recycled.len(), 1);
+        tracker.apply_logged_additions(Lsn(2), record(&[info(2, 20), info(2, 21)]));
         tracker.apply_logged_additions(
             Lsn(3),
-            vec![info(1, 11), info(2, 22), info(1, 12), info(2, 23), info(1, 13)],
+            record(&[info(1, 11), info(2, 22), info(1, 12), info(2, 23), info(1, 13)]),
         );
         tracker.apply_logged_additions(
             Lsn(4),
-            vec![info(3, 30), info(1, 14), info(2, 24), info(3, 31), info(2, 25)],
+            record(&[info(3, 30), info(1, 14), info(2, 24), info(3, 31), info(2, 25)]),
         );
         assert_eq!(ids(&tracker.unallocated_blocks(StreamId(1))), [10, 11, 12, 13, 14]);
         assert_eq!(ids(&tracker.unallocated_blocks(StreamId(2))), [20, 21, 22, 23, 24, 25]);
         assert_eq!(ids(&tracker.unallocated_blocks(StreamId(3))), [30, 31]);
-        // Every vector a record arrived in, or that its other streams' blocks moved to, went
-        // back to the receivers' pool or into a queue: none is left over.
-        let recycled = tracker.recycled_vectors();
-        let pooled_before = recycled.len();
+        assert_eq!(recycled.len(), 1, "the other vectors are queued chunks");
+        // Allocating empties the chunks: the batch-sized vectors of records 2 and 3 (stream
+        // 1 and 2 have several chunks) go back; stream 3's one chunk is the allocation's
+        // vector; the small vectors the other streams' blocks moved to are freed.
         tracker.allocate_blocks_to_batch(BatchTime(100)).expect("no log to fail");
-        assert!(recycled.len() > pooled_before, "the queues' vectors were handed back");
+        assert_eq!(recycled.len(), 3);
         let batch = tracker.blocks_of_batch(BatchTime(100));
         assert_eq!(ids(batch.blocks_of_stream(StreamId(1))), [10, 11, 12, 13, 14]);
         assert_eq!(ids(batch.blocks_of_stream(StreamId(2))), [20, 21, 22, 23, 24, 25]);
         assert_eq!(ids(batch.blocks_of_stream(StreamId(3))), [30, 31]);
+        // Cleaning the batch up recycles stream 3's record vector too.
+        tracker.cleanup_old_batches(BatchTime(101), false).expect("no log to fail");
+        assert_eq!(recycled.len(), 4);
     }
 
     #[test]

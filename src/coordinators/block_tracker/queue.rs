@@ -78,12 +78,12 @@ impl StreamQueue {
         blocks
     }
 
-    /// Empties the queue into one vector in log order (`spare`'s memory if given, and large
-    /// enough), plus the chunk bounds for `restore`. The emptied chunks' vectors go back to
+    /// Empties the queue into one vector in log order (the smallest of `spares` large enough,
+    /// if any), plus the chunk bounds for `restore`. The emptied chunks' vectors go back to
     /// `recycled`.
     pub(super) fn take(
         &mut self,
-        spare: Option<Vec<ReceivedBlockInfo>>,
+        spares: &mut Vec<Vec<ReceivedBlockInfo>>,
         recycled: &BlockVecPool,
     ) -> (Vec<ReceivedBlockInfo>, Bounds) {
         self.sort();
@@ -95,16 +95,10 @@ impl StreamQueue {
             let chunk = self.chunks.pop_front().expect("one chunk");
             return (chunk.blocks.into_vec(), bounds);
         }
-        // A spare too small would be reallocated, copying its old (unused) capacity.
-        let mut blocks = match spare {
-            Some(mut spare) if spare.capacity() >= len => {
-                spare.clear();
-                spare
-            }
-            // A quarter more than needed: the vector returns as a spare when its batch is
-            // cleaned up, and then fits the next batches unless they are much larger.
-            _ => Vec::with_capacity(len + len / 4),
-        };
+        // A quarter more than needed when new: the vector returns as a spare when its batch
+        // is cleaned up, and then fits the next batches unless they are much larger.
+        let mut blocks =
+            take_fitting_spare(spares, len).unwrap_or_else(|| Vec::with_capacity(len + len / 4));
         // Drained, not taken: the chunk list keeps its memory for the next batch.
         for chunk in self.chunks.drain(..) {
             if chunk.blocks.spilled() {
@@ -179,6 +173,20 @@ impl StreamQueue {
     }
 }
 
+/// The smallest of `spares` with room for `len` blocks, emptied (a smaller one would be
+/// reallocated, copying its unused capacity; a much larger one would sit in a small batch).
+fn take_fitting_spare(
+    spares: &mut Vec<Vec<ReceivedBlockInfo>>,
+    len: usize,
+) -> Option<Vec<ReceivedBlockInfo>> {
+    let index = (0..spares.len())
+        .filter(|index| spares[*index].capacity() >= len)
+        .min_by_key(|index| spares[*index].capacity())?;
+    let mut spare = spares.swap_remove(index);
+    spare.clear();
+    Some(spare)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -206,7 +214,11 @@ mod tests {
     fn observers_see_log_order_whatever_the_arrival_order() {
         let mut queue = queue(&[(5, &[50, 51]), (3, &[30]), (7, &[70]), (4, &[40, 41])]);
         assert_eq!(ids(&queue.to_vec()), [30, 40, 41, 50, 51, 70]);
-        let (taken, bounds) = queue.take(Some(Vec::with_capacity(2)), &BlockVecPool::default());
+        let mut spares =
+            vec![Vec::with_capacity(100), Vec::with_capacity(2), Vec::with_capacity(6)];
+        let (taken, bounds) = queue.take(&mut spares, &BlockVecPool::default());
+        assert_eq!(taken.capacity(), 6, "the smallest spare that fits");
+        assert_eq!(spares.len(), 2, "the others stay spares");
         assert_eq!(ids(&taken), [30, 40, 41, 50, 51, 70]);
         assert!(queue.is_empty());
         queue.push(Lsn(9), [info(90)].into_iter().collect());

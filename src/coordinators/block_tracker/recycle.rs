@@ -9,8 +9,10 @@
 //! receivers' time). The tracker gives emptied vectors back to this pool instead, and a
 //! receiver takes one when it starts a batch.
 //!
-//! Bounded: at most [`POOL_VECTORS`] vectors of the batch size are kept (about 20 MB of 80-byte
-//! blocks); the rest are freed as before. Lock-free: a bounded `ArrayQueue`.
+//! Bounded: at most [`POOL_VECTORS`] vectors of one to two batch sizes are kept (at most
+//! ~38 MB of 72-byte blocks); the rest are freed as before. Lock-free: crossbeam's bounded
+//! `ArrayQueue`, used directly (not through `crate::sync`): the loom models cover the
+//! crate's own protocols, and this is a plain queue of owned values.
 
 use crossbeam_queue::ArrayQueue;
 

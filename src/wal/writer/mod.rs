@@ -435,7 +435,7 @@ impl Writer {
             return Take::Wait;
         }
         if let Durability::GroupCommit { max_bytes, .. } = shared.config.durability {
-            if !state.closing && state.buf.len() < max_bytes {
+            if state.group_may_grow(max_bytes) {
                 // Earlier groups are on their way to durability: this one could not become
                 // durable before the next sync anyway, so it keeps growing until they are
                 // done (then `take_group` applies the delay) or it is full: one write and one
@@ -462,7 +462,7 @@ impl Writer {
             }
             if !state.chunks.is_empty() {
                 if let Durability::GroupCommit { max_delay, max_bytes } = shared.config.durability {
-                    if !state.closing && state.buf.len() < max_bytes {
+                    if state.group_may_grow(max_bytes) {
                         let deadline =
                             state.group_started.expect("set with the first chunk") + max_delay;
                         let now = Instant::now();

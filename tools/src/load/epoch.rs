@@ -6,10 +6,11 @@
 //! driver thread plays the epoch update thread: it asks `IncrementAndGetEpoch` whenever the
 //! producers need the next epoch. As in Spark, tasks only start an epoch the driver announced,
 //! and (flow control of this tool) they stay at most `--window` epochs ahead of the last
-//! committed one. A thread held back by the window resumes when half of it is free (and a
-//! commit wakes only a thread whose wait it ends): resuming at every commit made the endpoint
-//! wake a parked producer once per epoch, ~6% of its time with durability on. The query collaborator timestamps every commit; the commit latency of an epoch
-//! is from the moment its last message was handed to the bus to its commit.
+//! committed one. A thread held back by the window resumes only when half of it is free, and
+//! a commit wakes parked threads only when it reaches an epoch one of them waits for: each
+//! wake-up is a futex call on the endpoint thread, which runs the commits. The query
+//! collaborator timestamps every commit; the commit latency of an epoch is from the moment its
+//! last message was handed to the bus to its commit.
 //!
 //! `--baseline reference` then applies the same message stream (the producers' batches in
 //! round-robin order) to the reference model and, for comparison, to the fast state machine,
@@ -369,9 +370,9 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
             let mut ends: Vec<(i64, usize)> = Vec::new();
             barrier.wait();
             let mut next = 1;
+            // Held back by the window: resume once half of it is free (module doc).
+            let resume = (window / 2).max(1);
             while next <= epochs {
-                // Held back by the window: resume once half of it is free (module doc).
-                let resume = (window / 2).max(1);
                 let ready = || {
                     shared.driver_epoch.load(Ordering::Acquire) >= next
                         && next - shared.committed.load(Ordering::SeqCst) <= resume
@@ -422,8 +423,8 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
         std::thread::spawn(move || -> anyhow::Result<()> {
             barrier.wait();
             let mut driver_epoch = 1;
+            let resume = window / 2;
             while driver_epoch < epochs {
-                let resume = window / 2;
                 let ready = || driver_epoch - shared.committed.load(Ordering::SeqCst) <= resume;
                 if !shared.wait_until(driver_epoch - resume, ready) {
                     return Ok(());
