@@ -28,7 +28,8 @@
 //! buffer (two groups of `max_bytes`, at most [`STAGING_LIMIT_BYTES`]; a larger frame waits
 //! for an empty buffer and goes alone), and then wake the sync thread at once: back-pressure,
 //! so memory stays bounded and the buffers stay warm when the disk is slower than the
-//! appenders. Waiting appenders go before newcomers.
+//! appenders. (Waiters have no priority over newcomers: a frame near the limit can wait
+//! several groups while small appends keep the buffer from emptying.)
 //!
 //! ## Pipelined group commit (io_uring path)
 //! On the io_uring path the sync thread does not wait for a group's sync before taking the
@@ -1043,7 +1044,6 @@ impl Wal {
         };
         let staging_limit = staging_limit(shared.config.durability);
         let mut state = lock(&shared.append);
-        let mut waited = false;
         loop {
             if state.closing {
                 return Err(if shared.read_only { WalError::ReadOnly } else { WalError::Closed });
@@ -1053,11 +1053,8 @@ impl Wal {
             }
             // The frame must fit in the limit (the buffers are allocated at the limit: one
             // that overflowed was reallocated, and the copy faulted in fresh pages each time);
-            // a frame larger than the limit goes into an empty buffer alone. Appenders already
-            // waiting go before newcomers, so a large frame is not starved by small ones.
-            let fits =
-                state.buf.is_empty() || state.buf.len() + frame_len as usize <= staging_limit;
-            if fits && (waited || state.space_waiters == 0 || state.buf.is_empty()) {
+            // a frame larger than the limit goes into an empty buffer alone.
+            if state.buf.is_empty() || state.buf.len() + frame_len as usize <= staging_limit {
                 break;
             }
             // Someone waits for room: the group is due now, not after its delay.
@@ -1073,7 +1070,6 @@ impl Wal {
             state.space_waiters += 1;
             state = shared.space_cv.wait(state).unwrap_or_else(std::sync::PoisonError::into_inner);
             state.space_waiters -= 1;
-            waited = true;
         }
         let needs_new = match &state.active {
             None => true,
