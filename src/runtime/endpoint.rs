@@ -155,7 +155,7 @@ pub(crate) fn on_endpoint_thread() -> bool {
 }
 
 /// Marks the calling thread as an endpoint thread (unit tests of the panic path).
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 pub(crate) fn mark_as_endpoint_thread() {
     CURRENT_INBOX.with(|current| current.set(usize::MAX));
 }
