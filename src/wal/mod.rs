@@ -28,8 +28,13 @@
 //! buffer (two groups of `max_bytes`, at most [`STAGING_LIMIT_BYTES`]; a larger frame waits
 //! for an empty buffer and goes alone), and then wake the sync thread at once: back-pressure,
 //! so memory stays bounded and the buffers stay warm when the disk is slower than the
-//! appenders. (Waiters have no priority over newcomers: a frame near the limit can wait
-//! several groups while small appends keep the buffer from emptying.)
+//! appenders. Waiting is first come, first served, by reservation: a waiter queues the size
+//! of its frame, the oldest waiter goes as soon as its frame fits (a frame larger than the
+//! limit: as soon as the buffer is empty), each later waiter only once its frame fits beside
+//! the frames of the waiters ahead of it, and a newcomer only once it fits beside all of
+//! them. So a large frame waits for at most the groups in front of it, never for a stream of
+//! small appends, while small newcomers still use whatever room the waiters leave (they do
+//! not sleep through a group just because someone waits).
 //!
 //! ## Pipelined group commit (io_uring path)
 //! On the io_uring path the sync thread does not wait for a group's sync before taking the
@@ -142,7 +147,7 @@ pub(crate) mod writer;
 pub use self::writer::uring::DIRECT_GROUP_BYTES as URING_DIRECT_GROUP_BYTES;
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, VecDeque},
     path::{Path, PathBuf},
     sync::{
         atomic::{AtomicBool, AtomicU64, Ordering},
@@ -506,12 +511,21 @@ pub(crate) struct AppendState {
     pub(crate) group_started: Option<Instant>,
     /// How the sync thread waits, which decides when an appender must wake it.
     pub(crate) writer_wait: WriterWait,
-    /// Appenders waiting on `space_cv`.
-    pub(crate) space_waiters: usize,
+    /// Appenders waiting on `space_cv` for room, oldest first (module doc, "Data path").
+    pub(crate) room_waiters: VecDeque<RoomWaiter>,
+    /// Ticket the next waiter for room gets.
+    pub(crate) next_room_ticket: u64,
     /// `close` was called: appends are rejected, the sync thread drains and exits.
     pub(crate) closing: bool,
     pub(crate) appends: u64,
     pub(crate) bytes: u64,
+}
+
+/// An appender waiting for staging room, and the room it reserved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RoomWaiter {
+    ticket: u64,
+    frame_len: usize,
 }
 
 /// How the sync thread waits, which decides when an appender must wake it.
@@ -548,7 +562,37 @@ impl AppendState {
     /// Whether the staged group may keep growing under group commit: it is not full, the log
     /// is not closing, and no appender waits for room (then the group is due at once).
     pub(crate) fn group_may_grow(&self, max_bytes: usize) -> bool {
-        !self.closing && self.buf.len() < max_bytes && self.space_waiters == 0
+        !self.closing && self.buf.len() < max_bytes && self.room_waiters.is_empty()
+    }
+
+    /// Whether a frame of `frame_len` bytes may be staged now under `limit`, by the waiter
+    /// holding `ticket` or by a newcomer (`None`): it must fit beside the staged bytes and the
+    /// frames of the waiters ahead of it (all of them, for a newcomer). With nothing staged
+    /// and nobody ahead, any frame goes (one larger than the limit goes alone).
+    fn has_room(&self, frame_len: usize, limit: usize, ticket: Option<u64>) -> bool {
+        let reserved_ahead: usize = self
+            .room_waiters
+            .iter()
+            .take_while(|waiter| Some(waiter.ticket) != ticket)
+            .map(|waiter| waiter.frame_len)
+            .sum();
+        (self.buf.is_empty() && reserved_ahead == 0)
+            || self.buf.len() + reserved_ahead + frame_len <= limit
+    }
+
+    /// Queues a waiter for room for a frame of `frame_len` bytes; returns its ticket.
+    fn queue_room_waiter(&mut self, frame_len: usize) -> u64 {
+        let ticket = self.next_room_ticket;
+        self.next_room_ticket += 1;
+        self.room_waiters.push_back(RoomWaiter { ticket, frame_len });
+        ticket
+    }
+
+    /// Removes the waiter holding `ticket` (it got its room, or gives up).
+    fn remove_room_waiter(&mut self, ticket: Option<u64>) {
+        if let Some(ticket) = ticket {
+            self.room_waiters.retain(|waiter| waiter.ticket != ticket);
+        }
     }
 
     /// Records how the sync thread waits.
@@ -928,7 +972,8 @@ impl Wal {
                 chunks: Vec::new(),
                 group_started: None,
                 writer_wait: WriterWait::Running,
-                space_waiters: 0,
+                room_waiters: VecDeque::new(),
+                next_room_ticket: 0,
                 closing: options.read_only,
                 appends: 0,
                 bytes: 0,
@@ -1043,34 +1088,8 @@ impl Wal {
             _ => None,
         };
         let staging_limit = staging_limit(shared.config.durability);
-        let mut state = lock(&shared.append);
-        loop {
-            if state.closing {
-                return Err(if shared.read_only { WalError::ReadOnly } else { WalError::Closed });
-            }
-            if shared.failed_flag.load(Ordering::Acquire) {
-                return Err(shared.failed_error());
-            }
-            // The frame must fit in the limit (the buffers are allocated at the limit: one
-            // that overflowed was reallocated, and the copy faulted in fresh pages each time);
-            // a frame larger than the limit goes into an empty buffer alone.
-            if state.buf.is_empty() || state.buf.len() + frame_len as usize <= staging_limit {
-                break;
-            }
-            // Someone waits for room: the group is due now, not after its delay.
-            if state.writer_wait.wants_wake(false, true) {
-                let in_ring = state.writer_wait.in_ring();
-                state.set_writer_wait(WriterWait::Running);
-                if in_ring {
-                    shared.wake_ring();
-                } else {
-                    shared.writer_cv.notify_one();
-                }
-            }
-            state.space_waiters += 1;
-            state = shared.space_cv.wait(state).unwrap_or_else(std::sync::PoisonError::into_inner);
-            state.space_waiters -= 1;
-        }
+        let mut state =
+            self.wait_for_room(lock(&shared.append), frame_len as usize, staging_limit)?;
         let needs_new = match &state.active {
             None => true,
             Some(active) => {
@@ -1137,6 +1156,55 @@ impl Wal {
             shared.writer_cv.notify_one();
         }
         Ok((Lsn(lsn), RecordHandle { segment, offset, len: payload.len() as u32 }))
+    }
+
+    /// Waits until a frame of `frame_len` bytes may be staged (`AppendState::has_room`, first
+    /// come first served), waking the sync thread so that the staged group is written at once.
+    /// Returns the append lock, or the error that ends the wait (closed or failed log).
+    fn wait_for_room<'a>(
+        &'a self,
+        mut state: MutexGuard<'a, AppendState>,
+        frame_len: usize,
+        staging_limit: usize,
+    ) -> Result<MutexGuard<'a, AppendState>, WalError> {
+        let shared = &*self.shared;
+        let mut ticket = None;
+        loop {
+            let refusal = if state.closing {
+                Some(if shared.read_only { WalError::ReadOnly } else { WalError::Closed })
+            } else if shared.failed_flag.load(Ordering::Acquire) {
+                Some(shared.failed_error())
+            } else {
+                None
+            };
+            if let Some(error) = refusal {
+                state.remove_room_waiter(ticket);
+                drop(state);
+                // The waiters behind this one may go now.
+                shared.space_cv.notify_all();
+                return Err(error);
+            }
+            // The frame must fit in the limit (the buffers are allocated at the limit: one
+            // that overflowed was reallocated, and the copy faulted in fresh pages each time).
+            if state.has_room(frame_len, staging_limit, ticket) {
+                state.remove_room_waiter(ticket);
+                return Ok(state);
+            }
+            // Someone waits for room: the group is due now, not after its delay.
+            if state.writer_wait.wants_wake(false, true) {
+                let in_ring = state.writer_wait.in_ring();
+                state.set_writer_wait(WriterWait::Running);
+                if in_ring {
+                    shared.wake_ring();
+                } else {
+                    shared.writer_cv.notify_one();
+                }
+            }
+            if ticket.is_none() {
+                ticket = Some(state.queue_room_waiter(frame_len));
+            }
+            state = shared.space_cv.wait(state).unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
     }
 
     /// Starts a new active segment for a record with time `time_ms` (SPEC E.2 window rule).
@@ -1542,6 +1610,178 @@ mod tests {
         assert!(waited < max_delay / 10, "the appender waited {waited:?} for room");
         wal.close().unwrap();
         assert_eq!(wal.durable_lsn(), last);
+    }
+
+    /// Staging state with `staged` bytes in the buffer and nobody waiting.
+    fn staging_with(staged: usize) -> AppendState {
+        AppendState {
+            next_lsn: 1,
+            active: None,
+            offset: SEGMENT_HEADER_LEN,
+            next_segment_id: 0,
+            buf: vec![0; staged],
+            chunks: Vec::new(),
+            group_started: None,
+            writer_wait: WriterWait::Running,
+            room_waiters: VecDeque::new(),
+            next_room_ticket: 0,
+            closing: false,
+            appends: 0,
+            bytes: 0,
+        }
+    }
+
+    #[test]
+    fn room_goes_to_waiters_first_come_first_served_and_newcomers_wait_behind_them() {
+        let limit = 1000;
+        let mut state = staging_with(900);
+        assert!(!state.has_room(300, limit, None));
+        let first = state.queue_room_waiter(300);
+        let huge = state.queue_room_waiter(1500);
+        // The group is swapped out.
+        state.buf.clear();
+        assert!(state.has_room(300, limit, Some(first)));
+        assert!(!state.has_room(1500, limit, Some(huge)), "it is behind the first waiter");
+        assert!(!state.has_room(10, limit, None), "a newcomer is behind both");
+        state.remove_room_waiter(Some(first));
+        state.buf.resize(300, 0);
+        // A frame larger than the limit waits for an empty buffer, and newcomers wait for it.
+        assert!(!state.has_room(1500, limit, Some(huge)));
+        assert!(!state.has_room(10, limit, None));
+        state.buf.clear();
+        assert!(state.has_room(1500, limit, Some(huge)));
+        state.remove_room_waiter(Some(huge));
+        assert!(state.room_waiters.is_empty());
+        assert!(state.has_room(10, limit, None));
+    }
+
+    #[test]
+    fn a_waiter_for_a_small_frame_leaves_newcomers_the_rest_of_the_room() {
+        let limit = 1000;
+        let mut state = staging_with(950);
+        let waiter = state.queue_room_waiter(100);
+        assert!(!state.group_may_grow(usize::MAX), "a waiter makes the group due");
+        state.buf.clear();
+        assert!(state.has_room(900, limit, None));
+        assert!(!state.has_room(901, limit, None));
+        state.buf.resize(900, 0);
+        assert!(state.has_room(100, limit, Some(waiter)));
+    }
+
+    /// A file layer whose writes wait until the test opens its gate (no descriptor, so the
+    /// io_uring engine writes through `write_at` too).
+    #[derive(Debug, Default)]
+    struct GatedStorage {
+        gate: Arc<Gate>,
+    }
+
+    #[derive(Debug, Default)]
+    struct Gate {
+        open: Mutex<bool>,
+        opened: Condvar,
+        writers_held: AtomicU64,
+    }
+
+    #[derive(Debug)]
+    struct GatedFile {
+        inner: Arc<dyn StorageFile>,
+        gate: Arc<Gate>,
+    }
+
+    impl Storage for GatedStorage {
+        fn create_dir_all(&self, dir: &Path) -> std::io::Result<()> {
+            FileStorage.create_dir_all(dir)
+        }
+        fn create(&self, path: &Path) -> std::io::Result<Arc<dyn StorageFile>> {
+            let inner = FileStorage.create(path)?;
+            Ok(Arc::new(GatedFile { inner, gate: Arc::clone(&self.gate) }))
+        }
+        fn open_existing(&self, path: &Path) -> std::io::Result<Arc<dyn StorageFile>> {
+            FileStorage.open_existing(path)
+        }
+        fn remove(&self, path: &Path) -> std::io::Result<()> {
+            FileStorage.remove(path)
+        }
+        fn sync_dir(&self, dir: &Path) -> std::io::Result<()> {
+            FileStorage.sync_dir(dir)
+        }
+    }
+
+    impl StorageFile for GatedFile {
+        fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<usize> {
+            let mut open = lock(&self.gate.open);
+            if !*open {
+                self.gate.writers_held.fetch_add(1, Ordering::SeqCst);
+                while !*open {
+                    open = self.gate.opened.wait(open).unwrap();
+                }
+            }
+            drop(open);
+            self.inner.write_at(buf, offset)
+        }
+        fn sync_data(&self) -> std::io::Result<()> {
+            self.inner.sync_data()
+        }
+        fn allocate(&self, len: u64) -> std::io::Result<()> {
+            self.inner.allocate(len)
+        }
+        fn set_len(&self, len: u64) -> std::io::Result<()> {
+            self.inner.set_len(len)
+        }
+        fn raw_fd(&self) -> Option<std::os::fd::RawFd> {
+            None
+        }
+    }
+
+    /// Polls `condition` every millisecond for at most 10 s.
+    fn eventually(what: &str, condition: impl Fn() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !condition() {
+            assert!(Instant::now() < deadline, "timed out waiting for: {what}");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    #[test]
+    fn a_newcomer_does_not_take_the_room_a_waiting_large_frame_needs() {
+        let dir = tempfile::tempdir().unwrap();
+        let durability =
+            Durability::GroupCommit { max_delay: Duration::from_millis(1), max_bytes: 4096 };
+        let limit = staging_limit(durability);
+        let storage = Arc::new(GatedStorage::default());
+        let gate = Arc::clone(&storage.gate);
+        let options = WalOptions { storage, ..WalOptions::default() };
+        let config = WalConfig { durability, ..WalConfig::default() };
+        let wal = Wal::open_with_options(dir.path(), config, options).unwrap();
+        // A full group: the sync thread takes it and is held at the gate.
+        wal.append_bytes_now(&[1u8; 4096]).unwrap();
+        eventually("the sync thread is held", || gate.writers_held.load(Ordering::SeqCst) > 0);
+        // Staged while the sync thread is held: a small frame, then a frame that only fits in
+        // an empty buffer, whose appender waits.
+        wal.append_bytes_now(&[2u8; 64]).unwrap();
+        let big = vec![3u8; limit - 64];
+        let (big_lsn, small_lsn) = std::thread::scope(|scope| {
+            let big_appender = scope.spawn(|| wal.append_bytes_now(&big).unwrap().0);
+            eventually("the large frame waits", || {
+                lock(&wal.shared.append).room_waiters.len() == 1
+            });
+            // A newcomer whose frame would still fit beside the staged one waits behind it.
+            let small_appender = scope.spawn(|| wal.append_bytes_now(&[4u8; 64]).unwrap().0);
+            eventually("the newcomer waits or is done", || {
+                small_appender.is_finished() || lock(&wal.shared.append).room_waiters.len() == 2
+            });
+            *lock(&gate.open) = true;
+            gate.opened.notify_all();
+            (big_appender.join().unwrap(), small_appender.join().unwrap())
+        });
+        assert!(
+            big_lsn < small_lsn,
+            "the newcomer ({small_lsn:?}) went before the waiter ({big_lsn:?})"
+        );
+        wal.wait_durable(small_lsn).unwrap();
+        let sizes: Vec<usize> =
+            wal.iter_from(Lsn::ZERO).unwrap().map(|record| record.unwrap().bytes.len()).collect();
+        assert_eq!(sizes, vec![4096, 64, limit - 64, 64]);
     }
 
     #[test]

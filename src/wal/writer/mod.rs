@@ -155,7 +155,7 @@ fn swap_out_group(
     std::mem::swap(&mut state.chunks, chunks);
     state.group_started = None;
     let closing = state.closing;
-    let wake_appenders = state.space_waiters > 0;
+    let wake_appenders = !state.room_waiters.is_empty();
     drop(state);
     if wake_appenders {
         shared.space_cv.notify_all();
