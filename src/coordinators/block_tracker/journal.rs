@@ -165,22 +165,51 @@ struct Previous {
 
 /// Appends one block's coded form. Blocks of a batch usually come from a few streams with
 /// nearly consecutive ids and small counts: about 4 bytes each.
+#[inline]
 fn put_block(buf: &mut Vec<u8>, previous: &mut Previous, info: &ReceivedBlockInfo, extra: bool) {
     let mut flags = pack_block(info, extra).flags;
-    if info.num_records().is_some() {
+    let count = info.num_records();
+    if count.is_some() {
         flags |= FLAG_COUNT;
     }
-    // Flags fit a byte (FLAGS_KNOWN < 256).
-    buf.push(flags as u8);
     let stream = info.stream_id().0;
-    put_varint(buf, zigzag(i64::from(stream) - i64::from(previous.stream)));
     let unique_id = info.block_id().unique_id;
-    put_varint(buf, zigzag(unique_id.wrapping_sub(previous.unique_id) as i64));
-    if let Some(count) = info.num_records() {
-        // Never negative (checked by `ReceivedBlockInfo::new`).
-        put_varint(buf, count as u64);
-    }
+    let stream_delta = zigzag(i64::from(stream) - i64::from(previous.stream));
+    let id_delta = zigzag(unique_id.wrapping_sub(previous.unique_id) as i64);
     *previous = Previous { stream, unique_id };
+    // Flags fit a byte (FLAGS_KNOWN < 256); a count is never negative (checked by
+    // `ReceivedBlockInfo::new`).
+    let flags = flags as u8;
+    let count = count.map(|count| count as u64);
+    // The common block (next of its receiver, small count) has one-byte varints: written in
+    // one fixed-size append, the same bytes as the general path below.
+    if (stream_delta | id_delta | count.unwrap_or(0)) < 0x80 {
+        match count {
+            Some(count) => {
+                buf.extend_from_slice(&[flags, stream_delta as u8, id_delta as u8, count as u8]);
+            }
+            None => buf.extend_from_slice(&[flags, stream_delta as u8, id_delta as u8]),
+        }
+        return;
+    }
+    put_coded_fields(buf, flags, stream_delta, id_delta, count);
+}
+
+/// [`put_block`]'s general case: the fields as varints of any length.
+#[inline(never)]
+fn put_coded_fields(
+    buf: &mut Vec<u8>,
+    flags: u8,
+    stream_delta: u64,
+    id_delta: u64,
+    count: Option<u64>,
+) {
+    buf.push(flags);
+    put_varint(buf, stream_delta);
+    put_varint(buf, id_delta);
+    if let Some(count) = count {
+        put_varint(buf, count);
+    }
 }
 
 fn pack_blocks<'a>(infos: impl ExactSizeIterator<Item = &'a ReceivedBlockInfo>) -> PackedBlocks {
@@ -523,6 +552,34 @@ mod tests {
             infos: (0..64).map(|id| plain(1 + (id % 2) as i32, 1_000 + id)).collect(),
         });
         assert!(round_trip(&many) <= 4 * 64 + 48, "{}", round_trip(&many));
+    }
+
+    #[test]
+    fn blocks_with_one_byte_fields_are_coded_as_the_general_varints_are() {
+        let base = Previous { stream: 5, unique_id: 1_000 };
+        for stream_step in [0i32, 1, -1, 63, -64, 64, -65] {
+            for id_step in [0i64, 1, -1, 63, -64, 64, -65, 1 << 40] {
+                for count in [None, Some(0), Some(127), Some(128)] {
+                    let stream = base.stream + stream_step;
+                    let unique_id = base.unique_id.wrapping_add(id_step as u64);
+                    let block_id = StreamBlockId { stream: StreamId(stream), unique_id };
+                    let store = BlockStoreResult::BlockManager { block_id };
+                    let info =
+                        ReceivedBlockInfo::new(StreamId(stream), count, None, store).unwrap();
+                    let mut coded = Vec::new();
+                    let mut previous = base;
+                    put_block(&mut coded, &mut previous, &info, false);
+                    let mut expected = vec![if count.is_some() { FLAG_COUNT as u8 } else { 0 }];
+                    put_varint(&mut expected, zigzag(i64::from(stream_step)));
+                    put_varint(&mut expected, zigzag(id_step));
+                    if let Some(count) = count {
+                        put_varint(&mut expected, count as u64);
+                    }
+                    assert_eq!(coded, expected, "steps {stream_step}, {id_step}, count {count:?}");
+                    assert_eq!((previous.stream, previous.unique_id), (stream, unique_id));
+                }
+            }
+        }
     }
 
     #[test]

@@ -234,6 +234,7 @@ impl BlockReceiver {
     /// receiver has nothing in flight, else adds it to the pending batch (module doc,
     /// "Combining"). The receipt says once the record holding it is durable. Never blocks on
     /// a sync (only, briefly, when the WAL's staging buffer or the endpoint's inbox is full).
+    #[inline]
     pub fn add_block(&self, info: ReceivedBlockInfo) -> AddReceipt<'_> {
         let mut pending = self.lock_pending();
         let nothing_in_flight = pending.infos.is_empty()
@@ -405,6 +406,7 @@ impl AddReceipt<'_> {
     }
 
     /// Where the addition stands, flushing its batch first if it is still pending.
+    #[inline]
     fn settled(&self) -> Outcome {
         match &self.outcome {
             Outcome::Batched(batch) => {
@@ -445,12 +447,14 @@ impl AddReceipt<'_> {
     /// Waits until the answer is known, at most the tracker's write timeout (Spark's batching
     /// timeout): `false` if it was not logged, the log failed, or durability was not confirmed
     /// in time (then it may still become durable: SPEC D.5).
+    #[inline]
     pub fn wait(self) -> bool {
         let timeout = self.receiver.write_timeout;
         self.wait_timeout(timeout)
     }
 
     /// [`Self::wait`] with an explicit bound.
+    #[inline]
     pub fn wait_timeout(self, timeout: Duration) -> bool {
         match self.settled() {
             Outcome::Done(logged) => logged,
@@ -472,6 +476,7 @@ impl AddReceipt<'_> {
 
 impl Drop for AddReceipt<'_> {
     /// A receipt dropped unresolved still gets its block logged: its batch is flushed.
+    #[inline]
     fn drop(&mut self) {
         if let Outcome::Batched(batch) = &self.outcome {
             if batch.0.get().is_none() {

@@ -147,6 +147,7 @@ impl ReceivedBlockInfo {
     ///
     /// # Errors
     /// [`BlockTrackerError::NegativeNumRecords`] if `num_records` is negative.
+    #[inline]
     pub fn new(
         stream_id: StreamId,
         num_records: Option<i64>,
