@@ -504,6 +504,11 @@ impl Endpoint for BlockTrackerEndpoint {
                 match blocks {
                     LoggedPayload::One(info) => self.tracker.enqueue(lsn, info),
                     LoggedPayload::Many(infos) => self.tracker.apply_logged_additions(lsn, infos),
+                    LoggedPayload::ByStream(groups) => {
+                        for group in groups {
+                            self.tracker.queue_stream_group(lsn, group);
+                        }
+                    }
                 }
                 if lsn > self.applied_lsn {
                     self.applied_lsn = lsn;

@@ -34,6 +34,7 @@
 //! record round-trips exactly and a damaged one is an error, never a panic.
 
 use rkyv::{rancor, util::AlignedVec, with::AsBox};
+use smallvec::SmallVec;
 
 use super::{
     AllocatedBlocks, BatchAllocationEvent, BatchCleanupEvent, BatchTime, BlockAdditionEvent,
@@ -212,8 +213,9 @@ fn put_coded_fields(
     }
 }
 
-fn pack_blocks<'a>(infos: impl ExactSizeIterator<Item = &'a ReceivedBlockInfo>) -> PackedBlocks {
-    let count = infos.len();
+/// Packs the blocks of `lists`, one list after the other.
+fn pack_blocks(lists: &[&[ReceivedBlockInfo]]) -> PackedBlocks {
+    let count = lists.iter().map(|list| list.len()).sum::<usize>();
     let mut packed = PackedBlocks {
         // Lists longer than u32::MAX blocks cannot fit a record (4 GiB payload limit).
         count: count as u32,
@@ -221,16 +223,20 @@ fn pack_blocks<'a>(infos: impl ExactSizeIterator<Item = &'a ReceivedBlockInfo>) 
         extras: Vec::new(),
     };
     let mut previous = Previous::default();
-    for (index, info) in infos.enumerate() {
-        let extra = needs_extra(info);
-        put_block(&mut packed.coded, &mut previous, info, extra);
-        if extra {
-            packed.extras.push(BlockExtra {
-                index: index as u32,
-                block_stream: info.block_id().stream.0,
-                metadata: info.metadata().map(<[u8]>::to_vec),
-                handle: info.store_result().wal_handle(),
-            });
+    let mut index = 0;
+    for list in lists {
+        for info in *list {
+            let extra = needs_extra(info);
+            put_block(&mut packed.coded, &mut previous, info, extra);
+            if extra {
+                packed.extras.push(BlockExtra {
+                    index: index as u32,
+                    block_stream: info.block_id().stream.0,
+                    metadata: info.metadata().map(<[u8]>::to_vec),
+                    handle: info.store_result().wal_handle(),
+                });
+            }
+            index += 1;
         }
     }
     packed
@@ -273,13 +279,13 @@ fn pack(event: &TrackerEvent) -> JournalRecord {
     match event {
         TrackerEvent::BlockAddition(BlockAdditionEvent { info }) => {
             if needs_extra(info) {
-                JournalRecord::BlockWithExtra(pack_blocks(std::iter::once(info)))
+                JournalRecord::BlockWithExtra(pack_blocks(&[std::slice::from_ref(info)]))
             } else {
                 JournalRecord::Block(pack_block(info, false))
             }
         }
         TrackerEvent::BlockAdditions(BlockAdditionsEvent { infos }) => {
-            JournalRecord::Blocks(pack_blocks(infos.iter()))
+            JournalRecord::Blocks(pack_blocks(&[infos]))
         }
         TrackerEvent::BatchAllocation(BatchAllocationEvent { time, blocks }) => {
             JournalRecord::Allocation(PackedAllocation {
@@ -289,7 +295,7 @@ fn pack(event: &TrackerEvent) -> JournalRecord {
                     .iter()
                     .map(|entry| PackedStream {
                         stream_id: entry.stream_id.0,
-                        blocks: pack_blocks(entry.blocks.iter()),
+                        blocks: pack_blocks(&[&entry.blocks]),
                     })
                     .collect(),
             })
@@ -306,10 +312,28 @@ fn pack(event: &TrackerEvent) -> JournalRecord {
 /// [`BlockTrackerError::Decode`] never; [`BlockTrackerError::Encode`] if rkyv fails.
 pub(super) fn encode_into(
     event: &TrackerEvent,
-    mut buf: AlignedVec,
+    buf: AlignedVec,
 ) -> Result<AlignedVec, BlockTrackerError> {
+    serialize(&pack(event), buf)
+}
+
+/// Serializes the [`BlockAdditionsEvent`] of the blocks of `groups` taken one after the
+/// other into `buf` (cleared first), without gathering them into one vector first: the record
+/// a receiver logs when it keeps its pending blocks by stream. The same bytes as the event.
+///
+/// # Errors
+/// As [`encode_into`].
+pub(super) fn encode_additions_into(
+    groups: &[Vec<ReceivedBlockInfo>],
+    buf: AlignedVec,
+) -> Result<AlignedVec, BlockTrackerError> {
+    let lists: SmallVec<[&[ReceivedBlockInfo]; 4]> = groups.iter().map(Vec::as_slice).collect();
+    serialize(&JournalRecord::Blocks(pack_blocks(&lists)), buf)
+}
+
+fn serialize(record: &JournalRecord, mut buf: AlignedVec) -> Result<AlignedVec, BlockTrackerError> {
     buf.clear();
-    rkyv::api::high::to_bytes_in::<_, rancor::Error>(&pack(event), buf)
+    rkyv::api::high::to_bytes_in::<_, rancor::Error>(record, buf)
         .map_err(|error| BlockTrackerError::Encode { message: error.to_string() })
 }
 
@@ -545,6 +569,17 @@ mod tests {
     }
 
     #[test]
+    fn additions_kept_by_stream_encode_as_the_event_of_their_blocks_in_that_order() {
+        let groups = vec![vec![plain(1, 1), rich(1, 3)], vec![plain(2, 2)], vec![plain(1, 9)]];
+        let event = TrackerEvent::BlockAdditions(BlockAdditionsEvent {
+            infos: groups.iter().flatten().cloned().collect(),
+        });
+        let grouped = encode_additions_into(&groups, AlignedVec::new()).unwrap();
+        assert_eq!(&grouped[..], &encode_into(&event, AlignedVec::new()).unwrap()[..]);
+        assert_eq!(decode(&grouped).unwrap(), event);
+    }
+
+    #[test]
     fn plain_blocks_are_compact() {
         let one = TrackerEvent::BlockAddition(BlockAdditionEvent { info: plain(1, 1) });
         assert_eq!(round_trip(&one), 32);
@@ -606,7 +641,7 @@ mod tests {
             let bytes = rkyv::to_bytes::<rancor::Error>(&record).unwrap();
             decode(&bytes)
         };
-        let valid = pack_blocks(good.iter()).coded;
+        let valid = pack_blocks(&[&good]).coded;
         assert!(coded(2, valid.clone()).is_ok());
         let is_decode_error = |outcome: Result<TrackerEvent, BlockTrackerError>| {
             matches!(outcome, Err(BlockTrackerError::Decode { .. }))

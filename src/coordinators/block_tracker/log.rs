@@ -8,7 +8,10 @@ use std::{path::Path, sync::Arc, time::Duration};
 
 use rkyv::util::AlignedVec;
 
-use super::{types::TrackerEvent, BlockTrackerError};
+use super::{
+    types::{BlockAdditionsEvent, TrackerEvent},
+    BlockTrackerError, ReceivedBlockInfo,
+};
 use crate::wal::{DurableCallback, Lsn, Wal, WalConfig, WalError};
 
 /// Why the log step did not write an event.
@@ -41,6 +44,21 @@ pub trait BlockLog: Send + Sync + 'static {
     /// [`BlockLogError::Wal`] for a write the log refused, [`BlockLogError::Raised`] for an
     /// injected failure that must reach the caller.
     fn append(&self, event: &TrackerEvent, time_ms: i64) -> Result<Lsn, BlockLogError>;
+
+    /// Appends the [`BlockAdditionsEvent`] of the blocks of `groups`, one group after the
+    /// other (a receiver's pending blocks kept by stream), like [`BlockLog::append`]. The
+    /// default gathers them into the event; [`WalBlockLog`] encodes them where they are.
+    ///
+    /// # Errors
+    /// As [`BlockLog::append`].
+    fn append_additions(
+        &self,
+        groups: &[Vec<ReceivedBlockInfo>],
+        time_ms: i64,
+    ) -> Result<Lsn, BlockLogError> {
+        let infos = groups.iter().flatten().cloned().collect();
+        self.append(&TrackerEvent::BlockAdditions(BlockAdditionsEvent { infos }), time_ms)
+    }
 
     /// Waits at most `timeout` until `lsn` is durable.
     ///
@@ -115,12 +133,17 @@ impl WalBlockLog {
     }
 }
 
-impl BlockLog for WalBlockLog {
-    fn append(&self, event: &TrackerEvent, time_ms: i64) -> Result<Lsn, BlockLogError> {
+impl WalBlockLog {
+    /// Serializes a record with `encode` into this thread's buffer and appends it.
+    fn append_encoded(
+        &self,
+        kind: &str,
+        time_ms: i64,
+        encode: impl FnOnce(AlignedVec) -> Result<AlignedVec, BlockTrackerError>,
+    ) -> Result<Lsn, BlockLogError> {
         ENCODE_BUF.with(|cell| {
-            let buf = cell.take();
-            let buf = event.encode_into(buf).map_err(|error| BlockLogError::Raised {
-                message: format!("serializing a {}: {error}", event.kind()),
+            let buf = encode(cell.take()).map_err(|error| BlockLogError::Raised {
+                message: format!("serializing a {kind}: {error}"),
             })?;
             let outcome = self.wal.append_bytes(&buf, time_ms);
             // A huge record (a large allocation) does not pin its buffer for good.
@@ -128,6 +151,22 @@ impl BlockLog for WalBlockLog {
                 cell.set(buf);
             }
             Ok(outcome?.0)
+        })
+    }
+}
+
+impl BlockLog for WalBlockLog {
+    fn append(&self, event: &TrackerEvent, time_ms: i64) -> Result<Lsn, BlockLogError> {
+        self.append_encoded(event.kind(), time_ms, |buf| event.encode_into(buf))
+    }
+
+    fn append_additions(
+        &self,
+        groups: &[Vec<ReceivedBlockInfo>],
+        time_ms: i64,
+    ) -> Result<Lsn, BlockLogError> {
+        self.append_encoded("BlockAdditionEvents", time_ms, |buf| {
+            super::journal::encode_additions_into(groups, buf)
         })
     }
 

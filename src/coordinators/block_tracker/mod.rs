@@ -563,6 +563,26 @@ impl ReceivedBlockTracker {
         Arc::clone(&self.recycled)
     }
 
+    /// Queues blocks of one stream from record `lsn`, in their record order (a receiver's
+    /// batch vector for that stream: queued as it is, unless it fills less than half of a
+    /// batch vector, which then goes back to the receivers).
+    pub(crate) fn queue_stream_group(&mut self, lsn: Lsn, mut blocks: Vec<ReceivedBlockInfo>) {
+        let Some(stream) = blocks.first().map(ReceivedBlockInfo::stream_id) else {
+            return;
+        };
+        debug_assert!(blocks.iter().all(|info| info.stream_id() == stream), "one stream");
+        let chunk = if blocks.len() < receiver::COMBINE_MAX_BLOCKS / 2
+            && blocks.capacity() >= receiver::COMBINE_MAX_BLOCKS
+        {
+            let chunk = blocks.drain(..).collect();
+            self.recycled.give_back(blocks);
+            chunk
+        } else {
+            ChunkBlocks::from_vec(blocks)
+        };
+        self.unallocated.entry(stream).or_default().push(lsn, chunk);
+    }
+
     /// Queues one block added as record `lsn`.
     fn enqueue(&mut self, lsn: Lsn, info: ReceivedBlockInfo) {
         let stream = info.stream_id();
@@ -955,6 +975,23 @@ mod tests {
         // Cleaning the batch up recycles stream 3's record vector too.
         tracker.cleanup_old_batches(BatchTime(101), false).expect("no log to fail");
         assert_eq!(recycled.len(), 4);
+    }
+
+    #[test]
+    fn stream_groups_are_queued_as_they_are_and_small_ones_give_their_vector_back() {
+        let config = BlockTrackerConfig::new([StreamId(1), StreamId(2)]);
+        let mut tracker = ReceivedBlockTracker::with_log(config, Arc::new(SystemClock), None)
+            .expect("no log to replay");
+        let recycled = tracker.recycled_vectors();
+        let half = receiver::COMBINE_MAX_BLOCKS / 2;
+        let large: Vec<_> = (0..half as u64).map(|id| info(1, id)).collect();
+        let small = [info(2, 7), info(2, 8)];
+        tracker.queue_stream_group(Lsn(2), record(&large));
+        tracker.queue_stream_group(Lsn(2), record(&small));
+        tracker.queue_stream_group(Lsn(3), Vec::new());
+        assert_eq!(recycled.len(), 1, "only the small group's vector came back");
+        assert_eq!(tracker.unallocated_blocks(StreamId(1)), large);
+        assert_eq!(tracker.unallocated_blocks(StreamId(2)), small);
     }
 
     #[test]

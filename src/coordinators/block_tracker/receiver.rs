@@ -43,10 +43,16 @@
 //! of the batch is waited on, polled or dropped, on [`BlockReceiver::flush`], on
 //! [`BlockReceiver::add_blocks`] (which keeps the receiver's order), or when the receiver is
 //! dropped. Spark's driver WAL batches concurrent `addBlock` writes the same way
-//! (`BatchedWriteAheadLog`). Acknowledgements are unchanged: a receipt is `true` only once the
-//! record holding its block is durable. What changes is when a pending block reaches the
-//! endpoint: a query from the receiver's own thread sees it once it was flushed (a receipt
-//! resolved, or `flush`).
+//! (`BatchedWriteAheadLog`). The pending batch keeps one vector per stream (a thread may add
+//! blocks of several streams) and its record holds them one after the other: the tracker
+//! then queues each vector as it is, where a record of interleaved streams had to be split
+//! on the tracker's thread, which every receiver shares. The order of each stream's blocks is
+//! the order they were added, the only order the tracker's queues keep (a replay of the
+//! record queues them the same way).
+//!
+//! Acknowledgements are unchanged: a receipt is `true` only once the record holding its block
+//! is durable. What changes is when a pending block reaches the endpoint: a query from the
+//! receiver's own thread sees it once it was flushed (a receipt resolved, or `flush`).
 //!
 //! `false` means not logged, with SPEC D.5's caveat: a record appended and then not confirmed
 //! (a timeout, a WAL failure after the write, an endpoint that stopped before the hand-over)
@@ -62,9 +68,11 @@ use std::{
     time::Duration,
 };
 
+use smallvec::SmallVec;
+
 use super::{
     recycle::BlockVecPool, BlockAdditionEvent, BlockAdditionsEvent, BlockLog, BlockLogError,
-    BlockTrackerEndpoint, BlockTrackerMessage, ReceivedBlockInfo, TrackerEvent,
+    BlockTrackerEndpoint, BlockTrackerMessage, ReceivedBlockInfo, StreamId, TrackerEvent,
 };
 use crate::{
     clock::Clock,
@@ -87,8 +95,29 @@ pub struct LoggedBlocks {
 #[derive(Debug)]
 pub(super) enum LoggedPayload {
     One(ReceivedBlockInfo),
+    /// An [`BlockReceiver::add_blocks`] list, streams mixed.
     Many(Vec<ReceivedBlockInfo>),
+    /// A combined batch, kept by stream: each vector holds blocks of one stream, in the order
+    /// they were added (the record holds the vectors one after the other).
+    ByStream(StreamGroups),
 }
+
+impl LoggedPayload {
+    fn len(&self) -> usize {
+        match self {
+            Self::One(_) => 1,
+            Self::Many(blocks) => blocks.len(),
+            Self::ByStream(groups) => groups.iter().map(Vec::len).sum(),
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A receiver's pending blocks, one vector per stream (module doc, "Combining").
+pub(super) type StreamGroups = SmallVec<[Vec<ReceivedBlockInfo>; 2]>;
 
 impl LoggedBlocks {
     /// The LSN of the blocks' record (`Lsn::ZERO` when the WAL is disabled).
@@ -98,10 +127,7 @@ impl LoggedBlocks {
 
     /// The number of blocks.
     pub fn len(&self) -> usize {
-        match &self.blocks {
-            LoggedPayload::One(_) => 1,
-            LoggedPayload::Many(blocks) => blocks.len(),
-        }
+        self.blocks.len()
     }
 
     /// Whether there are no blocks.
@@ -161,11 +187,36 @@ pub const COMBINE_MAX_BLOCKS: usize = 256;
 /// A receiver's pending batch.
 #[derive(Debug, Default)]
 struct PendingBatch {
-    infos: Vec<ReceivedBlockInfo>,
-    /// Shared with the receipts of the blocks in `infos`.
+    /// The blocks by stream, so that the tracker queues each vector as it is (a record of
+    /// mixed streams would be split there, on the one thread all receivers share).
+    groups: StreamGroups,
+    /// The stream of each group.
+    streams: SmallVec<[StreamId; 2]>,
+    /// Blocks over all groups.
+    blocks: usize,
+    /// Shared with the receipts of the blocks in `groups`.
     outcome: Arc<BatchOutcome>,
     /// The LSN of the receiver's last record (`Lsn::ZERO`: none yet).
     last_lsn: Lsn,
+}
+
+impl PendingBatch {
+    /// Adds `info` to its stream's vector (one from `pool` for a stream new to the batch:
+    /// sized once per batch, and recycled by the tracker).
+    #[inline]
+    fn push(&mut self, info: ReceivedBlockInfo, pool: &BlockVecPool) {
+        let stream = info.stream_id();
+        match self.streams.iter().position(|known| *known == stream) {
+            Some(index) => self.groups[index].push(info),
+            None => {
+                let mut group = pool.take();
+                group.push(info);
+                self.streams.push(stream);
+                self.groups.push(group);
+            }
+        }
+        self.blocks += 1;
+    }
 }
 
 /// What happened to a batch once it was flushed: `Some(lsn)` logged in record `lsn` and
@@ -199,7 +250,7 @@ impl std::fmt::Debug for BlockReceiver {
             .field("endpoint", &self.endpoint)
             .field("wal_enabled", &self.log.is_some())
             .field("write_timeout", &self.write_timeout)
-            .field("pending_blocks", &self.lock_pending().infos.len())
+            .field("pending_blocks", &self.lock_pending().blocks)
             .finish_non_exhaustive()
     }
 }
@@ -237,20 +288,15 @@ impl BlockReceiver {
     #[inline]
     pub fn add_block(&self, info: ReceivedBlockInfo) -> AddReceipt<'_> {
         let mut pending = self.lock_pending();
-        let nothing_in_flight = pending.infos.is_empty()
+        let nothing_in_flight = pending.blocks == 0
             && self.log.as_ref().is_none_or(|log| log.durable_lsn() >= pending.last_lsn);
         if nothing_in_flight {
-            let outcome = self.log_and_hand_over(single(info), &mut pending);
+            let outcome = self.log_and_hand_over(LoggedPayload::One(info), &mut pending);
             return AddReceipt { receiver: self, outcome, blocks: 1 };
         }
-        if pending.infos.capacity() == 0 {
-            // Sized once per batch (growing it block by block reallocates several times), and
-            // recycled by the tracker.
-            pending.infos = self.recycled.take();
-        }
-        pending.infos.push(info);
+        pending.push(info, &self.recycled);
         let batch = Arc::clone(&pending.outcome);
-        if pending.infos.len() >= COMBINE_MAX_BLOCKS {
+        if pending.blocks >= COMBINE_MAX_BLOCKS {
             self.flush_locked(&mut pending);
         }
         AddReceipt { receiver: self, outcome: Outcome::Batched(batch), blocks: 1 }
@@ -264,8 +310,7 @@ impl BlockReceiver {
         let blocks = infos.len();
         let mut pending = self.lock_pending();
         self.flush_locked(&mut pending);
-        let event = TrackerEvent::BlockAdditions(BlockAdditionsEvent { infos });
-        let outcome = self.log_and_hand_over(event, &mut pending);
+        let outcome = self.log_and_hand_over(LoggedPayload::Many(infos), &mut pending);
         AddReceipt { receiver: self, outcome, blocks }
     }
 
@@ -284,20 +329,22 @@ impl BlockReceiver {
     }
 
     fn flush_locked(&self, pending: &mut PendingBatch) {
-        let infos = std::mem::take(&mut pending.infos);
-        if infos.is_empty() {
+        if pending.blocks == 0 {
             return;
         }
+        let mut groups = std::mem::take(&mut pending.groups);
+        pending.streams.clear();
+        let blocks = std::mem::replace(&mut pending.blocks, 0);
         let batch = std::mem::take(&mut pending.outcome);
-        let event = if infos.len() == 1 {
-            let mut infos = infos;
-            let info = infos.pop().expect("one block");
-            self.recycled.give_back(infos);
-            single(info)
+        let payload = if blocks == 1 {
+            let mut vector = groups.pop().expect("one block");
+            let info = vector.pop().expect("one block");
+            self.recycled.give_back(vector);
+            LoggedPayload::One(info)
         } else {
-            TrackerEvent::BlockAdditions(BlockAdditionsEvent { infos })
+            LoggedPayload::ByStream(groups)
         };
-        let logged = match self.log_and_hand_over(event, pending) {
+        let logged = match self.log_and_hand_over(payload, pending) {
             Outcome::Pending(lsn) => Some(lsn),
             Outcome::Done(true) => Some(Lsn::ZERO),
             Outcome::Done(false) => None,
@@ -311,35 +358,28 @@ impl BlockReceiver {
         self.add_block(info).wait()
     }
 
-    /// Logs `event` as one record and hands its blocks to the endpoint (the caller holds the
-    /// pending batch's lock, so this receiver's records keep their order).
-    fn log_and_hand_over(&self, event: TrackerEvent, pending: &mut PendingBatch) -> Outcome {
-        if event.event_count() == 0 {
+    /// Logs `payload` as one record and hands its blocks to the endpoint (the caller holds
+    /// the pending batch's lock, so this receiver's records keep their order).
+    fn log_and_hand_over(&self, payload: LoggedPayload, pending: &mut PendingBatch) -> Outcome {
+        if payload.is_empty() {
             // Nothing to log or hand over.
             return Outcome::Done(true);
         }
         let failed = Outcome::Done(false);
-        let lsn = match &self.log {
-            None => Lsn::ZERO,
-            Some(log) => match log.append(&event, self.clock.now_ms()) {
-                Ok(lsn) => lsn,
-                Err(error) => {
+        let (lsn, payload) = match &self.log {
+            None => (Lsn::ZERO, payload),
+            Some(log) => match append_payload(log.as_ref(), payload, self.clock.now_ms()) {
+                (Ok(lsn), payload) => (lsn, payload),
+                (Err(error), _) => {
                     match error {
-                        BlockLogError::Wal(error) => tracing::warn!(
-                            event = event.kind(), %error, "failed to write to the write-ahead log"
-                        ),
+                        BlockLogError::Wal(error) => {
+                            tracing::warn!(%error, "failed to write to the write-ahead log")
+                        }
                         error => tracing::warn!(%error, "adding blocks failed"),
                     }
                     return failed;
                 }
             },
-        };
-        let payload = match event {
-            TrackerEvent::BlockAddition(BlockAdditionEvent { info }) => LoggedPayload::One(info),
-            TrackerEvent::BlockAdditions(BlockAdditionsEvent { infos }) => {
-                LoggedPayload::Many(infos)
-            }
-            _ => unreachable!("only additions are logged here"),
         };
         let message = BlockTrackerMessage::Logged(LoggedBlocks { lsn, blocks: payload });
         // Try first: the bounded send reads the clock for its deadline.
@@ -363,8 +403,33 @@ impl BlockReceiver {
     }
 }
 
-fn single(info: ReceivedBlockInfo) -> TrackerEvent {
-    TrackerEvent::BlockAddition(BlockAdditionEvent { info })
+/// Appends the record of `payload` to `log`; gives the payload back for the hand-over.
+fn append_payload(
+    log: &dyn BlockLog,
+    payload: LoggedPayload,
+    time_ms: i64,
+) -> (Result<Lsn, BlockLogError>, LoggedPayload) {
+    match payload {
+        LoggedPayload::One(info) => {
+            let event = TrackerEvent::BlockAddition(BlockAdditionEvent { info });
+            let appended = log.append(&event, time_ms);
+            let TrackerEvent::BlockAddition(BlockAdditionEvent { info }) = event else {
+                unreachable!("built above")
+            };
+            (appended, LoggedPayload::One(info))
+        }
+        LoggedPayload::Many(infos) => {
+            let event = TrackerEvent::BlockAdditions(BlockAdditionsEvent { infos });
+            let appended = log.append(&event, time_ms);
+            let TrackerEvent::BlockAdditions(BlockAdditionsEvent { infos }) = event else {
+                unreachable!("built above")
+            };
+            (appended, LoggedPayload::Many(infos))
+        }
+        LoggedPayload::ByStream(groups) => {
+            (log.append_additions(&groups, time_ms), LoggedPayload::ByStream(groups))
+        }
+    }
 }
 
 /// Where an addition stands.
@@ -483,5 +548,40 @@ impl Drop for AddReceipt<'_> {
                 self.receiver.flush_batch(batch);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::coordinators::block_tracker::{BlockStoreResult, StreamBlockId, StreamId};
+
+    fn info(stream: i32, unique_id: u64) -> ReceivedBlockInfo {
+        let block_id = StreamBlockId { stream: StreamId(stream), unique_id };
+        ReceivedBlockInfo::new(
+            StreamId(stream),
+            None,
+            None,
+            BlockStoreResult::BlockManager { block_id },
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn a_pending_batch_keeps_its_blocks_by_stream_in_the_order_added() {
+        let pool = BlockVecPool::default();
+        let mut pending = PendingBatch::default();
+        for (stream, id) in [(2, 1), (1, 2), (2, 3), (3, 4), (1, 5), (2, 6)] {
+            pending.push(info(stream, id), &pool);
+        }
+        assert_eq!(pending.blocks, 6);
+        let groups: Vec<Vec<u64>> = pending
+            .groups
+            .iter()
+            .map(|group| group.iter().map(|block| block.block_id().unique_id).collect())
+            .collect();
+        assert_eq!(groups, [vec![1, 3, 6], vec![2, 5], vec![4]]);
+        let payload = LoggedPayload::ByStream(pending.groups);
+        assert_eq!(payload.len(), 6);
     }
 }
