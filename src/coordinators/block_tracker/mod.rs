@@ -266,7 +266,7 @@ pub struct ReceivedBlockTracker {
     /// Block vectors of forgotten batches, emptied, for the next allocations: a large
     /// allocation's vector is then memory already mapped, not fresh pages the kernel must
     /// fault in and zero (which, at millions of blocks per second, cost more than the rest of
-    /// the allocation). At most [`SPARE_MAX`] are kept.
+    /// the allocation). The largest [`SPARE_MAX`] are kept (`keep_spare`).
     spare: Vec<Vec<ReceivedBlockInfo>>,
     /// Emptied record vectors go back to the receivers through this pool (module `recycle`).
     recycled: Arc<BlockVecPool>,
@@ -711,17 +711,36 @@ impl ReceivedBlockTracker {
     fn forget_batches(&mut self, times: &[BatchTime]) {
         for time in times {
             if let Some(blocks) = self.allocated.remove(time) {
-                for StreamBlocks { mut blocks, .. } in blocks.into_streams() {
-                    if blocks.capacity() >= SPARE_CAPACITY_MIN && self.spare.len() < SPARE_MAX {
-                        blocks.clear();
-                        self.spare.push(blocks);
-                    } else {
-                        // A receiver's record vector that became a batch as it was.
-                        self.recycled.give_back(blocks);
-                    }
+                for StreamBlocks { blocks, .. } in blocks.into_streams() {
+                    self.keep_spare(blocks);
                 }
             }
         }
+    }
+
+    /// Keeps a forgotten batch's vector as a spare, emptied: the largest [`SPARE_MAX`] are
+    /// kept, so that a batch larger than the usual (a slow batch loop, a burst) finds the
+    /// memory of the last large one instead of faulting in fresh pages, a cost that grows
+    /// with the batch and so makes the next batch larger still. A vector too small to keep
+    /// goes to the receivers' pool (a receiver's record vector that became a batch as it
+    /// was) or is freed.
+    fn keep_spare(&mut self, mut blocks: Vec<ReceivedBlockInfo>) {
+        if blocks.capacity() < SPARE_CAPACITY_MIN {
+            self.recycled.give_back(blocks);
+            return;
+        }
+        blocks.clear();
+        if self.spare.len() < SPARE_MAX {
+            self.spare.push(blocks);
+            return;
+        }
+        let smallest = (0..self.spare.len())
+            .min_by_key(|index| self.spare[*index].capacity())
+            .expect("the spares are full");
+        if blocks.capacity() > self.spare[smallest].capacity() {
+            blocks = std::mem::replace(&mut self.spare[smallest], blocks);
+        }
+        self.recycled.give_back(blocks);
     }
 
     /// Forgets the batches older than `threshold` (strictly) after journaling a cleanup event
@@ -992,6 +1011,35 @@ mod tests {
         assert_eq!(recycled.len(), 1, "only the small group's vector came back");
         assert_eq!(tracker.unallocated_blocks(StreamId(1)), large);
         assert_eq!(tracker.unallocated_blocks(StreamId(2)), small);
+    }
+
+    #[test]
+    fn the_largest_spare_vectors_are_kept() {
+        let config = BlockTrackerConfig::new([StreamId(1)]);
+        let mut tracker = ReceivedBlockTracker::with_log(config, Arc::new(SystemClock), None)
+            .expect("no log to replay");
+        let capacities = |tracker: &ReceivedBlockTracker| -> Vec<usize> {
+            let mut capacities: Vec<usize> = tracker.spare.iter().map(Vec::capacity).collect();
+            capacities.sort_unstable();
+            capacities
+        };
+        for step in 0..SPARE_MAX {
+            tracker.keep_spare(Vec::with_capacity(SPARE_CAPACITY_MIN + step));
+        }
+        tracker.keep_spare(Vec::with_capacity(SPARE_CAPACITY_MIN - 1));
+        tracker.keep_spare(Vec::with_capacity(SPARE_CAPACITY_MIN));
+        assert_eq!(
+            capacities(&tracker),
+            (0..SPARE_MAX).map(|step| SPARE_CAPACITY_MIN + step).collect::<Vec<_>>()
+        );
+        let mut large = Vec::with_capacity(100_000);
+        large.push(info(1, 1));
+        tracker.keep_spare(large);
+        let kept = capacities(&tracker);
+        assert_eq!(kept.len(), SPARE_MAX);
+        assert_eq!(kept[0], SPARE_CAPACITY_MIN + 1, "the smallest made room");
+        assert!(kept[SPARE_MAX - 1] >= 100_000);
+        assert!(tracker.spare.iter().all(Vec::is_empty));
     }
 
     #[test]
