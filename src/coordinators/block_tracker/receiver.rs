@@ -409,27 +409,20 @@ fn append_payload(
     payload: LoggedPayload,
     time_ms: i64,
 ) -> (Result<Lsn, BlockLogError>, LoggedPayload) {
-    match payload {
-        LoggedPayload::One(info) => {
-            let event = TrackerEvent::BlockAddition(BlockAdditionEvent { info });
-            let appended = log.append(&event, time_ms);
-            let TrackerEvent::BlockAddition(BlockAdditionEvent { info }) = event else {
-                unreachable!("built above")
-            };
-            (appended, LoggedPayload::One(info))
-        }
-        LoggedPayload::Many(infos) => {
-            let event = TrackerEvent::BlockAdditions(BlockAdditionsEvent { infos });
-            let appended = log.append(&event, time_ms);
-            let TrackerEvent::BlockAdditions(BlockAdditionsEvent { infos }) = event else {
-                unreachable!("built above")
-            };
-            (appended, LoggedPayload::Many(infos))
-        }
+    let event = match payload {
         LoggedPayload::ByStream(groups) => {
-            (log.append_additions(&groups, time_ms), LoggedPayload::ByStream(groups))
+            return (log.append_additions(&groups, time_ms), LoggedPayload::ByStream(groups));
         }
-    }
+        LoggedPayload::One(info) => TrackerEvent::BlockAddition(BlockAdditionEvent { info }),
+        LoggedPayload::Many(infos) => TrackerEvent::BlockAdditions(BlockAdditionsEvent { infos }),
+    };
+    let appended = log.append(&event, time_ms);
+    let payload = match event {
+        TrackerEvent::BlockAddition(BlockAdditionEvent { info }) => LoggedPayload::One(info),
+        TrackerEvent::BlockAdditions(BlockAdditionsEvent { infos }) => LoggedPayload::Many(infos),
+        _ => unreachable!("built above"),
+    };
+    (appended, payload)
 }
 
 /// Where an addition stands.
