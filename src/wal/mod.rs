@@ -1099,7 +1099,12 @@ impl Wal {
             }
         };
         if needs_new {
-            self.roll(&mut state, time_ms)?;
+            if let Err(error) = self.roll(&mut state, time_ms) {
+                // Its room stays unused: the waiters behind it may go.
+                drop(state);
+                shared.space_cv.notify_all();
+                return Err(error);
+            }
         }
         let lsn = state.next_lsn;
         let offset = state.offset;

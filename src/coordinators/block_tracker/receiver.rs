@@ -370,12 +370,12 @@ impl BlockReceiver {
             None => (Lsn::ZERO, payload),
             Some(log) => match append_payload(log.as_ref(), payload, self.clock.now_ms()) {
                 (Ok(lsn), payload) => (lsn, payload),
-                (Err(error), _) => {
+                (Err(error), payload) => {
+                    let blocks = payload.len();
                     match error {
-                        BlockLogError::Wal(error) => {
-                            tracing::warn!(%error, "failed to write to the write-ahead log")
-                        }
-                        error => tracing::warn!(%error, "adding blocks failed"),
+                        BlockLogError::Wal(error) => tracing::warn!(%error, blocks,
+                            "failed to write block additions to the write-ahead log"),
+                        error => tracing::warn!(%error, blocks, "adding blocks failed"),
                     }
                     return failed;
                 }
