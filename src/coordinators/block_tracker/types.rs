@@ -127,16 +127,31 @@ impl BlockStoreResult {
 /// What a receiver reports about one stored block (SPEC D.1).
 ///
 /// Equality and hashing ignore `block_id_valid`.
+///
+/// Laid out in 40 bytes: the tracker holds millions of these, and its queues, allocations and
+/// the receivers' batches move them around. What most blocks lack (the receiver's metadata, a
+/// receiver-log handle) is boxed behind one pointer, and the block id is kept as its parts;
+/// [`Self::store_result`] rebuilds the [`BlockStoreResult`].
 #[derive(Debug, Clone, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct ReceivedBlockInfo {
     stream_id: StreamId,
+    /// The stream of the block's id (the info's own stream, except in odd reports).
+    block_stream: StreamId,
+    unique_id: u64,
     /// The record count, or [`NO_RECORD_COUNT`] (a count is never negative): 8 bytes instead
-    /// of an `Option`'s 16, as the tracker holds millions of these.
+    /// of an `Option`'s 16.
     num_records: i64,
-    /// A boxed slice: 16 bytes instead of a vector's 24.
-    metadata: Option<Box<[u8]>>,
-    store_result: BlockStoreResult,
+    /// `None` for the usual block: no metadata, stored in a block manager.
+    rare: Option<Box<RareParts>>,
     block_id_valid: bool,
+}
+
+/// The parts of a [`ReceivedBlockInfo`] most blocks lack.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+struct RareParts {
+    metadata: Option<Box<[u8]>>,
+    /// Set when the block was stored in a receiver log.
+    wal_handle: Option<RecordHandle>,
 }
 
 /// `ReceivedBlockInfo::num_records` when the count is unknown.
@@ -154,50 +169,63 @@ impl ReceivedBlockInfo {
         metadata: Option<Vec<u8>>,
         store_result: BlockStoreResult,
     ) -> Result<Self, BlockTrackerError> {
+        let block_id = store_result.block_id();
         if let Some(count) = num_records {
             if count < 0 {
-                return Err(BlockTrackerError::NegativeNumRecords {
-                    block_id: store_result.block_id(),
-                    num_records: count,
-                });
+                return Err(BlockTrackerError::NegativeNumRecords { block_id, num_records: count });
             }
         }
+        let wal_handle = store_result.wal_handle();
+        let rare = (metadata.is_some() || wal_handle.is_some()).then(|| {
+            Box::new(RareParts { metadata: metadata.map(Vec::into_boxed_slice), wal_handle })
+        });
         Ok(Self {
             stream_id,
+            block_stream: block_id.stream,
+            unique_id: block_id.unique_id,
             num_records: num_records.unwrap_or(NO_RECORD_COUNT),
-            metadata: metadata.map(Vec::into_boxed_slice),
-            store_result,
+            rare,
             block_id_valid: true,
         })
     }
 
     /// The stream the block belongs to.
+    #[inline]
     pub fn stream_id(&self) -> StreamId {
         self.stream_id
     }
 
     /// Records in the block, if known (never negative).
+    #[inline]
     pub fn num_records(&self) -> Option<i64> {
         (self.num_records != NO_RECORD_COUNT).then_some(self.num_records)
     }
 
     /// Opaque metadata of the receiver.
+    #[inline]
     pub fn metadata(&self) -> Option<&[u8]> {
-        self.metadata.as_deref()
+        self.rare.as_ref().and_then(|rare| rare.metadata.as_deref())
     }
 
     /// Where the data is.
-    pub fn store_result(&self) -> &BlockStoreResult {
-        &self.store_result
+    #[inline]
+    pub fn store_result(&self) -> BlockStoreResult {
+        let block_id = self.block_id();
+        match self.rare.as_ref().and_then(|rare| rare.wal_handle) {
+            Some(handle) => BlockStoreResult::ReceiverWal { block_id, handle },
+            None => BlockStoreResult::BlockManager { block_id },
+        }
     }
 
     /// The block's id.
+    #[inline]
     pub fn block_id(&self) -> StreamBlockId {
-        self.store_result.block_id()
+        StreamBlockId { stream: self.block_stream, unique_id: self.unique_id }
     }
 
     /// Whether the executor-side block is presumed to exist (false after a driver recovery:
     /// the data must then come from the receiver log).
+    #[inline]
     pub fn is_block_id_valid(&self) -> bool {
         self.block_id_valid
     }
@@ -211,9 +239,10 @@ impl ReceivedBlockInfo {
 impl PartialEq for ReceivedBlockInfo {
     fn eq(&self, other: &Self) -> bool {
         self.stream_id == other.stream_id
+            && self.block_stream == other.block_stream
+            && self.unique_id == other.unique_id
             && self.num_records == other.num_records
-            && self.metadata == other.metadata
-            && self.store_result == other.store_result
+            && self.rare == other.rare
     }
 }
 
@@ -222,9 +251,10 @@ impl Eq for ReceivedBlockInfo {}
 impl Hash for ReceivedBlockInfo {
     fn hash<H: Hasher>(&self, state: &mut H) {
         self.stream_id.hash(state);
+        self.block_stream.hash(state);
+        self.unique_id.hash(state);
         self.num_records.hash(state);
-        self.metadata.hash(state);
-        self.store_result.hash(state);
+        self.rare.hash(state);
     }
 }
 
