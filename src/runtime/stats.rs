@@ -78,7 +78,7 @@ pub struct TimeSummary {
 /// under [`OTHER_DROP_REASONS`].
 pub(crate) const NAMED_DROP_REASONS: usize = 8;
 
-/// The reason under which drops beyond the first [`NAMED_DROP_REASONS`] reasons are counted.
+/// The reason under which drops beyond the first `NAMED_DROP_REASONS` reasons are counted.
 pub const OTHER_DROP_REASONS: &str = "other reasons";
 
 /// Messages an endpoint dropped, by reason: a fixed table (no allocation, no lock), written by

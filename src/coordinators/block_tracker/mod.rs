@@ -1091,6 +1091,20 @@ mod tests {
         assert_eq!(a, b);
         let hasher = std::collections::hash_map::RandomState::new();
         assert_eq!(hasher.hash_one(&a), hasher.hash_one(&b));
+        // Empty metadata is metadata; a receiver-log block is not a block-manager one.
+        let block_id = a.block_id();
+        let store = BlockStoreResult::BlockManager { block_id };
+        let with_empty_metadata =
+            ReceivedBlockInfo::new(StreamId(1), Some(1), Some(Vec::new()), store).unwrap();
+        assert_ne!(a, with_empty_metadata);
+        assert_eq!(with_empty_metadata.metadata(), Some(&[][..]));
+        let handle =
+            crate::wal::RecordHandle { segment: crate::wal::SegmentId(1), offset: 64, len: 9 };
+        let in_log = BlockStoreResult::ReceiverWal { block_id, handle };
+        let logged = ReceivedBlockInfo::new(StreamId(1), Some(1), None, in_log).unwrap();
+        assert_ne!(a, logged);
+        assert_eq!(logged.store_result(), in_log);
+        assert_eq!(a.store_result(), store);
     }
 
     #[test]

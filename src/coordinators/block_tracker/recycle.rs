@@ -10,7 +10,7 @@
 //! receiver takes one when it starts a batch.
 //!
 //! Bounded: at most [`POOL_VECTORS`] vectors of one to two batch sizes are kept (at most
-//! ~38 MB of 72-byte blocks); the rest are freed as before. Lock-free: crossbeam's bounded
+//! ~21 MB of 40-byte blocks); the rest are freed as before. Lock-free: crossbeam's bounded
 //! `ArrayQueue`, used directly (not through `crate::sync`): the loom models cover the
 //! crate's own protocols, and this is a plain queue of owned values.
 

@@ -1,8 +1,9 @@
 //! The tracker's data: identifiers, block infos, allocations and the journal events.
 //!
-//! Every type here is an rkyv record, so events go to the WAL as they are and come back equal
-//! (SPEC 0.5). Equality of [`ReceivedBlockInfo`] ignores its `block_id_valid` flag (SPEC D.1),
-//! and so does its hash, so recovery can remove "exactly the listed blocks" by equality.
+//! Every type here is an rkyv record. Events go to the WAL in the compact layout of the
+//! `journal` module and come back equal (SPEC 0.5). Equality of [`ReceivedBlockInfo`] ignores
+//! its `block_id_valid` flag (SPEC D.1), and so does its hash, so recovery can remove "exactly
+//! the listed blocks" by equality.
 
 use std::hash::{Hash, Hasher};
 
@@ -129,14 +130,17 @@ impl BlockStoreResult {
 /// Equality and hashing ignore `block_id_valid`.
 ///
 /// Laid out in 40 bytes: the tracker holds millions of these, and its queues, allocations and
-/// the receivers' batches move them around. What most blocks lack (the receiver's metadata, a
-/// receiver-log handle) is boxed behind one pointer, and the block id is kept as its parts;
-/// [`Self::store_result`] rebuilds the [`BlockStoreResult`].
+/// the receivers' batches move them around. The parts a block kept in an executor's block
+/// manager lacks (the receiver's metadata, a receiver-log handle) are boxed behind one
+/// pointer, and the block id is kept as its parts; [`Self::store_result`] rebuilds the
+/// [`BlockStoreResult`]. A block stored in a receiver log therefore costs a small allocation
+/// per info (and per clone), next to the log write of its data.
 #[derive(Debug, Clone, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct ReceivedBlockInfo {
     stream_id: StreamId,
     /// The stream of the block's id (the info's own stream, except in odd reports).
     block_stream: StreamId,
+    /// The unique id of the block's id.
     unique_id: u64,
     /// The record count, or [`NO_RECORD_COUNT`] (a count is never negative): 8 bytes instead
     /// of an `Option`'s 16.
@@ -149,6 +153,7 @@ pub struct ReceivedBlockInfo {
 /// The parts of a [`ReceivedBlockInfo`] most blocks lack.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 struct RareParts {
+    /// The receiver's opaque metadata.
     metadata: Option<Box<[u8]>>,
     /// Set when the block was stored in a receiver log.
     wal_handle: Option<RecordHandle>,
