@@ -959,7 +959,9 @@ mod tests {
     use super::*;
     use crate::clock::SystemClock;
 
-    fn info(stream: i32, unique_id: u64) -> ReceivedBlockInfo {
+    /// A plain block (in a block manager, one record) for the tests of this module and its
+    /// submodules.
+    pub(super) fn info(stream: i32, unique_id: u64) -> ReceivedBlockInfo {
         let block_id = StreamBlockId { stream: StreamId(stream), unique_id };
         ReceivedBlockInfo::new(
             StreamId(stream),

@@ -547,18 +547,7 @@ impl Drop for AddReceipt<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::coordinators::block_tracker::{BlockStoreResult, StreamBlockId, StreamId};
-
-    fn info(stream: i32, unique_id: u64) -> ReceivedBlockInfo {
-        let block_id = StreamBlockId { stream: StreamId(stream), unique_id };
-        ReceivedBlockInfo::new(
-            StreamId(stream),
-            None,
-            None,
-            BlockStoreResult::BlockManager { block_id },
-        )
-        .unwrap()
-    }
+    use crate::coordinators::block_tracker::tests::info;
 
     #[test]
     fn a_pending_batch_keeps_its_blocks_by_stream_in_the_order_added() {
