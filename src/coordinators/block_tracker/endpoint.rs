@@ -505,8 +505,8 @@ impl Endpoint for BlockTrackerEndpoint {
                     LoggedPayload::One(info) => self.tracker.enqueue(lsn, info),
                     LoggedPayload::Many(infos) => self.tracker.apply_logged_additions(lsn, infos),
                     LoggedPayload::ByStream(groups) => {
-                        for group in groups {
-                            self.tracker.queue_stream_group(lsn, group);
+                        for (stream, blocks) in groups {
+                            self.tracker.queue_stream_group(lsn, stream, blocks);
                         }
                     }
                 }

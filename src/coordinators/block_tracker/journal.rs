@@ -34,7 +34,6 @@
 //! record round-trips exactly and a damaged one is an error, never a panic.
 
 use rkyv::{rancor, util::AlignedVec, with::AsBox};
-use smallvec::SmallVec;
 
 use super::{
     AllocatedBlocks, BatchAllocationEvent, BatchCleanupEvent, BatchTime, BlockAdditionEvent,
@@ -324,11 +323,10 @@ pub(super) fn encode_into(
 /// # Errors
 /// As [`encode_into`].
 pub(super) fn encode_additions_into(
-    groups: &[Vec<ReceivedBlockInfo>],
+    groups: &[&[ReceivedBlockInfo]],
     buf: AlignedVec,
 ) -> Result<AlignedVec, BlockTrackerError> {
-    let lists: SmallVec<[&[ReceivedBlockInfo]; 4]> = groups.iter().map(Vec::as_slice).collect();
-    serialize(&JournalRecord::Blocks(pack_blocks(&lists)), buf)
+    serialize(&JournalRecord::Blocks(pack_blocks(groups)), buf)
 }
 
 fn serialize(record: &JournalRecord, mut buf: AlignedVec) -> Result<AlignedVec, BlockTrackerError> {
@@ -570,11 +568,12 @@ mod tests {
 
     #[test]
     fn additions_kept_by_stream_encode_as_the_event_of_their_blocks_in_that_order() {
-        let groups = vec![vec![plain(1, 1), rich(1, 3)], vec![plain(2, 2)], vec![plain(1, 9)]];
+        let groups = [vec![plain(1, 1), rich(1, 3)], vec![plain(2, 2)], vec![plain(1, 9)]];
         let event = TrackerEvent::BlockAdditions(BlockAdditionsEvent {
             infos: groups.iter().flatten().cloned().collect(),
         });
-        let grouped = encode_additions_into(&groups, AlignedVec::new()).unwrap();
+        let lists: Vec<&[ReceivedBlockInfo]> = groups.iter().map(Vec::as_slice).collect();
+        let grouped = encode_additions_into(&lists, AlignedVec::new()).unwrap();
         assert_eq!(&grouped[..], &encode_into(&event, AlignedVec::new()).unwrap()[..]);
         assert_eq!(decode(&grouped).unwrap(), event);
     }

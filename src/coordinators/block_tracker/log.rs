@@ -53,10 +53,10 @@ pub trait BlockLog: Send + Sync + 'static {
     /// As [`BlockLog::append`].
     fn append_additions(
         &self,
-        groups: &[Vec<ReceivedBlockInfo>],
+        groups: &[&[ReceivedBlockInfo]],
         time_ms: i64,
     ) -> Result<Lsn, BlockLogError> {
-        let infos = groups.iter().flatten().cloned().collect();
+        let infos = groups.iter().flat_map(|blocks| blocks.iter()).cloned().collect();
         self.append(&TrackerEvent::BlockAdditions(BlockAdditionsEvent { infos }), time_ms)
     }
 
@@ -162,7 +162,7 @@ impl BlockLog for WalBlockLog {
 
     fn append_additions(
         &self,
-        groups: &[Vec<ReceivedBlockInfo>],
+        groups: &[&[ReceivedBlockInfo]],
         time_ms: i64,
     ) -> Result<Lsn, BlockLogError> {
         self.append_encoded("BlockAdditionEvents", time_ms, |buf| {

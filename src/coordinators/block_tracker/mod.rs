@@ -573,10 +573,15 @@ impl ReceivedBlockTracker {
     /// Queues blocks of one stream from record `lsn`, in their record order (a receiver's
     /// batch vector for that stream: queued as it is, unless it fills less than half of a
     /// batch vector, which then goes back to the receivers).
-    pub(crate) fn queue_stream_group(&mut self, lsn: Lsn, mut blocks: Vec<ReceivedBlockInfo>) {
-        let Some(stream) = blocks.first().map(ReceivedBlockInfo::stream_id) else {
+    pub(crate) fn queue_stream_group(
+        &mut self,
+        lsn: Lsn,
+        stream: StreamId,
+        mut blocks: Vec<ReceivedBlockInfo>,
+    ) {
+        if blocks.is_empty() {
             return;
-        };
+        }
         debug_assert!(blocks.iter().all(|info| info.stream_id() == stream), "one stream");
         let chunk = if blocks.len() < receiver::COMBINE_MAX_BLOCKS / 2
             && blocks.capacity() >= receiver::COMBINE_MAX_BLOCKS
@@ -1028,9 +1033,9 @@ mod tests {
         let half = receiver::COMBINE_MAX_BLOCKS / 2;
         let large: Vec<_> = (0..half as u64).map(|id| info(1, id)).collect();
         let small = [info(2, 7), info(2, 8)];
-        tracker.queue_stream_group(Lsn(2), record(&large));
-        tracker.queue_stream_group(Lsn(2), record(&small));
-        tracker.queue_stream_group(Lsn(3), Vec::new());
+        tracker.queue_stream_group(Lsn(2), StreamId(1), record(&large));
+        tracker.queue_stream_group(Lsn(2), StreamId(2), record(&small));
+        tracker.queue_stream_group(Lsn(3), StreamId(1), Vec::new());
         assert_eq!(recycled.len(), 1, "only the small group's vector came back");
         assert_eq!(tracker.unallocated_blocks(StreamId(1)), large);
         assert_eq!(tracker.unallocated_blocks(StreamId(2)), small);

@@ -97,7 +97,7 @@ pub(super) enum LoggedPayload {
     One(ReceivedBlockInfo),
     /// An [`BlockReceiver::add_blocks`] list, streams mixed.
     Many(Vec<ReceivedBlockInfo>),
-    /// A combined batch, kept by stream: each vector holds blocks of one stream, in the order
+    /// A combined batch, kept by stream: each vector holds blocks of its stream, in the order
     /// they were added (the record holds the vectors one after the other).
     ByStream(StreamGroups),
 }
@@ -107,7 +107,7 @@ impl LoggedPayload {
         match self {
             Self::One(_) => 1,
             Self::Many(blocks) => blocks.len(),
-            Self::ByStream(groups) => groups.iter().map(Vec::len).sum(),
+            Self::ByStream(groups) => groups.iter().map(|(_, blocks)| blocks.len()).sum(),
         }
     }
 
@@ -117,7 +117,7 @@ impl LoggedPayload {
 }
 
 /// A receiver's pending blocks, one vector per stream (module doc, "Combining").
-pub(super) type StreamGroups = SmallVec<[Vec<ReceivedBlockInfo>; 2]>;
+pub(super) type StreamGroups = SmallVec<[(StreamId, Vec<ReceivedBlockInfo>); 2]>;
 
 impl LoggedBlocks {
     /// The LSN of the blocks' record (`Lsn::ZERO` when the WAL is disabled).
@@ -190,8 +190,6 @@ struct PendingBatch {
     /// The blocks by stream, so that the tracker queues each vector as it is (a record of
     /// mixed streams would be split there, on the one thread all receivers share).
     groups: StreamGroups,
-    /// The stream of each group.
-    streams: SmallVec<[StreamId; 2]>,
     /// Blocks over all groups.
     blocks: usize,
     /// Shared with the receipts of the blocks in `groups`.
@@ -206,13 +204,12 @@ impl PendingBatch {
     #[inline]
     fn push(&mut self, info: ReceivedBlockInfo, pool: &BlockVecPool) {
         let stream = info.stream_id();
-        match self.streams.iter().position(|known| *known == stream) {
-            Some(index) => self.groups[index].push(info),
+        match self.groups.iter_mut().find(|(known, _)| *known == stream) {
+            Some((_, blocks)) => blocks.push(info),
             None => {
-                let mut group = pool.take();
-                group.push(info);
-                self.streams.push(stream);
-                self.groups.push(group);
+                let mut blocks = pool.take();
+                blocks.push(info);
+                self.groups.push((stream, blocks));
             }
         }
         self.blocks += 1;
@@ -333,11 +330,10 @@ impl BlockReceiver {
             return;
         }
         let mut groups = std::mem::take(&mut pending.groups);
-        pending.streams.clear();
         let blocks = std::mem::replace(&mut pending.blocks, 0);
         let batch = std::mem::take(&mut pending.outcome);
         let payload = if blocks == 1 {
-            let mut vector = groups.pop().expect("one block");
+            let (_, mut vector) = groups.pop().expect("one block");
             let info = vector.pop().expect("one block");
             self.recycled.give_back(vector);
             LoggedPayload::One(info)
@@ -411,7 +407,12 @@ fn append_payload(
 ) -> (Result<Lsn, BlockLogError>, LoggedPayload) {
     let event = match payload {
         LoggedPayload::ByStream(groups) => {
-            return (log.append_additions(&groups, time_ms), LoggedPayload::ByStream(groups));
+            let appended = {
+                let lists: SmallVec<[&[ReceivedBlockInfo]; 2]> =
+                    groups.iter().map(|(_, blocks)| blocks.as_slice()).collect();
+                log.append_additions(&lists, time_ms)
+            };
+            return (appended, LoggedPayload::ByStream(groups));
         }
         LoggedPayload::One(info) => TrackerEvent::BlockAddition(BlockAdditionEvent { info }),
         LoggedPayload::Many(infos) => TrackerEvent::BlockAdditions(BlockAdditionsEvent { infos }),
@@ -560,7 +561,7 @@ mod tests {
         let groups: Vec<Vec<u64>> = pending
             .groups
             .iter()
-            .map(|group| group.iter().map(|block| block.block_id().unique_id).collect())
+            .map(|(_, blocks)| blocks.iter().map(|block| block.block_id().unique_id).collect())
             .collect();
         assert_eq!(groups, [vec![1, 3, 6], vec![2, 5], vec![4]]);
         let payload = LoggedPayload::ByStream(pending.groups);
