@@ -337,23 +337,72 @@ fn short_writes_are_completed() {
     on_both_paths(short_writes_are_completed_on);
 }
 
+/// Group commit (the sync thread's pipelined groups), and `EveryRecord` with a wait per record
+/// (groups written by the waiting thread: the write linked to its sync on io_uring).
 fn short_writes_are_completed_on(path: IoVariant) {
-    let dir = tempfile::tempdir().unwrap();
-    let (wal, faults) = open_faulty(path, dir.path(), Durability::default(), 64 << 10);
-    faults.short_write_bytes.store(7, Ordering::SeqCst);
-    let mut expected = Vec::new();
-    let mut last = Lsn::ZERO;
-    for index in 0..500u32 {
-        let bytes: Vec<u8> = (0..index % 200).map(|byte| (byte ^ index) as u8).collect();
-        last = wal.append_bytes(&bytes, 0).unwrap().0;
-        expected.push(bytes);
+    for durability in [Durability::default(), Durability::EveryRecord] {
+        let wait_each = durability == Durability::EveryRecord;
+        let dir = tempfile::tempdir().unwrap();
+        let (wal, faults) = open_faulty(path, dir.path(), durability, 64 << 10);
+        faults.short_write_bytes.store(7, Ordering::SeqCst);
+        let mut expected = Vec::new();
+        let mut last = Lsn::ZERO;
+        let count = if wait_each { 100 } else { 500 };
+        for index in 0..count {
+            let bytes: Vec<u8> = (0..index % 200).map(|byte| (byte ^ index) as u8).collect();
+            last = wal.append_bytes(&bytes, 0).unwrap().0;
+            if wait_each {
+                wal.wait_durable(last).unwrap();
+            }
+            expected.push(bytes);
+        }
+        wal.wait_durable(last).unwrap();
+        assert!(faults.syncs.load(Ordering::SeqCst) > 0);
+        if wait_each {
+            assert!(wal.stats().led_groups > 0, "{:?}", wal.stats());
+        }
+        wal.close().unwrap();
+        assert_path_used(&wal, &faults);
+        drop(wal);
+        assert_eq!(records(dir.path()), expected, "{durability:?}");
     }
-    wal.wait_durable(last).unwrap();
-    assert!(faults.syncs.load(Ordering::SeqCst) > 0);
-    wal.close().unwrap();
+}
+
+#[test]
+fn a_failed_fsync_fails_the_waiter_that_leads() {
+    on_both_paths(a_failed_fsync_fails_the_waiter_that_leads_on);
+}
+
+/// `EveryRecord` waiters write their own groups when the writer is free: the one whose sync
+/// fails gets the error from `wait_durable` itself, and the log is failed for everyone.
+fn a_failed_fsync_fails_the_waiter_that_leads_on(path: IoVariant) {
+    let dir = tempfile::tempdir().unwrap();
+    let (wal, faults) = open_faulty(path, dir.path(), Durability::EveryRecord, 1 << 20);
+    for index in 0..10u8 {
+        let (lsn, _) = wal.append_bytes(&[index; 32], 0).unwrap();
+        wal.wait_durable(lsn).unwrap();
+    }
+    assert!(wal.stats().led_groups > 0, "{:?}", wal.stats());
+    faults.sync_eio.store(true, Ordering::SeqCst);
+    let (doomed, _) = wal.append_bytes(b"doomed", 0).unwrap();
+    let error = wal.wait_durable(doomed).unwrap_err();
+    match error.root_cause() {
+        WalError::Io { op, .. } => assert_eq!(*op, "fdatasync"),
+        other => panic!("expected the fdatasync error, got {other:?}"),
+    }
+    assert!(wal.durable_lsn() < doomed, "a failed sync never reports success");
+    faults.sync_eio.store(false, Ordering::SeqCst);
+    assert!(matches!(wal.append_bytes(b"later", 0), Err(WalError::Failed { .. })));
+    assert!(matches!(wal.close(), Err(WalError::Failed { .. })));
     assert_path_used(&wal, &faults);
     drop(wal);
-    assert_eq!(records(dir.path()), expected);
+    // The ten acknowledged records are intact (the doomed one may follow: its write reached
+    // the page cache, only its sync failed).
+    let found = records(dir.path());
+    assert!(found.len() >= 10, "{} records", found.len());
+    for (index, record) in found.iter().take(10).enumerate() {
+        assert_eq!(record, &vec![index as u8; 32]);
+    }
 }
 
 #[test]

@@ -36,6 +36,12 @@
 //! small appends, while small newcomers still use whatever room the waiters leave (they do
 //! not sleep through a group just because someone waits).
 //!
+//! With [`Durability::EveryRecord`], a thread that waits for its record ([`Wal::wait_durable`])
+//! writes and syncs the staged group itself while the sync thread is idle ("leading", module
+//! `writer`): that saves the three cross-thread wake-ups of a hand-over to the sync thread,
+//! which cost more than the `fdatasync` they wrap on this 2-core class. The sync thread still
+//! writes what nobody leads (records nobody waits for, durability callbacks, pipelined load).
+//!
 //! ## Pipelined group commit (io_uring path)
 //! On the io_uring path the sync thread does not wait for a group's sync before taking the
 //! next group: up to `GROUPS_IN_FLIGHT_MAX` (8) groups are on the ring at once, so group k+1's
@@ -176,6 +182,15 @@ use crate::{
 /// frame larger than the limit is staged alone). The limit in force is twice the group size
 /// (`max_bytes`) clamped to 1 MiB ..= this, or 8 MiB without group commit.
 pub const STAGING_LIMIT_BYTES: usize = 64 << 20;
+
+/// How long the sync thread leaves a new `EveryRecord` group to its appender while waiters
+/// lead (`Shared::wait_for_work`). An appender goes from its append to leading in a few
+/// microseconds unless it is preempted; a group nobody leads waits this much longer.
+const LEADER_GRACE: Duration = Duration::from_micros(50);
+/// How often the sync thread looks for groups nobody led while `EveryRecord` waiters lead and
+/// appends do not wake it (`Shared::wait_for_work`): the longest a record appended without
+/// anyone waiting for it can wait to be written then.
+const LEADER_POLL: Duration = Duration::from_millis(1);
 
 /// The staging limit for `durability`.
 fn staging_limit(durability: Durability) -> usize {
@@ -458,8 +473,11 @@ pub struct WalStats {
     pub appends: u64,
     /// Framed bytes appended since opening.
     pub bytes: u64,
-    /// Groups written by the sync thread.
+    /// Groups written and (in the durable modes) synced.
     pub groups: u64,
+    /// Of those, groups written on the thread of an `EveryRecord` appender waiting for them
+    /// (module `writer`, "Leading") instead of the sync thread.
+    pub led_groups: u64,
     /// `fdatasync` calls completed.
     pub syncs: u64,
     /// Median group write+sync time, in microseconds (log2 bucket upper bound; 0 if none).
@@ -672,9 +690,19 @@ pub(crate) struct Shared {
     pub(crate) doomed: Mutex<Doomed>,
     /// Signalled after every group (durable LSN and written bytes moved) and on failure.
     pub(crate) durable_cv: Condvar,
+    /// A leader made durability callbacks due and left them for the sync thread.
+    pub(crate) callbacks_deferred: AtomicBool,
+    /// `EveryRecord` waiters lead: appends leave their groups to them instead of waking the
+    /// sync thread. Set by each lead, cleared by the sync thread (both under the append lock)
+    /// after a [`LEADER_POLL`] without a lead or a group nobody led (`Shared::wait_for_work`).
+    pub(crate) leaders_active: AtomicBool,
+    /// A lead happened since the sync thread's last poll (set by leaders, cleared by polls).
+    pub(crate) led_since_poll: AtomicBool,
     pub(crate) failed: OnceLock<WalError>,
     pub(crate) failed_flag: AtomicBool,
     pub(crate) groups: AtomicU64,
+    /// Groups a leader wrote (counted in `groups` too).
+    pub(crate) led_groups: AtomicU64,
     pub(crate) syncs: AtomicU64,
     pub(crate) sync_latency_us_log2: [AtomicU64; 32],
     pub(crate) cleaned_segments: AtomicU64,
@@ -731,8 +759,40 @@ impl Shared {
         WalError::Failed { cause: Box::new(self.failed.get().cloned().unwrap_or(WalError::Closed)) }
     }
 
-    /// Publishes progress of the sync thread and runs the callbacks now due.
-    pub(crate) fn publish(&self, written: u64, durable: u64) {
+    /// Whether appends leave their group to a leader instead of waking the sync thread:
+    /// `EveryRecord`, and waiters lead (`leaders_active`, read by appenders under the append
+    /// lock that it is set and cleared under).
+    pub(crate) fn leaders_write(&self) -> bool {
+        matches!(self.config.durability, Durability::EveryRecord)
+            && self.leaders_active.load(Ordering::Relaxed)
+    }
+
+    /// Wakes the sync thread if it waits for a group and leaders may have left one staged:
+    /// for a thread that is about to wait for the staged records without leading (a waiter
+    /// with a timeout or one that found the writer busy, a durability callback, a reader).
+    pub(crate) fn wake_writer_for_waiter(&self) {
+        if !matches!(self.config.durability, Durability::EveryRecord) {
+            return;
+        }
+        let mut state = lock(&self.append);
+        if state.chunks.is_empty() || !state.writer_wait.wants_wake(true, true) {
+            return;
+        }
+        let in_ring = state.writer_wait.in_ring();
+        state.set_writer_wait(WriterWait::Running);
+        drop(state);
+        if in_ring {
+            self.wake_ring();
+        } else {
+            self.writer_cv.notify_one();
+        }
+    }
+
+    /// Moves the written and durable watermarks, wakes the waiters that wait for them and,
+    /// with `run_callbacks`, runs the durability callbacks now due. Without (a leader's
+    /// thread: module `writer`, "Leading") due callbacks stay queued and
+    /// `callbacks_deferred` tells the sync thread to run them.
+    pub(crate) fn publish(&self, written: u64, durable: u64, run_callbacks: bool) {
         self.written_lsn.fetch_max(written, Ordering::AcqRel);
         let (ready, wake) = {
             let mut sync = lock(&self.sync);
@@ -745,11 +805,13 @@ impl Shared {
             // nobody waits for (or one for bytes written when only durability is awaited)
             // would cost a system call and a spurious context switch per group.
             let wake = sync.written_waiters > 0 || (durable_moved && sync.durable_waiters > 0);
-            let ready = if sync.callbacks.first_key_value().is_some_and(|(lsn, _)| *lsn <= durable)
-            {
-                let later = sync.callbacks.split_off(&(durable + 1));
-                std::mem::replace(&mut sync.callbacks, later)
+            let due = sync.callbacks.first_key_value().is_some_and(|(lsn, _)| *lsn <= durable);
+            let ready = if due && run_callbacks {
+                Self::split_due_callbacks(&mut sync, durable)
             } else {
+                if due {
+                    self.callbacks_deferred.store(true, Ordering::Release);
+                }
                 BTreeMap::new()
             };
             (ready, wake)
@@ -759,6 +821,104 @@ impl Shared {
         }
         for callback in ready.into_values().flatten() {
             callback(Ok(()));
+        }
+    }
+
+    /// Takes the callbacks of LSNs up to `durable` out of `sync`.
+    fn split_due_callbacks(
+        sync: &mut SyncState,
+        durable: u64,
+    ) -> BTreeMap<u64, Vec<DurableCallback>> {
+        let later = sync.callbacks.split_off(&(durable + 1));
+        std::mem::replace(&mut sync.callbacks, later)
+    }
+
+    /// Sync thread: runs the durability callbacks a leader left (see `publish`).
+    pub(crate) fn run_deferred_callbacks(&self) {
+        if !self.callbacks_deferred.swap(false, Ordering::AcqRel) {
+            return;
+        }
+        let ready = {
+            let mut sync = lock(&self.sync);
+            Self::split_due_callbacks(&mut sync, self.durable_lsn.load(Ordering::Acquire))
+        };
+        for callback in ready.into_values().flatten() {
+            callback(Ok(()));
+        }
+    }
+
+    /// Sync thread, holding no writer lock: waits until there is something to do (a staged
+    /// group, segments to delete, callbacks a leader left, or closing). Checked under the
+    /// append lock, which every one of those takes to wake this thread, so no wake-up is lost.
+    ///
+    /// While `EveryRecord` waiters lead (`leaders_active`; module `writer`, "Leading"), appends
+    /// do not wake this thread. So it looks for groups nobody led every [`LEADER_POLL`], and
+    /// leaves a staged group to a possible leader for [`LEADER_GRACE`] after its first record.
+    /// A poll period without any lead, or a group nobody led within the grace (which this
+    /// thread then writes itself), ends that: appends wake this thread again until the next
+    /// lead.
+    pub(crate) fn wait_for_work(&self) {
+        let mut state = lock(&self.append);
+        loop {
+            let other_work = state.closing
+                || self.has_doomed()
+                || self.callbacks_deferred.load(Ordering::Acquire);
+            if other_work {
+                return;
+            }
+            let leaders = self.leaders_active.load(Ordering::Relaxed);
+            let (timeout, polling) = match state.group_started.filter(|_| !state.chunks.is_empty())
+            {
+                Some(_) if !leaders => return,
+                Some(started) => {
+                    let now = Instant::now();
+                    let grace_end = started + LEADER_GRACE;
+                    if now >= grace_end {
+                        self.leaders_active.store(false, Ordering::Relaxed);
+                        return;
+                    }
+                    (Some(grace_end - now), false)
+                }
+                None if leaders => (Some(LEADER_POLL), true),
+                None => (None, false),
+            };
+            state.set_writer_wait(WriterWait::Condvar);
+            state = match timeout {
+                None => {
+                    self.writer_cv.wait(state).unwrap_or_else(std::sync::PoisonError::into_inner)
+                }
+                Some(timeout) => {
+                    let (state, result) = self
+                        .writer_cv
+                        .wait_timeout(state, timeout)
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    let quiet_poll = polling
+                        && result.timed_out()
+                        && !self.led_since_poll.swap(false, Ordering::Relaxed);
+                    if quiet_poll {
+                        // No lead for a whole poll period: appends wake this thread again.
+                        self.leaders_active.store(false, Ordering::Relaxed);
+                    }
+                    state
+                }
+            };
+        }
+    }
+
+    /// After a lead, with the writer free again: wakes the sync thread if the leader left
+    /// callbacks for it, and the waiters if records they may wait for are not durable yet,
+    /// so that one of them leads next (appends do not wake the sync thread while leaders
+    /// write: `Shared::leaders_write`).
+    fn after_lead(&self) {
+        if self.callbacks_deferred.load(Ordering::Acquire) {
+            // Under the append lock: the sync thread checks the flag under it before waiting.
+            let _state = lock(&self.append);
+            self.writer_cv.notify_all();
+        }
+        if self.appended_lsn.load(Ordering::Acquire) > self.durable_lsn.load(Ordering::Acquire)
+            && lock(&self.sync).durable_waiters > 0
+        {
+            self.durable_cv.notify_all();
         }
     }
 
@@ -873,6 +1033,9 @@ impl Shared {
 pub struct Wal {
     shared: Arc<Shared>,
     writer: Mutex<Option<JoinHandle<()>>>,
+    /// The writer's state, shared with the sync thread so that an `EveryRecord` waiter can
+    /// lead (module `writer`, "Leading"); `None` when read-only.
+    log_writer: Option<Arc<Mutex<writer::Writer>>>,
     report: RecoveryReport,
     io_path: IoPath,
     clock: Arc<dyn Clock>,
@@ -995,29 +1158,38 @@ impl Wal {
             doomed: Mutex::new(Doomed { segments: Vec::new(), writer_exited: options.read_only }),
             read_only: options.read_only,
             durable_cv: Condvar::new(),
+            callbacks_deferred: AtomicBool::new(false),
+            leaders_active: AtomicBool::new(false),
+            led_since_poll: AtomicBool::new(false),
             failed: OnceLock::new(),
             failed_flag: AtomicBool::new(false),
             groups: AtomicU64::new(0),
+            led_groups: AtomicU64::new(0),
             syncs: AtomicU64::new(0),
             sync_latency_us_log2: Default::default(),
             cleaned_segments: AtomicU64::new(0),
         });
-        let writer = if options.read_only {
-            None
-        } else {
-            let thread_shared = Arc::clone(&shared);
-            Some(
-                std::thread::Builder::new()
-                    .name("coordbus-wal-sync".into())
-                    .spawn(move || writer::run(thread_shared, engine, dir_lock))
-                    .map_err(|error| {
-                        WalError::from_io("spawn sync thread", dir.clone(), 0, &error)
-                    })?,
-            )
+        let log_writer = (!options.read_only).then(|| {
+            Arc::new(Mutex::new(writer::Writer::new(Arc::clone(&shared), engine, dir_lock)))
+        });
+        let writer = match &log_writer {
+            None => None,
+            Some(log_writer) => {
+                let thread_writer = Arc::clone(log_writer);
+                Some(
+                    std::thread::Builder::new()
+                        .name("coordbus-wal-sync".into())
+                        .spawn(move || writer::run(thread_writer))
+                        .map_err(|error| {
+                            WalError::from_io("spawn sync thread", dir.clone(), 0, &error)
+                        })?,
+                )
+            }
         };
         Ok(Wal {
             shared,
             writer: Mutex::new(writer),
+            log_writer,
             report: recovered.report,
             io_path,
             clock: options.clock,
@@ -1148,7 +1320,11 @@ impl Wal {
             state.group_started = Some(Instant::now());
         }
         let full = group_commit_bytes.is_none_or(|max| state.buf.len() >= max);
-        let wake = state.writer_wait.wants_wake(first_of_group, full);
+        // While `EveryRecord` waiters lead, the appender is expected to write its group itself
+        // (module `writer`, "Leading"); waking the sync thread for it would only compete with
+        // that leader for the two cores. Whoever waits without leading wakes it instead.
+        let leaders_write = shared.leaders_write();
+        let wake = state.writer_wait.wants_wake(first_of_group, full) && !leaders_write;
         let wake_ring = wake && state.writer_wait.in_ring();
         let segment = active.header.id;
         if wake {
@@ -1271,6 +1447,30 @@ impl Wal {
         self.wait_durable_inner(lsn, None)
     }
 
+    /// Whether a wait for durability on this log may lead (module `writer`, "Leading"):
+    /// `EveryRecord`, a writable log, and no timeout (the write and sync could outlast it).
+    fn may_lead(&self, timeout: Option<Duration>) -> bool {
+        timeout.is_none()
+            && self.log_writer.is_some()
+            && matches!(self.shared.config.durability, Durability::EveryRecord)
+    }
+
+    /// Writes and syncs the staged records on this thread if the writer is free. If it is
+    /// busy, its holder writes them: the sync thread at its next turn, or a leader, which
+    /// wakes the waiters when it is done so that one of them leads next
+    /// (`Shared::after_lead`).
+    fn try_lead(&self, lsn: Lsn) {
+        let Some(log_writer) = &self.log_writer else {
+            return;
+        };
+        // Busy or poisoned: wait as usual.
+        if let Ok(mut writer) = log_writer.try_lock() {
+            writer.lead(lsn.0);
+            drop(writer);
+            self.shared.after_lead();
+        }
+    }
+
     /// Waits at most `timeout` until `lsn` is durable.
     ///
     /// # Errors
@@ -1288,9 +1488,15 @@ impl Wal {
         if lsn.0 > appended {
             return Err(WalError::NotAppended { lsn: lsn.0, appended });
         }
+        let may_lead = self.may_lead(timeout);
+        if !may_lead {
+            shared.wake_writer_for_waiter();
+        }
         // A timeout too large for the clock (`Duration::MAX`) waits without a deadline.
         let deadline = timeout.and_then(|timeout| Instant::now().checked_add(timeout));
         let mut sync = lock(&shared.sync);
+        // Lead first, and again after every wake-up (a leader that is done wakes the waiters).
+        let mut lead_now = may_lead;
         loop {
             let durable = shared.durable_lsn.load(Ordering::Acquire);
             if durable >= lsn.0 {
@@ -1301,6 +1507,14 @@ impl Wal {
             }
             if sync.writer_exited {
                 return Err(WalError::Closed);
+            }
+            if lead_now {
+                lead_now = false;
+                drop(sync);
+                self.try_lead(lsn);
+                // Not registered as a waiter meanwhile: look again before waiting.
+                sync = lock(&shared.sync);
+                continue;
             }
             let remaining = match deadline {
                 None => None,
@@ -1319,6 +1533,7 @@ impl Wal {
             sync = SyncState::wait_counted(sync, &shared.durable_cv, remaining, |sync| {
                 &mut sync.durable_waiters
             });
+            lead_now = may_lead;
         }
     }
 
@@ -1341,6 +1556,9 @@ impl Wal {
                 Err(WalError::Closed)
             } else {
                 sync.callbacks.entry(lsn.0).or_default().push(callback);
+                drop(sync);
+                // Leaders write only for themselves: the sync thread must see this record.
+                shared.wake_writer_for_waiter();
                 return;
             }
         };
@@ -1475,6 +1693,7 @@ impl Wal {
             appends,
             bytes,
             groups: shared.groups.load(Ordering::Relaxed),
+            led_groups: shared.led_groups.load(Ordering::Relaxed),
             syncs: shared.syncs.load(Ordering::Relaxed),
             sync_p50_us: shared.sync_percentile_us(0.5),
             sync_p99_us: shared.sync_percentile_us(0.99),

@@ -302,6 +302,8 @@ fn wait_written(
     not_found: impl Fn(&'static str) -> WalError,
 ) -> Result<(), WalError> {
     let deadline = Instant::now() + READ_WAIT_LIMIT;
+    // Leaders write only for themselves: the sync thread must see a record still staged.
+    shared.wake_writer_for_waiter();
     let mut sync = lock(&shared.sync);
     loop {
         if segment.end_offset.load(Ordering::Acquire) >= needed {

@@ -9,10 +9,25 @@
 //! * the directory lock (module `wal::lock`) is held from open (or the directory's creation)
 //!   until this thread exits.
 //!
-//! Two loops: `run_serial` (one group at a time: the pwrite path) and `run_pipelined` (the
-//! io_uring path: several groups on the ring, described in the `wal` module doc under
-//! "Pipelined group commit"). The two I/O paths implement [`IoEngine`]:
+//! Two kinds of turns: `serial_turn` (one group at a time: the pwrite path) and
+//! `pipelined_turn` (the io_uring path: several groups on the ring, described in the `wal`
+//! module doc under "Pipelined group commit"). The two I/O paths implement [`IoEngine`]:
 //! [`uring::UringEngine`] (which also runs the pipeline) and [`pwrite::PwriteEngine`].
+//!
+//! ## Leading (`EveryRecord`)
+//! The writer's state lives behind a mutex that the sync thread holds only while it works: it
+//! releases it when nothing is staged and nothing is in flight, and waits for an appender
+//! without it. A thread that calls [`crate::wal::Wal::wait_durable`] with `EveryRecord` takes
+//! the free mutex and writes and syncs the staged group itself ([`Writer::lead`]), on its own
+//! thread and with the same code as the serial path (on io_uring: one submission, the write
+//! linked to its `fdatasync`). Waiting on the sync thread costs three cross-thread wake-ups
+//! per record (appender to sync thread, kernel worker to sync thread, sync thread to
+//! appender), and on this 2-core class each is tens of microseconds; leading leaves only the
+//! kernel worker's. A bare `fdatasync` pays none of them, and that is the yardstick of the
+//! `EveryRecord` latency goal. If the sync thread is busy (groups in flight, a group delay,
+//! closing), the waiter waits as before. A leader never runs durability callbacks: user code
+//! could block on the very thread waiting for durability, so it leaves them to the sync thread
+//! (`Shared::callbacks_deferred`), which runs them at its next turn.
 
 pub(crate) mod pwrite;
 pub(crate) mod uring;
@@ -20,7 +35,7 @@ pub(crate) mod uring;
 use std::{
     io::PipeWriter,
     path::{Path, PathBuf},
-    sync::{atomic::Ordering, Arc},
+    sync::{atomic::Ordering, Arc, Mutex},
     time::Instant,
 };
 
@@ -121,6 +136,37 @@ enum Take {
     Again,
 }
 
+/// What the blocking look at the staging buffer found.
+enum Taken {
+    /// A group was swapped out (`closing` as in [`Writer::take_group`]).
+    Group { closing: bool },
+    /// Nothing staged and not closing: wait for an appender, without the writer lock.
+    Idle,
+    /// Other work first (segments to delete): look again.
+    Again,
+}
+
+/// What one turn of the sync thread found.
+enum Turn {
+    /// Take another turn at once.
+    Again,
+    /// Nothing staged, nothing in flight: wait for work without the writer lock (a leader
+    /// may take it meanwhile).
+    Idle,
+    /// The log is closed and everything written and synced (or the log failed): exit.
+    Finished,
+}
+
+/// The sync thread's buffers, kept across its turns.
+struct TurnBuffers {
+    /// The group being taken (swapped with the appenders' staging buffer).
+    buf: Vec<u8>,
+    chunks: Vec<Chunk>,
+    /// Buffers of written pipelined groups, for reuse.
+    pool: Vec<Vec<u8>>,
+    events: Vec<RingEvent>,
+}
+
 /// The segment file the sync thread is writing.
 struct OpenSegment {
     segment: Arc<Segment>,
@@ -131,17 +177,46 @@ struct OpenSegment {
     last_lsn: u64,
 }
 
-struct Writer {
+/// The writer's state: the I/O engine, the segment being written, the directory lock. The
+/// sync thread holds it while it works; a leader (module doc, "Leading") while it writes.
+pub(crate) struct Writer {
     shared: Arc<Shared>,
     engine: Box<dyn IoEngine>,
     current: Option<OpenSegment>,
     dir_ready: bool,
     /// The directory lock (module `wal::lock`): taken at open if the directory existed, else
-    /// when this thread creates it. Dropped when this thread exits, after the last sync.
+    /// when this thread creates it. Dropped when the sync thread exits, after the last sync.
     dir_lock: Option<DirLock>,
+    /// A leader's group buffers, kept warm between leads.
+    lead_buf: Vec<u8>,
+    lead_chunks: Vec<Chunk>,
+    /// An appender's thread is writing: durability callbacks are left for the sync thread.
+    leading: bool,
+    /// The sync thread has exited: nobody writes any more.
+    exited: bool,
 }
 
-/// The sync thread's body; returns when the log closes.
+impl Writer {
+    /// The writer of `shared`'s log, for the sync thread to run.
+    pub(crate) fn new(
+        shared: Arc<Shared>,
+        engine: Box<dyn IoEngine>,
+        dir_lock: Option<DirLock>,
+    ) -> Self {
+        Writer {
+            shared,
+            engine,
+            current: None,
+            dir_ready: false,
+            dir_lock,
+            lead_buf: Vec::new(),
+            lead_chunks: Vec::new(),
+            leading: false,
+            exited: false,
+        }
+    }
+}
+
 /// Moves the appenders' pending group into `buf`/`chunks` (they get the empty buffers back),
 /// releases the append lock and wakes appenders waiting for staging space. Returns whether the
 /// log is closing.
@@ -163,57 +238,129 @@ fn swap_out_group(
     closing
 }
 
-pub(crate) fn run(shared: Arc<Shared>, engine: Box<dyn IoEngine>, dir_lock: Option<DirLock>) {
-    let mut writer = Writer { shared, engine, current: None, dir_ready: false, dir_lock };
-    let pipelined = writer.shared.ring_waker.is_some() && writer.engine.as_uring().is_some();
-    if pipelined {
-        writer.run_pipelined();
-    } else {
-        writer.run_serial();
-    }
-    // From now on `clean` deletes by itself; what it queued before is deleted here.
-    let leftover_doomed = {
-        let mut doomed = lock(&writer.shared.doomed);
-        doomed.writer_exited = true;
-        std::mem::take(&mut doomed.segments)
+/// The sync thread's body: turns until the log closes. The writer lock is held for each turn
+/// and released while the thread waits for work, so that a leader can write meanwhile.
+pub(crate) fn run(writer: Arc<Mutex<Writer>>) {
+    let (shared, pipelined) = {
+        let mut writer = lock(&writer);
+        let pipelined = writer.shared.ring_waker.is_some() && writer.engine.as_uring().is_some();
+        (Arc::clone(&writer.shared), pipelined)
     };
-    writer.shared.delete_segments(leftover_doomed, &mut CleanReport::default());
-    // Everything is written and synced (or the log failed): another writer may take over.
-    writer.dir_lock = None;
-    let leftover = {
-        let mut sync = lock(&writer.shared.sync);
-        sync.writer_exited = true;
-        std::mem::take(&mut sync.callbacks)
+    let capacity = lock(&shared.append).buf.capacity();
+    // The second staging buffer, sized like the first so neither regrows (and re-faults fresh
+    // pages) in steady state.
+    let mut buffers = TurnBuffers {
+        buf: Vec::with_capacity(capacity),
+        chunks: Vec::new(),
+        pool: Vec::new(),
+        events: Vec::new(),
     };
-    writer.shared.durable_cv.notify_all();
-    for callback in leftover.into_values().flatten() {
-        callback(Err(WalError::Closed));
+    loop {
+        let mut guard = lock(&writer);
+        shared.run_deferred_callbacks();
+        let turn = if pipelined {
+            guard.pipelined_turn(&mut buffers)
+        } else {
+            guard.serial_turn(&mut buffers)
+        };
+        match turn {
+            Turn::Again => {}
+            Turn::Idle => {
+                drop(guard);
+                shared.wait_for_work();
+            }
+            Turn::Finished => {
+                guard.exit();
+                return;
+            }
+        }
     }
 }
 
 impl Writer {
-    /// One group at a time: take, write, sync, publish (the pwrite path).
-    fn run_serial(&mut self) {
-        // The second staging buffer, sized like the first so neither regrows (and re-faults
-        // fresh pages) in steady state.
-        let mut spare_buf: Vec<u8> = Vec::with_capacity(lock(&self.shared.append).buf.capacity());
-        let mut spare_chunks: Vec<Chunk> = Vec::new();
-        loop {
-            self.delete_doomed();
-            let Some(closing) = self.take_group(&mut spare_buf, &mut spare_chunks) else {
-                continue;
-            };
-            if spare_chunks.is_empty() {
-                if closing {
-                    self.finish();
-                    break;
-                }
-                continue;
-            }
-            self.write_group_serial(&spare_buf, &spare_chunks);
-            spare_buf.clear();
-            spare_chunks.clear();
+    /// Once the loop is over: deletes what `clean` left, releases the directory lock and
+    /// fails the callbacks still waiting.
+    fn exit(&mut self) {
+        self.exited = true;
+        self.current = None;
+        // From now on `clean` deletes by itself; what it queued before is deleted here.
+        let leftover_doomed = {
+            let mut doomed = lock(&self.shared.doomed);
+            doomed.writer_exited = true;
+            std::mem::take(&mut doomed.segments)
+        };
+        self.shared.delete_segments(leftover_doomed, &mut CleanReport::default());
+        // Everything is written and synced (or the log failed): another writer may take over.
+        self.dir_lock = None;
+        // Callbacks a leader made ready run with `Ok`; the rest can never be durable now.
+        self.shared.run_deferred_callbacks();
+        let leftover = {
+            let mut sync = lock(&self.shared.sync);
+            sync.writer_exited = true;
+            std::mem::take(&mut sync.callbacks)
+        };
+        self.shared.durable_cv.notify_all();
+        for callback in leftover.into_values().flatten() {
+            callback(Err(WalError::Closed));
         }
+    }
+
+    /// One group at a time: take, write, sync, publish (the pwrite path).
+    fn serial_turn(&mut self, buffers: &mut TurnBuffers) -> Turn {
+        self.delete_doomed();
+        let closing = match self.take_group(&mut buffers.buf, &mut buffers.chunks) {
+            Taken::Group { closing } => closing,
+            Taken::Idle => return Turn::Idle,
+            Taken::Again => return Turn::Again,
+        };
+        if buffers.chunks.is_empty() {
+            if closing {
+                self.finish();
+                return Turn::Finished;
+            }
+            return Turn::Again;
+        }
+        self.write_group_serial(&buffers.buf, &buffers.chunks);
+        buffers.buf.clear();
+        buffers.chunks.clear();
+        Turn::Again
+    }
+
+    /// Writes and syncs staged groups on the calling thread until `lsn` is durable (module
+    /// doc, "Leading"). Does nothing if the writer is busy: groups in flight, the log closing,
+    /// failed or closed; the caller then waits for the sync thread as usual.
+    pub(crate) fn lead(&mut self, lsn: u64) {
+        let idle = self.engine.as_uring().is_none_or(|uring| uring.groups_in_flight() == 0);
+        if self.exited || !idle {
+            return;
+        }
+        self.leading = true;
+        let mut buf = std::mem::take(&mut self.lead_buf);
+        let mut chunks = std::mem::take(&mut self.lead_chunks);
+        while self.shared.durable_lsn.load(Ordering::Acquire) < lsn
+            && self.shared.failure().is_none()
+        {
+            let state = lock(&self.shared.append);
+            // Closing is the sync thread's to finish; an empty buffer means the group is not
+            // staged here (nothing to lead).
+            if state.chunks.is_empty() || state.closing {
+                break;
+            }
+            if buf.capacity() == 0 {
+                buf.reserve(state.buf.capacity());
+            }
+            // Under the append lock, where appenders read it (`Shared::leaders_write`).
+            self.shared.leaders_active.store(true, Ordering::Relaxed);
+            self.shared.led_since_poll.store(true, Ordering::Relaxed);
+            swap_out_group(&self.shared, state, &mut buf, &mut chunks);
+            self.shared.led_groups.fetch_add(1, Ordering::Relaxed);
+            self.write_group_serial(&buf, &chunks);
+            buf.clear();
+            chunks.clear();
+        }
+        self.lead_buf = buf;
+        self.lead_chunks = chunks;
+        self.leading = false;
     }
 
     /// Writes one group synchronously (unless the log failed) and counts it.
@@ -233,63 +380,59 @@ impl Writer {
 
     /// Several groups on the ring at once (the io_uring path): group k+1's writes are
     /// submitted while group k's `fdatasync` runs. See the module doc of `wal` ("Pipelined
-    /// group commit") for the rules.
-    fn run_pipelined(&mut self) {
-        let capacity = lock(&self.shared.append).buf.capacity();
-        let mut pool: Vec<Vec<u8>> = Vec::new();
-        let mut buf: Vec<u8> = Vec::with_capacity(capacity);
-        let mut chunks: Vec<Chunk> = Vec::new();
-        let mut events: Vec<RingEvent> = Vec::new();
-        loop {
-            self.pump(&mut events, &mut pool);
-            self.delete_doomed();
-            let in_flight = self.uring().groups_in_flight();
-            let closing = if in_flight == 0 {
-                // Nothing on the ring: block on the staging buffer alone.
-                match self.take_group(&mut buf, &mut chunks) {
-                    Some(closing) => closing,
-                    None => continue,
-                }
-            } else if in_flight < uring::GROUPS_IN_FLIGHT_MAX {
-                match self.try_take_group(&mut buf, &mut chunks) {
-                    Take::Group { closing } => closing,
-                    Take::Wait => {
-                        self.uring().wait(None, true);
-                        // Running again: appenders need not wake it (a pipe write each).
-                        lock(&self.shared.append).set_writer_wait(WriterWait::Running);
-                        continue;
-                    }
-                    Take::Again => continue,
-                }
-            } else {
-                // The pipeline is full: wait for I/O only.
-                self.uring().wait(None, false);
-                continue;
-            };
-            if chunks.is_empty() {
-                if closing {
-                    self.drain(&mut events, &mut pool);
-                    self.finish();
-                    break;
-                }
-                continue;
+    /// group commit") for the rules. Idle only with nothing in flight.
+    fn pipelined_turn(&mut self, buffers: &mut TurnBuffers) -> Turn {
+        self.pump(&mut buffers.events, &mut buffers.pool);
+        self.delete_doomed();
+        let in_flight = self.uring().groups_in_flight();
+        let closing = if in_flight == 0 {
+            // Nothing on the ring: wait on the staging buffer alone.
+            match self.take_group(&mut buffers.buf, &mut buffers.chunks) {
+                Taken::Group { closing } => closing,
+                Taken::Idle => return Turn::Idle,
+                Taken::Again => return Turn::Again,
             }
-            if self.shared.failure().is_none() {
-                if self.can_pipeline(&chunks) {
-                    let next = pool.pop().unwrap_or_else(|| Vec::with_capacity(capacity));
-                    let group_buf = std::mem::replace(&mut buf, next);
-                    let group = self.ring_group(group_buf, &chunks);
-                    self.uring().submit_group(group);
-                } else {
-                    // A roll, the first group of a segment, the opt-in direct path, or a file
-                    // without a descriptor: one group at a time, after the ring is empty.
-                    self.drain(&mut events, &mut pool);
-                    self.write_group_serial(&buf, &chunks);
+        } else if in_flight < uring::GROUPS_IN_FLIGHT_MAX {
+            match self.try_take_group(&mut buffers.buf, &mut buffers.chunks) {
+                Take::Group { closing } => closing,
+                Take::Wait => {
+                    self.uring().wait(None, true);
+                    // Running again: appenders need not wake it (a pipe write each).
+                    lock(&self.shared.append).set_writer_wait(WriterWait::Running);
+                    return Turn::Again;
                 }
+                Take::Again => return Turn::Again,
             }
-            buf.clear();
-            chunks.clear();
+        } else {
+            // The pipeline is full: wait for I/O only.
+            self.uring().wait(None, false);
+            return Turn::Again;
+        };
+        if buffers.chunks.is_empty() {
+            if closing {
+                self.drain(&mut buffers.events, &mut buffers.pool);
+                self.finish();
+                return Turn::Finished;
+            }
+            return Turn::Again;
         }
+        if self.shared.failure().is_none() {
+            if self.can_pipeline(&buffers.chunks) {
+                let capacity = buffers.buf.capacity();
+                let next = buffers.pool.pop().unwrap_or_else(|| Vec::with_capacity(capacity));
+                let group_buf = std::mem::replace(&mut buffers.buf, next);
+                let group = self.ring_group(group_buf, &buffers.chunks);
+                self.uring().submit_group(group);
+            } else {
+                // A roll, the first group of a segment, the opt-in direct path, or a file
+                // without a descriptor: one group at a time, after the ring is empty.
+                self.drain(&mut buffers.events, &mut buffers.pool);
+                self.write_group_serial(&buffers.buf, &buffers.chunks);
+            }
+        }
+        buffers.buf.clear();
+        buffers.chunks.clear();
+        Turn::Again
     }
 
     fn uring(&mut self) -> &mut uring::UringEngine {
@@ -335,7 +478,7 @@ impl Writer {
                 } else {
                     summary.last_lsn
                 };
-                self.shared.publish(summary.last_lsn, durable);
+                self.publish(summary.last_lsn, durable);
                 buf.clear();
                 pool.push(buf);
             }
@@ -347,7 +490,7 @@ impl Writer {
                         self.shared.syncs.fetch_add(1, Ordering::Relaxed);
                     }
                     self.shared.synced_lsn.store(summary.last_lsn, Ordering::Release);
-                    self.shared.publish(summary.last_lsn, summary.last_lsn);
+                    self.publish(summary.last_lsn, summary.last_lsn);
                     if let Some(current) = self.current.as_mut() {
                         if current.last_lsn == summary.last_lsn {
                             current.dirty = false;
@@ -448,9 +591,10 @@ impl Writer {
         Take::Group { closing: swap_out_group(shared, state, buf, chunks) }
     }
 
-    /// Waits for a group and swaps it into `buf`/`chunks`. Returns `Some(closing)` once it
-    /// swapped (the group may be empty only when closing), `None` to look again.
-    fn take_group(&mut self, buf: &mut Vec<u8>, chunks: &mut Vec<Chunk>) -> Option<bool> {
+    /// Swaps a staged group into `buf`/`chunks`, first waiting out its group-commit delay.
+    /// `Group { closing }` once it swapped (the group may be empty only when closing); `Idle`
+    /// when nothing is staged (the caller waits without the writer lock: `Shared::wait_for_work`).
+    fn take_group(&mut self, buf: &mut Vec<u8>, chunks: &mut Vec<Chunk>) -> Taken {
         let shared = &*self.shared;
         let mut state = lock(&shared.append);
         loop {
@@ -458,7 +602,7 @@ impl Writer {
                 // Segments to delete first (checked under the append lock, which `clean`
                 // takes to wake this thread: no wake-up is lost).
                 state.set_writer_wait(WriterWait::Running);
-                return None;
+                return Taken::Again;
             }
             if !state.chunks.is_empty() {
                 if let Durability::GroupCommit { max_delay, max_bytes } = shared.config.durability {
@@ -481,13 +625,12 @@ impl Writer {
             }
             if state.closing {
                 state.set_writer_wait(WriterWait::Running);
-                return Some(true);
+                return Taken::Group { closing: true };
             }
-            state.set_writer_wait(WriterWait::Condvar);
-            state = shared.writer_cv.wait(state).unwrap_or_else(std::sync::PoisonError::into_inner);
+            return Taken::Idle;
         }
         state.set_writer_wait(WriterWait::Running);
-        Some(swap_out_group(shared, state, buf, chunks))
+        Taken::Group { closing: swap_out_group(shared, state, buf, chunks) }
     }
 
     /// Deletes the files of the segments `clean` queued (SPEC E.4: on the log's thread;
@@ -497,6 +640,11 @@ impl Writer {
         if !doomed.is_empty() {
             self.shared.delete_segments(doomed, &mut CleanReport::default());
         }
+    }
+
+    /// Publishes progress; a leader leaves the durability callbacks to the sync thread.
+    fn publish(&self, written: u64, durable: u64) {
+        self.shared.publish(written, durable, !self.leading);
     }
 
     fn durable_mode(&self) -> bool {
@@ -547,7 +695,7 @@ impl Writer {
                 current.dirty = false;
                 self.shared.syncs.fetch_add(1, Ordering::Relaxed);
                 self.shared.synced_lsn.store(last.last_lsn, Ordering::Release);
-                self.shared.publish(last.last_lsn, last.last_lsn);
+                self.publish(last.last_lsn, last.last_lsn);
             } else {
                 current.dirty = true;
                 let durable = if durable_mode {
@@ -555,7 +703,7 @@ impl Writer {
                 } else {
                     last.last_lsn
                 };
-                self.shared.publish(last.last_lsn, durable);
+                self.publish(last.last_lsn, durable);
             }
             index = end;
         }
@@ -573,9 +721,10 @@ impl Writer {
                 Some(&SyncTarget { file: current.file.as_ref(), path: &current.segment.path }),
             )?;
             current.dirty = false;
+            let last_lsn = current.last_lsn;
             self.shared.syncs.fetch_add(1, Ordering::Relaxed);
-            self.shared.synced_lsn.store(current.last_lsn, Ordering::Release);
-            self.shared.publish(current.last_lsn, current.last_lsn);
+            self.shared.synced_lsn.store(last_lsn, Ordering::Release);
+            self.publish(last_lsn, last_lsn);
         }
         Ok(())
     }

@@ -14,9 +14,10 @@
 //! completion was reaped, and `Drop` waits for every entry in flight.
 //!
 //! One group at a time (`write_and_sync`: the first group of a segment, rolls, seals at
-//! close, and the unit tests): the writes are followed by one `fdatasync` flagged `IO_DRAIN`,
-//! so the kernel starts the sync only after every earlier write completed, and one
-//! `io_uring_enter` submits the lot and waits for all completions.
+//! close, a leader's groups, and the unit tests): the writes are followed by one `fdatasync`,
+//! linked behind the write if there is one (`IO_LINK`), else flagged `IO_DRAIN`, so the
+//! kernel starts the sync only after every earlier write completed, and one `io_uring_enter`
+//! submits the lot and waits for all completions.
 //!
 //! On both, a short or failed write is finished with `pwrite` afterwards and synced again (or
 //! before the covering sync is submitted), so the durability claim never rests on a sync that
@@ -645,6 +646,12 @@ impl IoEngine for UringEngine {
         let batch_count = batches.len();
         for (batch_index, batch) in batches.into_iter().enumerate() {
             let with_sync = sync.filter(|_| batch_index + 1 == batch_count);
+            // One write and its sync are linked: the kernel worker that runs the write runs
+            // the sync next (a drained sync costs a second trip through io_uring, measured at
+            // 1.8x a bare `fdatasync` here against 1.0-1.1x linked). If the write fails or
+            // comes up short, the sync is cancelled and the code below writes the rest and
+            // syncs again.
+            let linked = with_sync.is_some() && batch.len() == 1;
             let mut expected = 0usize;
             // Results injected by the storage's fault plan, per slot (and for the sync).
             let mut injected: Vec<Option<i32>> = vec![None; batch.len()];
@@ -658,6 +665,14 @@ impl IoEngine for UringEngine {
                     let (entry, fault) = write_entry(op.file, fd, op.buf, *piece, file_offset);
                     injected[slot] = fault;
                     let entry = entry.user_data(slot as u64);
+                    // Linked, it goes straight to the kernel worker (`ASYNC`): a buffered
+                    // write to ext4 cannot complete without blocking, so trying it inline
+                    // first only delays it.
+                    let entry = if linked {
+                        entry.flags(squeue::Flags::IO_LINK | squeue::Flags::ASYNC)
+                    } else {
+                        entry
+                    };
                     // SAFETY: the buffer `op.buf[piece.start..piece.start + len]` is borrowed
                     // from `ops` for this whole call, and this function does not return before
                     // every submitted entry completed (submit_and_wait below waits for all), so
@@ -671,7 +686,9 @@ impl IoEngine for UringEngine {
                     let fd = target.file.raw_fd().expect("checked above");
                     let (entry, fault) = sync_entry(target.file, fd);
                     sync_injected = fault;
-                    let entry = entry.flags(squeue::Flags::IO_DRAIN).user_data(SYNC_USER_DATA);
+                    let order =
+                        if linked { squeue::Flags::empty() } else { squeue::Flags::IO_DRAIN };
+                    let entry = entry.flags(order).user_data(SYNC_USER_DATA);
                     // SAFETY: an fsync entry carries no buffer; the descriptor stays open for
                     // the call, which waits for the completion below.
                     unsafe { submission.push(&entry) }.expect("ring has room for the sync");
@@ -703,6 +720,10 @@ impl IoEngine for UringEngine {
                     if entry.user_data() == SYNC_USER_DATA {
                         let result = sync_injected.unwrap_or(entry.result());
                         let target = with_sync.expect("a sync was submitted");
+                        if linked && result == -libc::ECANCELED {
+                            // The linked write failed or came up short: handled with it.
+                            continue;
+                        }
                         if result < 0 {
                             let error = std::io::Error::from_raw_os_error(-result);
                             first_error.get_or_insert(WalError::from_io(
@@ -750,11 +771,12 @@ impl IoEngine for UringEngine {
         }
         if leftovers.is_empty() {
             if sync.is_some() && !synced {
-                unreachable!("the sync completion was counted");
+                unreachable!("the sync completed, or its linked write failed or came up short");
             }
             return Ok(());
         }
-        // Finish short writes, then sync again: the drained sync may have run before them.
+        // Finish short writes, then sync again: the drained sync may have run before them (a
+        // linked one was cancelled).
         for piece in leftovers {
             let op = &ops[piece.op];
             write_all_at(&WriteOp {

@@ -123,6 +123,7 @@ impl Figure {
                 "appends": stats.appends,
                 "bytes": stats.bytes,
                 "groups": stats.groups,
+                "led_groups": stats.led_groups,
                 "syncs": stats.syncs,
                 "sync_p50_us": stats.sync_p50_us,
                 "sync_p99_us": stats.sync_p99_us,

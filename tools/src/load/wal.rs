@@ -307,7 +307,8 @@ fn every_record_figure(
         .with("record_bytes", args.record_bytes)
         .with("bytes_per_sec", (messages * frame_bytes) as f64 / seconds)
         .with("io_path", wal.io_path().as_str())
-        .with("latency", "append to durable");
+        .with("latency", "append to durable")
+        .with_wal_stats("wal_stats", &wal.stats());
     if let Some((baseline, appending)) = baselines {
         let baseline_p50 = baseline.value_at_quantile(0.5);
         let baseline_rate = if baseline.mean() > 0.0 { 1e9 / baseline.mean() } else { 0.0 };

@@ -1,0 +1,159 @@
+//! `EveryRecord` leading: a thread waiting for its record's durability writes and syncs the
+//! staged group itself when the writer is free (module `wal::writer`, "Leading").
+//!
+//! Goal: leading keeps every promise of the sync thread: each waited record is durable and
+//! intact, a record nobody waits for is still written, durability callbacks run on the sync
+//! thread (never on a leader's), concurrent waiters all finish, and group commit never leads.
+//! Method: the public API on a temporary directory, on both I/O paths (io_uring when the
+//! kernel allows it, and pwrite); `WalStats::led_groups` tells groups a leader wrote from
+//! groups the sync thread wrote.
+
+use std::{
+    sync::{mpsc, Arc},
+    time::{Duration, Instant},
+};
+
+use coordbus::wal::{Durability, IoMode, Lsn, Wal, WalConfig, WalOptions};
+
+/// How long a test waits for something that takes microseconds, before failing.
+const BOUND: Duration = Duration::from_secs(10);
+
+fn io_modes() -> [IoMode; 2] {
+    [IoMode::Auto, IoMode::Pwrite]
+}
+
+fn open(dir: &std::path::Path, durability: Durability, io: IoMode) -> Wal {
+    Wal::open_with_options(
+        dir,
+        WalConfig { segment_size_bytes: 1 << 20, durability, ..WalConfig::default() },
+        WalOptions { io, ..WalOptions::default() },
+    )
+    .unwrap()
+}
+
+fn payload(index: u32) -> Vec<u8> {
+    (0..64).map(|byte| (byte as u32 ^ index) as u8).collect()
+}
+
+/// Appends and waits for each of `count` records; checks each is durable on return.
+fn append_and_wait(wal: &Wal, first: u32, count: u32) -> Vec<(Lsn, coordbus::wal::RecordHandle)> {
+    (first..first + count)
+        .map(|index| {
+            let (lsn, handle) = wal.append_bytes(&payload(index), i64::from(index)).unwrap();
+            wal.wait_durable(lsn).unwrap();
+            assert!(wal.durable_lsn() >= lsn, "wait_durable returned before {lsn} was durable");
+            (lsn, handle)
+        })
+        .collect()
+}
+
+#[test]
+fn every_record_waiters_write_their_own_groups() {
+    for io in io_modes() {
+        let dir = tempfile::tempdir().unwrap();
+        let wal = open(dir.path(), Durability::EveryRecord, io);
+        let written = append_and_wait(&wal, 0, 50);
+        let stats = wal.stats();
+        assert!(stats.led_groups > 0, "no waiter led ({io:?}): {stats:?}");
+        assert!(stats.led_groups <= stats.groups, "{stats:?}");
+        assert!(stats.syncs >= stats.groups, "a group became durable without a sync: {stats:?}");
+        for (index, (_, handle)) in written.iter().enumerate() {
+            assert_eq!(wal.read_bytes(*handle).unwrap().as_ref(), &payload(index as u32)[..]);
+        }
+        wal.close().unwrap();
+        drop(wal);
+        let reopened = open(dir.path(), Durability::EveryRecord, io);
+        assert_eq!(reopened.durable_lsn(), written.last().unwrap().0);
+    }
+}
+
+#[test]
+fn group_commit_waiters_never_lead() {
+    for io in io_modes() {
+        let dir = tempfile::tempdir().unwrap();
+        let durability =
+            Durability::GroupCommit { max_delay: Duration::from_micros(200), max_bytes: 1 << 20 };
+        let wal = open(dir.path(), durability, io);
+        append_and_wait(&wal, 0, 20);
+        let stats = wal.stats();
+        assert_eq!(stats.led_groups, 0, "{stats:?}");
+        assert!(stats.groups > 0, "{stats:?}");
+    }
+}
+
+#[test]
+fn a_record_nobody_waits_for_is_written_while_waiters_lead() {
+    for io in io_modes() {
+        let dir = tempfile::tempdir().unwrap();
+        let wal = open(dir.path(), Durability::EveryRecord, io);
+        // Leaders have led: appends no longer wake the sync thread.
+        append_and_wait(&wal, 0, 10);
+        assert!(wal.stats().led_groups > 0);
+        let (lsn, handle) = wal.append_bytes(&payload(99), 99).unwrap();
+        // Nobody waits, registers a callback or reads: the sync thread must find it alone.
+        let started = Instant::now();
+        while wal.durable_lsn() < lsn {
+            assert!(started.elapsed() < BOUND, "a record nobody waited for was never written");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(wal.read_bytes(handle).unwrap().as_ref(), &payload(99)[..]);
+    }
+}
+
+#[test]
+fn durability_callbacks_of_led_groups_run_on_the_sync_thread() {
+    for io in io_modes() {
+        let dir = tempfile::tempdir().unwrap();
+        let wal = open(dir.path(), Durability::EveryRecord, io);
+        append_and_wait(&wal, 0, 5);
+        let led_before = wal.stats().led_groups;
+        for index in 0..20u32 {
+            let (lsn, _) = wal.append_bytes(&payload(index), 0).unwrap();
+            let (sender, receiver) = mpsc::channel();
+            wal.notify_when_durable(
+                lsn,
+                Box::new(move |result| {
+                    let thread = std::thread::current().name().map(str::to_owned);
+                    sender.send((result.is_ok(), thread)).unwrap();
+                }),
+            );
+            wal.wait_durable(lsn).unwrap();
+            let (ok, thread) = receiver.recv_timeout(BOUND).expect("the callback never ran");
+            assert!(ok);
+            assert_eq!(thread.as_deref(), Some("coordbus-wal-sync"), "record {index} ({io:?})");
+        }
+        // At least some of those groups were led (else this test proved nothing about leaders).
+        assert!(wal.stats().led_groups > led_before, "{:?}", wal.stats());
+    }
+}
+
+#[test]
+fn concurrent_every_record_waiters_all_finish_durable() {
+    const THREADS: u32 = 4;
+    const PER_THREAD: u32 = 200;
+    for io in io_modes() {
+        let dir = tempfile::tempdir().unwrap();
+        let wal = Arc::new(open(dir.path(), Durability::EveryRecord, io));
+        let workers: Vec<_> = (0..THREADS)
+            .map(|thread| {
+                let wal = Arc::clone(&wal);
+                std::thread::spawn(move || append_and_wait(&wal, thread * PER_THREAD, PER_THREAD))
+            })
+            .collect();
+        let mut lsns: Vec<Lsn> = Vec::new();
+        for (thread, worker) in workers.into_iter().enumerate() {
+            let written = worker.join().unwrap();
+            for (offset, (lsn, handle)) in written.iter().enumerate() {
+                let index = thread as u32 * PER_THREAD + offset as u32;
+                assert_eq!(wal.read_bytes(*handle).unwrap().as_ref(), &payload(index)[..]);
+                lsns.push(*lsn);
+            }
+        }
+        lsns.sort();
+        lsns.dedup();
+        assert_eq!(lsns.len(), (THREADS * PER_THREAD) as usize, "an LSN was given twice");
+        let stats = wal.stats();
+        assert_eq!(stats.appends, u64::from(THREADS * PER_THREAD));
+        assert_eq!(stats.durable_lsn, *lsns.last().unwrap());
+    }
+}
