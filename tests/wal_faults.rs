@@ -385,11 +385,24 @@ fn a_failed_fsync_fails_the_waiter_that_leads_on(path: IoVariant) {
     assert!(wal.stats().led_groups > 0, "{:?}", wal.stats());
     faults.sync_eio.store(true, Ordering::SeqCst);
     let (doomed, _) = wal.append_bytes(b"doomed", 0).unwrap();
+    // A callback waiting for the doomed record learns the failure on the sync thread, never
+    // on the waiting (leading) thread.
+    let (sender, receiver) = std::sync::mpsc::channel();
+    wal.notify_when_durable(
+        doomed,
+        Box::new(move |result| {
+            let thread = std::thread::current().name().map(str::to_owned);
+            sender.send((result.is_err(), thread)).unwrap();
+        }),
+    );
     let error = wal.wait_durable(doomed).unwrap_err();
     match error.root_cause() {
         WalError::Io { op, .. } => assert_eq!(*op, "fdatasync"),
         other => panic!("expected the fdatasync error, got {other:?}"),
     }
+    let (failed, thread) = receiver.recv_timeout(Duration::from_secs(10)).unwrap();
+    assert!(failed, "the callback of a record whose sync failed got Ok");
+    assert_eq!(thread.as_deref(), Some("coordbus-wal-sync"));
     assert!(wal.durable_lsn() < doomed, "a failed sync never reports success");
     faults.sync_eio.store(false, Ordering::SeqCst);
     assert!(matches!(wal.append_bytes(b"later", 0), Err(WalError::Failed { .. })));

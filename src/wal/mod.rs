@@ -726,7 +726,7 @@ impl Shared {
     }
 
     /// Fails the log for good and fails every waiter.
-    pub(crate) fn fail(&self, error: WalError) {
+    pub(crate) fn fail(&self, error: WalError, run_callbacks: bool) {
         let error = match error {
             WalError::Failed { cause } => *cause,
             other => other,
@@ -736,7 +736,14 @@ impl Shared {
         self.failed_flag.store(true, Ordering::Release);
         let callbacks = {
             let mut sync = lock(&self.sync);
-            std::mem::take(&mut sync.callbacks)
+            if run_callbacks {
+                std::mem::take(&mut sync.callbacks)
+            } else {
+                if !sync.callbacks.is_empty() {
+                    self.callbacks_deferred.store(true, Ordering::Release);
+                }
+                BTreeMap::new()
+            }
         };
         self.durable_cv.notify_all();
         self.space_cv.notify_all();
@@ -759,17 +766,16 @@ impl Shared {
         WalError::Failed { cause: Box::new(self.failed.get().cloned().unwrap_or(WalError::Closed)) }
     }
 
-    /// Whether appends leave their group to a leader instead of waking the sync thread:
-    /// `EveryRecord`, and waiters lead (`leaders_active`, read by appenders under the append
+    /// Whether appends leave their group to a leader instead of waking the sync thread
+    /// (`leaders_active`, set only by `EveryRecord` leads; read by appenders under the append
     /// lock that it is set and cleared under).
     pub(crate) fn leaders_write(&self) -> bool {
-        matches!(self.config.durability, Durability::EveryRecord)
-            && self.leaders_active.load(Ordering::Relaxed)
+        self.leaders_active.load(Ordering::Relaxed)
     }
 
     /// Wakes the sync thread if it waits for a group and leaders may have left one staged:
-    /// for a thread that is about to wait for the staged records without leading (a waiter
-    /// with a timeout or one that found the writer busy, a durability callback, a reader).
+    /// for a thread that is about to wait for the staged records and cannot lead (a waiter
+    /// with a timeout, a durability callback, a reader).
     pub(crate) fn wake_writer_for_waiter(&self) {
         if !matches!(self.config.durability, Durability::EveryRecord) {
             return;
@@ -833,17 +839,40 @@ impl Shared {
         std::mem::replace(&mut sync.callbacks, later)
     }
 
-    /// Sync thread: runs the durability callbacks a leader left (see `publish`).
+    /// Sync thread: runs the durability callbacks a leader left (see `publish` and `fail`):
+    /// those of durable LSNs with `Ok`, and once the log failed, all others with its error.
     pub(crate) fn run_deferred_callbacks(&self) {
         if !self.callbacks_deferred.swap(false, Ordering::AcqRel) {
             return;
         }
-        let ready = {
+        let (durable, failed) = {
             let mut sync = lock(&self.sync);
-            Self::split_due_callbacks(&mut sync, self.durable_lsn.load(Ordering::Acquire))
+            let durable =
+                Self::split_due_callbacks(&mut sync, self.durable_lsn.load(Ordering::Acquire));
+            let failed = if self.failed_flag.load(Ordering::Acquire) {
+                std::mem::take(&mut sync.callbacks)
+            } else {
+                BTreeMap::new()
+            };
+            (durable, failed)
         };
-        for callback in ready.into_values().flatten() {
+        for callback in durable.into_values().flatten() {
             callback(Ok(()));
+        }
+        if !failed.is_empty() {
+            let error = self.failed_error();
+            for callback in failed.into_values().flatten() {
+                callback(Err(error.clone()));
+            }
+        }
+    }
+
+    /// Wakes the sync thread if callbacks were left for it (`callbacks_deferred`).
+    pub(crate) fn wake_writer_for_callbacks(&self) {
+        if self.callbacks_deferred.load(Ordering::Acquire) {
+            // Under the append lock: the sync thread checks the flag under it before waiting.
+            let _state = lock(&self.append);
+            self.writer_cv.notify_all();
         }
     }
 
@@ -905,16 +934,12 @@ impl Shared {
         }
     }
 
-    /// After a lead, with the writer free again: wakes the sync thread if the leader left
-    /// callbacks for it, and the waiters if records they may wait for are not durable yet,
-    /// so that one of them leads next (appends do not wake the sync thread while leaders
-    /// write: `Shared::leaders_write`).
+    /// After a lead that took a group, with the writer free again: wakes the sync thread if
+    /// the leader left callbacks for it, and the waiters if records they may wait for are not
+    /// durable yet, so that one of them leads next (appends do not wake the sync thread while
+    /// leaders write: `Shared::leaders_write`).
     fn after_lead(&self) {
-        if self.callbacks_deferred.load(Ordering::Acquire) {
-            // Under the append lock: the sync thread checks the flag under it before waiting.
-            let _state = lock(&self.append);
-            self.writer_cv.notify_all();
-        }
+        self.wake_writer_for_callbacks();
         if self.appended_lsn.load(Ordering::Acquire) > self.durable_lsn.load(Ordering::Acquire)
             && lock(&self.sync).durable_waiters > 0
         {
@@ -1455,20 +1480,30 @@ impl Wal {
             && matches!(self.shared.config.durability, Durability::EveryRecord)
     }
 
-    /// Writes and syncs the staged records on this thread if the writer is free. If it is
-    /// busy, its holder writes them: the sync thread at its next turn, or a leader, which
-    /// wakes the waiters when it is done so that one of them leads next
-    /// (`Shared::after_lead`).
-    fn try_lead(&self, lsn: Lsn) {
+    /// Writes and syncs the staged records on this thread if the writer is free. Returns
+    /// false if it is busy: its holder writes them then (the sync thread at its next turn, or
+    /// a leader, which wakes the waiters when it is done so that one of them leads next:
+    /// `Shared::after_lead`).
+    fn try_lead(&self, lsn: Lsn) -> bool {
         let Some(log_writer) = &self.log_writer else {
-            return;
+            return true;
         };
         // Busy or poisoned: wait as usual.
-        if let Ok(mut writer) = log_writer.try_lock() {
-            writer.lead(lsn.0);
-            drop(writer);
+        let Ok(mut writer) = log_writer.try_lock() else {
+            return false;
+        };
+        let led = writer.lead(lsn.0);
+        drop(writer);
+        if led {
             self.shared.after_lead();
         }
+        true
+    }
+
+    /// Whether the writer is free right now (nobody leads, the sync thread is between turns
+    /// or idle).
+    fn writer_is_free(&self) -> bool {
+        self.log_writer.as_ref().is_some_and(|log_writer| log_writer.try_lock().is_ok())
     }
 
     /// Waits at most `timeout` until `lsn` is durable.
@@ -1497,6 +1532,8 @@ impl Wal {
         let mut sync = lock(&shared.sync);
         // Lead first, and again after every wake-up (a leader that is done wakes the waiters).
         let mut lead_now = may_lead;
+        let mut recheck_writer = false;
+        let mut recheck_allowed = true;
         loop {
             let durable = shared.durable_lsn.load(Ordering::Acquire);
             if durable >= lsn.0 {
@@ -1511,9 +1548,20 @@ impl Wal {
             if lead_now {
                 lead_now = false;
                 drop(sync);
-                self.try_lead(lsn);
+                let busy = !self.try_lead(lsn);
+                recheck_writer = busy && std::mem::take(&mut recheck_allowed);
                 // Not registered as a waiter meanwhile: look again before waiting.
                 sync = lock(&shared.sync);
+                continue;
+            }
+            // At most once per wake-up: a sync thread turning fast could otherwise keep
+            // this thread alternating between a busy and a free writer.
+            if std::mem::take(&mut recheck_writer) && self.writer_is_free() {
+                // The writer was busy when this thread tried, and its holder let go before
+                // this thread registered as a waiter: a leader's hand-over (`after_lead`) may
+                // have found nobody to wake. Under the sync lock, so a holder that lets go
+                // from now on sees this thread waiting.
+                lead_now = true;
                 continue;
             }
             let remaining = match deadline {
@@ -1534,6 +1582,7 @@ impl Wal {
                 &mut sync.durable_waiters
             });
             lead_now = may_lead;
+            recheck_allowed = true;
         }
     }
 
@@ -1729,12 +1778,15 @@ impl Wal {
         let handle = handle.filter(|handle| handle.thread().id() != std::thread::current().id());
         if let Some(handle) = handle {
             if handle.join().is_err() {
-                self.shared.fail(WalError::Io {
-                    op: "sync thread",
-                    path: self.shared.dir.clone(),
-                    kind: std::io::ErrorKind::Other,
-                    message: "the sync thread panicked".into(),
-                });
+                self.shared.fail(
+                    WalError::Io {
+                        op: "sync thread",
+                        path: self.shared.dir.clone(),
+                        kind: std::io::ErrorKind::Other,
+                        message: "the sync thread panicked".into(),
+                    },
+                    true,
+                );
             }
         }
         match self.shared.failure() {

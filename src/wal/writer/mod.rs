@@ -24,9 +24,12 @@
 //! per record (appender to sync thread, kernel worker to sync thread, sync thread to
 //! appender), and on this 2-core class each is tens of microseconds; leading leaves only the
 //! kernel worker's. A bare `fdatasync` pays none of them, and that is the yardstick of the
-//! `EveryRecord` latency goal. If the sync thread is busy (groups in flight, a group delay,
-//! closing), the waiter waits as before. A leader never runs durability callbacks: user code
-//! could block on the very thread waiting for durability, so it leaves them to the sync thread
+//! `EveryRecord` latency goal. If the writer is busy, the waiter waits: the sync thread
+//! publishes the groups it has in flight, and a leader that is done wakes the waiters so that
+//! one of them leads next. While waiters lead, appends do not wake the sync thread; it looks
+//! for groups nobody led every millisecond (`Shared::wait_for_work`). A leader never runs
+//! durability callbacks, not even failed ones: user code could block on the very thread
+//! waiting for durability, so it leaves them to the sync thread
 //! (`Shared::callbacks_deferred`), which runs them at its next turn.
 
 pub(crate) mod pwrite;
@@ -177,6 +180,27 @@ struct OpenSegment {
     last_lsn: u64,
 }
 
+/// Fails the log if dropped while its thread unwinds (see [`Writer::lead`]). Callbacks are
+/// left to the sync thread: this runs on a user's thread.
+struct FailOnPanic(Arc<Shared>);
+
+impl Drop for FailOnPanic {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.fail(
+                WalError::Io {
+                    op: "lead",
+                    path: self.0.dir.clone(),
+                    kind: std::io::ErrorKind::Other,
+                    message: "a thread writing the log for its own records panicked".into(),
+                },
+                false,
+            );
+            self.0.wake_writer_for_callbacks();
+        }
+    }
+}
+
 /// The writer's state: the I/O engine, the segment being written, the directory lock. The
 /// sync thread holds it while it works; a leader (module doc, "Leading") while it writes.
 pub(crate) struct Writer {
@@ -257,6 +281,9 @@ pub(crate) fn run(writer: Arc<Mutex<Writer>>) {
     };
     loop {
         let mut guard = lock(&writer);
+        // Set only by a leader that panicked (the log is failed then); this thread runs the
+        // callbacks itself.
+        guard.leading = false;
         shared.run_deferred_callbacks();
         let turn = if pipelined {
             guard.pipelined_turn(&mut buffers)
@@ -327,14 +354,19 @@ impl Writer {
     }
 
     /// Writes and syncs staged groups on the calling thread until `lsn` is durable (module
-    /// doc, "Leading"). Does nothing if the writer is busy: groups in flight, the log closing,
-    /// failed or closed; the caller then waits for the sync thread as usual.
-    pub(crate) fn lead(&mut self, lsn: u64) {
+    /// doc, "Leading"). Does nothing if groups are in flight (the sync thread publishes
+    /// them), if nothing is staged, or if the log is closing, failed or closed. Returns
+    /// whether it took a group.
+    pub(crate) fn lead(&mut self, lsn: u64) -> bool {
         let idle = self.engine.as_uring().is_none_or(|uring| uring.groups_in_flight() == 0);
         if self.exited || !idle {
-            return;
+            return false;
         }
+        // A panic below (a broken invariant) would leave a group taken and never written:
+        // the log fails then, rather than go on with a hole in it.
+        let _fail_on_panic = FailOnPanic(Arc::clone(&self.shared));
         self.leading = true;
+        let mut led = false;
         let mut buf = std::mem::take(&mut self.lead_buf);
         let mut chunks = std::mem::take(&mut self.lead_chunks);
         while self.shared.durable_lsn.load(Ordering::Acquire) < lsn
@@ -353,29 +385,42 @@ impl Writer {
             self.shared.leaders_active.store(true, Ordering::Relaxed);
             self.shared.led_since_poll.store(true, Ordering::Relaxed);
             swap_out_group(&self.shared, state, &mut buf, &mut chunks);
-            self.shared.led_groups.fetch_add(1, Ordering::Relaxed);
-            self.write_group_serial(&buf, &chunks);
+            led = true;
+            if self.write_group_serial(&buf, &chunks) {
+                self.shared.led_groups.fetch_add(1, Ordering::Relaxed);
+            }
             buf.clear();
             chunks.clear();
         }
         self.lead_buf = buf;
         self.lead_chunks = chunks;
         self.leading = false;
+        led
     }
 
-    /// Writes one group synchronously (unless the log failed) and counts it.
-    fn write_group_serial(&mut self, buf: &[u8], chunks: &[Chunk]) {
+    /// Writes one group synchronously (unless the log failed) and counts it. Returns whether
+    /// it was written (and synced, in the durable modes).
+    fn write_group_serial(&mut self, buf: &[u8], chunks: &[Chunk]) -> bool {
         if self.shared.failure().is_some() {
-            return;
+            return false;
         }
         let started = Instant::now();
         match self.write_group(buf, chunks) {
             Ok(()) => {
                 self.shared.groups.fetch_add(1, Ordering::Relaxed);
                 self.shared.record_sync_latency(started.elapsed());
+                true
             }
-            Err(error) => self.shared.fail(error),
+            Err(error) => {
+                self.fail(error);
+                false
+            }
         }
+    }
+
+    /// Fails the log; a leader leaves the failed callbacks to the sync thread.
+    fn fail(&self, error: WalError) {
+        self.shared.fail(error, !self.leading);
     }
 
     /// Several groups on the ring at once (the io_uring path): group k+1's writes are
@@ -503,7 +548,7 @@ impl Writer {
             RingEvent::Failed(error) => {
                 // Never reported durable, never retried: the log is failed for good. The ring
                 // is emptied before the buffers are reused.
-                self.shared.fail(error);
+                self.fail(error);
                 pool.extend(self.uring().abandon());
             }
         }
@@ -791,7 +836,7 @@ impl Writer {
             return;
         }
         if let Err(error) = self.seal_current() {
-            self.shared.fail(error);
+            self.fail(error);
         }
     }
 }

@@ -15,9 +15,9 @@
 //!
 //! One group at a time (`write_and_sync`: the first group of a segment, rolls, seals at
 //! close, a leader's groups, and the unit tests): the writes are followed by one `fdatasync`,
-//! linked behind the write if there is one (`IO_LINK`), else flagged `IO_DRAIN`, so the
-//! kernel starts the sync only after every earlier write completed, and one `io_uring_enter`
-//! submits the lot and waits for all completions.
+//! linked behind the write if the last batch of entries is a single write (`IO_LINK`), else
+//! flagged `IO_DRAIN`, so the kernel starts the sync only after every earlier write
+//! completed, and one `io_uring_enter` submits the lot and waits for all completions.
 //!
 //! On both, a short or failed write is finished with `pwrite` afterwards and synced again (or
 //! before the covering sync is submitted), so the durability claim never rests on a sync that
@@ -71,7 +71,7 @@ pub const DIRECT_GROUP_BYTES: usize = 64 << 10;
 /// staging buffer keeps filling (appenders wait only when it is full).
 pub(crate) const GROUPS_IN_FLIGHT_MAX: usize = 8;
 const RING_ENTRIES: u32 = 128;
-/// The drained sync of the one-group-at-a-time path (`write_and_sync`).
+/// The sync of the one-group-at-a-time path (`write_and_sync`).
 const SYNC_USER_DATA: u64 = u64::MAX;
 /// The poll on the wake pipe.
 const WAKE_USER_DATA: u64 = u64::MAX - 1;
@@ -625,7 +625,8 @@ impl IoEngine for UringEngine {
         {
             return super::pwrite::PwriteEngine.write_and_sync(ops, sync);
         }
-        // The drained sync below waits for every earlier entry, the wake poll included.
+        // A drained sync below would wait for every earlier entry, the armed wake poll
+        // included; the poll is reaped first.
         self.disarm_wake();
         let mut pieces = Vec::new();
         for (index, op) in ops.iter().enumerate() {
@@ -648,7 +649,7 @@ impl IoEngine for UringEngine {
             let with_sync = sync.filter(|_| batch_index + 1 == batch_count);
             // One write and its sync are linked: the kernel worker that runs the write runs
             // the sync next (a drained sync costs a second trip through io_uring, measured at
-            // 1.8x a bare `fdatasync` here against 1.0-1.1x linked). If the write fails or
+            // 1.8x a bare `fdatasync` here against 1.1-1.3x linked). If the write fails or
             // comes up short, the sync is cancelled and the code below writes the rest and
             // syncs again.
             let linked = with_sync.is_some() && batch.len() == 1;
