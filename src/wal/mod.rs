@@ -294,8 +294,12 @@ pub enum Durability {
         /// Group size that starts the write at once.
         max_bytes: usize,
     },
-    /// The sync thread writes and syncs as soon as anything is appended; each record is
-    /// durable before its LSN is reported durable.
+    /// Each record is written and synced as soon as possible and is durable before its LSN
+    /// is reported durable. A thread waiting in [`Wal::wait_durable`] writes and syncs its
+    /// own record (and whatever was appended with it) when the log is idle, which saves the
+    /// hand-over to the sync thread; the sync thread writes the rest: records nobody waits
+    /// for (within about a millisecond while waiters lead), durability callbacks, and records
+    /// appended while a group is being written.
     EveryRecord,
 }
 
@@ -1463,7 +1467,9 @@ impl Wal {
         Lsn(self.shared.appended_lsn.load(Ordering::Acquire))
     }
 
-    /// Waits until `lsn` is durable.
+    /// Waits until `lsn` is durable. With [`Durability::EveryRecord`], if the log is idle,
+    /// the calling thread writes and syncs the staged records itself (so this call does the
+    /// I/O; [`Wal::wait_durable_timeout`] never does).
     ///
     /// # Errors
     /// [`WalError::Failed`] if the log failed first, [`WalError::NotAppended`] for an LSN never
