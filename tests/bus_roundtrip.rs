@@ -236,7 +236,7 @@ fn bus_02_one_message_at_a_time_and_no_lost_updates() {
     let stats = endpoint.stats();
     assert!(stats.handled >= 80_000);
     assert_eq!(stats.received, stats.handled + stats.inbox_depth);
-    assert!(stats.handler_time.samples >= 80_000 / 64, "one handler call in 64 is timed");
+    assert!(stats.handler_time.samples >= 80_000 / 256, "one handler call in 256 is timed");
     assert!(stats.handler_time.p50_ns_at_most.is_some());
     bus.shutdown().unwrap();
 }

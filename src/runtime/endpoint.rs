@@ -124,7 +124,7 @@ pub struct EndpointStats {
     pub inbox_depth: u64,
     /// Largest depth of one inbox shard seen so far.
     pub inbox_depth_high_water: u64,
-    /// Handler time of sampled messages (one in 64).
+    /// Handler time of sampled messages (one in 256).
     pub handler_time: super::stats::TimeSummary,
     /// Messages the endpoint handled but dropped (see [`Context::record_dropped`]), in total.
     pub dropped: u64,
