@@ -66,7 +66,7 @@ impl Log2Histogram {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub struct TimeSummary {
-    /// Messages timed (one in 64 handled).
+    /// Messages timed (one in 256 handled).
     pub samples: u64,
     /// The median is below this many nanoseconds.
     pub p50_ns_at_most: Option<u64>,
