@@ -157,3 +157,90 @@ fn concurrent_every_record_waiters_all_finish_durable() {
         assert_eq!(stats.durable_lsn, *lsns.last().unwrap());
     }
 }
+
+/// A small deterministic generator (xorshift64*), so that every run draws the same mix.
+struct Draw(u64);
+
+impl Draw {
+    fn below(&mut self, bound: u64) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % bound
+    }
+}
+
+#[test]
+fn mixed_waiters_callbacks_readers_and_unwaited_appends_all_finish() {
+    const THREADS: u64 = 4;
+    const PER_THREAD: u64 = 300;
+    for io in io_modes() {
+        let dir = tempfile::tempdir().unwrap();
+        let wal = Arc::new(open(dir.path(), Durability::EveryRecord, io));
+        let (callbacks_sender, callbacks) = mpsc::channel::<(Lsn, bool)>();
+        let (done_sender, done) =
+            mpsc::channel::<(Vec<(Lsn, coordbus::wal::RecordHandle, u32)>, usize)>();
+        for thread in 0..THREADS {
+            let wal = Arc::clone(&wal);
+            let callbacks_sender = callbacks_sender.clone();
+            let done_sender = done_sender.clone();
+            std::thread::spawn(move || {
+                let mut draw = Draw(0x9e37_79b9_7f4a_7c15 ^ (thread + 1));
+                let mut written = Vec::new();
+                let mut registered = 0;
+                for step in 0..PER_THREAD {
+                    let index = (thread * PER_THREAD + step) as u32;
+                    let (lsn, handle) = wal.append_bytes(&payload(index), 0).unwrap();
+                    match draw.below(5) {
+                        0 => wal.wait_durable(lsn).unwrap(),
+                        1 => wal.wait_durable_timeout(lsn, BOUND).unwrap(),
+                        2 => {
+                            registered += 1;
+                            let sender = callbacks_sender.clone();
+                            wal.notify_when_durable(
+                                lsn,
+                                Box::new(move |result| sender.send((lsn, result.is_ok())).unwrap()),
+                            );
+                        }
+                        3 => assert_eq!(
+                            wal.read_bytes(handle).unwrap().as_ref(),
+                            &payload(index)[..]
+                        ),
+                        _ => {} // nobody waits for this one
+                    }
+                    written.push((lsn, handle, index));
+                }
+                done_sender.send((written, registered)).unwrap();
+            });
+        }
+        drop(callbacks_sender);
+        drop(done_sender);
+        // Bounded: a lost wake-up fails the test instead of hanging it.
+        let mut all = Vec::new();
+        let mut registered = 0;
+        for _ in 0..THREADS {
+            let (written, callbacks) =
+                done.recv_timeout(Duration::from_secs(60)).expect("a thread never finished");
+            all.extend(written);
+            registered += callbacks;
+        }
+        let last = all.iter().map(|(lsn, _, _)| *lsn).max().unwrap();
+        wal.wait_durable_timeout(last, BOUND).unwrap();
+        for (lsn, handle, index) in &all {
+            assert!(wal.durable_lsn() >= *lsn);
+            assert_eq!(wal.read_bytes(*handle).unwrap().as_ref(), &payload(*index)[..]);
+        }
+        wal.close().unwrap();
+        drop(wal);
+        // Every callback ran once, with Ok (the log closed only after all were durable).
+        let fired: Vec<(Lsn, bool)> = callbacks.iter().collect();
+        assert!(!fired.is_empty());
+        assert!(fired.iter().all(|(_, ok)| *ok), "a callback got an error");
+        let mut lsns: Vec<Lsn> = fired.iter().map(|(lsn, _)| *lsn).collect();
+        lsns.sort();
+        lsns.dedup();
+        assert_eq!(lsns.len(), fired.len(), "a callback ran twice");
+        assert_eq!(fired.len(), registered, "a callback never ran");
+        assert_eq!(all.len(), (THREADS * PER_THREAD) as usize);
+    }
+}
