@@ -254,15 +254,16 @@ impl<T> Lane<T> {
 
     /// Consumer: moves up to `max` published messages to `handle`, in order. Returns how many.
     ///
-    /// The head is published once, when the batch ends: a store per message would pull the
-    /// consumer's line back from a producer that polls it while waiting for room, once per
-    /// message. It is published also when a handler panics (by the guard's drop during
-    /// unwinding), so the lane stays consistent and the panicking message counts as consumed.
+    /// The head is published before each handler call, so a panicking handler leaves the lane
+    /// consistent (its message counts as consumed), and a handler that sends one message per
+    /// message it handles into a full lane (its own endpoint's, or around a cycle of
+    /// endpoints) always finds the slot it just freed. Publishing once per batch measured 8%
+    /// faster for `send_batch`, but then such a handler waits for room that only its own
+    /// thread can make.
     pub(crate) fn pop_batch(&self, max: usize, mut handle: impl FnMut(T)) -> usize {
         let start = self.consumer.head.load(Ordering::Relaxed);
-        let mut consumed = PublishHeadOnDrop { lane: self, head: start };
-        while consumed.head - start < max {
-            let head = consumed.head;
+        let mut head = start;
+        while head - start < max {
             let slot = self.slot(head);
             if slot.stamp.load(Ordering::Acquire) != head + 1 {
                 break;
@@ -271,14 +272,14 @@ impl<T> Lane<T> {
             let value = slot.value.with(|cell| {
                 // SAFETY: stamp `head + 1` (acquired above) means the owner wrote this value and
                 // released it; only this consumer reads it, once, before handing the slot back
-                // with the head store of `consumed` (the producer rewrites it only after seeing
-                // that).
+                // with the head store below (the producer rewrites it only after seeing that).
                 unsafe { cell.cast::<T>().read() }
             });
-            consumed.head = head + 1;
+            head += 1;
+            self.consumer.head.store(head, Ordering::Release);
             handle(value);
         }
-        consumed.head - start
+        head - start
     }
 
     /// Consumer: whether the position at the head is not published yet.
@@ -319,18 +320,6 @@ impl<T> Drop for PublishOnDrop<'_, T> {
     fn drop(&mut self) {
         self.lane.producer.tail.store(self.tail + self.written, Ordering::Relaxed);
         self.lane.producer.busy.store(false, Ordering::Release);
-    }
-}
-
-/// Publishes the consumer's head when a batch ends, normally or by a handler's panic.
-struct PublishHeadOnDrop<'a, T> {
-    lane: &'a Lane<T>,
-    head: usize,
-}
-
-impl<T> Drop for PublishHeadOnDrop<'_, T> {
-    fn drop(&mut self) {
-        self.lane.consumer.head.store(self.head, Ordering::Release);
     }
 }
 
@@ -439,6 +428,25 @@ mod tests {
         assert!(lane.has_room(2), "the head was not published by the unwinding batch");
         lane.pop_batch(10, |value| seen.push(value));
         assert_eq!(seen, vec![0, 2, 3], "the panicking message is not handled twice");
+    }
+
+    #[test]
+    fn a_handler_finds_the_slot_of_its_message_free_in_a_full_lane() {
+        let closed = open();
+        let lane = Lane::with_capacity(4);
+        let mode = BarrierMode::detect();
+        for value in 0..4 {
+            lane.push(value, &closed, mode).unwrap();
+        }
+        let mut seen = Vec::new();
+        lane.pop_batch(4, |value| {
+            seen.push(value);
+            // One message out, one in: what a handler forwarding to its own endpoint (or
+            // around a cycle of endpoints) needs to never wait on itself.
+            lane.push(value + 10, &closed, mode).expect("the handled message's slot is free");
+        });
+        lane.pop_batch(4, |value| seen.push(value));
+        assert_eq!(seen, vec![0, 1, 2, 3, 10, 11, 12, 13]);
     }
 
     #[test]
