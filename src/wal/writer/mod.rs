@@ -129,23 +129,14 @@ pub(crate) enum RingEvent {
     Failed(WalError),
 }
 
-/// What the non-blocking look at the staging buffer found.
+/// What a look at the staging buffer found.
 enum Take {
-    /// A group was swapped out (`closing` as in [`Writer::take_group`]).
+    /// A group was swapped out (`closing`: the log is closing; the group may then be empty).
     Group { closing: bool },
-    /// Nothing to take yet: wait for I/O or for an appender's wake-up.
+    /// Nothing to take yet: wait, in the ring for I/O if groups are in flight (an appender's
+    /// wake-up ends that wait too), else for work without the writer lock.
     Wait,
     /// Other work first (segments to delete): look again without waiting.
-    Again,
-}
-
-/// What the blocking look at the staging buffer found.
-enum Taken {
-    /// A group was swapped out (`closing` as in [`Writer::take_group`]).
-    Group { closing: bool },
-    /// Nothing staged and not closing: wait for an appender, without the writer lock.
-    Idle,
-    /// Other work first (segments to delete): look again.
     Again,
 }
 
@@ -336,9 +327,9 @@ impl Writer {
     fn serial_turn(&mut self, buffers: &mut TurnBuffers) -> Turn {
         self.delete_doomed();
         let closing = match self.take_group(&mut buffers.buf, &mut buffers.chunks) {
-            Taken::Group { closing } => closing,
-            Taken::Idle => return Turn::Idle,
-            Taken::Again => return Turn::Again,
+            Take::Group { closing } => closing,
+            Take::Wait => return Turn::Idle,
+            Take::Again => return Turn::Again,
         };
         if buffers.chunks.is_empty() {
             if closing {
@@ -433,9 +424,9 @@ impl Writer {
         let closing = if in_flight == 0 {
             // Nothing on the ring: wait on the staging buffer alone.
             match self.take_group(&mut buffers.buf, &mut buffers.chunks) {
-                Taken::Group { closing } => closing,
-                Taken::Idle => return Turn::Idle,
-                Taken::Again => return Turn::Again,
+                Take::Group { closing } => closing,
+                Take::Wait => return Turn::Idle,
+                Take::Again => return Turn::Again,
             }
         } else if in_flight < uring::GROUPS_IN_FLIGHT_MAX {
             match self.try_take_group(&mut buffers.buf, &mut buffers.chunks) {
@@ -637,9 +628,9 @@ impl Writer {
     }
 
     /// Swaps a staged group into `buf`/`chunks`, first waiting out its group-commit delay.
-    /// `Group { closing }` once it swapped (the group may be empty only when closing); `Idle`
+    /// `Group { closing }` once it swapped (the group may be empty only when closing); `Wait`
     /// when nothing is staged (the caller waits without the writer lock: `Shared::wait_for_work`).
-    fn take_group(&mut self, buf: &mut Vec<u8>, chunks: &mut Vec<Chunk>) -> Taken {
+    fn take_group(&mut self, buf: &mut Vec<u8>, chunks: &mut Vec<Chunk>) -> Take {
         let shared = &*self.shared;
         let mut state = lock(&shared.append);
         loop {
@@ -647,7 +638,7 @@ impl Writer {
                 // Segments to delete first (checked under the append lock, which `clean`
                 // takes to wake this thread: no wake-up is lost).
                 state.set_writer_wait(WriterWait::Running);
-                return Taken::Again;
+                return Take::Again;
             }
             if !state.chunks.is_empty() {
                 if let Durability::GroupCommit { max_delay, max_bytes } = shared.config.durability {
@@ -670,12 +661,12 @@ impl Writer {
             }
             if state.closing {
                 state.set_writer_wait(WriterWait::Running);
-                return Taken::Group { closing: true };
+                return Take::Group { closing: true };
             }
-            return Taken::Idle;
+            return Take::Wait;
         }
         state.set_writer_wait(WriterWait::Running);
-        Taken::Group { closing: swap_out_group(shared, state, buf, chunks) }
+        Take::Group { closing: swap_out_group(shared, state, buf, chunks) }
     }
 
     /// Deletes the files of the segments `clean` queued (SPEC E.4: on the log's thread;
