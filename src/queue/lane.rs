@@ -406,14 +406,20 @@ mod tests {
         AtomicBool::new(false)
     }
 
-    #[test]
-    fn a_panicking_handler_consumes_its_message_and_frees_the_slots_before_it() {
+    /// A lane of 4 slots holding 0..4, its (open) inbox flag and the barrier mode.
+    fn full_lane_of_four() -> (Lane<i32>, AtomicBool, BarrierMode) {
         let closed = open();
         let lane = Lane::with_capacity(4);
         let mode = BarrierMode::detect();
         for value in 0..4 {
             lane.push(value, &closed, mode).unwrap();
         }
+        (lane, closed, mode)
+    }
+
+    #[test]
+    fn a_panicking_handler_consumes_its_message_and_frees_the_slots_before_it() {
+        let (lane, _, _) = full_lane_of_four();
         let mut seen = Vec::new();
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             lane.pop_batch(10, |value| {
@@ -432,12 +438,7 @@ mod tests {
 
     #[test]
     fn a_handler_finds_the_slot_of_its_message_free_in_a_full_lane() {
-        let closed = open();
-        let lane = Lane::with_capacity(4);
-        let mode = BarrierMode::detect();
-        for value in 0..4 {
-            lane.push(value, &closed, mode).unwrap();
-        }
+        let (lane, closed, mode) = full_lane_of_four();
         let mut seen = Vec::new();
         lane.pop_batch(4, |value| {
             seen.push(value);
