@@ -262,9 +262,13 @@ impl<T> ShardedQueue<T> {
     /// `Closed` if the queue is or becomes closed, `Timeout` if the deadline passes first.
     #[inline(always)]
     pub fn push(&self, value: T, deadline: Option<Instant>) -> Result<(), QueueError<T>> {
+        // `Ok` is matched on its own: merging it with the `Closed` arm lets the compiler copy
+        // the whole outcome through the stack, and that wide reload of the narrow tag store
+        // cannot be forwarded; it waits until the slot's stores (a cache-line miss) drain.
         match self.try_push(value) {
+            Ok(()) => Ok(()),
             Err(QueueError::Full(value)) => self.push_slow(value, deadline),
-            outcome => outcome,
+            Err(refused) => Err(refused),
         }
     }
 

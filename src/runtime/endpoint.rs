@@ -291,10 +291,18 @@ impl<E: Endpoint> EndpointRef<E> {
     /// [`SendError::Stopped`] (with the message) once the endpoint is stopped.
     #[inline]
     pub fn send(&self, message: impl Into<E::Message>) -> Result<(), SendError<E::Message>> {
-        self.inbox
-            .queue
-            .push(Envelope::Message(message.into()), None)
-            .map_err(|error| self.send_error(unwrap_message(error), None))
+        // Only the tag is inspected on the way out (see `ShardedQueue::push`).
+        match self.inbox.queue.push(Envelope::Message(message.into()), None) {
+            Ok(()) => Ok(()),
+            Err(refused) => Err(self.send_refused(refused)),
+        }
+    }
+
+    /// The error of a `send` whose push was refused.
+    #[cold]
+    #[inline(never)]
+    fn send_refused(&self, refused: QueueError<Envelope<E>>) -> SendError<E::Message> {
+        self.send_error(unwrap_message(refused), None)
     }
 
     /// Sends without waiting.
