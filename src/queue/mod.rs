@@ -229,11 +229,19 @@ impl<T> ShardedQueue<T> {
     /// [`ShardedQueue::close`].
     #[inline(always)]
     pub fn try_push(&self, value: T) -> Result<(), QueueError<T>> {
+        self.try_push_with(|| value)
+    }
+
+    /// [`try_push`](Self::try_push) of the value `make` builds, built where it is stored (see
+    /// `Lane::push_with`). `make` must be a plain constructor (no caller code, no panic): it
+    /// runs inside the lane's push.
+    #[inline(always)]
+    pub(crate) fn try_push_with(&self, make: impl FnOnce() -> T) -> Result<(), QueueError<T>> {
         let index = producer_index();
         let Some(lane) = self.own_lane(index) else {
-            return self.try_push_shared(index, value);
+            return self.try_push_shared(index, make());
         };
-        match lane.push(value, &self.close_state.closed, self.barrier) {
+        match lane.push_with(make, &self.close_state.closed, self.barrier) {
             Ok(()) => {
                 self.doorbell.ring();
                 Ok(())
@@ -262,10 +270,21 @@ impl<T> ShardedQueue<T> {
     /// `Closed` if the queue is or becomes closed, `Timeout` if the deadline passes first.
     #[inline(always)]
     pub fn push(&self, value: T, deadline: Option<Instant>) -> Result<(), QueueError<T>> {
+        self.push_with(|| value, deadline)
+    }
+
+    /// [`push`](Self::push) of the value `make` builds, built where it is stored; `make` as
+    /// for [`try_push_with`](Self::try_push_with).
+    #[inline(always)]
+    pub(crate) fn push_with(
+        &self,
+        make: impl FnOnce() -> T,
+        deadline: Option<Instant>,
+    ) -> Result<(), QueueError<T>> {
         // `Ok` is matched on its own: merging it with the `Closed` arm lets the compiler copy
         // the whole outcome through the stack, and that wide reload of the narrow tag store
         // cannot be forwarded; it waits until the slot's stores (a cache-line miss) drain.
-        match self.try_push(value) {
+        match self.try_push_with(make) {
             Ok(()) => Ok(()),
             Err(QueueError::Full(value)) => self.push_slow(value, deadline),
             Err(refused) => Err(refused),

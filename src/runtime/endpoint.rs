@@ -291,8 +291,10 @@ impl<E: Endpoint> EndpointRef<E> {
     /// [`SendError::Stopped`] (with the message) once the endpoint is stopped.
     #[inline]
     pub fn send(&self, message: impl Into<E::Message>) -> Result<(), SendError<E::Message>> {
-        // Only the tag is inspected on the way out (see `ShardedQueue::push`).
-        match self.inbox.queue.push(Envelope::Message(message.into()), None) {
+        // Converted first: no caller code may run inside the push (see `Lane::push_with`).
+        // Only the outcome's tag is inspected on the way out (see `ShardedQueue::push_with`).
+        let message = message.into();
+        match self.inbox.queue.push_with(|| Envelope::Message(message), None) {
             Ok(()) => Ok(()),
             Err(refused) => Err(self.send_refused(refused)),
         }
@@ -312,9 +314,11 @@ impl<E: Endpoint> EndpointRef<E> {
     /// [`SendError::Stopped`] once the endpoint is stopped.
     #[inline]
     pub fn try_send(&self, message: impl Into<E::Message>) -> Result<(), SendError<E::Message>> {
+        // Converted first: no caller code may run inside the push (see `Lane::push_with`).
+        let message = message.into();
         self.inbox
             .queue
-            .try_push(Envelope::Message(message.into()))
+            .try_push_with(|| Envelope::Message(message))
             .map_err(|error| self.send_error(unwrap_message(error), None))
     }
 
@@ -327,10 +331,11 @@ impl<E: Endpoint> EndpointRef<E> {
         message: impl Into<E::Message>,
         timeout: Duration,
     ) -> Result<(), SendError<E::Message>> {
+        let message = message.into();
         self.inbox
             .queue
             // A timeout too large for the clock (`Duration::MAX`) means no deadline.
-            .push(Envelope::Message(message.into()), Instant::now().checked_add(timeout))
+            .push_with(|| Envelope::Message(message), Instant::now().checked_add(timeout))
             .map_err(|error| self.send_error(unwrap_message(error), Some(timeout)))
     }
 
@@ -367,12 +372,12 @@ impl<E: Endpoint> EndpointRef<E> {
             return Reply::failed(AskError::SelfAsk { endpoint: self.inbox.name.clone() });
         }
         let (replier, reply) = request_pair(self.inbox.ask_timeout);
-        let envelope = Envelope::Request(request.into_request(replier));
+        let request = request.into_request(replier);
         // Only the tag of the push's outcome is inspected on this path: matching on the whole
         // result lets the compiler spill it and reload it wider than it was stored, a failed
         // store-to-load forwarding that waits for the inbox slot's write (a cache miss, the
         // line was last read by the endpoint) to drain.
-        match self.inbox.queue.try_push(envelope) {
+        match self.inbox.queue.try_push_with(|| Envelope::Request(request)) {
             Ok(()) => reply,
             Err(refused) => self.ask_refused(refused, reply),
         }
