@@ -58,20 +58,23 @@ pub(crate) fn run_endpoint<E: Endpoint>(
         // (the panicking message counts as consumed) and the next round carries on.
         let round = catch_unwind(AssertUnwindSafe(|| {
             consumer.drain_round(drain_batch, |envelope| {
-                // The first message after an idle period ends its gap (before any handling
-                // time; one branch per message, one clock read per idle period).
-                if let Some(since) = idle_since.take() {
-                    spin_budget.record_gap(since.elapsed());
-                }
                 let sampled = handled_total.is_multiple_of(HANDLER_TIME_SAMPLE_EVERY);
                 handled_total += 1;
-                // Single writer, plain stores: before every request (so a reply never shows a
-                // stale count) and after every round.
-                if matches!(envelope, Envelope::Request(_)) {
-                    inbox.counters.handled.store(handled_total, Ordering::Relaxed);
-                }
-                if sampled {
-                    dispatch_timed(&mut endpoint, &context, envelope);
+                // One test per message for the three rarer cases, so that the common one (a
+                // one-way message, not timed, not after an idle period) stays a few
+                // instructions around the handler call.
+                if sampled || idle_since.is_some() || matches!(envelope, Envelope::Request(_)) {
+                    dispatch_noting(
+                        &mut endpoint,
+                        &context,
+                        envelope,
+                        Noting {
+                            sampled,
+                            handled_total,
+                            idle_since: &mut idle_since,
+                            spin_budget: &mut spin_budget,
+                        },
+                    );
                 } else {
                     dispatch(&mut endpoint, &context, envelope);
                 }
@@ -215,8 +218,41 @@ fn dispatch_timed<E: Endpoint>(endpoint: &mut E, context: &Context<E>, envelope:
     context.inbox.counters.handler_time_ns.record(elapsed_ns);
 }
 
+/// What the endpoint loop notes around a message that is timed, ends an idle period, or is a
+/// request.
+struct Noting<'a> {
+    sampled: bool,
+    handled_total: u64,
+    idle_since: &'a mut Option<Instant>,
+    spin_budget: &'a mut SpinBudget,
+}
+
+/// [`dispatch`] of a message that ends an idle period (it records the gap, before any
+/// handling time: one clock read per idle period), is a request (the handled count is stored
+/// first, so a reply never shows a stale count; otherwise it is stored after each round), or
+/// is timed (one in [`HANDLER_TIME_SAMPLE_EVERY`]).
+#[inline(never)]
+fn dispatch_noting<E: Endpoint>(
+    endpoint: &mut E,
+    context: &Context<E>,
+    envelope: Envelope<E>,
+    noting: Noting<'_>,
+) {
+    if let Some(since) = noting.idle_since.take() {
+        noting.spin_budget.record_gap(since.elapsed());
+    }
+    if matches!(envelope, Envelope::Request(_)) {
+        context.inbox.counters.handled.store(noting.handled_total, Ordering::Relaxed);
+    }
+    if noting.sampled {
+        dispatch_timed(endpoint, context, envelope);
+    } else {
+        dispatch(endpoint, context, envelope);
+    }
+}
+
 /// Hands one envelope to the endpoint (panics are contained by the caller, per round).
-#[inline]
+#[inline(always)]
 fn dispatch<E: Endpoint>(endpoint: &mut E, context: &Context<E>, envelope: Envelope<E>) {
     let outcome = match envelope {
         Envelope::Message(message) => endpoint.handle(message, context),
