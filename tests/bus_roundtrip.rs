@@ -401,9 +401,21 @@ fn bus_04_stop_drains_the_queue_then_runs_on_stop() {
     assert!(!bus.contains("drain"), "the name is free immediately");
     let replacement = bus.register("drain", Recorder::default());
     assert!(replacement.is_ok(), "the name can be registered again right away");
+    // This sender's lane exists (it sent the 100): each way of sending is refused and hands
+    // the message back.
     match endpoint.send(Note { sender: 2, sequence: 0 }) {
-        Err(SendError::Stopped { endpoint: name, .. }) => assert_eq!(name, "drain"),
+        Err(SendError::Stopped { endpoint: name, message }) => {
+            assert_eq!((name.as_str(), message.sequence), ("drain", 0))
+        }
         other => panic!("send after stop gave {other:?}"),
+    }
+    match endpoint.try_send(Note { sender: 2, sequence: 1 }) {
+        Err(SendError::Stopped { message, .. }) => assert_eq!(message.sequence, 1),
+        other => panic!("try_send after stop gave {other:?}"),
+    }
+    match endpoint.send_timeout(Note { sender: 2, sequence: 2 }, Duration::from_millis(10)) {
+        Err(SendError::Stopped { message, .. }) => assert_eq!(message.sequence, 2),
+        other => panic!("send_timeout after stop gave {other:?}"),
     }
     assert!(matches!(endpoint.ask(CountQuery).wait(), Err(AskError::Stopped { .. })));
     assert!(matches!(bus.lookup::<Recorder>("missing").unwrap_err(), BusError::NotFound { .. }));

@@ -24,10 +24,11 @@
 //! Ownership: exactly one thread at a time, and never re-entrantly, calls the producer methods
 //! of a lane. That rests on two things outside this file: `queue::producer` never gives one
 //! index to two live threads, and `ShardedQueue` hands lane `i` only to the holder of index `i`
-//! (`ShardedQueue::target`, `try_push`). The producer methods never run caller code between
-//! raising `busy` and publishing, except `push_batch`'s iterator and `push_with`'s constructor,
-//! which their callers (`ShardedQueue::push_batch_from` and `ShardedQueue::try_push_with`,
-//! crate-private) require to be a plain mapped vector and a plain enum constructor.
+//! (`ShardedQueue::target`, `try_push_with`). The producer methods never run caller code
+//! between raising `busy` and publishing, except `push_batch`'s iterator and `push_with`'s
+//! constructor, which their callers (`ShardedQueue::push_batch_from` and
+//! `ShardedQueue::try_push_with`, crate-private) require to be a plain mapped vector and a
+//! plain move or enum constructor.
 //!
 //! Indices grow without wrapping (2^64 messages at one per nanosecond last 584 years).
 //!
@@ -96,7 +97,7 @@ struct Slot<T> {
     value: UnsafeCell<MaybeUninit<T>>,
 }
 
-/// A bounded SPSC lane. Producer methods (`push`, `push_batch`) must only be called by the
+/// A bounded SPSC lane. Producer methods (`push_with`, `push_batch`) must only be called by the
 /// lane's current owner; consumer methods (`pop_batch`, `is_empty_for_consumer`, `is_drained`)
 /// only by the inbox's consumer thread.
 pub(crate) struct Lane<T> {
@@ -195,9 +196,9 @@ impl<T> Lane<T> {
         self.push_with(|| value, closed, barrier)
     }
 
-    /// Pushes the message `make` builds, or hands it back. `make` runs exactly once, after
-    /// `busy` is raised, so it must be a plain constructor that cannot panic (no caller code:
-    /// see "Ownership" in the module doc).
+    /// Pushes the message `make` builds, or hands it back. `make` runs exactly once on every
+    /// path; on success it runs while `busy` is raised, so it must be a plain constructor that
+    /// cannot panic (no caller code: see "Ownership" in the module doc).
     ///
     /// Why a constructor and not a value: built once the slot is known, the message is stored
     /// straight into the slot. A value built before the checks lives in memory, and copying it
@@ -490,6 +491,33 @@ mod tests {
             assert_eq!(seen, vec![0, 1, 2, 3, 4, 5]);
             assert!(lane.is_empty_for_consumer());
         }
+    }
+
+    #[test]
+    fn push_with_builds_each_message_once_and_lowers_busy_on_every_path() {
+        let closed = open();
+        let lane = Lane::with_capacity(2);
+        let built = std::cell::Cell::new(0);
+        let push = |value: u32| {
+            lane.push_with(
+                || {
+                    built.set(built.get() + 1);
+                    value
+                },
+                &closed,
+                BarrierMode::Fenced,
+            )
+        };
+        assert_eq!(push(1), Ok(()));
+        assert_eq!(push(2), Ok(()));
+        assert_eq!(push(3), Err(LanePushError::Full(3)), "two slots");
+        closed.store(true, Ordering::SeqCst);
+        assert_eq!(push(4), Err(LanePushError::Closed(4)));
+        assert_eq!(built.get(), 4, "one constructor call per push: accepted, full and closed");
+        assert!(!lane.producer.busy.load(Ordering::SeqCst), "busy is lowered on every path");
+        let mut seen = Vec::new();
+        lane.pop_batch(10, |value| seen.push(value));
+        assert_eq!(seen, vec![1, 2]);
     }
 
     #[test]

@@ -296,15 +296,19 @@ impl<E: Endpoint> EndpointRef<E> {
         let message = message.into();
         match self.inbox.queue.push_with(|| Envelope::Message(message), None) {
             Ok(()) => Ok(()),
-            Err(refused) => Err(self.send_refused(refused)),
+            Err(refused) => Err(self.send_refused(refused, None)),
         }
     }
 
-    /// The error of a `send` whose push was refused.
+    /// The error of a send whose push was refused (out of line: see `send`).
     #[cold]
     #[inline(never)]
-    fn send_refused(&self, refused: QueueError<Envelope<E>>) -> SendError<E::Message> {
-        self.send_error(unwrap_message(refused), None)
+    fn send_refused(
+        &self,
+        refused: QueueError<Envelope<E>>,
+        timeout: Option<Duration>,
+    ) -> SendError<E::Message> {
+        self.send_error(unwrap_message(refused), timeout)
     }
 
     /// Sends without waiting.
@@ -316,10 +320,10 @@ impl<E: Endpoint> EndpointRef<E> {
     pub fn try_send(&self, message: impl Into<E::Message>) -> Result<(), SendError<E::Message>> {
         // Converted first: no caller code may run inside the push (see `Lane::push_with`).
         let message = message.into();
-        self.inbox
-            .queue
-            .try_push_with(|| Envelope::Message(message))
-            .map_err(|error| self.send_error(unwrap_message(error), None))
+        match self.inbox.queue.try_push_with(|| Envelope::Message(message)) {
+            Ok(()) => Ok(()),
+            Err(refused) => Err(self.send_refused(refused, None)),
+        }
     }
 
     /// Sends, waiting at most `timeout` for room.
@@ -332,11 +336,12 @@ impl<E: Endpoint> EndpointRef<E> {
         timeout: Duration,
     ) -> Result<(), SendError<E::Message>> {
         let message = message.into();
-        self.inbox
-            .queue
-            // A timeout too large for the clock (`Duration::MAX`) means no deadline.
-            .push_with(|| Envelope::Message(message), Instant::now().checked_add(timeout))
-            .map_err(|error| self.send_error(unwrap_message(error), Some(timeout)))
+        // A timeout too large for the clock (`Duration::MAX`) means no deadline.
+        let deadline = Instant::now().checked_add(timeout);
+        match self.inbox.queue.push_with(|| Envelope::Message(message), deadline) {
+            Ok(()) => Ok(()),
+            Err(refused) => Err(self.send_refused(refused, Some(timeout))),
+        }
     }
 
     /// Sends many one-way messages in order, claiming inbox slots for as many as fit with one
