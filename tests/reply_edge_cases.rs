@@ -4,8 +4,10 @@
 //! Goal: `Duration::MAX` as a timeout means "no deadline" everywhere (never an overflow panic);
 //! a replier dropped by a panicking thread that is not an endpoint thread, or during a panic a
 //! handler catches itself, fails its asker with `HandlerPanicked` at once instead of leaving it
-//! to wait out its timeout. Method: public API only; every wait is bounded by a timeout that a
-//! regression would run into (the assertion then sees `Timeout`, not `HandlerPanicked`).
+//! to wait out its timeout; an asker's waker that panics while the endpoint loop fails such a
+//! reply does not end the endpoint thread. Method: public API only; every wait is bounded by a
+//! timeout that a regression would run into (the assertion then sees `Timeout`, not
+//! `HandlerPanicked`, or the bounded wait for the endpoint's next request fails).
 
 use std::{
     future::Future,
@@ -27,6 +29,7 @@ struct Keeper {
 enum Request {
     Keep(Replier<u32>),
     PanicCaughtInside(Replier<u32>),
+    PanicHolding(Replier<u32>),
 }
 
 struct KeepIt;
@@ -34,6 +37,14 @@ impl Ask<Keeper> for KeepIt {
     type Reply = u32;
     fn into_request(self, replier: Replier<u32>) -> Request {
         Request::Keep(replier)
+    }
+}
+
+struct PanicWhileHoldingIt;
+impl Ask<Keeper> for PanicWhileHoldingIt {
+    type Reply = u32;
+    fn into_request(self, replier: Replier<u32>) -> Request {
+        Request::PanicHolding(replier)
     }
 }
 
@@ -63,6 +74,10 @@ impl Endpoint for Keeper {
                 }));
                 assert!(caught.is_err());
             }
+            Request::PanicHolding(replier) => {
+                let _held = replier;
+                panic!("the handler panics holding the replier");
+            }
         }
         Ok(())
     }
@@ -71,6 +86,14 @@ impl Endpoint for Keeper {
 struct NoopWake;
 impl Wake for NoopWake {
     fn wake(self: Arc<Self>) {}
+}
+
+/// An asker's waker that panics when woken.
+struct PanickingWake;
+impl Wake for PanickingWake {
+    fn wake(self: Arc<Self>) {
+        panic!("the asker's waker panics");
+    }
 }
 
 #[test]
@@ -138,5 +161,35 @@ fn a_replier_dropped_in_a_panic_the_handler_caught_fails_its_asker() {
     }
     // The endpoint keeps serving.
     endpoint.send(1u32).unwrap();
+    bus.shutdown().unwrap();
+}
+
+#[test]
+fn a_waker_that_panics_when_a_panicking_handler_fails_its_reply_does_not_end_the_endpoint() {
+    let bus = Bus::builder().ask_timeout(Duration::from_secs(30)).build().unwrap();
+    let kept = Arc::new(Mutex::new(Vec::new()));
+    let endpoint = bus.register("keeper", Keeper { kept: Arc::clone(&kept) }).unwrap();
+    // Polled first, so failing the reply wakes this waker on the endpoint thread.
+    let mut reply = pin!(endpoint.ask(PanicWhileHoldingIt));
+    let waker = Waker::from(Arc::new(PanickingWake));
+    assert!(reply.as_mut().poll(&mut TaskContext::from_waker(&waker)).is_pending());
+    // The endpoint still serves: a later ask is handled and answered (an ended endpoint thread
+    // would leave it to time out, or fail it with `NoReply`).
+    let later = endpoint.ask(KeepIt);
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while kept.lock().unwrap().is_empty() {
+        assert!(std::time::Instant::now() < deadline, "the endpoint stopped handling requests");
+        std::thread::yield_now();
+    }
+    kept.lock().unwrap().pop().unwrap().reply(9);
+    assert_eq!(later.wait().unwrap(), 9);
+    // The failed reply carries the handler's panic.
+    match reply.as_mut().poll(&mut TaskContext::from_waker(&Waker::from(Arc::new(NoopWake)))) {
+        Poll::Ready(Err(AskError::HandlerPanicked { message })) => {
+            assert_eq!(message, "the handler panics holding the replier")
+        }
+        other => panic!("expected the handler's panic, got {other:?}"),
+    }
+    assert_eq!(endpoint.stats().panicked, 1);
     bus.shutdown().unwrap();
 }

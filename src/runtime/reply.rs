@@ -72,10 +72,16 @@ pub(crate) fn has_orphaned_replies() -> bool {
 }
 
 /// Fails every reply that a panicking handler dropped, with the panic's message.
+///
+/// Failing a reply wakes its asker's task, and a waker is the asker's code: one that panics
+/// is logged and the others are still failed. The caller (the endpoint loop, outside its
+/// per-round `catch_unwind`) must not unwind, or the endpoint thread would end.
 pub(crate) fn fail_replies_orphaned_by_panic(panic_message: &str) {
     let orphaned = ORPHANED_BY_PANIC.with(|list| std::mem::take(&mut *list.borrow_mut()));
     for fail in orphaned {
-        fail(panic_message);
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| fail(panic_message))).is_err() {
+            tracing::warn!("an asker's waker panicked while its reply was failed");
+        }
     }
 }
 
