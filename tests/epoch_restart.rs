@@ -32,21 +32,11 @@ use coordbus::{
     Bus, EndpointRef,
 };
 use epoch_support::{calls, recorders, Call, RecordingQuery, RecordingSink, REPLY_TIMEOUT};
+use rand::{RngExt, SeedableRng};
+use rand_xorshift::XorShiftRng;
 
 const READERS: i32 = 3;
 const WRITERS: i32 = 2;
-
-/// A small deterministic generator (xorshift64*), so stop points are fixed by the seed.
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, bound: u64) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % bound
-    }
-}
 
 fn wal_config(durability: Durability) -> WalConfig {
     WalConfig { segment_size_bytes: 256 << 10, durability, ..WalConfig::default() }
@@ -115,19 +105,20 @@ fn sink_epochs(log: &epoch_support::CallLog) -> Vec<i64> {
 fn clean_restarts_at_random_points_commit_every_epoch_once_in_order() {
     let dir = tempfile::tempdir().unwrap();
     let (query, sink, log) = recorders();
-    let mut rng = Rng(0x5eed_0001);
+    // Seeded: the stop points are fixed.
+    let mut rng = XorShiftRng::seed_from_u64(0x5eed_0001);
     let mut next = 0i64;
     for run in 0..8 {
         let bus = Bus::builder().inbox_shards(2).build().unwrap();
         let (epoch, start) = start_run(&bus, dir.path(), query.clone(), sink.clone());
         assert_eq!(start, next, "run {run} starts after the last committed epoch");
-        let whole = rng.below(12) as i64;
+        let whole: i64 = rng.random_range(0..12);
         for e in start..start + whole {
             send_epoch(&epoch, e);
         }
         // A partial epoch: some reports and commits, never all of both.
         let partial = start + whole;
-        for partition in 0..rng.below(READERS as u64) as i32 {
+        for partition in 0..rng.random_range(0..READERS) {
             let offset = offset(partition, partial);
             epoch.send(ReportPartitionOffset { partition, epoch: partial, offset }).unwrap();
         }
@@ -241,12 +232,12 @@ fn after_kill_9_every_durable_commit_is_recovered_and_epochs_stay_in_order() {
         child(Path::new(&dir));
     }
     let dir = tempfile::tempdir().unwrap();
-    let mut rng = Rng(0x5eed_0009);
+    let mut rng = XorShiftRng::seed_from_u64(0x5eed_0009);
     let mut previous_durable = -1i64; // the highest epoch any child reported durable
     let mut previous_sink = -1i64; // the last epoch the previous child's sink committed
     let mut sink_total = 0usize;
     for round in 0..12 {
-        let wanted = 1 + rng.below(20) as i64;
+        let wanted: i64 = rng.random_range(1..=20);
         let mut child = Command::new(std::env::current_exe().unwrap())
             .args([
                 "after_kill_9_every_durable_commit_is_recovered_and_epochs_stay_in_order",

@@ -14,6 +14,8 @@ use std::{
 };
 
 use coordbus::wal::{Durability, IoMode, Lsn, Wal, WalConfig, WalOptions};
+use rand::{RngExt, SeedableRng};
+use rand_xorshift::XorShiftRng;
 
 /// How long a test waits for something that takes microseconds, before failing.
 const BOUND: Duration = Duration::from_secs(10);
@@ -158,18 +160,6 @@ fn concurrent_every_record_waiters_all_finish_durable() {
     }
 }
 
-/// A small deterministic generator (xorshift64*), so that every run draws the same mix.
-struct Draw(u64);
-
-impl Draw {
-    fn below(&mut self, bound: u64) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % bound
-    }
-}
-
 #[test]
 fn mixed_waiters_callbacks_readers_and_unwaited_appends_all_finish() {
     const THREADS: u64 = 4;
@@ -185,13 +175,14 @@ fn mixed_waiters_callbacks_readers_and_unwaited_appends_all_finish() {
             let callbacks_sender = callbacks_sender.clone();
             let done_sender = done_sender.clone();
             std::thread::spawn(move || {
-                let mut draw = Draw(0x9e37_79b9_7f4a_7c15 ^ (thread + 1));
+                // Seeded, so that every run draws the same mix.
+                let mut draw = XorShiftRng::seed_from_u64(0x9e37_79b9_7f4a_7c15 ^ (thread + 1));
                 let mut written = Vec::new();
                 let mut registered = 0;
                 for step in 0..PER_THREAD {
                     let index = (thread * PER_THREAD + step) as u32;
                     let (lsn, handle) = wal.append_bytes(&payload(index), 0).unwrap();
-                    match draw.below(5) {
+                    match draw.random_range(0..5) {
                         0 => wal.wait_durable(lsn).unwrap(),
                         1 => wal.wait_durable_timeout(lsn, BOUND).unwrap(),
                         2 => {
