@@ -70,16 +70,12 @@ impl<Q: Query, S: Sink> ReferenceEpochCoordinator<Q, S> {
     /// [`Rejected`] when the message was dropped.
     pub fn apply(&mut self, message: EpochMessage) -> Result<(), Rejected> {
         match message {
-            EpochMessage::CommitPartitionEpoch(commit) => self.commit_partition_epoch(
-                PartitionId(commit.partition),
-                Epoch(commit.epoch),
-                commit.message,
-            ),
-            EpochMessage::ReportPartitionOffset(report) => self.report_partition_offset(
-                PartitionId(report.partition),
-                Epoch(report.epoch),
-                report.offset,
-            ),
+            EpochMessage::CommitPartitionEpoch { partition, epoch, message } => {
+                self.commit_partition_epoch(PartitionId(partition), Epoch(epoch), message)
+            }
+            EpochMessage::ReportPartitionOffset { partition, epoch, offset } => {
+                self.report_partition_offset(PartitionId(partition), Epoch(epoch), offset)
+            }
         }
     }
 
