@@ -41,7 +41,7 @@ use std::mem::MaybeUninit;
 
 use crossbeam_utils::CachePadded;
 
-use super::barrier::BarrierMode;
+use super::{barrier::BarrierMode, Consume};
 use crate::sync::{AtomicBool, AtomicPtr, AtomicUsize, Ordering, UnsafeCell};
 
 /// Why a lane push did not take the message; the message is handed back.
@@ -283,7 +283,7 @@ impl<T> Lane<T> {
     /// endpoints) always finds the slot it just freed. Publishing once per batch measured 8%
     /// faster for `send_batch`, but then such a handler waits for room that only its own
     /// thread can make.
-    pub(crate) fn pop_batch(&self, max: usize, mut handle: impl FnMut(T)) -> usize {
+    pub(crate) fn pop_batch(&self, max: usize, handle: &mut impl Consume<T>) -> usize {
         let start = self.consumer.head.load(Ordering::Relaxed);
         let mut head = start;
         while head - start < max {
@@ -300,7 +300,7 @@ impl<T> Lane<T> {
             });
             head += 1;
             self.consumer.head.store(head, Ordering::Release);
-            handle(value);
+            handle.consume(value);
         }
         head - start
     }
@@ -445,7 +445,7 @@ mod tests {
         let (lane, _, _) = full_lane_of_four();
         let mut seen = Vec::new();
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            lane.pop_batch(10, |value| {
+            lane.pop_batch(10, &mut |value| {
                 if value == 1 {
                     panic!("handler fails on {value}");
                 }
@@ -455,7 +455,7 @@ mod tests {
         assert!(outcome.is_err());
         // Positions 0 and 1 (the panicking one) are consumed and their slots free again.
         assert!(lane.has_room(2), "the head was not published by the unwinding batch");
-        lane.pop_batch(10, |value| seen.push(value));
+        lane.pop_batch(10, &mut |value| seen.push(value));
         assert_eq!(seen, vec![0, 2, 3], "the panicking message is not handled twice");
     }
 
@@ -463,13 +463,13 @@ mod tests {
     fn a_handler_finds_the_slot_of_its_message_free_in_a_full_lane() {
         let (lane, closed, mode) = full_lane_of_four();
         let mut seen = Vec::new();
-        lane.pop_batch(4, |value| {
+        lane.pop_batch(4, &mut |value| {
             seen.push(value);
             // One message out, one in: what a handler forwarding to its own endpoint (or
             // around a cycle of endpoints) needs to never wait on itself.
             lane.push(value + 10, &closed, mode).expect("the handled message's slot is free");
         });
-        lane.pop_batch(4, |value| seen.push(value));
+        lane.pop_batch(4, &mut |value| seen.push(value));
         assert_eq!(seen, vec![0, 1, 2, 3, 10, 11, 12, 13]);
     }
 
@@ -483,11 +483,11 @@ mod tests {
             }
             assert_eq!(lane.push(99, &closed, mode), Err(LanePushError::Full(99)));
             let mut seen = Vec::new();
-            assert_eq!(lane.pop_batch(3, |value| seen.push(value)), 3);
+            assert_eq!(lane.pop_batch(3, &mut |value| seen.push(value)), 3);
             let mut rest = 4..6;
             assert_eq!(lane.push_batch(&mut rest, &closed, mode), Ok(2), "wraps around");
-            lane.pop_batch(10, |value| seen.push(value));
-            lane.pop_batch(10, |value| seen.push(value));
+            lane.pop_batch(10, &mut |value| seen.push(value));
+            lane.pop_batch(10, &mut |value| seen.push(value));
             assert_eq!(seen, vec![0, 1, 2, 3, 4, 5]);
             assert!(lane.is_empty_for_consumer());
         }
@@ -516,7 +516,7 @@ mod tests {
         assert_eq!(built.get(), 4, "one constructor call per push: accepted, full and closed");
         assert!(!lane.producer.busy.load(Ordering::SeqCst), "busy is lowered on every path");
         let mut seen = Vec::new();
-        lane.pop_batch(10, |value| seen.push(value));
+        lane.pop_batch(10, &mut |value| seen.push(value));
         assert_eq!(seen, vec![1, 2]);
     }
 
@@ -530,7 +530,7 @@ mod tests {
         assert_eq!(lane.push_batch(&mut (3..4), &closed, BarrierMode::Fenced), Err(()));
         assert!(!lane.is_drained());
         let mut seen = Vec::new();
-        lane.pop_batch(10, |value| seen.push(value));
+        lane.pop_batch(10, &mut |value| seen.push(value));
         assert_eq!(seen, vec![1]);
         assert!(lane.is_drained());
     }
@@ -544,7 +544,7 @@ mod tests {
         let lane = table.allocate(2);
         lane.push(Arc::clone(&marker), &closed, BarrierMode::Fenced).unwrap();
         lane.push(Arc::clone(&marker), &closed, BarrierMode::Fenced).unwrap();
-        lane.pop_batch(1, drop);
+        lane.pop_batch(1, &mut drop);
         assert_eq!(table.allocated().count(), 1);
         assert_eq!(Arc::strong_count(&marker), 2);
         drop(table);
@@ -572,7 +572,7 @@ mod tests {
         };
         let mut expected = 0;
         while expected < count {
-            if lane.pop_batch(16, |value| {
+            if lane.pop_batch(16, &mut |value| {
                 assert_eq!(value, expected);
                 expected += 1;
             }) == 0
@@ -626,7 +626,7 @@ mod loom_tests {
             let mut seen = Vec::new();
             loop {
                 let done = fenced.load(Ordering::Acquire) && lane.is_drained();
-                lane.pop_batch(2, |value| seen.push(value));
+                lane.pop_batch(2, &mut |value| seen.push(value));
                 if done {
                     break;
                 }

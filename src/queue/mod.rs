@@ -485,11 +485,23 @@ impl<T> Consumer<'_, T> {
     /// If `handle` panics, the messages before it stay consumed, the panicking one counts as
     /// consumed, and the rest stay queued for the next round.
     pub fn drain_round(&mut self, max_per_shard: usize, mut handle: impl FnMut(T)) -> usize {
+        self.drain_round_into(max_per_shard, &mut handle)
+    }
+
+    /// [`Consumer::drain_round`] with a [`Consume`] handler, for the endpoint loop: its
+    /// `#[inline(always)]` `consume` is compiled into the pop loops, so the handler reads each
+    /// message's fields straight from the copy the pop made (a closure's body is left out of
+    /// line there, and re-copies the message through its own stack frame first).
+    pub(crate) fn drain_round_into(
+        &mut self,
+        max_per_shard: usize,
+        handle: &mut impl Consume<T>,
+    ) -> usize {
         let queue = self.queue;
         // Wakes blocked producers also when a handler panics out of the round.
         let mut round = WakeProducersOnDrop { queue, taken: 0 };
         for lane in queue.lanes.allocated() {
-            let taken = lane.pop_batch(max_per_shard, &mut handle);
+            let taken = lane.pop_batch(max_per_shard, handle);
             if taken > 0 {
                 queue.note_depth(taken + lane.len());
                 round.taken += taken;
@@ -498,7 +510,7 @@ impl<T> Consumer<'_, T> {
         for shard in queue.shards.iter() {
             // Depth is read only after a non-empty batch: reading a ring's tail on every idle
             // poll would pull the producers' hottest cache line to this core.
-            let taken = shard.pop_batch(max_per_shard, &mut handle);
+            let taken = shard.pop_batch(max_per_shard, handle);
             if taken > 0 {
                 queue.note_depth(taken + shard.len());
                 round.taken += taken;
@@ -524,6 +536,20 @@ impl<T> Consumer<'_, T> {
         queue.close_state.fenced.load(Ordering::Acquire)
             && queue.lanes.allocated().all(Lane::is_drained)
             && queue.shards.iter().all(Ring::is_drained)
+    }
+}
+
+/// What a drain round hands each message to. Every `FnMut(T)` is one; the endpoint loop
+/// implements it on a struct, with `consume` inlined into the pop loops.
+pub(crate) trait Consume<T> {
+    /// Takes one message.
+    fn consume(&mut self, value: T);
+}
+
+impl<T, F: FnMut(T)> Consume<T> for F {
+    #[inline]
+    fn consume(&mut self, value: T) {
+        self(value);
     }
 }
 

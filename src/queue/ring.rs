@@ -27,6 +27,7 @@ use std::mem::MaybeUninit;
 
 use crossbeam_utils::CachePadded;
 
+use super::Consume;
 use crate::sync::{AtomicUsize, Ordering, UnsafeCell};
 
 /// The closed mark in `tail`.
@@ -249,7 +250,7 @@ impl<T> Ring<T> {
     /// Consumer only: moves up to `max` ready messages to `handle`, in order. Returns how many.
     ///
     /// Stops early at a position that is claimed but not yet filled.
-    pub(crate) fn pop_batch(&self, max: usize, mut handle: impl FnMut(T)) -> usize {
+    pub(crate) fn pop_batch(&self, max: usize, handle: &mut impl Consume<T>) -> usize {
         let mut head = self.head.load(Ordering::Relaxed);
         let start = head;
         while head - start < max {
@@ -268,7 +269,7 @@ impl<T> Ring<T> {
             // Published per message (a plain store to a consumer-owned line) so that `len`
             // stays exact while a long handler runs.
             self.head.store(head, Ordering::Release);
-            handle(value);
+            handle.consume(value);
         }
         head - start
     }
@@ -319,7 +320,7 @@ mod tests {
         }
         assert_eq!(ring.push(99), Err(PushError::Full(99)));
         let mut seen = Vec::new();
-        assert_eq!(ring.pop_batch(10, |value| seen.push(value)), 4);
+        assert_eq!(ring.pop_batch(10, &mut |value| seen.push(value)), 4);
         assert_eq!(seen, vec![0, 1, 2, 3]);
         assert!(ring.is_empty_for_consumer());
     }
@@ -331,11 +332,11 @@ mod tests {
         ring.fill(claim, 0..5);
         assert_eq!(ring.claim(4).unwrap_err(), ClaimError::Full);
         let mut seen = Vec::new();
-        ring.pop_batch(3, |value| seen.push(value));
+        ring.pop_batch(3, &mut |value| seen.push(value));
         let claim = ring.claim(6).unwrap();
         assert_eq!(claim.len(), 6);
         ring.fill(claim, 5..11);
-        ring.pop_batch(usize::MAX, |value| seen.push(value));
+        ring.pop_batch(usize::MAX, &mut |value| seen.push(value));
         assert_eq!(seen, (0..11).collect::<Vec<_>>());
     }
 
@@ -348,7 +349,7 @@ mod tests {
         assert_eq!(ring.push(2), Err(PushError::Closed(2)));
         assert!(!ring.is_drained());
         let mut seen = Vec::new();
-        ring.pop_batch(10, |value| seen.push(value));
+        ring.pop_batch(10, &mut |value| seen.push(value));
         assert_eq!(seen, vec![1]);
         assert!(ring.is_drained());
     }
@@ -359,7 +360,7 @@ mod tests {
         let ring = Ring::with_capacity(4);
         ring.push(Arc::clone(&marker)).unwrap();
         ring.push(Arc::clone(&marker)).unwrap();
-        ring.pop_batch(1, drop);
+        ring.pop_batch(1, &mut drop);
         assert_eq!(Arc::strong_count(&marker), 2);
         drop(ring);
         assert_eq!(Arc::strong_count(&marker), 1);
@@ -393,7 +394,7 @@ mod tests {
         let mut next_expected = [0usize; PRODUCERS];
         let mut received = 0;
         while received < PRODUCERS * per_producer {
-            let popped = ring.pop_batch(64, |(producer, sequence)| {
+            let popped = ring.pop_batch(64, &mut |(producer, sequence)| {
                 assert_eq!(sequence, next_expected[producer], "per-producer FIFO");
                 next_expected[producer] += 1;
             });
@@ -437,12 +438,12 @@ mod loom_tests {
             };
             let mut seen = Vec::new();
             for _ in 0..3 {
-                ring.pop_batch(2, |value| seen.push(value));
+                ring.pop_batch(2, &mut |value| seen.push(value));
                 thread::yield_now();
             }
             let single_ok = single.join().unwrap();
             let batch_len = batch.join().unwrap();
-            ring.pop_batch(4, |value| seen.push(value));
+            ring.pop_batch(4, &mut |value| seen.push(value));
             let expected_len = usize::from(single_ok) + batch_len;
             assert_eq!(seen.len(), expected_len);
             if batch_len == 2 {
@@ -465,7 +466,7 @@ mod loom_tests {
             ring.close();
             let mut seen = 0;
             while !ring.is_drained() {
-                seen += ring.pop_batch(2, |_| ());
+                seen += ring.pop_batch(2, &mut |_| ());
                 thread::yield_now();
             }
             let pushed = producer.join().unwrap();

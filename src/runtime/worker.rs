@@ -22,7 +22,7 @@ use super::{
     reply::{fail_replies_orphaned_by_panic, has_orphaned_replies},
     stats::HANDLER_TIME_SAMPLE_EVERY,
 };
-use crate::config::Idle;
+use crate::{config::Idle, queue::Consume};
 
 /// Drain rounds between two looks for replies orphaned by a panic a handler caught itself
 /// (an idle endpoint polls in rounds too, and looks again before it parks).
@@ -57,28 +57,16 @@ pub(crate) fn run_endpoint<E: Endpoint>(
         // each handler call, so a panic unwinding out of the round leaves the inbox consistent
         // (the panicking message counts as consumed) and the next round carries on.
         let round = catch_unwind(AssertUnwindSafe(|| {
-            consumer.drain_round(drain_batch, |envelope| {
-                let sampled = handled_total.is_multiple_of(HANDLER_TIME_SAMPLE_EVERY);
-                handled_total += 1;
-                // One test per message for the three rarer cases, so that the common one (a
-                // one-way message, not timed, not after an idle period) stays a few
-                // instructions around the handler call.
-                if sampled || idle_since.is_some() || matches!(envelope, Envelope::Request(_)) {
-                    dispatch_noting(
-                        &mut endpoint,
-                        &context,
-                        envelope,
-                        Noting {
-                            sampled,
-                            handled_total,
-                            idle_since: &mut idle_since,
-                            spin_budget: &mut spin_budget,
-                        },
-                    );
-                } else {
-                    dispatch(&mut endpoint, &context, envelope);
-                }
-            })
+            consumer.drain_round_into(
+                drain_batch,
+                &mut Dispatcher {
+                    endpoint: &mut endpoint,
+                    context: &context,
+                    handled_total: &mut handled_total,
+                    idle_since: &mut idle_since,
+                    spin_budget: &mut spin_budget,
+                },
+            )
         }));
         inbox.counters.handled.store(handled_total, Ordering::Relaxed);
         let handled = match round {
@@ -216,6 +204,42 @@ fn dispatch_timed<E: Endpoint>(endpoint: &mut E, context: &Context<E>, envelope:
     dispatch(endpoint, context, envelope);
     let elapsed_ns = u64::try_from(began.elapsed().as_nanos()).unwrap_or(u64::MAX);
     context.inbox.counters.handler_time_ns.record(elapsed_ns);
+}
+
+/// The endpoint loop's handler of one drain round's envelopes.
+struct Dispatcher<'a, E: Endpoint> {
+    endpoint: &'a mut E,
+    context: &'a Context<E>,
+    handled_total: &'a mut u64,
+    idle_since: &'a mut Option<Instant>,
+    spin_budget: &'a mut SpinBudget,
+}
+
+impl<E: Endpoint> Consume<Envelope<E>> for Dispatcher<'_, E> {
+    /// Inlined into the inbox's pop loops (see `Consumer::drain_round_into`).
+    #[inline(always)]
+    fn consume(&mut self, envelope: Envelope<E>) {
+        let sampled = self.handled_total.is_multiple_of(HANDLER_TIME_SAMPLE_EVERY);
+        *self.handled_total += 1;
+        // One test per message for the three rarer cases, so that the common one (a one-way
+        // message, not timed, not after an idle period) stays a few instructions around the
+        // handler call.
+        if sampled || self.idle_since.is_some() || matches!(envelope, Envelope::Request(_)) {
+            dispatch_noting(
+                self.endpoint,
+                self.context,
+                envelope,
+                Noting {
+                    sampled,
+                    handled_total: *self.handled_total,
+                    idle_since: self.idle_since,
+                    spin_budget: self.spin_budget,
+                },
+            );
+        } else {
+            dispatch(self.endpoint, self.context, envelope);
+        }
+    }
 }
 
 /// What the endpoint loop notes around a message that is timed, ends an idle period, or is a
