@@ -247,21 +247,46 @@ impl Sink for LoadSink {
     }
 }
 
-/// The messages producer `range` sends for `epoch`, in order.
+/// The messages producer `range` sends for `epoch`, in order: per partition, its offset report
+/// and then its writer commit.
 fn epoch_messages(range: std::ops::Range<i32>, epoch: i64, out: &mut Vec<EpochMessage>) {
     for partition in range {
-        out.push(
-            ReportPartitionOffset {
-                partition,
-                epoch,
-                offset: (epoch << 20 | i64::from(partition)).into(),
-            }
-            .into(),
-        );
-        out.push(
-            CommitPartitionEpoch { partition, epoch, message: i64::from(partition).into() }.into(),
-        );
+        push_partition_messages(partition, epoch, out);
     }
+}
+
+fn push_partition_messages(partition: i32, epoch: i64, out: &mut Vec<EpochMessage>) {
+    out.push(
+        ReportPartitionOffset {
+            partition,
+            epoch,
+            offset: (epoch << 20 | i64::from(partition)).into(),
+        }
+        .into(),
+    );
+    out.push(
+        CommitPartitionEpoch { partition, epoch, message: i64::from(partition).into() }.into(),
+    );
+}
+
+/// Appends the stream of epochs `cursor.0..=last` of producer `range` from `cursor` (an epoch
+/// and a partition) to `chunk`, until it holds `batch` messages (rounded up to a partition's
+/// two) or the stream ends; returns where the stream continues.
+fn fill_batch(
+    chunk: &mut Vec<EpochMessage>,
+    batch: usize,
+    (mut epoch, mut partition): (i64, i32),
+    last: i64,
+    range: std::ops::Range<i32>,
+) -> (i64, i32) {
+    while epoch <= last && chunk.len() < batch {
+        push_partition_messages(partition, epoch, chunk);
+        partition += 1;
+        if partition == range.end {
+            (epoch, partition) = (epoch + 1, range.start);
+        }
+    }
+    (epoch, partition)
 }
 
 fn ranges(partitions: i32, producers: usize) -> Vec<std::ops::Range<i32>> {
@@ -365,9 +390,6 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
             (Arc::clone(&shared), coordinator.clone(), Arc::clone(&barrier));
         let batch = args.batch;
         threads.push(std::thread::spawn(move || -> anyhow::Result<()> {
-            let mut messages: Vec<EpochMessage> = Vec::new();
-            // (epoch, index of its last message in `messages`), in order.
-            let mut ends: Vec<(i64, usize)> = Vec::new();
             barrier.wait();
             let mut next = 1;
             // Held back by the window: resume once half of it is free (module doc).
@@ -381,38 +403,32 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
                     return Ok(());
                 }
                 // Every epoch the driver announced and the window allows, in one stream.
+                let start = next;
                 let last = shared
                     .driver_epoch
                     .load(Ordering::Acquire)
                     .min(shared.committed.load(Ordering::Acquire) + window)
                     .min(epochs);
-                messages.clear();
-                ends.clear();
-                for epoch in next..=last {
-                    epoch_messages(range.clone(), epoch, &mut messages);
-                    ends.push((epoch, messages.len() - 1));
-                }
-                next = last + 1;
-                let mut ends = ends.iter().peekable();
-                let mut sent = 0;
-                let mut rest = messages.drain(..);
-                while rest.len() > 0 {
-                    let chunk: Vec<EpochMessage> = rest.by_ref().take(batch).collect();
+                // Built straight into each batch's vector (one copy per message, into it).
+                let mut cursor = (start, range.start);
+                loop {
+                    let mut chunk = Vec::with_capacity(batch);
+                    cursor = fill_batch(&mut chunk, batch, cursor, last, range.clone());
+                    if chunk.is_empty() {
+                        break;
+                    }
                     let sent_ns = shared.now_ns();
-                    let chunk_len = chunk.len();
                     coordinator
                         .send_batch(chunk)
                         .map_err(|_| anyhow::anyhow!("the coordinator stopped"))?;
-                    sent += chunk_len;
-                    while let Some(&&(epoch, end)) = ends.peek() {
-                        if end >= sent {
-                            break;
-                        }
-                        shared.last_sent_ns[(epoch - 1) as usize]
+                    // Epochs whose last message went in this batch.
+                    while next < cursor.0 {
+                        shared.last_sent_ns[(next - 1) as usize]
                             .fetch_max(sent_ns, Ordering::Relaxed);
-                        ends.next();
+                        next += 1;
                     }
                 }
+                debug_assert_eq!(next, last + 1);
             }
             Ok(())
         }));
