@@ -145,9 +145,35 @@ impl Slots {
 
     /// Stores `payload` for `partition`; an existing entry is replaced when `overwrite`, else
     /// kept (and `Duplicate` returned).
-    #[inline]
+    ///
+    /// The dense layout's new entry (nearly every message of a steady run) is inlined into the
+    /// caller; everything else is [`Slots::insert_other`].
+    #[inline(always)]
     fn insert(&mut self, partition: PartitionId, payload: Payload, overwrite: bool) -> Inserted {
         debug_assert!(partition.0 >= 0, "partition ids are validated before insert");
+        let position = partition.0 as usize;
+        if self.dense && position < self.entries.len() {
+            let (word, bit) = (position / 64, 1u64 << (position % 64));
+            if let Some(present) = self.present.get_mut(word) {
+                if *present & bit == 0 {
+                    *present |= bit;
+                    self.entries[position].1 = payload;
+                    self.len += 1;
+                    return Inserted::New;
+                }
+            }
+        }
+        self.insert_other(partition, payload, overwrite)
+    }
+
+    /// [`Slots::insert`] of a repeated partition, or into the sparse layout.
+    #[inline(never)]
+    fn insert_other(
+        &mut self,
+        partition: PartitionId,
+        payload: Payload,
+        overwrite: bool,
+    ) -> Inserted {
         let position = partition.0 as usize;
         if self.dense {
             if position < self.entries.len() {
@@ -470,6 +496,7 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
     ///
     /// # Errors
     /// [`Rejected`] when dropped: writes stopped, bad partition, stale epoch, duplicate.
+    #[inline]
     pub fn commit_partition_epoch(
         &mut self,
         partition: PartitionId,
@@ -486,7 +513,9 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
         self.commit_entries += 1;
         self.counters.commits_accepted += 1;
         tracing::debug!(%partition, %epoch, "writer commit stored");
-        self.resolve(slot);
+        if self.is_ready(slot) {
+            self.resolve(slot);
+        }
         self.check_backlog();
         Ok(())
     }
@@ -498,6 +527,7 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
     ///
     /// # Errors
     /// [`Rejected`] when dropped: writes stopped, bad partition, stale epoch.
+    #[inline]
     pub fn report_partition_offset(
         &mut self,
         partition: PartitionId,
@@ -515,14 +545,23 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
         }
         tracing::debug!(%partition, %epoch, "partition offset stored");
         if complete(bucket.offsets.len(), self.reader_partitions) {
-            self.counters.offsets_added += 1;
-            if let Err(source) = self.query.add_offsets(epoch, bucket.offsets.sorted()) {
-                self.fail(EpochError::AddOffsets { epoch, source }, epoch);
-            }
-            self.resolve(slot);
+            self.offsets_complete(slot, epoch);
         }
         self.check_backlog();
         Ok(())
+    }
+
+    /// The offsets of `epoch` (in `slot`) are complete after a report: records them with
+    /// [`Query::add_offsets`] and commits what became committable. Once per epoch in a steady
+    /// run, so out of line.
+    #[inline(never)]
+    fn offsets_complete(&mut self, slot: u32, epoch: Epoch) {
+        self.counters.offsets_added += 1;
+        let offsets = self.buckets[slot as usize].offsets.sorted();
+        if let Err(source) = self.query.add_offsets(epoch, offsets) {
+            self.fail(EpochError::AddOffsets { epoch, source }, epoch);
+        }
+        self.resolve(slot);
     }
 
     /// `GetCurrentEpoch`: the driver epoch.
@@ -729,15 +768,22 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
         }
     }
 
+    /// Whether the epoch of `slot` has every writer commit and every reader offset.
+    #[inline(always)]
+    fn is_ready(&self, slot: u32) -> bool {
+        let bucket = &self.buckets[slot as usize];
+        complete(bucket.commits.len(), self.writer_partitions)
+            && complete(bucket.offsets.len(), self.reader_partitions)
+    }
+
     /// SPEC B.5 resolve(e) for the epoch of `slot`, with the 0.3 decisions: commits the epoch
     /// if it is ready and next in line, then every waiting epoch after it, in one pass.
+    #[inline(never)]
     fn resolve(&mut self, slot: u32) {
-        let bucket = &mut self.buckets[slot as usize];
-        let ready = complete(bucket.commits.len(), self.writer_partitions)
-            && complete(bucket.offsets.len(), self.reader_partitions);
-        if !ready {
+        if !self.is_ready(slot) {
             return;
         }
+        let bucket = &mut self.buckets[slot as usize];
         let epoch = bucket.epoch;
         if self.failed_epoch.is_some() || Some(epoch) != self.last_committed.next() {
             if !bucket.waiting {
