@@ -75,6 +75,27 @@ struct ConsumerSide {
 /// last written by the producer's core, and fetching them early overlaps the transfers.
 const PREFETCH_AHEAD: usize = 16;
 
+/// How many positions ahead of its write a batch push asks the CPU for ownership of the slot's
+/// line (only positions already known free: asking for one the consumer has yet to read would
+/// take its line away).
+const PREFETCH_WRITE_AHEAD: usize = 8;
+
+/// Asks the CPU for `slot`'s line in the exclusive state (`PREFETCHW`), so that the stores into
+/// it do not each wait, in the store buffer, for the line to leave the consumer's core.
+#[inline(always)]
+fn prefetch_for_write<T>(slot: &Slot<T>) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `PREFETCHW` never faults and changes no architectural state (a hint; CPUs without
+    // it execute it as a no-op); it reads no register but the address, writes none.
+    unsafe {
+        std::arch::asm!(
+            "prefetchw [{address}]",
+            address = in(reg) std::ptr::from_ref(slot),
+            options(nostack, preserves_flags, readonly)
+        );
+    }
+}
+
 /// Hints the CPU to bring `slot`'s line into this core's cache.
 #[inline(always)]
 fn prefetch<T>(slot: &Slot<T>) {
@@ -260,7 +281,14 @@ impl<T> Lane<T> {
         // contract and panic (or yield fewer values than its `len`), the lane stays consistent
         // with what was written.
         let mut published = PublishOnDrop { lane: self, tail, written: 0 };
-        for position in tail..tail + count {
+        let end = tail + count;
+        for position in tail..end.min(tail + PREFETCH_WRITE_AHEAD) {
+            prefetch_for_write(self.slot(position));
+        }
+        for position in tail..end {
+            if position + PREFETCH_WRITE_AHEAD < end {
+                prefetch_for_write(self.slot(position + PREFETCH_WRITE_AHEAD));
+            }
             let Some(value) = values.next() else { break };
             // `free_slots` showed `position - head < capacity` for all of them.
             self.write(position, value);
