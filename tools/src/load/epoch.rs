@@ -143,6 +143,12 @@ pub fn quick() -> EpochArgs {
     }
 }
 
+/// Longest park of a waiting producer or driver thread: only a bound on a missed wake-up (the
+/// commit that reaches `wake_at`, or a new driver epoch, unparks it). A short one is a timer
+/// wake-up every so often on a busy two-core machine, taking the endpoint's core (at 500 us it
+/// fired thousands of times a second in the durable runs, whose waits for commits are longer).
+const MISSED_WAKE_BOUND: Duration = Duration::from_millis(20);
+
 /// State shared by the query collaborator (on the endpoint thread) and the load threads.
 struct Shared {
     start: Instant,
@@ -194,7 +200,7 @@ impl Shared {
                 if ready() {
                     break;
                 }
-                std::thread::park_timeout(Duration::from_micros(500));
+                std::thread::park_timeout(MISSED_WAKE_BOUND);
             }
         }
         true
