@@ -33,8 +33,9 @@
 //! Indices grow without wrapping (2^64 messages at one per nanosecond last 584 years).
 //!
 //! This file holds `unsafe` for the slot cells (written by the one producer, read by the one
-//! consumer, ordered by the tail and head stores) and for the lane table's lazily allocated
-//! lanes (freed only when the table is dropped).
+//! consumer, ordered by the tail and head stores), for the lane table's lazily allocated lanes
+//! (freed only when the table is dropped), and for the cache hints: the consumer's read
+//! prefetch and a batch push's `PREFETCHW` (inline assembly, on CPUs that have it).
 #![allow(unsafe_code)]
 
 use std::mem::MaybeUninit;
@@ -75,18 +76,39 @@ struct ConsumerSide {
 /// last written by the producer's core, and fetching them early overlaps the transfers.
 const PREFETCH_AHEAD: usize = 16;
 
-/// How many positions ahead of its write a batch push asks the CPU for ownership of the slot's
-/// line (only positions already known free: asking for one the consumer has yet to read would
-/// take its line away).
+/// How many positions ahead of its write a batch push asks the CPU for ownership of a slot's
+/// (first) line. Only slots the batch already owns are asked for: a slot the consumer has yet
+/// to read must keep its line. A line the asked-for slot shares with the consumer's next unread
+/// slot (slots are not line-aligned) can still move early; that costs the consumer a transfer
+/// the batch's own store would cause a moment later anyway.
 const PREFETCH_WRITE_AHEAD: usize = 8;
 
+/// Whether this CPU has `PREFETCHW` (CPUID leaf 8000_0001h, ECX bit 8, `PRFCHW`), read once.
+/// Every AMD64 CPU since the first, and Intel's since Broadwell, have it.
+#[cfg(all(target_arch = "x86_64", not(miri)))]
+fn has_prefetch_for_write() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| {
+        use std::arch::x86_64::__cpuid;
+        __cpuid(0x8000_0000).eax >= 0x8000_0001 && __cpuid(0x8000_0001).ecx & (1 << 8) != 0
+    })
+}
+
+#[cfg(not(all(target_arch = "x86_64", not(miri))))]
+fn has_prefetch_for_write() -> bool {
+    false
+}
+
 /// Asks the CPU for `slot`'s line in the exclusive state (`PREFETCHW`), so that the stores into
-/// it do not each wait, in the store buffer, for the line to leave the consumer's core.
+/// it do not each wait, in the store buffer, for the line to leave the consumer's core. Only
+/// called when [`has_prefetch_for_write`].
 #[inline(always)]
 fn prefetch_for_write<T>(slot: &Slot<T>) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: `PREFETCHW` never faults and changes no architectural state (a hint; CPUs without
-    // it execute it as a no-op); it reads no register but the address, writes none.
+    #[cfg(all(target_arch = "x86_64", not(miri)))]
+    // SAFETY: the caller checked that the CPU has `PREFETCHW`. It is a hint: it never faults,
+    // whatever the address, and changes no register, flag or memory contents (declared
+    // `readonly`, the closest option for an access that is not architectural); the address is
+    // a live slot's anyway.
     unsafe {
         std::arch::asm!(
             "prefetchw [{address}]",
@@ -94,6 +116,8 @@ fn prefetch_for_write<T>(slot: &Slot<T>) {
             options(nostack, preserves_flags, readonly)
         );
     }
+    #[cfg(not(all(target_arch = "x86_64", not(miri))))]
+    let _ = slot;
 }
 
 /// Hints the CPU to bring `slot`'s line into this core's cache.
@@ -282,11 +306,14 @@ impl<T> Lane<T> {
         // with what was written.
         let mut published = PublishOnDrop { lane: self, tail, written: 0 };
         let end = tail + count;
-        for position in tail..end.min(tail + PREFETCH_WRITE_AHEAD) {
-            prefetch_for_write(self.slot(position));
+        let prefetch = has_prefetch_for_write();
+        if prefetch {
+            for position in tail..end.min(tail + PREFETCH_WRITE_AHEAD) {
+                prefetch_for_write(self.slot(position));
+            }
         }
         for position in tail..end {
-            if position + PREFETCH_WRITE_AHEAD < end {
+            if prefetch && position + PREFETCH_WRITE_AHEAD < end {
                 prefetch_for_write(self.slot(position + PREFETCH_WRITE_AHEAD));
             }
             let Some(value) = values.next() else { break };
@@ -519,6 +546,32 @@ mod tests {
             assert_eq!(seen, vec![0, 1, 2, 3, 4, 5]);
             assert!(lane.is_empty_for_consumer());
         }
+    }
+
+    /// Batches longer than the write-prefetch distance, wrapping around a lane whose consumer
+    /// lags: every accepted value arrives once, in order, and a batch takes only the free slots.
+    #[test]
+    fn batches_longer_than_the_prefetch_distance_wrap_in_order() {
+        let closed = open();
+        let capacity = 4 * PREFETCH_WRITE_AHEAD;
+        let lane = Lane::with_capacity(capacity);
+        let mode = BarrierMode::detect();
+        let mut seen = Vec::new();
+        let mut next = 0..;
+        for round in 0..6 {
+            let mut batch = (&mut next).take(capacity + 3).collect::<Vec<usize>>().into_iter();
+            let offered = batch.len();
+            let taken = lane.push_batch(&mut batch, &closed, mode).unwrap();
+            assert!(taken <= offered && taken > PREFETCH_WRITE_AHEAD, "round {round}: {taken}");
+            // What did not fit is offered again first.
+            next = (next.start - offered + taken)..;
+            // The consumer takes a part only, so the next batch wraps.
+            lane.pop_batch(capacity - 5 + round, &mut |value| seen.push(value));
+        }
+        lane.pop_batch(usize::MAX, &mut |value| seen.push(value));
+        assert_eq!(seen, (0..seen.len()).collect::<Vec<_>>(), "every value once, in order");
+        assert!(seen.len() > 4 * capacity);
+        assert!(lane.is_empty_for_consumer());
     }
 
     #[test]
