@@ -473,6 +473,59 @@ fn bus_06_ask_timeout_names_the_timeout_and_a_late_reply_is_harmless() {
     bus.shutdown().unwrap();
 }
 
+/// A one-way handler that panics in the middle of a batch, on the common dispatch path (not
+/// the first message after an idle period, not a timed one, not a request), costs that message
+/// only: the rest of the batch is handled once each, in order, and the endpoint keeps serving.
+#[test]
+fn a_one_way_panic_mid_batch_costs_only_its_message() {
+    const PANICS_ON: u64 = 100;
+    struct Picky {
+        gate: crossbeam_channel::Receiver<()>,
+        seen: Vec<u64>,
+    }
+    impl Endpoint for Picky {
+        type Message = u64;
+        type Request = Replier<Vec<u64>>;
+        fn handle(&mut self, value: u64, _: &Context<Self>) -> Result<(), HandlerError> {
+            if value == 0 {
+                // Held until the whole batch is queued: no idle gap before the panicking one.
+                let _ = self.gate.recv_timeout(WAIT);
+            }
+            assert_ne!(value, PANICS_ON, "deliberate panic on {value}");
+            self.seen.push(value);
+            Ok(())
+        }
+        fn handle_request(
+            &mut self,
+            replier: Replier<Vec<u64>>,
+            _: &Context<Self>,
+        ) -> Result<(), HandlerError> {
+            replier.reply(std::mem::take(&mut self.seen));
+            Ok(())
+        }
+    }
+    struct TakeSeen;
+    impl Ask<Picky> for TakeSeen {
+        type Reply = Vec<u64>;
+        fn into_request(self, replier: Replier<Vec<u64>>) -> Replier<Vec<u64>> {
+            replier
+        }
+    }
+    let bus = small_bus();
+    let (open_gate, gate) = crossbeam_channel::bounded(1);
+    let endpoint = bus.register("picky", Picky { gate, seen: Vec::new() }).unwrap();
+    endpoint.send(0u64).unwrap();
+    endpoint.send_batch((1..600u64).collect()).unwrap();
+    open_gate.send(()).unwrap();
+    let seen = endpoint.ask(TakeSeen).wait_timeout(WAIT).unwrap();
+    let expected: Vec<u64> = (0..600).filter(|value| *value != PANICS_ON).collect();
+    assert_eq!(seen, expected);
+    let stats = endpoint.stats();
+    assert_eq!(stats.panicked, 1);
+    assert_eq!(stats.handled, 601, "600 messages and the ask");
+    bus.shutdown().unwrap();
+}
+
 #[test]
 fn dropped_replier_gives_no_reply_error_and_self_ask_is_an_error() {
     let (replier, reply) = Replier::<u64>::pair();

@@ -166,7 +166,9 @@ impl Slots {
         self.insert_other(partition, payload, overwrite)
     }
 
-    /// [`Slots::insert`] of a repeated partition, or into the sparse layout.
+    /// [`Slots::insert`] of a repeated partition, or into the sparse layout. (Its dense
+    /// new-entry branch is [`Slots::insert`]'s fast path, repeated here so that this is the whole
+    /// insert on its own.)
     #[inline(never)]
     fn insert_other(
         &mut self,
@@ -969,6 +971,21 @@ mod tests {
         assert_eq!(ids(&mut partial), [1, 5]);
         partial.shrink();
         assert!(!partial.dense && partial.len() == 0 && partial.entries.capacity() <= 16);
+    }
+
+    #[test]
+    fn a_dense_repeat_replaces_or_keeps_and_counts_once() {
+        let mut slots = Slots::new();
+        slots.prepare(3, true);
+        assert_eq!(slots.insert(PartitionId(1), 10.into(), true), Inserted::New);
+        assert_eq!(slots.insert(PartitionId(1), 11.into(), true), Inserted::Replaced);
+        assert_eq!(slots.insert(PartitionId(1), 12.into(), false), Inserted::Duplicate);
+        assert_eq!(slots.len(), 1, "a repeat is not a new entry");
+        assert!(slots.dense, "a repeat keeps the dense layout");
+        assert_eq!(slots.insert(PartitionId(0), 0.into(), true), Inserted::New);
+        assert_eq!(slots.insert(PartitionId(2), 2.into(), true), Inserted::New);
+        let values: Vec<_> = slots.sorted().iter().map(|(_, payload)| payload.as_i64()).collect();
+        assert_eq!(values, [Some(0), Some(11), Some(2)], "the replacement, not the duplicate");
     }
 
     struct Nothing;
