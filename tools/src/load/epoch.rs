@@ -144,9 +144,9 @@ pub fn quick() -> EpochArgs {
 }
 
 /// Longest park of a waiting producer or driver thread: only a bound on a missed wake-up (the
-/// commit that reaches `wake_at`, or a new driver epoch, unparks it). A short one is a timer
-/// wake-up every so often on a busy two-core machine, taking the endpoint's core (at 500 us it
-/// fired thousands of times a second in the durable runs, whose waits for commits are longer).
+/// commit that reaches `wake_at`, or a new driver epoch, unparks it). Kept long: waits for
+/// commits can last milliseconds, and on a busy two-core machine every timer wake-up takes a
+/// core from the endpoint.
 const MISSED_WAKE_BOUND: Duration = Duration::from_millis(20);
 
 /// State shared by the query collaborator (on the endpoint thread) and the load threads.
@@ -165,8 +165,9 @@ struct Shared {
     waiters: OnceLock<Vec<Thread>>,
     /// The smallest committed epoch a parked thread waits for (`i64::MAX`: none).
     wake_at: AtomicI64,
-    /// The epochs of the run, and the thread waiting for their last commit (or a failure).
+    /// The epochs of the run.
     epochs: i64,
+    /// The thread waiting for the last epoch's commit, a failure, or a stop.
     main: Thread,
 }
 
@@ -206,6 +207,13 @@ impl Shared {
         true
     }
 
+    /// Ends the run: every waiting thread returns.
+    fn stop_run(&self) {
+        self.stopped.store(true, Ordering::Relaxed);
+        self.wake_all();
+        self.main.unpark();
+    }
+
     /// Records the commit of `epoch` and wakes the parked threads if one waits for it.
     fn on_commit(&self, epoch: i64) {
         self.committed.store(epoch, Ordering::SeqCst);
@@ -215,6 +223,21 @@ impl Shared {
         }
         if epoch >= self.epochs {
             self.main.unpark();
+        }
+    }
+}
+
+/// Stops the run when a load thread ends before its work is done (an error or a panic), so
+/// that the other threads and the main thread stop waiting for commits that will not come.
+struct StopRunUnlessDone<'a> {
+    shared: &'a Shared,
+    done: bool,
+}
+
+impl Drop for StopRunUnlessDone<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.shared.stop_run();
         }
     }
 }
@@ -264,43 +287,72 @@ impl Sink for LoadSink {
 /// The messages producer `range` sends for `epoch`, in order: per partition, its offset report
 /// and then its writer commit.
 fn epoch_messages(range: std::ops::Range<i32>, epoch: i64, out: &mut Vec<EpochMessage>) {
-    for partition in range {
-        push_partition_messages(partition, epoch, out);
+    let mut at = StreamPosition::start_of(epoch, &range);
+    while at.epoch == epoch {
+        out.push(at.message());
+        at.advance(&range);
     }
 }
 
-fn push_partition_messages(partition: i32, epoch: i64, out: &mut Vec<EpochMessage>) {
-    out.push(
-        ReportPartitionOffset {
-            partition,
-            epoch,
-            offset: (epoch << 20 | i64::from(partition)).into(),
-        }
-        .into(),
-    );
-    out.push(
-        CommitPartitionEpoch { partition, epoch, message: i64::from(partition).into() }.into(),
-    );
+/// A position in a producer's stream of messages: the next one is the report (or, with
+/// `commit_next`, the commit) of `partition` for `epoch`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct StreamPosition {
+    epoch: i64,
+    partition: i32,
+    commit_next: bool,
 }
 
-/// Appends the stream of epochs `cursor.0..=last` of producer `range` from `cursor` (an epoch
-/// and a partition) to `chunk`, until it holds `batch` messages (rounded up to a partition's
-/// two) or the stream ends; returns where the stream continues.
+impl StreamPosition {
+    /// The first message of `epoch` for producer `range` (not empty).
+    fn start_of(epoch: i64, range: &std::ops::Range<i32>) -> Self {
+        debug_assert!(!range.is_empty(), "every producer owns a partition");
+        Self { epoch, partition: range.start, commit_next: false }
+    }
+
+    /// The message at this position.
+    fn message(self) -> EpochMessage {
+        let (partition, epoch) = (self.partition, self.epoch);
+        if self.commit_next {
+            CommitPartitionEpoch { partition, epoch, message: i64::from(partition).into() }.into()
+        } else {
+            ReportPartitionOffset {
+                partition,
+                epoch,
+                offset: (epoch << 20 | i64::from(partition)).into(),
+            }
+            .into()
+        }
+    }
+
+    /// Moves to the next message of producer `range`'s stream.
+    fn advance(&mut self, range: &std::ops::Range<i32>) {
+        if !self.commit_next {
+            self.commit_next = true;
+            return;
+        }
+        self.commit_next = false;
+        self.partition += 1;
+        if self.partition == range.end {
+            *self = Self::start_of(self.epoch + 1, range);
+        }
+    }
+}
+
+/// Appends producer `range`'s stream from `at` to `chunk` until it holds `batch` messages or
+/// the stream passes epoch `last`; returns where the stream continues.
 fn fill_batch(
     chunk: &mut Vec<EpochMessage>,
     batch: usize,
-    (mut epoch, mut partition): (i64, i32),
+    mut at: StreamPosition,
     last: i64,
-    range: std::ops::Range<i32>,
-) -> (i64, i32) {
-    while epoch <= last && chunk.len() < batch {
-        push_partition_messages(partition, epoch, chunk);
-        partition += 1;
-        if partition == range.end {
-            (epoch, partition) = (epoch + 1, range.start);
-        }
+    range: &std::ops::Range<i32>,
+) -> StreamPosition {
+    while at.epoch <= last && chunk.len() < batch {
+        chunk.push(at.message());
+        at.advance(range);
     }
-    (epoch, partition)
+    at
 }
 
 fn ranges(partitions: i32, producers: usize) -> Vec<std::ops::Range<i32>> {
@@ -406,6 +458,7 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
             (Arc::clone(&shared), coordinator.clone(), Arc::clone(&barrier));
         let batch = args.batch;
         threads.push(std::thread::spawn(move || -> anyhow::Result<()> {
+            let mut unless_done = StopRunUnlessDone { shared: &shared, done: false };
             // As Spark's tasks do on start; it also gives this thread its inbox lane (a few MiB
             // of slots, faulted in on allocation) before the measured time.
             let started = coordinator.ask(GetCurrentEpoch).wait();
@@ -430,10 +483,10 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
                     .min(shared.committed.load(Ordering::Acquire) + window)
                     .min(epochs);
                 // Built straight into each batch's vector (one copy per message, into it).
-                let mut cursor = (start, range.start);
+                let mut at = StreamPosition::start_of(start, &range);
                 loop {
                     let mut chunk = Vec::with_capacity(batch);
-                    cursor = fill_batch(&mut chunk, batch, cursor, last, range.clone());
+                    at = fill_batch(&mut chunk, batch, at, last, &range);
                     if chunk.is_empty() {
                         break;
                     }
@@ -442,7 +495,7 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
                         .send_batch(chunk)
                         .map_err(|_| anyhow::anyhow!("the coordinator stopped"))?;
                     // Epochs whose last message went in this batch.
-                    while next < cursor.0 {
+                    while next < at.epoch {
                         shared.last_sent_ns[(next - 1) as usize]
                             .fetch_max(sent_ns, Ordering::Relaxed);
                         next += 1;
@@ -450,6 +503,7 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
                 }
                 debug_assert_eq!(next, last + 1);
             }
+            unless_done.done = true;
             Ok(())
         }));
     }
@@ -457,6 +511,7 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
         let (shared, coordinator, barrier) =
             (Arc::clone(&shared), coordinator.clone(), Arc::clone(&barrier));
         std::thread::spawn(move || -> anyhow::Result<()> {
+            let mut unless_done = StopRunUnlessDone { shared: &shared, done: false };
             // Its inbox lane before the measured time, like the producers'.
             let started = coordinator.ask(GetCurrentEpoch).wait();
             barrier.wait();
@@ -482,6 +537,7 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
                 shared.driver_epoch.store(driver_epoch, Ordering::Release);
                 shared.wake_all();
             }
+            unless_done.done = true;
             Ok(())
         })
     };
@@ -498,9 +554,11 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
     let deadline = started + Duration::from_secs(60) + Duration::from_micros(epochs as u64 * 50);
     while shared.committed.load(Ordering::Acquire) < epochs {
         let now = Instant::now();
-        if now > deadline || shared.failed.load(Ordering::Relaxed) {
-            shared.stopped.store(true, Ordering::Relaxed);
-            shared.wake_all();
+        if now > deadline
+            || shared.failed.load(Ordering::Relaxed)
+            || shared.stopped.load(Ordering::Relaxed)
+        {
+            shared.stop_run();
             break;
         }
         std::thread::park_timeout(deadline - now);
@@ -679,4 +737,53 @@ fn peak_rss_mib() -> f64 {
                 .and_then(|kib| kib.parse::<f64>().ok())
         })
         .map_or(0.0, |kib| kib / 1024.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Batches cut a producer's stream exactly at `batch` messages, whatever its parity, and
+    /// the returned position says which epochs are complete.
+    #[test]
+    fn batches_are_the_stream_cut_every_batch_messages() {
+        let range = 3..6;
+        let (first, last) = (7, 9);
+        let mut stream = Vec::new();
+        for epoch in first..=last {
+            epoch_messages(range.clone(), epoch, &mut stream);
+        }
+        assert_eq!(stream.len(), 2 * 3 * 3);
+        for batch in [1, 4, 5, 6, 7, 100] {
+            let mut at = StreamPosition::start_of(first, &range);
+            let mut joined = Vec::new();
+            loop {
+                let mut chunk = Vec::with_capacity(batch);
+                at = fill_batch(&mut chunk, batch, at, last, &range);
+                if chunk.is_empty() {
+                    break;
+                }
+                assert!(chunk.len() <= batch, "batch {batch}");
+                assert_eq!(chunk.capacity(), batch, "batch {batch}: no reallocation");
+                joined.extend(chunk);
+                // Every epoch below the position is complete in what was sent.
+                let complete = (at.epoch - first) as usize * 6;
+                assert!(joined.len() >= complete, "batch {batch}");
+                assert!(joined.len() < complete + 6, "batch {batch}");
+                if joined.len() < stream.len() {
+                    assert_eq!(joined.len() % batch, 0, "batch {batch}: only the last is short");
+                }
+            }
+            assert_eq!(joined, stream, "batch {batch}");
+            assert_eq!(at, StreamPosition::start_of(last + 1, &range));
+        }
+        assert_eq!(
+            stream[..2],
+            [
+                ReportPartitionOffset { partition: 3, epoch: 7, offset: (7 << 20 | 3).into() }
+                    .into(),
+                CommitPartitionEpoch { partition: 3, epoch: 7, message: 3.into() }.into()
+            ]
+        );
+    }
 }
