@@ -287,11 +287,16 @@ impl Sink for LoadSink {
 /// The messages producer `range` sends for `epoch`, in order: per partition, its offset report
 /// and then its writer commit.
 fn epoch_messages(range: std::ops::Range<i32>, epoch: i64, out: &mut Vec<EpochMessage>) {
-    let mut at = StreamPosition::start_of(epoch, &range);
-    while at.epoch == epoch {
-        out.push(at.message());
-        at.advance(&range);
+    for partition in range {
+        push_partition_messages(partition, epoch, out);
     }
+}
+
+/// The two messages of `partition` for `epoch`: its offset report, then its writer commit.
+fn push_partition_messages(partition: i32, epoch: i64, out: &mut Vec<EpochMessage>) {
+    let at = StreamPosition { epoch, partition, commit_next: false };
+    out.push(at.message());
+    out.push(StreamPosition { commit_next: true, ..at }.message());
 }
 
 /// A position in a producer's stream of messages: the next one is the report (or, with
@@ -340,7 +345,8 @@ impl StreamPosition {
 }
 
 /// Appends producer `range`'s stream from `at` to `chunk` until it holds `batch` messages or
-/// the stream passes epoch `last`; returns where the stream continues.
+/// the stream passes epoch `last`; returns where the stream continues. Whole partitions (a
+/// report and its commit) in the loop; a batch of odd length splits one at either end.
 fn fill_batch(
     chunk: &mut Vec<EpochMessage>,
     batch: usize,
@@ -348,7 +354,19 @@ fn fill_batch(
     last: i64,
     range: &std::ops::Range<i32>,
 ) -> StreamPosition {
-    while at.epoch <= last && chunk.len() < batch {
+    if at.commit_next && at.epoch <= last && chunk.len() < batch {
+        chunk.push(at.message());
+        at.advance(range);
+    }
+    while at.epoch <= last && chunk.len() + 2 <= batch {
+        debug_assert!(!at.commit_next);
+        push_partition_messages(at.partition, at.epoch, chunk);
+        at.partition += 1;
+        if at.partition == range.end {
+            at = StreamPosition::start_of(at.epoch + 1, range);
+        }
+    }
+    if at.epoch <= last && chunk.len() < batch {
         chunk.push(at.message());
         at.advance(range);
     }
