@@ -166,9 +166,8 @@ impl Slots {
         self.insert_other(partition, payload, overwrite)
     }
 
-    /// [`Slots::insert`] of a repeated partition, or into the sparse layout. (Its dense
-    /// new-entry branch is [`Slots::insert`]'s fast path, repeated here so that this is the whole
-    /// insert on its own.)
+    /// The rest of [`Slots::insert`]: a repeated partition of the dense layout (a new one took
+    /// the fast path), or any partition once the side is sparse.
     #[inline(never)]
     fn insert_other(
         &mut self,
@@ -179,18 +178,15 @@ impl Slots {
         let position = partition.0 as usize;
         if self.dense {
             if position < self.entries.len() {
-                let (word, bit) = (position / 64, 1u64 << (position % 64));
-                if self.present[word] & bit != 0 {
-                    if !overwrite {
-                        return Inserted::Duplicate;
-                    }
-                    self.entries[position].1 = payload;
-                    return Inserted::Replaced;
+                debug_assert!(
+                    self.present[position / 64] & (1 << (position % 64)) != 0,
+                    "a new dense entry takes `insert`'s fast path"
+                );
+                if !overwrite {
+                    return Inserted::Duplicate;
                 }
-                self.present[word] |= bit;
                 self.entries[position].1 = payload;
-                self.len += 1;
-                return Inserted::New;
+                return Inserted::Replaced;
             }
             self.make_sparse();
         }

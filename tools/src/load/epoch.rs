@@ -337,6 +337,12 @@ impl StreamPosition {
             return;
         }
         self.commit_next = false;
+        self.next_partition(range);
+    }
+
+    /// Moves to the report of the next partition (of the next epoch after the range's last).
+    fn next_partition(&mut self, range: &std::ops::Range<i32>) {
+        debug_assert!(!self.commit_next);
         self.partition += 1;
         if self.partition == range.end {
             *self = Self::start_of(self.epoch + 1, range);
@@ -359,12 +365,8 @@ fn fill_batch(
         at.advance(range);
     }
     while at.epoch <= last && chunk.len() + 2 <= batch {
-        debug_assert!(!at.commit_next);
         push_partition_messages(at.partition, at.epoch, chunk);
-        at.partition += 1;
-        if at.partition == range.end {
-            at = StreamPosition::start_of(at.epoch + 1, range);
-        }
+        at.next_partition(range);
     }
     if at.epoch <= last && chunk.len() < batch {
         chunk.push(at.message());
