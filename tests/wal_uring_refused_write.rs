@@ -18,7 +18,8 @@
 //! the outcome whatever the sync's handling. A third case checks a new segment whose
 //! preallocation the kernel refuses.
 //!
-//! `unsafe` here: two libc calls, `setrlimit` and `signal` (to ignore `SIGXFSZ`).
+//! `unsafe` here: three libc calls, `getrlimit`, `setrlimit` and `signal` (to ignore
+//! `SIGXFSZ`).
 #![allow(unsafe_code)]
 
 use std::{io::ErrorKind, sync::Arc, time::Duration};
@@ -36,25 +37,32 @@ fn uring_options() -> WalOptions {
     WalOptions { io: IoMode::IoUring, ..WalOptions::default() }
 }
 
-/// The process's file-size limit (`RLIMIT_FSIZE`), lifted again when dropped (also when an
-/// assertion fails, so the reopening below and the harness are not limited).
-struct FileSizeLimit;
+/// A lowered file-size limit of the process (`RLIMIT_FSIZE`, soft limit only), restored when
+/// dropped (also when an assertion fails, so the reopening below and the harness are not
+/// limited).
+struct FileSizeLimit {
+    original: libc::rlimit,
+}
 
 impl FileSizeLimit {
     fn set(bytes: u64) -> Self {
-        set_file_size_limit(bytes);
-        Self
+        let mut original = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: `getrlimit` writes the struct passed by reference, which outlives the call.
+        let result = unsafe { libc::getrlimit(libc::RLIMIT_FSIZE, &mut original) };
+        assert_eq!(result, 0, "getrlimit: {}", std::io::Error::last_os_error());
+        assert!(bytes <= original.rlim_cur, "the limit is lowered, never raised");
+        set_file_size_limit(libc::rlimit { rlim_cur: bytes, rlim_max: original.rlim_max });
+        Self { original }
     }
 }
 
 impl Drop for FileSizeLimit {
     fn drop(&mut self) {
-        set_file_size_limit(libc::RLIM_INFINITY);
+        set_file_size_limit(self.original);
     }
 }
 
-fn set_file_size_limit(bytes: libc::rlim_t) {
-    let limit = libc::rlimit { rlim_cur: bytes, rlim_max: libc::RLIM_INFINITY };
+fn set_file_size_limit(limit: libc::rlimit) {
     // SAFETY: `setrlimit` only reads the struct passed by reference.
     let result = unsafe { libc::setrlimit(libc::RLIMIT_FSIZE, &limit) };
     assert_eq!(result, 0, "setrlimit: {}", std::io::Error::last_os_error());
