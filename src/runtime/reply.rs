@@ -589,6 +589,25 @@ mod slot {
         use super::*;
 
         #[test]
+        fn an_abandoned_reply_whose_drop_panics_still_frees_its_block() {
+            struct PanicsOnDrop;
+            impl Drop for PanicsOnDrop {
+                fn drop(&mut self) {
+                    panic!("the reply's drop panics");
+                }
+            }
+            let layout = Layout::new::<Slot<PanicsOnDrop>>();
+            let (completer, receiver) = channel::<PanicsOnDrop>();
+            drop(receiver);
+            let cached_before = cache::cached(layout);
+            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                completer.complete(Ok(PanicsOnDrop));
+            }));
+            assert!(outcome.is_err(), "the reply's drop panicked through `complete`");
+            assert_eq!(cache::cached(layout), cached_before + 1, "the block went back");
+        }
+
+        #[test]
         fn a_taken_reply_block_serves_the_next_ask_and_the_cache_is_bounded() {
             let (completer, receiver) = channel::<u64>();
             let first = receiver.slot;
@@ -702,15 +721,14 @@ mod slot {
                         Err(actual) => current = actual,
                     },
                     ABANDONED => {
+                        // Frees the block when this arm ends, also if the outcome's drop
+                        // panics (else a panicking `T::drop` would leak the block).
+                        let _free = FreeOnDrop(slot_ptr);
                         slot.outcome.with_mut(|cell| {
                             // SAFETY: written just above; `ABANDONED` is final and gives this
                             // completer the whole block, so nobody else reads the cell.
                             unsafe { std::ptr::drop_in_place(cell.cast::<Result<T, AskError>>()) };
                         });
-                        // SAFETY: `ABANDONED` was read by an acquire (the compare-exchange
-                        // failure ordering), the receiver is gone, and `slot` is not used
-                        // after this call.
-                        unsafe { free(slot_ptr) };
                         return;
                     }
                     _ => {
@@ -722,6 +740,19 @@ mod slot {
                     }
                 }
             }
+        }
+    }
+
+    /// Frees a block the completer found `ABANDONED` (see [`free`]), when dropped.
+    struct FreeOnDrop<T>(NonNull<Slot<T>>);
+
+    impl<T> Drop for FreeOnDrop<T> {
+        fn drop(&mut self) {
+            // SAFETY: made only by `Completer::complete` after it read `ABANDONED` by an
+            // acquire (the compare-exchange failure ordering): the receiver is gone, the block
+            // is the completer's alone, and nothing uses it after this guard is dropped (the
+            // arm that holds the guard returns, or unwinds, right after the outcome's drop).
+            unsafe { free(self.0) };
         }
     }
 
