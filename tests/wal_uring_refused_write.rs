@@ -80,7 +80,13 @@ fn payloads(dir: &std::path::Path) -> Vec<Vec<u8>> {
 fn wait_durable_bounded(wal: &Arc<Wal>, lsn: Lsn) -> Result<(), WalError> {
     let (done, outcome) = std::sync::mpsc::channel();
     let wal = Arc::clone(wal);
-    std::thread::spawn(move || done.send(wal.wait_durable(lsn)));
+    std::thread::spawn(move || {
+        let outcome = wal.wait_durable(lsn);
+        // Before answering: once the answer is in, the caller's handle is the log's last one,
+        // and dropping it closes the log (so that it can be reopened).
+        drop(wal);
+        done.send(outcome)
+    });
     outcome.recv_timeout(Duration::from_secs(20)).expect("the wait ended within 20 s")
 }
 
@@ -96,7 +102,8 @@ enum Case {
     /// A later group of a segment, written by the sync thread on its pipelined path.
     Pipelined,
     /// `EveryRecord`, with a waiting thread that writes the group itself ("leading", the
-    /// serial path) once the records before it were led.
+    /// serial path) once the records before it were led (if none of 100 was, the sync thread
+    /// writes it, as in the pipelined case).
     Led,
     /// The first record of a new segment: the kernel refuses the segment's preallocation.
     NewSegment,
