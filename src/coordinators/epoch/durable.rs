@@ -59,39 +59,13 @@ use std::{
 
 use rkyv::{rancor, util::AlignedVec};
 
-use super::{worth_a_warning, CollaboratorError, Epoch, EpochError, PartitionId, Payload, Query};
-use crate::wal::{Lsn, RecordHandle, Wal, WalConfig, WalError};
-
-/// One record of the epoch log (the on-disk format of [`DurableQuery`]).
-#[derive(Debug, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
-enum LogRecord {
-    /// The offsets of one epoch.
-    Offsets(OffsetsRecord),
-    /// A committed epoch.
-    Commit {
-        /// The run that committed it.
-        run: u64,
-        /// The epoch.
-        epoch: i64,
+use super::{
+    log_record::{
+        decode_offsets, ArchivedLogRecord, LogRecord, LogRecordRef, OffsetsRecordRef, TooLarge,
     },
-}
-
-/// The offsets of one epoch, as flat arrays.
-#[derive(Debug, Default, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
-struct OffsetsRecord {
-    run: u64,
-    epoch: i64,
-    /// Partition ids, sorted; empty when they are exactly `0..count`.
-    partitions: Vec<i32>,
-    /// Number of offsets.
-    count: u32,
-    /// Length of every payload when they all have one length (then `ends` is empty).
-    width: u32,
-    /// End of each partition's payload in `data`, when the lengths differ.
-    ends: Vec<u32>,
-    /// All payloads, concatenated.
-    data: Vec<u8>,
-}
+    worth_a_warning, CollaboratorError, Epoch, EpochError, PartitionId, Payload, Query,
+};
+use crate::wal::{Lsn, RecordHandle, Wal, WalConfig, WalError};
 
 /// The default number of committed epochs whose records are retained (Spark's
 /// `spark.sql.streaming.minBatchesToRetain`).
@@ -280,8 +254,6 @@ pub struct DurableQuery<Q: Query = NoopQuery> {
     retained_epochs: usize,
     /// The next cleaning threshold that triggers a `clean`.
     next_clean: i64,
-    /// Reused record (its vectors keep their capacity).
-    scratch: OffsetsRecord,
     /// Reused serialization buffer.
     buf: AlignedVec,
 }
@@ -335,7 +307,6 @@ impl<Q: Query> DurableQuery<Q> {
             logged: BTreeSet::new(),
             retained_epochs: DEFAULT_RETAINED_EPOCHS,
             next_clean: i64::MIN,
-            scratch: OffsetsRecord::default(),
             buf: AlignedVec::new(),
         })
     }
@@ -396,25 +367,24 @@ impl<Q: Query> DurableQuery<Q> {
         }
     }
 
-    fn append(
-        &mut self,
-        record: &LogRecord,
-        epoch: Epoch,
-        op: &'static str,
-    ) -> Result<Lsn, EpochError> {
+    /// Serializes `record` into `self.buf`; returns whether the archive is valid (see
+    /// [`LogRecordRef::layout_held`]).
+    fn serialize(&mut self, record: &LogRecordRef<'_>, epoch: Epoch) -> Result<bool, EpochError> {
         let mut buf = std::mem::take(&mut self.buf);
         buf.clear();
-        let mut buf =
+        self.buf =
             rkyv::api::high::to_bytes_in::<_, rancor::Error>(record, buf).map_err(|error| {
                 EpochError::BadLogRecord {
                     lsn: 0,
                     reason: format!("serializing a record of epoch {epoch}: {error}"),
                 }
             })?;
-        let outcome = self.wal.append_bytes(&buf, epoch.0);
-        buf.clear();
-        self.buf = buf;
-        match outcome {
+        Ok(record.layout_held())
+    }
+
+    /// Appends what [`Self::serialize`] left in `self.buf`.
+    fn append_serialized(&mut self, epoch: Epoch, op: &'static str) -> Result<Lsn, EpochError> {
+        match self.wal.append_bytes(&self.buf, epoch.0) {
             Ok((lsn, _)) => Ok(lsn),
             Err(source) => {
                 if matches!(source, WalError::Failed { .. }) {
@@ -425,61 +395,26 @@ impl<Q: Query> DurableQuery<Q> {
         }
     }
 
+    /// Appends the epoch's offsets record: serialized in one pass when the offsets have the
+    /// compact layout (the usual case), else again with the layout computed first.
     fn append_offsets(
         &mut self,
         epoch: Epoch,
         offsets: &[(PartitionId, Payload)],
     ) -> Result<(), EpochError> {
-        let too_large = |what: &str, value: usize| EpochError::BadLogRecord {
+        let too_large = |error: TooLarge| EpochError::BadLogRecord {
             lsn: 0,
-            reason: format!("the offsets of epoch {epoch}: {what} {value} exceeds u32"),
+            reason: format!(
+                "the offsets of epoch {epoch}: {} {} exceeds u32",
+                error.what, error.value
+            ),
         };
-        let count = u32::try_from(offsets.len()).map_err(|_| too_large("count", offsets.len()))?;
-        // One pass for the layout (dense ids? one payload length?), one to copy.
-        let width = offsets.first().map_or(0, |(_, payload)| payload.len());
-        let (mut total, mut dense, mut fixed) = (0usize, true, true);
-        for (index, (partition, payload)) in offsets.iter().enumerate() {
-            let len = payload.len();
-            total += len;
-            dense &= partition.0 as usize == index;
-            fixed &= len == width;
+        let record = OffsetsRecordRef::assuming_compact(self.run, epoch.0, offsets);
+        if !self.serialize(&LogRecordRef::Offsets(record.map_err(too_large)?), epoch)? {
+            let record = OffsetsRecordRef::new(self.run, epoch.0, offsets).map_err(too_large)?;
+            self.serialize(&LogRecordRef::Offsets(record), epoch)?;
         }
-        if u32::try_from(total).is_err() {
-            return Err(too_large("payload bytes", total));
-        }
-        let mut scratch = std::mem::take(&mut self.scratch);
-        scratch.run = self.run;
-        scratch.epoch = epoch.0;
-        scratch.count = count;
-        scratch.width = if fixed { width as u32 } else { 0 };
-        scratch.partitions.clear();
-        scratch.ends.clear();
-        scratch.data.clear();
-        scratch.data.reserve(total);
-        if !dense {
-            scratch.partitions.extend(offsets.iter().map(|(partition, _)| partition.0));
-        }
-        match (fixed, width) {
-            // The common widths (an offset or two, in 8-byte words) copy with fixed-size moves;
-            // a length-generic copy per payload is a call into `memcpy` each.
-            (true, 8) => copy_fixed_width::<8>(&mut scratch.data, offsets),
-            (true, 16) => copy_fixed_width::<16>(&mut scratch.data, offsets),
-            (true, 24) => copy_fixed_width::<24>(&mut scratch.data, offsets),
-            _ => {
-                for (_, payload) in offsets {
-                    scratch.data.extend_from_slice(payload.as_bytes());
-                    if !fixed {
-                        // Fits: the total was checked above.
-                        scratch.ends.push(scratch.data.len() as u32);
-                    }
-                }
-            }
-        }
-        let record = LogRecord::Offsets(scratch);
-        let outcome = self.append(&record, epoch, "append the offsets of an epoch");
-        let LogRecord::Offsets(scratch) = record else { unreachable!("built above") };
-        self.scratch = scratch;
-        outcome.map(|_| ())
+        self.append_serialized(epoch, "append the offsets of an epoch").map(|_| ())
     }
 
     /// Cleans below the newest `retained_epochs` **durable** commits. Counting from the last
@@ -503,15 +438,6 @@ impl<Q: Query> DurableQuery<Q> {
             // Not a loss: the old segments stay and are cleaned by a later call.
             Err(error) => tracing::warn!(threshold, %error, "cleaning the epoch log failed"),
         }
-    }
-}
-
-/// Appends the payloads of `offsets`, each exactly `WIDTH` bytes long, to `data`.
-fn copy_fixed_width<const WIDTH: usize>(data: &mut Vec<u8>, offsets: &[(PartitionId, Payload)]) {
-    let start = data.len();
-    data.resize(start + offsets.len() * WIDTH, 0);
-    for (slot, (_, payload)) in data[start..].chunks_exact_mut(WIDTH).zip(offsets) {
-        slot.copy_from_slice(&payload.as_bytes()[..WIDTH]);
     }
 }
 
@@ -552,11 +478,8 @@ impl<Q: Query> Query for DurableQuery<Q> {
         if !self.logged.contains(&epoch.0) {
             return Err(Box::new(EpochError::CommittedWithoutOffsets { epoch }));
         }
-        let lsn = self.append(
-            &LogRecord::Commit { run: self.run, epoch: epoch.0 },
-            epoch,
-            "append the commit of an epoch",
-        )?;
+        self.serialize(&LogRecordRef::Commit { run: self.run, epoch: epoch.0 }, epoch)?;
+        let lsn = self.append_serialized(epoch, "append the commit of an epoch")?;
         self.status.last_committed.store(epoch.0, Ordering::Release);
         self.logged = self.logged.split_off(&(epoch.0 + 1));
         // Track durability without a callback per commit (a callback costs the sync thread a
@@ -604,38 +527,6 @@ struct Recovered {
 
 fn bad_record(lsn: Lsn, reason: impl std::fmt::Display) -> EpochError {
     EpochError::BadLogRecord { lsn: lsn.0, reason: reason.to_string() }
-}
-
-/// The offsets of a validated record, checking that its arrays agree.
-fn decode_offsets(entry: &ArchivedOffsetsRecord) -> Result<Vec<(PartitionId, Payload)>, String> {
-    let count = entry.count.to_native() as usize;
-    let width = entry.width.to_native() as usize;
-    let (partitions, ends, data) =
-        (entry.partitions.as_slice(), entry.ends.as_slice(), entry.data.as_slice());
-    if !partitions.is_empty() && partitions.len() != count {
-        return Err(format!("{} partition ids for {count} offsets", partitions.len()));
-    }
-    if !ends.is_empty() && ends.len() != count {
-        return Err(format!("{} payload ends for {count} offsets", ends.len()));
-    }
-    if ends.is_empty() && count.checked_mul(width) != Some(data.len()) {
-        return Err(format!("{count} offsets of {width} bytes in {} bytes", data.len()));
-    }
-    let mut offsets = Vec::with_capacity(count);
-    let mut start = 0usize;
-    for index in 0..count {
-        let end = match ends.get(index) {
-            Some(end) => end.to_native() as usize,
-            None => start + width,
-        };
-        if end < start || end > data.len() {
-            return Err(format!("payload end {end} outside {start}..={}", data.len()));
-        }
-        let partition = partitions.get(index).map_or(index as i32, |p| p.to_native());
-        offsets.push((PartitionId(partition), Payload::from(&data[start..end])));
-        start = end;
-    }
-    Ok(offsets)
 }
 
 /// Reads the whole log (SPEC B.10).

@@ -107,6 +107,7 @@
 
 mod durable;
 mod endpoint;
+mod log_record;
 mod payload;
 pub mod reference;
 mod state;
