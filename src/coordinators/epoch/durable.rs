@@ -8,7 +8,8 @@
 //!   copies, not 1000 small vectors. The common case is compact: `partitions` is empty when the
 //!   ids are exactly `0..count`, and `ends` is empty when every payload is `width` bytes long
 //!   (payload `i` is then `data[i * width..][..width]`, else `data[ends[i-1]..ends[i]]`). For
-//!   1000 partitions with 8-byte offsets a record is about 8 KiB.
+//!   1000 partitions with 8-byte offsets a record is about 8 KiB. It is archived straight from
+//!   the coordinator's offsets, in one pass in the compact case (module `log_record`).
 //! * `Commit { run, epoch }`: the epoch was committed (appended after the sink commit).
 //!
 //! `run` numbers the openings of the log (the highest run found on recovery, plus one). It is
