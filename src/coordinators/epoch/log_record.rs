@@ -173,17 +173,19 @@ impl<'a> OffsetsRecordRef<'a> {
     /// record must be serialized again from [`OffsetsRecordRef::new`].
     ///
     /// # Errors
-    /// As [`OffsetsRecordRef::new`].
+    /// As [`OffsetsRecordRef::new`] (which it defers to when the assumed size would not fit).
     pub(super) fn assuming_compact(
         run: u64,
         epoch: i64,
         offsets: &'a [(PartitionId, Payload)],
     ) -> Result<Self, TooLarge> {
         let width = offsets.first().map_or(0, |(_, payload)| payload.len());
-        if !matches!(width, 8 | 16 | 24) {
+        let total = offsets.len().saturating_mul(width);
+        // An assumed total too large for the format may still be wrong (shorter payloads
+        // later): only the computed layout can refuse the record.
+        if !matches!(width, 8 | 16 | 24) || u32::try_from(total).is_err() {
             return Self::new(run, epoch, offsets);
         }
-        let total = offsets.len().saturating_mul(width);
         Self::with_layout(run, epoch, offsets, total, true, Some(width), true)
     }
 
