@@ -16,14 +16,14 @@
 //! ([`OffsetsRecordRef::new`]). Either way the bytes are those of [`LogRecord`]'s own
 //! serialization; a test checks it for every layout.
 
-use std::cell::Cell;
+use std::{cell::Cell, marker::PhantomData};
 
 use rkyv::{
     munge::munge,
     rancor::Fallible,
     ser::{Writer, WriterExt as _},
     vec::{ArchivedVec, VecResolver},
-    Archive, Archived, Place, Serialize,
+    Archive, Archived, Place, Portable, Serialize,
 };
 
 use super::{PartitionId, Payload};
@@ -82,10 +82,10 @@ pub(super) enum LogRecordRef<'a> {
 pub(super) struct OffsetsRecordRef<'a> {
     run: u64,
     epoch: i64,
-    partitions: PartitionIds<'a>,
+    partitions: Words<'a, Archived<i32>>,
     count: u32,
     width: u32,
-    ends: PayloadEnds<'a>,
+    ends: Words<'a, Archived<u32>>,
     data: PayloadBytes<'a>,
 }
 
@@ -206,11 +206,11 @@ impl<'a> OffsetsRecordRef<'a> {
         Ok(Self {
             run,
             epoch,
-            partitions: PartitionIds { offsets, present: !dense },
+            partitions: Words::new(offsets, !dense, partition_id_word),
             count,
             // Fits: at most `total`, or the first payload's length when all are that long.
             width: width.unwrap_or(0) as u32,
-            ends: PayloadEnds { offsets, present: width.is_none() },
+            ends: Words::new(offsets, width.is_none(), payload_end_word),
             data: PayloadBytes { offsets, total, width, assumed, held: Cell::new(true) },
         })
     }
@@ -314,68 +314,56 @@ fn push_fixed_width<const WIDTH: usize, S: Writer<E> + ?Sized, E>(
     Ok(held)
 }
 
-/// The `partitions` field: the ids, or nothing when they are `0..count`.
-struct PartitionIds<'a> {
+/// A per-offset array of 4-byte little-endian words, archived as `ArchivedVec<T>`, or an empty
+/// one when it is not `present`: the `partitions` field ([`partition_id_word`]) and the `ends`
+/// field ([`payload_end_word`]). `word` gets a running value, zero at the first offset.
+struct Words<'a, T> {
     offsets: &'a [(PartitionId, Payload)],
     present: bool,
+    word: fn(&mut u32, &(PartitionId, Payload)) -> [u8; 4],
+    archived: PhantomData<T>,
 }
 
-impl Archive for PartitionIds<'_> {
-    type Archived = ArchivedVec<Archived<i32>>;
+impl<'a, T> Words<'a, T> {
+    fn new(
+        offsets: &'a [(PartitionId, Payload)],
+        present: bool,
+        word: fn(&mut u32, &(PartitionId, Payload)) -> [u8; 4],
+    ) -> Self {
+        Self { offsets, present, word, archived: PhantomData }
+    }
+}
+
+/// The id of an offset's partition.
+fn partition_id_word(_: &mut u32, (partition, _): &(PartitionId, Payload)) -> [u8; 4] {
+    partition.0.to_le_bytes()
+}
+
+/// The end of an offset's payload in `data` (`end` is the end of the previous one).
+fn payload_end_word(end: &mut u32, (_, payload): &(PartitionId, Payload)) -> [u8; 4] {
+    // Fits: the record's constructors checked the total.
+    *end += payload.len() as u32;
+    end.to_le_bytes()
+}
+
+impl<T: Portable> Archive for Words<'_, T> {
+    type Archived = ArchivedVec<T>;
     type Resolver = VecResolver;
 
     fn resolve(&self, resolver: VecResolver, out: Place<Self::Archived>) {
-        ArchivedVec::resolve_from_len(
-            if self.present { self.offsets.len() } else { 0 },
-            resolver,
-            out,
-        );
+        let len = if self.present { self.offsets.len() } else { 0 };
+        ArchivedVec::resolve_from_len(len, resolver, out);
     }
 }
 
-impl<S: Fallible + Writer + ?Sized> Serialize<S> for PartitionIds<'_> {
+impl<S: Fallible + Writer + ?Sized, T: Portable> Serialize<S> for Words<'_, T> {
     fn serialize(&self, serializer: &mut S) -> Result<VecResolver, S::Error> {
-        let pos = serializer.align_for::<Archived<i32>>()?;
+        let pos = serializer.align_for::<T>()?;
         if self.present {
             let mut out = Chunked::new(serializer);
-            for (partition, _) in self.offsets {
-                *out.reserve::<4, S::Error>()? = partition.0.to_le_bytes();
-            }
-            out.flush()?;
-        }
-        Ok(VecResolver::from_pos(pos))
-    }
-}
-
-/// The `ends` field: the end of each payload in `data`, or nothing when they have one length.
-struct PayloadEnds<'a> {
-    offsets: &'a [(PartitionId, Payload)],
-    present: bool,
-}
-
-impl Archive for PayloadEnds<'_> {
-    type Archived = ArchivedVec<Archived<u32>>;
-    type Resolver = VecResolver;
-
-    fn resolve(&self, resolver: VecResolver, out: Place<Self::Archived>) {
-        ArchivedVec::resolve_from_len(
-            if self.present { self.offsets.len() } else { 0 },
-            resolver,
-            out,
-        );
-    }
-}
-
-impl<S: Fallible + Writer + ?Sized> Serialize<S> for PayloadEnds<'_> {
-    fn serialize(&self, serializer: &mut S) -> Result<VecResolver, S::Error> {
-        let pos = serializer.align_for::<Archived<u32>>()?;
-        if self.present {
-            let mut out = Chunked::new(serializer);
-            let mut end = 0u32;
-            for (_, payload) in self.offsets {
-                // Fits: `OffsetsRecordRef::new` checked the total.
-                end += payload.len() as u32;
-                *out.reserve::<4, S::Error>()? = end.to_le_bytes();
+            let mut running = 0u32;
+            for offset in self.offsets {
+                *out.reserve::<4, S::Error>()? = (self.word)(&mut running, offset);
             }
             out.flush()?;
         }
