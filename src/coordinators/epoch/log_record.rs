@@ -44,7 +44,7 @@ pub(super) enum LogRecord {
 
 /// The offsets of one epoch, as flat arrays (the layouts are described in the `durable`
 /// module doc).
-#[derive(Debug, Default, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+#[derive(Debug, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub(super) struct OffsetsRecord {
     pub(super) run: u64,
     pub(super) epoch: i64,
@@ -76,7 +76,8 @@ pub(super) enum LogRecordRef<'a> {
 }
 
 /// [`OffsetsRecord`] as it is written, borrowing the offsets: archives as
-/// [`ArchivedOffsetsRecord`]. Build it with [`OffsetsRecordRef::new`], which picks the layout.
+/// [`ArchivedOffsetsRecord`]. Build it with [`OffsetsRecordRef::new`], which computes the
+/// layout, or [`OffsetsRecordRef::assuming_compact`], which assumes the compact one.
 /// (`Archive` and `Serialize` are written out: the derive's `as` cannot see through the
 /// lifetime of the field types.)
 pub(super) struct OffsetsRecordRef<'a> {
@@ -247,7 +248,8 @@ impl<'s, S: ?Sized> Chunked<'s, S> {
         Ok((&mut self.chunk[start..start + N]).try_into().expect("N bytes"))
     }
 
-    /// An empty chunk (flushing first) as `count` slots of `N` bytes, counted as written.
+    /// An empty chunk (flushing first) as `count` slots of `N` bytes, counted as written;
+    /// `count` is at most `CHUNK_BYTES / N`.
     fn fresh_slots<const N: usize, E>(&mut self, count: usize) -> Result<&mut [[u8; N]], E>
     where
         S: Writer<E>,
