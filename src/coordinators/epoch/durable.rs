@@ -257,6 +257,8 @@ pub struct DurableQuery<Q: Query = NoopQuery> {
     next_clean: i64,
     /// Reused serialization buffer.
     buf: AlignedVec,
+    /// Whether the last offsets record had the compact layout (see `append_offsets`).
+    assume_compact: bool,
 }
 
 impl DurableQuery<NoopQuery> {
@@ -309,6 +311,7 @@ impl<Q: Query> DurableQuery<Q> {
             retained_epochs: DEFAULT_RETAINED_EPOCHS,
             next_clean: i64::MIN,
             buf: AlignedVec::new(),
+            assume_compact: true,
         })
     }
 
@@ -396,8 +399,10 @@ impl<Q: Query> DurableQuery<Q> {
         }
     }
 
-    /// Appends the epoch's offsets record: serialized in one pass when the offsets have the
-    /// compact layout (the usual case), else again with the layout computed first.
+    /// Appends the epoch's offsets record: serialized in one pass assuming the compact layout
+    /// while the last record had it (the usual case), else with the layout computed first. An
+    /// assumption that fails costs one wasted pass, and then no more until a record is compact
+    /// again.
     fn append_offsets(
         &mut self,
         epoch: Epoch,
@@ -410,9 +415,13 @@ impl<Q: Query> DurableQuery<Q> {
                 error.what, error.value
             ),
         };
-        let record = OffsetsRecordRef::assuming_compact(self.run, epoch.0, offsets);
-        if !self.serialize(&LogRecordRef::Offsets(record.map_err(too_large)?), epoch)? {
+        let held = self.assume_compact && {
+            let record = OffsetsRecordRef::assuming_compact(self.run, epoch.0, offsets);
+            self.serialize(&LogRecordRef::Offsets(record.map_err(too_large)?), epoch)?
+        };
+        if !held {
             let record = OffsetsRecordRef::new(self.run, epoch.0, offsets).map_err(too_large)?;
+            self.assume_compact = record.is_compact();
             self.serialize(&LogRecordRef::Offsets(record), epoch)?;
         }
         self.append_serialized(epoch, "append the offsets of an epoch").map(|_| ())
@@ -670,6 +679,40 @@ mod tests {
             let query = DurableQuery::open(dir.path(), config()).unwrap();
             assert_eq!(query.restart_point().map(|(_, offsets)| offsets), Some(&offsets));
         }
+    }
+
+    #[test]
+    fn each_offsets_record_has_its_own_layout_whatever_the_last_one_had() {
+        let dir = tempfile::tempdir().unwrap();
+        let compact = |epoch: i64| offsets(epoch, 0);
+        let mixed = |epoch: i64| -> Vec<(PartitionId, Payload)> {
+            // First payload 8 bytes (so the compact layout is tried), then other lengths.
+            vec![
+                (PartitionId(0), Payload::from(epoch)),
+                (PartitionId(1), Payload::from(&b"no"[..])),
+                (PartitionId(2), Payload::from(vec![epoch as u8; 30])),
+            ]
+        };
+        let sparse = |epoch: i64| vec![(PartitionId(0), epoch.into()), (PartitionId(5), 5.into())];
+        let layouts: [&dyn Fn(i64) -> Vec<(PartitionId, Payload)>; 8] =
+            [&compact, &mixed, &mixed, &compact, &sparse, &compact, &compact, &sparse];
+        let mut query = DurableQuery::open(dir.path(), config()).unwrap();
+        for (epoch, layout) in (0..).zip(layouts) {
+            query.add_offsets(Epoch(epoch), &layout(epoch)).unwrap();
+            query.commit(Epoch(epoch)).unwrap();
+        }
+        let last = Epoch(layouts.len() as i64 - 1);
+        assert!(query.status().wait_durable_committed(last, Duration::from_secs(10)));
+        let mut logged = Vec::new();
+        for record in query.wal().iter_from(Lsn(0)).unwrap() {
+            let record = record.unwrap();
+            if let ArchivedLogRecord::Offsets(entry) = record.access::<LogRecord>().unwrap() {
+                logged.push((entry.epoch.to_native(), decode_offsets(entry).unwrap()));
+            }
+        }
+        let expected: Vec<_> =
+            (0..).zip(layouts).map(|(epoch, layout)| (epoch, layout(epoch))).collect();
+        assert_eq!(logged, expected);
     }
 
     #[test]

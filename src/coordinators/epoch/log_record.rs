@@ -190,6 +190,13 @@ impl<'a> OffsetsRecordRef<'a> {
         Self::with_layout(run, epoch, offsets, total, true, Some(width), true)
     }
 
+    /// Whether the record has the layout [`OffsetsRecordRef::assuming_compact`] assumes.
+    pub(super) fn is_compact(&self) -> bool {
+        !self.partitions.present
+            && !self.ends.present
+            && matches!(self.data.width, Some(8 | 16 | 24))
+    }
+
     fn with_layout(
         run: u64,
         epoch: i64,
@@ -583,9 +590,13 @@ mod tests {
         let record = OffsetsRecordRef::new(1, 0, &dense).unwrap();
         assert_eq!((record.count, record.width), (2, 8));
         assert!(!record.partitions.present && !record.ends.present);
+        assert!(record.is_compact());
         let sparse_mixed = [(PartitionId(4), Payload::from(1)), (PartitionId(6), Payload::new())];
         let record = OffsetsRecordRef::new(1, 0, &sparse_mixed).unwrap();
         assert_eq!((record.count, record.width), (2, 0));
         assert!(record.partitions.present && record.ends.present);
+        assert!(!record.is_compact());
+        let dense_width_12 = [(PartitionId(0), Payload::from(vec![1u8; 12]))];
+        assert!(!OffsetsRecordRef::new(1, 0, &dense_width_12).unwrap().is_compact());
     }
 }
