@@ -495,8 +495,17 @@ fn clean_without_wait_leaves_the_deletion_to_the_sync_thread() {
         segments.dedup();
         let files_before = segment_files(dir.path()).len();
         assert_eq!(files_before, segments.len(), "{durability:?} {io:?}");
+        // A clean that selects nothing (every record has time 0 or later) does not wake the
+        // sync thread: coordinators call it every few commits, and most calls find nothing.
+        let wakeups = wal.stats().writer_wakeups;
+        for _ in 0..10 {
+            let report = wal.clean(0, false).unwrap();
+            assert!(report.queued.is_empty() && report.deleted.is_empty(), "{report:?}");
+        }
+        assert_eq!(wal.stats().writer_wakeups, wakeups, "{durability:?} {io:?}");
         // Every sealed segment but the last two ends before time 150.
         let report = wal.clean(150, false).unwrap();
+        assert_eq!(wal.stats().writer_wakeups, wakeups + 1, "one wake-up to delete them");
         assert!(report.deleted.is_empty(), "nothing deleted by the caller: {report:?}");
         assert!(report.failed.is_empty());
         let expected: Vec<_> =

@@ -496,6 +496,10 @@ pub struct WalStats {
     pub segments: usize,
     /// Segments deleted by `clean` since opening.
     pub cleaned_segments: u64,
+    /// Times another thread (an appender, a waiter, `clean`) woke the sync thread. Each one
+    /// is a system call on the waking thread and a turn of the sync thread; under group
+    /// commit a busy log needs about one per group at most.
+    pub writer_wakeups: u64,
     /// The live I/O path.
     pub io_path: Option<IoPath>,
 }
@@ -710,6 +714,8 @@ pub(crate) struct Shared {
     pub(crate) syncs: AtomicU64,
     pub(crate) sync_latency_us_log2: [AtomicU64; 32],
     pub(crate) cleaned_segments: AtomicU64,
+    /// `WalStats::writer_wakeups`.
+    pub(crate) writer_wakeups: AtomicU64,
     /// Opened read-only: no sync thread, appends and clean refused.
     pub(crate) read_only: bool,
 }
@@ -757,6 +763,17 @@ impl Shared {
         }
     }
 
+    /// Wakes the sync thread where it waits: in the io_uring ring (`in_ring`, through the wake
+    /// pipe) or on `writer_cv`. Counted in [`WalStats::writer_wakeups`].
+    pub(crate) fn wake_writer(&self, in_ring: bool) {
+        self.writer_wakeups.fetch_add(1, Ordering::Relaxed);
+        if in_ring {
+            self.wake_ring();
+        } else {
+            self.writer_cv.notify_one();
+        }
+    }
+
     /// Wakes the sync thread out of a wait in the io_uring ring. The pipe is non-blocking: if
     /// it is full, a wake is already pending.
     pub(crate) fn wake_ring(&self) {
@@ -791,11 +808,7 @@ impl Shared {
         let in_ring = state.writer_wait.in_ring();
         state.set_writer_wait(WriterWait::Running);
         drop(state);
-        if in_ring {
-            self.wake_ring();
-        } else {
-            self.writer_cv.notify_one();
-        }
+        self.wake_writer(in_ring);
     }
 
     /// Moves the written and durable watermarks, wakes the waiters that wait for them and,
@@ -876,6 +889,7 @@ impl Shared {
         if self.callbacks_deferred.load(Ordering::Acquire) {
             // Under the append lock: the sync thread checks the flag under it before waiting.
             let _state = lock(&self.append);
+            self.writer_wakeups.fetch_add(1, Ordering::Relaxed);
             self.writer_cv.notify_all();
         }
     }
@@ -987,6 +1001,7 @@ impl Shared {
         // Under the append lock, so a sync thread about to wait sees the work first (it
         // checks `doomed` under the same lock) or is woken by this.
         let state = lock(&self.append);
+        self.writer_wakeups.fetch_add(1, Ordering::Relaxed);
         if state.writer_wait.in_ring() {
             self.wake_ring();
         }
@@ -1197,6 +1212,7 @@ impl Wal {
             syncs: AtomicU64::new(0),
             sync_latency_us_log2: Default::default(),
             cleaned_segments: AtomicU64::new(0),
+            writer_wakeups: AtomicU64::new(0),
         });
         let log_writer = (!options.read_only).then(|| {
             Arc::new(Mutex::new(writer::Writer::new(Arc::clone(&shared), engine, dir_lock)))
@@ -1360,10 +1376,8 @@ impl Wal {
             state.set_writer_wait(WriterWait::Running);
         }
         drop(guard);
-        if wake_ring {
-            shared.wake_ring();
-        } else if wake {
-            shared.writer_cv.notify_one();
+        if wake {
+            shared.wake_writer(wake_ring);
         }
         Ok((Lsn(lsn), RecordHandle { segment, offset, len: payload.len() as u32 }))
     }
@@ -1404,11 +1418,7 @@ impl Wal {
             if state.writer_wait.wants_wake(false, true) {
                 let in_ring = state.writer_wait.in_ring();
                 state.set_writer_wait(WriterWait::Running);
-                if in_ring {
-                    shared.wake_ring();
-                } else {
-                    shared.writer_cv.notify_one();
-                }
+                shared.wake_writer(in_ring);
             }
             if ticket.is_none() {
                 ticket = Some(state.queue_room_waiter(frame_len));
@@ -1707,6 +1717,12 @@ impl Wal {
             selected
         };
         let mut report = CleanReport::default();
+        if selected.is_empty() {
+            // Nothing to delete: no wake-up of the sync thread (a coordinator cleans every few
+            // commits, and most calls find nothing; each wake-up cost a pipe write here and a
+            // turn of the sync thread, competing for the cores with this caller).
+            return Ok(report);
+        }
         if wait {
             shared.delete_segments(selected, &mut report);
             if !report.deleted.is_empty() {
@@ -1759,6 +1775,7 @@ impl Wal {
                 .read()
                 .map_or_else(|poison| poison.into_inner().len(), |s| s.len()),
             cleaned_segments: shared.cleaned_segments.load(Ordering::Relaxed),
+            writer_wakeups: shared.writer_wakeups.load(Ordering::Relaxed),
             io_path: Some(self.io_path),
         }
     }

@@ -132,6 +132,7 @@ impl Figure {
                 "durable_lag_records": stats.appended_lsn.0.saturating_sub(stats.durable_lsn.0),
                 "segments": stats.segments,
                 "cleaned_segments": stats.cleaned_segments,
+                "writer_wakeups": stats.writer_wakeups,
                 "io_path": stats.io_path.map(|path| path.as_str()),
             }),
         )
