@@ -20,7 +20,8 @@
 //!
 //! `--durability group|every` puts a `DurableQuery` (the offset and commit logs in the WAL, on
 //! a temporary directory removed afterwards) in front of the load query: group commit
-//! (`Durability::GroupCommit`, the WAL's default 200 us / 1 MiB groups) or a sync per record
+//! (`Durability::GroupCommit`: the WAL's default 200 us delay, or `--group-delay-us`, and groups
+//! of up to 4 MiB, as in the `wal` workload; the WAL's default is 1 MiB) or a sync per record
 //! (`Durability::EveryRecord`). The coordinator never waits for a sync, but the run only ends
 //! when the last epoch's commit record is durable, and that moment ends the measured time.
 
