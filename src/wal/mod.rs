@@ -1705,17 +1705,16 @@ impl Wal {
             return Err(WalError::ReadOnly);
         }
         let active = lock(&shared.append).active.as_ref().map(|segment| segment.header.id);
-        let selected: Vec<Arc<Segment>> = {
-            let mut segments =
-                shared.segments.write().unwrap_or_else(std::sync::PoisonError::into_inner);
-            let (selected, kept): (Vec<_>, Vec<_>) = segments.drain(..).partition(|segment| {
+        let selected: Vec<Arc<Segment>> = shared
+            .segments
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .extract_if(.., |segment| {
                 Some(segment.header.id) != active
                     && segment.sealed.load(Ordering::Acquire)
                     && select(segment)
-            });
-            *segments = kept;
-            selected
-        };
+            })
+            .collect();
         let mut report = CleanReport::default();
         if selected.is_empty() {
             // Nothing to delete: no wake-up of the sync thread (a coordinator cleans every few
