@@ -5,8 +5,12 @@
 # then, per binary, the medians and the ratio of the medians, and each round's own ratio.
 # Alternating binaries round by round is what makes two binaries comparable on this shared,
 # bimodal machine (a binary measured an hour later can read 10% apart for no reason).
+# The machine's mode is in each run's `core_round_trip_ns` (the load tool probes how long a
+# cache line takes between the two cores, before and after the run): a run is "fast" when both
+# probes read under 150 ns, "slow" when both read 150 ns or more, "mixed" otherwise. The
+# summary gives the medians over all runs and again per mode; compare ratios within a mode.
 #
-# Usage: tools/scripts/epoch-durable-ab.sh ROUNDS BIN [BIN...]
+# Usage: [EPOCHS=N] tools/scripts/epoch-durable-ab.sh ROUNDS BIN [BIN...]   (EPOCHS: default 20000)
 #   (a BIN may be a wrapper script, e.g. one that sets TMPDIR=/dev/shm for a WAL on tmpfs)
 set -euo pipefail
 if [ $# -lt 2 ]; then
@@ -20,10 +24,16 @@ trap 'rm -f "$OUT"' EXIT
 for _ in $(seq "$ROUNDS"); do
     for bin in "$@"; do
         for durability in none group; do
-            "$bin" --json epoch --partitions 1000 --epochs 20000 --baseline none \
+            "$bin" --json epoch --partitions 1000 --epochs "${EPOCHS:-20000}" --baseline none \
                 --durability "$durability" 2>/dev/null |
                 python3 -c "import json,sys
-for figure in map(json.loads, sys.stdin): print('$bin', '$durability', figure['msgs_per_sec'])" \
+def mode(probes):
+    if None in probes: return 'unknown'
+    if max(probes) < 150: return 'fast'
+    return 'slow' if min(probes) >= 150 else 'mixed'
+for figure in map(json.loads, sys.stdin):
+    probes = figure.get('core_round_trip_ns', [None, None])
+    print('$bin', '$durability', figure['msgs_per_sec'], mode(probes))" \
                 >> "$OUT"
         done
     done
@@ -32,12 +42,19 @@ python3 - "$OUT" "$@" <<'PY'
 import statistics, sys
 rows = {}
 for line in open(sys.argv[1]):
-    binary, durability, rate = line.split()
-    rows.setdefault(binary, {}).setdefault(durability, []).append(float(rate))
+    binary, durability, rate, mode = line.split()
+    for key in ("all", mode):
+        rows.setdefault(binary, {}).setdefault(key, {}).setdefault(durability, []).append(float(rate))
 for binary in sys.argv[2:]:
-    memory, durable = rows[binary]["none"], rows[binary]["group"]
-    print(f"{binary}: in memory {statistics.median(memory) / 1e6:.1f} M/s, "
-          f"group commit {statistics.median(durable) / 1e6:.1f} M/s, "
-          f"ratio of medians {statistics.median(durable) / statistics.median(memory):.3f}, "
-          f"per round {[round(d / m, 2) for m, d in zip(memory, durable)]}")
+    for mode in ("all", "fast", "slow", "mixed", "unknown"):
+        runs = rows[binary].get(mode, {})
+        memory, durable = runs.get("none", []), runs.get("group", [])
+        if not memory or not durable:
+            continue
+        print(f"{binary} [{mode}: {len(memory)} + {len(durable)} runs]: "
+              f"in memory {statistics.median(memory) / 1e6:.1f} M/s, "
+              f"group commit {statistics.median(durable) / 1e6:.1f} M/s, "
+              f"ratio of medians {statistics.median(durable) / statistics.median(memory):.3f}"
+              + (f", per round {[round(d / m, 2) for m, d in zip(memory, durable)]}"
+                 if mode == "all" else ""))
 PY

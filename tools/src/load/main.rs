@@ -7,6 +7,7 @@
 mod blocks;
 mod bus;
 mod epoch;
+mod machine;
 mod progress;
 mod report;
 mod state_store;
@@ -78,11 +79,26 @@ fn run_all() -> anyhow::Result<Vec<report::Figure>> {
     let mut figures = Vec::new();
     for (name, step) in steps {
         progress.start(name);
-        figures.extend(step()?);
+        figures.extend(with_core_round_trips(step)?);
         progress.finish_step();
     }
     progress.finish();
     Ok(figures)
+}
+
+/// Runs one workload between two probes of the cores' round trip ([`machine`]) and adds
+/// both to each of its figures as `core_round_trip_ns`.
+fn with_core_round_trips(
+    workload: impl FnOnce() -> anyhow::Result<Vec<report::Figure>>,
+) -> anyhow::Result<Vec<report::Figure>> {
+    let before = machine::core_round_trip_ns();
+    let figures = workload()?;
+    let after = machine::core_round_trip_ns();
+    let round_trips = machine::round_trips_json(before, after);
+    Ok(figures
+        .into_iter()
+        .map(|figure| figure.with("core_round_trip_ns", round_trips.clone()))
+        .collect())
 }
 
 static STATS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -97,13 +113,15 @@ fn main() -> anyhow::Result<()> {
     STATS.store(cli.stats, std::sync::atomic::Ordering::Relaxed);
     let figures = match cli.workload {
         None => run_all()?,
-        Some(Workload::Bus(args)) => bus::run_bus(&args)?,
-        Some(Workload::Ask(args)) => bus::run_ask(&args)?,
-        Some(Workload::Wal(args)) => wal::run(&args)?,
-        Some(Workload::WalRecover(args)) => wal::run_recover(&args)?,
-        Some(Workload::Epoch(args)) => epoch::run(&args)?,
-        Some(Workload::StateStore(args)) => state_store::run(&args)?,
-        Some(Workload::Blocks(args)) => blocks::run(&args)?,
+        Some(workload) => with_core_round_trips(|| match &workload {
+            Workload::Bus(args) => bus::run_bus(args),
+            Workload::Ask(args) => bus::run_ask(args),
+            Workload::Wal(args) => wal::run(args),
+            Workload::WalRecover(args) => wal::run_recover(args),
+            Workload::Epoch(args) => epoch::run(args),
+            Workload::StateStore(args) => state_store::run(args),
+            Workload::Blocks(args) => blocks::run(args),
+        })?,
     };
     report::print(&figures, cli.json);
     Ok(())

@@ -3,7 +3,9 @@
 //! JSON contract (one object per measured figure, one per line, with `--json`): the keys
 //! `workload`, `messages`, `seconds`, `msgs_per_sec`, `p50_ns`, `p99_ns`, `p999_ns` always (null
 //! where not measured); `baseline`, `baseline_msgs_per_sec`, `ratio` (ours / baseline) where a
-//! baseline ran; plus workload-specific keys (`extra`).
+//! baseline ran; `core_round_trip_ns`, the machine's core-to-core round trip probed just before
+//! and just after the workload (`[before, after]`, module `machine`: it tells which of the
+//! machine's modes a figure was measured in); plus workload-specific keys (`extra`).
 
 use hdrhistogram::Histogram;
 use serde_json::{json, Map, Value};

@@ -1,0 +1,162 @@
+//! The machine's state around a run: how long a cache line takes to travel from one core to
+//! another and back.
+//!
+//! Why: every workload of this tool moves messages between threads, so its rate is bound by
+//! cache-line transfers between cores. On the shared 2-vCPU virtual machines coordbus is
+//! measured on, that transfer time is not a constant: the host places the two vCPUs either
+//! close together (a round trip of about 60 ns) or far apart (about 370 ns), and moves them
+//! between the two from one run to the next. The same binary then reads 100 or 30 M msgs/s.
+//! Reporting the round trip measured just before and just after each run tells which mode a
+//! figure was taken in, so that figures (and the ratios between them) are compared within one
+//! mode instead of across modes. See PERF.md, "How to read these figures".
+//!
+//! The probe: two threads pinned to the first two cores pass one counter back and forth
+//! ([`ROUND_TRIPS`] times after a warm-up, at most [`PROBE_TIME_LIMIT`] in all).
+
+use std::{
+    sync::atomic::{AtomicU64, Ordering},
+    time::{Duration, Instant},
+};
+
+use crossbeam_utils::CachePadded;
+
+/// Round trips timed per probe (after [`WARM_UP_ROUND_TRIPS`]).
+pub const ROUND_TRIPS: u64 = 20_000;
+/// Round trips run before the timed ones (the threads start, the line settles).
+const WARM_UP_ROUND_TRIPS: u64 = 1_000;
+/// Longest a probe runs: on a machine too busy to give both threads a core at once, the probe
+/// stops there and reports the round trips it timed.
+pub const PROBE_TIME_LIMIT: Duration = Duration::from_millis(200);
+/// The counter's value that tells the answering thread to stop.
+const STOP: u64 = u64::MAX;
+
+/// The mean time, in nanoseconds, for a cache line to go from the first core to the second and
+/// back; `None` on a machine with fewer than two cores, when the threads cannot be pinned, or
+/// when not a single round trip was timed within [`PROBE_TIME_LIMIT`].
+pub fn core_round_trip_ns() -> Option<f64> {
+    let cores = core_affinity::get_core_ids()?;
+    let (&first, &second) = (cores.first()?, cores.get(1)?);
+    let counter = CachePadded::new(AtomicU64::new(0));
+    std::thread::scope(|scope| {
+        let answering = scope.spawn(|| {
+            let pinned = core_affinity::set_for_current(second);
+            answer(&counter);
+            pinned
+        });
+        // Both ends on threads of their own: pinning the caller would pin every thread it
+        // spawns afterwards (they inherit its affinity).
+        let asking = scope.spawn(|| {
+            let pinned = core_affinity::set_for_current(first);
+            (pinned, ask(&counter))
+        });
+        let (ask_pinned, measured) = asking.join().unwrap_or((false, None));
+        let answer_pinned = answering.join().unwrap_or(false);
+        measured.filter(|_| ask_pinned && answer_pinned)
+    })
+}
+
+/// Sends odd values and waits for each to come back one higher; always ends by storing
+/// [`STOP`]. Returns the mean round trip of the timed part.
+fn ask(counter: &AtomicU64) -> Option<f64> {
+    let deadline = Instant::now() + PROBE_TIME_LIMIT;
+    let mut timed_since = None;
+    let mut timed = 0u64;
+    for trip in 0..WARM_UP_ROUND_TRIPS + ROUND_TRIPS {
+        if trip == WARM_UP_ROUND_TRIPS {
+            timed_since = Some(Instant::now());
+        }
+        let sent = 2 * trip + 1;
+        counter.store(sent, Ordering::Release);
+        if !wait_for(counter, sent + 1, deadline) {
+            break;
+        }
+        if timed_since.is_some() {
+            timed += 1;
+        }
+    }
+    counter.store(STOP, Ordering::Release);
+    let elapsed = timed_since?.elapsed();
+    (timed > 0).then(|| elapsed.as_nanos() as f64 / timed as f64)
+}
+
+/// Spins until `counter` holds `expected`; `false` once `deadline` passed (checked every 1024
+/// spins, so a probe on an overloaded machine still ends).
+fn wait_for(counter: &AtomicU64, expected: u64, deadline: Instant) -> bool {
+    let mut spins = 0u32;
+    while counter.load(Ordering::Acquire) != expected {
+        std::hint::spin_loop();
+        spins = spins.wrapping_add(1);
+        if spins.is_multiple_of(1024) && Instant::now() >= deadline {
+            return false;
+        }
+    }
+    true
+}
+
+/// Answers every odd value with the next even one until [`STOP`].
+fn answer(counter: &AtomicU64) {
+    let mut last_answered = 0;
+    loop {
+        let value = counter.load(Ordering::Acquire);
+        if value == STOP {
+            return;
+        }
+        if value % 2 == 1 && value > last_answered {
+            counter.store(value + 1, Ordering::Release);
+            last_answered = value + 1;
+        }
+        std::hint::spin_loop();
+    }
+}
+
+/// The probe before and after a run, as the JSON value the figures carry
+/// (`[before, after]`, nanoseconds, `null` where not measured).
+pub fn round_trips_json(before: Option<f64>, after: Option<f64>) -> serde_json::Value {
+    let rounded = |ns: Option<f64>| ns.map(|ns| (ns * 10.0).round() / 10.0);
+    serde_json::json!([rounded(before), rounded(after)])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_probe_measures_a_plausible_round_trip_or_explains_why_not() {
+        let cores = core_affinity::get_core_ids().map_or(0, |cores| cores.len());
+        let measured = core_round_trip_ns();
+        if cores < 2 {
+            assert_eq!(measured, None, "one core: nothing to measure");
+            return;
+        }
+        let ns = measured.expect("two cores to pin: the probe times at least one round trip");
+        // A round trip is at least a few nanoseconds and, even with both threads sharing a
+        // core, at most the probe's time limit.
+        assert!(ns > 1.0 && ns < PROBE_TIME_LIMIT.as_nanos() as f64, "round trip {ns} ns");
+    }
+
+    #[test]
+    fn the_probe_leaves_the_callers_cores_as_they_were() {
+        let before = core_affinity::get_core_ids();
+        let _ = core_round_trip_ns();
+        assert_eq!(
+            core_affinity::get_core_ids(),
+            before,
+            "threads spawned after a probe must run where they ran before it"
+        );
+    }
+
+    #[test]
+    fn a_probe_that_nobody_answers_ends_at_its_deadline() {
+        let counter = AtomicU64::new(0);
+        let started = Instant::now();
+        assert_eq!(ask(&counter), None, "no answer: no round trip timed");
+        assert_eq!(counter.load(Ordering::Relaxed), STOP, "the asker always leaves STOP");
+        let took = started.elapsed();
+        assert!(took >= PROBE_TIME_LIMIT && took < PROBE_TIME_LIMIT * 10, "took {took:?}");
+    }
+
+    #[test]
+    fn the_json_value_rounds_and_keeps_missing_probes_null() {
+        assert_eq!(round_trips_json(Some(61.234), None), serde_json::json!([61.2, null]));
+    }
+}
