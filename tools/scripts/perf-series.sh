@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The PERF.md series: every figure three times, back to back, one JSON object per line.
 # Usage: tools/scripts/perf-series.sh [out.jsonl]   (after `cargo build --release --workspace`;
+# summarize with tools/scripts/perf-summary.py out.jsonl;
 # run it with nothing else busy on the machine: it measures for about six minutes).
 set -u
 L="$(dirname "$0")/../../target/release/coordbus-load"
@@ -30,10 +31,10 @@ run state-store --producers 2
 run state-store --producers 4
 for i in 1 2 3; do
     for durability in none group; do
-        "$L" --json epoch --partitions 1000 --epochs 20000 --durability "$durability" 2>/dev/null |
+        "$L" --json epoch --partitions 1000 --epochs 100000 --durability "$durability" 2>/dev/null |
             sed "s|^{|{\"cmd\":\"epoch durability $durability\",\"run\":$i,|" >> "$OUT"
     done
-    "$L" --json epoch --partitions 1000 --epochs 20000 --durability group --group-delay-us 2000 \
+    "$L" --json epoch --partitions 1000 --epochs 100000 --durability group --group-delay-us 2000 \
         2>/dev/null | sed "s|^{|{\"cmd\":\"epoch durability group 2ms\",\"run\":$i,|" >> "$OUT"
 done
 run wal
