@@ -491,7 +491,11 @@ impl<Q: Query> Query for DurableQuery<Q> {
         self.serialize(&LogRecordRef::Commit { run: self.run, epoch: epoch.0 }, epoch)?;
         let lsn = self.append_serialized(epoch, "append the commit of an epoch")?;
         self.status.last_committed.store(epoch.0, Ordering::Release);
-        self.logged = self.logged.split_off(&(epoch.0 + 1));
+        // Drop the epochs up to this one in place (`split_off` would build a new set: an
+        // allocation per commit).
+        while self.logged.first().is_some_and(|&logged| logged <= epoch.0) {
+            self.logged.pop_first();
+        }
         // Track durability without a callback per commit (a callback costs the sync thread a
         // lock and this thread a wake-up): the queue is drained here and by status readers.
         self.status.pending().push_back((lsn.0, epoch.0));
