@@ -6,9 +6,12 @@
 # Alternating binaries round by round is what makes two binaries comparable on this shared,
 # bimodal machine (a binary measured an hour later can read 10% apart for no reason).
 # The machine's mode is in each run's `core_round_trip_ns` (the load tool probes how long a
-# cache line takes between the two cores, before and after the run): a run is "fast" when both
-# probes read under 150 ns, "slow" when both read 150 ns or more, "mixed" otherwise. The
-# summary gives the medians over all runs and again per mode; compare ratios within a mode.
+# cache line takes between the two cores, before and after the run). Each probe falls in one of
+# three placements of the two vCPUs: "sibling" under 45 ns (two hardware threads of one core),
+# "fast" 45-150 ns, "slow" 150 ns or more; a run is in a mode when both probes fall in it,
+# "mixed" otherwise. The summary gives the medians over all runs and again per mode; compare
+# ratios within a mode, and check that the in-memory runs were backlogged (a commit p50 of
+# hundreds of us; PERF.md, EpochCoordinator, "Thirteenth session").
 #
 # Usage: [EPOCHS=N] tools/scripts/epoch-durable-ab.sh ROUNDS BIN [BIN...]   (EPOCHS: default 20000)
 #   (a BIN may be a wrapper script, e.g. one that sets TMPDIR=/dev/shm for a WAL on tmpfs)
@@ -27,32 +30,37 @@ for _ in $(seq "$ROUNDS"); do
             "$bin" --json epoch --partitions 1000 --epochs "${EPOCHS:-20000}" --baseline none \
                 --durability "$durability" 2>/dev/null |
                 python3 -c "import json,sys
+def placement(probe):
+    return 'sibling' if probe < 45 else 'fast' if probe < 150 else 'slow'
 def mode(probes):
     if None in probes: return 'unknown'
-    if max(probes) < 150: return 'fast'
-    return 'slow' if min(probes) >= 150 else 'mixed'
+    before, after = map(placement, probes)
+    return before if before == after else 'mixed'
 for figure in map(json.loads, sys.stdin):
     probes = figure.get('core_round_trip_ns', [None, None])
-    print('$bin', '$durability', figure['msgs_per_sec'], mode(probes))" \
+    print('$bin', '$durability', figure['msgs_per_sec'], mode(probes), figure['p50_ns'])" \
                 >> "$OUT"
         done
     done
 done
 python3 - "$OUT" "$@" <<'PY'
 import statistics, sys
-rows = {}
+rows, memory_p50_us = {}, {}
 for line in open(sys.argv[1]):
-    binary, durability, rate, mode = line.split()
+    binary, durability, rate, mode, p50_ns = line.split()
     for key in ("all", mode):
         rows.setdefault(binary, {}).setdefault(key, {}).setdefault(durability, []).append(float(rate))
+        if durability == "none":
+            memory_p50_us.setdefault((binary, key), []).append(round(float(p50_ns) / 1e3))
 for binary in sys.argv[2:]:
-    for mode in ("all", "fast", "slow", "mixed", "unknown"):
+    for mode in ("all", "fast", "sibling", "slow", "mixed", "unknown"):
         runs = rows[binary].get(mode, {})
         memory, durable = runs.get("none", []), runs.get("group", [])
         if not memory or not durable:
             continue
         print(f"{binary} [{mode}: {len(memory)} + {len(durable)} runs]: "
-              f"in memory {statistics.median(memory) / 1e6:.1f} M/s, "
+              f"in memory {statistics.median(memory) / 1e6:.1f} M/s "
+              f"(commit p50s {memory_p50_us[(binary, mode)]} us), "
               f"group commit {statistics.median(durable) / 1e6:.1f} M/s, "
               f"ratio of medians {statistics.median(durable) / statistics.median(memory):.3f}"
               + (f", per round {[round(d / m, 2) for m, d in zip(memory, durable)]}"

@@ -6,14 +6,18 @@ over all runs and over the runs taken in the machine's fast mode.
 Usage: tools/scripts/perf-summary.py SERIES.jsonl
 
 The mode of a run comes from `core_round_trip_ns` (`[before, after]`, see
-tools/src/load/machine.rs): "fast" when both probes read under 150 ns, "slow" when both read
-150 ns or more, "mixed" when the mode changed during the run. The column `modes` counts the
-runs of each: F fast, S slow, M mixed, ? not probed (series older than the probe).
+tools/src/load/machine.rs). Each probe falls in one of three placements of the two vCPUs:
+sibling (under 45 ns: two hardware threads of one core), fast (45-150 ns) and slow (150 ns or
+more). A run is in a mode when both probes fall in it, "mixed" otherwise. The column `modes`
+gives each run's: T sibling, F fast, S slow, M mixed, ? not probed (series older than the
+probe). The second line of each figure is over the F runs only: ratios taken in different
+placements are not comparable.
 """
 import json
 import statistics
 import sys
 
+SIBLING_BELOW_NS = 45
 FAST_BELOW_NS = 150
 # Keys that tell apart the figures one command prints (besides the workload name).
 IDENTITY_KEYS = ("durability", "threads", "receivers", "blocks_per_ask", "baseline")
@@ -23,9 +27,14 @@ def mode(figure):
     probes = figure.get("core_round_trip_ns") or [None, None]
     if None in probes:
         return "?"
-    if max(probes) < FAST_BELOW_NS:
-        return "F"
-    return "S" if min(probes) >= FAST_BELOW_NS else "M"
+    before, after = (placement(probe) for probe in probes)
+    return before if before == after else "M"
+
+
+def placement(round_trip_ns):
+    if round_trip_ns < SIBLING_BELOW_NS:
+        return "T"
+    return "F" if round_trip_ns < FAST_BELOW_NS else "S"
 
 
 def rate(value):
