@@ -1,22 +1,32 @@
 //! A bounded single-producer, single-consumer lane, and the table of lanes of one inbox.
 //!
 //! A lane belongs to one producer thread at a time (the holder of a producer index, see
-//! `queue::producer`), so the producer needs no compare-exchange: it writes the value and then
-//! the slot's stamp with a plain release store. Position `p` is full when its slot's stamp is
-//! `p + 1`; the consumer polls the stamp of the slot at its head, so a message costs one cache
-//! line that travels with the value (polling a shared tail index instead would drag the
-//! producer's index line back and forth once per message whenever the consumer has caught up).
-//! The consumer never writes slots: it publishes its head with a release store, and the producer
-//! rereads that head only when its cached copy says the lane is full. The producer's tail is
-//! published too (relaxed, on its own line) but read only for statistics and teardown.
+//! `queue::producer`), so the producer needs no compare-exchange: it writes values and then
+//! publishes them with a plain release store of a stamp. A push publishes a *run* of positions
+//! `p..e` (one message, or a whole batch) by storing `e` into the stamp of the slot of `p`, the
+//! run's first position, after writing every value of the run. The consumer polls the stamp of
+//! the slot at its head `h`: a stamp above `h` is fresh and says that `h..stamp` is published;
+//! it then reads those values without looking at another stamp, and polls again at the run's
+//! end. So a message costs one cache line that travels with the value (polling a shared tail
+//! index instead would drag the producer's index line back and forth once per message whenever
+//! the consumer has caught up), and a batch costs one stamp store and one stamp load.
 //!
-//! A batch push publishes its first slot last: it writes every value, stamping all slots but
-//! the first as it goes, and then stamps the first. A consumer that has caught up waits at the
-//! head, which is that first slot, so it sees the whole batch at once and then reads lines the
-//! producer is done with. Stamping in order instead let the consumer follow one slot behind the
-//! producer, taking every line back while the producer still had its second slot to write, so
-//! a line crossed between the cores two or three times instead of once (measured with
-//! `send_batch` 256: 92 -> 105 M msgs/s with the cores on one socket, 28 -> 30 across).
+//! Why a stale stamp never looks fresh: the slot of `h` last held position `h - capacity` (or
+//! an earlier lap), and any stamp stored there then ended a run within that lap's capacity, so
+//! at most at `h`. Slots inside a run keep their stale stamps, which are never read while the
+//! run is known (the consumer keeps the end of the run it is reading, `published_end`).
+//!
+//! Why publish a batch at its first slot: a consumer that has caught up waits at the head, which
+//! is that first slot, so it sees the whole batch at once and then reads lines the producer is
+//! done with. Stamping each slot in order instead let the consumer follow one slot behind the
+//! producer, taking every line back while the producer still had its second slot to write, so a
+//! line crossed between the cores two or three times instead of once (`send_batch` 256: 92 ->
+//! 105 M msgs/s with the cores on one socket). Storing only the run's stamp also saves the
+//! producer a store per message, and the consumer a load and a compare.
+//!
+//! The consumer never writes slots: it publishes its head with a release store, and the
+//! producer rereads that head only when its cached copy says the lane is full. The producer's
+//! tail is published too (relaxed, on its own line) but read only for statistics and teardown.
 //!
 //! Closing. The producer cannot mark its tail closed (no read-modify-write on the hot path), so
 //! a lane has a `busy` flag instead: a push raises it, then reads the inbox's `closed` flag, and
@@ -78,6 +88,9 @@ struct ProducerSide {
 struct ConsumerSide {
     /// Next position to read; published with release after the value was moved out.
     head: AtomicUsize,
+    /// End of the published run the consumer last saw a stamp of (`head <= published_end`;
+    /// consumer-only, relaxed): positions below it need no stamp check.
+    published_end: AtomicUsize,
 }
 
 /// How many positions ahead of its head the consumer asks the CPU to fetch: the lines were
@@ -143,10 +156,11 @@ fn prefetch<T>(slot: &Slot<T>) {
 
 /// One cell of the lane and its stamp.
 struct Slot<T> {
-    /// `p + 1` once the value of position `p` is written (release); anything else: not full.
+    /// When the slot's position `p` starts a published run `p..e`: `e` (stored with release
+    /// after the run's values). Any value `<= p`: nothing published from `p` (module doc).
     stamp: AtomicUsize,
-    /// Initialised exactly while `stamp == p + 1` and `p >= head` for the slot's current
-    /// position `p` (the stamp is published before the producer's `tail` is).
+    /// Initialised exactly while `p` lies in a published run and `p >= head`, for the slot's
+    /// current position `p` (the run's stamp is published before the producer's `tail` is).
     value: UnsafeCell<MaybeUninit<T>>,
 }
 
@@ -280,11 +294,11 @@ impl<T> Lane<T> {
         Ok(())
     }
 
-    /// Producer: writes the value of `position` and publishes it through the slot's stamp.
+    /// Producer: writes the value of `position` and publishes it as a run of one.
     #[inline(always)]
     fn write(&self, position: usize, value: T) {
         self.write_unpublished(position, value);
-        self.publish(position);
+        self.publish_run(position, position + 1);
     }
 
     /// Producer: writes the value of `position` without publishing it (see [`Self::publish`]).
@@ -293,21 +307,23 @@ impl<T> Lane<T> {
         self.slot(position).value.with_mut(|cell| {
             // SAFETY: the caller checked `position - head < capacity`, so the consumer has moved
             // the previous value of this slot out (it published a head beyond it); only the
-            // owner writes slots, and the consumer reads this one only after the stamp store.
+            // owner writes slots, and the consumer reads this one only after the stamp store of
+            // a run that holds it.
             unsafe { (*cell).write(value) };
         });
     }
 
-    /// Producer: publishes the value written at `position` (the consumer reads it once it sees
-    /// this stamp).
+    /// Producer: publishes the values written at `start..end` (the consumer reads them once it
+    /// sees this stamp).
     #[inline(always)]
-    fn publish(&self, position: usize) {
-        self.slot(position).stamp.store(position + 1, Ordering::Release);
+    fn publish_run(&self, start: usize, end: usize) {
+        debug_assert!(start < end && end - start <= self.capacity());
+        self.slot(start).stamp.store(end, Ordering::Release);
     }
 
-    /// Producer (owner only): pushes as many of `values` as fit, publishing them with one tail
-    /// store, and the first of them last (module doc). Returns how many were taken (0 when the
-    /// lane is full).
+    /// Producer (owner only): pushes as many of `values` as fit, publishing them as one run
+    /// (module doc) and with one tail store. Returns how many were taken (0 when the lane is
+    /// full).
     ///
     /// # Errors
     /// `Err(())` if the inbox was closed (nothing taken).
@@ -338,13 +354,9 @@ impl<T> Lane<T> {
                 prefetch_for_write(self.slot(position + PREFETCH_WRITE_AHEAD));
             }
             let Some(value) = values.next() else { break };
-            // `free_slots` showed `position - head < capacity` for all of them. The first is
-            // published by `published` once the batch is written.
-            if position == tail {
-                self.write_unpublished(position, value);
-            } else {
-                self.write(position, value);
-            }
+            // `free_slots` showed `position - head < capacity` for all of them. `published`
+            // publishes them as one run once the batch is written.
+            self.write_unpublished(position, value);
             published.written += 1;
         }
         Ok(published.written)
@@ -366,17 +378,23 @@ impl<T> Lane<T> {
     /// thread can make.
     pub(crate) fn pop_batch(&self, max: usize, handle: &mut impl Consume<T>) -> usize {
         let start = self.consumer.head.load(Ordering::Relaxed);
+        let mut published_end = self.consumer.published_end.load(Ordering::Relaxed);
         let mut head = start;
         while head - start < max {
-            let slot = self.slot(head);
-            if slot.stamp.load(Ordering::Acquire) != head + 1 {
-                break;
+            if head == published_end {
+                let Some(end) = self.fresh_run_end(head) else { break };
+                published_end = end;
+                self.consumer.published_end.store(end, Ordering::Relaxed);
             }
-            prefetch(self.slot(head + PREFETCH_AHEAD));
-            let value = slot.value.with(|cell| {
-                // SAFETY: stamp `head + 1` (acquired above) means the owner wrote this value and
-                // released it; only this consumer reads it, once, before handing the slot back
-                // with the head store below (the producer rewrites it only after seeing that).
+            // Only lines the producer is done with: beyond the run it may still be writing.
+            if head + PREFETCH_AHEAD < published_end {
+                prefetch(self.slot(head + PREFETCH_AHEAD));
+            }
+            let value = self.slot(head).value.with(|cell| {
+                // SAFETY: `head` lies in a run whose stamp was acquired (here or in an earlier
+                // call), so the owner wrote this value and released it; only this consumer
+                // reads it, once, before handing the slot back with the head store below (the
+                // producer rewrites it only after seeing that).
                 unsafe { cell.cast::<T>().read() }
             });
             head += 1;
@@ -386,10 +404,20 @@ impl<T> Lane<T> {
         head - start
     }
 
+    /// Consumer: the end of the run published from `head` (the consumer's head, at the end of
+    /// every run it knows of), if there is one.
+    #[inline(always)]
+    fn fresh_run_end(&self, head: usize) -> Option<usize> {
+        let end = self.slot(head).stamp.load(Ordering::Acquire);
+        debug_assert!(end <= head || end - head <= self.capacity(), "stamp {end} at {head}");
+        (end > head).then_some(end)
+    }
+
     /// Consumer: whether the position at the head is not published yet.
     pub(crate) fn is_empty_for_consumer(&self) -> bool {
         let head = self.consumer.head.load(Ordering::Relaxed);
-        self.slot(head).stamp.load(Ordering::Acquire) != head + 1
+        head == self.consumer.published_end.load(Ordering::Relaxed)
+            && self.fresh_run_end(head).is_none()
     }
 
     /// Consumer, once the inbox is closed and the close barrier has run: no push is in flight
@@ -413,8 +441,8 @@ impl<T> Drop for Lane<T> {
     }
 }
 
-/// Publishes a batch's first slot (the others are published as they are written) and its
-/// tail, and lowers `busy`, when dropped (see [`Lane::push_batch`]).
+/// Publishes a batch's values as one run and its tail, and lowers `busy`, when dropped (see
+/// [`Lane::push_batch`]).
 struct PublishOnDrop<'a, T> {
     lane: &'a Lane<T>,
     tail: usize,
@@ -424,7 +452,7 @@ struct PublishOnDrop<'a, T> {
 impl<T> Drop for PublishOnDrop<'_, T> {
     fn drop(&mut self) {
         if self.written > 0 {
-            self.lane.publish(self.tail);
+            self.lane.publish_run(self.tail, self.tail + self.written);
         }
         self.lane.producer.tail.store(self.tail + self.written, Ordering::Relaxed);
         self.lane.producer.busy.store(false, Ordering::Release);
@@ -604,6 +632,46 @@ mod tests {
         assert!(lane.is_empty_for_consumer());
     }
 
+    /// Runs of every length up to the whole lane, single pushes among them, over many laps of a
+    /// small lane, with the consumer stopping anywhere inside a run: no stale stamp looks fresh
+    /// (not even the one a full-lane run leaves, which equals the position one lap later), so
+    /// every value arrives once, in order, and nothing more.
+    #[test]
+    fn runs_of_every_length_over_many_laps_arrive_once_in_order() {
+        let closed = open();
+        let capacity = 8;
+        let lane = Lane::with_capacity(capacity);
+        let mode = BarrierMode::detect();
+        // A fixed-seed linear congruential generator: the same interleaving on every run.
+        let mut seed = 0x2545_f491_u64;
+        let mut next_random = |below: usize| {
+            seed = seed
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            usize::try_from(seed >> 33).unwrap() % below
+        };
+        let (mut sent, mut seen) = (0usize, Vec::new());
+        while sent < 2_000 {
+            if next_random(4) == 0 {
+                if lane.push(sent, &closed, mode).is_ok() {
+                    sent += 1;
+                }
+            } else {
+                let mut batch =
+                    (sent..sent + 1 + next_random(capacity + 2)).collect::<Vec<_>>().into_iter();
+                sent += lane.push_batch(&mut batch, &closed, mode).unwrap();
+            }
+            // Sometimes everything, so that a batch can then fill the whole lane in one run.
+            let take = if next_random(4) == 0 { usize::MAX } else { next_random(capacity) };
+            lane.pop_batch(take, &mut |value| seen.push(value));
+            assert_eq!(lane.is_empty_for_consumer(), lane.len() == 0, "after {sent} sent");
+        }
+        lane.pop_batch(usize::MAX, &mut |value| seen.push(value));
+        assert_eq!(seen, (0..sent).collect::<Vec<_>>(), "every value once, in order");
+        assert!(lane.is_empty_for_consumer());
+        assert_eq!(lane.pop_batch(usize::MAX, &mut |value| seen.push(value)), 0, "nothing more");
+    }
+
     #[test]
     fn push_with_builds_each_message_once_and_lowers_busy_on_every_path() {
         let closed = open();
@@ -749,9 +817,9 @@ mod loom_tests {
         });
     }
 
-    /// A batch push publishes its first slot last: a consumer polling concurrently never reads
-    /// a slot before its value is written (loom checks every cell access against the stamps'
-    /// ordering), sees a batch's values in order, and gets each exactly once, across a
+    /// A batch push publishes its values as one run: a consumer polling concurrently never
+    /// reads a slot before its value is written (loom checks every cell access against the
+    /// stamp's ordering), sees a batch's values in order, and gets each exactly once, across a
     /// wrap-around of a 2-slot lane.
     #[test]
     fn loom_batch_push_publishes_whole_batches_in_order() {
