@@ -177,11 +177,12 @@ pub(crate) struct Lane<T> {
 
 // SAFETY: values of `T` move from the producing thread to the consuming thread through the
 // cells. The owner thread (see "Ownership" in the module doc) writes a cell only while it is
-// free (`position - head < capacity`) and publishes it with its stamp; the one consumer reads
-// it only after acquiring that stamp and frees it with its head store. So each cell has one
-// accessor at a time and `T: Send` suffices for sharing the lane.
+// free (`position - head < capacity`) and publishes it with the stamp of its run; the one
+// consumer reads it only after acquiring that stamp and frees it with its head store. So each
+// cell has one accessor at a time and `T: Send` suffices for sharing the lane.
 unsafe impl<T: Send> Send for Lane<T> {}
-// SAFETY: as above; every shared mutation is an atomic or a cell guarded by its stamp and the head.
+// SAFETY: as above; every shared mutation is an atomic or a cell guarded by its run's stamp and
+// the head.
 unsafe impl<T: Send> Sync for Lane<T> {}
 
 impl<T> Lane<T> {
@@ -301,7 +302,8 @@ impl<T> Lane<T> {
         self.publish_run(position, position + 1);
     }
 
-    /// Producer: writes the value of `position` without publishing it (see [`Self::publish`]).
+    /// Producer: writes the value of `position` without publishing it (see
+    /// [`Self::publish_run`]).
     #[inline(always)]
     fn write_unpublished(&self, position: usize, value: T) {
         self.slot(position).value.with_mut(|cell| {

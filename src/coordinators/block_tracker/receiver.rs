@@ -9,7 +9,7 @@
 //! the receiver's thread encodes and appends the record (the WAL's append is a short critical
 //! section, the sync is shared by group commit), then sends the endpoint a one-way
 //! [`LoggedBlocks`] message with the record's LSN. The endpoint applies it to the state
-//! machine ([`ReceivedBlockTracker::apply_logged_additions`]), with no I/O.
+//! machine ([`super::ReceivedBlockTracker::apply_logged_additions`]), with no I/O.
 //!
 //! ## Ordering with allocations (why recovery still rebuilds the exact state)
 //! * The endpoint learns of a block only after its record was appended, and an allocation is
