@@ -69,7 +69,7 @@ impl BarrierMode {
     }
 }
 
-#[cfg(not(loom))]
+#[cfg(not(any(loom, miri)))]
 fn register_membarrier() -> BarrierMode {
     use rustix::thread::{membarrier, MembarrierCommand};
     match membarrier(MembarrierCommand::RegisterPrivateExpedited) {
@@ -84,13 +84,13 @@ fn register_membarrier() -> BarrierMode {
     }
 }
 
-/// Loom cannot model `membarrier`: the models check the fenced protocol.
-#[cfg(loom)]
+/// Loom cannot model `membarrier` (nor can Miri run it): the models check the fenced protocol.
+#[cfg(any(loom, miri))]
 fn register_membarrier() -> BarrierMode {
     BarrierMode::Fenced
 }
 
-#[cfg(not(loom))]
+#[cfg(not(any(loom, miri)))]
 fn expedited_membarrier() {
     use rustix::thread::{membarrier, MembarrierCommand};
     // Registration succeeded (that is the only way to reach asymmetric mode), after which the
@@ -101,7 +101,7 @@ fn expedited_membarrier() {
     }
 }
 
-#[cfg(loom)]
+#[cfg(any(loom, miri))]
 fn expedited_membarrier() {
     unreachable!("asymmetric mode is never selected under loom")
 }
