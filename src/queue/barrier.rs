@@ -103,7 +103,7 @@ fn expedited_membarrier() {
 
 #[cfg(any(loom, miri))]
 fn expedited_membarrier() {
-    unreachable!("asymmetric mode is never selected under loom")
+    unreachable!("asymmetric mode is never selected under loom or Miri")
 }
 
 #[cfg(all(test, not(loom)))]
