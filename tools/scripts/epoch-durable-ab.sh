@@ -22,6 +22,8 @@ if [ $# -lt 2 ]; then
 fi
 ROUNDS=$1
 shift
+# The placement classifier is perf-summary.py's (one copy of its thresholds).
+SUMMARY="$(dirname "$0")/perf-summary.py"
 OUT=$(mktemp)
 trap 'rm -f "$OUT"' EXIT
 for _ in $(seq "$ROUNDS"); do
@@ -29,16 +31,11 @@ for _ in $(seq "$ROUNDS"); do
         for durability in none group; do
             "$bin" --json epoch --partitions 1000 --epochs "${EPOCHS:-20000}" --baseline none \
                 --durability "$durability" 2>/dev/null |
-                python3 -c "import json,sys
-def placement(probe):
-    return 'sibling' if probe < 45 else 'fast' if probe < 150 else 'slow'
-def mode(probes):
-    if None in probes: return 'unknown'
-    before, after = map(placement, probes)
-    return before if before == after else 'mixed'
+                python3 -c "import json, runpy, sys
+mode = runpy.run_path('$SUMMARY')['mode']
+names = {'T': 'sibling', 'F': 'fast', 'S': 'slow', 'M': 'mixed', '?': 'unknown'}
 for figure in map(json.loads, sys.stdin):
-    probes = figure.get('core_round_trip_ns', [None, None])
-    print('$bin', '$durability', figure['msgs_per_sec'], mode(probes), figure['p50_ns'])" \
+    print('$bin', '$durability', figure['msgs_per_sec'], names[mode(figure)], figure['p50_ns'])" \
                 >> "$OUT"
         done
     done

@@ -3,12 +3,13 @@
 //!
 //! Why: every workload of this tool moves messages between threads, so its rate is bound by
 //! cache-line transfers between cores. On the shared 2-vCPU virtual machines coordbus is
-//! measured on, that transfer time is not a constant: the host places the two vCPUs either
-//! close together (a round trip of about 60 ns) or far apart (about 370 ns), and moves them
-//! between the two from one run to the next. The same binary then reads 100 or 30 M msgs/s.
-//! Reporting the round trip measured just before and just after each run tells which mode a
-//! figure was taken in, so that figures (and the ratios between them) are compared within one
-//! mode instead of across modes. See PERF.md, "How to read these figures".
+//! measured on, that transfer time is not a constant: the host places the two vCPUs on two
+//! hardware threads of one core (a round trip of about 30 ns), close together (about 60 ns) or
+//! far apart (about 370 ns), and moves them from one run to the next. The same binary then
+//! reads 100 or 30 M msgs/s. Reporting the round trip measured just before and just after each
+//! run tells which placement a figure was taken in, so that figures (and the ratios between
+//! them) are compared within one placement instead of across them. See PERF.md, "Machine and
+//! method"; `tools/scripts/perf-summary.py` classifies the probes.
 //!
 //! The probe: two threads pinned to the first two cores pass one counter back and forth
 //! ([`ROUND_TRIPS`] times after a warm-up, at most [`PROBE_TIME_LIMIT`] in all).
