@@ -81,8 +81,22 @@
 //! The `pwrite` path keeps one group at a time: with blocking calls there is nothing to
 //! overlap without a second thread.
 //!
+//! ## Sync pacing
+//! Back-to-back syncs cost this machine class about half a core whatever the I/O method (each
+//! is a write and a flush request to the virtual disk, with their exits, interrupts and
+//! wake-ups), CPU the appenders lose. So when records keep arriving while syncs run and nobody
+//! waits for any record that is not durable yet, the next group (not full) is held until four
+//! times the last sync's duration after that sync, at most ten times `max_delay`: syncs then
+//! keep the device busy about a fifth of the time, and the durable watermark lags by at most
+//! that pause. A thread that waits ([`Wal::wait_durable`], a callback, a reader of a staged
+//! record) ends the pause at once; a full group or an appender waiting for room is never
+//! held; a light load (each group starting after the previous sync) is never paced.
+//! [`WalStats::paced_groups`] counts the groups held. Rule and reasons: module
+//! `writer::pacing`.
+//!
 //! Group commit: with [`Durability::GroupCommit`] the sync thread lets a group grow for up to
-//! `max_delay` after its first record or until it holds `max_bytes`; with
+//! `max_delay` after its first record or until it holds `max_bytes` (longer under sustained
+//! load that nobody waits for: "Sync pacing" below); with
 //! [`Durability::EveryRecord`] it starts at once (records appended meanwhile still share the
 //! sync, and none is reported durable before its sync completed); with [`Durability::None`] it
 //! writes to the page cache and never syncs (except when rolling and closing), and an LSN
@@ -287,9 +301,11 @@ pub enum Durability {
     /// LSN counts as durable once written to the page cache.
     None,
     /// Concurrent appends share one write and one sync; a group is written when it is
-    /// `max_delay` old or holds `max_bytes`.
+    /// `max_delay` old or holds `max_bytes`. Under sustained load that nobody waits for, a
+    /// group may be held up to `10 * max_delay` after the previous sync instead (module doc,
+    /// "Sync pacing").
     GroupCommit {
-        /// Longest a record waits for its group to fill.
+        /// Longest a record waits for its group to fill (unless paced: see above).
         max_delay: Duration,
         /// Group size that starts the write at once.
         max_bytes: usize,
@@ -500,6 +516,8 @@ pub struct WalStats {
     /// is a system call on the waking thread and a turn of the sync thread; under group
     /// commit a busy log needs about one per group at most.
     pub writer_wakeups: u64,
+    /// Groups that sync pacing held past their `max_delay` (module doc, "Sync pacing").
+    pub paced_groups: u64,
     /// The live I/O path.
     pub io_path: Option<IoPath>,
 }
@@ -566,6 +584,9 @@ pub(crate) enum WriterWait {
     Ring,
     /// In the io_uring ring, for a full group only (groups in flight end the wait).
     RingUntilFull,
+    /// On `writer_cv`, holding a group for sync pacing (module `writer::pacing`): a full group
+    /// or a waiter for durability ends the wait.
+    Paced,
 }
 
 impl WriterWait {
@@ -575,7 +596,7 @@ impl WriterWait {
         match self {
             Self::Running => false,
             Self::Condvar | Self::Ring => first_of_group || full,
-            Self::RingUntilFull => full,
+            Self::RingUntilFull | Self::Paced => full,
         }
     }
 
@@ -716,6 +737,12 @@ pub(crate) struct Shared {
     pub(crate) cleaned_segments: AtomicU64,
     /// `WalStats::writer_wakeups`.
     pub(crate) writer_wakeups: AtomicU64,
+    /// `WalStats::paced_groups`.
+    pub(crate) paced_groups: AtomicU64,
+    /// The highest LSN a thread waited for (a durability waiter, a callback, a reader of a
+    /// staged record): while it is above the durable LSN, groups are not paced
+    /// (`writer::pacing`).
+    pub(crate) awaited_lsn: CachePadded<AtomicU64>,
     /// Opened read-only: no sync thread, appends and clean refused.
     pub(crate) read_only: bool,
 }
@@ -794,21 +821,38 @@ impl Shared {
         self.leaders_active.load(Ordering::Relaxed)
     }
 
-    /// Wakes the sync thread if it waits for a group and leaders may have left one staged:
-    /// for a thread that is about to wait for the staged records and cannot lead (a waiter
-    /// with a timeout, a durability callback, a reader).
-    pub(crate) fn wake_writer_for_waiter(&self) {
-        if !matches!(self.config.durability, Durability::EveryRecord) {
-            return;
-        }
+    /// For a thread about to wait until `awaited_lsn` is durable or written and that cannot
+    /// lead (a waiter with a timeout, a durability callback, a reader): marks the LSN as
+    /// awaited, which stops sync pacing (`writer::pacing`), and wakes the sync thread if it
+    /// holds a group for pacing, or (`EveryRecord`) if it waits for a group and leaders may
+    /// have left one staged.
+    pub(crate) fn wake_writer_for_waiter(&self, awaited_lsn: u64) {
+        // Before the append lock, under which the sync thread reads it when it decides to
+        // pace: either it sees the mark, or this thread sees it pacing and wakes it.
+        self.awaited_lsn.fetch_max(awaited_lsn, Ordering::SeqCst);
+        let every_record = match self.config.durability {
+            Durability::EveryRecord => true,
+            Durability::GroupCommit { .. } => false,
+            Durability::None => return,
+        };
         let mut state = lock(&self.append);
-        if state.chunks.is_empty() || !state.writer_wait.wants_wake(true, true) {
+        let wake = if every_record {
+            !state.chunks.is_empty() && state.writer_wait.wants_wake(true, true)
+        } else {
+            state.writer_wait == WriterWait::Paced
+        };
+        if !wake {
             return;
         }
         let in_ring = state.writer_wait.in_ring();
         state.set_writer_wait(WriterWait::Running);
         drop(state);
         self.wake_writer(in_ring);
+    }
+
+    /// Whether a thread waits for a record that is not durable yet (`writer::pacing`).
+    pub(crate) fn awaited(&self) -> bool {
+        self.awaited_lsn.load(Ordering::SeqCst) > self.durable_lsn.load(Ordering::SeqCst)
     }
 
     /// Moves the written and durable watermarks, wakes the waiters that wait for them and,
@@ -1213,6 +1257,8 @@ impl Wal {
             sync_latency_us_log2: Default::default(),
             cleaned_segments: AtomicU64::new(0),
             writer_wakeups: AtomicU64::new(0),
+            paced_groups: AtomicU64::new(0),
+            awaited_lsn: CachePadded::new(AtomicU64::new(0)),
         });
         let log_writer = (!options.read_only).then(|| {
             Arc::new(Mutex::new(writer::Writer::new(Arc::clone(&shared), engine, dir_lock)))
@@ -1541,7 +1587,7 @@ impl Wal {
         }
         let may_lead = self.may_lead(timeout);
         if !may_lead {
-            shared.wake_writer_for_waiter();
+            shared.wake_writer_for_waiter(lsn.0);
         }
         // A timeout too large for the clock (`Duration::MAX`) waits without a deadline.
         let deadline = timeout.and_then(|timeout| Instant::now().checked_add(timeout));
@@ -1622,8 +1668,9 @@ impl Wal {
             } else {
                 sync.callbacks.entry(lsn.0).or_default().push(callback);
                 drop(sync);
-                // Leaders write only for themselves: the sync thread must see this record.
-                shared.wake_writer_for_waiter();
+                // Leaders write only for themselves, and pacing holds groups nobody waits
+                // for: the sync thread must see this record.
+                shared.wake_writer_for_waiter(lsn.0);
                 return;
             }
         };
@@ -1775,6 +1822,7 @@ impl Wal {
                 .map_or_else(|poison| poison.into_inner().len(), |s| s.len()),
             cleaned_segments: shared.cleaned_segments.load(Ordering::Relaxed),
             writer_wakeups: shared.writer_wakeups.load(Ordering::Relaxed),
+            paced_groups: shared.paced_groups.load(Ordering::Relaxed),
             io_path: Some(self.io_path),
         }
     }
@@ -2080,6 +2128,77 @@ mod tests {
         let sizes: Vec<usize> =
             wal.iter_from(Lsn::ZERO).unwrap().map(|record| record.unwrap().bytes.len()).collect();
         assert_eq!(sizes, vec![4096, 64, limit - 64, 64]);
+    }
+
+    #[test]
+    fn a_lone_appender_that_waits_for_each_record_is_never_paced() {
+        let dir = tempfile::tempdir().unwrap();
+        let wal = Wal::open(dir.path(), WalConfig::default()).unwrap();
+        for value in 0..30u64 {
+            let (lsn, _) = wal.append_now(&value).unwrap();
+            wal.wait_durable(lsn).unwrap();
+        }
+        let stats = wal.stats();
+        assert_eq!(stats.groups, 30);
+        assert_eq!(stats.paced_groups, 0, "each record was appended after the previous sync");
+    }
+
+    #[test]
+    fn a_stream_nobody_waits_for_is_paced_and_still_all_made_durable() {
+        let dir = tempfile::tempdir().unwrap();
+        let wal = Wal::open(dir.path(), WalConfig::default()).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut last = Lsn::ZERO;
+        let mut appended = 0u64;
+        // Appends keep arriving while the syncs run: sustained load, and nobody waits.
+        while wal.stats().groups < 5 {
+            assert!(Instant::now() < deadline, "five groups were not written in 20 s");
+            for _ in 0..100 {
+                last = wal.append_now(&appended).unwrap().0;
+                appended += 1;
+            }
+        }
+        wal.wait_durable(last).unwrap();
+        let stats = wal.stats();
+        assert!(stats.paced_groups > 0, "no group was paced: {stats:?}");
+        let read: Vec<u64> = wal
+            .iter_from(Lsn::ZERO)
+            .unwrap()
+            .map(|record| {
+                let record = record.unwrap();
+                u64::from_le_bytes(record.bytes[..8].try_into().unwrap())
+            })
+            .collect();
+        assert_eq!(read, (0..appended).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_waiter_ends_the_pause_of_a_paced_group() {
+        let dir = tempfile::tempdir().unwrap();
+        // Paced groups wait 4x the last sync, at most 10 x 100 ms = 1 s after it.
+        let durability =
+            Durability::GroupCommit { max_delay: Duration::from_millis(100), max_bytes: 4096 };
+        let storage = Arc::new(GatedStorage::default());
+        let gate = Arc::clone(&storage.gate);
+        let options = WalOptions { storage, ..WalOptions::default() };
+        let config = WalConfig { durability, ..WalConfig::default() };
+        let wal = Wal::open_with_options(dir.path(), config, options).unwrap();
+        // A full group, taken at once and held at the gate: a slow sync.
+        let (full, _) = wal.append_bytes_now(&[1u8; 4096]).unwrap();
+        eventually("the sync thread is held", || gate.writers_held.load(Ordering::SeqCst) > 0);
+        // Appended while that sync runs, and nobody waits for it yet.
+        let (small, _) = wal.append_bytes_now(&[2u8; 64]).unwrap();
+        // Makes the held group's write take 250 ms, so the pause after it is 1 s.
+        std::thread::sleep(Duration::from_millis(250));
+        *lock(&gate.open) = true;
+        gate.opened.notify_all();
+        eventually("the small group is held for pacing", || {
+            lock(&wal.shared.append).writer_wait == WriterWait::Paced
+        });
+        assert_eq!(wal.durable_lsn(), full);
+        // Well inside the 1 s pause: only the waiter's wake-up can make it durable in time.
+        wal.wait_durable_timeout(small, Duration::from_millis(600)).unwrap();
+        assert_eq!(wal.stats().paced_groups, 1);
     }
 
     #[test]

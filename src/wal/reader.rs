@@ -302,8 +302,9 @@ fn wait_written(
     not_found: impl Fn(&'static str) -> WalError,
 ) -> Result<(), WalError> {
     let deadline = Instant::now() + READ_WAIT_LIMIT;
-    // Leaders write only for themselves: the sync thread must see a record still staged.
-    shared.wake_writer_for_waiter();
+    // Leaders write only for themselves, and pacing holds groups nobody waits for: the sync
+    // thread must see a record still staged (which one is not known here: all of them).
+    shared.wake_writer_for_waiter(shared.appended_lsn.load(Ordering::Acquire));
     let mut sync = lock(&shared.sync);
     loop {
         if segment.end_offset.load(Ordering::Acquire) >= needed {

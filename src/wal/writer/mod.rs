@@ -32,6 +32,7 @@
 //! waiting for durability, so it leaves them to the sync thread
 //! (`Shared::callbacks_deferred`), which runs them at its next turn.
 
+pub(crate) mod pacing;
 pub(crate) mod pwrite;
 pub(crate) mod uring;
 
@@ -209,6 +210,11 @@ pub(crate) struct Writer {
     leading: bool,
     /// The sync thread has exited: nobody writes any more.
     exited: bool,
+    /// The last completed sync, for sync pacing (module `pacing`).
+    last_sync: Option<pacing::LastSync>,
+    /// When `write_group`'s last sync completed (taken before its durability is published,
+    /// so that no record appended after a waiter saw it durable counts as appended before).
+    synced_at: Option<Instant>,
 }
 
 impl Writer {
@@ -228,6 +234,8 @@ impl Writer {
             lead_chunks: Vec::new(),
             leading: false,
             exited: false,
+            last_sync: None,
+            synced_at: None,
         }
     }
 }
@@ -399,7 +407,10 @@ impl Writer {
         match self.write_group(buf, chunks) {
             Ok(()) => {
                 self.shared.groups.fetch_add(1, Ordering::Relaxed);
-                self.shared.record_sync_latency(started.elapsed());
+                match self.synced_at.take() {
+                    Some(done) => self.note_sync(started, done),
+                    None => self.shared.record_sync_latency(started.elapsed()),
+                }
                 true
             }
             Err(error) => {
@@ -519,6 +530,8 @@ impl Writer {
                 pool.push(buf);
             }
             RingEvent::Done { summary, synced, sync_last } => {
+                // Before publishing: see `synced_at`.
+                let done = Instant::now();
                 if synced {
                     // Every earlier group is durable too (events come in order), so the
                     // watermark may move to this group's last LSN.
@@ -534,7 +547,11 @@ impl Writer {
                     }
                 }
                 self.shared.groups.fetch_add(1, Ordering::Relaxed);
-                self.shared.record_sync_latency(summary.started.elapsed());
+                if synced && sync_last {
+                    self.note_sync(summary.started, done);
+                } else {
+                    self.shared.record_sync_latency(summary.started.elapsed());
+                }
             }
             RingEvent::Failed(error) => {
                 // Never reported durable, never retried: the log is failed for good. The ring
@@ -627,12 +644,14 @@ impl Writer {
         Take::Group { closing: swap_out_group(shared, state, buf, chunks) }
     }
 
-    /// Swaps a staged group into `buf`/`chunks`, first waiting out its group-commit delay.
-    /// `Group { closing }` once it swapped (the group may be empty only when closing); `Wait`
-    /// when nothing is staged (the caller waits without the writer lock: `Shared::wait_for_work`).
+    /// Swaps a staged group into `buf`/`chunks`, first waiting out its group-commit delay and
+    /// its pacing (module `pacing`). `Group { closing }` once it swapped (the group may be
+    /// empty only when closing); `Wait` when nothing is staged (the caller waits without the
+    /// writer lock: `Shared::wait_for_work`).
     fn take_group(&mut self, buf: &mut Vec<u8>, chunks: &mut Vec<Chunk>) -> Take {
         let shared = &*self.shared;
         let mut state = lock(&shared.append);
+        let mut paced = false;
         loop {
             if shared.has_doomed() {
                 // Segments to delete first (checked under the append lock, which `clean`
@@ -643,11 +662,26 @@ impl Writer {
             if !state.chunks.is_empty() {
                 if let Durability::GroupCommit { max_delay, max_bytes } = shared.config.durability {
                     if state.group_may_grow(max_bytes) {
-                        let deadline =
-                            state.group_started.expect("set with the first chunk") + max_delay;
+                        let started = state.group_started.expect("set with the first chunk");
+                        let delay_end = started + max_delay;
+                        // Under the append lock, which a waiter takes after marking what it
+                        // awaits (`Shared::wake_writer_for_waiter`): none is missed.
+                        let pace_end = pacing::paced_until(
+                            started,
+                            self.last_sync,
+                            max_delay,
+                            shared.awaited(),
+                        )
+                        .filter(|&pace_end| pace_end > delay_end);
+                        let deadline = pace_end.unwrap_or(delay_end);
                         let now = Instant::now();
                         if now < deadline {
-                            state.set_writer_wait(WriterWait::Condvar);
+                            paced |= pace_end.is_some();
+                            state.set_writer_wait(if pace_end.is_some() {
+                                WriterWait::Paced
+                            } else {
+                                WriterWait::Condvar
+                            });
                             state = shared
                                 .writer_cv
                                 .wait_timeout(state, deadline - now)
@@ -665,8 +699,19 @@ impl Writer {
             }
             return Take::Wait;
         }
+        if paced {
+            shared.paced_groups.fetch_add(1, Ordering::Relaxed);
+        }
         state.set_writer_wait(WriterWait::Running);
         Take::Group { closing: swap_out_group(shared, state, buf, chunks) }
+    }
+
+    /// Records how long a group that `started` took to be written and synced (`done`): the
+    /// sync-time statistics, and the last sync for pacing (module `pacing`).
+    fn note_sync(&mut self, started: Instant, done: Instant) {
+        let took = done.saturating_duration_since(started);
+        self.shared.record_sync_latency(took);
+        self.last_sync = Some(pacing::LastSync { done, took });
     }
 
     /// Deletes the files of the segments `clean` queued (SPEC E.4: on the log's thread;
@@ -731,6 +776,7 @@ impl Writer {
                 current.dirty = false;
                 self.shared.syncs.fetch_add(1, Ordering::Relaxed);
                 self.shared.synced_lsn.store(last.last_lsn, Ordering::Release);
+                self.synced_at = Some(Instant::now());
                 self.publish(last.last_lsn, last.last_lsn);
             } else {
                 current.dirty = true;

@@ -135,6 +135,7 @@ impl Figure {
                 "segments": stats.segments,
                 "cleaned_segments": stats.cleaned_segments,
                 "writer_wakeups": stats.writer_wakeups,
+                "paced_groups": stats.paced_groups,
                 "io_path": stats.io_path.map(|path| path.as_str()),
             }),
         )

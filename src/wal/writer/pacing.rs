@@ -1,0 +1,111 @@
+//! Sync pacing: under sustained group-commit load nobody waits for, groups are spaced out.
+//!
+//! # Why
+//! Under load the pipelined group commit takes the next group as soon as the previous sync
+//! completes, so syncs run back to back. On the 2-core class we run on, every sync costs the
+//! machine far more than its bytes: a write request and a flush request to the virtual disk
+//! (each a VM exit), an interrupt, worker and journal wake-ups. Measured (PERF.md,
+//! EpochCoordinator), back-to-back syncs take 0.35-0.56 of a core whatever the I/O method:
+//! cheaper syncs only make proportionally more of them. The appenders lose that CPU. When
+//! somebody waits for a record to become durable, that is the price of a short wait; when
+//! nobody waits (the epoch log: its coordinator never waits for a sync), it buys nothing.
+//!
+//! # The rule
+//! A group that is not full is held past its `max_delay` when all of these hold:
+//! * its first record was appended before the previous sync completed (records keep arriving
+//!   while syncs run: sustained load, not a lone appender that waited for its last record);
+//! * nobody waits for a record that is not durable yet: no [`crate::wal::Wal::wait_durable`]
+//!   caller, no durability callback, no reader of a record still staged (they mark the LSN they
+//!   need, `Shared::awaited_lsn`, and a waiter that arrives during a paced wait ends it).
+//!
+//! It is then held until [`PACING_FACTOR`] times the previous sync's duration after that sync
+//! completed, at most [`PACING_CAP_DELAYS`] times `max_delay` (2 ms at the 200 us default), so
+//! that syncs keep the device busy at most about a fifth of the time. A full group
+//! (`max_bytes`), an appender waiting for staging room, or closing the log still take the
+//! group at once, so memory stays bounded and nothing waits on pacing but the durable
+//! watermark. A light load is not paced at all: its groups start after the previous sync
+//! completed.
+
+use std::time::{Duration, Instant};
+
+/// A paced group waits this many times the previous sync's duration after that sync.
+pub(crate) const PACING_FACTOR: u32 = 4;
+/// ... but at most this many times the group commit's `max_delay` after that sync.
+pub(crate) const PACING_CAP_DELAYS: u32 = 10;
+
+/// The last completed sync: when it completed and how long its group took to become durable
+/// (write and sync).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct LastSync {
+    pub(crate) done: Instant,
+    pub(crate) took: Duration,
+}
+
+/// Until when pacing holds a group that is not full, or `None` if it does not (module doc):
+/// `group_started` is its first record's append time, `awaited` whether anybody waits for a
+/// record that is not durable yet.
+pub(crate) fn paced_until(
+    group_started: Instant,
+    last_sync: Option<LastSync>,
+    max_delay: Duration,
+    awaited: bool,
+) -> Option<Instant> {
+    let last = last_sync?;
+    if awaited || group_started >= last.done {
+        return None;
+    }
+    let pause =
+        last.took.saturating_mul(PACING_FACTOR).min(max_delay.saturating_mul(PACING_CAP_DELAYS));
+    Some(last.done + pause)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MAX_DELAY: Duration = Duration::from_micros(200);
+
+    fn last_sync(at: Instant, took_us: u64) -> Option<LastSync> {
+        Some(LastSync { done: at, took: Duration::from_micros(took_us) })
+    }
+
+    #[test]
+    fn a_group_that_started_while_the_last_sync_ran_waits_a_multiple_of_that_sync() {
+        let done = Instant::now();
+        let started = done - Duration::from_micros(100);
+        assert_eq!(
+            paced_until(started, last_sync(done, 300), MAX_DELAY, false),
+            Some(done + Duration::from_micros(300 * u64::from(PACING_FACTOR)))
+        );
+    }
+
+    #[test]
+    fn the_pause_is_capped_at_a_multiple_of_max_delay() {
+        let done = Instant::now();
+        let started = done - Duration::from_micros(100);
+        assert_eq!(
+            paced_until(started, last_sync(done, 50_000), MAX_DELAY, false),
+            Some(done + MAX_DELAY * PACING_CAP_DELAYS)
+        );
+    }
+
+    #[test]
+    fn a_group_that_started_after_the_last_sync_is_not_paced() {
+        let done = Instant::now();
+        assert_eq!(paced_until(done, last_sync(done, 300), MAX_DELAY, false), None);
+        let later = done + Duration::from_micros(1);
+        assert_eq!(paced_until(later, last_sync(done, 300), MAX_DELAY, false), None);
+    }
+
+    #[test]
+    fn a_group_somebody_waits_for_is_not_paced() {
+        let done = Instant::now();
+        let started = done - Duration::from_micros(100);
+        assert_eq!(paced_until(started, last_sync(done, 300), MAX_DELAY, true), None);
+    }
+
+    #[test]
+    fn nothing_is_paced_before_the_first_sync() {
+        assert_eq!(paced_until(Instant::now(), None, MAX_DELAY, false), None);
+    }
+}
