@@ -516,7 +516,7 @@ pub struct WalStats {
     /// is a system call on the waking thread and a turn of the sync thread; under group
     /// commit a busy log needs about one per group at most.
     pub writer_wakeups: u64,
-    /// Groups that sync pacing held past their `max_delay` (module doc, "Sync pacing").
+    /// Groups that sync pacing held back (module doc, "Sync pacing").
     pub paced_groups: u64,
     /// The live I/O path.
     pub io_path: Option<IoPath>,

@@ -11,6 +11,12 @@
 //!   1000 partitions with 8-byte offsets a record is about 8 KiB. It is archived straight from
 //!   the coordinator's offsets, in one pass in the compact case (module `log_record`).
 //! * `Commit { run, epoch }`: the epoch was committed (appended after the sink commit).
+//! * `OffsetsDelta { run, epoch, base_epoch, count, width, word_bytes, deltas }`: the offsets of
+//!   one epoch as the difference from the run's last full `Offsets` record (its keyframe,
+//!   compact, of epoch `base_epoch`), about half the bytes or less (module `delta`). A record
+//!   is a delta when the layout is compact and the same as the keyframe's, and the epoch is
+//!   fewer than 16 epochs (and fewer than `retained_epochs`) from the keyframe's; else it is
+//!   full, and a compact full record becomes the next keyframe.
 //!
 //! `run` numbers the openings of the log (the highest run found on recovery, plus one). It is
 //! what makes "the first record of an epoch wins" safe across restarts: a run that stopped may
@@ -21,8 +27,10 @@
 //!
 //! # Recovery (SPEC B.10)
 //! Opening reads every record in LSN order, keeping only record handles (the last committed
-//! epoch `E` and, per epoch after the newest commit, where its winning offsets are). `E`'s
-//! offsets are decoded at the end. No commit: the run starts at epoch 0. A commit without
+//! epoch `E` and, per epoch after the newest commit, where its winning offsets are, with the
+//! last full record before a delta as its base). `E`'s offsets are decoded at the end; a delta
+//! whose base is not the last full record before it (lost with a segment skipped as corrupt)
+//! fails with [`EpochError::BadLogRecord`] naming both epochs. No commit: the run starts at epoch 0. A commit without
 //! offsets fails with [`EpochError::CommittedWithoutOffsets`] (Spark's message). Offsets of
 //! epochs after `E` are ignored.
 //!
@@ -61,6 +69,7 @@ use std::{
 use rkyv::{rancor, util::AlignedVec};
 
 use super::{
+    delta::{decode_delta, DeltaEncoder, KEYFRAME_INTERVAL},
     log_record::{
         decode_offsets, ArchivedLogRecord, LogRecord, LogRecordRef, OffsetsRecordRef, TooLarge,
     },
@@ -259,6 +268,8 @@ pub struct DurableQuery<Q: Query = NoopQuery> {
     buf: AlignedVec,
     /// Whether the last offsets record had the compact layout (see `append_offsets`).
     assume_compact: bool,
+    /// The run's keyframe and the delta being built (module `delta`).
+    deltas: DeltaEncoder,
 }
 
 impl DurableQuery<NoopQuery> {
@@ -312,6 +323,7 @@ impl<Q: Query> DurableQuery<Q> {
             next_clean: i64::MIN,
             buf: AlignedVec::new(),
             assume_compact: true,
+            deltas: DeltaEncoder::default(),
         })
     }
 
@@ -373,11 +385,15 @@ impl<Q: Query> DurableQuery<Q> {
 
     /// Serializes `record` into `self.buf`; returns whether the archive is valid (see
     /// [`LogRecordRef::layout_held`]).
-    fn serialize(&mut self, record: &LogRecordRef<'_>, epoch: Epoch) -> Result<bool, EpochError> {
-        let mut buf = std::mem::take(&mut self.buf);
-        buf.clear();
-        self.buf =
-            rkyv::api::high::to_bytes_in::<_, rancor::Error>(record, buf).map_err(|error| {
+    fn serialize(
+        buf: &mut AlignedVec,
+        record: &LogRecordRef<'_>,
+        epoch: Epoch,
+    ) -> Result<bool, EpochError> {
+        let mut taken = std::mem::take(buf);
+        taken.clear();
+        *buf =
+            rkyv::api::high::to_bytes_in::<_, rancor::Error>(record, taken).map_err(|error| {
                 EpochError::BadLogRecord {
                     lsn: 0,
                     reason: format!("serializing a record of epoch {epoch}: {error}"),
@@ -399,7 +415,8 @@ impl<Q: Query> DurableQuery<Q> {
         }
     }
 
-    /// Appends the epoch's offsets record: serialized in one pass assuming the compact layout
+    /// Appends the epoch's offsets record: a delta from the run's keyframe when it can be one
+    /// (module `delta`), else a full record, serialized in one pass assuming the compact layout
     /// while the last record had it (the usual case), else with the layout computed first. An
     /// assumption that fails costs one wasted pass, and then no more until a record is compact
     /// again.
@@ -408,6 +425,13 @@ impl<Q: Query> DurableQuery<Q> {
         epoch: Epoch,
         offsets: &[(PartitionId, Payload)],
     ) -> Result<(), EpochError> {
+        // At most the retained epochs apart, so that cleaning keeps the keyframe (module
+        // `delta`).
+        let interval = KEYFRAME_INTERVAL.min(self.retained_epochs as i64);
+        if let Some(delta) = self.deltas.encode(self.run, epoch.0, offsets, interval) {
+            Self::serialize(&mut self.buf, &LogRecordRef::OffsetsDelta(delta), epoch)?;
+            return self.append_serialized(epoch, "append the offsets of an epoch").map(|_| ());
+        }
         let too_large = |error: TooLarge| EpochError::BadLogRecord {
             lsn: 0,
             reason: format!(
@@ -417,14 +441,20 @@ impl<Q: Query> DurableQuery<Q> {
         };
         let held = self.assume_compact && {
             let record = OffsetsRecordRef::assuming_compact(self.run, epoch.0, offsets);
-            self.serialize(&LogRecordRef::Offsets(record.map_err(too_large)?), epoch)?
+            Self::serialize(
+                &mut self.buf,
+                &LogRecordRef::Offsets(record.map_err(too_large)?),
+                epoch,
+            )?
         };
         if !held {
             let record = OffsetsRecordRef::new(self.run, epoch.0, offsets).map_err(too_large)?;
             self.assume_compact = record.is_compact();
-            self.serialize(&LogRecordRef::Offsets(record), epoch)?;
+            Self::serialize(&mut self.buf, &LogRecordRef::Offsets(record), epoch)?;
         }
-        self.append_serialized(epoch, "append the offsets of an epoch").map(|_| ())
+        self.append_serialized(epoch, "append the offsets of an epoch")?;
+        self.deltas.full_record_appended(epoch.0, offsets);
+        Ok(())
     }
 
     /// Cleans below the newest `retained_epochs` **durable** commits. Counting from the last
@@ -488,7 +518,11 @@ impl<Q: Query> Query for DurableQuery<Q> {
         if !self.logged.contains(&epoch.0) {
             return Err(Box::new(EpochError::CommittedWithoutOffsets { epoch }));
         }
-        self.serialize(&LogRecordRef::Commit { run: self.run, epoch: epoch.0 }, epoch)?;
+        Self::serialize(
+            &mut self.buf,
+            &LogRecordRef::Commit { run: self.run, epoch: epoch.0 },
+            epoch,
+        )?;
         let lsn = self.append_serialized(epoch, "append the commit of an epoch")?;
         self.status.last_committed.store(epoch.0, Ordering::Release);
         // Drop the epochs up to this one in place (`split_off` would build a new set: an
@@ -548,27 +582,27 @@ fn recover(wal: &Wal) -> Result<Recovered, EpochError> {
     let read_error = |source| EpochError::Wal { op: "read the epoch log", source };
     let mut max_run = 0u64;
     let mut last_committed: Option<i64> = None;
-    // Epoch -> (run, handle) of its winning offsets; only epochs >= the last commit kept.
-    let mut offsets: BTreeMap<i64, (u64, RecordHandle, Lsn)> = BTreeMap::new();
+    // Epoch -> its winning offsets record; only epochs >= the last commit kept.
+    let mut offsets: BTreeMap<i64, Winner> = BTreeMap::new();
+    // The last full offsets record read: the base of the deltas after it in its run.
+    let mut last_full: Option<Base> = None;
     for record in wal.iter_from(Lsn(0)).map_err(read_error)? {
         let record = record.map_err(read_error)?;
         let lsn = record.lsn;
         let archived = record.access::<LogRecord>().map_err(|error| bad_record(lsn, error))?;
-        match archived {
+        let (run, epoch, base) = match archived {
             ArchivedLogRecord::Offsets(entry) => {
-                let run = entry.run.to_native();
-                let epoch = entry.epoch.to_native();
-                max_run = max_run.max(run);
-                if last_committed.is_some_and(|last| epoch < last) {
-                    continue;
-                }
-                match offsets.get(&epoch) {
-                    // The first record of a run wins; a newer run replaces an older one.
-                    Some((winner, ..)) if *winner >= run => {}
-                    _ => {
-                        offsets.insert(epoch, (run, record.handle, lsn));
-                    }
-                }
+                let (run, epoch) = (entry.run.to_native(), entry.epoch.to_native());
+                last_full = Some(Base { run, epoch, handle: record.handle, lsn });
+                (run, epoch, None)
+            }
+            ArchivedLogRecord::OffsetsDelta(entry) => {
+                let (run, epoch) = (entry.run.to_native(), entry.epoch.to_native());
+                let base_epoch = entry.base_epoch.to_native();
+                let base = last_full
+                    .filter(|base| base.run == run && base.epoch == base_epoch)
+                    .ok_or(base_epoch);
+                (run, epoch, Some(base))
             }
             ArchivedLogRecord::Commit { run, epoch } => {
                 let (run, epoch) = (run.to_native(), epoch.to_native());
@@ -587,21 +621,78 @@ fn recover(wal: &Wal) -> Result<Recovered, EpochError> {
                         offsets = offsets.split_off(&epoch);
                     }
                 }
+                continue;
+            }
+        };
+        max_run = max_run.max(run);
+        if last_committed.is_some_and(|last| epoch < last) {
+            continue;
+        }
+        match offsets.get(&epoch) {
+            // The first record of a run wins; a newer run replaces an older one.
+            Some(winner) if winner.run >= run => {}
+            _ => {
+                offsets.insert(epoch, Winner { run, handle: record.handle, lsn, base });
             }
         }
     }
     let Some(last) = last_committed else {
         return Ok(Recovered { restart_point: None, max_run });
     };
-    let Some(&(_, handle, lsn)) = offsets.get(&last) else {
+    let Some(winner) = offsets.get(&last) else {
         return Err(EpochError::CommittedWithoutOffsets { epoch: Epoch(last) });
     };
-    let archived = wal.read::<LogRecord>(handle).map_err(read_error)?;
-    let ArchivedLogRecord::Offsets(entry) = &*archived else {
-        return Err(bad_record(lsn, "expected an offsets record"));
-    };
-    let restart_offsets = decode_offsets(entry).map_err(|reason| bad_record(lsn, reason))?;
+    let restart_offsets = winner.decode(wal, last)?;
     Ok(Recovered { restart_point: Some((Epoch(last), restart_offsets)), max_run })
+}
+
+/// Where recovery found an epoch's winning offsets.
+struct Winner {
+    run: u64,
+    handle: RecordHandle,
+    lsn: Lsn,
+    /// For a delta: its base, or the base epoch it names if that is not the last full record
+    /// read before it (a base lost with a skipped segment).
+    base: Option<Result<Base, i64>>,
+}
+
+/// A full offsets record, as the base of deltas.
+#[derive(Clone, Copy)]
+struct Base {
+    run: u64,
+    epoch: i64,
+    handle: RecordHandle,
+    lsn: Lsn,
+}
+
+impl Winner {
+    /// The offsets of `epoch`, read from the log (and from the base of a delta).
+    fn decode(&self, wal: &Wal, epoch: i64) -> Result<Vec<(PartitionId, Payload)>, EpochError> {
+        let read_error = |source| EpochError::Wal { op: "read the epoch log", source };
+        let archived = wal.read::<LogRecord>(self.handle).map_err(read_error)?;
+        match (&*archived, self.base) {
+            (ArchivedLogRecord::Offsets(entry), None) => {
+                decode_offsets(entry).map_err(|reason| bad_record(self.lsn, reason))
+            }
+            (ArchivedLogRecord::OffsetsDelta(delta), Some(Ok(base))) => {
+                let base_record = wal.read::<LogRecord>(base.handle).map_err(read_error)?;
+                let ArchivedLogRecord::Offsets(full) = &*base_record else {
+                    return Err(bad_record(base.lsn, "expected a full offsets record"));
+                };
+                decode_delta(full, delta).map_err(|reason| bad_record(self.lsn, reason))
+            }
+            (ArchivedLogRecord::OffsetsDelta(_), Some(Err(base_epoch))) => Err(bad_record(
+                self.lsn,
+                format!(
+                    "the offsets of epoch {epoch} are a delta from the full record of epoch \
+                     {base_epoch} of run {}, which is not the last full record before it \
+                     (lost with a skipped segment?)",
+                    self.run
+                ),
+            )),
+            _ => Err(bad_record(self.lsn, "expected an offsets record")),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -707,16 +798,43 @@ mod tests {
         }
         let last = Epoch(layouts.len() as i64 - 1);
         assert!(query.status().wait_durable_committed(last, Duration::from_secs(10)));
+        // Only a compact record after a compact full one is a delta.
+        let deltas = [false, false, false, false, false, false, true, false];
+        let expected: Vec<_> = (0..)
+            .zip(layouts)
+            .zip(deltas)
+            .map(|((epoch, layout), delta)| (epoch, layout(epoch), delta))
+            .collect();
+        assert_eq!(logged_offsets(query.wal()), expected);
+    }
+
+    /// An offsets record read back: `(epoch, offsets, is a delta)`.
+    type Logged = (i64, Vec<(PartitionId, Payload)>, bool);
+
+    /// Every offsets record in the log, in order.
+    fn logged_offsets(wal: &Wal) -> Vec<Logged> {
         let mut logged = Vec::new();
-        for record in query.wal().iter_from(Lsn(0)).unwrap() {
+        let mut last_full = None;
+        for record in wal.iter_from(Lsn(0)).unwrap() {
             let record = record.unwrap();
-            if let ArchivedLogRecord::Offsets(entry) = record.access::<LogRecord>().unwrap() {
-                logged.push((entry.epoch.to_native(), decode_offsets(entry).unwrap()));
+            match record.access::<LogRecord>().unwrap() {
+                ArchivedLogRecord::Offsets(entry) => {
+                    logged.push((entry.epoch.to_native(), decode_offsets(entry).unwrap(), false));
+                    last_full = Some(record.handle);
+                }
+                ArchivedLogRecord::OffsetsDelta(delta) => {
+                    let base = wal.read::<LogRecord>(last_full.unwrap()).unwrap();
+                    let ArchivedLogRecord::Offsets(base) = &*base else { panic!("not full") };
+                    logged.push((
+                        delta.epoch.to_native(),
+                        decode_delta(base, delta).unwrap(),
+                        true,
+                    ));
+                }
+                ArchivedLogRecord::Commit { .. } => {}
             }
         }
-        let expected: Vec<_> =
-            (0..).zip(layouts).map(|(epoch, layout)| (epoch, layout(epoch))).collect();
-        assert_eq!(logged, expected);
+        logged
     }
 
     #[test]
@@ -807,6 +925,80 @@ mod tests {
         }
         let query = DurableQuery::open(dir.path(), config()).unwrap();
         assert_eq!(query.restart_point(), Some(&(Epoch(199), many(199))));
+    }
+
+    #[test]
+    fn deltas_shrink_the_log_and_their_keyframes_outlive_cleaning() {
+        let dir = tempfile::tempdir().unwrap();
+        // 200 offsets of 8 bytes that advance by 5000 an epoch: 1.6 KiB as a full record, 400
+        // bytes as a delta at most two epochs from its keyframe (differences below 2^15).
+        let offsets = |epoch: i64| -> Vec<(PartitionId, Payload)> {
+            (0..200).map(|p| (PartitionId(p), Payload::from(epoch * 5000 + i64::from(p)))).collect()
+        };
+        let epochs = 600;
+        {
+            // Segments of 4 KiB, a few epochs each, so that cleaning runs close behind the
+            // restart point: keyframes more epochs back than retained would be deleted.
+            let config =
+                WalConfig { durability: Durability::None, segment_size_bytes: 4096, ..config() };
+            let mut query = DurableQuery::open(dir.path(), config).unwrap().with_retained_epochs(3);
+            for epoch in 0..epochs {
+                query.add_offsets(Epoch(epoch), &offsets(epoch)).unwrap();
+                query.commit(Epoch(epoch)).unwrap();
+                assert!(query
+                    .status()
+                    .wait_durable_committed(Epoch(epoch), Duration::from_secs(10)));
+            }
+            let stats = query.wal().stats();
+            assert!(stats.cleaned_segments >= 100, "{stats:?}");
+            // One full record and two deltas per three epochs, plus the commits: about 900
+            // bytes an epoch, against 1.7 KiB with full records only.
+            assert!(stats.bytes < epochs as u64 * 1100, "{stats:?}");
+        }
+        let query = DurableQuery::open(dir.path(), config()).unwrap();
+        let logged = logged_offsets(query.wal());
+        let (last, last_offsets, last_is_delta) = logged.last().unwrap();
+        assert_eq!((*last, *last_is_delta), (epochs - 1, true), "the restart point is a delta");
+        assert_eq!(last_offsets, &offsets(epochs - 1));
+        assert_eq!(query.restart_point(), Some(&(Epoch(epochs - 1), offsets(epochs - 1))));
+    }
+
+    #[test]
+    fn a_delta_whose_keyframe_is_gone_fails_recovery_naming_both_epochs() {
+        let dir = tempfile::tempdir().unwrap();
+        let offsets = |epoch: i64| -> Vec<(PartitionId, Payload)> {
+            (0..4).map(|p| (PartitionId(p), Payload::from(epoch * 10 + i64::from(p)))).collect()
+        };
+        let (lsn, delta) = {
+            let mut query = DurableQuery::open(dir.path(), config()).unwrap();
+            query.add_offsets(Epoch(0), &offsets(0)).unwrap();
+            query.add_offsets(Epoch(1), &offsets(1)).unwrap();
+            query.wal().wait_durable(query.wal().appended_lsn()).unwrap();
+            let logged = logged_offsets(query.wal());
+            assert_eq!(
+                logged.iter().map(|(_, _, delta)| *delta).collect::<Vec<_>>(),
+                [false, true]
+            );
+            // The delta's bytes, as they were logged.
+            let record = query.wal().iter_from(Lsn(2)).unwrap().next().unwrap().unwrap();
+            (record.lsn, record.bytes.to_vec())
+        };
+        assert_eq!(lsn, Lsn(2));
+        // A log holding the delta, then a commit of its epoch, but not its keyframe (as if
+        // its segment had been skipped as corrupt).
+        let other = tempfile::tempdir().unwrap();
+        {
+            let wal = Wal::open(other.path(), config()).unwrap();
+            wal.append_bytes(&delta, 1).unwrap();
+            let commit =
+                rkyv::to_bytes::<rancor::Error>(&LogRecord::Commit { run: 1, epoch: 1 }).unwrap();
+            let (lsn, _) = wal.append_bytes(&commit, 1).unwrap();
+            wal.wait_durable(lsn).unwrap();
+        }
+        let error = DurableQuery::open(other.path(), config()).unwrap_err();
+        let EpochError::BadLogRecord { lsn, reason } = &error else { panic!("{error}") };
+        assert_eq!(*lsn, 1);
+        assert!(reason.contains("epoch 1") && reason.contains("epoch 0"), "{reason}");
     }
 
     #[test]

@@ -40,6 +40,32 @@ pub(super) enum LogRecord {
         /// The epoch.
         epoch: i64,
     },
+    /// The offsets of one epoch, as the difference from the run's last `Offsets` record
+    /// (module `delta`).
+    OffsetsDelta(OffsetsDeltaRecord),
+}
+
+/// The offsets of one epoch as the difference from a base: the last [`OffsetsRecord`] the
+/// same run appended before this record, which has the compact layout (ids `0..count`, every
+/// payload `width` bytes) with the same `count` and `width` (module `delta`).
+#[derive(
+    Debug, Clone, Default, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize,
+)]
+pub(super) struct OffsetsDeltaRecord {
+    pub(super) run: u64,
+    pub(super) epoch: i64,
+    /// The epoch of the base record.
+    pub(super) base_epoch: i64,
+    /// Number of offsets.
+    pub(super) count: u32,
+    /// Length of every payload.
+    pub(super) width: u32,
+    /// Bytes per entry of `deltas`, 0 to 8.
+    pub(super) word_bytes: u8,
+    /// For each 8-byte little-endian word of the concatenated payloads (the last one padded
+    /// with zeros), the zigzag-encoded wrapping difference from the base's word, in its
+    /// `word_bytes` low bytes, little-endian.
+    pub(super) deltas: Vec<u8>,
 }
 
 /// The offsets of one epoch, as flat arrays (the layouts are described in the `durable`
@@ -73,6 +99,8 @@ pub(super) enum LogRecordRef<'a> {
         /// The epoch.
         epoch: i64,
     },
+    /// The offsets of one epoch, as a difference (module `delta`).
+    OffsetsDelta(#[rkyv(with = rkyv::with::Inline)] &'a OffsetsDeltaRecord),
 }
 
 /// [`OffsetsRecord`] as it is written, borrowing the offsets: archives as
@@ -139,7 +167,7 @@ impl LogRecordRef<'_> {
     pub(super) fn layout_held(&self) -> bool {
         match self {
             Self::Offsets(record) => !record.data.assumed || record.data.held.get(),
-            Self::Commit { .. } => true,
+            Self::Commit { .. } | Self::OffsetsDelta(_) => true,
         }
     }
 }

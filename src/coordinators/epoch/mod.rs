@@ -105,6 +105,7 @@
 //!   durable the WAL's time-based `clean` drops whole segments of epochs below
 //!   `D + 1 - retained` (Spark's `minBatchesToRetain`, default 100), never `D`'s own records.
 
+mod delta;
 mod durable;
 mod endpoint;
 mod log_record;
