@@ -3,10 +3,10 @@
 //!
 //! # Why
 //! With group commit paced (module `wal::writer::pacing`), what a durable epoch run spends
-//! beyond the in-memory one grows with the bytes it logs: the kernel copies every byte into the
-//! page cache and the virtual disk takes it again, about a microsecond of CPU per KiB on this
-//! machine class (PERF.md, EpochCoordinator). A full offsets record of 1000 partitions with
-//! 8-byte offsets is 8 KiB per epoch. But a partition's offset moves by one epoch's progress
+//! beyond the in-memory one grows with the bytes it logs: about a microsecond of kernel CPU
+//! per KiB made durable on this machine class, mostly ext4 converting the unwritten extents of
+//! preallocated segments (PERF.md, EpochCoordinator, "Fourteenth session"). A full offsets
+//! record of 1000 partitions with 8-byte offsets is 8 KiB per epoch. But a partition's offset moves by one epoch's progress
 //! from one epoch to the next, so the difference from a recent epoch's offset needs a few low
 //! bytes, not eight.
 //!
