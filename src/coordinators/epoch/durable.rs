@@ -18,6 +18,10 @@
 //!   fewer than 16 epochs (and fewer than `retained_epochs`) from the keyframe's; else it is
 //!   full, and a compact full record becomes the next keyframe.
 //!
+//! Logs written before delta records existed open unchanged (the archived enum keeps its size,
+//! a compile-time check in `log_record`); an earlier version cannot open a log holding delta
+//! records (an unknown record: [`EpochError::BadLogRecord`]).
+//!
 //! `run` numbers the openings of the log (the highest run found on recovery, plus one). It is
 //! what makes "the first record of an epoch wins" safe across restarts: a run that stopped may
 //! have logged offsets for epochs after its last commit, and the next run (which restarts from

@@ -45,6 +45,11 @@ pub(super) enum LogRecord {
     OffsetsDelta(OffsetsDeltaRecord),
 }
 
+// rkyv finds a record's root at its end, `size_of` the archived enum back: logs written before
+// `OffsetsDelta` existed hold 56-byte roots, so no variant may grow the enum (or they no
+// longer open).
+const _: () = assert!(std::mem::size_of::<ArchivedLogRecord>() == 56);
+
 /// The offsets of one epoch as the difference from a base: the last [`OffsetsRecord`] the
 /// same run appended before this record, which has the compact layout (ids `0..count`, every
 /// payload `width` bytes) with the same `count` and `width` (module `delta`).
