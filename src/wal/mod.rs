@@ -2172,10 +2172,12 @@ mod tests {
         assert_eq!(read, (0..appended).collect::<Vec<_>>());
     }
 
-    #[test]
-    fn a_waiter_ends_the_pause_of_a_paced_group() {
+    /// A log (on a gated file layer) whose second group, a small record appended while the
+    /// first group's slow sync ran, is held for pacing: 1 s after that sync (4x its 250 ms,
+    /// at most 10 x `max_delay` = 1 s). Returns the log, its directory, and the LSNs of the
+    /// durable first record and the held one.
+    fn log_with_a_paced_group() -> (Wal, tempfile::TempDir, Lsn, Lsn) {
         let dir = tempfile::tempdir().unwrap();
-        // Paced groups wait 4x the last sync, at most 10 x 100 ms = 1 s after it.
         let durability =
             Durability::GroupCommit { max_delay: Duration::from_millis(100), max_bytes: 4096 };
         let storage = Arc::new(GatedStorage::default());
@@ -2186,7 +2188,7 @@ mod tests {
         // A full group, taken at once and held at the gate: a slow sync.
         let (full, _) = wal.append_bytes_now(&[1u8; 4096]).unwrap();
         eventually("the sync thread is held", || gate.writers_held.load(Ordering::SeqCst) > 0);
-        // Appended while that sync runs, and nobody waits for it yet.
+        // Appended while that sync runs, and nobody waits for it.
         let (small, _) = wal.append_bytes_now(&[2u8; 64]).unwrap();
         // Makes the held group's write take 250 ms, so the pause after it is 1 s.
         std::thread::sleep(Duration::from_millis(250));
@@ -2196,9 +2198,46 @@ mod tests {
             lock(&wal.shared.append).writer_wait == WriterWait::Paced
         });
         assert_eq!(wal.durable_lsn(), full);
+        (wal, dir, full, small)
+    }
+
+    /// Polls (without waiting on the log, which would end the pause) until `lsn` is durable,
+    /// at most `bound`.
+    fn durable_within(wal: &Wal, lsn: Lsn, bound: Duration) -> bool {
+        let deadline = Instant::now() + bound;
+        while wal.durable_lsn() < lsn {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        true
+    }
+
+    #[test]
+    fn a_waiter_ends_the_pause_of_a_paced_group() {
+        let (wal, _dir, _, small) = log_with_a_paced_group();
         // Well inside the 1 s pause: only the waiter's wake-up can make it durable in time.
         wal.wait_durable_timeout(small, Duration::from_millis(600)).unwrap();
         assert_eq!(wal.stats().paced_groups, 1);
+    }
+
+    #[test]
+    fn a_group_that_fills_up_is_not_held_by_pacing() {
+        let (wal, _dir, _, _) = log_with_a_paced_group();
+        // Fills the held group past `max_bytes` (4096).
+        let (last, _) = wal.append_bytes_now(&[3u8; 4096]).unwrap();
+        assert!(durable_within(&wal, last, Duration::from_millis(600)), "the full group waited");
+    }
+
+    #[test]
+    fn closing_does_not_wait_out_a_pause() {
+        let (wal, _dir, _, small) = log_with_a_paced_group();
+        let started = Instant::now();
+        wal.close().unwrap();
+        let took = started.elapsed();
+        assert!(took < Duration::from_millis(600), "close took {took:?}");
+        assert_eq!(wal.durable_lsn(), small);
     }
 
     #[test]
