@@ -739,6 +739,9 @@ pub(crate) struct Shared {
     pub(crate) writer_wakeups: AtomicU64,
     /// `WalStats::paced_groups`.
     pub(crate) paced_groups: AtomicU64,
+    /// The sync thread announces a pause for pacing (`writer::pacing::hold_unless_awaited`):
+    /// only then must a waiter take the append lock to wake it.
+    pub(crate) pacing: AtomicBool,
     /// The highest LSN a thread waited for (a durability waiter, a callback, a reader of a
     /// staged record): while it is above the durable LSN, groups are not paced
     /// (`writer::pacing`).
@@ -827,13 +830,13 @@ impl Shared {
     /// holds a group for pacing, or (`EveryRecord`) if it waits for a group and leaders may
     /// have left one staged.
     pub(crate) fn wake_writer_for_waiter(&self, awaited_lsn: u64) {
-        // Before the append lock, under which the sync thread reads it when it decides to
-        // pace: either it sees the mark, or this thread sees it pacing and wakes it.
+        // Marked, then the pause looked for: the mirror image of the sync thread's
+        // `hold_unless_awaited`, so that either it sees the mark or this thread sees the pause.
         self.awaited_lsn.fetch_max(awaited_lsn, Ordering::SeqCst);
         let every_record = match self.config.durability {
             Durability::EveryRecord => true,
-            Durability::GroupCommit { .. } => false,
-            Durability::None => return,
+            Durability::GroupCommit { .. } if self.pacing.load(Ordering::SeqCst) => false,
+            Durability::GroupCommit { .. } | Durability::None => return,
         };
         let mut state = lock(&self.append);
         let wake = if every_record {
@@ -1258,6 +1261,7 @@ impl Wal {
             cleaned_segments: AtomicU64::new(0),
             writer_wakeups: AtomicU64::new(0),
             paced_groups: AtomicU64::new(0),
+            pacing: AtomicBool::new(false),
             awaited_lsn: CachePadded::new(AtomicU64::new(0)),
         });
         let log_writer = (!options.read_only).then(|| {

@@ -653,6 +653,9 @@ impl Writer {
         let mut state = lock(&shared.append);
         let mut paced = false;
         loop {
+            // Set again below if this turn paces (a stale `true` only sends a waiter through
+            // the append lock).
+            shared.pacing.store(false, Ordering::Relaxed);
             if shared.has_doomed() {
                 // Segments to delete first (checked under the append lock, which `clean`
                 // takes to wake this thread: no wake-up is lost).
@@ -664,15 +667,11 @@ impl Writer {
                     if state.group_may_grow(max_bytes) {
                         let started = state.group_started.expect("set with the first chunk");
                         let delay_end = started + max_delay;
-                        // Under the append lock, which a waiter takes after marking what it
-                        // awaits (`Shared::wake_writer_for_waiter`): none is missed.
-                        let pace_end = pacing::paced_until(
-                            started,
-                            self.last_sync,
-                            max_delay,
-                            shared.awaited(),
-                        )
-                        .filter(|&pace_end| pace_end > delay_end);
+                        let pace_end = pacing::paced_until(started, self.last_sync, max_delay)
+                            .filter(|&pace_end| pace_end > delay_end)
+                            .filter(|_| {
+                                pacing::hold_unless_awaited(&shared.pacing, || shared.awaited())
+                            });
                         let deadline = pace_end.unwrap_or(delay_end);
                         let now = Instant::now();
                         if now < deadline {

@@ -26,7 +26,10 @@
 //! watermark. A light load is not paced at all: its groups start after the previous sync
 //! completed.
 
-use std::time::{Duration, Instant};
+use std::{
+    sync::atomic::{AtomicBool, Ordering},
+    time::{Duration, Instant},
+};
 
 /// A paced group waits this many times the previous sync's duration after that sync.
 pub(crate) const PACING_FACTOR: u32 = 4;
@@ -41,22 +44,37 @@ pub(crate) struct LastSync {
     pub(crate) took: Duration,
 }
 
-/// Until when pacing holds a group that is not full, or `None` if it does not (module doc):
-/// `group_started` is its first record's append time, `awaited` whether anybody waits for a
-/// record that is not durable yet.
+/// Until when pacing holds a group that is not full and that nobody waits for (checked
+/// apart: [`hold_unless_awaited`]), or `None` if it does not (module doc): `group_started` is
+/// its first record's append time.
 pub(crate) fn paced_until(
     group_started: Instant,
     last_sync: Option<LastSync>,
     max_delay: Duration,
-    awaited: bool,
 ) -> Option<Instant> {
     let last = last_sync?;
-    if awaited || group_started >= last.done {
+    if group_started >= last.done {
         return None;
     }
     let pause =
         last.took.saturating_mul(PACING_FACTOR).min(max_delay.saturating_mul(PACING_CAP_DELAYS));
     Some(last.done + pause)
+}
+
+/// Whether the sync thread may hold its group: announces the pause in `pacing`, then looks
+/// for waiters (`awaited`), and takes the announcement back if there is one. A waiter does the
+/// mirror image (marks what it awaits, then reads `pacing`: `Shared::wake_writer_for_waiter`),
+/// all sequentially consistent, so at least one of the two sees the other: either the sync
+/// thread finds the waiter, or the waiter finds the pause and wakes the sync thread (under the
+/// append lock, which the sync thread holds from here until it waits). Waiters need the lock
+/// only while a pause is announced.
+pub(crate) fn hold_unless_awaited(pacing: &AtomicBool, awaited: impl FnOnce() -> bool) -> bool {
+    pacing.store(true, Ordering::SeqCst);
+    if awaited() {
+        pacing.store(false, Ordering::SeqCst);
+        return false;
+    }
+    true
 }
 
 #[cfg(test)]
@@ -74,7 +92,7 @@ mod tests {
         let done = Instant::now();
         let started = done - Duration::from_micros(100);
         assert_eq!(
-            paced_until(started, last_sync(done, 300), MAX_DELAY, false),
+            paced_until(started, last_sync(done, 300), MAX_DELAY),
             Some(done + Duration::from_micros(300 * u64::from(PACING_FACTOR)))
         );
     }
@@ -84,7 +102,7 @@ mod tests {
         let done = Instant::now();
         let started = done - Duration::from_micros(100);
         assert_eq!(
-            paced_until(started, last_sync(done, 50_000), MAX_DELAY, false),
+            paced_until(started, last_sync(done, 50_000), MAX_DELAY),
             Some(done + MAX_DELAY * PACING_CAP_DELAYS)
         );
     }
@@ -92,20 +110,28 @@ mod tests {
     #[test]
     fn a_group_that_started_after_the_last_sync_is_not_paced() {
         let done = Instant::now();
-        assert_eq!(paced_until(done, last_sync(done, 300), MAX_DELAY, false), None);
+        assert_eq!(paced_until(done, last_sync(done, 300), MAX_DELAY), None);
         let later = done + Duration::from_micros(1);
-        assert_eq!(paced_until(later, last_sync(done, 300), MAX_DELAY, false), None);
+        assert_eq!(paced_until(later, last_sync(done, 300), MAX_DELAY), None);
     }
 
     #[test]
-    fn a_group_somebody_waits_for_is_not_paced() {
-        let done = Instant::now();
-        let started = done - Duration::from_micros(100);
-        assert_eq!(paced_until(started, last_sync(done, 300), MAX_DELAY, true), None);
+    fn a_pause_is_announced_before_looking_for_waiters_and_withdrawn_if_there_is_one() {
+        let pacing = AtomicBool::new(false);
+        let announced_first = |seen: &mut bool| {
+            *seen = pacing.load(Ordering::SeqCst);
+            true
+        };
+        let mut seen = false;
+        assert!(!hold_unless_awaited(&pacing, || announced_first(&mut seen)), "a waiter");
+        assert!(seen, "announced before looking");
+        assert!(!pacing.load(Ordering::SeqCst), "withdrawn");
+        assert!(hold_unless_awaited(&pacing, || false), "nobody waits");
+        assert!(pacing.load(Ordering::SeqCst), "announced while the group is held");
     }
 
     #[test]
     fn nothing_is_paced_before_the_first_sync() {
-        assert_eq!(paced_until(Instant::now(), None, MAX_DELAY, false), None);
+        assert_eq!(paced_until(Instant::now(), None, MAX_DELAY), None);
     }
 }
