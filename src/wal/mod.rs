@@ -741,11 +741,11 @@ pub(crate) struct Shared {
     pub(crate) paced_groups: AtomicU64,
     /// The sync thread announces a pause for pacing (`writer::pacing::hold_unless_awaited`):
     /// only then must a waiter take the append lock to wake it.
-    pub(crate) pacing: AtomicBool,
+    pub(crate) pacing: crate::sync::AtomicBool,
     /// The highest LSN a thread waited for (a durability waiter, a callback, a reader of a
     /// staged record): while it is above the durable LSN, groups are not paced
     /// (`writer::pacing`).
-    pub(crate) awaited_lsn: CachePadded<AtomicU64>,
+    pub(crate) awaited_lsn: CachePadded<crate::sync::AtomicU64>,
     /// Opened read-only: no sync thread, appends and clean refused.
     pub(crate) read_only: bool,
 }
@@ -832,10 +832,10 @@ impl Shared {
     pub(crate) fn wake_writer_for_waiter(&self, awaited_lsn: u64) {
         // Marked, then the pause looked for: the mirror image of the sync thread's
         // `hold_unless_awaited`, so that either it sees the mark or this thread sees the pause.
-        self.awaited_lsn.fetch_max(awaited_lsn, Ordering::SeqCst);
+        let paused = writer::pacing::mark_awaited(&self.awaited_lsn, awaited_lsn, &self.pacing);
         let every_record = match self.config.durability {
             Durability::EveryRecord => true,
-            Durability::GroupCommit { .. } if self.pacing.load(Ordering::SeqCst) => false,
+            Durability::GroupCommit { .. } if paused => false,
             Durability::GroupCommit { .. } | Durability::None => return,
         };
         let mut state = lock(&self.append);
@@ -855,7 +855,10 @@ impl Shared {
 
     /// Whether a thread waits for a record that is not durable yet (`writer::pacing`).
     pub(crate) fn awaited(&self) -> bool {
-        self.awaited_lsn.load(Ordering::SeqCst) > self.durable_lsn.load(Ordering::SeqCst)
+        // Runs after `hold_unless_awaited`'s fence, which pairs with `mark_awaited`'s: a mark
+        // this load misses belongs to a waiter that sees the announced pause.
+        self.awaited_lsn.load(crate::sync::Ordering::Relaxed)
+            > self.durable_lsn.load(Ordering::Acquire)
     }
 
     /// Moves the written and durable watermarks, wakes the waiters that wait for them and,
@@ -1261,8 +1264,8 @@ impl Wal {
             cleaned_segments: AtomicU64::new(0),
             writer_wakeups: AtomicU64::new(0),
             paced_groups: AtomicU64::new(0),
-            pacing: AtomicBool::new(false),
-            awaited_lsn: CachePadded::new(AtomicU64::new(0)),
+            pacing: crate::sync::AtomicBool::new(false),
+            awaited_lsn: CachePadded::new(crate::sync::AtomicU64::new(0)),
         });
         let log_writer = (!options.read_only).then(|| {
             Arc::new(Mutex::new(writer::Writer::new(Arc::clone(&shared), engine, dir_lock)))

@@ -655,7 +655,7 @@ impl Writer {
         loop {
             // Set again below if this turn paces (a stale `true` only sends a waiter through
             // the append lock).
-            shared.pacing.store(false, Ordering::Relaxed);
+            shared.pacing.store(false, crate::sync::Ordering::Relaxed);
             if shared.has_doomed() {
                 // Segments to delete first (checked under the append lock, which `clean`
                 // takes to wake this thread: no wake-up is lost).

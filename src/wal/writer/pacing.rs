@@ -26,10 +26,9 @@
 //! watermark. A light load is not paced at all: its groups start after the previous sync
 //! completed.
 
-use std::{
-    sync::atomic::{AtomicBool, Ordering},
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
+
+use crate::sync::{fence, AtomicBool, AtomicU64, Ordering};
 
 /// A paced group waits this many times the previous sync's duration after that sync.
 pub(crate) const PACING_FACTOR: u32 = 4;
@@ -63,21 +62,57 @@ pub(crate) fn paced_until(
 
 /// Whether the sync thread may hold its group: announces the pause in `pacing`, then looks
 /// for waiters (`awaited`), and takes the announcement back if there is one. A waiter does the
-/// mirror image (marks what it awaits, then reads `pacing`: `Shared::wake_writer_for_waiter`),
-/// all sequentially consistent, so at least one of the two sees the other: either the sync
-/// thread finds the waiter, or the waiter finds the pause and wakes the sync thread (under the
-/// append lock, which the sync thread holds from here until it waits). Waiters need the lock
-/// only while a pause is announced.
+/// mirror image ([`mark_awaited`]). Each side has a full fence between its store and its load
+/// (a store-load, "Dekker", pairing), so at least one of the two sees the other: either the
+/// sync thread finds the waiter, or the waiter finds the pause and wakes the sync thread
+/// (under the append lock, which the sync thread holds from here until it waits). Waiters
+/// need the lock only while a pause is announced. Checked by a loom model.
 pub(crate) fn hold_unless_awaited(pacing: &AtomicBool, awaited: impl FnOnce() -> bool) -> bool {
-    pacing.store(true, Ordering::SeqCst);
+    pacing.store(true, Ordering::Relaxed);
+    fence(Ordering::SeqCst);
     if awaited() {
-        pacing.store(false, Ordering::SeqCst);
+        pacing.store(false, Ordering::Relaxed);
         return false;
     }
     true
 }
 
-#[cfg(test)]
+/// A waiter's side of [`hold_unless_awaited`]: marks `lsn` as awaited in `awaited_lsn`, then
+/// says whether a pause is announced (the waiter must then wake the sync thread).
+pub(crate) fn mark_awaited(awaited_lsn: &AtomicU64, lsn: u64, pacing: &AtomicBool) -> bool {
+    awaited_lsn.fetch_max(lsn, Ordering::Relaxed);
+    fence(Ordering::SeqCst);
+    pacing.load(Ordering::Relaxed)
+}
+
+#[cfg(all(test, loom))]
+mod loom_tests {
+    use loom::sync::Arc;
+
+    use super::*;
+
+    /// The handshake of a waiter and a pause: whatever the interleaving and the memory model
+    /// allow, the sync thread never holds its group while the waiter misses the pause (which
+    /// would leave the waiter's record held for the whole pause).
+    #[test]
+    fn loom_a_waiter_and_a_pause_always_see_each_other() {
+        loom::model(|| {
+            let pacing = Arc::new(AtomicBool::new(false));
+            let awaited_lsn = Arc::new(AtomicU64::new(0));
+            let durable = 5;
+            let waiter = {
+                let (pacing, awaited_lsn) = (Arc::clone(&pacing), Arc::clone(&awaited_lsn));
+                loom::thread::spawn(move || mark_awaited(&awaited_lsn, durable + 1, &pacing))
+            };
+            let held =
+                hold_unless_awaited(&pacing, || awaited_lsn.load(Ordering::Relaxed) > durable);
+            let waiter_saw_pause = waiter.join().unwrap();
+            assert!(!held || waiter_saw_pause, "a paused group with a waiter that missed it");
+        });
+    }
+}
+
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
 
