@@ -49,7 +49,7 @@ pub(super) struct DeltaEncoder {
     keyframe: Option<Keyframe>,
     /// The current epoch's words, then their encoded differences.
     words: Vec<u64>,
-    /// The current epoch's payloads concatenated (payload widths other than 8).
+    /// The payloads concatenated (keyframes, and deltas of widths other than 8).
     bytes: Vec<u8>,
     record: OffsetsDeltaRecord,
 }
@@ -171,16 +171,6 @@ fn fill_words(
 ) -> bool {
     words.clear();
     let mut compact = true;
-    if width == 8 {
-        // The common case, one offset per word: no concatenation.
-        words.extend(offsets.iter().enumerate().map(|(index, (partition, payload))| {
-            let payload = payload.as_bytes();
-            // `&`, not `&&`: no branch per payload.
-            compact &= (partition.0 as usize == index) & (payload.len() == 8);
-            payload.first_chunk::<8>().map_or(0, |word| u64::from_le_bytes(*word))
-        }));
-        return compact;
-    }
     bytes.clear();
     for (index, (partition, payload)) in offsets.iter().enumerate() {
         let payload = payload.as_bytes();

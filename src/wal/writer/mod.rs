@@ -212,9 +212,6 @@ pub(crate) struct Writer {
     exited: bool,
     /// The last completed sync, for sync pacing (module `pacing`).
     last_sync: Option<pacing::LastSync>,
-    /// When `write_group`'s last sync completed (taken before its durability is published,
-    /// so that no record appended after a waiter saw it durable counts as appended before).
-    synced_at: Option<Instant>,
 }
 
 impl Writer {
@@ -235,7 +232,6 @@ impl Writer {
             leading: false,
             exited: false,
             last_sync: None,
-            synced_at: None,
         }
     }
 }
@@ -405,9 +401,9 @@ impl Writer {
         }
         let started = Instant::now();
         match self.write_group(buf, chunks) {
-            Ok(()) => {
+            Ok(synced_at) => {
                 self.shared.groups.fetch_add(1, Ordering::Relaxed);
-                match self.synced_at.take() {
+                match synced_at {
                     Some(done) => self.note_sync(started, done),
                     None => self.shared.record_sync_latency(started.elapsed()),
                 }
@@ -530,7 +526,7 @@ impl Writer {
                 pool.push(buf);
             }
             RingEvent::Done { summary, synced, sync_last } => {
-                // Before publishing: see `synced_at`.
+                // Before publishing: see `write_group`.
                 let done = Instant::now();
                 if synced {
                     // Every earlier group is durable too (events come in order), so the
@@ -731,9 +727,12 @@ impl Writer {
         !matches!(self.shared.config.durability, Durability::None)
     }
 
-    /// Writes one group and publishes its progress.
-    fn write_group(&mut self, buf: &[u8], chunks: &[Chunk]) -> Result<(), WalError> {
+    /// Writes one group and publishes its progress. Returns when its sync completed (`None`
+    /// without one), taken before its durability is published, so that no record appended
+    /// after a waiter saw the group durable counts as appended before that sync (pacing).
+    fn write_group(&mut self, buf: &[u8], chunks: &[Chunk]) -> Result<Option<Instant>, WalError> {
         let durable_mode = self.durable_mode();
+        let mut synced_at = None;
         let mut index = 0;
         while index < chunks.len() {
             let segment = Arc::clone(&chunks[index].segment);
@@ -775,7 +774,7 @@ impl Writer {
                 current.dirty = false;
                 self.shared.syncs.fetch_add(1, Ordering::Relaxed);
                 self.shared.synced_lsn.store(last.last_lsn, Ordering::Release);
-                self.synced_at = Some(Instant::now());
+                synced_at = Some(Instant::now());
                 self.publish(last.last_lsn, last.last_lsn);
             } else {
                 current.dirty = true;
@@ -788,7 +787,7 @@ impl Writer {
             }
             index = end;
         }
-        Ok(())
+        Ok(synced_at)
     }
 
     /// Syncs the segment being written if it has unsynced bytes (before a roll or at close).
