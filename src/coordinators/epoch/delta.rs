@@ -1,52 +1,63 @@
-//! Delta offsets records: most epochs' offsets are logged as the difference from a recent full
-//! record of the same run (a "keyframe"), in a fraction of the bytes.
+//! Delta offsets records: most epochs' offsets are logged as the difference from the
+//! offsets record the run appended just before, in a fraction of the bytes.
 //!
 //! # Why
 //! With group commit paced (module `wal::writer::pacing`), what a durable epoch run spends
 //! beyond the in-memory one grows with the bytes it logs: about a microsecond of kernel CPU
 //! per KiB made durable on this machine class, mostly ext4 converting the unwritten extents of
-//! preallocated segments (PERF.md, EpochCoordinator, "Fourteenth session"). A full offsets
-//! record of 1000 partitions with 8-byte offsets is 8 KiB per epoch. But a partition's offset moves by one epoch's progress
-//! from one epoch to the next, so the difference from a recent epoch's offset needs a few low
-//! bytes, not eight.
+//! preallocated segments (PERF.md, EpochCoordinator, "Fourteenth session"), and the copies and
+//! the checksum on the coordinator's thread. A full offsets record of 1000 partitions with
+//! 8-byte offsets is 8 KiB per epoch. But a partition's offset moves by one epoch's progress
+//! from one epoch to the next, so the difference from the previous epoch's offset needs a few
+//! low bytes, not eight.
 //!
 //! # Encoding
 //! The concatenated payloads are read as little-endian 8-byte words (the last one padded with
 //! zeros). Each word is stored as the zigzag encoding of its wrapping difference from the
-//! keyframe's word at the same place, in the fewest bytes that hold the largest such value in
+//! base's word at the same place, in the fewest bytes that hold the largest such value in
 //! the record (`word_bytes`, one width for the whole record: no per-word length to decode, and
 //! the encoder is two straight passes). For 8-byte offsets this is exactly "offset minus the
-//! keyframe's offset"; for other payloads it is still lossless, only less compact.
+//! base's offset"; for other payloads it is still lossless, only less compact.
 //!
-//! # Keyframes
+//! # Chains and keyframes
+//! A delta's base is the offsets record its run appended just before it (`base_epoch` names
+//! its epoch), full or delta: the difference from the previous epoch is the smallest (a base
+//! further back grows with the distance: with the keyframe 16 epochs back as the base, as the
+//! first version of this module did, the load generator's offsets needed 4 bytes instead of 3).
 //! A run's first offsets record is full, and so is every record that cannot be a delta: the
 //! layout is not compact (ids `0..count`, one payload width), the count or width differs from
-//! the keyframe's, or the epoch is [`KEYFRAME_INTERVAL`] or more away from the keyframe's (the
-//! further, the larger the differences). Each full compact record becomes the keyframe of the
-//! deltas after it; a full record that is not compact leaves none. So a delta's base is always
-//! the last full record its run appended before it, which recovery tracks in one pass.
+//! the base's, or the epoch is [`KEYFRAME_INTERVAL`] or more after the chain's full record
+//! (its keyframe). Each full compact record starts a new chain; a full record that is not
+//! compact starts none. Reading a delta back decodes its chain from the keyframe on, at most
+//! [`KEYFRAME_INTERVAL`] records. Recovery follows `base_epoch` from record to record, so logs
+//! whose deltas all name their keyframe (the first version) decode the same way.
 //!
 //! # Why a keyframe survives cleaning
 //! The log keeps every segment holding an epoch at or above `D + 1 - retained_epochs`, with `D`
 //! the last durable commit (module `durable`). Recovery needs the offsets of the last commit it
-//! finds, `E >= D`, and so the keyframe of `E`'s delta, whose epoch `k` is above
-//! `E - interval`. With an interval of at most `retained_epochs`, `k > D - retained_epochs`:
-//! its segment is kept. A crash that cuts the log keeps a prefix, and a keyframe precedes its
-//! deltas. Only a log opened with corrupted segments skipped can miss a base; opening then
-//! fails with [`super::EpochError::BadLogRecord`] if the restart point needs it.
+//! finds, `E >= D`, and so the chain of `E`'s delta back to its keyframe, whose epoch `k` is
+//! above `E - interval`, every record of it at an epoch of at least `k`. With an interval of
+//! at most `retained_epochs`, `k > D - retained_epochs`: their segments are kept. A crash that
+//! cuts the log keeps a prefix, and a chain's records precede the deltas that use them. Only a
+//! log opened with corrupted segments skipped can miss a base; opening then fails with
+//! [`super::EpochError::BadLogRecord`] if the restart point needs it.
 
 use super::{
     log_record::{ArchivedOffsetsDeltaRecord, ArchivedOffsetsRecord, OffsetsDeltaRecord},
     PartitionId, Payload,
 };
 
-/// Most epochs between a delta and its keyframe (exclusive), unless the log retains fewer.
-pub(super) const KEYFRAME_INTERVAL: i64 = 16;
+/// Most epochs between a delta and its chain's keyframe (exclusive), unless the log retains
+/// fewer. The longer, the fewer full records (8 KiB each at 1000 partitions, against about
+/// 3 KiB for a delta of the load generator's offsets); recovery decodes at most this many
+/// records for the restart point.
+pub(super) const KEYFRAME_INTERVAL: i64 = 64;
 
-/// The run's keyframe and the buffers of the delta being built, kept across epochs.
+/// The base of the run's next delta and the buffers of the delta being built, kept across
+/// epochs.
 #[derive(Debug, Default)]
 pub(super) struct DeltaEncoder {
-    keyframe: Option<Keyframe>,
+    base: Option<Base>,
     /// The current epoch's words, then their encoded differences.
     words: Vec<u64>,
     /// The payloads concatenated (keyframes, and deltas of widths other than 8).
@@ -54,18 +65,24 @@ pub(super) struct DeltaEncoder {
     record: OffsetsDeltaRecord,
 }
 
-/// The last full record of the run, in the compact layout.
+/// The last offsets record of the run, in the compact layout, and its chain's keyframe.
 #[derive(Debug)]
-struct Keyframe {
+struct Base {
+    /// The epoch of the run's last offsets record.
     epoch: i64,
+    /// The epoch of the full record that started the chain.
+    keyframe_epoch: i64,
     count: usize,
     width: usize,
+    /// The last record's payloads as words.
     words: Vec<u64>,
 }
 
 impl DeltaEncoder {
-    /// The delta record of `offsets` for `epoch`, if they can be one (module doc,
-    /// "Keyframes"; `interval` is [`KEYFRAME_INTERVAL`] or the log's retained epochs, if fewer).
+    /// The delta record of `offsets` for `epoch`, if they can be one (module doc, "Chains and
+    /// keyframes"; `interval` is [`KEYFRAME_INTERVAL`] or the log's retained epochs, if fewer).
+    /// The caller appends it: it is the base of the next delta. `None` leaves no base until
+    /// the caller appends a full record ([`Self::full_record_appended`]).
     pub(super) fn encode(
         &mut self,
         run: u64,
@@ -73,32 +90,40 @@ impl DeltaEncoder {
         offsets: &[(PartitionId, Payload)],
         interval: i64,
     ) -> Option<&OffsetsDeltaRecord> {
-        let keyframe = self.keyframe.as_ref()?;
+        let base = self.base.as_mut()?;
         let width = offsets.first().map_or(0, |(_, payload)| payload.len());
-        if offsets.len() != keyframe.count
-            || width != keyframe.width
-            || epoch.abs_diff(keyframe.epoch) >= interval.unsigned_abs()
+        if offsets.len() != base.count
+            || width != base.width
+            || epoch.abs_diff(base.keyframe_epoch) >= interval.unsigned_abs()
         {
+            self.base = None;
             return None;
         }
         let all_bits = if width == 8 {
-            differences_of_words(offsets, &keyframe.words, &mut self.words)?
-        } else {
-            if !fill_words(offsets, width, &mut self.words, &mut self.bytes) {
-                return None;
-            }
+            differences_of_words(offsets, &mut base.words, &mut self.words)
+        } else if fill_words(offsets, width, &mut self.words, &mut self.bytes) {
             let mut all_bits = 0u64;
-            for (word, base) in self.words.iter_mut().zip(&keyframe.words) {
-                *word = zigzag(word.wrapping_sub(*base));
-                all_bits |= *word;
+            for (word, base_word) in self.words.iter_mut().zip(&mut base.words) {
+                let difference = zigzag(word.wrapping_sub(*base_word));
+                *base_word = *word;
+                *word = difference;
+                all_bits |= difference;
             }
-            all_bits
+            Some(all_bits)
+        } else {
+            None
         };
+        let Some(all_bits) = all_bits else {
+            // Not compact (and the base's words may be half overwritten).
+            self.base = None;
+            return None;
+        };
+        let base_epoch = std::mem::replace(&mut base.epoch, epoch);
         let word_bytes = (u64::BITS - all_bits.leading_zeros()).div_ceil(8) as usize;
         let record = &mut self.record;
         record.run = run;
         record.epoch = epoch;
-        record.base_epoch = keyframe.epoch;
+        record.base_epoch = base_epoch;
         // Fit: the keyframe's full record held as many (its constructor checked them).
         record.count = offsets.len() as u32;
         record.width = width as u32;
@@ -119,23 +144,24 @@ impl DeltaEncoder {
         Some(&self.record)
     }
 
-    /// After a full record of `offsets` for `epoch`: it becomes the keyframe if its layout is
+    /// After a full record of `offsets` for `epoch`: it starts a chain if its layout is
     /// compact, else there is none until the next compact full record.
     pub(super) fn full_record_appended(&mut self, epoch: i64, offsets: &[(PartitionId, Payload)]) {
         let width = offsets.first().map_or(0, |(_, payload)| payload.len());
-        let mut keyframe = self.keyframe.take().map_or_else(Vec::new, |keyframe| keyframe.words);
-        if fill_words(offsets, width, &mut keyframe, &mut self.bytes) {
-            self.keyframe = Some(Keyframe { epoch, count: offsets.len(), width, words: keyframe });
+        let mut words = self.base.take().map_or_else(Vec::new, |base| base.words);
+        if fill_words(offsets, width, &mut words, &mut self.bytes) {
+            self.base =
+                Some(Base { epoch, keyframe_epoch: epoch, count: offsets.len(), width, words });
         }
     }
 }
 
 /// For payloads of 8 bytes, one word each: the zigzag differences from `base` into `out`, in
-/// one pass, and all their bits or'ed; `None` if the layout is not compact (ids `0..count`,
-/// every payload 8 bytes).
+/// one pass, and all their bits or'ed, with `base` left holding the new words; `None` if the
+/// layout is not compact (ids `0..count`, every payload 8 bytes; `base` is then garbage).
 fn differences_of_words(
     offsets: &[(PartitionId, Payload)],
-    base: &[u64],
+    base: &mut [u64],
     out: &mut Vec<u64>,
 ) -> Option<u64> {
     out.clear();
@@ -149,6 +175,7 @@ fn differences_of_words(
         compact &= (partition.0 as usize == index) & (payload.len() == 8);
         let word = payload.first_chunk::<8>().map_or(0, |word| u64::from_le_bytes(*word));
         *slot = zigzag(word.wrapping_sub(*base));
+        *base = word;
         all_bits |= *slot;
     }
     compact.then_some(all_bits)
@@ -196,62 +223,98 @@ fn unzigzag(encoded: u64) -> u64 {
     (encoded >> 1) ^ 0u64.wrapping_sub(encoded & 1)
 }
 
-/// The offsets a delta record stands for, from its base (the run's last full record before
-/// it, which the caller found), checking that the two agree.
-pub(super) fn decode_delta(
-    base: &ArchivedOffsetsRecord,
-    delta: &ArchivedOffsetsDeltaRecord,
-) -> Result<Vec<(PartitionId, Payload)>, String> {
-    let (run, epoch, base_epoch) =
-        (delta.run.to_native(), delta.epoch.to_native(), delta.base_epoch.to_native());
-    if base.run.to_native() != run || base.epoch.to_native() != base_epoch {
-        return Err(format!(
-            "the delta of epoch {epoch} (run {run}) names the base of epoch {base_epoch}, but \
-             the run's last full record is of epoch {} (run {})",
-            base.epoch.to_native(),
-            base.run.to_native()
-        ));
+/// A chain being decoded: the offsets of its last record as words, from its keyframe on.
+#[derive(Debug)]
+pub(super) struct ChainDecoder {
+    run: u64,
+    epoch: i64,
+    count: usize,
+    width: usize,
+    /// Bytes of the concatenated payloads (the last word is padded past them).
+    data_len: usize,
+    words: Vec<u64>,
+}
+
+impl ChainDecoder {
+    /// Starts from a full record, which must have the compact layout (a delta's base always
+    /// has it).
+    pub(super) fn new(keyframe: &ArchivedOffsetsRecord) -> Result<Self, String> {
+        let (count, width) =
+            (keyframe.count.to_native() as usize, keyframe.width.to_native() as usize);
+        let data = keyframe.data.as_slice();
+        if !keyframe.partitions.is_empty()
+            || !keyframe.ends.is_empty()
+            || count.checked_mul(width) != Some(data.len())
+        {
+            return Err(format!(
+                "the full record of epoch {} is the base of a delta, but it is not compact                  ({count} offsets of {width} bytes in {} bytes{})",
+                keyframe.epoch.to_native(),
+                data.len(),
+                if keyframe.partitions.is_empty() { "" } else { ", with partition ids" }
+            ));
+        }
+        Ok(Self {
+            run: keyframe.run.to_native(),
+            epoch: keyframe.epoch.to_native(),
+            count,
+            width,
+            data_len: data.len(),
+            words: data.chunks(8).map(padded_word).collect(),
+        })
     }
-    let count = delta.count.to_native() as usize;
-    let width = delta.width.to_native() as usize;
-    let data = base.data.as_slice();
-    if !base.partitions.is_empty()
-        || !base.ends.is_empty()
-        || base.count.to_native() as usize != count
-        || base.width.to_native() as usize != width
-        || count.checked_mul(width) != Some(data.len())
-    {
-        return Err(format!(
-            "the delta of epoch {epoch} has {count} offsets of {width} bytes, its base of \
-             epoch {base_epoch} {} offsets of {} bytes in {} bytes{}",
-            base.count.to_native(),
-            base.width.to_native(),
-            data.len(),
-            if base.partitions.is_empty() && base.ends.is_empty() { "" } else { ", not compact" }
-        ));
+
+    /// Applies the next delta of the chain, checking that it names this base.
+    pub(super) fn apply(&mut self, delta: &ArchivedOffsetsDeltaRecord) -> Result<(), String> {
+        let (run, epoch, base_epoch) =
+            (delta.run.to_native(), delta.epoch.to_native(), delta.base_epoch.to_native());
+        if self.run != run || self.epoch != base_epoch {
+            return Err(format!(
+                "the delta of epoch {epoch} (run {run}) names the base of epoch {base_epoch}, \
+                 but is applied to the record of epoch {} (run {})",
+                self.epoch, self.run
+            ));
+        }
+        let (count, width) = (delta.count.to_native() as usize, delta.width.to_native() as usize);
+        if (count, width) != (self.count, self.width) {
+            return Err(format!(
+                "the delta of epoch {epoch} has {count} offsets of {width} bytes, its base of \
+                 epoch {base_epoch} {} offsets of {} bytes",
+                self.count, self.width
+            ));
+        }
+        let word_bytes = usize::from(delta.word_bytes);
+        let deltas = delta.deltas.as_slice();
+        if word_bytes > 8 || deltas.len() != self.words.len() * word_bytes {
+            return Err(format!(
+                "the delta of epoch {epoch} has {} bytes for {} words of {word_bytes} bytes",
+                deltas.len(),
+                self.words.len()
+            ));
+        }
+        if word_bytes > 0 {
+            for (word, encoded) in self.words.iter_mut().zip(deltas.chunks_exact(word_bytes)) {
+                *word = word.wrapping_add(unzigzag(padded_word(encoded)));
+            }
+        }
+        let padding = (!self.data_len.is_multiple_of(8)).then(|| self.words.last()).flatten();
+        if padding.is_some_and(|last| last >> (self.data_len % 8 * 8) != 0) {
+            return Err(format!("the delta of epoch {epoch} sets bytes past its payloads"));
+        }
+        self.epoch = epoch;
+        Ok(())
     }
-    let word_bytes = usize::from(delta.word_bytes);
-    let deltas = delta.deltas.as_slice();
-    let words = data.len().div_ceil(8);
-    if word_bytes > 8 || deltas.len() != words * word_bytes {
-        return Err(format!(
-            "the delta of epoch {epoch} has {} bytes for {words} words of {word_bytes} bytes",
-            deltas.len()
-        ));
+
+    /// The offsets of the last record applied (or of the keyframe).
+    pub(super) fn offsets(&self) -> Vec<(PartitionId, Payload)> {
+        let bytes: Vec<u8> =
+            self.words.iter().flat_map(|word| word.to_le_bytes()).take(self.data_len).collect();
+        (0..self.count)
+            .map(|index| {
+                let payload = &bytes[index * self.width..][..self.width];
+                (PartitionId(index as i32), Payload::from(payload))
+            })
+            .collect()
     }
-    let mut decoded = Vec::with_capacity(words * 8);
-    for (index, base_word) in data.chunks(8).enumerate() {
-        let difference = unzigzag(padded_word(&deltas[index * word_bytes..][..word_bytes]));
-        let word = padded_word(base_word).wrapping_add(difference);
-        decoded.extend_from_slice(&word.to_le_bytes());
-    }
-    if decoded[data.len()..].iter().any(|&byte| byte != 0) {
-        return Err(format!("the delta of epoch {epoch} sets bytes past its payloads"));
-    }
-    decoded.truncate(data.len());
-    Ok((0..count)
-        .map(|index| (PartitionId(index as i32), Payload::from(&decoded[index * width..][..width])))
-        .collect())
 }
 
 #[cfg(test)]
@@ -274,46 +337,71 @@ mod tests {
             .collect()
     }
 
-    /// The archived full record and delta, from their bytes.
-    fn archived<'a>(
-        full: &'a [u8],
-        delta: &'a [u8],
-    ) -> (&'a ArchivedOffsetsRecord, &'a ArchivedOffsetsDeltaRecord) {
-        let full = rkyv::access::<ArchivedLogRecord, rancor::Error>(full).unwrap();
-        let delta = rkyv::access::<ArchivedLogRecord, rancor::Error>(delta).unwrap();
-        match (full, delta) {
-            (ArchivedLogRecord::Offsets(full), ArchivedLogRecord::OffsetsDelta(delta)) => {
-                (full, delta)
-            }
-            _ => panic!("unexpected record kinds"),
+    fn archived_full(bytes: &[u8]) -> &ArchivedOffsetsRecord {
+        match rkyv::access::<ArchivedLogRecord, rancor::Error>(bytes).unwrap() {
+            ArchivedLogRecord::Offsets(full) => full,
+            _ => panic!("not a full record"),
         }
     }
 
-    /// Archives the full record of `offsets` (epoch `base_epoch`) and the delta of `next`
-    /// against the keyframe of epoch 10 (if one is made): their bytes.
-    fn full_and_delta(
-        base_epoch: i64,
-        offsets: &[(PartitionId, Payload)],
-        next: &[(PartitionId, Payload)],
-    ) -> Option<(AlignedVec, AlignedVec)> {
-        let run = 3;
-        let full = LogRecordRef::Offsets(OffsetsRecordRef::new(run, base_epoch, offsets).unwrap());
-        let full = rkyv::to_bytes::<rancor::Error>(&full).unwrap();
-        let mut encoder = DeltaEncoder::default();
-        encoder.full_record_appended(10, offsets);
-        let delta = encoder.encode(run, 12, next, KEYFRAME_INTERVAL)?;
-        let delta = rkyv::to_bytes::<rancor::Error>(&LogRecordRef::OffsetsDelta(delta)).unwrap();
-        Some((full, delta))
+    fn archived_delta(bytes: &[u8]) -> &ArchivedOffsetsDeltaRecord {
+        match rkyv::access::<ArchivedLogRecord, rancor::Error>(bytes).unwrap() {
+            ArchivedLogRecord::OffsetsDelta(delta) => delta,
+            _ => panic!("not a delta"),
+        }
     }
 
-    /// The size of the delta of `next` against `offsets`, and what it decodes to.
+    const RUN: u64 = 3;
+
+    /// The archived full record of `offsets` for `epoch`.
+    fn full(epoch: i64, offsets: &[(PartitionId, Payload)]) -> AlignedVec {
+        let full = LogRecordRef::Offsets(OffsetsRecordRef::new(RUN, epoch, offsets).unwrap());
+        rkyv::to_bytes::<rancor::Error>(&full).unwrap()
+    }
+
+    /// Encodes `epochs` (epoch, offsets) as a run would: the first full, the rest deltas if
+    /// they can be. Returns each record's bytes and whether it is a delta.
+    fn encode_run(epochs: &[(i64, Offsets)]) -> Vec<(AlignedVec, bool)> {
+        let mut encoder = DeltaEncoder::default();
+        epochs
+            .iter()
+            .map(|(epoch, offsets)| match encoder.encode(RUN, *epoch, offsets, KEYFRAME_INTERVAL) {
+                Some(delta) => {
+                    let delta = LogRecordRef::OffsetsDelta(delta);
+                    (rkyv::to_bytes::<rancor::Error>(&delta).unwrap(), true)
+                }
+                None => {
+                    encoder.full_record_appended(*epoch, offsets);
+                    (full(*epoch, offsets), false)
+                }
+            })
+            .collect()
+    }
+
+    /// Decodes a chain (a full record, then deltas): the offsets after each record.
+    fn decode_run(records: &[(AlignedVec, bool)]) -> Result<Vec<Offsets>, String> {
+        let (keyframe, deltas) = records.split_first().unwrap();
+        assert!(!keyframe.1 && deltas.iter().all(|(_, delta)| *delta));
+        let mut decoder = ChainDecoder::new(archived_full(&keyframe.0))?;
+        let mut decoded = vec![decoder.offsets()];
+        for (delta, _) in deltas {
+            decoder.apply(archived_delta(delta))?;
+            decoded.push(decoder.offsets());
+        }
+        Ok(decoded)
+    }
+
+    /// The size of the delta of `next` after `offsets`, and what it decodes to.
     fn round_trip(
         offsets: &[(PartitionId, Payload)],
         next: &[(PartitionId, Payload)],
     ) -> Option<(usize, Offsets)> {
-        let (full, delta) = full_and_delta(10, offsets, next)?;
-        let (full, delta) = archived(&full, &delta);
-        Some((delta.deltas.len(), decode_delta(full, delta).unwrap()))
+        let records = encode_run(&[(10, offsets.to_vec()), (12, next.to_vec())]);
+        if !records[1].1 {
+            return None;
+        }
+        let decoded = decode_run(&records).unwrap();
+        Some((archived_delta(&records[1].0).deltas.len(), decoded[1].clone()))
     }
 
     proptest! {
@@ -322,14 +410,23 @@ mod tests {
             ..ProptestConfig::default()
         })]
         #[test]
-        fn a_delta_decodes_to_the_offsets_it_encoded(
+        fn a_chain_of_deltas_decodes_to_the_offsets_it_encoded(
             width in prop_oneof![Just(8usize), 0usize..20],
-            pairs in prop::collection::vec((any::<[u8; 20]>(), any::<[u8; 20]>()), 0..40),
+            rows in prop::collection::vec(prop::collection::vec(any::<[u8; 20]>(), 1..6), 0..30),
         ) {
-            let base: Vec<Vec<u8>> = pairs.iter().map(|(a, _)| a[..width].to_vec()).collect();
-            let next: Vec<Vec<u8>> = pairs.iter().map(|(_, b)| b[..width].to_vec()).collect();
-            let (_, decoded) = round_trip(&dense(&base), &dense(&next)).expect("a delta");
-            prop_assert_eq!(decoded, dense(&next));
+            // rows[p][e]: partition p's payload in epoch e (as many epochs as the shortest row).
+            let epochs = rows.iter().map(Vec::len).min().unwrap_or(1);
+            let run: Vec<(i64, Offsets)> = (0..epochs)
+                .map(|epoch| {
+                    let payloads: Vec<Vec<u8>> =
+                        rows.iter().map(|row| row[epoch][..width].to_vec()).collect();
+                    (epoch as i64, dense(&payloads))
+                })
+                .collect();
+            let records = encode_run(&run);
+            prop_assert!(records.iter().skip(1).all(|(_, delta)| *delta));
+            let decoded = decode_run(&records).unwrap();
+            prop_assert_eq!(decoded, run.into_iter().map(|(_, offsets)| offsets).collect::<Vec<_>>());
         }
     }
 
@@ -353,40 +450,80 @@ mod tests {
     }
 
     #[test]
-    fn no_delta_without_a_compact_keyframe_of_the_same_shape_nearby() {
+    fn each_delta_is_the_difference_from_the_previous_epoch_not_from_the_keyframe() {
+        // The load generator's offsets: epoch << 20 | partition. One epoch apart the
+        // differences are 2^20 (zigzag 2^21: three bytes); the keyframe 40 epochs back would
+        // need four.
+        let offsets = |epoch: i64| -> Offsets {
+            (0..100).map(|p| (PartitionId(p), Payload::from(epoch << 20 | i64::from(p)))).collect()
+        };
+        let run: Vec<(i64, Offsets)> = (0..41).map(|epoch| (epoch, offsets(epoch))).collect();
+        let records = encode_run(&run);
+        for (epoch, (bytes, is_delta)) in records.iter().enumerate().skip(1) {
+            assert!(is_delta, "epoch {epoch}");
+            let delta = archived_delta(bytes);
+            assert_eq!(delta.base_epoch.to_native(), epoch as i64 - 1);
+            assert_eq!((delta.word_bytes, delta.deltas.len()), (3, 300), "epoch {epoch}");
+        }
+        assert_eq!(decode_run(&records).unwrap().last(), Some(&offsets(40)));
+    }
+
+    #[test]
+    fn no_delta_without_a_compact_base_of_the_same_shape_and_a_keyframe_nearby() {
         let eight = |count: u8| dense(&(0..count).map(|p| vec![p; 8]).collect::<Vec<_>>());
         let mut encoder = DeltaEncoder::default();
         assert!(encoder.encode(1, 5, &eight(4), KEYFRAME_INTERVAL).is_none(), "no keyframe");
-        encoder.full_record_appended(5, &eight(4));
+        let keyframe = |encoder: &mut DeltaEncoder| encoder.full_record_appended(5, &eight(4));
+        keyframe(&mut encoder);
+        assert!(encoder.encode(1, 6, &eight(4), KEYFRAME_INTERVAL).is_some());
         assert!(encoder
             .encode(1, 5 + KEYFRAME_INTERVAL - 1, &eight(4), KEYFRAME_INTERVAL)
             .is_some());
-        assert!(encoder
-            .encode(1, 5 - KEYFRAME_INTERVAL + 1, &eight(4), KEYFRAME_INTERVAL)
-            .is_some());
         assert!(encoder.encode(1, 5 + KEYFRAME_INTERVAL, &eight(4), KEYFRAME_INTERVAL).is_none());
+        assert!(encoder.encode(1, 7, &eight(4), KEYFRAME_INTERVAL).is_none(), "no base left");
+        keyframe(&mut encoder);
         assert!(encoder.encode(1, 6, &eight(4), 1).is_none(), "an interval of 1: no deltas");
+        keyframe(&mut encoder);
         assert!(encoder.encode(1, 6, &eight(5), KEYFRAME_INTERVAL).is_none(), "another count");
+        keyframe(&mut encoder);
         let sixteen = dense(&(0..4u8).map(|p| vec![p; 16]).collect::<Vec<_>>());
         assert!(encoder.encode(1, 6, &sixteen, KEYFRAME_INTERVAL).is_none(), "another width");
+        keyframe(&mut encoder);
         let mut sparse = eight(4);
         sparse[3].0 = PartitionId(7);
         assert!(encoder.encode(1, 6, &sparse, KEYFRAME_INTERVAL).is_none(), "sparse ids");
+        keyframe(&mut encoder);
         let mut ragged = eight(4);
         ragged[2].1 = Payload::from(&b"short"[..]);
         assert!(encoder.encode(1, 6, &ragged, KEYFRAME_INTERVAL).is_none(), "ragged payloads");
-        // A full record that is not compact leaves no keyframe.
+        // A full record that is not compact starts no chain.
         encoder.full_record_appended(6, &sparse);
         assert!(encoder.encode(1, 7, &eight(4), KEYFRAME_INTERVAL).is_none());
     }
 
     #[test]
-    fn a_delta_whose_base_does_not_match_is_refused_with_both_epochs() {
+    fn a_delta_applied_to_another_base_is_refused_with_both_epochs() {
         let base = dense(&[vec![1; 8], vec![2; 8]]);
-        // The delta was made against a keyframe of epoch 10; the full record given is of 9.
-        let (full, delta) = full_and_delta(9, &base, &base).unwrap();
-        let (full, delta) = archived(&full, &delta);
-        let error = decode_delta(full, delta).unwrap_err();
-        assert!(error.contains("epoch 10") && error.contains("epoch 9"), "{error}");
+        let records = encode_run(&[(10, base.clone()), (11, base.clone()), (12, base.clone())]);
+        // The delta of epoch 12 names epoch 11 as its base; applied to the keyframe of 10.
+        let mut decoder = ChainDecoder::new(archived_full(&records[0].0)).unwrap();
+        let error = decoder.apply(archived_delta(&records[2].0)).unwrap_err();
+        assert!(error.contains("epoch 11") && error.contains("epoch 10"), "{error}");
+        // Of the right epoch but another run.
+        let other_run = full(11, &base);
+        let mut decoder = ChainDecoder::new(archived_full(&other_run)).unwrap();
+        let mut delta: OffsetsDeltaRecord =
+            rkyv::deserialize::<_, rancor::Error>(archived_delta(&records[2].0)).unwrap();
+        delta.run = RUN + 1;
+        let delta = rkyv::to_bytes::<rancor::Error>(&LogRecordRef::OffsetsDelta(&delta)).unwrap();
+        let error = decoder.apply(archived_delta(&delta)).unwrap_err();
+        assert!(error.contains("run 4") && error.contains("run 3"), "{error}");
+    }
+
+    #[test]
+    fn a_full_record_that_is_not_compact_is_no_base() {
+        let sparse = vec![(PartitionId(0), Payload::from(1)), (PartitionId(5), Payload::from(2))];
+        let error = ChainDecoder::new(archived_full(&full(4, &sparse))).unwrap_err();
+        assert!(error.contains("epoch 4") && error.contains("not compact"), "{error}");
     }
 }

@@ -12,15 +12,17 @@
 //!   the coordinator's offsets, in one pass in the compact case (module `log_record`).
 //! * `Commit { run, epoch }`: the epoch was committed (appended after the sink commit).
 //! * `OffsetsDelta { run, epoch, base_epoch, count, width, word_bytes, deltas }`: the offsets of
-//!   one epoch as the difference from the run's last full `Offsets` record (its keyframe,
-//!   compact, of epoch `base_epoch`), about half the bytes or less (module `delta`). A record
-//!   is a delta when the layout is compact and the same as the keyframe's, and the epoch is
-//!   fewer than 16 epochs (and fewer than `retained_epochs`) from the keyframe's; else it is
-//!   full, and a compact full record becomes the next keyframe.
+//!   one epoch as the difference from the offsets record the run appended just before it (of
+//!   epoch `base_epoch`, full or delta), 3/8 of the bytes or less for the load generator's
+//!   offsets (module `delta`). A record is a delta when the layout is compact and the same as
+//!   its base's, and the epoch is fewer than 64 epochs (and fewer than `retained_epochs`) from
+//!   the last full record's (the chain's keyframe); else it is full, and a compact full record
+//!   starts the next chain.
 //!
 //! Logs written before delta records existed open unchanged (the archived enum keeps its size,
-//! a compile-time check in `log_record`); an earlier version cannot open a log holding delta
-//! records (an unknown record: [`EpochError::BadLogRecord`]).
+//! a compile-time check in `log_record`), and so do logs whose deltas all name their keyframe
+//! as the base (the first version of delta records); an earlier version cannot open a log
+//! holding delta records (an unknown record: [`EpochError::BadLogRecord`]).
 //!
 //! `run` numbers the openings of the log (the highest run found on recovery, plus one). It is
 //! what makes "the first record of an epoch wins" safe across restarts: a run that stopped may
@@ -31,10 +33,11 @@
 //!
 //! # Recovery (SPEC B.10)
 //! Opening reads every record in LSN order, keeping only record handles (the last committed
-//! epoch `E` and, per epoch after the newest commit, where its winning offsets are, with the
-//! last full record before a delta as its base). `E`'s offsets are decoded at the end; a delta
-//! whose base is not the last full record before it (lost with a segment skipped as corrupt)
-//! fails with [`EpochError::BadLogRecord`] naming both epochs. No commit: the run starts at epoch 0. A commit without
+//! epoch `E` and, per epoch after the newest commit, where its winning offsets are, within the
+//! chain of its run's records since the last full one). `E`'s offsets are decoded at the end,
+//! along its chain from the keyframe; a delta whose base is not in its chain (lost with a
+//! segment skipped as corrupt) fails with [`EpochError::BadLogRecord`] naming both epochs.
+//! No commit: the run starts at epoch 0. A commit without
 //! offsets fails with [`EpochError::CommittedWithoutOffsets`] (Spark's message). Offsets of
 //! epochs after `E` are ignored.
 //!
@@ -62,8 +65,10 @@
 //! interval is counted in epochs.)
 
 use std::{
+    cell::RefCell,
     collections::{BTreeMap, BTreeSet, VecDeque},
     path::Path,
+    rc::Rc,
     sync::{
         atomic::{AtomicI64, AtomicU64, Ordering},
         Arc, Mutex, MutexGuard, OnceLock, Weak,
@@ -73,7 +78,7 @@ use std::{
 use rkyv::{rancor, util::AlignedVec};
 
 use super::{
-    delta::{decode_delta, DeltaEncoder, KEYFRAME_INTERVAL},
+    delta::{ChainDecoder, DeltaEncoder, KEYFRAME_INTERVAL},
     log_record::{
         decode_offsets, ArchivedLogRecord, LogRecord, LogRecordRef, OffsetsRecordRef, TooLarge,
     },
@@ -419,7 +424,7 @@ impl<Q: Query> DurableQuery<Q> {
         }
     }
 
-    /// Appends the epoch's offsets record: a delta from the run's keyframe when it can be one
+    /// Appends the epoch's offsets record: a delta from the run's last one when it can be one
     /// (module `delta`), else a full record, serialized in one pass assuming the compact layout
     /// while the last record had it (the usual case), else with the layout computed first. An
     /// assumption that fails costs one wasted pass, and then no more until a record is compact
@@ -429,7 +434,7 @@ impl<Q: Query> DurableQuery<Q> {
         epoch: Epoch,
         offsets: &[(PartitionId, Payload)],
     ) -> Result<(), EpochError> {
-        // At most the retained epochs apart, so that cleaning keeps the keyframe (module
+        // Chains of at most the retained epochs, so that cleaning keeps their keyframes (module
         // `delta`).
         let interval = KEYFRAME_INTERVAL.min(self.retained_epochs as i64);
         if let Some(delta) = self.deltas.encode(self.run, epoch.0, offsets, interval) {
@@ -588,25 +593,32 @@ fn recover(wal: &Wal) -> Result<Recovered, EpochError> {
     let mut last_committed: Option<i64> = None;
     // Epoch -> its winning offsets record; only epochs >= the last commit kept.
     let mut offsets: BTreeMap<i64, Winner> = BTreeMap::new();
-    // The last full offsets record read: the base of the deltas after it in its run.
-    let mut last_full: Option<Base> = None;
+    // The records since the last full offsets record read: the bases of the deltas after it.
+    let mut chain: Option<SharedChain> = None;
     for record in wal.iter_from(Lsn(0)).map_err(read_error)? {
         let record = record.map_err(read_error)?;
         let lsn = record.lsn;
         let archived = record.access::<LogRecord>().map_err(|error| bad_record(lsn, error))?;
-        let (run, epoch, base) = match archived {
+        let link = |epoch, base_epoch| Link { epoch, base_epoch, handle: record.handle, lsn };
+        let (run, epoch, place) = match archived {
             ArchivedLogRecord::Offsets(entry) => {
                 let (run, epoch) = (entry.run.to_native(), entry.epoch.to_native());
-                last_full = Some(Base { run, epoch, handle: record.handle, lsn });
-                (run, epoch, None)
+                let started = Rc::new(RefCell::new(Chain { run, links: vec![link(epoch, None)] }));
+                chain = Some(Rc::clone(&started));
+                (run, epoch, Ok((started, 0)))
             }
             ArchivedLogRecord::OffsetsDelta(entry) => {
                 let (run, epoch) = (entry.run.to_native(), entry.epoch.to_native());
                 let base_epoch = entry.base_epoch.to_native();
-                let base = last_full
-                    .filter(|base| base.run == run && base.epoch == base_epoch)
-                    .ok_or(base_epoch);
-                (run, epoch, Some(base))
+                let place = match chain.as_ref().filter(|chain| chain.borrow().run == run) {
+                    Some(chain) => {
+                        let mut links = RefCell::borrow_mut(chain);
+                        links.links.push(link(epoch, Some(base_epoch)));
+                        Ok((Rc::clone(chain), links.links.len() - 1))
+                    }
+                    None => Err(base_epoch),
+                };
+                (run, epoch, place)
             }
             ArchivedLogRecord::Commit { run, epoch } => {
                 let (run, epoch) = (run.to_native(), epoch.to_native());
@@ -636,7 +648,7 @@ fn recover(wal: &Wal) -> Result<Recovered, EpochError> {
             // The first record of a run wins; a newer run replaces an older one.
             Some(winner) if winner.run >= run => {}
             _ => {
-                offsets.insert(epoch, Winner { run, handle: record.handle, lsn, base });
+                offsets.insert(epoch, Winner { run, lsn, place });
             }
         }
     }
@@ -653,49 +665,98 @@ fn recover(wal: &Wal) -> Result<Recovered, EpochError> {
 /// Where recovery found an epoch's winning offsets.
 struct Winner {
     run: u64,
-    handle: RecordHandle,
     lsn: Lsn,
-    /// For a delta: its base, or the base epoch it names if that is not the last full record
-    /// read before it (a base lost with a skipped segment).
-    base: Option<Result<Base, i64>>,
+    /// Its chain and its place in it, or, for a delta read with no chain of its run before
+    /// it (a keyframe lost with a skipped segment), the base epoch it names.
+    place: Result<(SharedChain, usize), i64>,
 }
 
-/// A full offsets record, as the base of deltas.
-#[derive(Clone, Copy)]
-struct Base {
+/// A chain that winners of several epochs share while recovery still appends to it.
+type SharedChain = Rc<RefCell<Chain>>;
+
+/// The offsets records of one run from a full record on (module `delta`, "Chains and
+/// keyframes").
+struct Chain {
     run: u64,
+    /// The full record, then the deltas after it.
+    links: Vec<Link>,
+}
+
+/// An offsets record in its chain.
+#[derive(Clone, Copy)]
+struct Link {
     epoch: i64,
+    /// For a delta: the epoch of its base.
+    base_epoch: Option<i64>,
     handle: RecordHandle,
     lsn: Lsn,
+}
+
+impl Chain {
+    /// The places of the records that decoding the one at `index` needs, from the full record
+    /// on, found by following each delta's base epoch back.
+    fn path_to(&self, index: usize) -> Result<Vec<usize>, EpochError> {
+        let mut path = vec![index];
+        let mut at = index;
+        while let Some(base_epoch) = self.links[at].base_epoch {
+            let link = self.links[at];
+            at = self.links[..at].iter().rposition(|base| base.epoch == base_epoch).ok_or_else(
+                || {
+                    bad_record(
+                        link.lsn,
+                        format!(
+                            "the offsets of epoch {} are a delta from the record of epoch \
+                             {base_epoch}, which run {} did not log since its last full record",
+                            link.epoch, self.run
+                        ),
+                    )
+                },
+            )?;
+            path.push(at);
+        }
+        path.reverse();
+        Ok(path)
+    }
 }
 
 impl Winner {
-    /// The offsets of `epoch`, read from the log (and from the base of a delta).
+    /// The offsets of `epoch`, read from the log (and from the chain of a delta).
     fn decode(&self, wal: &Wal, epoch: i64) -> Result<Vec<(PartitionId, Payload)>, EpochError> {
         let read_error = |source| EpochError::Wal { op: "read the epoch log", source };
-        let archived = wal.read::<LogRecord>(self.handle).map_err(read_error)?;
-        match (&*archived, self.base) {
-            (ArchivedLogRecord::Offsets(entry), None) => {
-                decode_offsets(entry).map_err(|reason| bad_record(self.lsn, reason))
+        let (chain, index) = match &self.place {
+            Ok((chain, index)) => (chain.borrow(), *index),
+            Err(base_epoch) => {
+                return Err(bad_record(
+                    self.lsn,
+                    format!(
+                        "the offsets of epoch {epoch} are a delta from the record of epoch \
+                         {base_epoch} of run {}, but no full record of that run comes before \
+                         it (lost with a skipped segment?)",
+                        self.run
+                    ),
+                ))
             }
-            (ArchivedLogRecord::OffsetsDelta(delta), Some(Ok(base))) => {
-                let base_record = wal.read::<LogRecord>(base.handle).map_err(read_error)?;
-                let ArchivedLogRecord::Offsets(full) = &*base_record else {
-                    return Err(bad_record(base.lsn, "expected a full offsets record"));
-                };
-                decode_delta(full, delta).map_err(|reason| bad_record(self.lsn, reason))
-            }
-            (ArchivedLogRecord::OffsetsDelta(_), Some(Err(base_epoch))) => Err(bad_record(
-                self.lsn,
-                format!(
-                    "the offsets of epoch {epoch} are a delta from the full record of epoch \
-                     {base_epoch} of run {}, which is not the last full record before it \
-                     (lost with a skipped segment?)",
-                    self.run
-                ),
-            )),
-            _ => Err(bad_record(self.lsn, "expected an offsets record")),
+        };
+        let path = chain.path_to(index)?;
+        let (keyframe, deltas) = path.split_first().expect("a path holds the record itself");
+        let keyframe = chain.links[*keyframe];
+        let record = wal.read::<LogRecord>(keyframe.handle).map_err(read_error)?;
+        let ArchivedLogRecord::Offsets(full) = &*record else {
+            return Err(bad_record(keyframe.lsn, "expected a full offsets record"));
+        };
+        if deltas.is_empty() {
+            return decode_offsets(full).map_err(|reason| bad_record(keyframe.lsn, reason));
         }
+        let mut decoder =
+            ChainDecoder::new(full).map_err(|reason| bad_record(keyframe.lsn, reason))?;
+        for link in deltas.iter().map(|&at| chain.links[at]) {
+            let record = wal.read::<LogRecord>(link.handle).map_err(read_error)?;
+            let ArchivedLogRecord::OffsetsDelta(delta) = &*record else {
+                return Err(bad_record(link.lsn, "expected a delta offsets record"));
+            };
+            decoder.apply(delta).map_err(|reason| bad_record(link.lsn, reason))?;
+        }
+        Ok(decoder.offsets())
     }
 }
 
@@ -815,25 +876,21 @@ mod tests {
     /// An offsets record read back: `(epoch, offsets, is a delta)`.
     type Logged = (i64, Vec<(PartitionId, Payload)>, bool);
 
-    /// Every offsets record in the log, in order.
+    /// Every offsets record in the log, in order (each delta decoded from the record before).
     fn logged_offsets(wal: &Wal) -> Vec<Logged> {
         let mut logged = Vec::new();
-        let mut last_full = None;
+        let mut chain = None;
         for record in wal.iter_from(Lsn(0)).unwrap() {
             let record = record.unwrap();
             match record.access::<LogRecord>().unwrap() {
                 ArchivedLogRecord::Offsets(entry) => {
                     logged.push((entry.epoch.to_native(), decode_offsets(entry).unwrap(), false));
-                    last_full = Some(record.handle);
+                    chain = ChainDecoder::new(entry).ok();
                 }
                 ArchivedLogRecord::OffsetsDelta(delta) => {
-                    let base = wal.read::<LogRecord>(last_full.unwrap()).unwrap();
-                    let ArchivedLogRecord::Offsets(base) = &*base else { panic!("not full") };
-                    logged.push((
-                        delta.epoch.to_native(),
-                        decode_delta(base, delta).unwrap(),
-                        true,
-                    ));
+                    let chain = chain.as_mut().expect("a delta after a compact full record");
+                    chain.apply(delta).unwrap();
+                    logged.push((delta.epoch.to_native(), chain.offsets(), true));
                 }
                 ArchivedLogRecord::Commit { .. } => {}
             }
@@ -935,7 +992,7 @@ mod tests {
     fn deltas_shrink_the_log_and_their_keyframes_outlive_cleaning() {
         let dir = tempfile::tempdir().unwrap();
         // 200 offsets of 8 bytes that advance by 5000 an epoch: 1.6 KiB as a full record, 400
-        // bytes as a delta at most two epochs from its keyframe (differences below 2^15).
+        // bytes as a delta from the epoch before (differences below 2^15).
         let offsets = |epoch: i64| -> Vec<(PartitionId, Payload)> {
             (0..200).map(|p| (PartitionId(p), Payload::from(epoch * 5000 + i64::from(p)))).collect()
         };
@@ -1003,6 +1060,123 @@ mod tests {
         let EpochError::BadLogRecord { lsn, reason } = &error else { panic!("{error}") };
         assert_eq!(*lsn, 1);
         assert!(reason.contains("epoch 1") && reason.contains("epoch 0"), "{reason}");
+    }
+
+    /// The bytes of a delta record of `epoch` from a base of `base_epoch` (run 1).
+    fn delta_bytes(
+        base_epoch: i64,
+        base: &[(PartitionId, Payload)],
+        epoch: i64,
+        offsets: &[(PartitionId, Payload)],
+    ) -> AlignedVec {
+        let mut encoder = DeltaEncoder::default();
+        encoder.full_record_appended(base_epoch, base);
+        let delta = encoder.encode(1, epoch, offsets, KEYFRAME_INTERVAL).expect("a delta");
+        rkyv::to_bytes::<rancor::Error>(&LogRecordRef::OffsetsDelta(delta)).unwrap()
+    }
+
+    /// Appends `records` (bytes, epoch) and a commit of each epoch in `commits` (run 1).
+    fn write_log(dir: &Path, records: &[(AlignedVec, i64)], commits: &[i64]) {
+        let wal = Wal::open(dir, config()).unwrap();
+        for (bytes, epoch) in records {
+            wal.append_bytes(bytes, *epoch).unwrap();
+        }
+        for &epoch in commits {
+            wal.append(&LogRecord::Commit { run: 1, epoch }, epoch).unwrap();
+        }
+        wal.close().unwrap();
+    }
+
+    fn full_bytes(epoch: i64, offsets: &[(PartitionId, Payload)]) -> AlignedVec {
+        let record = LogRecordRef::Offsets(OffsetsRecordRef::new(1, epoch, offsets).unwrap());
+        rkyv::to_bytes::<rancor::Error>(&record).unwrap()
+    }
+
+    #[test]
+    fn a_restart_point_deep_in_a_chain_decodes_through_every_delta_of_it() {
+        let dir = tempfile::tempdir().unwrap();
+        // The load generator's offsets: epoch << 20 | partition.
+        let offsets = |epoch: i64| -> Vec<(PartitionId, Payload)> {
+            (0..100).map(|p| (PartitionId(p), Payload::from(epoch << 20 | i64::from(p)))).collect()
+        };
+        let epochs = KEYFRAME_INTERVAL + 10;
+        {
+            let mut query = DurableQuery::open(dir.path(), config()).unwrap();
+            for epoch in 0..epochs {
+                query.add_offsets(Epoch(epoch), &offsets(epoch)).unwrap();
+                query.commit(Epoch(epoch)).unwrap();
+            }
+            query.wal().wait_durable(query.wal().appended_lsn()).unwrap();
+            let logged = logged_offsets(query.wal());
+            let full: Vec<i64> =
+                logged.iter().filter(|(_, _, delta)| !delta).map(|(epoch, _, _)| *epoch).collect();
+            assert_eq!(full, [0, KEYFRAME_INTERVAL], "a keyframe every {KEYFRAME_INTERVAL}");
+            // Every delta is 3 bytes an offset (differences of 2^20 from the epoch before).
+            for record in query.wal().iter_from(Lsn(0)).unwrap() {
+                let record = record.unwrap();
+                if let ArchivedLogRecord::OffsetsDelta(delta) =
+                    record.access::<LogRecord>().unwrap()
+                {
+                    assert_eq!((delta.word_bytes, delta.deltas.len()), (3, 300));
+                }
+            }
+        }
+        // Stopped at the keyframe's predecessor (63 deltas deep), at the keyframe, after it.
+        for stop in [KEYFRAME_INTERVAL - 1, KEYFRAME_INTERVAL, epochs - 1] {
+            let copy = tempfile::tempdir().unwrap();
+            {
+                let source = DurableQuery::open(dir.path(), config()).unwrap();
+                let wal = Wal::open(copy.path(), config()).unwrap();
+                for record in source.wal().iter_from(Lsn(0)).unwrap() {
+                    let record = record.unwrap();
+                    let keep = match record.access::<LogRecord>().unwrap() {
+                        ArchivedLogRecord::Commit { epoch, .. } => epoch.to_native() <= stop,
+                        _ => true,
+                    };
+                    if keep {
+                        wal.append_bytes(&record.bytes, record.time_ms).unwrap();
+                    }
+                }
+                wal.close().unwrap();
+            }
+            let query = DurableQuery::open(copy.path(), config()).unwrap();
+            assert_eq!(query.restart_point(), Some(&(Epoch(stop), offsets(stop))), "stop {stop}");
+        }
+    }
+
+    #[test]
+    fn deltas_that_all_name_their_keyframe_still_decode() {
+        // The first version of delta records: every delta from the run's last full record.
+        let dir = tempfile::tempdir().unwrap();
+        let offsets = |epoch: i64| -> Vec<(PartitionId, Payload)> {
+            (0..8).map(|p| (PartitionId(p), Payload::from(epoch * 1000 + i64::from(p)))).collect()
+        };
+        let mut records = vec![(full_bytes(0, &offsets(0)), 0)];
+        records.extend(
+            (1..5).map(|epoch| (delta_bytes(0, &offsets(0), epoch, &offsets(epoch)), epoch)),
+        );
+        write_log(dir.path(), &records, &[0, 1, 2, 3, 4]);
+        let query = DurableQuery::open(dir.path(), config()).unwrap();
+        assert_eq!(query.restart_point(), Some(&(Epoch(4), offsets(4))));
+    }
+
+    #[test]
+    fn a_delta_whose_base_is_not_in_its_chain_fails_recovery_naming_both_epochs() {
+        let dir = tempfile::tempdir().unwrap();
+        let offsets = |epoch: i64| -> Vec<(PartitionId, Payload)> {
+            (0..4).map(|p| (PartitionId(p), Payload::from(epoch * 10 + i64::from(p)))).collect()
+        };
+        // Epochs 0 (full) and 1, then a delta of epoch 3 from epoch 2, which is not logged.
+        let records = [
+            (full_bytes(0, &offsets(0)), 0),
+            (delta_bytes(0, &offsets(0), 1, &offsets(1)), 1),
+            (delta_bytes(2, &offsets(2), 3, &offsets(3)), 3),
+        ];
+        write_log(dir.path(), &records, &[0, 1, 3]);
+        let error = DurableQuery::open(dir.path(), config()).unwrap_err();
+        let EpochError::BadLogRecord { lsn, reason } = &error else { panic!("{error}") };
+        assert_eq!(*lsn, 3);
+        assert!(reason.contains("epoch 3") && reason.contains("epoch 2"), "{reason}");
     }
 
     #[test]
