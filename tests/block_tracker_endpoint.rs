@@ -233,6 +233,9 @@ impl Storage for FlakyStorage {
     fn remove(&self, path: &Path) -> io::Result<()> {
         self.inner.remove(path)
     }
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        self.inner.rename(from, to)
+    }
     fn sync_dir(&self, dir: &Path) -> io::Result<()> {
         self.inner.sync_dir(dir)
     }

@@ -312,6 +312,9 @@ impl Storage for GatedStorage {
     fn remove(&self, path: &Path) -> io::Result<()> {
         FileStorage.remove(path)
     }
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        FileStorage.rename(from, to)
+    }
     fn sync_dir(&self, dir: &Path) -> io::Result<()> {
         FileStorage.sync_dir(dir)
     }

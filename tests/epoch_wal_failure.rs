@@ -63,6 +63,9 @@ impl Storage for FailingStorage {
     fn remove(&self, path: &Path) -> io::Result<()> {
         FileStorage.remove(path)
     }
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        FileStorage.rename(from, to)
+    }
     fn sync_dir(&self, dir: &Path) -> io::Result<()> {
         FileStorage.sync_dir(dir)
     }

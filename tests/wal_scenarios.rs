@@ -36,6 +36,7 @@ fn config(durability: Durability, recovery: RecoveryMode) -> WalConfig {
         durability,
         recovery,
         rolling_interval: Some(Duration::from_secs(1)),
+        ..WalConfig::default()
     }
 }
 
@@ -224,7 +225,7 @@ fn one_segment_log(
             segment_size_bytes: SEGMENT_SIZE,
             durability,
             recovery: RecoveryMode::Strict,
-            rolling_interval: None,
+            ..WalConfig::default()
         },
         WalOptions { io, uring_direct_max_bytes: 0, ..WalOptions::default() },
     )
@@ -361,8 +362,13 @@ fn wal_f8_random_reader_hand_written_and_writer_written() {
     // Hand-written: a segment file built with the public format helpers, read by the log.
     let dir = tempfile::tempdir().unwrap();
     let id = coordbus::SegmentId(1);
-    let header =
-        segment::SegmentHeader { id, first_lsn: 1, window: None, segment_size_bytes: SEGMENT_SIZE };
+    let header = segment::SegmentHeader {
+        id,
+        first_lsn: 1,
+        window: None,
+        segment_size_bytes: SEGMENT_SIZE,
+        recycled: false,
+    };
     let mut file = header.encode().to_vec();
     let mut handles = Vec::new();
     for (index, item) in items.iter().enumerate() {

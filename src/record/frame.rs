@@ -133,6 +133,12 @@ pub fn looks_like_header(bytes: &[u8]) -> bool {
         && bytes[31] == 0
 }
 
+/// The LSN a frame header at the start of `bytes` claims, unverified (no checksum: the frame
+/// may be partly written), if the header looks like one ([`looks_like_header`]).
+pub fn claimed_lsn(bytes: &[u8]) -> Option<u64> {
+    looks_like_header(bytes).then(|| u64::from_le_bytes(bytes[8..16].try_into().expect("8 bytes")))
+}
+
 /// Parses and verifies the frame at the start of `bytes`; returns the header and the payload.
 ///
 /// # Errors
@@ -195,7 +201,16 @@ mod tests {
             assert_eq!(header.lsn, 42 + len as u64);
             assert_eq!(header.time_ms, -5);
             assert_eq!(header.synced_lsn_at_append(), 40);
+            assert_eq!(claimed_lsn(&buf), Some(42 + len as u64));
+            // A torn payload still shows the LSN its header claims.
+            if buf.len() > HEADER_LEN {
+                let last = buf.len() - 1;
+                buf[last] ^= 1;
+                assert!(parse(&buf).is_err());
+                assert_eq!(claimed_lsn(&buf), Some(42 + len as u64));
+            }
         }
+        assert_eq!(claimed_lsn(&[0u8; HEADER_LEN]), None);
     }
 
     #[test]

@@ -57,9 +57,11 @@ impl SegmentMap {
         }
         // SAFETY: the mapping is read-only and private to this process's view of the file.
         // coordbus writes segment files only through `pwrite`/io_uring into ranges no reader
-        // has been handed yet (readers wait for the written watermark), and truncates a file
-        // only during recovery before it is mapped. External modification of the files is
-        // outside the contract (module doc).
+        // has been handed yet (readers wait for the written watermark), truncates a file only
+        // during recovery before it is mapped, and reuses a cleaned segment's file (a spare)
+        // only after this mapping was dropped as the last reference to it
+        // (`Shared::keep_as_spare`). External modification of the files is outside the
+        // contract (module doc).
         let map = unsafe { Mmap::map(&file) }
             .map_err(|error| WalError::from_io("map segment", path, len, &error))?;
         Ok(Self { map: Some(map) })

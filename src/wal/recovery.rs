@@ -11,11 +11,15 @@
 //! | last segment   | damage or garbage, no later record proves it durable  | torn tail: cut   |
 //! | last segment   | a later record appended after the damaged one was durable | corruption   |
 //! | last segment   | damaged segment header and no valid frame             | file removed     |
+//! | recycled, sealed | anything but a frame of LSN at or above the expected one | clean end     |
+//! | recycled, last | no frame (nor frame header) of LSN at or above the expected one | clean end |
 //! | other segment  | damaged segment header                                | corruption       |
 //! | next segment   | first LSN does not follow the previous segment's last | corruption       |
 //!
 //! ("Sealed" is every segment but the last; "file removed" is a torn creation: the process
-//! died between creating the file and making its header durable.)
+//! died between creating the file and making its header durable. "Recycled" segments' files
+//! held earlier segments, whose frames of lower LSNs follow their records: module `wal`,
+//! "Recycled segments".) Spare files are no segments: a writer's open deletes them.
 //!
 //! "Corruption" fails the open with [`WalError::Corruption`] naming segment and offset in
 //! [`RecoveryMode::Strict`]; in [`RecoveryMode::TolerateCorruption`] the damaged stretch (or
@@ -102,6 +106,9 @@ pub struct SegmentSummary {
     pub skipped: bool,
     /// The segment was a torn creation (last, no valid header, no records) and is dropped.
     pub dropped: bool,
+    /// The segment's file held an earlier segment (its header says so): bytes past
+    /// `valid_end` may be that segment's frames (module `wal`, "Recycled segments").
+    pub recycled: bool,
 }
 
 /// What opening a log found and did.
@@ -206,6 +213,23 @@ fn list(dir: &Path) -> Result<Vec<(SegmentId, PathBuf)>, WalError> {
     Ok(found)
 }
 
+/// Lists the spare files of `dir` (module `wal`, "Recycled segments").
+fn list_spares(dir: &Path) -> Result<Vec<PathBuf>, WalError> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(error) => return Err(WalError::from_io("list directory", dir, 0, &error)),
+    };
+    let mut found = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|error| WalError::from_io("list directory", dir, 0, &error))?;
+        if entry.file_name().to_str().is_some_and(segment::is_spare_file_name) {
+            found.push(entry.path());
+        }
+    }
+    Ok(found)
+}
+
 /// The first valid frame at or after `from` (16-byte steps) whose LSN is at least `min_lsn`.
 fn find_frame(bytes: &[u8], from: u64, min_lsn: u64) -> Option<(u64, frame::FrameHeader)> {
     let mut at = (from as usize).next_multiple_of(frame::ALIGN);
@@ -278,6 +302,7 @@ fn scan_segment(
         corruption: Vec::new(),
         skipped: false,
         dropped: false,
+        recycled: false,
     };
     let header = match SegmentHeader::decode(id, bytes) {
         Ok(header) => header,
@@ -322,6 +347,7 @@ fn scan_segment(
         }
     };
     summary.first_lsn_in_header = Some(Lsn(header.first_lsn));
+    summary.recycled = header.recycled;
     summary.window = header.window.map(|Window { start_ms, stop_ms }| (start_ms, stop_ms));
     if let Some(expected) = expected_first {
         if expected != header.first_lsn {
@@ -422,7 +448,7 @@ fn scan_segment(
             continue;
         }
         match problem {
-            Some(reason) if !is_last => {
+            Some(reason) if !is_last && !header.recycled => {
                 if !tolerant {
                     return Err(WalError::Corruption {
                         segment: id.0,
@@ -438,21 +464,37 @@ fn scan_segment(
                     records_skipped: 0,
                 });
             }
+            // A recycled sealed segment: what follows its records is its file's earlier use
+            // (frames of lower LSNs; garbage where they do not start at a frame boundary of
+            // this use). Records missing at its end show in the next segment's first LSN.
+            _ if !is_last => {}
             _ => {
                 if garbage_end > at {
                     let mut records_discarded = 0;
+                    let mut new_end = at;
                     let mut from = at + frame::ALIGN as u64;
                     let region = &bytes[..garbage_end as usize];
                     while let Some((found_at, found)) = find_frame(region, from, expected) {
                         records_discarded += 1;
                         from = found_at + found.frame_len();
+                        new_end = from;
                     }
-                    summary.torn_tail = Some(TornTail {
-                        segment: id,
-                        offset: at,
-                        bytes_discarded: garbage_end - at,
-                        records_discarded,
-                    });
+                    // In a recycled segment only frames of this use (LSN `expected` or more,
+                    // complete or not) are a torn tail; the rest is the earlier use's.
+                    let partial = frame::claimed_lsn(rest).is_some_and(|lsn| lsn >= expected);
+                    if !header.recycled {
+                        new_end = garbage_end;
+                    } else if partial {
+                        new_end = new_end.max(at + frame::HEADER_LEN as u64);
+                    }
+                    if new_end > at {
+                        summary.torn_tail = Some(TornTail {
+                            segment: id,
+                            offset: at,
+                            bytes_discarded: new_end - at,
+                            records_discarded,
+                        });
+                    }
                 }
             }
         }
@@ -545,6 +587,16 @@ pub(crate) fn recover(
     let (scanned, mut report, next_segment_id) = scan_all(dir, config.recovery)?;
     let mut segments = Vec::with_capacity(scanned.len());
     let mut changed_dir = false;
+    if !read_only {
+        // Spares of an earlier process (or a reuse a crash interrupted) are not reused: only
+        // this process knows that every stale frame in its spares has an LSN below the next.
+        for spare in list_spares(dir)? {
+            storage
+                .remove(&spare)
+                .map_err(|error| WalError::from_io("remove spare segment", &spare, 0, &error))?;
+            changed_dir = true;
+        }
+    }
     for mut scan in scanned {
         let summary = &scan.summary;
         if summary.dropped && read_only {

@@ -4,7 +4,8 @@
 //! documented in the `wal` module.
 //!
 //! A segment is created by the sync thread when the first record placed in it is written:
-//! header written, file preallocated to the full segment size (`fallocate`), directory synced.
+//! header written, file preallocated to the full segment size (`fallocate`), directory synced;
+//! or made from a spare, the file of a cleaned segment (module `wal`, "Recycled segments").
 //! Appenders place records in a segment before its file exists; readers wait for the written
 //! watermark before touching a record, so they never see a segment without its file.
 
@@ -25,6 +26,7 @@ pub const MAGIC: [u8; 8] = *b"CBWALSG\0";
 /// The segment format version this build reads and writes.
 pub const VERSION: u8 = 1;
 const FLAG_HAS_WINDOW: u8 = 1;
+const FLAG_RECYCLED: u8 = 2;
 
 /// A rolling window `[start_ms, stop_ms]` (both inclusive, SPEC E.2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,6 +48,12 @@ pub struct SegmentHeader {
     pub window: Option<Window>,
     /// The segment size the log was configured with when this segment was created.
     pub segment_size_bytes: u64,
+    /// The file held an earlier segment of the log (a spare, module `wal`, "Recycled
+    /// segments"): past this segment's records it may still hold that segment's frames, all
+    /// of LSNs below `first_lsn`. The sync thread sets it in the file when it creates the
+    /// segment from a spare; the header a running log keeps for a segment it is writing leaves
+    /// it false (only recovery reads it, from the file).
+    pub recycled: bool,
 }
 
 impl SegmentHeader {
@@ -54,7 +62,8 @@ impl SegmentHeader {
         let mut out = [0u8; HEADER_LEN as usize];
         out[0..8].copy_from_slice(&MAGIC);
         out[8] = VERSION;
-        out[9] = if self.window.is_some() { FLAG_HAS_WINDOW } else { 0 };
+        out[9] = if self.window.is_some() { FLAG_HAS_WINDOW } else { 0 }
+            | if self.recycled { FLAG_RECYCLED } else { 0 };
         out[12..16].copy_from_slice(&self.id.0.to_le_bytes());
         out[16..24].copy_from_slice(&self.first_lsn.to_le_bytes());
         let window = self.window.unwrap_or(Window { start_ms: 0, stop_ms: 0 });
@@ -111,6 +120,7 @@ impl SegmentHeader {
             first_lsn: u64::from_le_bytes(bytes[16..24].try_into().expect("8 bytes")),
             window,
             segment_size_bytes: u64::from_le_bytes(bytes[40..48].try_into().expect("8 bytes")),
+            recycled: bytes[9] & FLAG_RECYCLED != 0,
         })
     }
 }
@@ -127,6 +137,19 @@ pub fn parse_file_name(name: &str) -> Option<SegmentId> {
         return None;
     }
     digits.parse().ok().map(SegmentId)
+}
+
+/// The file name of a spare: the file of retired segment `id`, kept for reuse (module `wal`,
+/// "Recycled segments"). Not a segment: scans ignore it, and opening a log deletes it.
+pub fn spare_file_name(id: SegmentId) -> String {
+    format!("spare-{:010}.wal", id.0)
+}
+
+/// Whether `name` is a spare's file name (made by [`spare_file_name`]).
+pub fn is_spare_file_name(name: &str) -> bool {
+    name.strip_prefix("spare-")
+        .and_then(|rest| rest.strip_suffix(".wal"))
+        .is_some_and(|digits| digits.len() == 10 && digits.bytes().all(|b| b.is_ascii_digit()))
 }
 
 /// The in-memory state of one segment, shared by appenders, the sync thread and readers.
@@ -196,9 +219,12 @@ mod tests {
             first_lsn: 1234,
             window: Some(Window { start_ms: 10_000, stop_ms: 11_000 }),
             segment_size_bytes: 1 << 20,
+            recycled: false,
         };
         let bytes = header.encode();
         assert_eq!(SegmentHeader::decode(SegmentId(7), &bytes).unwrap(), header);
+        let recycled = SegmentHeader { recycled: true, window: None, ..header };
+        assert_eq!(SegmentHeader::decode(SegmentId(7), &recycled.encode()).unwrap(), recycled);
         assert!(SegmentHeader::decode(SegmentId(8), &bytes).is_err());
         for bit in 0..bytes.len() * 8 {
             let mut damaged = bytes;
@@ -217,5 +243,10 @@ mod tests {
         assert_eq!(parse_file_name(&names[2]), Some(SegmentId(10)));
         assert_eq!(parse_file_name("seg-12.wal"), None);
         assert_eq!(parse_file_name("log-1-2"), None);
+        let spare = spare_file_name(SegmentId(12));
+        assert_eq!(spare, "spare-0000000012.wal");
+        assert!(is_spare_file_name(&spare));
+        assert_eq!(parse_file_name(&spare), None, "a spare is not a segment");
+        assert!(!is_spare_file_name("spare-12.wal") && !is_spare_file_name(&names[0]));
     }
 }

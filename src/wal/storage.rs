@@ -1,8 +1,8 @@
 //! The file layer the WAL writes through, as a trait so tests can inject failures.
 //!
-//! The sync thread creates, writes, preallocates, syncs and deletes segment files only through
-//! [`Storage`] and [`StorageFile`]. [`FileStorage`] is the real implementation (std files plus
-//! `fallocate`). A test wraps it to fail an `fdatasync` with EIO, shorten writes, or report
+//! The sync thread creates, writes, preallocates, syncs, renames and deletes segment files only
+//! through [`Storage`] and [`StorageFile`]. [`FileStorage`] is the real implementation (std
+//! files plus `fallocate`). A test wraps it to fail an `fdatasync` with EIO, shorten writes, or report
 //! ENOSPC, and checks the log's reaction (SPEC 0.6: a failed sync fails the log for good).
 //!
 //! Reading does not go through this layer: readers map the files read-only (`reader`).
@@ -38,6 +38,8 @@ pub trait Storage: Send + Sync + Debug + 'static {
     fn open_existing(&self, path: &Path) -> io::Result<Arc<dyn StorageFile>>;
     /// Deletes a file.
     fn remove(&self, path: &Path) -> io::Result<()>;
+    /// Renames a file within the directory, replacing `to` if it exists.
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()>;
     /// Makes the directory's entries (created or deleted files) durable.
     fn sync_dir(&self, dir: &Path) -> io::Result<()>;
 }
@@ -127,6 +129,10 @@ impl Storage for FileStorage {
 
     fn remove(&self, path: &Path) -> io::Result<()> {
         std::fs::remove_file(path)
+    }
+
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        std::fs::rename(from, to)
     }
 
     fn sync_dir(&self, dir: &Path) -> io::Result<()> {

@@ -46,8 +46,12 @@ use std::{
 use crate::{
     error::WalError,
     wal::{
-        lock, lock::DirLock, reader::SegmentMap, segment::Segment, storage::StorageFile, Chunk,
-        CleanReport, Durability, IoPath, Shared, WriterWait,
+        lock,
+        lock::DirLock,
+        reader::SegmentMap,
+        segment::{Segment, SegmentHeader},
+        storage::StorageFile,
+        Chunk, CleanReport, Durability, IoPath, Shared, WriterWait,
     },
 };
 
@@ -809,7 +813,8 @@ impl Writer {
         Ok(())
     }
 
-    /// Creates, preallocates and maps the file of `segment`, and makes its name durable.
+    /// Creates (or makes from a spare) and maps the file of `segment`, and makes its name
+    /// durable.
     fn create_segment(&mut self, segment: &Arc<Segment>) -> Result<OpenSegment, WalError> {
         let shared = &*self.shared;
         let storage = shared.storage.as_ref();
@@ -831,38 +836,88 @@ impl Writer {
             }
             self.dir_ready = true;
         }
-        let size = shared.config.segment_size_bytes;
-        let file = storage
-            .create(&segment.path)
-            .map_err(|error| WalError::from_io("create segment", &segment.path, size, &error))?;
-        file.allocate(size).map_err(|error| {
-            WalError::from_io("preallocate segment", &segment.path, size, &error)
-        })?;
-        let header = segment.header.encode();
-        pwrite::write_all_at(&WriteOp {
-            file: file.as_ref(),
-            path: &segment.path,
-            buf: &header,
-            offset: 0,
-        })?;
-        // The header (and the preallocation) must be durable before any record is written
-        // behind it: recovery treats a last segment with a bad header but valid records as
-        // corruption, which must never be what a crash leaves.
-        file.sync_data()
-            .map_err(|error| WalError::from_io("fdatasync", &segment.path, 0, &error))?;
-        self.shared.syncs.fetch_add(1, Ordering::Relaxed);
+        let spare = lock(&shared.spares).pop();
+        let file = match &spare {
+            Some(spare) => self.file_from_spare(spare, segment)?,
+            None => self.new_file(segment)?,
+        };
         storage
             .sync_dir(&shared.dir)
             .map_err(|error| WalError::from_io("sync directory", &shared.dir, 0, &error))?;
         let map = SegmentMap::open(&segment.path)?;
         let _ = segment.map.set(Arc::new(map));
-        tracing::debug!(segment = segment.header.id.0, path = ?segment.path, "created WAL segment");
+        if spare.is_some() {
+            shared.recycled_segments.fetch_add(1, Ordering::Relaxed);
+        }
+        tracing::debug!(
+            segment = segment.header.id.0,
+            path = ?segment.path,
+            recycled = spare.is_some(),
+            "created WAL segment"
+        );
         Ok(OpenSegment {
             segment: Arc::clone(segment),
             file,
             dirty: true,
             last_lsn: segment.header.first_lsn.saturating_sub(1),
         })
+    }
+
+    /// A new file for `segment`: created, preallocated, its header written and synced.
+    fn new_file(&self, segment: &Segment) -> Result<Arc<dyn StorageFile>, WalError> {
+        let size = self.shared.config.segment_size_bytes;
+        let file =
+            self.shared.storage.create(&segment.path).map_err(|error| {
+                WalError::from_io("create segment", &segment.path, size, &error)
+            })?;
+        file.allocate(size).map_err(|error| {
+            WalError::from_io("preallocate segment", &segment.path, size, &error)
+        })?;
+        self.write_header(file.as_ref(), &segment.path, &segment.header)?;
+        Ok(file)
+    }
+
+    /// The file of `spare` made into `segment`'s (module `wal`, "Recycled segments"): the
+    /// spare's name made durable, the new header (flagged recycled) written and synced, then
+    /// the file renamed. A crash before the rename is durable leaves a spare, which opening
+    /// deletes; never a segment file whose header names another segment.
+    fn file_from_spare(
+        &self,
+        spare: &Path,
+        segment: &Segment,
+    ) -> Result<Arc<dyn StorageFile>, WalError> {
+        let shared = &*self.shared;
+        let storage = shared.storage.as_ref();
+        // The rename that made the file a spare must be durable before the header changes:
+        // else a crash could bring back the old segment's name over the new header.
+        storage
+            .sync_dir(&shared.dir)
+            .map_err(|error| WalError::from_io("sync directory", &shared.dir, 0, &error))?;
+        let file = storage
+            .open_existing(spare)
+            .map_err(|error| WalError::from_io("open spare segment", spare, 0, &error))?;
+        let header = SegmentHeader { recycled: true, ..segment.header };
+        self.write_header(file.as_ref(), spare, &header)?;
+        storage
+            .rename(spare, &segment.path)
+            .map_err(|error| WalError::from_io("rename spare segment", &segment.path, 0, &error))?;
+        Ok(file)
+    }
+
+    /// Writes and syncs a segment header. It must be durable before any record is written
+    /// behind it: recovery treats a last segment with a bad header but valid records as
+    /// corruption, which must never be what a crash leaves.
+    fn write_header(
+        &self,
+        file: &dyn StorageFile,
+        path: &Path,
+        header: &SegmentHeader,
+    ) -> Result<(), WalError> {
+        let header = header.encode();
+        pwrite::write_all_at(&WriteOp { file, path, buf: &header, offset: 0 })?;
+        file.sync_data().map_err(|error| WalError::from_io("fdatasync", path, 0, &error))?;
+        self.shared.syncs.fetch_add(1, Ordering::Relaxed);
+        Ok(())
     }
 
     /// At close: syncs what is unsynced (also in `Durability::None`: close makes it durable).

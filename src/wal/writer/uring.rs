@@ -916,6 +916,7 @@ mod tests {
             first_lsn: 1,
             window: None,
             segment_size_bytes: 16 << 20,
+            recycled: false,
         };
         let segment = Arc::new(Segment::new(dir.path(), header));
         let path = segment.path.clone();

@@ -85,6 +85,7 @@ fn summary_json(segment: &SegmentSummary) -> serde_json::Value {
             "bytes_skipped": note.bytes_skipped,
         })).collect::<Vec<_>>(),
         "skipped": segment.skipped,
+        "recycled": segment.recycled,
     })
 }
 
@@ -143,6 +144,8 @@ fn inspect(dir: &PathBuf, as_json: bool) -> anyhow::Result<ExitCode> {
             )
         } else if !segment.corruption.is_empty() {
             format!("{} damaged stretch(es)", segment.corruption.len())
+        } else if segment.recycled {
+            "ok (recycled file)".to_owned()
         } else {
             "ok".to_owned()
         };

@@ -134,6 +134,8 @@ impl Figure {
                 "durable_lag_records": stats.appended_lsn.0.saturating_sub(stats.durable_lsn.0),
                 "segments": stats.segments,
                 "cleaned_segments": stats.cleaned_segments,
+                "recycled_segments": stats.recycled_segments,
+                "spare_segments": stats.spare_segments,
                 "writer_wakeups": stats.writer_wakeups,
                 "paced_groups": stats.paced_groups,
                 "io_path": stats.io_path.map(|path| path.as_str()),
