@@ -298,13 +298,15 @@ pub enum WalError {
         reason: String,
     },
     /// A segment header carries a format version this build does not read.
-    #[error("segment {segment} has format version {found}; this build reads version {supported}")]
+    #[error(
+        "segment {segment} has format version {found}; this build reads versions up to {supported}"
+    )]
     UnsupportedVersion {
         /// The segment's number.
         segment: u32,
         /// The version byte found.
         found: u8,
-        /// The version this build reads and writes.
+        /// The highest version this build reads.
         supported: u8,
     },
     /// A record handle whose length disagrees with the record stored at its offset.

@@ -4,8 +4,10 @@
 //! clean point, though its recycled files still hold the frames of their earlier use past its
 //! records; a torn record in a recycled last segment is cut like any torn tail, and records
 //! missing at the end of a recycled sealed segment are still corruption. A segment whose
-//! mapping a reader still holds is deleted, never reused, so the reader's bytes never change.
-//! Spares are bounded by the configuration and deleted when a log is opened.
+//! mapping a reader still holds (of this log, or a read-only log of the same directory, as a
+//! tool in another process) is deleted, never reused, so the reader's bytes never change; so is
+//! a segment found at open. Spares are bounded by the configuration and deleted when a log is
+//! opened.
 //! Method: 64 KiB segments of ~1 KiB records with the record index as its time, cleaned by
 //! time with `wait`, on both I/O paths; damage written into the files by hand, then reopened
 //! or scanned read-only.
@@ -165,26 +167,29 @@ fn records_missing_at_the_end_of_a_recycled_sealed_segment_are_corruption() {
     append(&wal, 330..430);
     wal.close().unwrap();
     let scan = scan_dir(dir.path(), RecoveryMode::Strict).unwrap();
-    let (index, sealed) = scan
-        .segments
+    let sealed = scan.segments[..scan.segments.len() - 1]
         .iter()
-        .enumerate()
-        .find(|(index, segment)| segment.recycled && index + 1 < scan.segments.len())
+        .find(|segment| segment.recycled)
         .expect("a recycled segment that is not the last");
-    let next = &scan.segments[index + 1];
     // Damage its last record: its records now stop one early, before the stale tail.
     let mut bytes = std::fs::read(&sealed.path).unwrap();
     bytes[(sealed.valid_end - 1) as usize] ^= 0x40;
     std::fs::write(&sealed.path, &bytes).unwrap();
     let error = Wal::open(dir.path(), config()).unwrap_err();
     let WalError::Corruption { segment, offset, reason } = &error else { panic!("{error}") };
-    assert_eq!((*segment, *offset), (next.id.0, 0), "{error}");
-    assert!(reason.contains("previous segment ends before"), "{reason}");
+    // Reported where the damaged record starts (record `i` has LSN `i + 1`).
+    let damaged = payload(sealed.last_lsn.unwrap().0 - 1);
+    let damaged_len = 32 + coordbus::record::frame::padded(damaged.len()) as u64;
+    assert_eq!((*segment, *offset), (sealed.id.0, sealed.valid_end - damaged_len), "{error}");
+    assert!(reason.contains("in a sealed segment"), "{reason}");
     // Tolerant recovery keeps every other record.
+    let records = scan_dir(dir.path(), RecoveryMode::TolerateCorruption).unwrap().report.records;
     let tolerant =
         Wal::open(dir.path(), WalConfig { recovery: RecoveryMode::TolerateCorruption, ..config() })
             .unwrap();
-    assert_eq!(tolerant.recovery_report().corruption_skipped.len(), 1);
+    assert!(!tolerant.recovery_report().corruption_skipped.is_empty());
+    assert_eq!(tolerant.recovery_report().records, records);
+    assert_eq!(read_all(&tolerant).len() as u64, records);
 }
 
 #[test]
@@ -249,20 +254,52 @@ fn spares_are_bounded_by_the_configuration_and_deleted_at_open() {
 }
 
 #[test]
-fn files_of_another_segment_size_are_not_kept() {
+fn segments_found_at_open_are_never_kept() {
     let dir = tempfile::tempdir().unwrap();
     {
         let wal = open_with(dir.path(), config(), IoMode::IoUring);
         append(&wal, 0..200);
         wal.close().unwrap();
     }
-    let wal = open_with(
+    let found = files_named(dir.path(), |name| segment::parse_file_name(name).is_some());
+    let wal = open_with(dir.path(), config(), IoMode::IoUring);
+    append(&wal, 200..400);
+    // Everything before record 350: the segments found at open and some of this log's.
+    assert!(clean_below(&wal, 350) > found.len() as u64);
+    let kept: Vec<String> = spares(dir.path())
+        .iter()
+        .map(|path| path.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(kept.len(), 2, "{kept:?}");
+    for path in &found {
+        let id = segment::parse_file_name(&path.file_name().unwrap().to_string_lossy()).unwrap();
+        assert!(!kept.contains(&segment::spare_file_name(id)), "{kept:?}");
+    }
+}
+
+#[test]
+fn a_segment_another_reader_maps_is_deleted_not_reused() {
+    let dir = tempfile::tempdir().unwrap();
+    let wal = open_with(dir.path(), config(), IoMode::IoUring);
+    append(&wal, 0..200);
+    // A read-only log of the same directory (as a tool in another process would open it)
+    // maps every segment it found.
+    let reader = Wal::open_with_options(
         dir.path(),
-        WalConfig { segment_size_bytes: 2 * SEGMENT_SIZE, ..config() },
-        IoMode::IoUring,
-    );
+        config(),
+        WalOptions { read_only: true, ..WalOptions::default() },
+    )
+    .unwrap();
+    let before = read_all(&reader);
     assert!(clean_below(&wal, 150) >= 2);
-    assert!(spares(dir.path()).is_empty());
+    assert!(spares(dir.path()).is_empty(), "nothing kept while mapped elsewhere");
+    append(&wal, 200..330);
+    assert_eq!(wal.stats().recycled_segments, 0);
+    assert_eq!(read_all(&reader), before, "the reader's bytes never change");
+    // Once the reader is gone, cleaned segments are kept again.
+    drop(reader);
+    assert!(clean_below(&wal, 300) >= 1);
+    assert!(!spares(dir.path()).is_empty());
 }
 
 #[test]

@@ -22,8 +22,10 @@
 //!   first, the log fails with [`WalError::Locked`] as its cause and writes nothing.
 //!
 //! It is released when the sync thread exits (at close or drop, after the last sync), so after
-//! `close` returns another writer can open the directory. Read-only opens (tools) take no lock;
-//! [`is_locked`] tells them whether a live writer holds it (its tail may then be in flight).
+//! `close` returns another writer can open the directory. Read-only opens (tools) take no lock
+//! on the directory; [`is_locked`] tells them whether a live writer holds it (its tail may then
+//! be in flight). Their mappings hold shared locks on the segment files they map, so that a
+//! live writer never reuses such a file as a spare (module `reader`).
 
 use std::{
     fs::{File, TryLockError},

@@ -115,7 +115,7 @@
 //!   segment must never see its bytes change, so that file is deleted as before.
 //! * Reuse, on the sync thread when a segment starts: the directory is synced (the rename that
 //!   made the spare must be durable, or a crash could bring back the old name over a new
-//!   header), the new header is written with flag `recycled` and synced, the file is renamed to
+//!   header), the new header is written with version 2 and synced, the file is renamed to
 //!   the segment's name, and the directory synced. Records are written only after that.
 //! * Past its records a recycled file still holds frames of its earlier use, all of LSNs below
 //!   the new segment's first LSN (LSNs only grow within a log). Recovery never takes them for
@@ -130,7 +130,7 @@
 //!   next one. Spares take disk space while the log is closed, up to `spare_segments`
 //!   segment sizes.
 //!
-//! ## On-disk format (version 1)
+//! ## On-disk format (versions 1 and 2)
 //! A log is a directory of segment files named `seg-<10-digit id>.wal` (so names sort in log
 //! order; other files are ignored, and `spare-<10-digit id>.wal` files are deleted by a
 //! writer's open). Each is preallocated to `segment_size_bytes` when created, or is a spare of
@@ -141,8 +141,8 @@
 //! | offset | size | field                | meaning                                         |
 //! |-------:|-----:|----------------------|-------------------------------------------------|
 //! | 0      | 8    | magic                | `b"CBWALSG\0"`                                  |
-//! | 8      | 1    | version              | format version, `1`                             |
-//! | 9      | 1    | flags                | bit 0: rolling window; bit 1: recycled file     |
+//! | 8      | 1    | version              | `1`; `2`: a recycled file ("Recycled segments") |
+//! | 9      | 1    | flags                | bit 0: the segment has a rolling window         |
 //! | 10     | 2    | reserved             | zero                                            |
 //! | 12     | 4    | segment id           | u32, equals the number in the file name         |
 //! | 16     | 8    | first LSN            | LSN of the first record placed in the segment   |
@@ -160,7 +160,8 @@
 //! a frame of this segment's use follows ("Recycled segments").
 //!
 //! ## Durability order (what recovery relies on)
-//! * A new segment file is created (header written and synced, preallocation, directory sync)
+//! * A new segment file is created (header written and synced, preallocation, directory sync;
+//!   or from a spare: directory sync, header written and synced, rename, directory sync)
 //!   only after every byte of the previous segment was synced, so a later segment holding any
 //!   record proves the earlier ones complete: damage in a sealed (non-last) segment is
 //!   corruption. Opening a log syncs its last segment first, since the previous process may
@@ -1110,22 +1111,26 @@ impl Shared {
     }
 
     /// Renames the file of cleaned `segment` to a spare's name and adds it to the spares, if
-    /// there is room, the file is whole (the configured segment size: not cut as a torn tail,
-    /// nor made with another size) and nothing else holds the segment or its mapping. A
-    /// reader's record guard or iterator may still map a cleaned segment; its file must then
-    /// never be written again, so it is deleted instead (the mapping keeps the bytes). So is a
-    /// segment the sync thread still holds: `clean` with `wait` right after the segment's last
-    /// group became durable may find it finishing that group; the sync thread itself retires
-    /// the segments of a `clean` without `wait` between its groups.
+    /// there is room, the file is whole (the configured segment size: not cut as a torn tail),
+    /// this log created it (not recovery: `Segment::recovered`), and nothing maps it. A
+    /// reader's record guard or iterator may still map a cleaned segment, in this process or
+    /// another (a read-only tool); its file must then never be written again, so it is deleted
+    /// instead (the mapping keeps the bytes). In this process: the segment and its mapping
+    /// must have no other reference. Elsewhere: every mapping holds a shared lock on its file
+    /// (module `reader`), so the file is renamed under an exclusive lock taken without
+    /// waiting. A segment the sync thread still holds is deleted too: `clean` with `wait` right
+    /// after the segment's last group became durable may find it finishing that group; the
+    /// sync thread itself retires the segments of a `clean` without `wait` between its groups.
     fn keep_as_spare(&self, segment: Arc<Segment>) -> bool {
         let mut spares = lock(&self.spares);
         if spares.len() >= self.config.spare_segments
+            || segment.recovered
             || segment.file_len() != self.config.segment_size_bytes
         {
             return false;
         }
         // The log no longer lists the segment (`clean` took it out): if this is the only
-        // reference to it and to its mapping, nobody can make another.
+        // reference to it and to its mapping, nobody here can make another.
         let Ok(segment) = Arc::try_unwrap(segment) else {
             return false;
         };
@@ -1135,7 +1140,15 @@ impl Shared {
         let Ok(map) = Arc::try_unwrap(map) else {
             return false;
         };
+        // Unmapped and unlocked before taking the exclusive lock.
         drop(map);
+        let Ok(file) = std::fs::File::open(&segment.path) else {
+            return false;
+        };
+        if file.try_lock().is_err() {
+            // Mapped by another process (or another `Wal` of this one).
+            return false;
+        }
         let spare = self.dir.join(segment::spare_file_name(segment.header.id));
         match self.storage.rename(&segment.path, &spare) {
             Ok(()) => {

@@ -9,6 +9,13 @@
 //! makes reads of the vanished pages fault (SIGBUS). coordbus itself only truncates the tail
 //! of a segment during recovery, before any mapping of it exists.
 //!
+//! Recycled segments (module `wal`) write a cleaned segment's file again, so no mapping of it
+//! may remain, in this process or another (a read-only tool on a live log). Every mapping
+//! holds a shared `flock` on its file, taken before the file is mapped and checked to still be
+//! the segment's (the name may have moved on to a spare in between); a writer reuses a file
+//! only while it holds the exclusive lock, taken without waiting (else it deletes the file as
+//! before), and renames it away from the segment's name before letting go.
+//!
 //! This module is one of the three allowed to use `unsafe` (STYLE.md): mapping a file, and
 //! re-deriving a reference to an archive that was validated when its guard was built.
 
@@ -38,33 +45,45 @@ const READ_WAIT_LIMIT: Duration = Duration::from_secs(60);
 #[derive(Debug)]
 pub struct SegmentMap {
     map: Option<Mmap>,
+    /// The mapped file, open for as long as the mapping, holding a shared lock on it: a writer
+    /// never reuses a file someone maps (module doc).
+    _locked: File,
 }
 
 impl SegmentMap {
-    /// Maps the file at `path` (its current length).
+    /// Maps the file at `path` (its current length), under a shared lock (module doc).
     ///
     /// # Errors
-    /// [`WalError::Io`] if the file cannot be opened or mapped.
+    /// [`WalError::Io`] if the file cannot be opened, locked or mapped, or if `path` no longer
+    /// names it once locked (the segment was cleaned meanwhile: `NotFound`).
     pub fn open(path: &Path) -> Result<Self, WalError> {
         let file =
             File::open(path).map_err(|error| WalError::from_io("open segment", path, 0, &error))?;
+        file.lock_shared().map_err(|error| WalError::from_io("lock segment", path, 0, &error))?;
+        if !still_named(&file, path) {
+            let gone = std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                "the segment was cleaned while it was being opened",
+            );
+            return Err(WalError::from_io("open segment", path, 0, &gone));
+        }
         let len = file
             .metadata()
             .map_err(|error| WalError::from_io("stat segment", path, 0, &error))?
             .len();
         if len == 0 {
-            return Ok(Self { map: None });
+            return Ok(Self { map: None, _locked: file });
         }
         // SAFETY: the mapping is read-only and private to this process's view of the file.
         // coordbus writes segment files only through `pwrite`/io_uring into ranges no reader
         // has been handed yet (readers wait for the written watermark), truncates a file only
-        // during recovery before it is mapped, and reuses a cleaned segment's file (a spare)
-        // only after this mapping was dropped as the last reference to it
-        // (`Shared::keep_as_spare`). External modification of the files is outside the
-        // contract (module doc).
+        // during recovery before it is mapped, and writes a cleaned segment's file again (a
+        // spare) only while it holds the file's exclusive lock, which this mapping's shared
+        // lock (held until the mapping is dropped) excludes (module doc). External
+        // modification of the files is outside the contract.
         let map = unsafe { Mmap::map(&file) }
             .map_err(|error| WalError::from_io("map segment", path, len, &error))?;
-        Ok(Self { map: Some(map) })
+        Ok(Self { map: Some(map), _locked: file })
     }
 
     /// Tells the kernel the mapping will be read front to back (read-ahead; a hint only).
@@ -83,6 +102,15 @@ impl SegmentMap {
     /// Bytes mapped.
     pub fn len(&self) -> usize {
         self.bytes().len()
+    }
+}
+
+/// Whether `path` still names `file` (same device and inode).
+fn still_named(file: &File, path: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (file.metadata(), std::fs::metadata(path)) {
+        (Ok(open), Ok(named)) => open.dev() == named.dev() && open.ino() == named.ino(),
+        _ => false,
     }
 }
 

@@ -11,7 +11,7 @@
 //! | last segment   | damage or garbage, no later record proves it durable  | torn tail: cut   |
 //! | last segment   | a later record appended after the damaged one was durable | corruption   |
 //! | last segment   | damaged segment header and no valid frame             | file removed     |
-//! | recycled, sealed | anything but a frame of LSN at or above the expected one | clean end     |
+//! | recycled, sealed | no frame of LSN at or above the expected one, which is the next segment's first | clean end |
 //! | recycled, last | no frame (nor frame header) of LSN at or above the expected one | clean end |
 //! | other segment  | damaged segment header                                | corruption       |
 //! | next segment   | first LSN does not follow the previous segment's last | corruption       |
@@ -274,7 +274,16 @@ fn nonzero_end(bytes: &[u8], from: u64) -> u64 {
     from as u64
 }
 
-/// Scans one segment. `expected_first` is the LSN the previous segment says comes next.
+/// The first LSN the header of segment `id`'s file names, if it is readable.
+fn header_first_lsn(id: SegmentId, path: &Path) -> Option<u64> {
+    use std::os::unix::fs::FileExt;
+    let mut header = [0u8; HEADER_LEN as usize];
+    std::fs::File::open(path).ok()?.read_exact_at(&mut header, 0).ok()?;
+    SegmentHeader::decode(id, &header).ok().map(|header| header.first_lsn)
+}
+
+/// Scans one segment. `expected_first` is the LSN the previous segment says comes next;
+/// `next_first` the first LSN the next segment's header names (if any and readable).
 fn scan_segment(
     id: SegmentId,
     path: &Path,
@@ -282,6 +291,7 @@ fn scan_segment(
     is_last: bool,
     mode: RecoveryMode,
     expected_first: Option<u64>,
+    next_first: Option<u64>,
 ) -> Result<Scanned, WalError> {
     let bytes = map.bytes();
     let len = bytes.len() as u64;
@@ -448,7 +458,12 @@ fn scan_segment(
             continue;
         }
         match problem {
-            Some(reason) if !is_last && !header.recycled => {
+            // A recycled sealed segment whose records stop where the next segment starts:
+            // what follows is its file's earlier use (frames of lower LSNs; garbage where they
+            // do not start at a frame boundary of this use), not damage. Without the next
+            // header to confirm the end, it is judged like any sealed segment.
+            Some(_) if !is_last && header.recycled && next_first == Some(expected) => {}
+            Some(reason) if !is_last => {
                 if !tolerant {
                     return Err(WalError::Corruption {
                         segment: id.0,
@@ -464,9 +479,6 @@ fn scan_segment(
                     records_skipped: 0,
                 });
             }
-            // A recycled sealed segment: what follows its records is its file's earlier use
-            // (frames of lower LSNs; garbage where they do not start at a frame boundary of
-            // this use). Records missing at its end show in the next segment's first LSN.
             _ if !is_last => {}
             _ => {
                 if garbage_end > at {
@@ -522,7 +534,8 @@ fn scan_all(
         let map = Arc::new(SegmentMap::open(path)?);
         map.advise_sequential();
         let is_last = index + 1 == files.len();
-        let scan = scan_segment(*id, path, map, is_last, mode, expected)?;
+        let next_first = files.get(index + 1).and_then(|(id, path)| header_first_lsn(*id, path));
+        let scan = scan_segment(*id, path, map, is_last, mode, expected, next_first)?;
         expected = match (&scan.header, scan.summary.last_lsn) {
             (None, _) => None,
             (Some(_), Some(last)) => Some(last.0 + 1),
@@ -637,6 +650,7 @@ pub(crate) fn recover(
         }
         let segment = Segment {
             valid_ranges: (!summary.corruption.is_empty()).then(|| scan.ranges.clone()),
+            recovered: true,
             ..Segment::new(dir, header)
         };
         segment.max_time_ms.store(scan.max_time_ms, Ordering::Release);

@@ -23,10 +23,14 @@ use crate::{error::WalError, wal::SegmentId};
 pub const HEADER_LEN: u64 = 64;
 /// Segment file magic.
 pub const MAGIC: [u8; 8] = *b"CBWALSG\0";
-/// The segment format version this build reads and writes.
+/// The segment format version of a file created for its segment.
 pub const VERSION: u8 = 1;
+/// The segment format version of a recycled file (module `wal`, "Recycled segments"): the same
+/// layout, but frames of the file's earlier use may follow the records. A build from before
+/// recycled segments refuses it ([`WalError::UnsupportedVersion`]) instead of reading those
+/// frames as damage.
+pub const RECYCLED_VERSION: u8 = 2;
 const FLAG_HAS_WINDOW: u8 = 1;
-const FLAG_RECYCLED: u8 = 2;
 
 /// A rolling window `[start_ms, stop_ms]` (both inclusive, SPEC E.2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,8 +53,8 @@ pub struct SegmentHeader {
     /// The segment size the log was configured with when this segment was created.
     pub segment_size_bytes: u64,
     /// The file held an earlier segment of the log (a spare, module `wal`, "Recycled
-    /// segments"): past this segment's records it may still hold that segment's frames, all
-    /// of LSNs below `first_lsn`. The sync thread sets it in the file when it creates the
+    /// segments"; format version [`RECYCLED_VERSION`]): past this segment's records it may
+    /// still hold that segment's frames, all of LSNs below `first_lsn`. The sync thread sets it in the file when it creates the
     /// segment from a spare; the header a running log keeps for a segment it is writing leaves
     /// it false (only recovery reads it, from the file).
     pub recycled: bool,
@@ -61,9 +65,8 @@ impl SegmentHeader {
     pub fn encode(&self) -> [u8; HEADER_LEN as usize] {
         let mut out = [0u8; HEADER_LEN as usize];
         out[0..8].copy_from_slice(&MAGIC);
-        out[8] = VERSION;
-        out[9] = if self.window.is_some() { FLAG_HAS_WINDOW } else { 0 }
-            | if self.recycled { FLAG_RECYCLED } else { 0 };
+        out[8] = if self.recycled { RECYCLED_VERSION } else { VERSION };
+        out[9] = if self.window.is_some() { FLAG_HAS_WINDOW } else { 0 };
         out[12..16].copy_from_slice(&self.id.0.to_le_bytes());
         out[16..24].copy_from_slice(&self.first_lsn.to_le_bytes());
         let window = self.window.unwrap_or(Window { start_ms: 0, stop_ms: 0 });
@@ -98,11 +101,11 @@ impl SegmentHeader {
         if bytes[0..8] != MAGIC {
             return Err(corrupt("segment header magic is wrong".into()));
         }
-        if bytes[8] != VERSION {
+        if bytes[8] != VERSION && bytes[8] != RECYCLED_VERSION {
             return Err(WalError::UnsupportedVersion {
                 segment: id.0,
                 found: bytes[8],
-                supported: VERSION,
+                supported: RECYCLED_VERSION,
             });
         }
         let stored_id = u32::from_le_bytes(bytes[12..16].try_into().expect("4 bytes"));
@@ -120,7 +123,7 @@ impl SegmentHeader {
             first_lsn: u64::from_le_bytes(bytes[16..24].try_into().expect("8 bytes")),
             window,
             segment_size_bytes: u64::from_le_bytes(bytes[40..48].try_into().expect("8 bytes")),
-            recycled: bytes[9] & FLAG_RECYCLED != 0,
+            recycled: bytes[8] == RECYCLED_VERSION,
         })
     }
 }
@@ -176,6 +179,10 @@ pub(crate) struct Segment {
     /// Byte ranges holding records, for segments where tolerant recovery skipped damage
     /// (`None`: one range from the header to `end_offset`).
     pub valid_ranges: Option<Vec<(u64, u64)>>,
+    /// Found by recovery, not created by this log: never kept as a spare (only this process
+    /// knows that every frame of a segment it created has an LSN below the next one; a log
+    /// opened tolerating corruption need not hold LSNs in order).
+    pub recovered: bool,
 }
 
 impl Segment {
@@ -190,6 +197,7 @@ impl Segment {
             end_offset: AtomicU64::new(HEADER_LEN),
             sealed: AtomicBool::new(false),
             valid_ranges: None,
+            recovered: false,
         }
     }
 

@@ -26,8 +26,8 @@
 //! first version of this module did, the load generator's offsets needed 4 bytes instead of 3).
 //! A run's first offsets record is full, and so is every record that cannot be a delta: the
 //! layout is not compact (ids `0..count`, one payload width), the count or width differs from
-//! the base's, or the epoch is [`KEYFRAME_INTERVAL`] or more after the chain's full record
-//! (its keyframe). Each full compact record starts a new chain; a full record that is not
+//! the base's, or the epoch is not after the chain's full record (its keyframe) by fewer than
+//! [`KEYFRAME_INTERVAL`] epochs (an epoch's offsets can complete before an earlier epoch's). Each full compact record starts a new chain; a full record that is not
 //! compact starts none. Reading a delta back decodes its chain from the keyframe on, at most
 //! [`KEYFRAME_INTERVAL`] records. Recovery follows `base_epoch` from record to record, so logs
 //! whose deltas all name their keyframe (the first version) decode the same way.
@@ -36,7 +36,8 @@
 //! The log keeps every segment holding an epoch at or above `D + 1 - retained_epochs`, with `D`
 //! the last durable commit (module `durable`). Recovery needs the offsets of the last commit it
 //! finds, `E >= D`, and so the chain of `E`'s delta back to its keyframe, whose epoch `k` is
-//! above `E - interval`, every record of it at an epoch of at least `k`. With an interval of
+//! above `E - interval`, every record of it at an epoch above `k` (a delta is never of an
+//! earlier epoch than its keyframe). With an interval of
 //! at most `retained_epochs`, `k > D - retained_epochs`: their segments are kept. A crash that
 //! cuts the log keeps a prefix, and a chain's records precede the deltas that use them. Only a
 //! log opened with corrupted segments skipped can miss a base; opening then fails with
@@ -92,10 +93,9 @@ impl DeltaEncoder {
     ) -> Option<&OffsetsDeltaRecord> {
         let base = self.base.as_mut()?;
         let width = offsets.first().map_or(0, |(_, payload)| payload.len());
-        if offsets.len() != base.count
-            || width != base.width
-            || epoch.abs_diff(base.keyframe_epoch) >= interval.unsigned_abs()
-        {
+        let after_keyframe = epoch > base.keyframe_epoch
+            && epoch.abs_diff(base.keyframe_epoch) < interval.unsigned_abs();
+        if offsets.len() != base.count || width != base.width || !after_keyframe {
             self.base = None;
             return None;
         }
@@ -142,6 +142,12 @@ impl DeltaEncoder {
             _ => store_low_bytes::<8>(&self.words, &mut record.deltas),
         }
         Some(&self.record)
+    }
+
+    /// After a delta [`Self::encode`] made was not appended (the log refused it): the next
+    /// record must be full.
+    pub(super) fn forget_base(&mut self) {
+        self.base = None;
     }
 
     /// After a full record of `offsets` for `epoch`: it starts a chain if its layout is
@@ -481,6 +487,10 @@ mod tests {
             .is_some());
         assert!(encoder.encode(1, 5 + KEYFRAME_INTERVAL, &eight(4), KEYFRAME_INTERVAL).is_none());
         assert!(encoder.encode(1, 7, &eight(4), KEYFRAME_INTERVAL).is_none(), "no base left");
+        keyframe(&mut encoder);
+        assert!(encoder.encode(1, 4, &eight(4), KEYFRAME_INTERVAL).is_none(), "before it");
+        keyframe(&mut encoder);
+        assert!(encoder.encode(1, 5, &eight(4), KEYFRAME_INTERVAL).is_none(), "its own epoch");
         keyframe(&mut encoder);
         assert!(encoder.encode(1, 6, &eight(4), 1).is_none(), "an interval of 1: no deltas");
         keyframe(&mut encoder);

@@ -15,14 +15,16 @@
 //!   one epoch as the difference from the offsets record the run appended just before it (of
 //!   epoch `base_epoch`, full or delta), 3/8 of the bytes or less for the load generator's
 //!   offsets (module `delta`). A record is a delta when the layout is compact and the same as
-//!   its base's, and the epoch is fewer than 64 epochs (and fewer than `retained_epochs`) from
-//!   the last full record's (the chain's keyframe); else it is full, and a compact full record
-//!   starts the next chain.
+//!   its base's, and the epoch is after the last full record's (the chain's keyframe) by fewer
+//!   than 64 epochs (and fewer than `retained_epochs`); else it is full, and a compact full
+//!   record starts the next chain.
 //!
 //! Logs written before delta records existed open unchanged (the archived enum keeps its size,
 //! a compile-time check in `log_record`), and so do logs whose deltas all name their keyframe
-//! as the base (the first version of delta records); an earlier version cannot open a log
-//! holding delta records (an unknown record: [`EpochError::BadLogRecord`]).
+//! as the base (the first version of delta records). A build from before delta records cannot
+//! open a log holding them (an unknown record: [`EpochError::BadLogRecord`]), nor can one
+//! with the first version open a log of chained deltas (a delta whose base is not the last
+//! full record: [`EpochError::BadLogRecord`], which then wrongly suggests a skipped segment).
 //!
 //! `run` numbers the openings of the log (the highest run found on recovery, plus one). It is
 //! what makes "the first record of an epoch wins" safe across restarts: a run that stopped may
@@ -438,8 +440,14 @@ impl<Q: Query> DurableQuery<Q> {
         // `delta`).
         let interval = KEYFRAME_INTERVAL.min(self.retained_epochs as i64);
         if let Some(delta) = self.deltas.encode(self.run, epoch.0, offsets, interval) {
-            Self::serialize(&mut self.buf, &LogRecordRef::OffsetsDelta(delta), epoch)?;
-            return self.append_serialized(epoch, "append the offsets of an epoch").map(|_| ());
+            let appended =
+                Self::serialize(&mut self.buf, &LogRecordRef::OffsetsDelta(delta), epoch)
+                    .and_then(|_| self.append_serialized(epoch, "append the offsets of an epoch"));
+            if appended.is_err() {
+                // The encoder took this delta as the next one's base: it is not in the log.
+                self.deltas.forget_base();
+            }
+            return appended.map(|_| ());
         }
         let too_large = |error: TooLarge| EpochError::BadLogRecord {
             lsn: 0,
