@@ -170,19 +170,22 @@ fn differences_of_words(
     base: &mut [u64],
     out: &mut Vec<u64>,
 ) -> Option<u64> {
+    // Two passes: reading the payloads (a branch on each one's storage), then arithmetic the
+    // compiler vectorizes.
     out.clear();
-    out.resize(offsets.len(), 0);
-    let (mut all_bits, mut compact) = (0u64, true);
-    for (index, ((slot, (partition, payload)), base)) in
-        out.iter_mut().zip(offsets).zip(base).enumerate()
-    {
-        let payload = payload.as_bytes();
+    let mut compact = base.len() == offsets.len();
+    out.extend(offsets.iter().enumerate().map(|(index, (partition, payload))| {
+        let word = payload.as_i64();
         // `&`, not `&&`: no branch per payload.
-        compact &= (partition.0 as usize == index) & (payload.len() == 8);
-        let word = payload.first_chunk::<8>().map_or(0, |word| u64::from_le_bytes(*word));
-        *slot = zigzag(word.wrapping_sub(*base));
-        *base = word;
-        all_bits |= *slot;
+        compact &= (partition.0 as usize == index) & word.is_some();
+        word.unwrap_or(0) as u64
+    }));
+    let mut all_bits = 0u64;
+    for (word, base) in out.iter_mut().zip(base) {
+        let difference = zigzag(word.wrapping_sub(*base));
+        *base = *word;
+        *word = difference;
+        all_bits |= difference;
     }
     compact.then_some(all_bits)
 }
