@@ -645,6 +645,12 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
 }
 
 /// The fast state machine and the reference model on the same stream, on this thread.
+///
+/// Not inlined: inlined into `run`, the state machine's hot loop was compiled together with
+/// the rest of `run`, and a change elsewhere in the crate (`9ed4858`, which touches no code of
+/// this run) halved this figure (151 -> 49-77 M msgs/s; `perf annotate` put 40% of the run on
+/// two stalled loads in `Slots::insert`). On its own it reads 152 M msgs/s again.
+#[inline(never)]
 fn run_direct(args: &EpochArgs) -> (Figure, Figure) {
     let ranges = ranges(args.partitions, args.producers);
     let stream_epoch = |epoch: i64, out: &mut Vec<EpochMessage>| {
