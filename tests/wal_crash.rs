@@ -9,6 +9,12 @@
 //! record once `wait_durable` returned. The parent waits for the first printed record, lets the
 //! child run for a random 0-20 ms (fixed seed), sends SIGKILL, reopens the log in strict mode
 //! and checks. 56 kills in all; a few seconds on 2 cores.
+//!
+//! A second test kills children that also clean behind themselves on 16 KiB segments, so that
+//! they keep cleaned segments' files as spares and reuse them (recycled segments): each prints
+//! `clean <lsn>` before it cleans below that LSN, and every durable record at or above the
+//! highest announced threshold must survive, the rest of the log contiguous and intact. 24
+//! kills; the test checks that recycled segments were found after them.
 
 use std::{
     io::{Read, Write},
@@ -23,6 +29,7 @@ use coordbus::wal::{scan_dir, Durability, IoMode, Lsn, RecoveryMode, Wal, WalCon
 const DIR_VAR: &str = "COORDBUS_WAL_CRASH_DIR";
 const MODE_VAR: &str = "COORDBUS_WAL_CRASH_MODE";
 const KILLS: u64 = 56;
+const RECYCLING_KILLS: u64 = 24;
 const SEGMENT_SIZE: u64 = 256 << 10;
 
 fn config(durability: Durability) -> WalConfig {
@@ -31,6 +38,30 @@ fn config(durability: Durability) -> WalConfig {
         durability,
         recovery: RecoveryMode::Strict,
         ..WalConfig::default()
+    }
+}
+
+/// Segments of 16 KiB (about 85 records): the recycling children roll, clean and reuse
+/// segments every few milliseconds.
+const RECYCLING_SEGMENT_SIZE: u64 = 16 << 10;
+/// How many records behind the durable LSN the recycling children clean.
+const RECYCLING_RETAIN: u64 = 600;
+
+fn recycling_config() -> WalConfig {
+    WalConfig { segment_size_bytes: RECYCLING_SEGMENT_SIZE, ..config(Durability::default()) }
+}
+
+/// In a recycling child: prints `clean <lsn>`, then cleans (without waiting) every segment
+/// wholly below it, `RECYCLING_RETAIN` records behind the durable LSN. Printed first, so the
+/// parent knows every threshold that may have been applied.
+fn clean_behind(wal: &Wal) {
+    let durable = wal.durable_lsn().0;
+    if durable > RECYCLING_RETAIN {
+        let threshold = durable - RECYCLING_RETAIN;
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "clean {threshold}").unwrap();
+        out.flush().unwrap();
+        wal.clean_below_lsn(Lsn(threshold), false).unwrap();
     }
 }
 
@@ -65,13 +96,15 @@ fn crash_child() {
     let (durability, io, threads) = match mode.as_str() {
         "every-uring" => (Durability::EveryRecord, IoMode::Auto, 1),
         "every-pwrite" => (Durability::EveryRecord, IoMode::Pwrite, 1),
-        "group-uring" => (Durability::default(), IoMode::Auto, 2),
+        "group-uring" | "recycle-uring" => (Durability::default(), IoMode::Auto, 2),
         _ => (Durability::default(), IoMode::Pwrite, 2),
     };
+    let recycling = mode.starts_with("recycle");
+    let config = if recycling { recycling_config() } else { config(durability) };
     let wal = Arc::new(
         Wal::open_with_options(
             &dir,
-            config(durability),
+            config,
             WalOptions { io, uring_direct_max_bytes: 0, ..WalOptions::default() },
         )
         .unwrap(),
@@ -81,7 +114,10 @@ fn crash_child() {
             let wal = Arc::clone(&wal);
             std::thread::spawn(move || {
                 let mut seed = 0x1234_5678u64 ^ (thread << 40) ^ std::process::id() as u64;
-                loop {
+                for round in 0u64.. {
+                    if recycling && thread == 0 && round % 16 == 15 {
+                        clean_behind(&wal);
+                    }
                     seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
                     let batch = if threads == 1 { 1 } else { 1 + (seed >> 58) as usize };
                     let mut appended = Vec::with_capacity(batch);
@@ -129,10 +165,70 @@ fn verify(dir: &Path, printed: &[(u64, u32)]) -> (u64, bool) {
     (crcs.len() as u64, torn)
 }
 
+/// Starts the child in `mode` on `dir`, waits for its first durable record, lets it run for a
+/// random 0-20 ms (from `rng`), kills it, and returns its complete output lines.
+fn run_and_kill(dir: &Path, mode: &str, rng: &mut u64) -> Vec<String> {
+    let exe = std::env::current_exe().unwrap();
+    let mut child = Command::new(&exe)
+        .args(["--exact", "crash_child", "--nocapture", "--test-threads", "1"])
+        .env(DIR_VAR, dir)
+        .env(MODE_VAR, mode)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    let (first_sender, first_receiver) = mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        let mut all = Vec::new();
+        let mut buf = [0u8; 4096];
+        let mut signalled = false;
+        loop {
+            match stdout.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(read) => {
+                    all.extend_from_slice(&buf[..read]);
+                    if !signalled && all.windows(8).any(|window| window == b"durable ") {
+                        signalled = true;
+                        let _ = first_sender.send(());
+                    }
+                }
+            }
+        }
+        all
+    });
+    first_receiver.recv_timeout(Duration::from_secs(30)).expect("the child makes a record durable");
+    *rng ^= *rng << 13;
+    *rng ^= *rng >> 7;
+    *rng ^= *rng << 17;
+    std::thread::sleep(Duration::from_micros(*rng % 20_000));
+    child.kill().unwrap();
+    let status = child.wait().unwrap();
+    assert!(!status.success(), "the child was killed");
+    let output = reader.join().unwrap();
+    // Only complete lines count: the kill may cut the last one.
+    let complete = match output.iter().rposition(|byte| *byte == b'\n') {
+        Some(end) => &output[..end],
+        None => &output[..0],
+    };
+    String::from_utf8_lossy(complete).lines().map(str::to_owned).collect()
+}
+
+/// The `durable <lsn> <crc>` lines of a child's output.
+fn durable_records(lines: &[String]) -> Vec<(u64, u32)> {
+    lines
+        .iter()
+        .filter_map(|line| {
+            // The first record shares its line with the harness's "test crash_child ... ".
+            let mut parts = line.split("durable ").nth(1)?.split(' ');
+            Some((parts.next()?.parse().ok()?, parts.next()?.parse().ok()?))
+        })
+        .collect()
+}
+
 #[test]
 fn wal_crash_kill9_keeps_every_durable_record() {
     let dir = tempfile::tempdir().unwrap();
-    let exe = std::env::current_exe().unwrap();
     let modes = ["every-uring", "group-uring", "every-pwrite", "group-pwrite"];
     let mut rng = 0x2545_f491_4f6c_dd1du64;
     let mut total_printed = 0usize;
@@ -140,63 +236,9 @@ fn wal_crash_kill9_keeps_every_durable_record() {
     let mut torn_tails = 0;
     for kill in 0..KILLS {
         let mode = modes[kill as usize % modes.len()];
-        let mut child = Command::new(&exe)
-            .args(["--exact", "crash_child", "--nocapture", "--test-threads", "1"])
-            .env(DIR_VAR, dir.path())
-            .env(MODE_VAR, mode)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let mut stdout = child.stdout.take().unwrap();
-        let (first_sender, first_receiver) = mpsc::channel();
-        let reader = std::thread::spawn(move || {
-            let mut all = Vec::new();
-            let mut buf = [0u8; 4096];
-            let mut signalled = false;
-            loop {
-                match stdout.read(&mut buf) {
-                    Ok(0) | Err(_) => break,
-                    Ok(read) => {
-                        all.extend_from_slice(&buf[..read]);
-                        if !signalled && all.windows(8).any(|window| window == b"durable ") {
-                            signalled = true;
-                            let _ = first_sender.send(());
-                        }
-                    }
-                }
-            }
-            all
-        });
-        first_receiver
-            .recv_timeout(Duration::from_secs(30))
-            .expect("the child makes a record durable");
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        std::thread::sleep(Duration::from_micros(rng % 20_000));
-        child.kill().unwrap();
-        let status = child.wait().unwrap();
-        assert!(!status.success(), "the child was killed");
-        let output = reader.join().unwrap();
-        // Only complete lines count: the kill may cut the last one.
-        let complete = match output.iter().rposition(|byte| *byte == b'\n') {
-            Some(end) => &output[..end],
-            None => &output[..0],
-        };
-        let printed: Vec<(u64, u32)> = String::from_utf8_lossy(complete)
-            .lines()
-            .filter_map(|line| {
-                // The first record shares its line with the harness's "test crash_child ... ".
-                let mut parts = line.split("durable ").nth(1)?.split(' ');
-                Some((parts.next()?.parse().ok()?, parts.next()?.parse().ok()?))
-            })
-            .collect();
-        assert!(
-            !printed.is_empty(),
-            "kill {kill} ({mode}): nothing printed: {:?}",
-            String::from_utf8_lossy(&output)
-        );
+        let lines = run_and_kill(dir.path(), mode, &mut rng);
+        let printed = durable_records(&lines);
+        assert!(!printed.is_empty(), "kill {kill} ({mode}): nothing printed: {lines:?}");
         total_printed += printed.len();
         let (now, torn) = verify(dir.path(), &printed);
         torn_tails += usize::from(torn);
@@ -207,5 +249,61 @@ fn wal_crash_kill9_keeps_every_durable_record() {
     eprintln!(
         "{KILLS} kills, {total_printed} durable records checked, {records} records at the end, \
          {torn_tails} torn tails cut"
+    );
+}
+
+/// Checks a recycling child's log after a crash: a contiguous run of intact records, every
+/// durable record at or above the highest clean threshold the child announced present and
+/// intact, and a clean scan after reopening. Returns how many segments are recycled files.
+fn verify_recycling(dir: &Path, printed: &[(u64, u32)], cleaned_below: u64) -> usize {
+    let wal = Wal::open(dir, recycling_config()).unwrap();
+    let mut stored = std::collections::HashMap::new();
+    let mut previous = None;
+    for record in wal.iter_from(Lsn::ZERO).unwrap() {
+        let record = record.unwrap();
+        if let Some(previous) = previous {
+            assert_eq!(record.lsn.0, previous + 1, "LSNs are contiguous");
+        }
+        previous = Some(record.lsn.0);
+        assert!(self_check(&record.bytes), "record {} is intact", record.lsn);
+        stored.insert(record.lsn.0, crc32c::crc32c(&record.bytes));
+    }
+    for (lsn, crc) in printed.iter().filter(|(lsn, _)| *lsn >= cleaned_below) {
+        assert_eq!(stored.get(lsn), Some(crc), "durable LSN {lsn} is present and intact");
+    }
+    wal.close().unwrap();
+    drop(wal);
+    let scan = scan_dir(dir, RecoveryMode::Strict).unwrap();
+    assert!(scan.report.torn_tail.is_none());
+    assert_eq!(scan.report.records, stored.len() as u64);
+    scan.segments.iter().filter(|segment| segment.recycled).count()
+}
+
+/// The same kills, with children that clean behind themselves on 16 KiB segments, so that
+/// they keep cleaned segments' files as spares and reuse them (module `wal`, "Recycled
+/// segments"); kills land anywhere, during a spare's rename and header write too.
+#[test]
+fn wal_crash_kill9_with_recycled_segments_keeps_every_durable_record() {
+    let dir = tempfile::tempdir().unwrap();
+    let modes = ["recycle-uring", "recycle-pwrite"];
+    let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+    let (mut total_printed, mut recycled_seen) = (0usize, 0usize);
+    for kill in 0..RECYCLING_KILLS {
+        let mode = modes[kill as usize % modes.len()];
+        let lines = run_and_kill(dir.path(), mode, &mut rng);
+        let printed = durable_records(&lines);
+        assert!(!printed.is_empty(), "kill {kill} ({mode}): nothing printed: {lines:?}");
+        let cleaned_below = lines
+            .iter()
+            .filter_map(|line| line.strip_prefix("clean ")?.parse::<u64>().ok())
+            .max()
+            .unwrap_or(0);
+        total_printed += printed.len();
+        recycled_seen += verify_recycling(dir.path(), &printed, cleaned_below);
+    }
+    assert!(recycled_seen > 0, "the children reused spares");
+    eprintln!(
+        "{RECYCLING_KILLS} kills, {total_printed} durable records checked, {recycled_seen} \
+         recycled segments seen after the kills"
     );
 }
