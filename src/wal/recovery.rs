@@ -195,8 +195,11 @@ pub(crate) struct Recovered {
     pub(crate) next_segment_id: u64,
 }
 
-/// Lists segment files of `dir` in id order (a missing directory has none).
-fn list(dir: &Path) -> Result<Vec<(SegmentId, PathBuf)>, WalError> {
+/// The files of `dir` whose names `select` maps to a key (a missing directory has none).
+fn files_named<K>(
+    dir: &Path,
+    select: impl Fn(&str) -> Option<K>,
+) -> Result<Vec<(K, PathBuf)>, WalError> {
     let entries = match std::fs::read_dir(dir) {
         Ok(entries) => entries,
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
@@ -205,29 +208,24 @@ fn list(dir: &Path) -> Result<Vec<(SegmentId, PathBuf)>, WalError> {
     let mut found = Vec::new();
     for entry in entries {
         let entry = entry.map_err(|error| WalError::from_io("list directory", dir, 0, &error))?;
-        if let Some(id) = entry.file_name().to_str().and_then(segment::parse_file_name) {
-            found.push((id, entry.path()));
+        if let Some(key) = entry.file_name().to_str().and_then(&select) {
+            found.push((key, entry.path()));
         }
     }
+    Ok(found)
+}
+
+/// Lists segment files of `dir` in id order.
+fn list(dir: &Path) -> Result<Vec<(SegmentId, PathBuf)>, WalError> {
+    let mut found = files_named(dir, segment::parse_file_name)?;
     found.sort();
     Ok(found)
 }
 
 /// Lists the spare files of `dir` (module `wal`, "Recycled segments").
 fn list_spares(dir: &Path) -> Result<Vec<PathBuf>, WalError> {
-    let entries = match std::fs::read_dir(dir) {
-        Ok(entries) => entries,
-        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(error) => return Err(WalError::from_io("list directory", dir, 0, &error)),
-    };
-    let mut found = Vec::new();
-    for entry in entries {
-        let entry = entry.map_err(|error| WalError::from_io("list directory", dir, 0, &error))?;
-        if entry.file_name().to_str().is_some_and(segment::is_spare_file_name) {
-            found.push(entry.path());
-        }
-    }
-    Ok(found)
+    let found = files_named(dir, |name| segment::is_spare_file_name(name).then_some(()))?;
+    Ok(found.into_iter().map(|((), path)| path).collect())
 }
 
 /// The first valid frame at or after `from` (16-byte steps) whose LSN is at least `min_lsn`.
