@@ -38,6 +38,11 @@ fn open_with(dir: &Path, config: WalConfig, io: IoMode) -> Wal {
     Wal::open_with_options(dir, config, WalOptions { io, ..WalOptions::default() }).unwrap()
 }
 
+fn open_with_spares(dir: &Path, spare_segments: usize) -> Wal {
+    let options = WalOptions { spare_segments, ..WalOptions::default() };
+    Wal::open_with_options(dir, config(), options).unwrap()
+}
+
 /// A record of ~1 KiB that names its index (so a stale frame is never mistaken for it).
 fn payload(index: u64) -> Vec<u8> {
     let mut bytes = index.to_le_bytes().to_vec();
@@ -161,6 +166,26 @@ fn a_torn_record_in_a_recycled_last_segment_is_cut_and_the_stale_tail_is_not() {
 }
 
 #[test]
+fn a_torn_creation_after_a_recycled_segment_leaves_a_log_that_opens() {
+    let dir = tempfile::tempdir().unwrap();
+    let wal = log_with_recycled_segments(dir.path(), IoMode::IoUring);
+    let expected = read_all(&wal);
+    wal.close().unwrap();
+    let scan = scan_dir(dir.path(), RecoveryMode::Strict).unwrap();
+    let last = scan.segments.last().unwrap();
+    assert!(last.recycled);
+    // The next segment's file created (and preallocated), then a crash before its header: as
+    // `Writer::new_file` leaves it when no spare is left.
+    let torn = dir.path().join(segment::file_name(coordbus::wal::SegmentId(last.id.0 + 1)));
+    std::fs::File::create(&torn).unwrap().set_len(SEGMENT_SIZE).unwrap();
+    let reopened = open_with(dir.path(), config(), IoMode::IoUring);
+    let report = reopened.recovery_report();
+    assert!(report.corruption_skipped.is_empty(), "{report}");
+    assert_eq!(report.segments_skipped, [coordbus::wal::SegmentId(last.id.0 + 1)], "{report}");
+    assert_eq!(read_all(&reopened), expected);
+}
+
+#[test]
 fn records_missing_at_the_end_of_a_recycled_sealed_segment_are_corruption() {
     let dir = tempfile::tempdir().unwrap();
     let wal = log_with_recycled_segments(dir.path(), IoMode::IoUring);
@@ -221,8 +246,7 @@ fn a_segment_a_reader_still_maps_is_deleted_not_reused() {
 fn spares_are_bounded_by_the_configuration_and_deleted_at_open() {
     let dir = tempfile::tempdir().unwrap();
     {
-        let wal =
-            open_with(dir.path(), WalConfig { spare_segments: 1, ..config() }, IoMode::IoUring);
+        let wal = open_with_spares(dir.path(), 1);
         append(&wal, 0..200);
         assert!(clean_below(&wal, 150) >= 2);
         assert_eq!(spares(dir.path()).len(), 1);
@@ -247,7 +271,7 @@ fn spares_are_bounded_by_the_configuration_and_deleted_at_open() {
     assert_eq!(read_all(&wal), (200 - kept..200).map(payload).collect::<Vec<_>>());
     // Zero spares: every cleaned file is deleted.
     let dir = tempfile::tempdir().unwrap();
-    let wal = open_with(dir.path(), WalConfig { spare_segments: 0, ..config() }, IoMode::IoUring);
+    let wal = open_with_spares(dir.path(), 0);
     append(&wal, 0..200);
     assert!(clean_below(&wal, 150) >= 2);
     assert!(spares(dir.path()).is_empty());
@@ -305,7 +329,8 @@ fn a_segment_another_reader_maps_is_deleted_not_reused() {
 #[test]
 fn too_many_spares_is_a_config_error() {
     let dir = tempfile::tempdir().unwrap();
-    let error = Wal::open(dir.path(), WalConfig { spare_segments: 1025, ..config() }).unwrap_err();
+    let options = WalOptions { spare_segments: 1025, ..WalOptions::default() };
+    let error = Wal::open_with_options(dir.path(), config(), options).unwrap_err();
     assert!(
         matches!(&error, WalError::InvalidConfig { setting: "spare_segments", value, .. } if value == "1025"),
         "{error}"

@@ -36,7 +36,6 @@ fn config(durability: Durability, recovery: RecoveryMode) -> WalConfig {
         durability,
         recovery,
         rolling_interval: Some(Duration::from_secs(1)),
-        ..WalConfig::default()
     }
 }
 
@@ -225,7 +224,7 @@ fn one_segment_log(
             segment_size_bytes: SEGMENT_SIZE,
             durability,
             recovery: RecoveryMode::Strict,
-            ..WalConfig::default()
+            rolling_interval: None,
         },
         WalOptions { io, uring_direct_max_bytes: 0, ..WalOptions::default() },
     )

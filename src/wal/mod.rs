@@ -103,7 +103,7 @@
 //! counts as "durable" once written.
 //!
 //! ## Recycled segments
-//! A cleaned segment's file is not always deleted: up to [`WalConfig::spare_segments`] (default
+//! A cleaned segment's file is not always deleted: up to [`WalOptions::spare_segments`] (default
 //! 2) are renamed `spare-<id>.wal` and become the files of later segments (PostgreSQL recycles
 //! its WAL segments the same way, RocksDB with `recycle_log_file_num`). Writing into blocks a
 //! file already wrote is cheaper for the file system than into the unwritten extents of a new
@@ -121,10 +121,10 @@
 //!   the new segment's first LSN (LSNs only grow within a log). Recovery never takes them for
 //!   records: a record must have the next expected LSN, and a later record proves an earlier
 //!   one durable only with an LSN at or above it. Where a recycled segment's records stop, the
-//!   rest is its earlier use, not damage: a clean end for a sealed segment (records missing at
-//!   its end still fail the next segment's first-LSN check), and a torn tail for the last
-//!   segment only if frames of this use (LSN at or above the expected one, complete or with
-//!   just their header) lie there.
+//!   rest is its earlier use, not damage: a clean end for a sealed segment where the next
+//!   segment's header starts at the next LSN (or the next file is a torn creation; otherwise
+//!   it is damage in a sealed segment), and a torn tail for the last segment only if frames of
+//!   this use (LSN at or above the expected one, complete or with just their header) lie there.
 //! * Opening a log deletes leftover spares (and a spare whose reuse a crash interrupted): only
 //!   the process that retired a spare knows that every frame in it has a lower LSN than the
 //!   next one. Spares take disk space while the log is closed, up to `spare_segments`
@@ -156,8 +156,9 @@
 //! (32-byte header with length, CRC32C, LSN, time, sync gap; payload 16-byte aligned; padded to
 //! 16). LSNs increase by one from record to record, within and across segments. The first
 //! all-zero frame header (preallocated space), or the end of the file, ends a segment; in a
-//! recycled segment, also the first frame of a lower LSN or bytes that are no frame, unless
-//! a frame of this segment's use follows ("Recycled segments").
+//! recycled segment, also the first frame of a lower LSN or bytes that are no frame, unless a
+//! frame of this segment's use follows, and, in a sealed one, only where the next segment
+//! starts ("Recycled segments").
 //!
 //! ## Durability order (what recovery relies on)
 //! * A new segment file is created (header written and synced, preallocation, directory sync;
@@ -412,12 +413,6 @@ pub struct WalConfig {
     /// Also roll by time with SPEC E.2's window rule (Spark's `rollingIntervalSecs`; default
     /// none: roll by size only).
     pub rolling_interval: Option<Duration>,
-    /// How many files of cleaned segments the log keeps as spares and reuses for new segments
-    /// instead of creating files (default 2; 0 deletes them; at most 1024). Writing into a
-    /// spare's written blocks costs the file system less than filling a new file's
-    /// preallocated ones (module doc, "Recycled segments"). Spares take disk space:
-    /// up to this many segment sizes.
-    pub spare_segments: usize,
 }
 
 impl Default for WalConfig {
@@ -427,14 +422,13 @@ impl Default for WalConfig {
             durability: Durability::default(),
             recovery: RecoveryMode::default(),
             rolling_interval: None,
-            spare_segments: DEFAULT_SPARE_SEGMENTS,
         }
     }
 }
 
-/// The default of [`WalConfig::spare_segments`].
+/// The default of [`WalOptions::spare_segments`].
 pub const DEFAULT_SPARE_SEGMENTS: usize = 2;
-/// The largest [`WalConfig::spare_segments`] accepted.
+/// The largest [`WalOptions::spare_segments`] accepted.
 pub const MAX_SPARE_SEGMENTS: usize = 1024;
 
 impl WalConfig {
@@ -459,13 +453,6 @@ impl WalConfig {
             if max_bytes == 0 {
                 return Err(invalid("durability.max_bytes", "0".into(), "must be at least 1"));
             }
-        }
-        if self.spare_segments > MAX_SPARE_SEGMENTS {
-            return Err(invalid(
-                "spare_segments",
-                self.spare_segments.to_string(),
-                "must be at most 1024",
-            ));
         }
         if let Some(interval) = self.rolling_interval {
             if interval.as_millis() == 0 || interval.as_millis() > i64::MAX as u128 / 2 {
@@ -498,6 +485,12 @@ pub struct WalOptions {
     /// The clock of [`Wal::append_now`] and [`Wal::append_bytes_now`] (default
     /// [`SystemClock`]).
     pub clock: Arc<dyn Clock>,
+    /// How many files of cleaned segments the log keeps as spares and reuses for new segments
+    /// instead of creating files (default 2; 0 deletes them; at most 1024). Writing into a
+    /// spare's written blocks costs the file system less than filling a new file's
+    /// preallocated ones (module doc, "Recycled segments"). Spares take disk space: up to this
+    /// many segment sizes.
+    pub spare_segments: usize,
 }
 
 impl std::fmt::Debug for WalOptions {
@@ -507,6 +500,7 @@ impl std::fmt::Debug for WalOptions {
             .field("storage", &self.storage)
             .field("uring_direct_max_bytes", &self.uring_direct_max_bytes)
             .field("read_only", &self.read_only)
+            .field("spare_segments", &self.spare_segments)
             .finish_non_exhaustive()
     }
 }
@@ -519,6 +513,7 @@ impl Default for WalOptions {
             uring_direct_max_bytes: 0,
             read_only: false,
             clock: Arc::new(SystemClock),
+            spare_segments: DEFAULT_SPARE_SEGMENTS,
         }
     }
 }
@@ -531,7 +526,7 @@ pub struct CleanReport {
     /// as spares.
     pub deleted: Vec<SegmentId>,
     /// Those of `deleted` whose files were kept as spares, to be reused for new segments
-    /// ([`WalConfig::spare_segments`]).
+    /// ([`WalOptions::spare_segments`]).
     pub kept_as_spares: Vec<SegmentId>,
     /// Segments whose files the sync thread deletes next (without `wait`; SPEC E.4's
     /// asynchronous deletion). A failure there is logged.
@@ -779,8 +774,10 @@ pub(crate) struct Shared {
     /// Segments `clean` untracked without waiting, for the sync thread to delete (SPEC E.4:
     /// deletion runs on the log's thread).
     pub(crate) doomed: Mutex<Doomed>,
-    /// Files of cleaned segments kept for reuse, at most `config.spare_segments`.
+    /// Files of cleaned segments kept for reuse, at most `spare_limit`.
     pub(crate) spares: Mutex<Vec<PathBuf>>,
+    /// [`WalOptions::spare_segments`].
+    pub(crate) spare_limit: usize,
     /// Segments created in a spare's file.
     pub(crate) recycled_segments: AtomicU64,
     /// Signalled after every group (durable LSN and written bytes moved) and on failure.
@@ -1123,7 +1120,7 @@ impl Shared {
     /// sync thread itself retires the segments of a `clean` without `wait` between its groups.
     fn keep_as_spare(&self, segment: Arc<Segment>) -> bool {
         let mut spares = lock(&self.spares);
-        if spares.len() >= self.config.spare_segments
+        if spares.len() >= self.spare_limit
             || segment.recovered
             || segment.file_len() != self.config.segment_size_bytes
         {
@@ -1307,6 +1304,13 @@ impl Wal {
         options: WalOptions,
     ) -> Result<Wal, WalError> {
         config.validate()?;
+        if options.spare_segments > MAX_SPARE_SEGMENTS {
+            return Err(WalError::InvalidConfig {
+                setting: "spare_segments",
+                value: options.spare_segments.to_string(),
+                reason: "must be at most 1024",
+            });
+        }
         let dir = dir.as_ref().to_path_buf();
         let engine: Box<dyn writer::IoEngine> = match options.io {
             IoMode::Pwrite => Box::new(writer::pwrite::PwriteEngine),
@@ -1375,6 +1379,7 @@ impl Wal {
             }),
             doomed: Mutex::new(Doomed { segments: Vec::new(), writer_exited: options.read_only }),
             spares: Mutex::new(Vec::new()),
+            spare_limit: options.spare_segments,
             recycled_segments: AtomicU64::new(0),
             read_only: options.read_only,
             durable_cv: Condvar::new(),

@@ -59,7 +59,7 @@ impl SegmentMap {
     pub fn open(path: &Path) -> Result<Self, WalError> {
         let file =
             File::open(path).map_err(|error| WalError::from_io("open segment", path, 0, &error))?;
-        file.lock_shared().map_err(|error| WalError::from_io("lock segment", path, 0, &error))?;
+        lock_shared(&file, path)?;
         if !still_named(&file, path) {
             let gone = std::io::Error::new(
                 std::io::ErrorKind::NotFound,
@@ -78,9 +78,11 @@ impl SegmentMap {
         // coordbus writes segment files only through `pwrite`/io_uring into ranges no reader
         // has been handed yet (readers wait for the written watermark), truncates a file only
         // during recovery before it is mapped, and writes a cleaned segment's file again (a
-        // spare) only while it holds the file's exclusive lock, which this mapping's shared
-        // lock (held until the mapping is dropped) excludes (module doc). External
-        // modification of the files is outside the contract.
+        // spare) only if it renamed the file away from the segment's name while holding the
+        // file's exclusive lock. This mapping holds the shared lock from before it checked
+        // the name until it is dropped: so either the writer saw the lock and deleted the file
+        // instead, or the rename came first and the name check above failed (module doc).
+        // External modification of the files is outside the contract.
         let map = unsafe { Mmap::map(&file) }
             .map_err(|error| WalError::from_io("map segment", path, len, &error))?;
         Ok(Self { map: Some(map), _locked: file })
@@ -102,6 +104,32 @@ impl SegmentMap {
     /// Bytes mapped.
     pub fn len(&self) -> usize {
         self.bytes().len()
+    }
+}
+
+/// Takes a shared lock on a segment file. A writer holds the exclusive one only across one
+/// rename, so this waits briefly; a lock held longer is another program's, and an error.
+fn lock_shared(file: &File, path: &Path) -> Result<(), WalError> {
+    let deadline = Instant::now() + lock::LOCK_GRACE;
+    let mut pause = Duration::from_micros(50);
+    loop {
+        match file.try_lock_shared() {
+            Ok(()) => return Ok(()),
+            Err(std::fs::TryLockError::WouldBlock) if Instant::now() < deadline => {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(10));
+            }
+            Err(std::fs::TryLockError::WouldBlock) => {
+                let held = std::io::Error::new(
+                    std::io::ErrorKind::WouldBlock,
+                    "another program holds an exclusive lock on the segment file",
+                );
+                return Err(WalError::from_io("lock segment", path, 0, &held));
+            }
+            Err(std::fs::TryLockError::Error(error)) => {
+                return Err(WalError::from_io("lock segment", path, 0, &error))
+            }
+        }
     }
 }
 

@@ -280,17 +280,62 @@ fn header_first_lsn(id: SegmentId, path: &Path) -> Option<u64> {
     SegmentHeader::decode(id, &header).ok().map(|header| header.first_lsn)
 }
 
+/// What the file after a segment says about where that segment ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Next {
+    /// No file follows: the segment is the last.
+    Nothing,
+    /// The next segment's header names its first LSN.
+    Starts(u64),
+    /// The next file is the last and a torn creation (no readable header, no frame): the
+    /// segment before it was complete and synced when its creation began.
+    TornCreation,
+    /// The next file's header is unreadable, and it is no torn creation.
+    Unreadable,
+}
+
+impl Next {
+    /// What follows `files[index]`.
+    fn of(files: &[(SegmentId, PathBuf)], index: usize) -> Self {
+        let Some((id, path)) = files.get(index + 1) else {
+            return Next::Nothing;
+        };
+        if let Some(first) = header_first_lsn(*id, path) {
+            return Next::Starts(first);
+        }
+        let is_last = index + 2 == files.len();
+        let no_frame = || {
+            SegmentMap::open(path).is_ok_and(|map| find_frame(map.bytes(), HEADER_LEN, 0).is_none())
+        };
+        if is_last && no_frame() {
+            Next::TornCreation
+        } else {
+            Next::Unreadable
+        }
+    }
+
+    /// Whether records that stop at `expected` end the segment before: the next segment
+    /// starts there, or its creation was torn (module `wal`, "Recycled segments").
+    fn confirms_end_at(self, expected: u64) -> bool {
+        match self {
+            Next::Starts(first) => first == expected,
+            Next::TornCreation => true,
+            Next::Nothing | Next::Unreadable => false,
+        }
+    }
+}
+
 /// Scans one segment. `expected_first` is the LSN the previous segment says comes next;
-/// `next_first` the first LSN the next segment's header names (if any and readable).
+/// `next` what the file after it says.
 fn scan_segment(
     id: SegmentId,
     path: &Path,
     map: Arc<SegmentMap>,
-    is_last: bool,
+    next: Next,
     mode: RecoveryMode,
     expected_first: Option<u64>,
-    next_first: Option<u64>,
 ) -> Result<Scanned, WalError> {
+    let is_last = next == Next::Nothing;
     let bytes = map.bytes();
     let len = bytes.len() as u64;
     let tolerant = mode == RecoveryMode::TolerateCorruption;
@@ -456,11 +501,12 @@ fn scan_segment(
             continue;
         }
         match problem {
-            // A recycled sealed segment whose records stop where the next segment starts:
-            // what follows is its file's earlier use (frames of lower LSNs; garbage where they
-            // do not start at a frame boundary of this use), not damage. Without the next
-            // header to confirm the end, it is judged like any sealed segment.
-            Some(_) if !is_last && header.recycled && next_first == Some(expected) => {}
+            // A recycled sealed segment whose records stop where the next segment starts (or
+            // before a torn creation): what follows is its file's earlier use (frames of lower
+            // LSNs; garbage where they do not start at a frame boundary of this use), not
+            // damage. Without the next file to confirm the end, it is judged like any sealed
+            // segment.
+            Some(_) if !is_last && header.recycled && next.confirms_end_at(expected) => {}
             Some(reason) if !is_last => {
                 if !tolerant {
                     return Err(WalError::Corruption {
@@ -531,9 +577,7 @@ fn scan_all(
     for (index, (id, path)) in files.iter().enumerate() {
         let map = Arc::new(SegmentMap::open(path)?);
         map.advise_sequential();
-        let is_last = index + 1 == files.len();
-        let next_first = files.get(index + 1).and_then(|(id, path)| header_first_lsn(*id, path));
-        let scan = scan_segment(*id, path, map, is_last, mode, expected, next_first)?;
+        let scan = scan_segment(*id, path, map, Next::of(&files, index), mode, expected)?;
         expected = match (&scan.header, scan.summary.last_lsn) {
             (None, _) => None,
             (Some(_), Some(last)) => Some(last.0 + 1),

@@ -162,8 +162,8 @@ impl DeltaEncoder {
     }
 }
 
-/// For payloads of 8 bytes, one word each: the zigzag differences from `base` into `out`, in
-/// one pass, and all their bits or'ed, with `base` left holding the new words; `None` if the
+/// For payloads of 8 bytes, one word each: the zigzag differences from `base` into `out`, and
+/// all their bits or'ed, with `base` left holding the new words; `None` if the
 /// layout is not compact (ids `0..count`, every payload 8 bytes; `base` is then garbage).
 fn differences_of_words(
     offsets: &[(PartitionId, Payload)],

@@ -878,7 +878,7 @@ impl Writer {
     }
 
     /// The file of `spare` made into `segment`'s (module `wal`, "Recycled segments"): the
-    /// spare's name made durable, the new header (flagged recycled) written and synced, then
+    /// spare's name made durable, the new header (format version 2) written and synced, then
     /// the file renamed. A crash before the rename is durable leaves a spare, which opening
     /// deletes; never a segment file whose header names another segment.
     fn file_from_spare(

@@ -32,7 +32,7 @@ fn config(durability: Durability) -> WalConfig {
         segment_size_bytes: SEGMENT_SIZE_BYTES,
         durability,
         recovery: RecoveryMode::Strict,
-        ..WalConfig::default()
+        rolling_interval: None,
     }
 }
 
