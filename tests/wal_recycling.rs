@@ -327,6 +327,30 @@ fn a_segment_another_reader_maps_is_deleted_not_reused() {
 }
 
 #[test]
+fn a_segment_another_program_locks_exclusively_fails_the_open_after_a_bounded_wait() {
+    let dir = tempfile::tempdir().unwrap();
+    let wal = open_with(dir.path(), config(), IoMode::IoUring);
+    append(&wal, 0..10);
+    wal.close().unwrap();
+    drop(wal);
+    let first = files_named(dir.path(), |name| segment::parse_file_name(name).is_some())[0].clone();
+    let held = std::fs::File::open(&first).unwrap();
+    held.try_lock().unwrap();
+    let started = std::time::Instant::now();
+    let options = WalOptions { read_only: true, ..WalOptions::default() };
+    let error = Wal::open_with_options(dir.path(), config(), options).unwrap_err();
+    let waited = started.elapsed();
+    assert!(matches!(&error, WalError::Io { op: "lock segment", .. }), "{error}");
+    assert!(error.to_string().contains("exclusive lock"), "{error}");
+    assert!(waited < Duration::from_secs(5), "a bounded wait: {waited:?}");
+    // Released, the same open succeeds.
+    drop(held);
+    let options = WalOptions { read_only: true, ..WalOptions::default() };
+    let reader = Wal::open_with_options(dir.path(), config(), options).unwrap();
+    assert_eq!(read_all(&reader), (0..10).map(payload).collect::<Vec<_>>());
+}
+
+#[test]
 fn too_many_spares_is_a_config_error() {
     let dir = tempfile::tempdir().unwrap();
     let options = WalOptions { spare_segments: 1025, ..WalOptions::default() };
