@@ -106,6 +106,17 @@ fn log_with_recycled_segments(dir: &Path, io: IoMode) -> Wal {
     wal
 }
 
+/// A closed log whose last segment was made from a spare: its records, and that segment.
+fn closed_log_ending_recycled(dir: &Path) -> (Vec<Vec<u8>>, coordbus::wal::SegmentSummary) {
+    let wal = log_with_recycled_segments(dir, IoMode::IoUring);
+    let expected = read_all(&wal);
+    wal.close().unwrap();
+    let scan = scan_dir(dir, RecoveryMode::Strict).unwrap();
+    let last = scan.segments.last().unwrap().clone();
+    assert!(last.recycled, "the last segment was made from a spare");
+    (expected, last)
+}
+
 #[test]
 fn recycled_segments_reopen_with_exactly_their_records_on_both_paths() {
     for io in [IoMode::IoUring, IoMode::Pwrite] {
@@ -143,12 +154,7 @@ fn recycled_segments_reopen_with_exactly_their_records_on_both_paths() {
 #[test]
 fn a_torn_record_in_a_recycled_last_segment_is_cut_and_the_stale_tail_is_not() {
     let dir = tempfile::tempdir().unwrap();
-    let wal = log_with_recycled_segments(dir.path(), IoMode::IoUring);
-    let expected = read_all(&wal);
-    wal.close().unwrap();
-    let scan = scan_dir(dir.path(), RecoveryMode::Strict).unwrap();
-    let last = scan.segments.last().unwrap();
-    assert!(last.recycled, "the last segment was made from a spare");
+    let (expected, last) = closed_log_ending_recycled(dir.path());
     // Tear the last record: flip a byte of its payload (its header still claims its LSN).
     let mut bytes = std::fs::read(&last.path).unwrap();
     let last_record_len = 32 + coordbus::record::frame::padded(payload(329).len()) as u64;
@@ -168,12 +174,7 @@ fn a_torn_record_in_a_recycled_last_segment_is_cut_and_the_stale_tail_is_not() {
 #[test]
 fn a_torn_creation_after_a_recycled_segment_leaves_a_log_that_opens() {
     let dir = tempfile::tempdir().unwrap();
-    let wal = log_with_recycled_segments(dir.path(), IoMode::IoUring);
-    let expected = read_all(&wal);
-    wal.close().unwrap();
-    let scan = scan_dir(dir.path(), RecoveryMode::Strict).unwrap();
-    let last = scan.segments.last().unwrap();
-    assert!(last.recycled);
+    let (expected, last) = closed_log_ending_recycled(dir.path());
     // The next segment's file created (and preallocated), then a crash before its header: as
     // `Writer::new_file` leaves it when no spare is left.
     let torn = dir.path().join(segment::file_name(coordbus::wal::SegmentId(last.id.0 + 1)));
