@@ -1108,8 +1108,8 @@ impl Shared {
     }
 
     /// Renames the file of cleaned `segment` to a spare's name and adds it to the spares, if
-    /// there is room, the file is whole (the configured segment size: not cut as a torn tail),
-    /// this log created it (not recovery: `Segment::recovered`), and nothing maps it. A
+    /// there is room, this log created it (so it is whole, of the configured size; not found by
+    /// recovery: `Segment::recovered`), and nothing maps it. A
     /// reader's record guard or iterator may still map a cleaned segment, in this process or
     /// another (a read-only tool); its file must then never be written again, so it is deleted
     /// instead (the mapping keeps the bytes). In this process: the segment and its mapping
@@ -1120,10 +1120,7 @@ impl Shared {
     /// sync thread itself retires the segments of a `clean` without `wait` between its groups.
     fn keep_as_spare(&self, segment: Arc<Segment>) -> bool {
         let mut spares = lock(&self.spares);
-        if spares.len() >= self.spare_limit
-            || segment.recovered
-            || segment.file_len() != self.config.segment_size_bytes
-        {
+        if spares.len() >= self.spare_limit || segment.recovered {
             return false;
         }
         // The log no longer lists the segment (`clean` took it out): if this is the only

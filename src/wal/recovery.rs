@@ -272,14 +272,6 @@ fn nonzero_end(bytes: &[u8], from: u64) -> u64 {
     from as u64
 }
 
-/// The first LSN the header of segment `id`'s file names, if it is readable.
-fn header_first_lsn(id: SegmentId, path: &Path) -> Option<u64> {
-    use std::os::unix::fs::FileExt;
-    let mut header = [0u8; HEADER_LEN as usize];
-    std::fs::File::open(path).ok()?.read_exact_at(&mut header, 0).ok()?;
-    SegmentHeader::decode(id, &header).ok().map(|header| header.first_lsn)
-}
-
 /// What the file after a segment says about where that segment ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Next {
@@ -295,19 +287,17 @@ enum Next {
 }
 
 impl Next {
-    /// What follows `files[index]`.
-    fn of(files: &[(SegmentId, PathBuf)], index: usize) -> Self {
-        let Some((id, path)) = files.get(index + 1) else {
+    /// What follows `files[index]` (`maps`: the files' mappings).
+    fn of(files: &[(SegmentId, PathBuf)], maps: &[Arc<SegmentMap>], index: usize) -> Self {
+        let (Some((id, _)), Some(map)) = (files.get(index + 1), maps.get(index + 1)) else {
             return Next::Nothing;
         };
-        if let Some(first) = header_first_lsn(*id, path) {
-            return Next::Starts(first);
+        let bytes = map.bytes();
+        if let Ok(header) = SegmentHeader::decode(*id, bytes) {
+            return Next::Starts(header.first_lsn);
         }
         let is_last = index + 2 == files.len();
-        let no_frame = || {
-            SegmentMap::open(path).is_ok_and(|map| find_frame(map.bytes(), HEADER_LEN, 0).is_none())
-        };
-        if is_last && no_frame() {
+        if is_last && find_frame(bytes, HEADER_LEN, 0).is_none() {
             Next::TornCreation
         } else {
             Next::Unreadable
@@ -523,7 +513,6 @@ fn scan_segment(
                     records_skipped: 0,
                 });
             }
-            _ if !is_last => {}
             _ => {
                 if garbage_end > at {
                     let mut records_discarded = 0;
@@ -574,10 +563,14 @@ fn scan_all(
     let next_id = files.last().map_or(1, |(id, _)| u64::from(id.0) + 1);
     let mut scanned = Vec::with_capacity(files.len());
     let mut expected: Option<u64> = None;
-    for (index, (id, path)) in files.iter().enumerate() {
-        let map = Arc::new(SegmentMap::open(path)?);
+    let maps = files
+        .iter()
+        .map(|(_, path)| SegmentMap::open(path).map(Arc::new))
+        .collect::<Result<Vec<_>, _>>()?;
+    for (index, ((id, path), map)) in files.iter().zip(&maps).enumerate() {
         map.advise_sequential();
-        let scan = scan_segment(*id, path, map, Next::of(&files, index), mode, expected)?;
+        let next = Next::of(&files, &maps, index);
+        let scan = scan_segment(*id, path, Arc::clone(map), next, mode, expected)?;
         expected = match (&scan.header, scan.summary.last_lsn) {
             (None, _) => None,
             (Some(_), Some(last)) => Some(last.0 + 1),

@@ -135,7 +135,12 @@ pub fn file_name(id: SegmentId) -> String {
 
 /// The segment number in a file name made by [`file_name`], or `None` for other files.
 pub fn parse_file_name(name: &str) -> Option<SegmentId> {
-    let digits = name.strip_prefix("seg-")?.strip_suffix(".wal")?;
+    parse_numbered(name, "seg-")
+}
+
+/// The number in a file name `<prefix><10 digits>.wal`, or `None` for other names.
+fn parse_numbered(name: &str, prefix: &str) -> Option<SegmentId> {
+    let digits = name.strip_prefix(prefix)?.strip_suffix(".wal")?;
     if digits.len() != 10 || !digits.bytes().all(|byte| byte.is_ascii_digit()) {
         return None;
     }
@@ -150,9 +155,7 @@ pub fn spare_file_name(id: SegmentId) -> String {
 
 /// Whether `name` is a spare's file name (made by [`spare_file_name`]).
 pub fn is_spare_file_name(name: &str) -> bool {
-    name.strip_prefix("spare-")
-        .and_then(|rest| rest.strip_suffix(".wal"))
-        .is_some_and(|digits| digits.len() == 10 && digits.bytes().all(|b| b.is_ascii_digit()))
+    parse_numbered(name, "spare-").is_some()
 }
 
 /// The in-memory state of one segment, shared by appenders, the sync thread and readers.
