@@ -125,10 +125,10 @@
 //!   segment's header starts at the next LSN (or the next file is a torn creation; otherwise
 //!   it is damage in a sealed segment), and a torn tail for the last segment only if frames of
 //!   this use (LSN at or above the expected one, complete or with just their header) lie there.
-//! * Opening a log deletes leftover spares (and a spare whose reuse a crash interrupted): only
-//!   the process that retired a spare knows that every frame in it has a lower LSN than the
-//!   next one. Spares take disk space while the log is closed, up to `spare_segments`
-//!   segment sizes.
+//! * Closing a log deletes its spares, and a writer's open deletes those a crash left (and a
+//!   spare whose reuse a crash interrupted): only the process that retired a spare knows that
+//!   every frame in it has a lower LSN than the next one. So spares take disk space, up to
+//!   `spare_segments` segment sizes, only while the log is open or after a crash.
 //!
 //! ## On-disk format (versions 1 and 2)
 //! A log is a directory of segment files named `seg-<10-digit id>.wal` (so names sort in log
@@ -426,6 +426,15 @@ impl Default for WalConfig {
     }
 }
 
+/// The spare files of a log (module doc, "Recycled segments").
+#[derive(Debug, Default)]
+pub(crate) struct Spares {
+    /// Files of cleaned segments, to become the files of new segments.
+    pub(crate) files: Vec<PathBuf>,
+    /// The log was closed: its spares were deleted, and no more are kept.
+    pub(crate) closed: bool,
+}
+
 /// The default of [`WalOptions::spare_segments`].
 pub const DEFAULT_SPARE_SEGMENTS: usize = 2;
 /// The largest [`WalOptions::spare_segments`] accepted.
@@ -488,8 +497,8 @@ pub struct WalOptions {
     /// How many files of cleaned segments the log keeps as spares and reuses for new segments
     /// instead of creating files (default 2; 0 deletes them; at most 1024). Writing into a
     /// spare's written blocks costs the file system less than filling a new file's
-    /// preallocated ones (module doc, "Recycled segments"). Spares take disk space: up to this
-    /// many segment sizes.
+    /// preallocated ones (module doc, "Recycled segments"). Spares take disk space while the log
+    /// is open: up to this many segment sizes. Closing the log deletes them.
     pub spare_segments: usize,
 }
 
@@ -775,7 +784,7 @@ pub(crate) struct Shared {
     /// deletion runs on the log's thread).
     pub(crate) doomed: Mutex<Doomed>,
     /// Files of cleaned segments kept for reuse, at most `spare_limit`.
-    pub(crate) spares: Mutex<Vec<PathBuf>>,
+    pub(crate) spares: Mutex<Spares>,
     /// [`WalOptions::spare_segments`].
     pub(crate) spare_limit: usize,
     /// Segments created in a spare's file.
@@ -1120,7 +1129,7 @@ impl Shared {
     /// sync thread itself retires the segments of a `clean` without `wait` between its groups.
     fn keep_as_spare(&self, segment: Arc<Segment>) -> bool {
         let mut spares = lock(&self.spares);
-        if spares.len() >= self.spare_limit || segment.recovered {
+        if spares.closed || spares.files.len() >= self.spare_limit || segment.recovered {
             return false;
         }
         // The log no longer lists the segment (`clean` took it out): if this is the only
@@ -1146,12 +1155,30 @@ impl Shared {
         let spare = self.dir.join(segment::spare_file_name(segment.header.id));
         match self.storage.rename(&segment.path, &spare) {
             Ok(()) => {
-                spares.push(spare);
+                spares.files.push(spare);
                 true
             }
             Err(error) => {
                 tracing::warn!(path = ?segment.path, %error, "could not keep a WAL segment as a spare");
                 false
+            }
+        }
+    }
+
+    /// Deletes the spares and keeps no more: a closed log has no use for them, and the next
+    /// writer's open would delete them anyway (module doc, "Recycled segments"). A spare the
+    /// sync thread took before is its own; a failed deletion is logged and left to that open.
+    fn delete_spares(&self) {
+        let files = {
+            let mut spares = lock(&self.spares);
+            spares.closed = true;
+            std::mem::take(&mut spares.files)
+        };
+        for file in files {
+            match self.storage.remove(&file) {
+                Ok(()) => {}
+                Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+                Err(error) => tracing::warn!(path = ?file, %error, "could not delete a WAL spare"),
             }
         }
     }
@@ -1375,7 +1402,7 @@ impl Wal {
                 written_waiters: 0,
             }),
             doomed: Mutex::new(Doomed { segments: Vec::new(), writer_exited: options.read_only }),
-            spares: Mutex::new(Vec::new()),
+            spares: Mutex::new(Spares::default()),
             spare_limit: options.spare_segments,
             recycled_segments: AtomicU64::new(0),
             read_only: options.read_only,
@@ -1959,7 +1986,7 @@ impl Wal {
                 .map_or_else(|poison| poison.into_inner().len(), |s| s.len()),
             cleaned_segments: shared.cleaned_segments.load(Ordering::Relaxed),
             recycled_segments: shared.recycled_segments.load(Ordering::Relaxed),
-            spare_segments: lock(&shared.spares).len(),
+            spare_segments: lock(&shared.spares).files.len(),
             writer_wakeups: shared.writer_wakeups.load(Ordering::Relaxed),
             paced_groups: shared.paced_groups.load(Ordering::Relaxed),
             io_path: Some(self.io_path),
@@ -1998,6 +2025,7 @@ impl Wal {
                 );
             }
         }
+        self.shared.delete_spares();
         match self.shared.failure() {
             Some(_) => Err(self.shared.failed_error()),
             None => Ok(()),

@@ -836,7 +836,7 @@ impl Writer {
             }
             self.dir_ready = true;
         }
-        let spare = lock(&shared.spares).pop();
+        let spare = lock(&shared.spares).files.pop();
         let file = match &spare {
             Some(spare) => self.file_from_spare(spare, segment)?,
             None => self.new_file(segment)?,
