@@ -275,7 +275,7 @@ fn spares_are_bounded_by_the_configuration_and_deleted_at_close_and_at_open() {
         )
         .unwrap(),
     );
-    assert_eq!(spares(dir.path()), [leftover.0.clone()]);
+    assert_eq!(spares(dir.path()), std::slice::from_ref(&leftover.0));
     let wal = open_with(dir.path(), config(), IoMode::IoUring);
     assert!(spares(dir.path()).is_empty());
     assert_eq!(read_all(&wal), (200 - kept..200).map(payload).collect::<Vec<_>>());
