@@ -4,13 +4,18 @@
 //! the CRC32C of the rest, in the mode the iteration picks (`EveryRecord` with one thread, or
 //! `GroupCommit` with two threads appending small batches; each on the io_uring path when the
 //! kernel allows it and on the pwrite path, alternating). It prints `durable <lsn> <crc>` for
-//! each record once `wait_durable` returned for it.
+//! each record once `wait_durable` returned for it. In every other group of four iterations
+//! the first appender also cleans the log behind itself: it prints `clean <lsn>`, then cleans
+//! below that LSN without waiting, so cleaned segments' files become spares and are reused for
+//! new segments (module doc of `coordbus::wal`, "Recycled segments") while the kill can come;
+//! after each clean it prints `recycled <n>`, the segments its run has made from spares.
 //!
 //! Parent: reopens the log in strict mode (the recovery time), and checks that LSNs run
-//! contiguously from 1, that every record passes its self-check, that every printed LSN is
-//! present with the printed checksum, that every record verified after earlier kills is still
-//! there unchanged, and, after closing, that a second read-only scan finds no torn tail (no
-//! garbage after the tail).
+//! contiguously from the first record kept, which must be at or below the highest `clean`
+//! threshold announced so far (1 if none), that every record passes its self-check, that every
+//! printed LSN is present with the printed checksum, that every record verified after earlier
+//! kills is still there unchanged unless it lies below the first record kept, and, after
+//! closing, that a second read-only scan finds no torn tail (no garbage after the tail).
 
 use std::{
     io::Write,
@@ -24,8 +29,13 @@ use coordbus::wal::{scan_dir, Durability, IoMode, Lsn, RecoveryMode, Wal, WalCon
 
 use crate::{rng::Rng, Checker, Counts};
 
-/// Segment size: small, so that rolls happen within a run.
-const SEGMENT_SIZE_BYTES: u64 = 256 << 10;
+/// Segment size: small, so that rolls (and, in cleaning iterations, reuses of spares) happen
+/// within a run.
+const SEGMENT_SIZE_BYTES: u64 = 64 << 10;
+/// A cleaning appender cleans after this many records of its own...
+const CLEAN_EVERY_RECORDS: u64 = 200;
+/// ... below the LSN this many records before its last durable one.
+const CLEAN_KEEP_RECORDS: u64 = 300;
 
 fn config(durability: Durability) -> WalConfig {
     WalConfig {
@@ -48,6 +58,11 @@ fn mode(iteration: u64) -> (&'static str, Durability, IoMode, u64) {
         2 => ("every-record/pwrite", Durability::EveryRecord, IoMode::Pwrite, 1),
         _ => ("group-commit/pwrite", Durability::default(), IoMode::Pwrite, 2),
     }
+}
+
+/// Whether the iteration's first appender cleans behind itself.
+fn cleans(iteration: u64) -> bool {
+    iteration % 8 >= 4
 }
 
 /// A self-checking payload of `len + 4` bytes: CRC32C of the body, then the body.
@@ -83,6 +98,8 @@ pub fn child(work: &Path, seed: u64, iteration: u64) -> anyhow::Result<()> {
             let wal = Arc::clone(&wal);
             std::thread::spawn(move || -> anyhow::Result<()> {
                 let mut rng = Rng::new(seed ^ (iteration << 20) ^ (thread << 56));
+                let cleaner = thread == 0 && cleans(iteration);
+                let mut since_clean = 0u64;
                 loop {
                     let batch = if threads == 1 { 1 } else { 1 + rng.below(8) };
                     let mut appended = Vec::with_capacity(batch as usize);
@@ -95,10 +112,23 @@ pub fn child(work: &Path, seed: u64, iteration: u64) -> anyhow::Result<()> {
                     let last = appended.last().map_or(Lsn::ZERO, |(lsn, _)| *lsn);
                     wal.wait_durable(last)?;
                     let mut out = std::io::stdout().lock();
+                    since_clean += appended.len() as u64;
                     for (lsn, crc) in appended {
                         writeln!(out, "durable {} {crc}", lsn.0)?;
                     }
                     out.flush()?;
+                    if cleaner && since_clean >= CLEAN_EVERY_RECORDS {
+                        since_clean = 0;
+                        let threshold = last.0.saturating_sub(CLEAN_KEEP_RECORDS);
+                        // Announced before the clean: records below may be gone after a kill.
+                        writeln!(out, "clean {threshold}")?;
+                        out.flush()?;
+                        drop(out);
+                        wal.clean_below_lsn(Lsn(threshold), false)?;
+                        // How many segments this run made from spares so far (a count only).
+                        let recycled = wal.stats().recycled_segments;
+                        writeln!(std::io::stdout().lock(), "recycled {recycled}")?;
+                    }
                 }
             })
         })
@@ -112,15 +142,23 @@ pub fn child(work: &Path, seed: u64, iteration: u64) -> anyhow::Result<()> {
 /// The parent's side: what every earlier check verified.
 pub struct WalChecker {
     dir: PathBuf,
-    /// CRC32C of each record verified so far, index `lsn - 1`.
-    verified: Vec<u32>,
+    /// CRC32C of each record verified so far, index `lsn - 1` (`None` below the first record
+    /// kept).
+    verified: Vec<Option<u32>>,
+    /// The highest `clean` threshold any child announced: records below it may be gone.
+    clean_floor: u64,
 }
 
 impl WalChecker {
     /// A checker for the log in `<work>/wal`.
     pub fn new(work: &Path) -> Self {
-        Self { dir: wal_dir(work), verified: Vec::new() }
+        Self { dir: wal_dir(work), verified: Vec::new(), clean_floor: 0 }
     }
+}
+
+/// The highest threshold of the child's `clean` lines.
+fn announced_clean(lines: &[String]) -> Option<u64> {
+    lines.iter().filter_map(|line| line.strip_prefix("clean ")?.parse().ok()).max()
 }
 
 /// The `(lsn, crc)` pairs of the child's `durable` lines.
@@ -165,6 +203,12 @@ impl Checker for WalChecker {
     ) -> anyhow::Result<Option<Duration>> {
         let printed = printed(lines);
         counts.acked += printed.len() as u64;
+        if let Some(threshold) = announced_clean(lines) {
+            counts.add_extra("runs_cleaning", 1);
+            self.clean_floor = self.clean_floor.max(threshold);
+        }
+        let recycled = lines.iter().filter_map(|line| line.strip_prefix("recycled ")?.parse().ok());
+        counts.add_extra("segments_recycled", recycled.max().unwrap_or(0));
         let started = Instant::now();
         let wal = match Wal::open(&self.dir, config(Durability::default())) {
             Ok(wal) => wal,
@@ -180,8 +224,8 @@ impl Checker for WalChecker {
             counts.add_extra("torn_tails_cut", 1);
             counts.add_extra("torn_records_discarded", tail.records_discarded);
         }
-        // Read every record: LSNs contiguous from 1, each intact.
-        let mut crcs: Vec<u32> = Vec::new();
+        // Read every record: LSNs contiguous from the first one kept, each intact.
+        let mut crcs: Vec<Option<u32>> = Vec::new();
         let mut iter_error = None;
         for record in wal.iter_from(Lsn::ZERO)? {
             let record = match record {
@@ -191,6 +235,20 @@ impl Checker for WalChecker {
                     break;
                 }
             };
+            if crcs.is_empty() && record.lsn.0 > 1 {
+                if record.lsn.0 > self.clean_floor.max(1) {
+                    counts.lost += 1;
+                    counts.note(
+                        iteration,
+                        format!(
+                            "the log starts at LSN {}, above the highest clean threshold {}",
+                            record.lsn, self.clean_floor
+                        ),
+                    );
+                }
+                // Cleaned below the first record kept.
+                crcs.resize((record.lsn.0 - 1) as usize, None);
+            }
             let expected = crcs.len() as u64 + 1;
             if record.lsn.0 < expected {
                 counts.duplicated += 1;
@@ -201,28 +259,32 @@ impl Checker for WalChecker {
                 counts.out_of_order += 1;
                 counts.note(iteration, format!("LSN gap: {} follows {}", record.lsn, expected - 1));
                 // Keep positions aligned with LSNs; the gap's LSNs hold no checksum.
-                crcs.resize((record.lsn.0 - 1) as usize, 0);
+                crcs.resize((record.lsn.0 - 1) as usize, None);
             }
             if !self_check(&record.bytes) {
                 counts.corrupt_accepted += 1;
                 counts.note(iteration, format!("record {} fails its self-check", record.lsn));
             }
-            crcs.push(crc32c::crc32c(&record.bytes));
+            crcs.push(Some(crc32c::crc32c(&record.bytes)));
         }
+        let first_kept = crcs.iter().position(Option::is_some).map_or(1, |index| index as u64 + 1);
+        let kept = crcs.iter().flatten().count() as u64;
         if let Some(error) = iter_error {
             counts.corrupt_accepted += 1;
             counts.note(iteration, format!("reading the recovered log failed: {error}"));
         }
-        // Every record verified before this run, and every record printed durable in it.
+        // Every record verified before this run, and every record printed durable in it, from
+        // the first record kept on (the check above bounds where that may be).
         let expected = self
             .verified
             .iter()
             .enumerate()
-            .map(|(index, crc)| (index as u64 + 1, *crc, "verified earlier"))
-            .chain(printed.iter().map(|(lsn, crc)| (*lsn, *crc, "acknowledged")));
+            .filter_map(|(index, crc)| Some((index as u64 + 1, (*crc)?, "verified earlier")))
+            .chain(printed.iter().map(|(lsn, crc)| (*lsn, *crc, "acknowledged")))
+            .filter(|(lsn, _, _)| *lsn >= first_kept);
         for (lsn, crc, what) in expected {
-            match crcs.get((lsn as usize).wrapping_sub(1)) {
-                Some(stored) if *stored == crc => {}
+            match crcs.get((lsn as usize).wrapping_sub(1)).copied().flatten() {
+                Some(stored) if stored == crc => {}
                 Some(stored) => {
                     counts.corrupt_accepted += 1;
                     counts.note(
@@ -244,16 +306,14 @@ impl Checker for WalChecker {
         // The cut tail stays cut: a second, read-only scan finds a clean end.
         let scan = scan_dir(&self.dir, RecoveryMode::Strict);
         match scan {
-            Ok(scan)
-                if scan.report.torn_tail.is_none() && scan.report.records == crcs.len() as u64 => {}
+            Ok(scan) if scan.report.torn_tail.is_none() && scan.report.records == kept => {}
             Ok(scan) => {
                 counts.out_of_order += 1;
                 counts.note(
                     iteration,
                     format!(
                         "garbage after the tail on a second scan: {} (expected {} records)",
-                        scan.report,
-                        crcs.len()
+                        scan.report, kept
                     ),
                 );
             }
@@ -262,7 +322,7 @@ impl Checker for WalChecker {
                 counts.note(iteration, format!("second scan failed: {error}"));
             }
         }
-        counts.set_extra("records", crcs.len() as u64);
+        counts.set_extra("records", kept);
         self.verified = crcs;
         let kind = if matches!(mode(iteration).1, Durability::EveryRecord) {
             "kills_every_record"
@@ -276,7 +336,7 @@ impl Checker for WalChecker {
 
 #[cfg(test)]
 mod tests {
-    use super::{payload, printed, self_check};
+    use super::{announced_clean, payload, printed, self_check};
     use crate::rng::Rng;
 
     #[test]
@@ -297,5 +357,15 @@ mod tests {
                 .map(ToString::to_string)
                 .collect();
         assert_eq!(printed(&lines), vec![(1, 7), (3, 9)]);
+    }
+
+    #[test]
+    fn the_highest_whole_clean_line_counts() {
+        let lines: Vec<String> = ["clean 40", "durable 1 7", "clean 90", "clean x", "clean 12"]
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(announced_clean(&lines), Some(90));
+        assert_eq!(announced_clean(&lines[1..2]), None);
     }
 }
