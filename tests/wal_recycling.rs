@@ -6,8 +6,8 @@
 //! missing at the end of a recycled sealed segment are still corruption. A segment whose
 //! mapping a reader still holds (of this log, or a read-only log of the same directory, as a
 //! tool in another process) is deleted, never reused, so the reader's bytes never change; so is
-//! a segment found at open. Spares are bounded by the configuration and deleted when a log is
-//! opened.
+//! a segment found at open. Spares are bounded by the configuration, deleted when a log is
+//! closed, and those a crash left deleted when a writer opens the log.
 //! Method: 64 KiB segments of ~1 KiB records with the record index as its time, cleaned by
 //! time with `wait`, on both I/O paths; damage written into the files by hand, then reopened
 //! or scanned read-only.

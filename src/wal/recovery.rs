@@ -639,10 +639,14 @@ pub(crate) fn recover(
         // Spares of an earlier process (or a reuse a crash interrupted) are not reused: only
         // this process knows that every stale frame in its spares has an LSN below the next.
         for spare in list_spares(dir)? {
-            storage
-                .remove(&spare)
-                .map_err(|error| WalError::from_io("remove spare segment", &spare, 0, &error))?;
-            changed_dir = true;
+            match storage.remove(&spare) {
+                // Gone meanwhile: what this loop wanted.
+                Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+                Err(error) => {
+                    return Err(WalError::from_io("remove spare segment", &spare, 0, &error))
+                }
+                Ok(()) => changed_dir = true,
+            }
         }
     }
     for mut scan in scanned {

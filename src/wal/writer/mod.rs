@@ -304,11 +304,15 @@ pub(crate) fn run(writer: Arc<Mutex<Writer>>) {
 }
 
 impl Writer {
-    /// Once the loop is over: deletes what `clean` left, releases the directory lock and
-    /// fails the callbacks still waiting.
+    /// Once the loop is over: deletes the spares and what `clean` left, releases the directory
+    /// lock and fails the callbacks still waiting.
     fn exit(&mut self) {
         self.exited = true;
         self.current = None;
+        // A closed log keeps no spares. Deleted while this process still holds the directory
+        // lock, so a writer that takes over never races this process's unlinks; and before the
+        // leftover segments below, which are then deleted, not kept.
+        self.shared.delete_spares();
         // From now on `clean` deletes by itself; what it queued before is deleted here.
         let leftover_doomed = {
             let mut doomed = lock(&self.shared.doomed);
