@@ -1167,9 +1167,9 @@ impl Shared {
 
     /// Deletes the spares and keeps no more: a closed log has no use for them, and the next
     /// writer's open would delete them anyway (module doc, "Recycled segments"). The sync
-    /// thread calls it when it exits, before it releases the directory lock; `close` again
-    /// for a log without one. A spare the sync thread took before is its own; a failed
-    /// deletion is logged and left to that open.
+    /// thread calls it when it exits, before it releases the directory lock; `close` calls it
+    /// again, which finds none unless the sync thread panicked. A spare the sync thread took
+    /// before is its own; a failed deletion is logged and left to that open.
     fn delete_spares(&self) {
         let files = {
             let mut spares = lock(&self.spares);
