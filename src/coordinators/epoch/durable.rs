@@ -783,6 +783,11 @@ mod tests {
         }
     }
 
+    /// `count` dense 8-byte offsets that advance by `step` an epoch: `epoch * step + p`.
+    fn advancing(count: i32, step: i64, epoch: i64) -> Vec<(PartitionId, Payload)> {
+        (0..count).map(|p| (PartitionId(p), Payload::from(epoch * step + i64::from(p)))).collect()
+    }
+
     fn offsets(epoch: i64, value: i64) -> Vec<(PartitionId, Payload)> {
         (0..3)
             .map(|p| (PartitionId(p), Payload::from(epoch * 100 + value + i64::from(p))))
@@ -1001,9 +1006,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         // 200 offsets of 8 bytes that advance by 5000 an epoch: 1.6 KiB as a full record, 400
         // bytes as a delta from the epoch before (differences below 2^15).
-        let offsets = |epoch: i64| -> Vec<(PartitionId, Payload)> {
-            (0..200).map(|p| (PartitionId(p), Payload::from(epoch * 5000 + i64::from(p)))).collect()
-        };
+        let offsets = |epoch: i64| -> Vec<(PartitionId, Payload)> { advancing(200, 5000, epoch) };
         let epochs = 600;
         {
             // Segments of 4 KiB, a few epochs each, so that cleaning runs close behind the
@@ -1035,9 +1038,7 @@ mod tests {
     #[test]
     fn a_delta_whose_keyframe_is_gone_fails_recovery_naming_both_epochs() {
         let dir = tempfile::tempdir().unwrap();
-        let offsets = |epoch: i64| -> Vec<(PartitionId, Payload)> {
-            (0..4).map(|p| (PartitionId(p), Payload::from(epoch * 10 + i64::from(p)))).collect()
-        };
+        let offsets = |epoch: i64| -> Vec<(PartitionId, Payload)> { advancing(4, 10, epoch) };
         let (lsn, delta) = {
             let mut query = DurableQuery::open(dir.path(), config()).unwrap();
             query.add_offsets(Epoch(0), &offsets(0)).unwrap();
@@ -1156,9 +1157,7 @@ mod tests {
     fn deltas_that_all_name_their_keyframe_still_decode() {
         // The first version of delta records: every delta from the run's last full record.
         let dir = tempfile::tempdir().unwrap();
-        let offsets = |epoch: i64| -> Vec<(PartitionId, Payload)> {
-            (0..8).map(|p| (PartitionId(p), Payload::from(epoch * 1000 + i64::from(p)))).collect()
-        };
+        let offsets = |epoch: i64| -> Vec<(PartitionId, Payload)> { advancing(8, 1000, epoch) };
         let mut records = vec![(full_bytes(0, &offsets(0)), 0)];
         records.extend(
             (1..5).map(|epoch| (delta_bytes(0, &offsets(0), epoch, &offsets(epoch)), epoch)),
@@ -1171,9 +1170,7 @@ mod tests {
     #[test]
     fn a_delta_whose_base_is_not_in_its_chain_fails_recovery_naming_both_epochs() {
         let dir = tempfile::tempdir().unwrap();
-        let offsets = |epoch: i64| -> Vec<(PartitionId, Payload)> {
-            (0..4).map(|p| (PartitionId(p), Payload::from(epoch * 10 + i64::from(p)))).collect()
-        };
+        let offsets = |epoch: i64| -> Vec<(PartitionId, Payload)> { advancing(4, 10, epoch) };
         // Epochs 0 (full) and 1, then a delta of epoch 3 from epoch 2, which is not logged.
         let records = [
             (full_bytes(0, &offsets(0)), 0),
