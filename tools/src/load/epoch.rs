@@ -474,11 +474,12 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
 
     let barrier = Arc::new(Barrier::new(args.producers + 2));
     let mut threads = Vec::new();
-    for range in ranges(args.partitions, args.producers) {
+    for (index, range) in ranges(args.partitions, args.producers).into_iter().enumerate() {
         let (shared, coordinator, barrier) =
             (Arc::clone(&shared), coordinator.clone(), Arc::clone(&barrier));
         let batch = args.batch;
-        threads.push(std::thread::spawn(move || -> anyhow::Result<()> {
+        let producer = std::thread::Builder::new().name(format!("epoch-producer-{index}"));
+        threads.push(producer.spawn(move || -> anyhow::Result<()> {
             let mut unless_done = StopRunUnlessDone { shared: &shared, done: false };
             // As Spark's tasks do on start; it also gives this thread its inbox lane (a few MiB
             // of slots, faulted in on allocation) before the measured time.
@@ -526,41 +527,43 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
             }
             unless_done.done = true;
             Ok(())
-        }));
+        })?);
     }
     let driver = {
         let (shared, coordinator, barrier) =
             (Arc::clone(&shared), coordinator.clone(), Arc::clone(&barrier));
-        std::thread::spawn(move || -> anyhow::Result<()> {
-            let mut unless_done = StopRunUnlessDone { shared: &shared, done: false };
-            // Its inbox lane before the measured time, like the producers'.
-            let started = coordinator.ask(GetCurrentEpoch).wait();
-            barrier.wait();
-            started?;
-            let mut driver_epoch = 1;
-            let resume = window / 2;
-            while driver_epoch < epochs {
-                let ready = || driver_epoch - shared.committed.load(Ordering::SeqCst) <= resume;
-                if !shared.wait_until(driver_epoch - resume, ready) {
-                    return Ok(());
+        std::thread::Builder::new().name("epoch-driver".into()).spawn(
+            move || -> anyhow::Result<()> {
+                let mut unless_done = StopRunUnlessDone { shared: &shared, done: false };
+                // Its inbox lane before the measured time, like the producers'.
+                let started = coordinator.ask(GetCurrentEpoch).wait();
+                barrier.wait();
+                started?;
+                let mut driver_epoch = 1;
+                let resume = window / 2;
+                while driver_epoch < epochs {
+                    let ready = || driver_epoch - shared.committed.load(Ordering::SeqCst) <= resume;
+                    if !shared.wait_until(driver_epoch - resume, ready) {
+                        return Ok(());
+                    }
+                    // Announce every epoch the window allows with pipelined asks (one per epoch, as
+                    // Spark's epoch thread does), waiting only for the last reply.
+                    let room = window - (driver_epoch - shared.committed.load(Ordering::Acquire));
+                    let asks = room.clamp(1, epochs - driver_epoch);
+                    let mut last = None;
+                    for _ in 0..asks {
+                        last = Some(coordinator.ask(IncrementAndGetEpoch));
+                    }
+                    if let Some(reply) = last {
+                        driver_epoch = reply.wait()?;
+                    }
+                    shared.driver_epoch.store(driver_epoch, Ordering::Release);
+                    shared.wake_all();
                 }
-                // Announce every epoch the window allows with pipelined asks (one per epoch, as
-                // Spark's epoch thread does), waiting only for the last reply.
-                let room = window - (driver_epoch - shared.committed.load(Ordering::Acquire));
-                let asks = room.clamp(1, epochs - driver_epoch);
-                let mut last = None;
-                for _ in 0..asks {
-                    last = Some(coordinator.ask(IncrementAndGetEpoch));
-                }
-                if let Some(reply) = last {
-                    driver_epoch = reply.wait()?;
-                }
-                shared.driver_epoch.store(driver_epoch, Ordering::Release);
-                shared.wake_all();
-            }
-            unless_done.done = true;
-            Ok(())
-        })
+                unless_done.done = true;
+                Ok(())
+            },
+        )?
     };
 
     let mut waiters: Vec<Thread> = threads.iter().map(|t| t.thread().clone()).collect();
