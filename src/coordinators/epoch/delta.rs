@@ -128,10 +128,8 @@ impl DeltaEncoder {
         record.count = offsets.len() as u32;
         record.width = width as u32;
         record.word_bytes = word_bytes as u8;
-        record.deltas.clear();
-        record.deltas.resize(self.words.len() * word_bytes, 0);
         match word_bytes {
-            0 => {}
+            0 => record.deltas.clear(),
             1 => store_low_bytes::<1>(&self.words, &mut record.deltas),
             2 => store_low_bytes::<2>(&self.words, &mut record.deltas),
             3 => store_low_bytes::<3>(&self.words, &mut record.deltas),
@@ -190,8 +188,10 @@ fn differences_of_words(
     compact.then_some(all_bits)
 }
 
-/// Stores the `N` low bytes of each word, little-endian, into `out` (`N` bytes per word).
-fn store_low_bytes<const N: usize>(words: &[u64], out: &mut [u8]) {
+/// Sets `out` to the `N` low bytes of each word, little-endian (`N` bytes per word). `out` is
+/// not cleared first (a memset of the whole record per epoch): every byte kept is written.
+fn store_low_bytes<const N: usize>(words: &[u64], out: &mut Vec<u8>) {
+    out.resize(words.len() * N, 0);
     for (slot, word) in out.chunks_exact_mut(N).zip(words) {
         slot.copy_from_slice(&word.to_le_bytes()[..N]);
     }
