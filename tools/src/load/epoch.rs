@@ -478,8 +478,8 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
         let (shared, coordinator, barrier) =
             (Arc::clone(&shared), coordinator.clone(), Arc::clone(&barrier));
         let batch = args.batch;
-        let producer = std::thread::Builder::new().name(format!("epoch-producer-{index}"));
-        threads.push(producer.spawn(move || -> anyhow::Result<()> {
+        let name = format!("epoch-producer-{index}");
+        threads.push(spawn_named(name, move || -> anyhow::Result<()> {
             let mut unless_done = StopRunUnlessDone { shared: &shared, done: false };
             // As Spark's tasks do on start; it also gives this thread its inbox lane (a few MiB
             // of slots, faulted in on allocation) before the measured time.
@@ -532,38 +532,36 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
     let driver = {
         let (shared, coordinator, barrier) =
             (Arc::clone(&shared), coordinator.clone(), Arc::clone(&barrier));
-        std::thread::Builder::new().name("epoch-driver".into()).spawn(
-            move || -> anyhow::Result<()> {
-                let mut unless_done = StopRunUnlessDone { shared: &shared, done: false };
-                // Its inbox lane before the measured time, like the producers'.
-                let started = coordinator.ask(GetCurrentEpoch).wait();
-                barrier.wait();
-                started?;
-                let mut driver_epoch = 1;
-                let resume = window / 2;
-                while driver_epoch < epochs {
-                    let ready = || driver_epoch - shared.committed.load(Ordering::SeqCst) <= resume;
-                    if !shared.wait_until(driver_epoch - resume, ready) {
-                        return Ok(());
-                    }
-                    // Announce every epoch the window allows with pipelined asks (one per epoch, as
-                    // Spark's epoch thread does), waiting only for the last reply.
-                    let room = window - (driver_epoch - shared.committed.load(Ordering::Acquire));
-                    let asks = room.clamp(1, epochs - driver_epoch);
-                    let mut last = None;
-                    for _ in 0..asks {
-                        last = Some(coordinator.ask(IncrementAndGetEpoch));
-                    }
-                    if let Some(reply) = last {
-                        driver_epoch = reply.wait()?;
-                    }
-                    shared.driver_epoch.store(driver_epoch, Ordering::Release);
-                    shared.wake_all();
+        spawn_named("epoch-driver".into(), move || -> anyhow::Result<()> {
+            let mut unless_done = StopRunUnlessDone { shared: &shared, done: false };
+            // Its inbox lane before the measured time, like the producers'.
+            let started = coordinator.ask(GetCurrentEpoch).wait();
+            barrier.wait();
+            started?;
+            let mut driver_epoch = 1;
+            let resume = window / 2;
+            while driver_epoch < epochs {
+                let ready = || driver_epoch - shared.committed.load(Ordering::SeqCst) <= resume;
+                if !shared.wait_until(driver_epoch - resume, ready) {
+                    return Ok(());
                 }
-                unless_done.done = true;
-                Ok(())
-            },
-        )?
+                // Announce every epoch the window allows with pipelined asks (one per epoch, as
+                // Spark's epoch thread does), waiting only for the last reply.
+                let room = window - (driver_epoch - shared.committed.load(Ordering::Acquire));
+                let asks = room.clamp(1, epochs - driver_epoch);
+                let mut last = None;
+                for _ in 0..asks {
+                    last = Some(coordinator.ask(IncrementAndGetEpoch));
+                }
+                if let Some(reply) = last {
+                    driver_epoch = reply.wait()?;
+                }
+                shared.driver_epoch.store(driver_epoch, Ordering::Release);
+                shared.wake_all();
+            }
+            unless_done.done = true;
+            Ok(())
+        })?
     };
 
     let mut waiters: Vec<Thread> = threads.iter().map(|t| t.thread().clone()).collect();
@@ -645,6 +643,17 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
         Some(stats) => figure.with_wal_stats("wal_stats", stats),
         None => figure,
     })
+}
+
+/// Spawns a load thread named `name` (so per-thread profiles tell the threads apart).
+fn spawn_named<T: Send + 'static>(
+    name: String,
+    body: impl FnOnce() -> T + Send + 'static,
+) -> anyhow::Result<std::thread::JoinHandle<T>> {
+    std::thread::Builder::new()
+        .name(name.clone())
+        .spawn(body)
+        .with_context(|| format!("spawn the load thread {name}"))
 }
 
 /// The fast state machine and the reference model on the same stream, on this thread.
