@@ -140,3 +140,20 @@ fn the_last_committed_epochs_offsets_are_always_retained() {
     assert!(query.offsets(Epoch(3)).is_some(), "the last committed epoch is retained");
     assert!(matches!(query.restart_point(), Ok(Some((Epoch(3), _)))));
 }
+
+#[test]
+fn a_retention_too_large_for_an_epoch_count_keeps_every_epoch() {
+    // `usize::MAX` used to wrap to -1 as an epoch count, so a commit dropped its own offsets
+    // and the restart point failed with "committed without end epoch offsets".
+    for retained in [usize::MAX, 1 << 63, i64::MAX as usize] {
+        let mut query = MemoryQuery::new(retained);
+        for epoch in 0..3 {
+            query.add_offsets(Epoch(epoch), &[(PartitionId(0), Payload::from(epoch))]).unwrap();
+            query.commit(Epoch(epoch)).unwrap();
+        }
+        for epoch in 0..3 {
+            assert!(query.offsets(Epoch(epoch)).is_some(), "epoch {epoch} dropped ({retained})");
+        }
+        assert!(matches!(query.restart_point(), Ok(Some((Epoch(2), _)))), "{retained}");
+    }
+}

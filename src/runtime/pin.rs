@@ -34,9 +34,50 @@ impl CorePlanner {
     }
 }
 
-/// Pins the calling thread to `core`; logs and carries on unpinned if that fails.
+/// Pins the calling thread to `core`; logs and carries on unpinned if that fails. A core this
+/// process may not run on (absent, outside its cpuset, or beyond what the OS's CPU sets can
+/// name, where the pinning call itself would panic) is refused up front.
 pub(crate) fn pin_current_thread(core: usize, endpoint: &str) {
-    if !core_affinity::set_for_current(core_affinity::CoreId { id: core }) {
+    let allowed =
+        core_affinity::get_core_ids().is_some_and(|cores| cores.iter().any(|id| id.id == core));
+    if !allowed {
+        tracing::warn!(endpoint, core, "no such core for this process; running unpinned");
+    } else if !core_affinity::set_for_current(core_affinity::CoreId { id: core }) {
         tracing::warn!(endpoint, core, "could not pin endpoint thread; running unpinned");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Affinity of the calling thread, as core ids.
+    fn current_affinity() -> Vec<usize> {
+        core_affinity::get_core_ids().unwrap().into_iter().map(|id| id.id).collect()
+    }
+
+    #[test]
+    fn a_core_id_beyond_the_cpu_set_runs_unpinned_instead_of_panicking() {
+        // 4096 is past glibc's CPU_SETSIZE (1024): `CPU_SET` on it indexes out of bounds.
+        let affinity = std::thread::spawn(|| {
+            let before = current_affinity();
+            pin_current_thread(4096, "test");
+            (before, current_affinity())
+        })
+        .join()
+        .expect("pinning to an impossible core panicked");
+        assert_eq!(affinity.0, affinity.1, "the thread's affinity changed");
+    }
+
+    #[test]
+    fn an_allowed_core_pins_the_thread_to_it() {
+        let core = *current_affinity().last().unwrap();
+        let pinned = std::thread::spawn(move || {
+            pin_current_thread(core, "test");
+            current_affinity()
+        })
+        .join()
+        .unwrap();
+        assert_eq!(pinned, vec![core]);
     }
 }

@@ -435,6 +435,10 @@ pub(crate) struct Spares {
     pub(crate) closed: bool,
 }
 
+/// The longest [`Durability::GroupCommit`] `max_delay` accepted. A group is held at most ten
+/// times that under pacing; a longer delay is surely a unit mistake, and one near
+/// [`Duration::MAX`] would overflow the clock.
+pub const MAX_GROUP_COMMIT_DELAY: Duration = Duration::from_secs(60);
 /// The default of [`WalOptions::spare_segments`].
 pub const DEFAULT_SPARE_SEGMENTS: usize = 2;
 /// The largest [`WalOptions::spare_segments`] accepted.
@@ -458,9 +462,16 @@ impl WalConfig {
                 "must be a multiple of 16 between 4 KiB and 1 TiB",
             ));
         }
-        if let Durability::GroupCommit { max_bytes, .. } = self.durability {
+        if let Durability::GroupCommit { max_delay, max_bytes } = self.durability {
             if max_bytes == 0 {
                 return Err(invalid("durability.max_bytes", "0".into(), "must be at least 1"));
+            }
+            if max_delay > MAX_GROUP_COMMIT_DELAY {
+                return Err(invalid(
+                    "durability.max_delay",
+                    format!("{max_delay:?}"),
+                    "must be at most 60 s",
+                ));
             }
         }
         if let Some(interval) = self.rolling_interval {
@@ -2344,14 +2355,21 @@ mod tests {
         assert_eq!(read, (0..appended).collect::<Vec<_>>());
     }
 
+    /// How long the first group's sync is held: the pause is four times that.
+    const PACED_SYNC: Duration = Duration::from_millis(2500);
+    /// What ends a 10 s pause early must do it within this.
+    const PAUSE_ENDED_WITHIN: Duration = Duration::from_secs(5);
+
     /// A log (on a gated file layer) whose second group, a small record appended while the
-    /// first group's slow sync ran, is held for pacing: 1 s after that sync (4x its 250 ms,
-    /// at most 10 x `max_delay` = 1 s). Returns the log, its directory, and the LSNs of the
-    /// durable first record and the held one.
+    /// first group's slow sync ran, is held for pacing: 10 s after that sync (4x its 2.5 s, at
+    /// most 10 x `max_delay` = 10 s). The tests below give what ends the pause early 5 s:
+    /// wide margins both ways, so neither a slow machine nor a descheduled test thread can
+    /// make a held group pass or a released one fail. Returns the log, its directory, and the
+    /// LSNs of the durable first record and the held one.
     fn log_with_a_paced_group() -> (Wal, tempfile::TempDir, Lsn, Lsn) {
         let dir = tempfile::tempdir().unwrap();
         let durability =
-            Durability::GroupCommit { max_delay: Duration::from_millis(100), max_bytes: 4096 };
+            Durability::GroupCommit { max_delay: Duration::from_secs(1), max_bytes: 4096 };
         let storage = Arc::new(GatedStorage::default());
         let gate = Arc::clone(&storage.gate);
         let options = WalOptions { storage, ..WalOptions::default() };
@@ -2362,8 +2380,9 @@ mod tests {
         eventually("the sync thread is held", || gate.writers_held.load(Ordering::SeqCst) > 0);
         // Appended while that sync runs, and nobody waits for it.
         let (small, _) = wal.append_bytes_now(&[2u8; 64]).unwrap();
-        // Makes the held group's write take 250 ms, so the pause after it is 1 s.
-        std::thread::sleep(Duration::from_millis(250));
+        // Makes the held group's write take 2.5 s, so the pause after it is 10 s (this sleep
+        // makes the slow sync; it waits for no result).
+        std::thread::sleep(PACED_SYNC);
         *lock(&gate.open) = true;
         gate.opened.notify_all();
         eventually("the small group is held for pacing", || {
@@ -2389,8 +2408,8 @@ mod tests {
     #[test]
     fn a_waiter_ends_the_pause_of_a_paced_group() {
         let (wal, _dir, _, small) = log_with_a_paced_group();
-        // Well inside the 1 s pause: only the waiter's wake-up can make it durable in time.
-        wal.wait_durable_timeout(small, Duration::from_millis(600)).unwrap();
+        // Well inside the 10 s pause: only the waiter's wake-up can make it durable in time.
+        wal.wait_durable_timeout(small, PAUSE_ENDED_WITHIN).unwrap();
         assert_eq!(wal.stats().paced_groups, 1);
     }
 
@@ -2399,7 +2418,7 @@ mod tests {
         let (wal, _dir, _, _) = log_with_a_paced_group();
         // Fills the held group past `max_bytes` (4096).
         let (last, _) = wal.append_bytes_now(&[3u8; 4096]).unwrap();
-        assert!(durable_within(&wal, last, Duration::from_millis(600)), "the full group waited");
+        assert!(durable_within(&wal, last, PAUSE_ENDED_WITHIN), "the full group waited");
     }
 
     #[test]
@@ -2408,7 +2427,7 @@ mod tests {
         let started = Instant::now();
         wal.close().unwrap();
         let took = started.elapsed();
-        assert!(took < Duration::from_millis(600), "close took {took:?}");
+        assert!(took < PAUSE_ENDED_WITHIN, "close took {took:?}");
         assert_eq!(wal.durable_lsn(), small);
     }
 
@@ -2420,6 +2439,43 @@ mod tests {
             Err(WalError::InvalidConfig { setting: "segment_size_bytes", .. })
         ));
         assert!(WalConfig::default().validate().is_ok());
+    }
+
+    #[test]
+    fn a_handle_offset_near_the_end_of_the_address_space_is_not_found() {
+        let dir = tempfile::tempdir().unwrap();
+        let wal = Wal::open(dir.path(), WalConfig::default()).unwrap();
+        let (lsn, handle) = wal.append_bytes(b"record", 1).unwrap();
+        wal.wait_durable(lsn).unwrap();
+        // 16-aligned and past the segment header: only the addition of the frame header
+        // overflows (it panicked in debug builds, and wrapped in release ones).
+        let forged = RecordHandle { offset: !15u64, ..handle };
+        match wal.read_bytes(forged) {
+            Err(WalError::NotFound { offset, reason, .. }) => {
+                assert_eq!(offset, forged.offset);
+                assert_eq!(reason, "offset is not a record boundary");
+            }
+            other => panic!("expected NotFound, got {other:?}"),
+        }
+        assert_eq!(&*wal.read_bytes(handle).unwrap(), b"record");
+    }
+
+    #[test]
+    fn a_group_commit_delay_too_long_for_the_clock_is_refused_at_open() {
+        let with_delay = |max_delay| WalConfig {
+            durability: Durability::GroupCommit { max_delay, max_bytes: 1 << 20 },
+            ..WalConfig::default()
+        };
+        let dir = tempfile::tempdir().unwrap();
+        // Before the bound, the sync thread panicked adding this delay to the group's start.
+        match Wal::open(dir.path(), with_delay(Duration::MAX)) {
+            Err(WalError::InvalidConfig { setting: "durability.max_delay", value, .. }) => {
+                assert_eq!(value, format!("{:?}", Duration::MAX));
+            }
+            other => panic!("expected InvalidConfig for max_delay, got {other:?}"),
+        }
+        assert!(with_delay(MAX_GROUP_COMMIT_DELAY).validate().is_ok());
+        assert!(with_delay(MAX_GROUP_COMMIT_DELAY + Duration::from_nanos(1)).validate().is_err());
     }
 
     #[test]

@@ -334,7 +334,11 @@ pub(crate) fn read_bytes(shared: &Shared, handle: RecordHandle) -> Result<Record
     if handle.offset < HEADER_LEN || !handle.offset.is_multiple_of(frame::ALIGN as u64) {
         return Err(not_found("offset is not a record boundary"));
     }
-    let header_end = handle.offset + frame::HEADER_LEN as u64;
+    // A handle's fields are public: an offset near `u64::MAX` is not a record boundary.
+    let header_end = handle
+        .offset
+        .checked_add(frame::HEADER_LEN as u64)
+        .ok_or(not_found("offset is not a record boundary"))?;
     if segment.end_offset.load(Ordering::Acquire) < header_end {
         wait_written(shared, &segment, header_end, not_found)?;
     }

@@ -44,7 +44,9 @@
 //! [`super::EpochError::BadLogRecord`] if the restart point needs it.
 
 use super::{
-    log_record::{ArchivedOffsetsDeltaRecord, ArchivedOffsetsRecord, OffsetsDeltaRecord},
+    log_record::{
+        reserve_offsets, ArchivedOffsetsDeltaRecord, ArchivedOffsetsRecord, OffsetsDeltaRecord,
+    },
     PartitionId, Payload,
 };
 
@@ -313,16 +315,17 @@ impl ChainDecoder {
         Ok(())
     }
 
-    /// The offsets of the last record applied (or of the keyframe).
-    pub(super) fn offsets(&self) -> Vec<(PartitionId, Payload)> {
+    /// The offsets of the last record applied (or of the keyframe); an error if their count
+    /// cannot be (see [`reserve_offsets`]).
+    pub(super) fn offsets(&self) -> Result<Vec<(PartitionId, Payload)>, String> {
         let bytes: Vec<u8> =
             self.words.iter().flat_map(|word| word.to_le_bytes()).take(self.data_len).collect();
-        (0..self.count)
-            .map(|index| {
-                let payload = &bytes[index * self.width..][..self.width];
-                (PartitionId(index as i32), Payload::from(payload))
-            })
-            .collect()
+        let mut offsets = reserve_offsets(self.count)?;
+        offsets.extend((0..self.count).map(|index| {
+            let payload = &bytes[index * self.width..][..self.width];
+            (PartitionId(index as i32), Payload::from(payload))
+        }));
+        Ok(offsets)
     }
 }
 
@@ -337,6 +340,19 @@ mod tests {
     };
 
     type Offsets = Vec<(PartitionId, Payload)>;
+
+    #[test]
+    fn a_keyframe_claiming_more_offsets_than_partition_ids_is_an_error_not_an_abort() {
+        let bytes = crate::coordinators::epoch::log_record::tests::empty_payloads_record(u32::MAX);
+        let ArchivedLogRecord::Offsets(keyframe) =
+            rkyv::access::<ArchivedLogRecord, rancor::Error>(&bytes).unwrap()
+        else {
+            panic!("not offsets")
+        };
+        let decoder = ChainDecoder::new(keyframe).unwrap();
+        let error = decoder.offsets().unwrap_err();
+        assert!(error.contains("more than there are partition ids"), "{error}");
+    }
 
     fn dense(payloads: &[Vec<u8>]) -> Offsets {
         payloads
@@ -392,10 +408,10 @@ mod tests {
         let (keyframe, deltas) = records.split_first().unwrap();
         assert!(!keyframe.1 && deltas.iter().all(|(_, delta)| *delta));
         let mut decoder = ChainDecoder::new(archived_full(&keyframe.0))?;
-        let mut decoded = vec![decoder.offsets()];
+        let mut decoded = vec![decoder.offsets()?];
         for (delta, _) in deltas {
             decoder.apply(archived_delta(delta))?;
-            decoded.push(decoder.offsets());
+            decoded.push(decoder.offsets()?);
         }
         Ok(decoded)
     }

@@ -80,6 +80,7 @@ use std::{
 use rkyv::{rancor, util::AlignedVec};
 
 use super::{
+    clamp_retained_epochs,
     delta::{ChainDecoder, DeltaEncoder, KEYFRAME_INTERVAL},
     log_record::{
         decode_offsets, ArchivedLogRecord, LogRecord, LogRecordRef, OffsetsRecordRef, TooLarge,
@@ -339,9 +340,9 @@ impl<Q: Query> DurableQuery<Q> {
     }
 
     /// Keeps the records of the newest `retained_epochs` committed epochs (at least 1;
-    /// default [`DEFAULT_RETAINED_EPOCHS`]).
+    /// default [`DEFAULT_RETAINED_EPOCHS`]; anything from `i64::MAX` up keeps every epoch).
     pub fn with_retained_epochs(mut self, retained_epochs: usize) -> Self {
-        self.retained_epochs = retained_epochs.max(1);
+        self.retained_epochs = clamp_retained_epochs(retained_epochs);
         self
     }
 
@@ -764,7 +765,8 @@ impl Winner {
             };
             decoder.apply(delta).map_err(|reason| bad_record(link.lsn, reason))?;
         }
-        Ok(decoder.offsets())
+        let last = chain.links[*path.last().expect("a path holds the record itself")].lsn;
+        decoder.offsets().map_err(|reason| bad_record(last, reason))
     }
 }
 
@@ -903,7 +905,7 @@ mod tests {
                 ArchivedLogRecord::OffsetsDelta(delta) => {
                     let chain = chain.as_mut().expect("a delta after a compact full record");
                     chain.apply(delta).unwrap();
-                    logged.push((delta.epoch.to_native(), chain.offsets(), true));
+                    logged.push((delta.epoch.to_native(), chain.offsets().unwrap(), true));
                 }
                 ArchivedLogRecord::Commit { .. } => {}
             }
@@ -999,6 +1001,38 @@ mod tests {
         }
         let query = DurableQuery::open(dir.path(), config()).unwrap();
         assert_eq!(query.restart_point(), Some(&(Epoch(199), many(199))));
+    }
+
+    #[test]
+    fn a_retention_too_large_for_an_epoch_count_cleans_nothing() {
+        // `usize::MAX` used to wrap to -1 as an epoch count: the cleaning threshold was then
+        // above the durable commit, and a commit after a restart deleted the recovered
+        // segments holding the restart point.
+        let offsets = |epoch: i64| -> Vec<(PartitionId, Payload)> { advancing(200, 5000, epoch) };
+        for retained in [usize::MAX, 1 << 63] {
+            let dir = tempfile::tempdir().unwrap();
+            let config =
+                WalConfig { durability: Durability::None, segment_size_bytes: 4096, ..config() };
+            for run in 0..2 {
+                let mut query = DurableQuery::open(dir.path(), config.clone())
+                    .unwrap()
+                    .with_retained_epochs(retained);
+                for epoch in run * 20..run * 20 + 20 {
+                    query.add_offsets(Epoch(epoch), &offsets(epoch)).unwrap();
+                    query.commit(Epoch(epoch)).unwrap();
+                    assert!(query
+                        .status()
+                        .wait_durable_committed(Epoch(epoch), Duration::from_secs(10)));
+                }
+                let stats = query.wal().stats();
+                assert_eq!(stats.cleaned_segments, 0, "retained {retained}, run {run}: {stats:?}");
+            }
+            let query = DurableQuery::open(dir.path(), config).unwrap();
+            assert_eq!(query.restart_point(), Some(&(Epoch(39), offsets(39))), "{retained}");
+            let logged: Vec<i64> =
+                logged_offsets(query.wal()).iter().map(|(epoch, _, _)| *epoch).collect();
+            assert_eq!(logged, (0..40).collect::<Vec<_>>(), "retained {retained}");
+        }
     }
 
     #[test]

@@ -457,6 +457,21 @@ impl<S: Fallible + Writer + ?Sized> Serialize<S> for PayloadBytes<'_> {
     }
 }
 
+/// Room for the `count` offsets of a record read from disk. Empty payloads take no bytes in a
+/// record, so a well-formed record may claim any count: the count is checked against the
+/// partition ids it implies, and the allocation may fail with an error instead of aborting.
+pub(super) fn reserve_offsets(count: usize) -> Result<Vec<(PartitionId, Payload)>, String> {
+    const IDS: usize = i32::MAX as usize + 1;
+    if count > IDS {
+        return Err(format!("{count} offsets, more than there are partition ids ({IDS})"));
+    }
+    let mut offsets = Vec::new();
+    offsets
+        .try_reserve_exact(count)
+        .map_err(|error| format!("no memory for {count} offsets: {error}"))?;
+    Ok(offsets)
+}
+
 /// The offsets of a validated record, checking that its arrays agree.
 pub(super) fn decode_offsets(
     entry: &ArchivedOffsetsRecord,
@@ -474,7 +489,7 @@ pub(super) fn decode_offsets(
     if ends.is_empty() && count.checked_mul(width) != Some(data.len()) {
         return Err(format!("{count} offsets of {width} bytes in {} bytes", data.len()));
     }
-    let mut offsets = Vec::with_capacity(count);
+    let mut offsets = reserve_offsets(count)?;
     let mut start = 0usize;
     for index in 0..count {
         let end = match ends.get(index) {
@@ -492,10 +507,49 @@ pub(super) fn decode_offsets(
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use rkyv::rancor;
 
     use super::*;
+
+    /// The bytes of a well-formed record claiming `count` empty payloads: nothing in the
+    /// record bounds that count (found by review: it used to allocate 40 bytes per claimed
+    /// offset, and `u32::MAX` of them aborted the process on open).
+    pub(in crate::coordinators::epoch) fn empty_payloads_record(
+        count: u32,
+    ) -> rkyv::util::AlignedVec {
+        let record = LogRecord::Offsets(OffsetsRecord {
+            run: 1,
+            epoch: 1,
+            partitions: Vec::new(),
+            count,
+            width: 0,
+            ends: Vec::new(),
+            data: Vec::new(),
+        });
+        rkyv::to_bytes::<rancor::Error>(&record).unwrap()
+    }
+
+    #[test]
+    fn a_record_claiming_more_offsets_than_partition_ids_is_an_error_not_an_abort() {
+        let bytes = empty_payloads_record(u32::MAX);
+        let archived = rkyv::access::<ArchivedLogRecord, rancor::Error>(&bytes).unwrap();
+        let ArchivedLogRecord::Offsets(entry) = archived else { panic!("not offsets") };
+        let error = decode_offsets(entry).unwrap_err();
+        assert_eq!(error, "4294967295 offsets, more than there are partition ids (2147483648)");
+        // A modest count of empty payloads is a valid record.
+        let bytes = empty_payloads_record(3);
+        let archived = rkyv::access::<ArchivedLogRecord, rancor::Error>(&bytes).unwrap();
+        let ArchivedLogRecord::Offsets(entry) = archived else { panic!("not offsets") };
+        assert_eq!(
+            decode_offsets(entry).unwrap(),
+            vec![
+                (PartitionId(0), Payload::new()),
+                (PartitionId(1), Payload::new()),
+                (PartitionId(2), Payload::new()),
+            ]
+        );
+    }
 
     /// The owned record of `offsets`, built the plain way.
     fn owned(run: u64, epoch: i64, offsets: &[(PartitionId, Payload)]) -> OffsetsRecord {

@@ -228,16 +228,23 @@ impl Default for MemoryQuery {
     }
 }
 
+/// `retained_epochs` as the queries count with it: at least 1, and at most `i64::MAX` (epochs
+/// are `i64`, and every epoch is kept from there on), so that it converts to an epoch count
+/// without wrapping negative.
+pub(crate) fn clamp_retained_epochs(retained_epochs: usize) -> usize {
+    retained_epochs.clamp(1, i64::MAX as usize)
+}
+
 impl MemoryQuery {
     /// An empty query keeping the offsets of the newest `retained_epochs` committed epochs (at
-    /// least 1).
+    /// least 1; anything from `i64::MAX` up keeps every epoch).
     pub fn new(retained_epochs: usize) -> Self {
         Self {
             state: std::sync::Arc::new(std::sync::Mutex::new(MemoryQueryState {
                 offsets: std::collections::BTreeMap::new(),
                 last_committed: None,
                 stop_error: None,
-                retained_epochs: retained_epochs.max(1),
+                retained_epochs: clamp_retained_epochs(retained_epochs),
             })),
         }
     }

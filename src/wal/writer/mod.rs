@@ -176,23 +176,42 @@ struct OpenSegment {
     last_lsn: u64,
 }
 
-/// Fails the log if dropped while its thread unwinds (see [`Writer::lead`]). Callbacks are
-/// left to the sync thread: this runs on a user's thread.
-struct FailOnPanic(Arc<Shared>);
+/// Fails the log if dropped while its thread unwinds, so that a broken invariant on a thread
+/// that writes the log ends in a failed log (every waiter and appender gets the error) rather
+/// than in records that are never written and waiters that wait forever.
+struct FailOnPanic {
+    shared: Arc<Shared>,
+    /// Who writes: a leader (on a user's thread, which leaves callbacks to the sync thread)
+    /// or the sync thread (which runs them itself: nobody else would).
+    role: WriterRole,
+}
+
+#[derive(Clone, Copy)]
+enum WriterRole {
+    Leader,
+    SyncThread,
+}
 
 impl Drop for FailOnPanic {
     fn drop(&mut self) {
-        if std::thread::panicking() {
-            self.0.fail(
-                WalError::Io {
-                    op: "lead",
-                    path: self.0.dir.clone(),
-                    kind: std::io::ErrorKind::Other,
-                    message: "a thread writing the log for its own records panicked".into(),
-                },
-                false,
-            );
-            self.0.wake_writer_for_callbacks();
+        if !std::thread::panicking() {
+            return;
+        }
+        let (op, message, run_callbacks) = match self.role {
+            WriterRole::Leader => {
+                ("lead", "a thread writing the log for its own records panicked", false)
+            }
+            WriterRole::SyncThread => ("sync thread", "the log's sync thread panicked", true),
+        };
+        let error = WalError::Io {
+            op,
+            path: self.shared.dir.clone(),
+            kind: std::io::ErrorKind::Other,
+            message: message.into(),
+        };
+        self.shared.fail(error, run_callbacks);
+        if !run_callbacks {
+            self.shared.wake_writer_for_callbacks();
         }
     }
 }
@@ -269,6 +288,7 @@ pub(crate) fn run(writer: Arc<Mutex<Writer>>) {
         let pipelined = writer.shared.ring_waker.is_some() && writer.engine.as_uring().is_some();
         (Arc::clone(&writer.shared), pipelined)
     };
+    let _fail_on_panic = FailOnPanic { shared: Arc::clone(&shared), role: WriterRole::SyncThread };
     let capacity = lock(&shared.append).buf.capacity();
     // The second staging buffer, sized like the first so neither regrows (and re-faults fresh
     // pages) in steady state.
@@ -367,7 +387,8 @@ impl Writer {
         }
         // A panic below (a broken invariant) would leave a group taken and never written:
         // the log fails then, rather than go on with a hole in it.
-        let _fail_on_panic = FailOnPanic(Arc::clone(&self.shared));
+        let _fail_on_panic =
+            FailOnPanic { shared: Arc::clone(&self.shared), role: WriterRole::Leader };
         self.leading = true;
         let mut led = false;
         let mut buf = std::mem::take(&mut self.lead_buf);
@@ -410,7 +431,6 @@ impl Writer {
         let started = Instant::now();
         match self.write_group(buf, chunks) {
             Ok(synced_at) => {
-                self.shared.groups.fetch_add(1, Ordering::Relaxed);
                 match synced_at {
                     Some(done) => self.note_sync(started, done),
                     None => self.shared.record_sync_latency(started.elapsed()),
@@ -536,6 +556,8 @@ impl Writer {
             RingEvent::Done { summary, synced, sync_last } => {
                 // Before publishing: see `write_group`.
                 let done = Instant::now();
+                // Counted before it is published (as in `write_group`).
+                self.shared.groups.fetch_add(1, Ordering::Relaxed);
                 if synced {
                     // Every earlier group is durable too (events come in order), so the
                     // watermark may move to this group's last LSN.
@@ -550,7 +572,6 @@ impl Writer {
                         }
                     }
                 }
-                self.shared.groups.fetch_add(1, Ordering::Relaxed);
                 if synced && sync_last {
                     self.note_sync(summary.started, done);
                 } else {
@@ -778,6 +799,11 @@ impl Writer {
             let written_end = last.file_offset + (last.buf_end - last.buf_start) as u64;
             segment.end_offset.store(written_end, Ordering::Release);
             current.last_lsn = last.last_lsn;
+            if end == chunks.len() {
+                // Counted before it is published: a thread that saw the group durable sees it
+                // counted in the stats.
+                self.shared.groups.fetch_add(1, Ordering::Relaxed);
+            }
             if sync.is_some() {
                 current.dirty = false;
                 self.shared.syncs.fetch_add(1, Ordering::Relaxed);

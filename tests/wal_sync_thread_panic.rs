@@ -1,0 +1,121 @@
+//! A panic on the WAL's sync thread (a broken invariant, or a storage layer that panics) fails
+//! the log at once: a thread waiting for durability gets the error instead of waiting forever,
+//! durability callbacks run with it, and later appends are refused.
+//!
+//! Method: a storage whose `sync_data` panics, on the pwrite path (the file hides its
+//! descriptor), with group commit (so the sync thread, not a waiter, writes and syncs). Each
+//! wait runs on a helper thread and is collected with a bound: the bug this guards against is
+//! a hang.
+
+use std::{
+    io,
+    os::fd::RawFd,
+    path::Path,
+    sync::{mpsc, Arc},
+    time::Duration,
+};
+
+use coordbus::wal::{
+    Durability, FileStorage, IoMode, Storage, StorageFile, Wal, WalConfig, WalError, WalOptions,
+};
+
+/// Far longer than a sync; a wait that has not returned by then is hung.
+const BOUND: Duration = Duration::from_secs(30);
+
+#[derive(Debug)]
+struct PanickingSyncStorage;
+
+#[derive(Debug)]
+struct PanickingSyncFile(Arc<dyn StorageFile>);
+
+impl Storage for PanickingSyncStorage {
+    fn create_dir_all(&self, dir: &Path) -> io::Result<()> {
+        FileStorage.create_dir_all(dir)
+    }
+    fn create(&self, path: &Path) -> io::Result<Arc<dyn StorageFile>> {
+        Ok(Arc::new(PanickingSyncFile(FileStorage.create(path)?)))
+    }
+    fn open_existing(&self, path: &Path) -> io::Result<Arc<dyn StorageFile>> {
+        FileStorage.open_existing(path)
+    }
+    fn remove(&self, path: &Path) -> io::Result<()> {
+        FileStorage.remove(path)
+    }
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        FileStorage.rename(from, to)
+    }
+    fn sync_dir(&self, dir: &Path) -> io::Result<()> {
+        FileStorage.sync_dir(dir)
+    }
+}
+
+impl StorageFile for PanickingSyncFile {
+    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<usize> {
+        self.0.write_at(buf, offset)
+    }
+    fn sync_data(&self) -> io::Result<()> {
+        panic!("injected: the storage layer panicked in sync_data");
+    }
+    fn allocate(&self, len: u64) -> io::Result<()> {
+        self.0.allocate(len)
+    }
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        self.0.set_len(len)
+    }
+    fn raw_fd(&self) -> Option<RawFd> {
+        None
+    }
+}
+
+fn open(dir: &Path) -> Arc<Wal> {
+    let config = WalConfig {
+        segment_size_bytes: 1 << 20,
+        durability: Durability::GroupCommit {
+            max_delay: Duration::from_micros(200),
+            max_bytes: 1 << 20,
+        },
+        ..WalConfig::default()
+    };
+    let options = WalOptions {
+        io: IoMode::Pwrite,
+        storage: Arc::new(PanickingSyncStorage),
+        ..WalOptions::default()
+    };
+    Arc::new(Wal::open_with_options(dir, config, options).unwrap())
+}
+
+#[test]
+fn a_panic_on_the_sync_thread_fails_waiters_callbacks_and_appends_instead_of_hanging() {
+    let dir = tempfile::tempdir().unwrap();
+    let wal = open(dir.path());
+    let (lsn, _) = wal.append_bytes(b"never durable", 1).unwrap();
+
+    let (callback_tx, callback_rx) = mpsc::channel();
+    wal.notify_when_durable(
+        lsn,
+        Box::new(move |outcome| {
+            let _ = callback_tx.send(outcome);
+        }),
+    );
+    let (wait_tx, wait_rx) = mpsc::channel();
+    let waiter = {
+        let wal = Arc::clone(&wal);
+        std::thread::spawn(move || {
+            let _ = wait_tx.send(wal.wait_durable(lsn));
+        })
+    };
+
+    let waited = wait_rx.recv_timeout(BOUND).expect("the durability wait hung after the panic");
+    waiter.join().unwrap();
+    let error = waited.expect_err("a record whose sync panicked was reported durable");
+    assert!(error.to_string().contains("sync thread panicked"), "unexpected error: {error}");
+
+    let called = callback_rx.recv_timeout(BOUND).expect("the durability callback never ran");
+    assert!(called.is_err(), "the callback was told the record is durable");
+
+    assert!(
+        matches!(wal.append_bytes(b"after", 2), Err(WalError::Failed { .. })),
+        "an append after the panic was accepted"
+    );
+    assert!(wal.durable_lsn() < lsn, "the durable watermark moved past the failed record");
+}
