@@ -52,6 +52,8 @@ struct Recorder {
     overlap_detected: Arc<AtomicBool>,
     /// If set, `on_start` waits for it: messages sent meanwhile are really queued.
     start_gate: Option<crossbeam_channel::Receiver<()>>,
+    /// Where `SilentRequest`'s replier goes (without it, the request is failed).
+    handed_out: Option<crossbeam_channel::Sender<Replier<Late>>>,
 }
 
 #[derive(Debug)]
@@ -65,7 +67,7 @@ enum RecorderRequest {
     Seen(Replier<Vec<Seen>>),
     Fail(Replier<u64>),
     Panic(Replier<u64>),
-    NeverReply(Replier<u64>),
+    HandOut(Replier<Late>),
     Mark(u64, Replier<()>),
     AskSelf(Replier<String>),
 }
@@ -98,11 +100,23 @@ impl Ask<Recorder> for PanickingRequest {
         RecorderRequest::Panic(replier)
     }
 }
+/// Not answered by the handler: it hands the replier out on `Recorder::handed_out`.
 struct SilentRequest;
 impl Ask<Recorder> for SilentRequest {
-    type Reply = u64;
-    fn into_request(self, replier: Replier<u64>) -> RecorderRequest {
-        RecorderRequest::NeverReply(replier)
+    type Reply = Late;
+    fn into_request(self, replier: Replier<Late>) -> RecorderRequest {
+        RecorderRequest::HandOut(replier)
+    }
+}
+
+/// A reply value that counts its drops: a late reply must be dropped at once, never delivered
+/// or leaked.
+#[derive(Debug)]
+struct Late(Arc<AtomicUsize>);
+
+impl Drop for Late {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, Ordering::SeqCst);
     }
 }
 struct Mark(u64);
@@ -173,7 +187,10 @@ impl Endpoint for Recorder {
             RecorderRequest::Seen(reply) => reply.reply(self.seen.clone()),
             RecorderRequest::Fail(reply) => reply.fail(Refused(7)),
             RecorderRequest::Panic(_reply) => panic!("deliberate panic in handler"),
-            RecorderRequest::NeverReply(reply) => std::mem::forget(reply),
+            RecorderRequest::HandOut(reply) => match &self.handed_out {
+                Some(handed_out) => handed_out.send(reply).map_err(|_| "nobody takes repliers")?,
+                None => reply.fail("no `handed_out` channel to hand the replier to"),
+            },
             RecorderRequest::Mark(id, reply) => {
                 self.record(Seen::Request(id));
                 reply.reply(());
@@ -455,21 +472,30 @@ fn bus_05_handler_errors_and_panics_fail_the_asker_and_the_endpoint_keeps_servin
 #[test]
 fn bus_06_ask_timeout_names_the_timeout_and_a_late_reply_is_harmless() {
     let bus = small_bus();
-    let endpoint = bus.register("silent", Recorder::default()).unwrap();
+    let (handed_out, repliers) = crossbeam_channel::unbounded();
+    let recorder = Recorder { handed_out: Some(handed_out), ..Default::default() };
+    let endpoint = bus.register("silent", recorder).unwrap();
     let timeout = Duration::from_millis(200);
     match endpoint.ask(SilentRequest).wait_timeout(timeout) {
         Err(error @ AskError::Timeout { .. }) => {
+            let named =
+                matches!(error, AskError::Timeout { timeout: reported } if reported == timeout);
+            assert!(named, "{error:?}");
             assert!(error.to_string().contains("200ms"), "{error}");
         }
         other => panic!("expected a timeout, got {other:?}"),
     }
-    // The endpoint is still fine afterwards.
+    // The handler kept the request's replier: the asker that timed out is gone for it...
+    let replier = repliers.recv_timeout(WAIT).expect("the request reached the handler");
+    assert!(replier.is_abandoned(), "the replier sees that its asker gave up");
+    // ...and answering it late is harmless: the value is dropped at once, nothing panics.
+    let drops = Arc::new(AtomicUsize::new(0));
+    replier.reply(Late(Arc::clone(&drops)));
+    assert_eq!(drops.load(Ordering::SeqCst), 1, "the late reply was dropped at once");
+    // The endpoint still serves, and counts nothing against the late reply.
     assert_eq!(endpoint.ask(CountQuery).wait().unwrap(), 0);
-    // A reply after the asker gave up does nothing.
-    let (replier, reply) = Replier::<u64>::pair();
-    drop(reply);
-    assert!(replier.is_abandoned());
-    replier.reply(5);
+    let stats = endpoint.stats();
+    assert_eq!((stats.failed, stats.panicked), (0, 0));
     bus.shutdown().unwrap();
 }
 
@@ -606,10 +632,14 @@ fn stop_releases_blocked_producers(lanes: usize, full_depth: u64) {
     let (open_gate, gate) = crossbeam_channel::bounded(1);
     let endpoint = bus.register("gate", Gate(gate)).unwrap();
     let blocked = Arc::new(AtomicUsize::new(0));
+    // Each producer reports its last send's outcome here, so that the test bounds the wait for
+    // it (a join would wait as long as a producer stays blocked).
+    let (outcomes, released) = std::sync::mpsc::channel();
     let producers: Vec<_> = (0..2)
-        .map(|_| {
+        .map(|producer| {
             let endpoint = endpoint.clone();
             let blocked = Arc::clone(&blocked);
+            let outcomes = outcomes.clone();
             std::thread::spawn(move || {
                 let mut outcome = Ok(());
                 for value in 0..100u64 {
@@ -621,10 +651,11 @@ fn stop_releases_blocked_producers(lanes: usize, full_depth: u64) {
                         break;
                     }
                 }
-                outcome
+                let _ = outcomes.send((producer, outcome));
             })
         })
         .collect();
+    drop(outcomes);
     // Both producers have started and the inbox is full (the handler is stuck on a first
     // message): every producer is blocked in `send` or about to be.
     let deadline = std::time::Instant::now() + WAIT;
@@ -635,8 +666,21 @@ fn stop_releases_blocked_producers(lanes: usize, full_depth: u64) {
     }
     assert_eq!(endpoint.stats().inbox_depth, full_depth, "inbox is full ({lanes} lanes)");
     endpoint.stop();
+    // Released by the stop itself: well within 5 s, and long before the handler's gate gives up
+    // by itself (after `WAIT`), which would otherwise let the producers through and hide a
+    // regression.
+    for _ in 0..2 {
+        let (producer, outcome) =
+            released.recv_timeout(Duration::from_secs(5)).unwrap_or_else(|error| {
+                panic!("a producer was not released within 5 s of stop ({lanes} lanes): {error}")
+            });
+        assert!(
+            matches!(outcome, Err(SendError::Stopped { .. })),
+            "producer {producer} ({lanes} lanes): {outcome:?}"
+        );
+    }
     for producer in producers {
-        assert!(matches!(producer.join().unwrap(), Err(SendError::Stopped { .. })));
+        producer.join().unwrap();
     }
     drop(open_gate); // every blocked handler call returns at once
     bus.shutdown().unwrap();

@@ -11,14 +11,19 @@
 //! dropped and closed). The sink's calls, recorded across runs, must be `0..=last` once each.
 //! The crash variant re-executes this test binary as a child (env var) that prints the epochs
 //! its sink commits and those whose commit record is durable; the parent kills it at random
-//! points, a dozen times, and checks the printed history against the next run's start.
+//! points, a dozen times, and checks the printed history against the next run's start. The
+//! parent reads the child's output on a thread and gives each child 60 s to reach its kill
+//! point (then kills it and fails with what it printed); a child runs at most 100 000 epochs
+//! and fails if it gets there without being killed.
 
 mod epoch_support;
 
 use std::{
     io::{BufRead, BufReader},
     path::Path,
-    process::{Command, Stdio},
+    process::{Child, Command, Stdio},
+    sync::mpsc::{self, RecvTimeoutError},
+    time::{Duration, Instant},
 };
 
 use coordbus::{
@@ -185,6 +190,30 @@ fn commits_re_delivered_for_committed_epochs_after_a_restart_are_ignored() {
 const CHILD_DIR: &str = "COORDBUS_EPOCH_RESTART_CHILD_DIR";
 /// Prefix of the child's report lines.
 const MARK: &str = "@epoch-child";
+/// How long one child may take, from its start, to reach its kill point and end once killed.
+const CHILD_DEADLINE: Duration = Duration::from_secs(60);
+/// Epochs one child runs at most: far more than the at most 20 durable advances the parent
+/// waits for take (group commit makes an epoch durable within a few epochs). A child that gets
+/// there prints `limit` and exits with an error.
+const CHILD_MAX_EPOCHS: i64 = 100_000;
+
+/// The child process, killed and reaped when dropped: a failing assertion in the parent does
+/// not leave it running.
+struct KillOnDrop(Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The last lines a child printed, for a failure message.
+fn last_lines(lines: &[String]) -> String {
+    let from = lines.len().saturating_sub(50);
+    let last = lines[from..].join("\n");
+    format!("{} lines, the last {}:\n{last}", lines.len(), lines.len() - from)
+}
 
 /// The child's sink: prints each epoch it commits.
 struct PrintingSink;
@@ -200,7 +229,8 @@ impl Sink for PrintingSink {
     }
 }
 
-/// Child mode: runs epochs until killed, printing `start E`, `sink E` and `durable E` lines.
+/// Child mode: runs epochs until killed, printing `start E`, `sink E` and `durable E` lines;
+/// prints `limit N` and exits with an error after `CHILD_MAX_EPOCHS` epochs.
 fn child(dir: &Path) -> ! {
     let durable =
         DurableQuery::open(dir, wal_config(Durability::default())).unwrap().with_retained_epochs(3);
@@ -213,7 +243,7 @@ fn child(dir: &Path) -> ! {
     epoch.ask(SetReaderPartitions(READERS)).wait_timeout(REPLY_TIMEOUT).unwrap();
     epoch.ask(SetWriterPartitions(WRITERS)).wait_timeout(REPLY_TIMEOUT).unwrap();
     let mut printed = start - 1;
-    for e in start.. {
+    for e in start..start + CHILD_MAX_EPOCHS {
         send_epoch(&epoch, e);
         // The epoch thread's ask: a barrier for the sends above.
         epoch.ask(IncrementAndGetEpoch).wait_timeout(REPLY_TIMEOUT).unwrap();
@@ -223,7 +253,10 @@ fn child(dir: &Path) -> ! {
             printed = durable;
         }
     }
-    unreachable!("epochs are unbounded")
+    // Never reached while the parent works: it kills the child long before.
+    println!("{MARK} limit {CHILD_MAX_EPOCHS}");
+    let _ = std::io::Write::flush(&mut std::io::stdout());
+    std::process::exit(3)
 }
 
 #[test]
@@ -238,7 +271,7 @@ fn after_kill_9_every_durable_commit_is_recovered_and_epochs_stay_in_order() {
     let mut sink_total = 0usize;
     for round in 0..12 {
         let wanted: i64 = rng.random_range(1..=20);
-        let mut child = Command::new(std::env::current_exe().unwrap())
+        let spawned = Command::new(std::env::current_exe().unwrap())
             .args([
                 "after_kill_9_every_durable_commit_is_recovered_and_epochs_stay_in_order",
                 "--exact",
@@ -250,13 +283,43 @@ fn after_kill_9_every_durable_commit_is_recovered_and_epochs_stay_in_order() {
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
-        let stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut child = KillOnDrop(spawned);
+        // The child's output is read on a thread, so that the parent's wait for it is bounded.
+        let stdout = BufReader::new(child.0.stdout.take().unwrap());
+        let (line_sender, lines) = mpsc::channel();
+        let reader = std::thread::spawn(move || {
+            for line in stdout.lines() {
+                let failed = line.is_err();
+                if line_sender.send(line).is_err() || failed {
+                    break;
+                }
+            }
+        });
+        let deadline = Instant::now() + CHILD_DEADLINE;
+        let mut output: Vec<String> = Vec::new();
         let mut start = None;
         let mut last_sink = None;
         let mut durable_seen = 0;
         let mut killed = false;
-        for line in stdout.lines() {
-            let line = line.unwrap();
+        loop {
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            let line = match lines.recv_timeout(remaining) {
+                Ok(line) => line.unwrap_or_else(|error| {
+                    panic!("round {round}: reading the child's output: {error}")
+                }),
+                // The child's output ended: it was killed (or ended by itself).
+                Err(RecvTimeoutError::Disconnected) => break,
+                Err(RecvTimeoutError::Timeout) => {
+                    let _ = child.0.kill();
+                    panic!(
+                        "round {round}: the child did not reach its kill point ({wanted} durable \
+                         reports, {durable_seen} seen, killed: {killed}) and end within \
+                         {CHILD_DEADLINE:?}; it printed {}",
+                        last_lines(&output)
+                    );
+                }
+            };
+            output.push(line.clone());
             // libtest may print its own text before the child's first line.
             let Some(at) = line.find(MARK) else { continue };
             let mut words = line[at + MARK.len()..].split_whitespace();
@@ -280,15 +343,25 @@ fn after_kill_9_every_durable_commit_is_recovered_and_epochs_stay_in_order() {
                     previous_durable = previous_durable.max(value);
                     durable_seen += 1;
                     if durable_seen == wanted && !killed {
-                        child.kill().unwrap(); // SIGKILL
+                        child.0.kill().unwrap(); // SIGKILL
                         killed = true;
                     }
                 }
+                "limit" => panic!(
+                    "round {round}: the child ran {value} epochs without being killed; it printed \
+                     {}",
+                    last_lines(&output)
+                ),
                 _ => {}
             }
         }
-        assert!(killed, "round {round}: the child ended by itself");
-        child.wait().unwrap();
+        assert!(
+            killed,
+            "round {round}: the child ended by itself; it printed {}",
+            last_lines(&output)
+        );
+        child.0.wait().unwrap();
+        reader.join().unwrap();
         previous_sink = last_sink.unwrap_or(previous_sink);
         eprintln!(
             "round {round}: start {start:?}, last sink {last_sink:?}, durable {previous_durable}"

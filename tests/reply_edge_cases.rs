@@ -28,6 +28,7 @@ struct Keeper {
 
 enum Request {
     Keep(Replier<u32>),
+    Echo(u32, Replier<u32>),
     PanicCaughtInside(Replier<u32>),
     PanicHolding(Replier<u32>),
 }
@@ -37,6 +38,15 @@ impl Ask<Keeper> for KeepIt {
     type Reply = u32;
     fn into_request(self, replier: Replier<u32>) -> Request {
         Request::Keep(replier)
+    }
+}
+
+/// Answered at once with its value: shows that the endpoint still handles requests.
+struct Echo(u32);
+impl Ask<Keeper> for Echo {
+    type Reply = u32;
+    fn into_request(self, replier: Replier<u32>) -> Request {
+        Request::Echo(self.0, replier)
     }
 }
 
@@ -67,6 +77,7 @@ impl Endpoint for Keeper {
     fn handle_request(&mut self, request: Request, _: &Context<Self>) -> Result<(), HandlerError> {
         match request {
             Request::Keep(replier) => self.kept.lock().unwrap().push(replier),
+            Request::Echo(value, replier) => replier.reply(value),
             Request::PanicCaughtInside(replier) => {
                 let caught = catch_unwind(AssertUnwindSafe(move || {
                     let _held = replier;
@@ -117,20 +128,34 @@ fn timeouts_too_large_for_the_clock_mean_no_deadline() {
         reply.as_mut().poll(&mut TaskContext::from_waker(&waker)),
         Poll::Ready(Ok(7))
     ));
-    // A blocking wait with the bus's (unbounded) timeout.
+    // A blocking wait with the bus's (unbounded) timeout, on a helper thread so that the test
+    // itself stays bounded: a regression fails the `recv_timeout` below instead of hanging.
     let second = endpoint.ask(KeepIt);
+    let (done, outcome) = std::sync::mpsc::channel();
+    let waiter = std::thread::spawn(move || {
+        let _ = done.send(second.wait());
+    });
+    // Answers the ask once the endpoint has it; gives up after 10 s (returns false).
     let answerer = {
         let kept = Arc::clone(&kept);
-        std::thread::spawn(move || loop {
-            if let Some(replier) = kept.lock().unwrap().pop() {
-                replier.reply(8);
-                return;
+        std::thread::spawn(move || {
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            while std::time::Instant::now() < deadline {
+                if let Some(replier) = kept.lock().unwrap().pop() {
+                    replier.reply(8);
+                    return true;
+                }
+                std::thread::yield_now();
             }
-            std::thread::yield_now();
+            false
         })
     };
-    assert_eq!(second.wait().unwrap(), 8);
-    answerer.join().unwrap();
+    assert!(answerer.join().unwrap(), "the second ask never reached the endpoint within 10 s");
+    let second = outcome.recv_timeout(Duration::from_secs(30)).unwrap_or_else(|error| {
+        panic!("the unbounded wait gave no outcome in 30 s ({error}: disconnected = panicked)")
+    });
+    assert_eq!(second.unwrap(), 8);
+    waiter.join().unwrap();
     bus.shutdown().unwrap();
 }
 
@@ -159,8 +184,10 @@ fn a_replier_dropped_in_a_panic_the_handler_caught_fails_its_asker() {
         }
         other => panic!("expected HandlerPanicked, got {other:?}"),
     }
-    // The endpoint keeps serving.
+    // The endpoint keeps serving: a later message is taken and a later ask is answered (an
+    // ended endpoint thread would leave it to time out, or fail it).
     endpoint.send(1u32).unwrap();
+    assert_eq!(endpoint.ask(Echo(5)).wait_timeout(Duration::from_secs(30)).unwrap(), 5);
     bus.shutdown().unwrap();
 }
 

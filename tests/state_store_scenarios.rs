@@ -46,7 +46,7 @@ fn handler_error(error: AskError) -> StateStoreError {
 fn ss_01_report_verify_get_location() {
     let bus = bus();
     let coordinator = StateStoreCoordinatorRef::for_driver(&bus).unwrap();
-    let id = p("x", 0, 0, Uuid::new_v4());
+    let id = p("x", 0, 0, Uuid::from_u128(0x55_0001));
 
     assert!(!coordinator.verify_if_instance_active(id, "exec1").unwrap());
     assert_eq!(coordinator.get_location(id).unwrap(), None);
@@ -68,7 +68,7 @@ fn ss_01_report_verify_get_location() {
 fn ss_01_with_the_one_way_report_needs_no_eventually() {
     let bus = bus();
     let coordinator = StateStoreCoordinatorRef::for_driver(&bus).unwrap();
-    let id = p("x", 0, 0, Uuid::new_v4());
+    let id = p("x", 0, 0, Uuid::from_u128(0x55_0002));
     coordinator.report_active_instance(id, at("hostX", "exec1")).unwrap();
     assert!(coordinator.verify_if_instance_active(id, "exec1").unwrap());
     assert_eq!(coordinator.get_location(id).unwrap().as_deref(), Some("executor_hostX_exec1"));
@@ -83,7 +83,7 @@ fn ss_01_with_the_one_way_report_needs_no_eventually() {
 fn ss_02_make_inactive() {
     let bus = bus();
     let coordinator = StateStoreCoordinatorRef::for_driver(&bus).unwrap();
-    let (r1, r2) = (Uuid::new_v4(), Uuid::new_v4());
+    let (r1, r2) = (Uuid::from_u128(0x55_0003), Uuid::from_u128(0x55_0004));
     let id1 = p("x", 0, 0, r1);
     let id2 = p("y", 1, 0, r2);
     let id3 = p("x", 0, 1, r1);
@@ -118,7 +118,7 @@ fn ss_03_multiple_references_share_one_coordinator() {
     assert!(ref1.same_coordinator(&executor_side));
     assert_eq!(bus.names(), vec![STATE_STORE_COORDINATOR_NAME.to_owned()]);
 
-    let id = p("x", 0, 0, Uuid::new_v4());
+    let id = p("x", 0, 0, Uuid::from_u128(0x55_0005));
     ref1.report_active_instance(id, at("hostX", "exec1")).unwrap();
     // The report went one-way through ref1; an ask from this thread through ref2 travels the
     // same ordered lane, so it is handled after the report.
@@ -155,7 +155,7 @@ fn for_executor_without_a_coordinator_is_not_found() {
 fn stop_coordinator_frees_the_name_before_replying_and_later_messages_are_stopped() {
     let bus = bus();
     let coordinator = StateStoreCoordinatorRef::for_driver(&bus).unwrap();
-    let id = p("x", 0, 0, Uuid::new_v4());
+    let id = p("x", 0, 0, Uuid::from_u128(0x55_0006));
     coordinator.report_active_instance(id, at("hostX", "exec1")).unwrap();
     assert!(coordinator.stop_coordinator().unwrap());
     assert!(!bus.contains(STATE_STORE_COORDINATOR_NAME));
@@ -181,7 +181,7 @@ fn stop_coordinator_frees_the_name_before_replying_and_later_messages_are_stoppe
 fn report_with_check_returns_the_providers_to_unload() {
     let bus = bus();
     let coordinator = StateStoreCoordinatorRef::for_driver(&bus).unwrap();
-    let run = Uuid::new_v4();
+    let run = Uuid::from_u128(0x55_0007);
     let [a, b, c, missing] = [0, 1, 2, 3].map(|partition| p("chk", 0, partition, run));
     coordinator.report_active_instance(b, at("hostY", "exec9")).unwrap();
     coordinator.report_active_instance(c, at("hostX", "exec1")).unwrap();
@@ -205,7 +205,7 @@ fn snapshot_tracking_and_lag_queries_through_the_bus() {
         .unwrap()
     })
     .unwrap();
-    let run = Uuid::new_v4();
+    let run = Uuid::from_u128(0x55_0008);
     let [never, old, recent, fresh] = [0, 1, 2, 3].map(|partition| p("lag", 2, partition, run));
     for id in [never, old, recent, fresh] {
         coordinator.report_active_instance(id, at("h", "e")).unwrap();
@@ -253,7 +253,7 @@ fn snapshot_tracking_and_lag_queries_through_the_bus() {
 fn bad_input_fails_asks_with_typed_errors_and_counts_one_way_reports() {
     let bus = bus();
     let coordinator = StateStoreCoordinatorRef::for_driver(&bus).unwrap();
-    let run = Uuid::new_v4();
+    let run = Uuid::from_u128(0x55_0009);
     let good = p("x", 0, 0, run);
     let negative = p("x", 0, -4, run);
 
@@ -313,7 +313,7 @@ fn each_reporter_reads_its_own_one_way_report_immediately() {
     const ROUNDS: i32 = 300;
     let bus = bus();
     let coordinator = StateStoreCoordinatorRef::for_driver(&bus).unwrap();
-    let run = Uuid::new_v4();
+    let run = Uuid::from_u128(0x55_000a);
     std::thread::scope(|scope| {
         for thread in 0..THREADS {
             let coordinator = coordinator.clone();
@@ -350,7 +350,7 @@ fn each_reporter_reads_its_own_one_way_report_immediately() {
 fn batched_one_way_reports_are_applied_in_order() {
     let bus = bus();
     let coordinator = StateStoreCoordinatorRef::for_driver(&bus).unwrap();
-    let id = p("batch", 0, 0, Uuid::new_v4());
+    let id = p("batch", 0, 0, Uuid::from_u128(0x55_000b));
     let reports: Vec<_> = (0..100)
         .map(|index| ReportActiveInstance {
             provider_id: id,

@@ -6,9 +6,11 @@
 //! test with `COORDBUS_WAL_CRASH_DIR` set. The child appends self-checking records (the first 4
 //! bytes are the CRC32C of the rest), alternately with `EveryRecord` (one thread) and
 //! `GroupCommit` (two threads), on both I/O paths, and prints `durable <lsn> <crc>` for each
-//! record once `wait_durable` returned. The parent waits for the first printed record, lets the
-//! child run for a random 0-20 ms (fixed seed), sends SIGKILL, reopens the log in strict mode
-//! and checks. 56 kills in all; a few seconds on 2 cores.
+//! record once `wait_durable` returned. The child's workload (record sizes, batches, bytes)
+//! comes from a seed the parent passes in `COORDBUS_WAL_CRASH_SEED`, derived from the parent's
+//! fixed-seed generator and the kill index; a failure names it. The parent waits for the first
+//! printed record, lets the child run for a random 0-20 ms (fixed seed), sends SIGKILL, reopens
+//! the log in strict mode and checks. 56 kills in all; a few seconds on 2 cores.
 //!
 //! A second test kills children that also clean behind themselves on 16 KiB segments, so that
 //! they keep cleaned segments' files as spares and reuse them (recycled segments): each prints
@@ -28,6 +30,8 @@ use coordbus::wal::{scan_dir, Durability, IoMode, Lsn, RecoveryMode, Wal, WalCon
 
 const DIR_VAR: &str = "COORDBUS_WAL_CRASH_DIR";
 const MODE_VAR: &str = "COORDBUS_WAL_CRASH_MODE";
+/// The child's workload seed (decimal `u64`), set by the parent.
+const SEED_VAR: &str = "COORDBUS_WAL_CRASH_SEED";
 const KILLS: u64 = 56;
 const RECYCLING_KILLS: u64 = 24;
 const SEGMENT_SIZE: u64 = 256 << 10;
@@ -101,6 +105,12 @@ fn crash_child() {
         return;
     };
     let mode = std::env::var(MODE_VAR).unwrap_or_default();
+    let seed: u64 = match std::env::var(SEED_VAR) {
+        Ok(text) => text
+            .parse()
+            .unwrap_or_else(|error| panic!("{SEED_VAR}={text:?} is not a decimal u64: {error}")),
+        Err(error) => panic!("{SEED_VAR} must be set by the parent: {error}"),
+    };
     let (durability, io, threads) = match mode.as_str() {
         "every-uring" => (Durability::EveryRecord, IoMode::Auto, 1),
         "every-pwrite" => (Durability::EveryRecord, IoMode::Pwrite, 1),
@@ -121,7 +131,7 @@ fn crash_child() {
         .map(|thread| {
             let wal = Arc::clone(&wal);
             std::thread::spawn(move || {
-                let mut seed = 0x1234_5678u64 ^ (thread << 40) ^ std::process::id() as u64;
+                let mut seed = seed ^ (thread << 40);
                 for round in 0u64.. {
                     if recycling && thread == 0 && round % 16 == 15 {
                         clean_behind(&wal);
@@ -150,38 +160,60 @@ fn crash_child() {
 }
 
 /// Checks the log after a crash; returns the number of records and whether a tail was cut.
-fn verify(dir: &Path, printed: &[(u64, u32)]) -> (u64, bool) {
-    let wal = Wal::open(dir, config(Durability::default())).unwrap();
+/// `what` names the kill (index, mode, child seed) in every failure message.
+fn verify(dir: &Path, printed: &[(u64, u32)], what: &str) -> (u64, bool) {
+    let wal = Wal::open(dir, config(Durability::default()))
+        .unwrap_or_else(|error| panic!("{what}: reopening the log: {error:?}"));
     let torn = wal.recovery_report().torn_tail.is_some();
     let mut crcs = Vec::new();
-    for (index, record) in wal.iter_from(Lsn::ZERO).unwrap().enumerate() {
-        let record = record.unwrap();
-        assert_eq!(record.lsn.0, index as u64 + 1, "LSNs are contiguous from 1");
-        assert!(self_check(&record.bytes), "record {} is intact", record.lsn);
+    let records = wal
+        .iter_from(Lsn::ZERO)
+        .unwrap_or_else(|error| panic!("{what}: reading the log: {error:?}"));
+    for (index, record) in records.enumerate() {
+        let record = record.unwrap_or_else(|error| panic!("{what}: record {index}: {error:?}"));
+        assert_eq!(record.lsn.0, index as u64 + 1, "{what}: LSNs are contiguous from 1");
+        assert!(self_check(&record.bytes), "{what}: record {} is intact", record.lsn);
         crcs.push(crc32c::crc32c(&record.bytes));
     }
     for (lsn, crc) in printed {
         let stored = crcs.get(*lsn as usize - 1);
-        assert_eq!(stored, Some(crc), "durable LSN {lsn} is present and intact");
+        assert_eq!(stored, Some(crc), "{what}: durable LSN {lsn} is present and intact");
     }
-    wal.close().unwrap();
+    wal.close().unwrap_or_else(|error| panic!("{what}: closing the log: {error:?}"));
     drop(wal);
     // The cut tail stays cut: a second scan finds a clean log.
-    let scan = scan_dir(dir, RecoveryMode::Strict).unwrap();
-    assert!(scan.report.torn_tail.is_none());
-    assert_eq!(scan.report.records, crcs.len() as u64);
+    let scan = scan_dir(dir, RecoveryMode::Strict)
+        .unwrap_or_else(|error| panic!("{what}: scanning the log: {error:?}"));
+    assert!(scan.report.torn_tail.is_none(), "{what}: a torn tail after the cut");
+    assert_eq!(scan.report.records, crcs.len() as u64, "{what}: records of the second scan");
     (crcs.len() as u64, torn)
 }
 
-/// Starts the child in `mode` on `dir`, waits until its output holds `ready` (at most 30 s),
-/// lets it run for a random 0-20 ms (from `rng`), kills it, and returns its complete output
-/// lines.
-fn run_and_kill(dir: &Path, mode: &str, ready: &'static [u8], rng: &mut u64) -> Vec<String> {
+/// The workload seed of the child of kill `kill`, from the parent's generator state `rng`
+/// (which it does not advance, so the kill timings stay as they were): a splitmix64 step.
+fn child_seed(rng: u64, kill: u64) -> u64 {
+    let mut z = rng ^ kill.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Starts the child in `mode` on `dir` with workload `seed`, waits until its output holds
+/// `ready` (at most 30 s), lets it run for a random 0-20 ms (from `rng`), kills it, and returns
+/// its complete output lines.
+fn run_and_kill(
+    dir: &Path,
+    mode: &str,
+    seed: u64,
+    ready: &'static [u8],
+    rng: &mut u64,
+) -> Vec<String> {
     let exe = std::env::current_exe().unwrap();
     let mut child = Command::new(&exe)
         .args(["--exact", "crash_child", "--nocapture", "--test-threads", "1"])
         .env(DIR_VAR, dir)
         .env(MODE_VAR, mode)
+        .env(SEED_VAR, seed.to_string())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -206,14 +238,18 @@ fn run_and_kill(dir: &Path, mode: &str, ready: &'static [u8], rng: &mut u64) -> 
         }
         all
     });
-    first_receiver.recv_timeout(Duration::from_secs(30)).expect("the child gets ready");
+    if let Err(error) = first_receiver.recv_timeout(Duration::from_secs(30)) {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("the child ({mode}, seed {seed}) did not get ready within 30 s: {error}");
+    }
     *rng ^= *rng << 13;
     *rng ^= *rng >> 7;
     *rng ^= *rng << 17;
     std::thread::sleep(Duration::from_micros(*rng % 20_000));
     child.kill().unwrap();
     let status = child.wait().unwrap();
-    assert!(!status.success(), "the child was killed");
+    assert!(!status.success(), "the child ({mode}, seed {seed}) was killed");
     let output = reader.join().unwrap();
     // Only complete lines count: the kill may cut the last one.
     let complete = match output.iter().rposition(|byte| *byte == b'\n') {
@@ -245,13 +281,15 @@ fn wal_crash_kill9_keeps_every_durable_record() {
     let mut torn_tails = 0;
     for kill in 0..KILLS {
         let mode = modes[kill as usize % modes.len()];
-        let lines = run_and_kill(dir.path(), mode, b"durable ", &mut rng);
+        let seed = child_seed(rng, kill);
+        let what = format!("kill {kill} ({mode}, child seed {seed})");
+        let lines = run_and_kill(dir.path(), mode, seed, b"durable ", &mut rng);
         let printed = durable_records(&lines);
-        assert!(!printed.is_empty(), "kill {kill} ({mode}): nothing printed: {lines:?}");
+        assert!(!printed.is_empty(), "{what}: nothing printed: {lines:?}");
         total_printed += printed.len();
-        let (now, torn) = verify(dir.path(), &printed);
+        let (now, torn) = verify(dir.path(), &printed, &what);
         torn_tails += usize::from(torn);
-        assert!(now >= records, "records never disappear");
+        assert!(now >= records, "{what}: records never disappear");
         records = now;
     }
     assert!(total_printed as u64 >= KILLS);
@@ -264,27 +302,33 @@ fn wal_crash_kill9_keeps_every_durable_record() {
 /// Checks a recycling child's log after a crash: a contiguous run of intact records, every
 /// durable record at or above the highest clean threshold the child announced present and
 /// intact, and a clean scan after reopening. Returns how many segments are recycled files.
-fn verify_recycling(dir: &Path, printed: &[(u64, u32)], cleaned_below: u64) -> usize {
-    let wal = Wal::open(dir, recycling_config()).unwrap();
+/// `what` names the kill (index, mode, child seed) in every failure message.
+fn verify_recycling(dir: &Path, printed: &[(u64, u32)], cleaned_below: u64, what: &str) -> usize {
+    let wal = Wal::open(dir, recycling_config())
+        .unwrap_or_else(|error| panic!("{what}: reopening the log: {error:?}"));
     let mut stored = std::collections::HashMap::new();
     let mut previous = None;
-    for record in wal.iter_from(Lsn::ZERO).unwrap() {
-        let record = record.unwrap();
+    let records = wal
+        .iter_from(Lsn::ZERO)
+        .unwrap_or_else(|error| panic!("{what}: reading the log: {error:?}"));
+    for record in records {
+        let record = record.unwrap_or_else(|error| panic!("{what}: reading a record: {error:?}"));
         if let Some(previous) = previous {
-            assert_eq!(record.lsn.0, previous + 1, "LSNs are contiguous");
+            assert_eq!(record.lsn.0, previous + 1, "{what}: LSNs are contiguous");
         }
         previous = Some(record.lsn.0);
-        assert!(self_check(&record.bytes), "record {} is intact", record.lsn);
+        assert!(self_check(&record.bytes), "{what}: record {} is intact", record.lsn);
         stored.insert(record.lsn.0, crc32c::crc32c(&record.bytes));
     }
     for (lsn, crc) in printed.iter().filter(|(lsn, _)| *lsn >= cleaned_below) {
-        assert_eq!(stored.get(lsn), Some(crc), "durable LSN {lsn} is present and intact");
+        assert_eq!(stored.get(lsn), Some(crc), "{what}: durable LSN {lsn} is present and intact");
     }
-    wal.close().unwrap();
+    wal.close().unwrap_or_else(|error| panic!("{what}: closing the log: {error:?}"));
     drop(wal);
-    let scan = scan_dir(dir, RecoveryMode::Strict).unwrap();
-    assert!(scan.report.torn_tail.is_none());
-    assert_eq!(scan.report.records, stored.len() as u64);
+    let scan = scan_dir(dir, RecoveryMode::Strict)
+        .unwrap_or_else(|error| panic!("{what}: scanning the log: {error:?}"));
+    assert!(scan.report.torn_tail.is_none(), "{what}: a torn tail after the cut");
+    assert_eq!(scan.report.records, stored.len() as u64, "{what}: records of the second scan");
     scan.segments.iter().filter(|segment| segment.recycled).count()
 }
 
@@ -299,17 +343,19 @@ fn wal_crash_kill9_with_recycled_segments_keeps_every_durable_record() {
     let (mut total_printed, mut recycled_seen) = (0usize, 0usize);
     for kill in 0..RECYCLING_KILLS {
         let mode = modes[kill as usize % modes.len()];
+        let seed = child_seed(rng, kill);
+        let what = format!("kill {kill} ({mode}, child seed {seed})");
         // Killed only after it reused a spare: every child's kill lands among recycled segments.
-        let lines = run_and_kill(dir.path(), mode, b"recycled", &mut rng);
+        let lines = run_and_kill(dir.path(), mode, seed, b"recycled", &mut rng);
         let printed = durable_records(&lines);
-        assert!(!printed.is_empty(), "kill {kill} ({mode}): nothing printed: {lines:?}");
+        assert!(!printed.is_empty(), "{what}: nothing printed: {lines:?}");
         let cleaned_below = lines
             .iter()
             .filter_map(|line| line.strip_prefix("clean ")?.parse::<u64>().ok())
             .max()
             .unwrap_or(0);
         total_printed += printed.len();
-        recycled_seen += verify_recycling(dir.path(), &printed, cleaned_below);
+        recycled_seen += verify_recycling(dir.path(), &printed, cleaned_below, &what);
     }
     eprintln!(
         "{RECYCLING_KILLS} kills, {total_printed} durable records checked, {recycled_seen} \

@@ -372,13 +372,16 @@ fn short_writes_are_completed_on(path: IoVariant) {
 }
 
 #[test]
-fn a_failed_fsync_fails_the_waiter_that_leads() {
-    on_both_paths(a_failed_fsync_fails_the_waiter_that_leads_on);
+fn a_failed_fsync_fails_the_waiter_where_waiters_lead() {
+    on_both_paths(a_failed_fsync_fails_the_waiter_where_waiters_lead_on);
 }
 
-/// `EveryRecord` waiters write their own groups when the writer is free: the one whose sync
-/// fails gets the error from `wait_durable` itself, and the log is failed for everyone.
-fn a_failed_fsync_fails_the_waiter_that_leads_on(path: IoVariant) {
+/// `EveryRecord` waiters write their own groups when the writer is free (checked: groups were
+/// led before the fault). The failing sync is run by whichever takes the doomed group first:
+/// the waiter, leading, or the sync thread, which the pending callback wakes. Either way the
+/// waiter gets the sync's error from `wait_durable`, the callback gets it on the sync thread,
+/// and the log is failed for everyone.
+fn a_failed_fsync_fails_the_waiter_where_waiters_lead_on(path: IoVariant) {
     let dir = tempfile::tempdir().unwrap();
     let (wal, faults) = open_faulty(path, dir.path(), Durability::EveryRecord, 1 << 20);
     for index in 0..10u8 {
@@ -389,7 +392,7 @@ fn a_failed_fsync_fails_the_waiter_that_leads_on(path: IoVariant) {
     faults.sync_eio.store(true, Ordering::SeqCst);
     let (doomed, _) = wal.append_bytes(b"doomed", 0).unwrap();
     // A callback waiting for the doomed record learns the failure on the sync thread, never
-    // on the waiting (leading) thread.
+    // on the waiting thread (which may lead).
     let (sender, receiver) = std::sync::mpsc::channel();
     wal.notify_when_durable(
         doomed,

@@ -360,7 +360,12 @@ fn a_record_larger_than_a_segment_is_rejected() {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 12, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig {
+        cases: 12,
+        // Fixed: every run replays the same cases, so a failure reproduces.
+        rng_seed: proptest::test_runner::RngSeed::Fixed(0x3a1_4ec0_5eed),
+        ..ProptestConfig::default()
+    })]
 
     #[test]
     fn replay_equals_the_appends(

@@ -544,8 +544,27 @@ fn clean_without_wait_leaves_the_deletion_to_the_sync_thread() {
 #[test]
 fn a_durability_wait_with_a_timeout_too_large_for_the_clock_has_no_deadline() {
     let dir = tempfile::tempdir().unwrap();
-    let wal = Wal::open(dir.path(), WalConfig::default()).unwrap();
+    let wal = std::sync::Arc::new(Wal::open(dir.path(), WalConfig::default()).unwrap());
     let (lsn, _) = wal.append_bytes(b"x", 1).unwrap();
-    wal.wait_durable_timeout(lsn, Duration::MAX).unwrap();
+    // The unbounded wait runs on a helper thread; the test bounds it from outside, so that a
+    // regression fails here instead of hanging.
+    let (done, outcome) = std::sync::mpsc::channel();
+    let waiter = {
+        let wal = std::sync::Arc::clone(&wal);
+        std::thread::spawn(move || {
+            let outcome = wal.wait_durable_timeout(lsn, Duration::MAX);
+            // Before answering: the caller's handle is then the log's last one.
+            drop(wal);
+            let _ = done.send(outcome);
+        })
+    };
+    outcome
+        .recv_timeout(Duration::from_secs(30))
+        .unwrap_or_else(|error| {
+            panic!("the unbounded wait gave no outcome in 30 s ({error}: disconnected = panicked)")
+        })
+        .unwrap();
+    waiter.join().unwrap();
+    assert!(wal.durable_lsn() >= lsn);
     wal.close().unwrap();
 }

@@ -539,6 +539,24 @@ impl<T> Drop for LaneTable<T> {
 mod tests {
     use super::*;
     use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    /// How long a wait may take before the test fails: generous here, a hundred times that
+    /// under Miri (orders of magnitude slower, on the real clock with isolation disabled).
+    fn bound(seconds: u64) -> Duration {
+        Duration::from_secs(if cfg!(miri) { seconds * 100 } else { seconds })
+    }
+
+    /// Joins `handle`, failing the test instead of hanging if the thread has not finished
+    /// within `timeout`; a panic of the thread is passed on with its own message.
+    fn join_within<T>(handle: std::thread::JoinHandle<T>, timeout: Duration, what: &str) -> T {
+        let deadline = Instant::now() + timeout;
+        while !handle.is_finished() {
+            assert!(Instant::now() < deadline, "{what}: thread still running after {timeout:?}");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        handle.join().unwrap_or_else(|payload| std::panic::resume_unwind(payload))
+    }
 
     fn open() -> AtomicBool {
         AtomicBool::new(false)
@@ -737,11 +755,17 @@ mod tests {
         let count: usize = if cfg!(miri) { 500 } else { 1_000_000 };
         let closed = Arc::new(open());
         let lane = Arc::new(Lane::with_capacity(64));
+        // Every wait below is bounded: a lost slot or a stuck stamp fails the test, not CI.
+        let deadline = Instant::now() + bound(30);
         let producer = {
             let (lane, closed) = (Arc::clone(&lane), Arc::clone(&closed));
             std::thread::spawn(move || {
                 let mut next = 0;
                 while next < count {
+                    assert!(
+                        Instant::now() < deadline,
+                        "producer: pushed {next} of {count} messages by the deadline"
+                    );
                     let batch = (next..(next + 7).min(count)).collect::<Vec<_>>();
                     let mut values = batch.into_iter();
                     next += lane.push_batch(&mut values, &closed, BarrierMode::detect()).unwrap();
@@ -753,6 +777,10 @@ mod tests {
         };
         let mut expected = 0;
         while expected < count {
+            assert!(
+                Instant::now() < deadline,
+                "consumer: received {expected} of {count} messages by the deadline"
+            );
             if lane.pop_batch(16, &mut |value| {
                 assert_eq!(value, expected);
                 expected += 1;
@@ -761,7 +789,7 @@ mod tests {
                 std::thread::yield_now();
             }
         }
-        producer.join().unwrap();
+        join_within(producer, bound(10), "producer");
         assert!(lane.is_empty_for_consumer());
     }
 }

@@ -577,6 +577,23 @@ mod tests {
     use super::*;
     use std::sync::Arc;
 
+    /// How long a wait may take before the test fails: generous here, a hundred times that
+    /// under Miri (orders of magnitude slower, on the real clock with isolation disabled).
+    fn bound(seconds: u64) -> Duration {
+        Duration::from_secs(if cfg!(miri) { seconds * 100 } else { seconds })
+    }
+
+    /// Joins `handle`, failing the test instead of hanging if the thread has not finished
+    /// within `timeout`; a panic of the thread is passed on with its own message.
+    fn join_within<T>(handle: std::thread::JoinHandle<T>, timeout: Duration, what: &str) -> T {
+        let deadline = Instant::now() + timeout;
+        while !handle.is_finished() {
+            assert!(Instant::now() < deadline, "{what}: thread still running after {timeout:?}");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        handle.join().unwrap_or_else(|payload| std::panic::resume_unwind(payload))
+    }
+
     /// Every test runs on each kind of inbox: lanes with the live barrier mode, lanes with the
     /// fenced fallback, and shared rings only. `MAX_LANES` places guarantee the test thread a
     /// lane whatever its index.
@@ -625,12 +642,19 @@ mod tests {
     fn batch_larger_than_capacity_flows_through_with_a_consumer() {
         for (kind, queue) in each_kind::<i32>(2, 16) {
             let queue = Arc::new(queue);
+            // Every wait below is bounded: a stuck batch fails the test, not CI.
+            let deadline = Instant::now() + bound(30);
             let consumer = {
                 let queue = Arc::clone(&queue);
                 std::thread::spawn(move || {
                     let mut consumer = queue.consumer().unwrap();
                     let mut seen = Vec::new();
                     while seen.len() < 1000 {
+                        assert!(
+                            Instant::now() < deadline,
+                            "{kind}: consumer received {} of 1000 messages by the deadline",
+                            seen.len()
+                        );
                         if consumer.drain_round(7, |value| seen.push(value)) == 0 {
                             consumer.park_until_work(Duration::from_millis(5));
                         }
@@ -638,8 +662,18 @@ mod tests {
                     seen
                 })
             };
-            queue.push_batch((0..1000).collect(), None).unwrap();
-            assert_eq!(consumer.join().unwrap(), (0..1000).collect::<Vec<_>>(), "{kind}");
+            let pushed = queue.push_batch((0..1000).collect(), Some(deadline));
+            // Joined first: if the consumer failed, its own message says how far it got.
+            let seen = join_within(consumer, bound(40), kind);
+            if let Err(error) = pushed {
+                let left = match error {
+                    QueueError::Full(rest)
+                    | QueueError::Closed(rest)
+                    | QueueError::Timeout(rest) => rest.len(),
+                };
+                panic!("{kind}: push_batch of 1000 failed with {left} messages not pushed");
+            }
+            assert_eq!(seen, (0..1000).collect::<Vec<_>>(), "{kind}");
         }
     }
 
@@ -656,12 +690,22 @@ mod tests {
                 })
             };
             // The producer is about to block or blocked; closing must release it either way.
+            let deadline = Instant::now() + bound(30);
             while queue.blocked_producers_registered() == 0 && !producer.is_finished() {
+                assert!(
+                    Instant::now() < deadline,
+                    "{kind}: the producer neither blocked nor finished by the deadline"
+                );
                 std::thread::yield_now();
             }
             assert!(queue.close());
             assert!(!queue.close(), "second close reports already closed");
-            assert_eq!(producer.join().unwrap(), Err(QueueError::Closed(3)), "{kind}");
+            let pushed = join_within(
+                producer,
+                bound(10),
+                &format!("{kind}: producer blocked in push after close"),
+            );
+            assert_eq!(pushed, Err(QueueError::Closed(3)), "{kind}");
             assert_eq!(queue.try_push(4), Err(QueueError::Closed(4)), "{kind}");
             let mut consumer = queue.consumer().unwrap();
             let mut seen = Vec::new();
@@ -688,15 +732,29 @@ mod tests {
         const PRODUCERS: usize = 3;
         for (kind, queue) in each_kind::<(usize, usize)>(2, 64) {
             let queue = Arc::new(queue);
+            // Every wait below is bounded: a producer or consumer that never sees the close
+            // fails the test, not CI.
+            let deadline = Instant::now() + bound(30);
             let producers: Vec<_> = (0..PRODUCERS)
                 .map(|producer| {
                     let queue = Arc::clone(&queue);
                     std::thread::spawn(move || {
                         let mut accepted = 0;
                         loop {
-                            match queue.push((producer, accepted), None) {
+                            assert!(
+                                Instant::now() < deadline,
+                                "{kind}: producer {producer} still pushing at the deadline \
+                                 ({accepted} accepted, never refused as closed)"
+                            );
+                            // The deadline only bounds the wait for room; before it the push
+                            // waits exactly as with none.
+                            match queue.push((producer, accepted), Some(deadline)) {
                                 Ok(()) => accepted += 1,
                                 Err(QueueError::Closed(_)) => return accepted,
+                                Err(QueueError::Timeout(_)) => panic!(
+                                    "{kind}: producer {producer} waited for room until the \
+                                     deadline ({accepted} accepted)"
+                                ),
                                 Err(other) => panic!("unexpected {other:?}"),
                             }
                         }
@@ -711,6 +769,10 @@ mod tests {
             };
             let mut consumed = 0;
             while consumed < 20_000 {
+                assert!(
+                    Instant::now() < deadline,
+                    "{kind}: consumed {consumed} of 20000 messages before closing by the deadline"
+                );
                 let taken = consumer.drain_round(32, &mut consume);
                 if taken == 0 {
                     consumer.park_until_work(Duration::from_millis(1));
@@ -719,10 +781,19 @@ mod tests {
             }
             queue.close();
             while !consumer.is_drained() {
-                consumer.drain_round(32, &mut consume);
+                assert!(
+                    Instant::now() < deadline,
+                    "{kind}: not drained by the deadline after close ({consumed} consumed)"
+                );
+                consumed += consumer.drain_round(32, &mut consume);
             }
-            let accepted: Vec<usize> =
-                producers.into_iter().map(|handle| handle.join().unwrap()).collect();
+            let accepted: Vec<usize> = producers
+                .into_iter()
+                .enumerate()
+                .map(|(producer, handle)| {
+                    join_within(handle, bound(10), &format!("{kind}: producer {producer}"))
+                })
+                .collect();
             assert_eq!(next_expected.to_vec(), accepted, "{kind}: consumed == accepted");
         }
     }

@@ -311,6 +311,24 @@ impl<T> Drop for Ring<T> {
 mod tests {
     use super::*;
     use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    /// How long a wait may take before the test fails: generous here, a hundred times that
+    /// under Miri (orders of magnitude slower, on the real clock with isolation disabled).
+    fn bound(seconds: u64) -> Duration {
+        Duration::from_secs(if cfg!(miri) { seconds * 100 } else { seconds })
+    }
+
+    /// Joins `handle`, failing the test instead of hanging if the thread has not finished
+    /// within `timeout`; a panic of the thread is passed on with its own message.
+    fn join_within<T>(handle: std::thread::JoinHandle<T>, timeout: Duration, what: &str) -> T {
+        let deadline = Instant::now() + timeout;
+        while !handle.is_finished() {
+            assert!(Instant::now() < deadline, "{what}: thread still running after {timeout:?}");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        handle.join().unwrap_or_else(|payload| std::panic::resume_unwind(payload))
+    }
 
     #[test]
     fn push_pop_in_order_and_full_hands_message_back() {
@@ -371,6 +389,8 @@ mod tests {
         const PRODUCERS: usize = 3;
         let per_producer: usize = if cfg!(miri) { 200 } else { 100_000 };
         let ring = Arc::new(Ring::with_capacity(64));
+        // Every wait below is bounded: a lost slot or a stuck stamp fails the test, not CI.
+        let deadline = Instant::now() + bound(30);
         let handles: Vec<_> = (0..PRODUCERS)
             .map(|producer| {
                 let ring = Arc::clone(&ring);
@@ -381,6 +401,11 @@ mod tests {
                             match ring.push(value) {
                                 Ok(()) => break,
                                 Err(PushError::Full(back)) => {
+                                    assert!(
+                                        Instant::now() < deadline,
+                                        "producer {producer}: ring still full at message \
+                                         {sequence} of {per_producer} after the deadline"
+                                    );
                                     value = back;
                                     std::thread::yield_now();
                                 }
@@ -394,6 +419,12 @@ mod tests {
         let mut next_expected = [0usize; PRODUCERS];
         let mut received = 0;
         while received < PRODUCERS * per_producer {
+            assert!(
+                Instant::now() < deadline,
+                "consumer: received {received} of {} messages by the deadline \
+                 (per producer: {next_expected:?})",
+                PRODUCERS * per_producer
+            );
             let popped = ring.pop_batch(64, &mut |(producer, sequence)| {
                 assert_eq!(sequence, next_expected[producer], "per-producer FIFO");
                 next_expected[producer] += 1;
@@ -403,8 +434,8 @@ mod tests {
                 std::thread::yield_now();
             }
         }
-        for handle in handles {
-            handle.join().unwrap();
+        for (producer, handle) in handles.into_iter().enumerate() {
+            join_within(handle, bound(10), &format!("producer {producer}"));
         }
         assert_eq!(next_expected, [per_producer; PRODUCERS]);
         assert!(ring.is_empty_for_consumer());

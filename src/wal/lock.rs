@@ -54,12 +54,20 @@ impl DirLock {
     /// [`WalError::Locked`] if another writer holds the lock, [`WalError::Io`] if the
     /// directory cannot be opened or locked.
     pub(crate) fn try_acquire(dir: &Path) -> Result<Option<DirLock>, WalError> {
+        Self::try_acquire_within(dir, LOCK_GRACE)
+    }
+
+    /// [`DirLock::try_acquire`], retrying for up to `grace`.
+    fn try_acquire_within(
+        dir: &Path,
+        grace: std::time::Duration,
+    ) -> Result<Option<DirLock>, WalError> {
         let file = match File::open(dir) {
             Ok(file) => file,
             Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(None),
             Err(error) => return Err(WalError::from_io("open directory to lock", dir, 0, &error)),
         };
-        let deadline = std::time::Instant::now() + LOCK_GRACE;
+        let deadline = std::time::Instant::now() + grace;
         let mut pause = std::time::Duration::from_micros(100);
         loop {
             match file.try_lock() {
@@ -152,16 +160,34 @@ mod tests {
     }
 
     /// A lock released within the grace period (as a forked child's copy is, at its exec) is
-    /// taken, not reported as held; the holder here releases it once the waiter is waiting.
+    /// taken, not reported as held; the holder here releases it while the waiter retries.
     #[test]
     fn a_lock_released_within_the_grace_period_is_taken() {
+        use std::{
+            sync::mpsc,
+            time::{Duration, Instant},
+        };
+        // Long enough that no scheduling delay runs it out: the test then never fails on a
+        // slow machine, and only passes if the retry took the lock.
+        const GRACE: Duration = Duration::from_secs(30);
         let dir = tempfile::tempdir().unwrap();
         let lock = DirLock::try_acquire(dir.path()).unwrap().expect("the directory exists");
         let path = dir.path().to_path_buf();
-        let waiter = std::thread::spawn(move || DirLock::try_acquire(&path));
-        // Hold the lock until the waiter has certainly found it held at least once.
-        std::thread::sleep(LOCK_GRACE / 10);
+        let (started_tx, started_rx) = mpsc::channel();
+        let (done_tx, done_rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            started_tx.send(()).unwrap();
+            let acquired = DirLock::try_acquire_within(&path, GRACE);
+            let _ = done_tx.send((acquired, Instant::now()));
+        });
+        started_rx.recv_timeout(GRACE).expect("the waiter did not start");
+        // Holds the lock while the waiter tries (this sleep makes the held period; the result
+        // is waited for below, on the channel).
+        std::thread::sleep(Duration::from_millis(100));
+        let released = Instant::now();
         drop(lock);
-        assert!(waiter.join().unwrap().unwrap().is_some());
+        let (acquired, returned) = done_rx.recv_timeout(GRACE * 2).expect("the waiter hung");
+        assert!(acquired.unwrap().is_some(), "the released lock was not taken");
+        assert!(returned >= released, "the waiter returned while the lock was still held");
     }
 }

@@ -950,10 +950,13 @@ mod tests {
     }
 
     /// What happened, in order: ("written" | "done" | "failed", lsn).
+    ///
+    /// Bounded: each round waits for at least one completion, at most `ROUND_TIMEOUT`; a group
+    /// counted in flight whose entries never reach the ring fails the test instead of hanging.
     fn drive(engine: &mut UringEngine, stop_at_failure: bool) -> Vec<(&'static str, u64)> {
+        const ROUND_TIMEOUT: Duration = Duration::from_secs(10);
         let mut seen = Vec::new();
         let mut events = Vec::new();
-        // Bounded: each round waits for at least one completion.
         for _ in 0..10_000 {
             engine.poll();
             engine.take_events(&mut events);
@@ -977,7 +980,32 @@ mod tests {
             if engine.groups_in_flight() == 0 {
                 return seen;
             }
-            engine.wait(None, false);
+            // `wait` returns nothing: reaped completions show as fewer entries in flight (`reap`
+            // only ever lowers the count, and the wake poll is neither armed here nor counted).
+            // A timeout, a signal or a busy kernel returns with the count unchanged: wait again
+            // until the same deadline.
+            let deadline = Instant::now() + ROUND_TIMEOUT;
+            let entries_before = engine.entries_in_flight;
+            loop {
+                engine.wait(Some(deadline), false);
+                if engine.entries_in_flight != entries_before {
+                    break;
+                }
+                if Instant::now() >= deadline {
+                    let message = format!(
+                        "no completion within {ROUND_TIMEOUT:?}: {} groups and {entries_before} \
+                         entries in flight; events so far: {seen:?}",
+                        engine.groups_in_flight()
+                    );
+                    // Dropping the engine while unwinding waits for every entry in flight,
+                    // which would hang the failing test: leak it (with the buffers the kernel
+                    // may still read) in place of a fresh one.
+                    if let Ok(fresh) = UringEngine::new(0) {
+                        std::mem::forget(std::mem::replace(engine, fresh));
+                    }
+                    panic!("{message}");
+                }
+            }
         }
         panic!("the ring did not finish: {seen:?}");
     }
