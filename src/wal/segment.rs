@@ -31,6 +31,9 @@ pub const VERSION: u8 = 1;
 /// frames as damage.
 pub const RECYCLED_VERSION: u8 = 2;
 const FLAG_HAS_WINDOW: u8 = 1;
+/// The largest first LSN a segment header may name: half the LSN space, which no log reaches
+/// (2^63 records), so that LSNs counted on from any header cannot wrap.
+const MAX_FIRST_LSN: u64 = u64::MAX >> 1;
 
 /// A rolling window `[start_ms, stop_ms]` (both inclusive, SPEC E.2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -115,12 +118,20 @@ impl SegmentHeader {
                 id.0
             )));
         }
+        let first_lsn = u64::from_le_bytes(bytes[16..24].try_into().expect("8 bytes"));
+        if first_lsn > MAX_FIRST_LSN {
+            // No log appends 2^63 records: only a forged header gets here, and LSNs counted on
+            // from it would wrap.
+            return Err(corrupt(format!(
+                "segment header's first LSN {first_lsn} is beyond any log's reach"
+            )));
+        }
         let read_i64 = |at: usize| i64::from_le_bytes(bytes[at..at + 8].try_into().expect("8"));
         let window = (bytes[9] & FLAG_HAS_WINDOW != 0)
             .then(|| Window { start_ms: read_i64(24), stop_ms: read_i64(32) });
         Ok(Self {
             id,
-            first_lsn: u64::from_le_bytes(bytes[16..24].try_into().expect("8 bytes")),
+            first_lsn,
             window,
             segment_size_bytes: u64::from_le_bytes(bytes[40..48].try_into().expect("8 bytes")),
             recycled: bytes[8] == RECYCLED_VERSION,
@@ -242,6 +253,29 @@ mod tests {
             damaged[bit / 8] ^= 1 << (bit % 8);
             assert!(SegmentHeader::decode(SegmentId(7), &damaged).is_err(), "bit {bit}");
         }
+    }
+
+    #[test]
+    fn a_header_whose_first_lsn_would_wrap_the_log_is_corrupt() {
+        let header = |first_lsn| SegmentHeader {
+            id: SegmentId(3),
+            first_lsn,
+            window: None,
+            segment_size_bytes: 1 << 20,
+            recycled: false,
+        };
+        // A checksum-valid header: only the value is wrong.
+        match SegmentHeader::decode(SegmentId(3), &header(u64::MAX).encode()) {
+            Err(WalError::Corruption { segment: 3, offset: 0, reason }) => {
+                assert!(reason.contains(&u64::MAX.to_string()), "{reason}")
+            }
+            other => panic!("expected Corruption, got {other:?}"),
+        }
+        let last_accepted = header(MAX_FIRST_LSN);
+        assert_eq!(
+            SegmentHeader::decode(SegmentId(3), &last_accepted.encode()).unwrap(),
+            last_accepted
+        );
     }
 
     #[test]

@@ -609,6 +609,16 @@ fn recover(wal: &Wal) -> Result<Recovered, EpochError> {
         let lsn = record.lsn;
         let archived = record.access::<LogRecord>().map_err(|error| bad_record(lsn, error))?;
         let link = |epoch, base_epoch| Link { epoch, base_epoch, handle: record.handle, lsn };
+        let run = match archived {
+            ArchivedLogRecord::Offsets(entry) => entry.run.to_native(),
+            ArchivedLogRecord::OffsetsDelta(entry) => entry.run.to_native(),
+            ArchivedLogRecord::Commit { run, .. } => run.to_native(),
+        };
+        if run == u64::MAX {
+            // Runs count the openings of the log from 1: only a forged record gets here, and
+            // it would leave no number for the next run.
+            return Err(bad_record(lsn, "run number u64::MAX leaves none for the next run"));
+        }
         let (run, epoch, place) = match archived {
             ArchivedLogRecord::Offsets(entry) => {
                 let (run, epoch) = (entry.run.to_native(), entry.epoch.to_native());
@@ -1119,6 +1129,24 @@ mod tests {
     }
 
     /// Appends `records` (bytes, epoch) and a commit of each epoch in `commits` (run 1).
+    #[test]
+    fn a_record_of_the_last_possible_run_is_a_typed_error() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let wal = Wal::open(dir.path(), config()).unwrap();
+            wal.append_bytes(&full_bytes(0, &offsets(0, 5)), 0).unwrap();
+            wal.append(&LogRecord::Commit { run: u64::MAX, epoch: 0 }, 0).unwrap();
+            wal.close().unwrap();
+        }
+        match DurableQuery::open(dir.path(), config()) {
+            Err(EpochError::BadLogRecord { lsn: 2, reason }) => {
+                assert!(reason.contains("run number"), "{reason}")
+            }
+            Err(other) => panic!("expected BadLogRecord at LSN 2, got {other}"),
+            Ok(_) => panic!("opened a log whose next run number overflows"),
+        }
+    }
+
     fn write_log(dir: &Path, records: &[(AlignedVec, i64)], commits: &[i64]) {
         let wal = Wal::open(dir, config()).unwrap();
         for (bytes, epoch) in records {
