@@ -9,13 +9,23 @@
 //! Nothing is written: the scans are read-only (a torn tail is reported, not cut), so they
 //! work on a log a live writer holds open. Each command says whether a writer holds the
 //! directory lock: if one does, a "torn tail" may be records still being written.
+//!
+//! `DIR` must be a log directory: a path that does not exist, or a directory holding no
+//! segment file (`seg-NNNNNNNNNN.wal`; spare files `spare-NNNNNNNNNN.wal` are not segments),
+//! is an error (exit code 3), never an empty, healthy log: the wrong directory (the parent of
+//! the log, a typo) must not pass for one.
 
-use std::{path::PathBuf, process::ExitCode};
+use std::{
+    path::{Path, PathBuf},
+    process::ExitCode,
+};
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use coordbus::wal::{
-    is_locked, scan_dir, Lsn, RecoveryMode, SegmentSummary, Wal, WalConfig, WalOptions,
+    is_locked, scan_dir,
+    segment::{is_spare_file_name, parse_file_name},
+    Lsn, RecoveryMode, SegmentSummary, Wal, WalConfig, WalOptions,
 };
 use serde_json::json;
 
@@ -56,7 +66,7 @@ enum Command {
     },
     /// Strict scan. Exit code 0: healthy; 1: corruption (opening would fail in strict mode);
     /// 2: a torn tail (opening cuts it; nothing acknowledged is affected); 3: I/O or usage
-    /// error.
+    /// error (also: DIR does not exist, or holds no WAL segment).
     Verify {
         /// The log directory.
         dir: PathBuf,
@@ -98,7 +108,44 @@ fn lock_note(locked: bool) -> &'static str {
     }
 }
 
+/// Checks that `dir` is a log directory: it exists, is a directory, and holds at least one
+/// segment file. A directory without one is named with the count of what it holds instead,
+/// so a wrong directory (e.g. the parent of the log) is obvious.
+fn check_log_dir(dir: &Path) -> anyhow::Result<()> {
+    let metadata = match std::fs::metadata(dir) {
+        Ok(metadata) => metadata,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+            anyhow::bail!("{}: no such file or directory", dir.display())
+        }
+        Err(error) => {
+            return Err(error).with_context(|| format!("reading the metadata of {}", dir.display()))
+        }
+    };
+    anyhow::ensure!(metadata.is_dir(), "{} is not a directory", dir.display());
+    let entries = std::fs::read_dir(dir).with_context(|| format!("listing {}", dir.display()))?;
+    let (mut segments, mut spares, mut others) = (0u64, 0u64, 0u64);
+    for entry in entries {
+        let entry = entry.with_context(|| format!("listing {}", dir.display()))?;
+        let name = entry.file_name();
+        match name.to_str() {
+            Some(name) if parse_file_name(name).is_some() => segments += 1,
+            Some(name) if is_spare_file_name(name) => spares += 1,
+            _ => others += 1,
+        }
+    }
+    anyhow::ensure!(
+        segments > 0,
+        "{} holds no WAL segment (no seg-NNNNNNNNNN.wal file); it has {} other entries \
+         ({spares} spare segment files, {others} other files or directories): is it the log \
+         directory?",
+        dir.display(),
+        spares + others
+    );
+    Ok(())
+}
+
 fn inspect(dir: &PathBuf, as_json: bool) -> anyhow::Result<ExitCode> {
+    check_log_dir(dir)?;
     let locked =
         is_locked(dir).with_context(|| format!("probing the lock of {}", dir.display()))?;
     let scan = scan_dir(dir, RecoveryMode::TolerateCorruption)
@@ -185,6 +232,7 @@ fn dump(
     preview_bytes: usize,
     as_json: bool,
 ) -> anyhow::Result<ExitCode> {
+    check_log_dir(dir)?;
     let wal = Wal::open_with_options(
         dir,
         WalConfig { recovery: RecoveryMode::TolerateCorruption, ..WalConfig::default() },
@@ -229,14 +277,19 @@ fn dump(
 fn verify(dir: &PathBuf, as_json: bool) -> ExitCode {
     // A probe failure (e.g. no permission to open the directory) shows up in the scan below.
     let locked = is_locked(dir).unwrap_or(false);
-    let (code, verdict, detail) = match scan_dir(dir, RecoveryMode::Strict) {
-        Ok(scan) if scan.report.torn_tail.is_some() => (2, "torn-tail", scan.report.to_string()),
-        Ok(scan) => (0, "healthy", scan.report.to_string()),
-        Err(error @ coordbus::WalError::Corruption { .. })
-        | Err(error @ coordbus::WalError::UnsupportedVersion { .. }) => {
-            (1, "corrupt", error.to_string())
-        }
-        Err(error) => (3, "error", error.to_string()),
+    let (code, verdict, detail) = match check_log_dir(dir) {
+        Err(error) => (3, "error", format!("{error:#}")),
+        Ok(()) => match scan_dir(dir, RecoveryMode::Strict) {
+            Ok(scan) if scan.report.torn_tail.is_some() => {
+                (2, "torn-tail", scan.report.to_string())
+            }
+            Ok(scan) => (0, "healthy", scan.report.to_string()),
+            Err(error @ coordbus::WalError::Corruption { .. })
+            | Err(error @ coordbus::WalError::UnsupportedVersion { .. }) => {
+                (1, "corrupt", error.to_string())
+            }
+            Err(error) => (3, "error", error.to_string()),
+        },
     };
     if as_json {
         println!(

@@ -56,6 +56,8 @@ const SIGKILL: i32 = 9;
 const PROGRESS_INTERVAL: Duration = Duration::from_secs(5);
 /// Failure notes printed at most (the counts hold the rest).
 const NOTES_MAX: usize = 20;
+/// Largest `--max-run-ms`: one day (its microseconds, plus one, stay far within `u64`).
+const MAX_RUN_MS: u64 = 86_400_000;
 
 /// Kill -9 loops: every restart recovers from the same directory, and nothing acknowledged may
 /// be lost, duplicated or corrupted.
@@ -92,8 +94,13 @@ struct Cli {
     #[arg(long)]
     json: bool,
     /// Longest a child runs after its first acknowledgement before the kill, in milliseconds
-    /// (default 30); each kill comes at a uniformly random moment in 0..=M ms.
-    #[arg(long, default_value_t = 30)]
+    /// (default 30; 0 ..= 86400000, one day); each kill comes at a uniformly random moment in
+    /// 0..=M ms.
+    #[arg(
+        long,
+        default_value_t = 30,
+        value_parser = clap::value_parser!(u64).range(0..=MAX_RUN_MS)
+    )]
     max_run_ms: u64,
     /// Testing aid: before each check, cut the log so that the last acknowledged item is lost
     /// (every target), to prove the checker notices. Makes the run fail.
@@ -287,7 +294,9 @@ fn run(cli: &Cli) -> anyhow::Result<bool> {
                 cli.iterations, counts.acked, counts.lost
             );
         }
-        let delay = Duration::from_micros(rng.below(cli.max_run_ms * 1000 + 1));
+        // The flag's range keeps this far from overflowing; saturating all the same.
+        let bound_us = cli.max_run_ms.saturating_mul(1000).saturating_add(1);
+        let delay = Duration::from_micros(rng.below(bound_us));
         let result = one_iteration(
             &exe,
             target,

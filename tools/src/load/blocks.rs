@@ -21,6 +21,9 @@
 //! Every figure carries `bytes_per_event` (framed bytes in the WAL per event) and the Spark 4.3
 //! figures of ANCHORS.md as extra keys (`spark_*`), measured on the same machine class but not
 //! in this run, and never synced by Spark.
+//!
+//! The logs go to a fresh temporary directory (inside `--dir` if given), removed at the end:
+//! a run never replays what an earlier run logged.
 
 use std::{
     collections::VecDeque,
@@ -28,10 +31,12 @@ use std::{
         atomic::{AtomicBool, Ordering},
         Arc, Barrier,
     },
+    thread::JoinHandle,
     time::{Duration, Instant},
 };
 
 use anyhow::{bail, Context as _};
+use clap::builder::RangedU64ValueParser;
 use coordbus::{
     clock::{Clock, SystemClock},
     coordinators::block_tracker::{
@@ -45,7 +50,23 @@ use coordbus::{
 };
 use hdrhistogram::Histogram;
 
-use crate::report::{Figure, Percentiles};
+use crate::{
+    limits::{
+        segment_bytes, MAX_BATCH, MAX_GROUP_BYTES, MAX_GROUP_DELAY_US, MAX_IN_FLIGHT, MAX_THREADS,
+        SEGMENT_MIB,
+    },
+    report::{Figure, Percentiles},
+};
+
+/// Most input streams (`--streams`): stream ids are `i32` (the tracker's `StreamId`), and
+/// every allocation record lists every configured stream, so the batch loop's records grow
+/// with the count; 65536 is far above any Spark job's receivers.
+const MAX_STREAMS: u32 = 1 << 16;
+/// Longest batch interval (`--batch-interval-ms`): one minute.
+const MAX_BATCH_INTERVAL_MS: u64 = 60_000;
+/// Most logged additions of `blocks/recover` (`--recover-events`, 2^30): the recovery sizes
+/// its segments at 128 bytes per event, which then stays within the WAL's 1 TiB segment.
+const MAX_RECOVER_EVENTS: u64 = 1 << 30;
 
 /// Spark 4.3, `ReceivedBlockTracker.addBlock` with the driver WAL, batching on (ANCHORS.md).
 const SPARK_ADD_1_THREAD: f64 = 20_000.0;
@@ -59,18 +80,31 @@ const SPARK_BYTES_PER_EVENT: f64 = 955.0;
 /// Flags of `coordbus-load blocks`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct BlocksArgs {
-    /// Input streams the blocks are spread over.
-    #[arg(long, default_value_t = 2)]
+    /// Input streams the blocks are spread over (1 ..= 65536).
+    #[arg(
+        long,
+        default_value_t = 2,
+        value_parser = clap::value_parser!(u32).range(1..=i64::from(MAX_STREAMS))
+    )]
     pub streams: u32,
-    /// Receiver threads of the second `blocks/add` run (the first uses 1).
-    #[arg(long, default_value_t = 2)]
+    /// Receiver threads of the second `blocks/add` run (the first uses 1; 1 ..= 1024).
+    #[arg(
+        long,
+        default_value_t = 2,
+        value_parser = RangedU64ValueParser::<usize>::new().range(1..=MAX_THREADS)
+    )]
     pub receivers: usize,
-    /// Additions per `blocks/add` run (over all receivers).
-    #[arg(long, default_value_t = 2_000_000)]
+    /// Additions per `blocks/add` run (over all receivers; at least `--receivers`, every
+    /// receiver adds at least one block).
+    #[arg(long, default_value_t = 2_000_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub blocks: u64,
     /// Blocks per `AddBlocks` ask in the extra `blocks/add` run with `--receivers` (1: no
-    /// extra run).
-    #[arg(long, default_value_t = 64)]
+    /// extra run; at most 1048576).
+    #[arg(
+        long,
+        default_value_t = 64,
+        value_parser = RangedU64ValueParser::<usize>::new().range(1..=MAX_BATCH)
+    )]
     pub batch: usize,
     /// Add through `AddBlock`/`AddBlocks` asks (the endpoint logs) instead of a
     /// `BlockReceiver` (the receiver logs).
@@ -79,32 +113,64 @@ pub struct BlocksArgs {
     /// Of the `blocks/add` runs, only the one with `--receivers` and `--batch` (profiling).
     #[arg(long)]
     pub batch_only: bool,
-    /// Blocks (single-block additions) each receiver keeps outstanding.
-    #[arg(long, default_value_t = 4096)]
+    /// Blocks (single-block additions) each receiver keeps outstanding (1 ..= 1048576).
+    #[arg(
+        long,
+        default_value_t = 4096,
+        value_parser = RangedU64ValueParser::<usize>::new().range(1..=MAX_IN_FLIGHT)
+    )]
     pub in_flight: usize,
     /// Blocks each receiver keeps outstanding in the `--batch` run (a receiver that batches
     /// its blocks into records keeps more of them in flight). An addition waits for the sync
     /// in progress and then its own (2 to 8 ms here), so the window bounds the rate at about
-    /// window / latency per receiver (Little's law).
-    #[arg(long, default_value_t = 32_768)]
+    /// window / latency per receiver (Little's law). 1 ..= 1048576.
+    #[arg(
+        long,
+        default_value_t = 32_768,
+        value_parser = RangedU64ValueParser::<usize>::new().range(1..=MAX_IN_FLIGHT)
+    )]
     pub batch_in_flight: usize,
     /// Batch interval of the driver loop that allocates and cleans up batches while the
-    /// receivers add (0: no loop, the blocks pile up unallocated).
-    #[arg(long, default_value_t = 20)]
+    /// receivers add (0: no loop, the blocks pile up unallocated; at most 60000). The loop
+    /// ends as soon as the additions are done, whatever the interval.
+    #[arg(
+        long,
+        default_value_t = 20,
+        value_parser = clap::value_parser!(u64).range(0..=MAX_BATCH_INTERVAL_MS)
+    )]
     pub batch_interval_ms: u64,
-    /// Logged additions for `blocks/recover` and `blocks/allocate`.
-    #[arg(long, default_value_t = 1_000_000)]
+    /// Logged additions for `blocks/recover` and `blocks/allocate` (1 ..= 2^30).
+    #[arg(
+        long,
+        default_value_t = 1_000_000,
+        value_parser = clap::value_parser!(u64).range(1..=MAX_RECOVER_EVENTS)
+    )]
     pub recover_events: u64,
-    /// Group commit: longest a record waits for its group, microseconds.
-    #[arg(long, default_value_t = 200)]
+    /// Group commit: longest a record waits for its group, microseconds (at most 60 s).
+    #[arg(
+        long,
+        default_value_t = 200,
+        value_parser = clap::value_parser!(u64).range(0..=MAX_GROUP_DELAY_US)
+    )]
     pub max_delay_us: u64,
-    /// Group commit: group size that starts the write at once, bytes.
-    #[arg(long, default_value_t = 1 << 20)]
+    /// Group commit: group size that starts the write at once, bytes (1 ..= 1 GiB).
+    #[arg(
+        long,
+        default_value_t = 1 << 20,
+        value_parser = RangedU64ValueParser::<usize>::new().range(1..=MAX_GROUP_BYTES)
+    )]
     pub max_group_bytes: usize,
-    /// Size of each WAL segment file, MiB (the tracker's default is 64).
-    #[arg(long, default_value_t = 64)]
+    /// Size of each WAL segment file, MiB (the tracker's default is 64; 1 ..= 1048576, i.e.
+    /// at most 1 TiB, the WAL's largest).
+    #[arg(
+        long,
+        default_value_t = 64,
+        value_parser = clap::value_parser!(u64).range(SEGMENT_MIB)
+    )]
     pub segment_mib: u64,
-    /// Directory for the logs (default: a fresh temporary directory).
+    /// Directory for the logs: a fresh temporary directory is made inside it (default: inside
+    /// the system temp dir) and removed at the end, so a run never replays an earlier run's
+    /// log.
     #[arg(long)]
     pub dir: Option<std::path::PathBuf>,
 }
@@ -141,22 +207,53 @@ fn wal_config(args: &BlocksArgs) -> WalConfig {
             max_delay: Duration::from_micros(args.max_delay_us),
             max_bytes: args.max_group_bytes,
         },
-        segment_size_bytes: args.segment_mib << 20,
+        segment_size_bytes: segment_bytes(args.segment_mib),
         ..BlockTrackerConfig::driver_wal_config()
     }
 }
 
+/// The stream ids `0..--streams` (`validate` keeps `--streams` within [`MAX_STREAMS`], so
+/// every id fits the tracker's `i32`).
 fn streams(args: &BlocksArgs) -> Vec<StreamId> {
-    (0..args.streams.max(1) as i32).map(StreamId).collect()
+    (0..args.streams).map(|id| StreamId(id as i32)).collect()
+}
+
+/// Checks the flags before anything runs (the clap ranges check each flag alone; this checks
+/// them together, and the values of a run built in code).
+fn validate(args: &BlocksArgs) -> anyhow::Result<()> {
+    if !(1..=MAX_STREAMS).contains(&args.streams) {
+        bail!("--streams {} is out of range (1 ..= {MAX_STREAMS})", args.streams);
+    }
+    if args.receivers == 0 || args.in_flight == 0 || args.batch_in_flight == 0 || args.batch == 0 {
+        bail!("--receivers, --in-flight, --batch-in-flight and --batch must be at least 1");
+    }
+    if args.blocks < args.receivers as u64 {
+        bail!(
+            "--blocks {} is less than --receivers {}: every receiver adds at least one block",
+            args.blocks,
+            args.receivers
+        );
+    }
+    if !(1..=MAX_RECOVER_EVENTS).contains(&args.recover_events) {
+        bail!(
+            "--recover-events {} is out of range (1 ..= {MAX_RECOVER_EVENTS})",
+            args.recover_events
+        );
+    }
+    if args.batch_interval_ms > MAX_BATCH_INTERVAL_MS {
+        bail!(
+            "--batch-interval-ms {} is more than {MAX_BATCH_INTERVAL_MS}",
+            args.batch_interval_ms
+        );
+    }
+    Ok(())
 }
 
 /// Runs every `blocks/*` workload.
 pub fn run(args: &BlocksArgs) -> anyhow::Result<Vec<Figure>> {
-    if args.in_flight == 0 || args.receivers == 0 {
-        bail!("--in-flight and --receivers must be at least 1");
-    }
-    let temp = tempfile::tempdir().context("temporary directory")?;
-    let root = args.dir.clone().unwrap_or_else(|| temp.path().to_path_buf());
+    validate(args)?;
+    let temp = crate::wal::temp_in(&args.dir)?;
+    let root = temp.path();
     let mut figures = Vec::new();
     let mut receiver_counts = vec![1, args.receivers];
     receiver_counts.dedup();
@@ -207,8 +304,10 @@ fn run_add(
                 block(streams[(turn % streams.len() as u64) as usize], base + seq)
             };
             if !asks {
-                let handle = BlockReceiver::connect(&endpoint)?;
+                // Past the barrier before a failure returns, so the others do not wait for it.
+                let handle = BlockReceiver::connect(&endpoint);
                 barrier.wait();
+                let handle = handle?;
                 add_through_receiver(
                     &handle,
                     per_receiver,
@@ -249,17 +348,12 @@ fn run_add(
     });
     barrier.wait();
     let started = Instant::now();
-    let mut histogram = Histogram::<u64>::new(3)?;
-    for thread in threads {
-        let partial = thread.join().map_err(|_| anyhow::anyhow!("receiver panicked"))??;
-        histogram.add(partial)?;
-    }
+    let added = join_receivers(threads);
     let seconds = started.elapsed().as_secs_f64();
-    done.store(true, Ordering::Release);
-    let batches = match driver {
-        Some(driver) => driver.join().map_err(|_| anyhow::anyhow!("batch loop panicked"))??,
-        None => 0,
-    };
+    // Stopped whether the receivers succeeded or not, so it never outlives the run.
+    let batches = stop_batch_loop(driver, &done);
+    let histogram = added?;
+    let batches = batches?;
     let stats = wal.stats();
     let endpoint_stats = endpoint.stats();
     endpoint.ask(StopTracker).wait()?;
@@ -293,9 +387,54 @@ fn run_add(
         .with_wal_stats("wal_stats", &stats))
 }
 
+/// Waits for every receiver thread and merges their latencies.
+fn join_receivers(
+    threads: Vec<JoinHandle<anyhow::Result<Histogram<u64>>>>,
+) -> anyhow::Result<Histogram<u64>> {
+    let mut histogram = Histogram::<u64>::new(3)?;
+    for thread in threads {
+        let partial = thread.join().map_err(|_| anyhow::anyhow!("receiver panicked"))??;
+        histogram.add(partial)?;
+    }
+    Ok(histogram)
+}
+
+/// Tells the batch loop (if any) that the additions are done, wakes it from its interval
+/// wait, and returns the batches it allocated.
+fn stop_batch_loop(
+    driver: Option<JoinHandle<anyhow::Result<u64>>>,
+    done: &AtomicBool,
+) -> anyhow::Result<u64> {
+    done.store(true, Ordering::Release);
+    match driver {
+        Some(driver) => {
+            driver.thread().unpark();
+            driver.join().map_err(|_| anyhow::anyhow!("batch loop panicked"))?
+        }
+        None => Ok(0),
+    }
+}
+
+/// Waits `interval`, or less if `done` is set meanwhile (its setter unparks this thread;
+/// early or spurious wake-ups only re-check). Returns false once `done` is set.
+fn wait_interval_unless_done(done: &AtomicBool, interval: Duration) -> bool {
+    let deadline = Instant::now() + interval;
+    loop {
+        if done.load(Ordering::Acquire) {
+            return false;
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return true;
+        }
+        std::thread::park_timeout(deadline - now);
+    }
+}
+
 /// The driver's batch loop while receivers add: every `interval` allocates the unallocated
 /// blocks to a batch, then forgets the batches before it (processed at once), as Spark's job
-/// generator does; so the tracker's memory stays bounded and is reused. Returns the batches.
+/// generator does; so the tracker's memory stays bounded and is reused. Ends as soon as `done`
+/// is set, even in the middle of an interval. Returns the batches.
 fn batch_loop(
     endpoint: &coordbus::EndpointRef<BlockTrackerEndpoint>,
     done: &AtomicBool,
@@ -304,8 +443,7 @@ fn batch_loop(
     let clock = SystemClock;
     let mut last = 0;
     let mut batches = 0;
-    while !done.load(Ordering::Acquire) {
-        std::thread::sleep(interval);
+    while wait_interval_unless_done(done, interval) {
         let time = clock.now_ms().max(last + 1);
         endpoint.ask(AllocateBlocksToBatch(BatchTime(time))).wait()?;
         batches += 1;

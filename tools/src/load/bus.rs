@@ -19,10 +19,16 @@ use std::{
 };
 
 use anyhow::{bail, Context as _};
+use clap::builder::RangedU64ValueParser;
 use coordbus::{Ask, Bus, Context, Endpoint, EndpointRef, HandlerError, Idle, Pinning, Replier};
 use hdrhistogram::Histogram;
 
-use crate::report::{Figure, Percentiles};
+use crate::{
+    limits::{
+        INBOX_CAPACITY, MAX_BATCH, MAX_INBOX_LANES, MAX_INBOX_SHARDS, MAX_IN_FLIGHT, MAX_THREADS,
+    },
+    report::{Figure, Percentiles},
+};
 
 /// A 16-byte message.
 #[derive(Debug, Clone, Copy)]
@@ -78,26 +84,49 @@ pub enum BusBaseline {
 /// Flags of `coordbus-load bus`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct BusArgs {
-    /// Producer threads.
-    #[arg(long, default_value_t = 1)]
+    /// Producer threads (1 ..= 1024).
+    #[arg(
+        long,
+        default_value_t = 1,
+        value_parser = RangedU64ValueParser::<usize>::new().range(1..=MAX_THREADS)
+    )]
     pub producers: usize,
-    /// Messages per `send_batch` call (1 = plain `send`).
-    #[arg(long, default_value_t = 1)]
+    /// Messages per `send_batch` call (1 = plain `send`; at most 1048576, a vector of that
+    /// many messages is built per call).
+    #[arg(
+        long,
+        default_value_t = 1,
+        value_parser = RangedU64ValueParser::<usize>::new().range(1..=MAX_BATCH)
+    )]
     pub batch: usize,
-    /// Messages in total (over all producers).
-    #[arg(long, default_value_t = 100_000_000)]
+    /// Messages in total (over all producers; at least one per producer).
+    #[arg(long, default_value_t = 100_000_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub messages: u64,
     /// Baseline to run on the same workload right after ours.
     #[arg(long, value_enum, default_value_t = BusBaseline::Crossbeam)]
     pub baseline: BusBaseline,
-    /// Inbox rings per endpoint.
-    #[arg(long, default_value_t = 4)]
+    /// Inbox rings per endpoint (1 ..= 1024, the bus's limit).
+    #[arg(
+        long,
+        default_value_t = 4,
+        value_parser = RangedU64ValueParser::<usize>::new().range(1..=MAX_INBOX_SHARDS)
+    )]
     pub shards: usize,
-    /// Single-producer lanes per inbox (0: every producer on the shared rings)
-    #[arg(long, default_value_t = coordbus::queue::DEFAULT_LANES)]
+    /// Single-producer lanes per inbox (0: every producer on the shared rings; at most 1024,
+    /// the bus's limit).
+    #[arg(
+        long,
+        default_value_t = coordbus::queue::DEFAULT_LANES,
+        value_parser = RangedU64ValueParser::<usize>::new().range(0..=MAX_INBOX_LANES)
+    )]
     pub lanes: usize,
-    /// Slots per inbox ring (and the capacity of the baselines' queues).
-    #[arg(long, default_value_t = 1 << 14)]
+    /// Slots per inbox ring (and the capacity of the baselines' queues; 2 ..= 2^24, the bus's
+    /// limit).
+    #[arg(
+        long,
+        default_value_t = 1 << 14,
+        value_parser = RangedU64ValueParser::<usize>::new().range(INBOX_CAPACITY)
+    )]
     pub capacity: usize,
     /// Pin the endpoint thread (round robin over cores).
     #[arg(long)]
@@ -142,6 +171,13 @@ fn bus_for(
 pub fn run_bus(args: &BusArgs) -> anyhow::Result<Vec<Figure>> {
     if args.producers == 0 || args.batch == 0 || args.messages == 0 {
         bail!("--producers, --batch and --messages must be at least 1");
+    }
+    if args.messages < args.producers as u64 {
+        bail!(
+            "--messages {} is less than --producers {}: every producer sends at least one message",
+            args.messages,
+            args.producers
+        );
     }
     let per_producer = args.messages / args.producers as u64;
     let total = per_producer * args.producers as u64;
@@ -315,11 +351,16 @@ fn measure_ring(args: &BusArgs, per_producer: u64) -> Duration {
 /// Flags of `coordbus-load ask`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct AskArgs {
-    /// Asks kept outstanding at once (1 = synchronous round trips).
-    #[arg(long, default_value_t = 1)]
+    /// Asks kept outstanding at once (1 = synchronous round trips; at most 1048576, a queue of
+    /// that many replies is allocated).
+    #[arg(
+        long,
+        default_value_t = 1,
+        value_parser = RangedU64ValueParser::<usize>::new().range(1..=MAX_IN_FLIGHT)
+    )]
     pub in_flight: usize,
-    /// Asks in total.
-    #[arg(long, default_value_t = 1_000_000)]
+    /// Asks in total (at least 1).
+    #[arg(long, default_value_t = 1_000_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub messages: u64,
     /// Run the crossbeam request-reply baseline (fresh one-shot channel per ask) too.
     #[arg(long, value_enum, default_value_t = AskBaseline::Crossbeam)]

@@ -35,6 +35,7 @@ use std::{
 };
 
 use anyhow::{bail, Context as _};
+use clap::builder::RangedU64ValueParser;
 use coordbus::{
     coordinators::epoch::{
         coordinator_name, reference::ReferenceEpochCoordinator, CollaboratorError,
@@ -48,7 +49,20 @@ use coordbus::{
 };
 use hdrhistogram::Histogram;
 
-use crate::report::{Figure, Percentiles};
+use crate::{
+    limits::{INBOX_CAPACITY, MAX_BATCH, MAX_GROUP_DELAY_US, MAX_INBOX_LANES, MAX_INBOX_SHARDS},
+    report::{Figure, Percentiles},
+};
+
+/// Most epochs of a run (`--epochs`, 2^24): the run keeps two 8-byte timestamps per epoch
+/// (256 MiB at this bound), allocated up front. Also the largest `--window`: a window of
+/// every epoch of the run is the largest that changes anything.
+const MAX_EPOCHS: i64 = 1 << 24;
+/// Most producer threads: the coordinator's inbox has a shard per producer plus one for the
+/// driver, and the bus allows at most [`MAX_INBOX_SHARDS`].
+const MAX_PRODUCERS: u64 = MAX_INBOX_SHARDS - 1;
+/// Longest time budget of the reference model run (`--baseline-seconds`), in seconds.
+const MAX_BASELINE_SECONDS: f64 = 3600.0;
 
 /// Durability of the commit records.
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -86,43 +100,75 @@ pub struct EpochArgs {
     /// Reader partitions, and as many writer partitions.
     #[arg(long, default_value_t = 1000)]
     pub partitions: i32,
-    /// Epochs to run (each is 2 x partitions messages).
-    #[arg(long, default_value_t = 5000)]
+    /// Epochs to run (each is 2 x partitions messages; 1 ..= 16777216, the run keeps two
+    /// timestamps per epoch).
+    #[arg(
+        long,
+        default_value_t = 5000,
+        value_parser = clap::value_parser!(i64).range(1..=MAX_EPOCHS)
+    )]
     pub epochs: i64,
-    /// Producer threads (each owns a contiguous range of partitions).
-    #[arg(long, default_value_t = 1)]
+    /// Producer threads (each owns a contiguous range of partitions; 1 ..= 1023: each has an
+    /// inbox shard, and the driver one more, of the bus's 1024 at most).
+    #[arg(
+        long,
+        default_value_t = 1,
+        value_parser = RangedU64ValueParser::<usize>::new().range(1..=MAX_PRODUCERS)
+    )]
     pub producers: usize,
-    /// Messages per `send_batch`.
-    #[arg(long, default_value_t = 512)]
+    /// Messages per `send_batch` (1 ..= 1048576).
+    #[arg(
+        long,
+        default_value_t = 512,
+        value_parser = RangedU64ValueParser::<usize>::new().range(1..=MAX_BATCH)
+    )]
     pub batch: usize,
     /// How many epochs the producers may run ahead of the last committed epoch; 0 = auto
-    /// (about 64 Ki messages in flight, at least 4 epochs). A producer held back resumes when
-    /// half of the window is free. The inbox's capacity is the other bound: a full inbox makes
+    /// (about 64 Ki messages in flight, at least 4 epochs); at most 16777216 (the most
+    /// `--epochs`: a window of every epoch). A producer held back resumes when half of the
+    /// window is free. The inbox's capacity is the other bound: a full inbox makes
     /// `send_batch` wait.
-    #[arg(long, default_value_t = 0)]
+    #[arg(
+        long,
+        default_value_t = 0,
+        value_parser = clap::value_parser!(i64).range(0..=MAX_EPOCHS)
+    )]
     pub window: i64,
     /// Commit durability: none (in memory), group (WAL, group commit) or every (WAL, a sync
     /// per record).
     #[arg(long, value_enum, default_value_t = Durability::None)]
     pub durability: Durability,
     /// With `--durability group`: longest a record waits for its group (the WAL's
-    /// `GroupCommit::max_delay`), in microseconds.
-    #[arg(long, default_value_t = 200)]
+    /// `GroupCommit::max_delay`), in microseconds (at most 60 s, the WAL's limit).
+    #[arg(
+        long,
+        default_value_t = 200,
+        value_parser = clap::value_parser!(u64).range(0..=MAX_GROUP_DELAY_US)
+    )]
     pub group_delay_us: u64,
     /// Baseline run in the same process on the same message stream.
     #[arg(long, value_enum, default_value_t = Baseline::Reference)]
     pub baseline: Baseline,
-    /// Time budget of the reference model run, in seconds.
-    #[arg(long, default_value_t = 2.0)]
+    /// Time budget of the reference model run, in seconds (finite, more than 0, at most 3600).
+    #[arg(long, default_value_t = 2.0, value_parser = parse_baseline_seconds)]
     pub baseline_seconds: f64,
     /// Backlog limit of the coordinator (all three limits).
     #[arg(long, default_value_t = 1_000_000)]
     pub backlog_limit: usize,
-    /// Inbox capacity per lane and per shared ring (messages).
-    #[arg(long, default_value_t = 1 << 16)]
+    /// Inbox capacity per lane and per shared ring (messages; 2 ..= 2^24, the bus's limit).
+    #[arg(
+        long,
+        default_value_t = 1 << 16,
+        value_parser = RangedU64ValueParser::<usize>::new().range(INBOX_CAPACITY)
+    )]
     pub inbox_capacity: usize,
-    /// Single-producer lanes of the coordinator's inbox (0: producers share rings).
-    #[arg(long, default_value_t = coordbus::queue::DEFAULT_LANES)]
+    /// Single-producer lanes of the coordinator's inbox (0: producers share rings; at most
+    /// 1024, the bus's limit).
+    #[arg(
+        long,
+        default_value_t = coordbus::queue::DEFAULT_LANES,
+        value_parser = RangedU64ValueParser::<usize>::new().range(0..=MAX_INBOX_LANES)
+    )]
     pub inbox_lanes: usize,
 }
 
@@ -185,12 +231,17 @@ impl Shared {
 
     /// Waits until `ready()`: spins briefly, then parks until the commit of epoch
     /// `committed_at_least` or a new driver epoch (woken by [`Shared::wake_all`]; the timeout
-    /// only bounds a missed wake-up). Returns false if the run was stopped.
+    /// only bounds a missed wake-up). Returns false if the run was stopped, checked before
+    /// `ready()` on every round: a caller that finds itself ready again and again without
+    /// progress still ends when the run is stopped.
     fn wait_until(&self, committed_at_least: i64, ready: impl Fn() -> bool) -> bool {
         let mut spins = 0u32;
-        while !ready() {
+        loop {
             if self.stopped.load(Ordering::Relaxed) {
                 return false;
+            }
+            if ready() {
+                return true;
             }
             if spins < 256 {
                 spins += 1;
@@ -200,12 +251,11 @@ impl Shared {
                 // `on_commit`): either that check sees the commit or the commit sees this.
                 self.wake_at.fetch_min(committed_at_least, Ordering::SeqCst);
                 if ready() {
-                    break;
+                    return true;
                 }
                 std::thread::park_timeout(MISSED_WAKE_BOUND);
             }
         }
-        true
     }
 
     /// Ends the run: every waiting thread returns.
@@ -387,17 +437,47 @@ fn ranges(partitions: i32, producers: usize) -> Vec<std::ops::Range<i32>> {
         .collect()
 }
 
+/// Parses `--baseline-seconds` (see [`check_baseline_seconds`]).
+fn parse_baseline_seconds(text: &str) -> Result<f64, String> {
+    let seconds = text.trim().parse::<f64>().map_err(|error| format!("not a number: {error}"))?;
+    check_baseline_seconds(seconds)?;
+    Ok(seconds)
+}
+
+/// A time budget of the reference run must be a duration: finite, more than 0, at most
+/// [`MAX_BASELINE_SECONDS`].
+fn check_baseline_seconds(seconds: f64) -> Result<(), String> {
+    if seconds.is_finite() && seconds > 0.0 && seconds <= MAX_BASELINE_SECONDS {
+        Ok(())
+    } else {
+        Err(format!("must be a finite number of seconds in (0, {MAX_BASELINE_SECONDS}]"))
+    }
+}
+
+/// Checks the flags before anything runs (the clap ranges check each flag alone; this checks
+/// them together, and the values of a run built in code).
 fn validate(args: &EpochArgs) -> anyhow::Result<()> {
     if args.partitions < 1 || args.epochs < 1 || args.producers < 1 || args.batch < 1 {
         bail!("--partitions, --epochs, --producers and --batch must be at least 1");
     }
     if args.producers > args.partitions as usize {
-        bail!("--producers must not exceed --partitions");
+        bail!(
+            "--producers {} exceeds --partitions {}: every producer owns at least one partition",
+            args.producers,
+            args.partitions
+        );
     }
-    if args.window < 0 {
-        bail!("--window must be at least 0 (0 = auto)");
+    if args.epochs > MAX_EPOCHS {
+        bail!("--epochs {} is more than {MAX_EPOCHS}", args.epochs);
     }
-    Ok(())
+    if args.producers as u64 > MAX_PRODUCERS {
+        bail!("--producers {} is more than {MAX_PRODUCERS}", args.producers);
+    }
+    if !(0..=MAX_EPOCHS).contains(&args.window) {
+        bail!("--window {} is out of range (0 = auto ..= {MAX_EPOCHS})", args.window);
+    }
+    check_baseline_seconds(args.baseline_seconds)
+        .map_err(|reason| anyhow::anyhow!("--baseline-seconds {}: {reason}", args.baseline_seconds))
 }
 
 /// Runs the workload.
@@ -502,7 +582,7 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
                 let last = shared
                     .driver_epoch
                     .load(Ordering::Acquire)
-                    .min(shared.committed.load(Ordering::Acquire) + window)
+                    .min(shared.committed.load(Ordering::Acquire).saturating_add(window))
                     .min(epochs);
                 // Built straight into each batch's vector (one copy per message, into it).
                 let mut at = StreamPosition::start_of(start, &range);

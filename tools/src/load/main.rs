@@ -7,6 +7,7 @@
 mod blocks;
 mod bus;
 mod epoch;
+mod limits;
 mod machine;
 mod progress;
 mod report;

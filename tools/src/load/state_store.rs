@@ -25,6 +25,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use clap::builder::RangedU64ValueParser;
 use coordbus::{
     coordinators::state_store::{
         ExecutorCacheTaskLocation, GetCounters, GetLocation, ReportActiveInstance,
@@ -36,7 +37,10 @@ use coordbus::{
 use hdrhistogram::Histogram;
 use uuid::Uuid;
 
-use crate::report::{Figure, Percentiles};
+use crate::{
+    limits::{INBOX_CAPACITY, MAX_BATCH, MAX_INBOX_SHARDS, MAX_IN_FLIGHT, MAX_THREADS},
+    report::{Figure, Percentiles},
+};
 
 /// Spark 4.3, synchronous StateStoreCoordinator ask, 1 thread (ANCHORS.md).
 const SPARK_SYNC_ASKS_PER_SEC: f64 = 38_000.0;
@@ -59,20 +63,35 @@ pub struct StateStoreArgs {
     #[arg(long, default_value_t = 1_000)]
     pub executors: usize,
     /// Reporter threads of state-store/report (1 by default: with the endpoint thread that
-    /// fills a 2-core machine).
-    #[arg(long, default_value_t = 1)]
+    /// fills a 2-core machine; 1 ..= 1024, and at most `--stores`: each reports its own share
+    /// of the stores).
+    #[arg(
+        long,
+        default_value_t = 1,
+        value_parser = RangedU64ValueParser::<usize>::new().range(1..=MAX_THREADS)
+    )]
     pub producers: usize,
-    /// One-way reports per producer in state-store/report.
-    #[arg(long, default_value_t = 4_000_000)]
+    /// One-way reports per producer in state-store/report (at least 1).
+    #[arg(long, default_value_t = 4_000_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub reports: u64,
-    /// Reports per bus publication (1: one `send` per report; more: `send_batch`).
-    #[arg(long, default_value_t = 1)]
+    /// Reports per bus publication (1: one `send` per report; more: `send_batch`; at most
+    /// 1048576).
+    #[arg(
+        long,
+        default_value_t = 1,
+        value_parser = RangedU64ValueParser::<usize>::new().range(1..=MAX_BATCH)
+    )]
     pub batch: usize,
-    /// Asks of state-store/verify, state-store/location and state-store/verify-pipelined.
-    #[arg(long, default_value_t = 100_000)]
+    /// Asks of state-store/verify, state-store/location and state-store/verify-pipelined (at
+    /// least 1).
+    #[arg(long, default_value_t = 100_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub asks: u64,
-    /// Asks outstanding at once in state-store/verify-pipelined.
-    #[arg(long, default_value_t = 64)]
+    /// Asks outstanding at once in state-store/verify-pipelined (1 ..= 1048576).
+    #[arg(
+        long,
+        default_value_t = 64,
+        value_parser = RangedU64ValueParser::<usize>::new().range(1..=MAX_IN_FLIGHT)
+    )]
     pub in_flight: usize,
     /// Stores of the run removed by state-store/deactivate.
     #[arg(long, default_value_t = 100_000)]
@@ -80,11 +99,19 @@ pub struct StateStoreArgs {
     /// Deactivation rounds (the median is reported).
     #[arg(long, default_value_t = 5)]
     pub deactivate_rounds: usize,
-    /// Inbox rings of the coordinator.
-    #[arg(long, default_value_t = 4)]
+    /// Inbox rings of the coordinator (1 ..= 1024, the bus's limit).
+    #[arg(
+        long,
+        default_value_t = 4,
+        value_parser = RangedU64ValueParser::<usize>::new().range(1..=MAX_INBOX_SHARDS)
+    )]
     pub inbox_shards: usize,
-    /// Messages per inbox ring.
-    #[arg(long, default_value_t = 1 << 14)]
+    /// Messages per inbox ring (2 ..= 2^24, the bus's limit).
+    #[arg(
+        long,
+        default_value_t = 1 << 14,
+        value_parser = RangedU64ValueParser::<usize>::new().range(INBOX_CAPACITY)
+    )]
     pub inbox_capacity: usize,
     /// How long the coordinator's thread spins for work before it parks, in microseconds
     /// (the bus default is 50).
@@ -115,7 +142,15 @@ pub fn run(args: &StateStoreArgs) -> anyhow::Result<Vec<Figure>> {
     anyhow::ensure!(args.stores > 0, "--stores must be positive");
     anyhow::ensure!(args.executors > 0, "--executors must be positive");
     anyhow::ensure!(args.producers > 0, "--producers must be positive");
+    anyhow::ensure!(
+        args.producers <= args.stores,
+        "--producers {} exceeds --stores {}: every producer reports its own share of the stores",
+        args.producers,
+        args.stores
+    );
+    anyhow::ensure!(args.reports > 0, "--reports must be positive");
     anyhow::ensure!(args.batch > 0, "--batch must be positive");
+    anyhow::ensure!(args.asks > 0, "--asks must be positive");
     anyhow::ensure!(args.in_flight > 0, "--in-flight must be positive");
     let bus = Bus::builder()
         .inbox_shards(args.inbox_shards)

@@ -14,6 +14,11 @@
 //! `wal-recover`: writes `--records` records, closes, then times `Wal::open` (the recovery
 //! scan of every frame: bounds, CRC, LSN order) and a full iteration. `bytes_per_sec` = framed
 //! bytes scanned per second.
+//!
+//! Every flag is checked before the first figure is measured: counts and sizes have clap
+//! ranges (the error names the flag and the value), and what depends on two flags (each
+//! thread's share of `--records`, a record's frame in a `--segment-mib` segment) is checked
+//! by `validate` / `validate_recover`.
 
 use std::{
     fs::OpenOptions,
@@ -24,40 +29,71 @@ use std::{
 };
 
 use anyhow::Context;
+use clap::builder::RangedU64ValueParser;
 use coordbus::{
     record::frame,
-    wal::{Durability, IoMode, Lsn, Wal, WalConfig, WalOptions},
+    wal::{segment, Durability, IoMode, Lsn, Wal, WalConfig, WalOptions},
 };
 use hdrhistogram::Histogram;
 
-use crate::report::{Figure, Percentiles};
+use crate::{
+    limits::{
+        segment_bytes, MAX_GROUP_BYTES, MAX_GROUP_DELAY_US, MAX_RECORD_BYTES, MAX_THREADS,
+        SEGMENT_MIB,
+    },
+    report::{Figure, Percentiles},
+};
 
 /// Flags of `coordbus-load wal`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct WalArgs {
-    /// Records per throughput figure (group commit and none), split over the threads.
-    #[arg(long, default_value_t = 2_000_000)]
+    /// Records per throughput figure (group commit and none), split over the threads; at
+    /// least the largest of `--threads` (every thread appends at least one).
+    #[arg(long, default_value_t = 2_000_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub records: u64,
-    /// Records per thread for the EveryRecord latency figures.
-    #[arg(long, default_value_t = 1_000)]
+    /// Records per thread for the EveryRecord latency figures (at least 1).
+    #[arg(long, default_value_t = 1_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub every_records: u64,
-    /// Payload bytes per record.
-    #[arg(long, default_value_t = 64)]
+    /// Payload bytes per record (1 ..= 1 GiB, the WAL's largest payload; its frame must also
+    /// fit in a `--segment-mib` segment).
+    #[arg(
+        long,
+        default_value_t = 64,
+        value_parser = RangedU64ValueParser::<usize>::new().range(1..=MAX_RECORD_BYTES)
+    )]
     pub record_bytes: usize,
-    /// Thread counts to measure, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    /// Thread counts to measure, comma-separated (each 1 ..= 1024).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "1,2",
+        value_parser = RangedU64ValueParser::<usize>::new().range(1..=MAX_THREADS)
+    )]
     pub threads: Vec<usize>,
     /// Durability modes to measure, comma-separated: group, every, none.
     #[arg(long, value_delimiter = ',', default_value = "group,every,none")]
     pub durability: Vec<String>,
-    /// Group commit: longest delay of a group, in microseconds.
-    #[arg(long, default_value_t = 200)]
+    /// Group commit: longest delay of a group, in microseconds (at most 60 s).
+    #[arg(
+        long,
+        default_value_t = 200,
+        value_parser = clap::value_parser!(u64).range(0..=MAX_GROUP_DELAY_US)
+    )]
     pub max_delay_us: u64,
-    /// Group commit: group size that starts a write at once, in bytes.
-    #[arg(long, default_value_t = 4 << 20)]
+    /// Group commit: group size that starts a write at once, in bytes (1 ..= 1 GiB; the
+    /// pwrite baseline writes batches of this size).
+    #[arg(
+        long,
+        default_value_t = 4 << 20,
+        value_parser = RangedU64ValueParser::<usize>::new().range(1..=MAX_GROUP_BYTES)
+    )]
     pub max_bytes: usize,
-    /// Segment size in MiB.
-    #[arg(long, default_value_t = 64)]
+    /// Segment size in MiB (1 ..= 1048576, i.e. at most 1 TiB, the WAL's largest).
+    #[arg(
+        long,
+        default_value_t = 64,
+        value_parser = clap::value_parser!(u64).range(SEGMENT_MIB)
+    )]
     pub segment_mib: u64,
     /// I/O path: auto, io_uring or pwrite.
     #[arg(long, default_value = "auto")]
@@ -73,17 +109,30 @@ pub struct WalArgs {
 /// Flags of `coordbus-load wal-recover`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct WalRecoverArgs {
-    /// Records written, then recovered.
-    #[arg(long, default_value_t = 1_000_000)]
+    /// Records written, then recovered (at least 1).
+    #[arg(long, default_value_t = 1_000_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub records: u64,
-    /// Payload bytes per record.
-    #[arg(long, default_value_t = 64)]
+    /// Payload bytes per record (1 ..= 1 GiB, the WAL's largest payload; its frame must also
+    /// fit in a `--segment-mib` segment).
+    #[arg(
+        long,
+        default_value_t = 64,
+        value_parser = RangedU64ValueParser::<usize>::new().range(1..=MAX_RECORD_BYTES)
+    )]
     pub record_bytes: usize,
-    /// Segment size in MiB.
-    #[arg(long, default_value_t = 64)]
+    /// Segment size in MiB (1 ..= 1048576, i.e. at most 1 TiB, the WAL's largest).
+    #[arg(
+        long,
+        default_value_t = 64,
+        value_parser = clap::value_parser!(u64).range(SEGMENT_MIB)
+    )]
     pub segment_mib: u64,
-    /// Times the recovery is repeated (the best and the median are reported).
-    #[arg(long, default_value_t = 3)]
+    /// Times the recovery is repeated (the best and the median are reported; 1 ..= 1000).
+    #[arg(
+        long,
+        default_value_t = 3,
+        value_parser = RangedU64ValueParser::<usize>::new().range(1..=1000)
+    )]
     pub repeats: usize,
     /// Directory for the log (a temporary directory inside it; default: the system temp dir).
     #[arg(long)]
@@ -112,10 +161,94 @@ pub fn quick_recover() -> WalRecoverArgs {
     WalRecoverArgs { records: 1_000_000, record_bytes: 64, segment_mib: 64, repeats: 3, dir: None }
 }
 
-fn temp_in(dir: &Option<PathBuf>) -> anyhow::Result<tempfile::TempDir> {
+/// A fresh temporary directory inside `dir` (default: the system temp dir), removed on drop:
+/// runs never reuse (or replay) what an earlier run left.
+pub fn temp_in(dir: &Option<PathBuf>) -> anyhow::Result<tempfile::TempDir> {
     Ok(match dir {
-        Some(dir) => tempfile::tempdir_in(dir)?,
-        None => tempfile::tempdir()?,
+        Some(dir) => tempfile::tempdir_in(dir).with_context(|| {
+            format!("creating a temporary directory in --dir {}", dir.display())
+        })?,
+        None => tempfile::tempdir().context("creating a temporary directory")?,
+    })
+}
+
+/// The durability modes `--durability` accepts.
+const DURABILITY_NAMES: [&str; 3] = ["group", "every", "none"];
+
+/// Checks that a record of `record_bytes` fits in a `segment_mib` segment (after its
+/// header), so no figure fails on its first append.
+fn check_record_fits(record_bytes: usize, segment_mib: u64) -> anyhow::Result<()> {
+    let frame_bytes = frame::frame_len(record_bytes) as u64;
+    let room = segment_bytes(segment_mib).saturating_sub(segment::HEADER_LEN);
+    anyhow::ensure!(
+        frame_bytes <= room,
+        "--record-bytes {record_bytes} makes {frame_bytes}-byte frames, more than the {room} \
+         bytes a --segment-mib {segment_mib} segment holds"
+    );
+    Ok(())
+}
+
+/// Checks that `records` frames of `record_bytes` count less than 2^64 bytes (the figures'
+/// byte counts); `what` names the flags.
+fn check_total_bytes(records: u64, record_bytes: usize, what: &str) -> anyhow::Result<()> {
+    let frame_bytes = frame::frame_len(record_bytes) as u64;
+    anyhow::ensure!(
+        records.checked_mul(frame_bytes).is_some(),
+        "{what} of --record-bytes {record_bytes} ({frame_bytes}-byte frames) add up to more \
+         than 2^64 bytes"
+    );
+    Ok(())
+}
+
+/// Checks what the flags' ranges cannot, before anything is measured: each thread count
+/// gets at least one record, every durability mode and `--io` / `--baseline` are known (so a
+/// typo in the last mode does not fail the run after the first ones), and a record fits in a
+/// segment.
+fn validate(args: &WalArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(!args.threads.is_empty(), "--threads lists no thread count");
+    for &threads in &args.threads {
+        anyhow::ensure!(threads > 0, "--threads lists 0: every thread count is at least 1");
+        anyhow::ensure!(
+            args.records >= threads as u64,
+            "--records {} is less than --threads {threads}: every thread appends at least one \
+             record",
+            args.records
+        );
+        check_total_bytes(
+            args.every_records.saturating_mul(threads as u64),
+            args.record_bytes,
+            &format!("--every-records {} x --threads {threads}", args.every_records),
+        )?;
+    }
+    anyhow::ensure!(args.every_records > 0, "--every-records must be at least 1");
+    anyhow::ensure!(!args.durability.is_empty(), "--durability lists no mode");
+    for name in &args.durability {
+        anyhow::ensure!(
+            DURABILITY_NAMES.contains(&name.as_str()),
+            "unknown --durability {name:?} (group, every, none)"
+        );
+    }
+    io_mode(&args.io)?;
+    baseline_enabled(&args.baseline)?;
+    check_record_fits(args.record_bytes, args.segment_mib)?;
+    check_total_bytes(args.records, args.record_bytes, &format!("--records {}", args.records))
+}
+
+/// Checks what the flags' ranges cannot for `coordbus-load wal-recover`, before anything is
+/// written.
+fn validate_recover(args: &WalRecoverArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(args.records > 0, "--records must be at least 1");
+    anyhow::ensure!(args.repeats > 0, "--repeats must be at least 1");
+    check_record_fits(args.record_bytes, args.segment_mib)?;
+    check_total_bytes(args.records, args.record_bytes, &format!("--records {}", args.records))
+}
+
+/// Whether `--baseline` asks for the pwrite baseline.
+fn baseline_enabled(name: &str) -> anyhow::Result<bool> {
+    Ok(match name {
+        "pwrite" => true,
+        "none" => false,
+        other => anyhow::bail!("unknown --baseline {other:?} (pwrite, none)"),
     })
 }
 
@@ -132,7 +265,7 @@ fn open(dir: &Path, args: &WalArgs, durability: Durability) -> anyhow::Result<Wa
     Ok(Wal::open_with_options(
         dir,
         WalConfig {
-            segment_size_bytes: args.segment_mib << 20,
+            segment_size_bytes: segment_bytes(args.segment_mib),
             durability,
             ..WalConfig::default()
         },
@@ -330,13 +463,9 @@ fn every_record_figure(
 
 /// Runs `coordbus-load wal`.
 pub fn run(args: &WalArgs) -> anyhow::Result<Vec<Figure>> {
-    anyhow::ensure!(args.records > 0 && !args.threads.is_empty(), "nothing to measure");
+    validate(args)?;
     let root = temp_in(&args.dir)?;
-    let with_baseline = match args.baseline.as_str() {
-        "pwrite" => true,
-        "none" => false,
-        other => anyhow::bail!("unknown --baseline {other:?} (pwrite, none)"),
-    };
+    let with_baseline = baseline_enabled(&args.baseline)?;
     let frame_bytes = frame::frame_len(args.record_bytes);
     let mut figures = Vec::new();
     for name in &args.durability {
@@ -389,10 +518,11 @@ pub fn run(args: &WalArgs) -> anyhow::Result<Vec<Figure>> {
 
 /// Runs `coordbus-load wal-recover`.
 pub fn run_recover(args: &WalRecoverArgs) -> anyhow::Result<Vec<Figure>> {
+    validate_recover(args)?;
     let root = temp_in(&args.dir)?;
     let dir = root.path().join("log");
     let config = WalConfig {
-        segment_size_bytes: args.segment_mib << 20,
+        segment_size_bytes: segment_bytes(args.segment_mib),
         durability: Durability::GroupCommit {
             max_delay: Duration::from_millis(1),
             max_bytes: 4 << 20,
@@ -421,11 +551,15 @@ pub fn run_recover(args: &WalRecoverArgs) -> anyhow::Result<Vec<Figure>> {
         let mut checksum = 0u64;
         for record in wal.iter_from(Lsn::ZERO)? {
             let record = record?;
-            checksum = checksum.wrapping_add(u64::from(record.bytes[0]));
+            checksum = checksum.wrapping_add(record.bytes.first().map_or(0, |&b| u64::from(b)));
             count += 1;
         }
         iter_seconds.push(started.elapsed().as_secs_f64());
-        anyhow::ensure!(count == args.records && checksum > 0, "iteration lost records");
+        anyhow::ensure!(
+            count == args.records && checksum > 0,
+            "iteration lost records: {count} of {} read back",
+            args.records
+        );
         // Keep the segments: a reopen must not find anything new to write.
         drop(wal);
     }

@@ -1,0 +1,52 @@
+//! Bounds of the workloads' flags.
+//!
+//! Each flag that sizes an allocation, a thread count or a wait has a clap range built from
+//! these bounds, so a bad value is rejected by clap (naming the flag and the value) before
+//! any run starts, instead of panicking, wrapping or hanging in the middle of one. The bounds
+//! are far above any useful value and the defaults; where the library has its own limit
+//! (inbox shards, lanes and capacity, segment size, payload size, group commit delay), the
+//! flag takes exactly that.
+
+use std::ops::RangeInclusive;
+
+use coordbus::record::frame;
+
+/// Most threads a count flag starts (`bus --producers`, `wal --threads`, `state-store
+/// --producers`, `blocks --receivers`): each is an OS thread of its own.
+pub const MAX_THREADS: u64 = 1024;
+
+/// Most requests kept outstanding (`ask`, `blocks`, `state-store` `--in-flight`, `blocks
+/// --batch-in-flight`): a queue of this many replies is allocated up front.
+pub const MAX_IN_FLIGHT: u64 = 1 << 20;
+
+/// Most messages per `send_batch` or blocks per `AddBlocks` (`bus`, `epoch`, `state-store`,
+/// `blocks` `--batch`): a vector of this many is allocated per call.
+pub const MAX_BATCH: u64 = 1 << 20;
+
+/// Inbox rings per endpoint: the bus accepts 1 ..= 1024 (`BusConfig::inbox_shards`).
+pub const MAX_INBOX_SHARDS: u64 = 1024;
+
+/// Single-producer lanes per inbox: the bus accepts 0 ..= `queue::MAX_LANES`.
+pub const MAX_INBOX_LANES: u64 = coordbus::queue::MAX_LANES as u64;
+
+/// Slots per inbox lane or ring: the bus accepts 2 ..= 2^24 (`BusConfig::inbox_capacity`).
+pub const INBOX_CAPACITY: RangeInclusive<u64> = 2..=1 << 24;
+
+/// Largest record payload (1 GiB): the largest payload a WAL frame carries.
+pub const MAX_RECORD_BYTES: u64 = frame::MAX_PAYLOAD_LEN as u64;
+
+/// Largest group commit size (1 GiB, `--max-bytes`, `--max-group-bytes`): the `wal`
+/// workload's pwrite baseline allocates one batch of this size.
+pub const MAX_GROUP_BYTES: u64 = 1 << 30;
+
+/// Longest group commit delay in microseconds: the WAL's `MAX_GROUP_COMMIT_DELAY` (60 s).
+pub const MAX_GROUP_DELAY_US: u64 = 60_000_000;
+
+/// WAL segment sizes in MiB (`--segment-mib`): 1 MiB ..= 1 TiB, the WAL's largest segment
+/// (`WalConfig::validate`), so `MiB << 20` cannot overflow.
+pub const SEGMENT_MIB: RangeInclusive<u64> = 1..=1 << 20;
+
+/// The segment size of `--segment-mib` in bytes (the flag's range keeps it within the WAL's).
+pub fn segment_bytes(segment_mib: u64) -> u64 {
+    segment_mib.saturating_mul(1 << 20)
+}

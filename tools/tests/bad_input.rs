@@ -1,0 +1,130 @@
+//! Goal: the tools refuse bad input with a clear error that names the flag (or path) and the
+//! value, and a non-zero exit, before any measured run starts: never a panic, a hang, or a
+//! wrong directory reported as a healthy log.
+//!
+//! Method: run the built binaries (`CARGO_BIN_EXE_*`) with each bad value, bounded by a
+//! timeout (a hang fails the test instead of CI), and check the exit code and the message. A
+//! panic would show as exit code 101 and "panicked" on stderr.
+
+use std::{
+    path::Path,
+    process::{Command, Stdio},
+    sync::mpsc,
+    time::Duration,
+};
+
+/// Longer than any refusal takes (they come before any run); a run that starts instead is
+/// killed by the deadline and fails the test.
+const BOUND: Duration = Duration::from_secs(60);
+
+/// Exit code and output (stdout, then stderr) of `binary args`, killing it if it outlives
+/// [`BOUND`].
+fn run(binary: &str, args: &[&str]) -> (Option<i32>, String) {
+    let child = Command::new(binary)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the tool starts");
+    let pid = child.id();
+    let (sender, receiver) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = sender.send(child.wait_with_output());
+    });
+    let output = match receiver.recv_timeout(BOUND) {
+        Ok(output) => output.expect("the tool's output"),
+        Err(_) => {
+            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+            panic!("{binary} {args:?} ran past {BOUND:?} instead of refusing its input");
+        }
+    };
+    let text = String::from_utf8_lossy(&output.stdout).into_owned()
+        + &String::from_utf8_lossy(&output.stderr);
+    assert!(!text.contains("panicked"), "{binary} {args:?} panicked: {text}");
+    (output.status.code(), text)
+}
+
+fn load(args: &[&str]) -> (Option<i32>, String) {
+    run(env!("CARGO_BIN_EXE_coordbus-load"), args)
+}
+
+fn wal_tool(args: &[&str]) -> (Option<i32>, String) {
+    run(env!("CARGO_BIN_EXE_coordbus-wal"), args)
+}
+
+/// `coordbus-load args` is refused, with a message holding every one of `names`.
+fn assert_load_refuses(args: &[&str], names: &[&str]) {
+    let (code, stderr) = load(args);
+    assert!(matches!(code, Some(code) if code != 0), "{args:?} was accepted: {stderr}");
+    for name in names {
+        assert!(stderr.contains(name), "{args:?}: the error does not say {name:?}: {stderr}");
+    }
+}
+
+#[test]
+fn out_of_range_load_options_are_refused_naming_the_flag_and_value() {
+    let cases: &[(&[&str], &[&str])] = &[
+        (&["wal", "--threads", "0"], &["--threads", "0"]),
+        (&["wal-recover", "--record-bytes", "0"], &["--record-bytes", "0"]),
+        (&["wal-recover", "--records", "0"], &["--records", "0"]),
+        (&["wal", "--every-records", "0"], &["--every-records", "0"]),
+        (&["blocks", "--streams", "2147483648"], &["--streams", "2147483648"]),
+        (&["epoch", "--window", "9223372036854775807"], &["--window", "9223372036854775807"]),
+        (&["epoch", "--baseline-seconds", "nan"], &["--baseline-seconds", "nan"]),
+        (&["epoch", "--baseline-seconds", "inf"], &["--baseline-seconds", "inf"]),
+        (&["epoch", "--baseline-seconds=-1"], &["--baseline-seconds", "-1"]),
+        (&["epoch", "--epochs", "9223372036854775807"], &["--epochs", "9223372036854775807"]),
+        (&["ask", "--in-flight", "18446744073709551615"], &["--in-flight"]),
+        (&["bus", "--producers", "18446744073709551615"], &["--producers"]),
+        (&["state-store", "--asks", "0"], &["--asks", "0"]),
+    ];
+    for (args, names) in cases {
+        assert_load_refuses(args, names);
+    }
+}
+
+#[test]
+fn work_that_splits_to_nothing_per_thread_is_refused_naming_both_flags() {
+    assert_load_refuses(
+        &["bus", "--producers", "4", "--messages", "3"],
+        &["--messages", "3", "--producers", "4"],
+    );
+    assert_load_refuses(
+        &["wal", "--threads", "4", "--records", "3"],
+        &["--records", "3", "--threads", "4"],
+    );
+}
+
+/// `coordbus-wal verify DIR` exits 3 (an error, not "healthy") with a message holding `says`.
+fn assert_verify_refuses(dir: &Path, says: &str) {
+    let path = dir.to_str().unwrap();
+    let (code, output) = wal_tool(&["verify", path]);
+    assert_eq!(code, Some(3), "verify {path}: {output}");
+    assert!(output.contains(says), "verify {path} does not say {says:?}: {output}");
+    for command in ["inspect", "dump"] {
+        let (code, stderr) = wal_tool(&[command, path]);
+        assert!(matches!(code, Some(code) if code != 0), "{command} {path} succeeded: {stderr}");
+        assert!(stderr.contains(says), "{command} {path} does not say {says:?}: {stderr}");
+    }
+}
+
+#[test]
+fn the_wal_tool_does_not_take_a_wrong_directory_for_a_healthy_log() {
+    let parent = tempfile::tempdir().unwrap();
+    let missing = parent.path().join("no-such-log");
+    assert_verify_refuses(&missing, "no such file or directory");
+    // A directory with something in it, but no segment: the parent of a log, say.
+    std::fs::write(parent.path().join("notes.txt"), b"not a segment").unwrap();
+    assert_verify_refuses(parent.path(), "holds no WAL segment");
+    // A real log in a subdirectory is still read, and reported healthy.
+    let log = parent.path().join("log");
+    {
+        let wal = coordbus::wal::Wal::open(&log, coordbus::wal::WalConfig::default()).unwrap();
+        let (lsn, _) = wal.append_bytes(b"record", 1).unwrap();
+        wal.wait_durable(lsn).unwrap();
+        wal.close().unwrap();
+    }
+    let (code, stderr) = wal_tool(&["verify", log.to_str().unwrap()]);
+    assert_eq!(code, Some(0), "verify of a real log: {stderr}");
+}
