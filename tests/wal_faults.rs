@@ -371,22 +371,37 @@ fn short_writes_are_completed_on(path: IoVariant) {
     }
 }
 
+/// `wal.wait_durable(lsn)` (no timeout: the wait that may lead), on a thread of its own and
+/// collected with a bound, so that a wait that hangs fails the test instead.
+fn wait_leading(wal: &Arc<Wal>, lsn: Lsn) -> Result<(), WalError> {
+    let (sender, receiver) = std::sync::mpsc::channel();
+    let wal = Arc::clone(wal);
+    std::thread::spawn(move || {
+        let waited = wal.wait_durable(lsn);
+        // Before answering: the test may drop the log and reopen its directory next.
+        drop(wal);
+        let _ = sender.send(waited);
+    });
+    receiver.recv_timeout(Duration::from_secs(30)).expect("the durability wait hung")
+}
+
 #[test]
 fn a_failed_fsync_fails_the_waiter_where_waiters_lead() {
     on_both_paths(a_failed_fsync_fails_the_waiter_where_waiters_lead_on);
 }
 
 /// `EveryRecord` waiters write their own groups when the writer is free (checked: groups were
-/// led before the fault). The failing sync is run by whichever takes the doomed group first:
+/// led before the fault; each wait runs on a thread of its own, `wait_leading`). The failing sync is run by whichever takes the doomed group first:
 /// the waiter, leading, or the sync thread, which the pending callback wakes. Either way the
 /// waiter gets the sync's error from `wait_durable`, the callback gets it on the sync thread,
 /// and the log is failed for everyone.
 fn a_failed_fsync_fails_the_waiter_where_waiters_lead_on(path: IoVariant) {
     let dir = tempfile::tempdir().unwrap();
     let (wal, faults) = open_faulty(path, dir.path(), Durability::EveryRecord, 1 << 20);
+    let wal = Arc::new(wal);
     for index in 0..10u8 {
         let (lsn, _) = wal.append_bytes(&[index; 32], 0).unwrap();
-        wal.wait_durable(lsn).unwrap();
+        wait_leading(&wal, lsn).unwrap();
     }
     assert!(wal.stats().led_groups > 0, "{:?}", wal.stats());
     faults.sync_eio.store(true, Ordering::SeqCst);
@@ -401,7 +416,7 @@ fn a_failed_fsync_fails_the_waiter_where_waiters_lead_on(path: IoVariant) {
             sender.send((result.is_err(), thread)).unwrap();
         }),
     );
-    let error = wal.wait_durable(doomed).unwrap_err();
+    let error = wait_leading(&wal, doomed).unwrap_err();
     match error.root_cause() {
         WalError::Io { op, .. } => assert_eq!(*op, "fdatasync"),
         other => panic!("expected the fdatasync error, got {other:?}"),

@@ -1,9 +1,11 @@
 //! A panic on the WAL's sync thread (a broken invariant, or a storage layer that panics) fails
 //! the log at once: a thread waiting for durability gets the error instead of waiting forever,
-//! durability callbacks run with it, and later appends are refused.
+//! durability callbacks run with it (one that panics does not abort the process), and later
+//! appends are refused.
 //!
-//! Method: a storage whose `sync_data` panics, on the pwrite path (the file hides its
-//! descriptor), with group commit (so the sync thread, not a waiter, writes and syncs). Each
+//! Method: a storage whose `sync_data` panics once the test opens a gate (until then it
+//! holds every sync), on the pwrite path (the file hides its descriptor), with group commit
+//! (so the sync thread, not a waiter, writes and syncs). Each
 //! wait runs on a helper thread and is collected with a bound: the bug this guards against is
 //! a hang.
 
@@ -11,7 +13,7 @@ use std::{
     io,
     os::fd::RawFd,
     path::Path,
-    sync::{mpsc, Arc},
+    sync::{mpsc, Arc, Condvar, Mutex},
     time::Duration,
 };
 
@@ -22,18 +24,38 @@ use coordbus::wal::{
 /// Far longer than a sync; a wait that has not returned by then is hung.
 const BOUND: Duration = Duration::from_secs(30);
 
-#[derive(Debug)]
-struct PanickingSyncStorage;
+/// Holds every sync until the test opens it; then the sync panics.
+#[derive(Debug, Default)]
+struct Gate {
+    open: Mutex<bool>,
+    opened: Condvar,
+}
+
+impl Gate {
+    fn open(&self) {
+        *self.open.lock().unwrap() = true;
+        self.opened.notify_all();
+    }
+
+    /// Waits (bounded: a test that never opens it fails anyway) until the gate is open.
+    fn pass(&self) {
+        let open = self.open.lock().unwrap();
+        let _open = self.opened.wait_timeout_while(open, BOUND, |open| !*open).unwrap();
+    }
+}
 
 #[derive(Debug)]
-struct PanickingSyncFile(Arc<dyn StorageFile>);
+struct PanickingSyncStorage(Arc<Gate>);
+
+#[derive(Debug)]
+struct PanickingSyncFile(Arc<dyn StorageFile>, Arc<Gate>);
 
 impl Storage for PanickingSyncStorage {
     fn create_dir_all(&self, dir: &Path) -> io::Result<()> {
         FileStorage.create_dir_all(dir)
     }
     fn create(&self, path: &Path) -> io::Result<Arc<dyn StorageFile>> {
-        Ok(Arc::new(PanickingSyncFile(FileStorage.create(path)?)))
+        Ok(Arc::new(PanickingSyncFile(FileStorage.create(path)?, Arc::clone(&self.0))))
     }
     fn open_existing(&self, path: &Path) -> io::Result<Arc<dyn StorageFile>> {
         FileStorage.open_existing(path)
@@ -54,6 +76,7 @@ impl StorageFile for PanickingSyncFile {
         self.0.write_at(buf, offset)
     }
     fn sync_data(&self) -> io::Result<()> {
+        self.1.pass();
         panic!("injected: the storage layer panicked in sync_data");
     }
     fn allocate(&self, len: u64) -> io::Result<()> {
@@ -67,7 +90,7 @@ impl StorageFile for PanickingSyncFile {
     }
 }
 
-fn open(dir: &Path) -> Arc<Wal> {
+fn open(dir: &Path, gate: &Arc<Gate>) -> Arc<Wal> {
     let config = WalConfig {
         segment_size_bytes: 1 << 20,
         durability: Durability::GroupCommit {
@@ -78,7 +101,7 @@ fn open(dir: &Path) -> Arc<Wal> {
     };
     let options = WalOptions {
         io: IoMode::Pwrite,
-        storage: Arc::new(PanickingSyncStorage),
+        storage: Arc::new(PanickingSyncStorage(Arc::clone(gate))),
         ..WalOptions::default()
     };
     Arc::new(Wal::open_with_options(dir, config, options).unwrap())
@@ -87,9 +110,16 @@ fn open(dir: &Path) -> Arc<Wal> {
 #[test]
 fn a_panic_on_the_sync_thread_fails_waiters_callbacks_and_appends_instead_of_hanging() {
     let dir = tempfile::tempdir().unwrap();
-    let wal = open(dir.path());
+    let gate = Arc::new(Gate::default());
+    let wal = open(dir.path(), &gate);
+    // Appended, called back and waited for while every sync is held at the gate: nothing can
+    // fail before the gate opens.
     let (lsn, _) = wal.append_bytes(b"never durable", 1).unwrap();
-
+    let (later, _) = wal.append_bytes(b"also never durable", 1).unwrap();
+    // A callback that panics on the error it is given, registered before anything failed, so
+    // the sync thread runs it: after its own unwind was caught, so it is a panic of its own,
+    // not a panic while panicking (which aborts the process, and this test with it).
+    wal.notify_when_durable(later, Box::new(|outcome| outcome.expect("injected: callback panics")));
     let (callback_tx, callback_rx) = mpsc::channel();
     wal.notify_when_durable(
         lsn,
@@ -105,6 +135,7 @@ fn a_panic_on_the_sync_thread_fails_waiters_callbacks_and_appends_instead_of_han
         })
     };
 
+    gate.open();
     let waited = wait_rx.recv_timeout(BOUND).expect("the durability wait hung after the panic");
     waiter.join().unwrap();
     let error = waited.expect_err("a record whose sync panicked was reported durable");

@@ -34,18 +34,25 @@ impl CorePlanner {
     }
 }
 
-/// Pins the calling thread to `core`; logs and carries on unpinned if that fails. A core this
-/// process may not run on (absent, outside its cpuset, or beyond what the OS's CPU sets can
-/// name, where the pinning call itself would panic) is refused up front.
+/// Pins the calling thread to `core`; logs and carries on unpinned if that fails. A core id
+/// beyond what the OS's CPU sets can name is refused up front: the pinning call itself would
+/// index past its CPU set (libc's `CPU_SET` panics there, and the process aborts). The OS
+/// refuses the other cores this process may not run on.
 pub(crate) fn pin_current_thread(core: usize, endpoint: &str) {
-    let allowed =
-        core_affinity::get_core_ids().is_some_and(|cores| cores.iter().any(|id| id.id == core));
-    if !allowed {
-        tracing::warn!(endpoint, core, "no such core for this process; running unpinned");
+    if core >= CPU_SET_CORES {
+        tracing::warn!(
+            endpoint,
+            core,
+            limit = CPU_SET_CORES,
+            "core id beyond the CPU set; running unpinned"
+        );
     } else if !core_affinity::set_for_current(core_affinity::CoreId { id: core }) {
         tracing::warn!(endpoint, core, "could not pin endpoint thread; running unpinned");
     }
 }
+
+/// How many cores a `cpu_set_t` can name (glibc's `CPU_SETSIZE`, 1024).
+const CPU_SET_CORES: usize = 8 * std::mem::size_of::<libc::cpu_set_t>();
 
 #[cfg(test)]
 mod tests {
@@ -59,6 +66,7 @@ mod tests {
     #[test]
     fn a_core_id_beyond_the_cpu_set_runs_unpinned_instead_of_panicking() {
         // 4096 is past glibc's CPU_SETSIZE (1024): `CPU_SET` on it indexes out of bounds.
+        const { assert!(CPU_SET_CORES <= 4096) };
         let affinity = std::thread::spawn(|| {
             let before = current_affinity();
             pin_current_thread(4096, "test");

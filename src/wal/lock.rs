@@ -31,6 +31,7 @@ use std::{
     fs::{File, TryLockError},
     io,
     path::{Path, PathBuf},
+    sync::atomic::{AtomicU32, Ordering},
 };
 
 use crate::error::WalError;
@@ -54,13 +55,15 @@ impl DirLock {
     /// [`WalError::Locked`] if another writer holds the lock, [`WalError::Io`] if the
     /// directory cannot be opened or locked.
     pub(crate) fn try_acquire(dir: &Path) -> Result<Option<DirLock>, WalError> {
-        Self::try_acquire_within(dir, LOCK_GRACE)
+        Self::try_acquire_within(dir, LOCK_GRACE, &AtomicU32::new(0))
     }
 
-    /// [`DirLock::try_acquire`], retrying for up to `grace`.
+    /// [`DirLock::try_acquire`], retrying for up to `grace`; counts the tries that found the
+    /// lock held in `busy_tries`.
     fn try_acquire_within(
         dir: &Path,
         grace: std::time::Duration,
+        busy_tries: &AtomicU32,
     ) -> Result<Option<DirLock>, WalError> {
         let file = match File::open(dir) {
             Ok(file) => file,
@@ -76,6 +79,7 @@ impl DirLock {
                     return Ok(Some(DirLock { _file: file, dir: dir.to_path_buf() }));
                 }
                 Err(TryLockError::WouldBlock) if std::time::Instant::now() < deadline => {
+                    busy_tries.fetch_add(1, Ordering::Relaxed);
                     std::thread::sleep(pause);
                     pause = (pause * 2).min(std::time::Duration::from_millis(10));
                 }
@@ -160,34 +164,33 @@ mod tests {
     }
 
     /// A lock released within the grace period (as a forked child's copy is, at its exec) is
-    /// taken, not reported as held; the holder here releases it while the waiter retries.
+    /// taken, not reported as held; the holder here releases it once the waiter found it held.
     #[test]
     fn a_lock_released_within_the_grace_period_is_taken() {
         use std::{
-            sync::mpsc,
+            sync::{mpsc, Arc},
             time::{Duration, Instant},
         };
-        // Long enough that no scheduling delay runs it out: the test then never fails on a
-        // slow machine, and only passes if the retry took the lock.
+        // Long enough that no scheduling delay runs it out.
         const GRACE: Duration = Duration::from_secs(30);
         let dir = tempfile::tempdir().unwrap();
         let lock = DirLock::try_acquire(dir.path()).unwrap().expect("the directory exists");
         let path = dir.path().to_path_buf();
-        let (started_tx, started_rx) = mpsc::channel();
+        let busy_tries = Arc::new(AtomicU32::new(0));
         let (done_tx, done_rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            started_tx.send(()).unwrap();
-            let acquired = DirLock::try_acquire_within(&path, GRACE);
-            let _ = done_tx.send((acquired, Instant::now()));
-        });
-        started_rx.recv_timeout(GRACE).expect("the waiter did not start");
-        // Holds the lock while the waiter tries (this sleep makes the held period; the result
-        // is waited for below, on the channel).
-        std::thread::sleep(Duration::from_millis(100));
-        let released = Instant::now();
+        {
+            let busy_tries = Arc::clone(&busy_tries);
+            std::thread::spawn(move || {
+                let _ = done_tx.send(DirLock::try_acquire_within(&path, GRACE, &busy_tries));
+            });
+        }
+        let deadline = Instant::now() + GRACE;
+        while busy_tries.load(Ordering::Relaxed) == 0 {
+            assert!(Instant::now() < deadline, "the waiter never found the lock held");
+            std::thread::sleep(Duration::from_millis(1));
+        }
         drop(lock);
-        let (acquired, returned) = done_rx.recv_timeout(GRACE * 2).expect("the waiter hung");
+        let acquired = done_rx.recv_timeout(GRACE * 2).expect("the waiter hung");
         assert!(acquired.unwrap().is_some(), "the released lock was not taken");
-        assert!(returned >= released, "the waiter returned while the lock was still held");
     }
 }

@@ -854,8 +854,14 @@ impl Shared {
             WalError::Failed { cause } => *cause,
             other => other,
         };
-        tracing::error!(%error, dir = ?self.dir, "write-ahead log failed; no more writes");
-        let _ = self.failed.set(error);
+        // The first failure is the log's; later ones (a close that finds the sync thread
+        // panicked, which failed the log already) are only noted.
+        match self.failed.set(error) {
+            Ok(()) => tracing::error!(error = %self.failed.get().expect("just set"),
+                dir = ?self.dir, "write-ahead log failed; no more writes"),
+            Err(later) => tracing::debug!(error = %later, dir = ?self.dir,
+                "write-ahead log failed again"),
+        }
         self.failed_flag.store(true, Ordering::Release);
         let callbacks = {
             let mut sync = lock(&self.sync);
@@ -2424,9 +2430,19 @@ mod tests {
     #[test]
     fn closing_does_not_wait_out_a_pause() {
         let (wal, _dir, _, small) = log_with_a_paced_group();
-        let started = Instant::now();
-        wal.close().unwrap();
-        let took = started.elapsed();
+        let wal = Arc::new(wal);
+        let (closed_tx, closed_rx) = std::sync::mpsc::channel();
+        {
+            let wal = Arc::clone(&wal);
+            std::thread::spawn(move || {
+                let started = Instant::now();
+                let closed = wal.close();
+                let _ = closed_tx.send((closed, started.elapsed()));
+            });
+        }
+        // Bounded: a close that hung would otherwise hang the test.
+        let (closed, took) = closed_rx.recv_timeout(Duration::from_secs(60)).expect("close hung");
+        closed.unwrap();
         assert!(took < PAUSE_ENDED_WITHIN, "close took {took:?}");
         assert_eq!(wal.durable_lsn(), small);
     }
@@ -2446,7 +2462,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let wal = Wal::open(dir.path(), WalConfig::default()).unwrap();
         let (lsn, handle) = wal.append_bytes(b"record", 1).unwrap();
-        wal.wait_durable(lsn).unwrap();
+        wal.wait_durable_timeout(lsn, Duration::from_secs(30)).unwrap();
         // 16-aligned and past the segment header: only the addition of the frame header
         // overflows (it panicked in debug builds, and wrapped in release ones).
         let forged = RecordHandle { offset: !15u64, ..handle };

@@ -114,6 +114,9 @@ fn the_wal_tool_does_not_take_a_wrong_directory_for_a_healthy_log() {
     let parent = tempfile::tempdir().unwrap();
     let missing = parent.path().join("no-such-log");
     assert_verify_refuses(&missing, "no such file or directory");
+    // An empty directory is an empty log (opened, nothing written yet): healthy.
+    let (code, output) = wal_tool(&["verify", parent.path().to_str().unwrap()]);
+    assert_eq!(code, Some(0), "verify of an empty directory: {output}");
     // A directory with something in it, but no segment: the parent of a log, say.
     std::fs::write(parent.path().join("notes.txt"), b"not a segment").unwrap();
     assert_verify_refuses(parent.path(), "holds no WAL segment");
@@ -122,7 +125,7 @@ fn the_wal_tool_does_not_take_a_wrong_directory_for_a_healthy_log() {
     {
         let wal = coordbus::wal::Wal::open(&log, coordbus::wal::WalConfig::default()).unwrap();
         let (lsn, _) = wal.append_bytes(b"record", 1).unwrap();
-        wal.wait_durable(lsn).unwrap();
+        wal.wait_durable_timeout(lsn, BOUND).unwrap();
         wal.close().unwrap();
     }
     let (code, stderr) = wal_tool(&["verify", log.to_str().unwrap()]);

@@ -315,8 +315,8 @@ impl ChainDecoder {
         Ok(())
     }
 
-    /// The offsets of the last record applied (or of the keyframe); an error if their count
-    /// cannot be (see [`reserve_offsets`]).
+    /// The offsets of the last record applied (or of the keyframe); an error if a record
+    /// cannot hold their count (see [`reserve_offsets`]).
     pub(super) fn offsets(&self) -> Result<Vec<(PartitionId, Payload)>, String> {
         let bytes: Vec<u8> =
             self.words.iter().flat_map(|word| word.to_le_bytes()).take(self.data_len).collect();
@@ -342,7 +342,7 @@ mod tests {
     type Offsets = Vec<(PartitionId, Payload)>;
 
     #[test]
-    fn a_keyframe_claiming_more_offsets_than_partition_ids_is_an_error_not_an_abort() {
+    fn a_keyframe_claiming_more_offsets_than_a_record_holds_is_an_error_not_an_abort() {
         let bytes = crate::coordinators::epoch::log_record::tests::empty_payloads_record(u32::MAX);
         let ArchivedLogRecord::Offsets(keyframe) =
             rkyv::access::<ArchivedLogRecord, rancor::Error>(&bytes).unwrap()
@@ -351,7 +351,7 @@ mod tests {
         };
         let decoder = ChainDecoder::new(keyframe).unwrap();
         let error = decoder.offsets().unwrap_err();
-        assert!(error.contains("more than there are partition ids"), "{error}");
+        assert!(error.contains("more than a record holds"), "{error}");
     }
 
     fn dense(payloads: &[Vec<u8>]) -> Offsets {

@@ -453,8 +453,8 @@ impl<Q: Query> DurableQuery<Q> {
         let too_large = |error: TooLarge| EpochError::BadLogRecord {
             lsn: 0,
             reason: format!(
-                "the offsets of epoch {epoch}: {} {} exceeds u32",
-                error.what, error.value
+                "the offsets of epoch {epoch}: {} {} exceeds {}",
+                error.what, error.value, error.limit
             ),
         };
         let held = self.assume_compact && {
@@ -1128,7 +1128,6 @@ mod tests {
         rkyv::to_bytes::<rancor::Error>(&LogRecordRef::OffsetsDelta(delta)).unwrap()
     }
 
-    /// Appends `records` (bytes, epoch) and a commit of each epoch in `commits` (run 1).
     #[test]
     fn a_record_of_the_last_possible_run_is_a_typed_error() {
         let dir = tempfile::tempdir().unwrap();
@@ -1147,6 +1146,7 @@ mod tests {
         }
     }
 
+    /// Appends `records` (bytes, epoch) and a commit of each epoch in `commits` (run 1).
     fn write_log(dir: &Path, records: &[(AlignedVec, i64)], commits: &[i64]) {
         let wal = Wal::open(dir, config()).unwrap();
         for (bytes, epoch) in records {

@@ -157,6 +157,11 @@ impl<S: Fallible + Writer + ?Sized> Serialize<S> for OffsetsRecordRef<'_> {
     }
 }
 
+/// The most offsets one record holds (2^24, far beyond any engine's partition count). A
+/// record's empty payloads take no bytes, so nothing else bounds what a reader of a damaged
+/// or forged log would allocate; the writer keeps to the same bound.
+pub(super) const MAX_OFFSETS_PER_RECORD: usize = 1 << 24;
+
 /// Why the offsets of an epoch cannot be recorded: a count that does not fit the format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct TooLarge {
@@ -164,6 +169,8 @@ pub(super) struct TooLarge {
     pub(super) what: &'static str,
     /// Its value.
     pub(super) value: usize,
+    /// The most the format holds.
+    pub(super) limit: usize,
 }
 
 impl LogRecordRef<'_> {
@@ -182,7 +189,8 @@ impl<'a> OffsetsRecordRef<'a> {
     /// when they are `0..count`, no ends when every payload has one length.
     ///
     /// # Errors
-    /// [`TooLarge`] if the count or the total payload bytes exceed `u32`.
+    /// [`TooLarge`] if the count exceeds [`MAX_OFFSETS_PER_RECORD`] or the total payload
+    /// bytes `u32`.
     pub(super) fn new(
         run: u64,
         epoch: i64,
@@ -239,10 +247,16 @@ impl<'a> OffsetsRecordRef<'a> {
         width: Option<usize>,
         assumed: bool,
     ) -> Result<Self, TooLarge> {
-        let count = u32::try_from(offsets.len())
-            .map_err(|_| TooLarge { what: "count", value: offsets.len() })?;
+        if offsets.len() > MAX_OFFSETS_PER_RECORD {
+            return Err(TooLarge {
+                what: "count",
+                value: offsets.len(),
+                limit: MAX_OFFSETS_PER_RECORD,
+            });
+        }
+        let count = offsets.len() as u32;
         if u32::try_from(total).is_err() {
-            return Err(TooLarge { what: "payload bytes", value: total });
+            return Err(TooLarge { what: "payload bytes", value: total, limit: u32::MAX as usize });
         }
         Ok(Self {
             run,
@@ -457,13 +471,15 @@ impl<S: Fallible + Writer + ?Sized> Serialize<S> for PayloadBytes<'_> {
     }
 }
 
-/// Room for the `count` offsets of a record read from disk. Empty payloads take no bytes in a
-/// record, so a well-formed record may claim any count: the count is checked against the
-/// partition ids it implies, and the allocation may fail with an error instead of aborting.
+/// Room for the `count` offsets of a record read from disk: at most
+/// [`MAX_OFFSETS_PER_RECORD`] (empty payloads take no bytes in a record, so a well-formed
+/// record may claim any count), and the allocation may fail with an error instead of
+/// aborting.
 pub(super) fn reserve_offsets(count: usize) -> Result<Vec<(PartitionId, Payload)>, String> {
-    const IDS: usize = i32::MAX as usize + 1;
-    if count > IDS {
-        return Err(format!("{count} offsets, more than there are partition ids ({IDS})"));
+    if count > MAX_OFFSETS_PER_RECORD {
+        return Err(format!(
+            "{count} offsets, more than a record holds ({MAX_OFFSETS_PER_RECORD})"
+        ));
     }
     let mut offsets = Vec::new();
     offsets
@@ -531,12 +547,16 @@ pub(super) mod tests {
     }
 
     #[test]
-    fn a_record_claiming_more_offsets_than_partition_ids_is_an_error_not_an_abort() {
-        let bytes = empty_payloads_record(u32::MAX);
-        let archived = rkyv::access::<ArchivedLogRecord, rancor::Error>(&bytes).unwrap();
-        let ArchivedLogRecord::Offsets(entry) = archived else { panic!("not offsets") };
-        let error = decode_offsets(entry).unwrap_err();
-        assert_eq!(error, "4294967295 offsets, more than there are partition ids (2147483648)");
+    fn a_record_claiming_more_offsets_than_a_record_holds_is_an_error_not_an_abort() {
+        for (count, error) in [
+            (u32::MAX, "4294967295 offsets, more than a record holds (16777216)"),
+            (1 << 24 | 1, "16777217 offsets, more than a record holds (16777216)"),
+        ] {
+            let bytes = empty_payloads_record(count);
+            let archived = rkyv::access::<ArchivedLogRecord, rancor::Error>(&bytes).unwrap();
+            let ArchivedLogRecord::Offsets(entry) = archived else { panic!("not offsets") };
+            assert_eq!(decode_offsets(entry).unwrap_err(), error);
+        }
         // A modest count of empty payloads is a valid record.
         let bytes = empty_payloads_record(3);
         let archived = rkyv::access::<ArchivedLogRecord, rancor::Error>(&bytes).unwrap();

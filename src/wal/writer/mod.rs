@@ -176,42 +176,25 @@ struct OpenSegment {
     last_lsn: u64,
 }
 
-/// Fails the log if dropped while its thread unwinds, so that a broken invariant on a thread
-/// that writes the log ends in a failed log (every waiter and appender gets the error) rather
-/// than in records that are never written and waiters that wait forever.
-struct FailOnPanic {
-    shared: Arc<Shared>,
-    /// Who writes: a leader (on a user's thread, which leaves callbacks to the sync thread)
-    /// or the sync thread (which runs them itself: nobody else would).
-    role: WriterRole,
-}
-
-#[derive(Clone, Copy)]
-enum WriterRole {
-    Leader,
-    SyncThread,
-}
+/// Fails the log if dropped while a leader's thread unwinds (see [`Writer::lead`]): a broken
+/// invariant then ends in a failed log, not in records never written and waiters that wait
+/// forever. Callbacks are left to the sync thread: this runs on a user's thread, and during
+/// an unwind, where a panicking callback would abort the process.
+struct FailOnPanic(Arc<Shared>);
 
 impl Drop for FailOnPanic {
     fn drop(&mut self) {
-        if !std::thread::panicking() {
-            return;
-        }
-        let (op, message, run_callbacks) = match self.role {
-            WriterRole::Leader => {
-                ("lead", "a thread writing the log for its own records panicked", false)
-            }
-            WriterRole::SyncThread => ("sync thread", "the log's sync thread panicked", true),
-        };
-        let error = WalError::Io {
-            op,
-            path: self.shared.dir.clone(),
-            kind: std::io::ErrorKind::Other,
-            message: message.into(),
-        };
-        self.shared.fail(error, run_callbacks);
-        if !run_callbacks {
-            self.shared.wake_writer_for_callbacks();
+        if std::thread::panicking() {
+            self.0.fail(
+                WalError::Io {
+                    op: "lead",
+                    path: self.0.dir.clone(),
+                    kind: std::io::ErrorKind::Other,
+                    message: "a thread writing the log for its own records panicked".into(),
+                },
+                false,
+            );
+            self.0.wake_writer_for_callbacks();
         }
     }
 }
@@ -282,13 +265,36 @@ fn swap_out_group(
 
 /// The sync thread's body: turns until the log closes. The writer lock is held for each turn
 /// and released while the thread waits for work, so that a leader can write meanwhile.
+///
+/// A panic (a broken invariant, or a storage layer that panics) fails the log before the
+/// thread ends, so that waiters, durability callbacks and appenders get the error instead of
+/// waiting forever; the panic then goes on, for [`crate::wal::Wal::close`] to report. The
+/// callbacks run after the unwind was caught, not during it: one that panicked there would
+/// abort the process.
 pub(crate) fn run(writer: Arc<Mutex<Writer>>) {
+    let shared = Arc::clone(&lock(&writer).shared);
+    let turns = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_turns(&writer)));
+    if let Err(panic) = turns {
+        shared.fail(
+            WalError::Io {
+                op: "sync thread",
+                path: shared.dir.clone(),
+                kind: std::io::ErrorKind::Other,
+                message: "the sync thread panicked".into(),
+            },
+            true,
+        );
+        std::panic::resume_unwind(panic);
+    }
+}
+
+/// [`run`]'s loop.
+fn run_turns(writer: &Mutex<Writer>) {
     let (shared, pipelined) = {
-        let mut writer = lock(&writer);
+        let mut writer = lock(writer);
         let pipelined = writer.shared.ring_waker.is_some() && writer.engine.as_uring().is_some();
         (Arc::clone(&writer.shared), pipelined)
     };
-    let _fail_on_panic = FailOnPanic { shared: Arc::clone(&shared), role: WriterRole::SyncThread };
     let capacity = lock(&shared.append).buf.capacity();
     // The second staging buffer, sized like the first so neither regrows (and re-faults fresh
     // pages) in steady state.
@@ -299,7 +305,7 @@ pub(crate) fn run(writer: Arc<Mutex<Writer>>) {
         events: Vec::new(),
     };
     loop {
-        let mut guard = lock(&writer);
+        let mut guard = lock(writer);
         // Set only by a leader that panicked (the log is failed then); this thread runs the
         // callbacks itself.
         guard.leading = false;
@@ -387,8 +393,7 @@ impl Writer {
         }
         // A panic below (a broken invariant) would leave a group taken and never written:
         // the log fails then, rather than go on with a hole in it.
-        let _fail_on_panic =
-            FailOnPanic { shared: Arc::clone(&self.shared), role: WriterRole::Leader };
+        let _fail_on_panic = FailOnPanic(Arc::clone(&self.shared));
         self.leading = true;
         let mut led = false;
         let mut buf = std::mem::take(&mut self.lead_buf);

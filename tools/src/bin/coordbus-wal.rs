@@ -10,10 +10,10 @@
 //! work on a log a live writer holds open. Each command says whether a writer holds the
 //! directory lock: if one does, a "torn tail" may be records still being written.
 //!
-//! `DIR` must be a log directory: a path that does not exist, or a directory holding no
-//! segment file (`seg-NNNNNNNNNN.wal`; spare files `spare-NNNNNNNNNN.wal` are not segments),
-//! is an error (exit code 3), never an empty, healthy log: the wrong directory (the parent of
-//! the log, a typo) must not pass for one.
+//! `DIR` must be a log directory: a path that does not exist, or a directory holding files but
+//! no segment file (`seg-NNNNNNNNNN.wal`; spare files `spare-NNNNNNNNNN.wal` are not
+//! segments), is an error (exit code 3), never an empty, healthy log: the wrong directory (the
+//! parent of the log, a typo) must not pass for one. An empty directory is an empty log.
 
 use std::{
     path::{Path, PathBuf},
@@ -66,7 +66,7 @@ enum Command {
     },
     /// Strict scan. Exit code 0: healthy; 1: corruption (opening would fail in strict mode);
     /// 2: a torn tail (opening cuts it; nothing acknowledged is affected); 3: I/O or usage
-    /// error (also: DIR does not exist, or holds no WAL segment).
+    /// error (also: DIR does not exist, or holds files but no WAL segment).
     Verify {
         /// The log directory.
         dir: PathBuf,
@@ -109,8 +109,9 @@ fn lock_note(locked: bool) -> &'static str {
 }
 
 /// Checks that `dir` is a log directory: it exists, is a directory, and holds at least one
-/// segment file. A directory without one is named with the count of what it holds instead,
-/// so a wrong directory (e.g. the parent of the log) is obvious.
+/// segment file or nothing at all (an empty log). A directory holding other things but no
+/// segment is named with the count of what it holds instead, so a wrong directory (e.g. the
+/// parent of the log) is obvious.
 fn check_log_dir(dir: &Path) -> anyhow::Result<()> {
     let metadata = match std::fs::metadata(dir) {
         Ok(metadata) => metadata,
@@ -133,8 +134,9 @@ fn check_log_dir(dir: &Path) -> anyhow::Result<()> {
             _ => others += 1,
         }
     }
+    // An empty directory is an empty log (one opened, and nothing written yet).
     anyhow::ensure!(
-        segments > 0,
+        segments > 0 || spares + others == 0,
         "{} holds no WAL segment (no seg-NNNNNNNNNN.wal file); it has {} other entries \
          ({spares} spare segment files, {others} other files or directories): is it the log \
          directory?",

@@ -64,9 +64,11 @@ use crate::{
 const MAX_STREAMS: u32 = 1 << 16;
 /// Longest batch interval (`--batch-interval-ms`): one minute.
 const MAX_BATCH_INTERVAL_MS: u64 = 60_000;
-/// Most logged additions of `blocks/recover` (`--recover-events`, 2^30): the recovery sizes
-/// its segments at 128 bytes per event, which then stays within the WAL's 1 TiB segment.
-const MAX_RECOVER_EVENTS: u64 = 1 << 30;
+/// Most logged additions of `blocks/recover` (`--recover-events`, 2^23): the allocation of
+/// every block is one record of about 100 bytes per block, and a record holds at most
+/// `MAX_PAYLOAD_LEN` (1 GiB) bytes; the run sizes its recovery segments at 128 bytes per event
+/// (1 GiB here), preallocated.
+const MAX_RECOVER_EVENTS: u64 = coordbus::record::frame::MAX_PAYLOAD_LEN as u64 / 128;
 
 /// Spark 4.3, `ReceivedBlockTracker.addBlock` with the driver WAL, batching on (ANCHORS.md).
 const SPARK_ADD_1_THREAD: f64 = 20_000.0;
@@ -139,7 +141,8 @@ pub struct BlocksArgs {
         value_parser = clap::value_parser!(u64).range(0..=MAX_BATCH_INTERVAL_MS)
     )]
     pub batch_interval_ms: u64,
-    /// Logged additions for `blocks/recover` and `blocks/allocate` (1 ..= 2^30).
+    /// Logged additions for `blocks/recover` and `blocks/allocate` (1 ..= 2^23, so that the
+    /// allocation of them all fits one WAL record).
     #[arg(
         long,
         default_value_t = 1_000_000,
