@@ -13,7 +13,11 @@ pub type HandlerError = Box<dyn std::error::Error + Send + Sync + 'static>;
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum SendError<T> {
-    /// The inbox shard of this sender is full (only from `try_send`).
+    /// The inbox shard of this sender is full: from `try_send`, and from a `send` or
+    /// `send_batch` by the endpoint's own handler into its own full inbox (only that handler's
+    /// thread could make room, so waiting would never end). Endpoints that send to each other
+    /// in a cycle can still fill each other's inboxes: give such sends a deadline
+    /// (`send_timeout`) or use `try_send`.
     #[error("inbox of endpoint {endpoint:?} is full")]
     Full {
         /// The endpoint's name.
@@ -137,6 +141,26 @@ pub enum BusError {
     ThreadPanicked {
         /// The endpoint's name.
         name: String,
+    },
+    /// An endpoint name the bus cannot take (it names the endpoint's thread).
+    #[error("invalid endpoint name {name:?}: {reason}")]
+    InvalidName {
+        /// The name asked for.
+        name: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// Endpoint threads still running when `shutdown` gave up waiting: their endpoints are
+    /// stopped and finish on their own (left detached), but what was queued may not be
+    /// handled yet.
+    #[error(
+        "endpoint threads {endpoints:?} did not finish within the shutdown timeout of {timeout:?}"
+    )]
+    ShutdownTimedOut {
+        /// The endpoints whose threads were still running.
+        endpoints: Vec<String>,
+        /// The bus's `shutdown_timeout`.
+        timeout: std::time::Duration,
     },
 }
 

@@ -33,6 +33,8 @@ mod barrier;
 mod lane;
 mod producer;
 mod ring;
+#[cfg(all(test, not(loom)))]
+mod test_bounds;
 mod wake;
 
 use std::{
@@ -55,7 +57,8 @@ use crate::sync::{AtomicBool, AtomicUsize, Ordering};
 /// Why a push failed; the message (or the messages not taken) is handed back.
 #[derive(Debug, PartialEq, Eq)]
 pub enum QueueError<T> {
-    /// The inbox is full (only from non-blocking pushes).
+    /// The inbox is full: from non-blocking pushes, and from a blocking push by the queue's
+    /// own consumer (which alone could make room).
     Full(T),
     /// The inbox is closed for good.
     Closed(T),
@@ -293,6 +296,11 @@ impl<T> ShardedQueue<T> {
 
     #[cold]
     fn push_slow(&self, value: T, deadline: Option<Instant>) -> Result<(), QueueError<T>> {
+        if self.doorbell.on_consumer_thread() {
+            // The consumer pushing into its own full queue (a handler sending to its own
+            // endpoint): only it could make room, so waiting would never end.
+            return Err(QueueError::Full(value));
+        }
         let target = self.target();
         let mut pending = Some(value);
         // Retries only once a batch of slots is free (or the queue closed): writing into the
@@ -374,6 +382,11 @@ impl<T> ShardedQueue<T> {
             };
             match pushed {
                 Ok(0) => {
+                    if self.doorbell.on_consumer_thread() {
+                        // Full, and this thread is the one that would have to make room
+                        // (see `push_slow`).
+                        return Err(QueueError::Full(rest.collect()));
+                    }
                     // Full: wait until a batch of slots is free (see `push_slow`).
                     while !self.has_room_to_resume(&target) && !self.is_closed() {
                         if !backoff.is_completed() {
@@ -574,25 +587,9 @@ fn deadline_passed(deadline: Option<Instant>) -> bool {
 
 #[cfg(all(test, not(loom)))]
 mod tests {
+    use super::test_bounds::{bound, join_within};
     use super::*;
     use std::sync::Arc;
-
-    /// How long a wait may take before the test fails: generous here, a hundred times that
-    /// under Miri (orders of magnitude slower, on the real clock with isolation disabled).
-    fn bound(seconds: u64) -> Duration {
-        Duration::from_secs(if cfg!(miri) { seconds * 100 } else { seconds })
-    }
-
-    /// Joins `handle`, failing the test instead of hanging if the thread has not finished
-    /// within `timeout`; a panic of the thread is passed on with its own message.
-    fn join_within<T>(handle: std::thread::JoinHandle<T>, timeout: Duration, what: &str) -> T {
-        let deadline = Instant::now() + timeout;
-        while !handle.is_finished() {
-            assert!(Instant::now() < deadline, "{what}: thread still running after {timeout:?}");
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        handle.join().unwrap_or_else(|payload| std::panic::resume_unwind(payload))
-    }
 
     /// Every test runs on each kind of inbox: lanes with the live barrier mode, lanes with the
     /// fenced fallback, and shared rings only. `MAX_LANES` places guarantee the test thread a

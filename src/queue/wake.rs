@@ -46,6 +46,12 @@ impl Doorbell {
         let _ = self.consumer.set(current_thread());
     }
 
+    /// Whether the calling thread is the bound consumer (cold paths only: it reads the
+    /// thread handle).
+    pub(crate) fn on_consumer_thread(&self) -> bool {
+        self.consumer.get().is_some_and(|consumer| consumer.id() == current_thread().id())
+    }
+
     /// Consumer: parks for at most `timeout` unless `has_work` (re-checked after announcing the
     /// intent to park) says there is something to do.
     pub(crate) fn park_unless(&self, timeout: Duration, has_work: impl FnOnce() -> bool) {

@@ -288,7 +288,9 @@ impl<E: Endpoint> EndpointRef<E> {
     /// Sends a one-way message, waiting for room while this sender's inbox shard is full.
     ///
     /// # Errors
-    /// [`SendError::Stopped`] (with the message) once the endpoint is stopped.
+    /// [`SendError::Stopped`] (with the message) once the endpoint is stopped;
+    /// [`SendError::Full`] when the endpoint's own handler sends into its own full inbox
+    /// (waiting there would never end).
     #[inline]
     pub fn send(&self, message: impl Into<E::Message>) -> Result<(), SendError<E::Message>> {
         // Converted first: no caller code may run inside the push (see `Lane::push_with`).
@@ -348,7 +350,8 @@ impl<E: Endpoint> EndpointRef<E> {
     /// atomic operation (one publication per claim). Waits for room like [`send`](Self::send).
     ///
     /// # Errors
-    /// [`SendError::Stopped`] with the messages not sent (the earlier ones were).
+    /// [`SendError::Stopped`] with the messages not sent (the earlier ones were);
+    /// [`SendError::Full`] likewise when the endpoint's own handler fills its own inbox.
     pub fn send_batch(&self, messages: Vec<E::Message>) -> Result<(), SendError<Vec<E::Message>>> {
         // Mapped lazily: the messages go straight from the caller's vector into the slots.
         let envelopes = messages.into_iter().map(Envelope::Message);

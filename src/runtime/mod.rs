@@ -128,14 +128,19 @@ impl Bus {
     /// queued and handled after `on_start`.
     ///
     /// # Errors
-    /// [`BusError::DuplicateName`] if a live endpoint has the name; [`BusError::ShutDown`]
-    /// after [`Bus::shutdown`]; [`BusError::Spawn`] if the thread cannot be started.
+    /// [`BusError::DuplicateName`] if a live endpoint has the name; [`BusError::InvalidName`]
+    /// for a name holding a NUL character; [`BusError::ShutDown`] after [`Bus::shutdown`];
+    /// [`BusError::Spawn`] if the thread cannot be started.
     pub fn register<E: Endpoint>(
         &self,
         name: impl Into<String>,
         endpoint: E,
     ) -> Result<EndpointRef<E>, BusError> {
         let name = name.into();
+        if name.contains('\0') {
+            // The thread's name is made from it, and a thread name cannot hold a NUL.
+            return Err(BusError::InvalidName { name, reason: "it contains a NUL character" });
+        }
         if self.shared.shut_down.load(Ordering::SeqCst) {
             return Err(BusError::ShutDown);
         }
@@ -215,7 +220,9 @@ impl Bus {
                 let _ = ended.try_recv();
                 BusError::Spawn { name: name.clone(), reason: error.to_string() }
             })?;
-        self.threads.lock().unwrap_or_else(PoisonError::into_inner).push((name, handle));
+        let mut threads = self.threads.lock().unwrap_or_else(PoisonError::into_inner);
+        self.join_finished(&mut threads);
+        threads.push((name, handle));
         Ok(())
     }
 
@@ -264,21 +271,49 @@ impl Bus {
         Ok(())
     }
 
+    /// Joins the threads of endpoints stopped earlier that have finished, so that a bus whose
+    /// endpoints come and go (one per query run) keeps no finished threads unjoined. Their
+    /// end signals are taken back too. A thread that panicked outside a handler was already
+    /// logged by its worker.
+    fn join_finished(&self, threads: &mut Vec<(String, std::thread::JoinHandle<()>)>) {
+        let mut index = 0;
+        while index < threads.len() {
+            if !threads[index].1.is_finished() {
+                index += 1;
+                continue;
+            }
+            let (name, handle) = threads.swap_remove(index);
+            if handle.join().is_err() {
+                tracing::error!(endpoint = %name, "endpoint thread panicked outside a handler");
+            }
+            // Its one signal was sent before it finished.
+            let ended = self.thread_ended.1.lock().unwrap_or_else(PoisonError::into_inner);
+            let _ = ended.try_recv();
+        }
+    }
+
     /// Stops every endpoint (each drains what was queued, then runs `on_stop`) and joins every
     /// endpoint thread this bus started, waiting at most `shutdown_timeout` in all. Later
-    /// registrations fail. Idempotent.
+    /// registrations fail. Idempotent. Called from an endpoint's handler (or a bus dropped
+    /// there), it does not wait for that endpoint's own thread, which finishes once the
+    /// handler returns.
     ///
     /// # Errors
-    /// [`BusError::ThreadPanicked`] if an endpoint thread died outside a handler. Threads still
-    /// running at the deadline are left detached and logged.
+    /// [`BusError::ThreadPanicked`] if an endpoint thread died outside a handler;
+    /// [`BusError::ShutdownTimedOut`] naming the endpoints whose threads were still running at
+    /// the deadline (they are left detached: stopped, they finish on their own).
     pub fn shutdown(&self) -> Result<(), BusError> {
         self.shared.shut_down.store(true, Ordering::SeqCst);
         let names: Vec<String> = self.names();
         for name in names {
             let _already_gone = self.stop(&name);
         }
-        let threads =
+        let mut threads =
             std::mem::take(&mut *self.threads.lock().unwrap_or_else(PoisonError::into_inner));
+        // The calling thread's own endpoint (a shutdown from a handler) ends only after this
+        // returns: waiting for it would always run out the timeout.
+        let me = std::thread::current().id();
+        threads.retain(|(_, handle)| handle.thread().id() != me);
         // `None`: a timeout too large for the clock, no deadline.
         let deadline = Instant::now().checked_add(self.config.shutdown_timeout);
         let ended = self.thread_ended.1.lock().unwrap_or_else(PoisonError::into_inner);
@@ -295,15 +330,23 @@ impl Bus {
             unsignalled -= 1;
         }
         let mut first_error = None;
+        let mut unfinished = Vec::new();
         for (name, handle) in threads {
             // With every signal in, each thread is at most finishing its exit: join is prompt.
             if unsignalled > 0 && !handle.is_finished() {
                 tracing::error!(endpoint = %name, "endpoint thread did not finish; detached");
+                unfinished.push(name);
                 continue;
             }
             if handle.join().is_err() && first_error.is_none() {
                 first_error = Some(BusError::ThreadPanicked { name });
             }
+        }
+        if !unfinished.is_empty() && first_error.is_none() {
+            first_error = Some(BusError::ShutdownTimedOut {
+                endpoints: unfinished,
+                timeout: self.config.shutdown_timeout,
+            });
         }
         first_error.map_or(Ok(()), Err)
     }
@@ -312,5 +355,53 @@ impl Bus {
 impl Drop for Bus {
     fn drop(&mut self) {
         let _ = self.shutdown();
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::{runtime::Context, HandlerError};
+
+    struct Idle;
+
+    impl Endpoint for Idle {
+        type Message = ();
+        type Request = ();
+
+        fn handle(&mut self, (): (), _: &Context<Self>) -> Result<(), HandlerError> {
+            Ok(())
+        }
+
+        fn handle_request(&mut self, (): (), _: &Context<Self>) -> Result<(), HandlerError> {
+            Ok(())
+        }
+    }
+
+    fn held_threads(bus: &Bus) -> usize {
+        bus.threads.lock().unwrap().len()
+    }
+
+    #[test]
+    fn endpoints_that_come_and_go_leave_no_finished_threads_unjoined() {
+        let bus = Bus::builder().build().unwrap();
+        for run in 0..20 {
+            let name = format!("run-{run}");
+            bus.register(&name, Idle).unwrap();
+            bus.stop(&name).unwrap();
+        }
+        // Each stopped thread finishes on its own; the next registration joins the finished.
+        let deadline = Instant::now() + std::time::Duration::from_secs(30);
+        loop {
+            bus.register("probe", Idle).unwrap();
+            bus.stop("probe").unwrap();
+            // At most the probe just started and the ones not yet finished.
+            if held_threads(&bus) <= 2 {
+                break;
+            }
+            assert!(Instant::now() < deadline, "{} threads held", held_threads(&bus));
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        bus.shutdown().unwrap();
     }
 }

@@ -303,9 +303,16 @@ impl<Q: Query> DurableQuery<Q> {
     /// # Errors
     /// [`EpochError::CommittedWithoutOffsets`] if the last committed epoch has no offsets
     /// (SPEC B.10), [`EpochError::BadLogRecord`] for a record that is not a valid epoch-log
-    /// record, [`EpochError::Wal`] if reading fails.
+    /// record, [`EpochError::Wal`] if reading fails, [`EpochError::EpochOverflow`] if the last
+    /// committed epoch is `i64::MAX` (no epoch is left to start at).
     pub fn from_wal(wal: Wal, inner: Q) -> Result<Self, EpochError> {
         let recovered = recover(&wal)?;
+        if let Some((epoch, _)) =
+            recovered.restart_point.as_ref().filter(|(e, _)| e.next().is_none())
+        {
+            // The run would start after the last epoch there is.
+            return Err(EpochError::EpochOverflow { epoch: *epoch });
+        }
         let last = recovered.restart_point.as_ref().map_or(-1, |(epoch, _)| epoch.0);
         tracing::info!(
             dir = ?wal.dir(),
@@ -984,6 +991,24 @@ mod tests {
         assert!(matches!(error, EpochError::BadLogRecord { lsn: 1, .. }), "{error}");
     }
 
+    /// Adds the offsets of each epoch of `epochs` and commits it, waiting (bounded) until the
+    /// commit is durable: only written (sealed) segments can be cleaned, so the disk keeps up,
+    /// as it does in a steady run.
+    fn commit_each_durably(
+        query: &mut DurableQuery,
+        epochs: std::ops::Range<i64>,
+        offsets: impl Fn(i64) -> Vec<(PartitionId, Payload)>,
+    ) {
+        for epoch in epochs {
+            query.add_offsets(Epoch(epoch), &offsets(epoch)).unwrap();
+            query.commit(Epoch(epoch)).unwrap();
+            assert!(
+                query.status().wait_durable_committed(Epoch(epoch), Duration::from_secs(10)),
+                "epoch {epoch} not durable within 10 s"
+            );
+        }
+    }
+
     #[test]
     fn cleaning_drops_old_epochs_but_keeps_the_restart_point() {
         let dir = tempfile::tempdir().unwrap();
@@ -994,15 +1019,7 @@ mod tests {
             // Page-cache durability: the segments are written (so cleanable) without fsyncs.
             let config = WalConfig { durability: Durability::None, ..config() };
             let mut query = DurableQuery::open(dir.path(), config).unwrap().with_retained_epochs(4);
-            for epoch in 0..200 {
-                query.add_offsets(Epoch(epoch), &many(epoch)).unwrap();
-                query.commit(Epoch(epoch)).unwrap();
-                // Only written (sealed) segments can be cleaned: let the disk keep up, as it
-                // does in a steady run.
-                assert!(query
-                    .status()
-                    .wait_durable_committed(Epoch(epoch), Duration::from_secs(10)));
-            }
+            commit_each_durably(&mut query, 0..200, many);
             let stats = query.wal().stats();
             // About 3.5 KiB per epoch in 64 KiB segments: ~20 segments written, all but the
             // newest (holding the last few epochs) deleted.
@@ -1027,13 +1044,7 @@ mod tests {
                 let mut query = DurableQuery::open(dir.path(), config.clone())
                     .unwrap()
                     .with_retained_epochs(retained);
-                for epoch in run * 20..run * 20 + 20 {
-                    query.add_offsets(Epoch(epoch), &offsets(epoch)).unwrap();
-                    query.commit(Epoch(epoch)).unwrap();
-                    assert!(query
-                        .status()
-                        .wait_durable_committed(Epoch(epoch), Duration::from_secs(10)));
-                }
+                commit_each_durably(&mut query, run * 20..run * 20 + 20, offsets);
                 let stats = query.wal().stats();
                 assert_eq!(stats.cleaned_segments, 0, "retained {retained}, run {run}: {stats:?}");
             }
@@ -1058,13 +1069,7 @@ mod tests {
             let config =
                 WalConfig { durability: Durability::None, segment_size_bytes: 4096, ..config() };
             let mut query = DurableQuery::open(dir.path(), config).unwrap().with_retained_epochs(3);
-            for epoch in 0..epochs {
-                query.add_offsets(Epoch(epoch), &offsets(epoch)).unwrap();
-                query.commit(Epoch(epoch)).unwrap();
-                assert!(query
-                    .status()
-                    .wait_durable_committed(Epoch(epoch), Duration::from_secs(10)));
-            }
+            commit_each_durably(&mut query, 0..epochs, offsets);
             let stats = query.wal().stats();
             assert!(stats.cleaned_segments >= 100, "{stats:?}");
             // One full record and two deltas per three epochs, plus the commits: about 900
@@ -1087,7 +1092,10 @@ mod tests {
             let mut query = DurableQuery::open(dir.path(), config()).unwrap();
             query.add_offsets(Epoch(0), &offsets(0)).unwrap();
             query.add_offsets(Epoch(1), &offsets(1)).unwrap();
-            query.wal().wait_durable(query.wal().appended_lsn()).unwrap();
+            query
+                .wal()
+                .wait_durable_timeout(query.wal().appended_lsn(), Duration::from_secs(10))
+                .unwrap();
             let logged = logged_offsets(query.wal());
             assert_eq!(
                 logged.iter().map(|(_, _, delta)| *delta).collect::<Vec<_>>(),
@@ -1107,7 +1115,7 @@ mod tests {
             let commit =
                 rkyv::to_bytes::<rancor::Error>(&LogRecord::Commit { run: 1, epoch: 1 }).unwrap();
             let (lsn, _) = wal.append_bytes(&commit, 1).unwrap();
-            wal.wait_durable(lsn).unwrap();
+            wal.wait_durable_timeout(lsn, Duration::from_secs(10)).unwrap();
         }
         let error = DurableQuery::open(other.path(), config()).unwrap_err();
         let EpochError::BadLogRecord { lsn, reason } = &error else { panic!("{error}") };
@@ -1126,6 +1134,17 @@ mod tests {
         encoder.full_record_appended(base_epoch, base);
         let delta = encoder.encode(1, epoch, offsets, KEYFRAME_INTERVAL).expect("a delta");
         rkyv::to_bytes::<rancor::Error>(&LogRecordRef::OffsetsDelta(delta)).unwrap()
+    }
+
+    #[test]
+    fn a_log_whose_last_commit_is_the_last_epoch_is_a_typed_error() {
+        let dir = tempfile::tempdir().unwrap();
+        write_log(dir.path(), &[(full_bytes(i64::MAX, &offsets(0, 5)), i64::MAX)], &[i64::MAX]);
+        match DurableQuery::open(dir.path(), config()) {
+            Err(EpochError::EpochOverflow { epoch }) => assert_eq!(epoch, Epoch(i64::MAX)),
+            Err(other) => panic!("expected EpochOverflow, got {other}"),
+            Ok(_) => panic!("opened a run that would start past i64::MAX"),
+        }
     }
 
     #[test]
@@ -1177,7 +1196,10 @@ mod tests {
                 query.add_offsets(Epoch(epoch), &offsets(epoch)).unwrap();
                 query.commit(Epoch(epoch)).unwrap();
             }
-            query.wal().wait_durable(query.wal().appended_lsn()).unwrap();
+            query
+                .wal()
+                .wait_durable_timeout(query.wal().appended_lsn(), Duration::from_secs(10))
+                .unwrap();
             let logged = logged_offsets(query.wal());
             let full: Vec<i64> =
                 logged.iter().filter(|(_, _, delta)| !delta).map(|(epoch, _, _)| *epoch).collect();

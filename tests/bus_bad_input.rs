@@ -1,0 +1,225 @@
+//! The bus facing calls that used to hang or panic: a handler sending into its own full inbox,
+//! a name the bus cannot give a thread, a shutdown whose endpoints outlive its timeout, and a
+//! shutdown called from a handler.
+//!
+//! Goal: each gets a typed error or finishes promptly; nothing waits forever. Method: public
+//! API only, with a small inbox so it fills at once; every wait of the test is bounded, so a
+//! regression fails it instead of hanging CI.
+
+use std::{
+    sync::{mpsc, Arc, Condvar, Mutex, OnceLock},
+    time::{Duration, Instant},
+};
+
+use coordbus::{Ask, Bus, BusError, Context, Endpoint, HandlerError, Replier, SendError};
+
+/// Longer than anything below takes; a wait that reaches it is a hang.
+const BOUND: Duration = Duration::from_secs(30);
+
+/// How a handler's sends into its own inbox ended.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+struct SelfSends {
+    accepted: u32,
+    refused_full: bool,
+    batch_refused_full: Option<usize>,
+}
+
+/// On `Flood(n)`, sends itself `n` fillers one by one, then `n` more in one batch.
+#[derive(Default)]
+struct SelfSender {
+    outcome: Arc<Mutex<SelfSends>>,
+    fillers: u64,
+}
+
+#[derive(Debug)]
+enum Note {
+    Flood(u32),
+    Filler,
+}
+
+struct Fillers;
+impl Ask<SelfSender> for Fillers {
+    type Reply = u64;
+    fn into_request(self, replier: Replier<u64>) -> Replier<u64> {
+        replier
+    }
+}
+
+impl Endpoint for SelfSender {
+    type Message = Note;
+    type Request = Replier<u64>;
+
+    fn handle(&mut self, note: Note, context: &Context<Self>) -> Result<(), HandlerError> {
+        match note {
+            Note::Filler => self.fillers += 1,
+            Note::Flood(count) => {
+                let me = context.endpoint_ref();
+                let mut outcome = self.outcome.lock().unwrap();
+                for _ in 0..count {
+                    match me.send(Note::Filler) {
+                        Ok(()) => outcome.accepted += 1,
+                        Err(SendError::Full { .. }) => {
+                            outcome.refused_full = true;
+                            break;
+                        }
+                        Err(other) => panic!("unexpected {other}"),
+                    }
+                }
+                let batch = (0..count).map(|_| Note::Filler).collect();
+                if let Err(SendError::Full { message, .. }) = me.send_batch(batch) {
+                    outcome.batch_refused_full = Some(message.len());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn handle_request(
+        &mut self,
+        replier: Replier<u64>,
+        _: &Context<Self>,
+    ) -> Result<(), HandlerError> {
+        replier.reply(self.fillers);
+        Ok(())
+    }
+}
+
+#[test]
+fn a_handler_sending_into_its_own_full_inbox_gets_full_instead_of_waiting_forever() {
+    let bus = Bus::builder().inbox_capacity(4).build().unwrap();
+    let endpoint = SelfSender::default();
+    let outcome = Arc::clone(&endpoint.outcome);
+    let sender = bus.register("self-sender", endpoint).unwrap();
+    sender.send(Note::Flood(100)).unwrap();
+    // Answered only if the handler returned: before, it waited for room that only it could
+    // make, and this ask timed out.
+    let fillers = sender.ask(Fillers).wait_timeout(BOUND).expect("the endpoint hung");
+    let outcome = outcome.lock().unwrap().clone();
+    assert!(outcome.refused_full, "{outcome:?}");
+    assert!(outcome.accepted >= 1 && outcome.accepted < 100, "{outcome:?}");
+    let refused = outcome.batch_refused_full.expect("the batch into a full inbox was accepted");
+    assert!(refused > 0 && refused <= 100, "{outcome:?}");
+    // Every filler accepted is handled (from the handler's own lane, which the endpoint
+    // drains apart from the test's: wait for them, bounded).
+    let accepted = u64::from(outcome.accepted) + (100 - refused as u64);
+    let deadline = Instant::now() + BOUND;
+    let mut handled = fillers;
+    while handled < accepted {
+        assert!(Instant::now() < deadline, "{handled} of {accepted} fillers handled");
+        std::thread::sleep(Duration::from_millis(1));
+        handled = sender.ask(Fillers).wait_timeout(BOUND).expect("the endpoint hung");
+    }
+    assert_eq!(handled, accepted, "{outcome:?}");
+    bus.shutdown().unwrap();
+}
+
+#[test]
+fn a_name_holding_a_nul_is_refused_and_leaves_nothing_registered() {
+    let bus = Bus::builder().build().unwrap();
+    match bus.register("a\0b", SelfSender::default()) {
+        Err(BusError::InvalidName { name, .. }) => assert_eq!(name, "a\0b"),
+        other => panic!("expected InvalidName, got {:?}", other.map(|_| ())),
+    }
+    assert!(matches!(bus.lookup::<SelfSender>("a\0b"), Err(BusError::NotFound { .. })));
+    bus.register("ab", SelfSender::default()).unwrap();
+    bus.shutdown().unwrap();
+}
+
+/// A gate a handler waits at (bounded) until the test opens it.
+#[derive(Default)]
+struct Gate {
+    open: Mutex<bool>,
+    opened: Condvar,
+}
+
+impl Gate {
+    fn open(&self) {
+        *self.open.lock().unwrap() = true;
+        self.opened.notify_all();
+    }
+
+    fn pass(&self) {
+        let open = self.open.lock().unwrap();
+        drop(self.opened.wait_timeout_while(open, BOUND, |open| !*open).unwrap());
+    }
+}
+
+/// Tells the test it is handling a message, then waits at the gate.
+struct Blocker {
+    gate: Arc<Gate>,
+    entered: mpsc::Sender<()>,
+}
+
+impl Endpoint for Blocker {
+    type Message = ();
+    type Request = ();
+
+    fn handle(&mut self, (): (), _: &Context<Self>) -> Result<(), HandlerError> {
+        let _ = self.entered.send(());
+        self.gate.pass();
+        Ok(())
+    }
+
+    fn handle_request(&mut self, (): (), _: &Context<Self>) -> Result<(), HandlerError> {
+        Ok(())
+    }
+}
+
+#[test]
+fn a_shutdown_whose_endpoint_outlives_the_timeout_names_it_instead_of_reporting_success() {
+    let timeout = Duration::from_millis(100);
+    let bus = Bus::builder().shutdown_timeout(timeout).build().unwrap();
+    let gate = Arc::new(Gate::default());
+    let (entered, handling) = mpsc::channel();
+    let blocker = bus.register("blocker", Blocker { gate: Arc::clone(&gate), entered }).unwrap();
+    blocker.send(()).unwrap();
+    handling.recv_timeout(BOUND).expect("the handler never ran");
+    match bus.shutdown() {
+        Err(BusError::ShutdownTimedOut { endpoints, timeout: reported }) => {
+            assert_eq!(endpoints, vec!["blocker".to_owned()]);
+            assert_eq!(reported, timeout);
+        }
+        other => panic!("expected ShutdownTimedOut, got {other:?}"),
+    }
+    gate.open();
+}
+
+/// Shuts its own bus down from its handler and reports how that went.
+struct SelfStopper {
+    bus: Arc<OnceLock<Arc<Bus>>>,
+    result: mpsc::Sender<(Result<(), BusError>, Duration)>,
+}
+
+impl Endpoint for SelfStopper {
+    type Message = ();
+    type Request = ();
+
+    fn handle(&mut self, (): (), _: &Context<Self>) -> Result<(), HandlerError> {
+        let bus = self.bus.get().expect("set before the message was sent");
+        let started = Instant::now();
+        let shut = bus.shutdown();
+        let _ = self.result.send((shut, started.elapsed()));
+        Ok(())
+    }
+
+    fn handle_request(&mut self, (): (), _: &Context<Self>) -> Result<(), HandlerError> {
+        Ok(())
+    }
+}
+
+#[test]
+fn a_shutdown_from_a_handler_does_not_wait_for_its_own_thread() {
+    // A long timeout: waiting for its own thread used to run it out every time.
+    let bus = Arc::new(Bus::builder().shutdown_timeout(BOUND).build().unwrap());
+    let cell = Arc::new(OnceLock::new());
+    let (result, results) = mpsc::channel();
+    let stopper =
+        bus.register("self-stopper", SelfStopper { bus: Arc::clone(&cell), result }).unwrap();
+    bus.register("bystander", SelfSender::default()).unwrap();
+    assert!(cell.set(Arc::clone(&bus)).is_ok());
+    stopper.send(()).unwrap();
+    let (shut, took) = results.recv_timeout(BOUND * 2).expect("the handler's shutdown hung");
+    shut.unwrap();
+    assert!(took < Duration::from_secs(5), "shutdown from a handler took {took:?}");
+    assert!(matches!(bus.register("late", SelfSender::default()), Err(BusError::ShutDown)));
+}
