@@ -41,6 +41,13 @@ use coordbus::{
 };
 
 const STREAMS: [StreamId; 2] = [StreamId(1), StreamId(2)];
+/// How long the pipelined receivers may take in all before the test fails (a few seconds when
+/// things work).
+const RUN_BOUND: Duration = Duration::from_secs(120);
+/// Longest a sync waits at a held gate: far longer than any test holds it. Bounded so that a
+/// test that fails while it holds the gate does not leave the sync thread there for good (the
+/// log's drop joins it, which would hang the failing test).
+const GATE_BOUND: Duration = Duration::from_secs(30);
 
 fn info(stream: i32, unique_id: u64) -> ReceivedBlockInfo {
     let block_id = StreamBlockId { stream: StreamId(stream), unique_id };
@@ -211,7 +218,9 @@ fn pipelined_receivers_and_a_batch_loop_recover_to_the_exact_state() {
         })
         .collect();
     let mut time = 0;
+    let deadline = std::time::Instant::now() + RUN_BOUND;
     while receivers.iter().any(|receiver| !receiver.is_finished()) {
+        assert!(std::time::Instant::now() < deadline, "receivers running after {RUN_BOUND:?}");
         time += 10;
         endpoint.ask(AllocateBlocksToBatch(BatchTime(time))).wait().unwrap();
     }
@@ -326,7 +335,7 @@ impl StorageFile for GatedFile {
     }
     fn sync_data(&self) -> io::Result<()> {
         let held = self.gate.held.lock().unwrap();
-        drop(self.gate.opened.wait_while(held, |held| *held).unwrap());
+        drop(self.gate.opened.wait_timeout_while(held, GATE_BOUND, |held| *held).unwrap());
         if self.gate.fail.load(Ordering::SeqCst) {
             return Err(io::Error::from_raw_os_error(5)); // EIO
         }

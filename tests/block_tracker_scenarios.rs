@@ -456,6 +456,25 @@ fn negative_record_counts_are_rejected_at_construction() {
     assert_eq!(error, BlockTrackerError::NegativeNumRecords { block_id, num_records: -1 });
 }
 
+/// `store.store(..)` (whose durability wait has no timeout) on a thread of its own, collected
+/// with a bound, so that a wait that hangs fails the test instead of stalling it.
+fn store_bounded(
+    store: &Arc<ReceiverBlockStore>,
+    block_id: StreamBlockId,
+    data: Vec<u8>,
+    time_ms: i64,
+) -> Result<BlockStoreResult, WalError> {
+    let (sender, receiver) = std::sync::mpsc::channel();
+    let store = Arc::clone(store);
+    std::thread::spawn(move || {
+        let stored = store.store(block_id, &data, time_ms);
+        // Before answering: the caller may drop the store and reopen its log next.
+        drop(store);
+        let _ = sender.send(stored);
+    });
+    receiver.recv_timeout(Duration::from_secs(30)).expect("storing a block hung")
+}
+
 #[test]
 fn block_data_in_a_receiver_log_is_read_back_by_handle_after_recovery() {
     let dir = tempfile::tempdir().unwrap();
@@ -463,13 +482,13 @@ fn block_data_in_a_receiver_log_is_read_back_by_handle_after_recovery() {
     let config = config(Some(dir.path()), Duration::from_secs(60));
     let data_dir = ReceiverBlockStore::dir_for(dir.path(), STREAM);
     let data_config = WalConfig { segment_size_bytes: 4 << 20, ..WalConfig::default() };
-    let store = ReceiverBlockStore::open(&data_dir, data_config.clone()).unwrap();
+    let store = Arc::new(ReceiverBlockStore::open(&data_dir, data_config.clone()).unwrap());
     let mut tracker = ReceivedBlockTracker::open(config.clone(), clock.clone()).unwrap();
     let mut infos = Vec::new();
     for unique_id in 0..20u64 {
         let data = vec![unique_id as u8; 100 + unique_id as usize * 37];
         let block_id = StreamBlockId { stream: STREAM, unique_id };
-        let result = store.store(block_id, &data, 1_000).unwrap();
+        let result = store_bounded(&store, block_id, data.clone(), 1_000).unwrap();
         let info = ReceivedBlockInfo::new(STREAM, Some(1), Some(b"meta".to_vec()), result).unwrap();
         assert!(tracker.add_block(info.clone()));
         infos.push((info, data));

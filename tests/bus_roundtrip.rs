@@ -20,6 +20,9 @@ use coordbus::{
 };
 
 const WAIT: Duration = Duration::from_secs(30);
+/// How long a test's sending threads may take in all before it fails (seconds when things
+/// work; generous for the millions of messages of the largest test).
+const RUN_BOUND: Duration = Duration::from_secs(300);
 
 fn small_bus() -> Bus {
     Bus::builder()
@@ -29,6 +32,26 @@ fn small_bus() -> Bus {
         .ask_timeout(WAIT)
         .build()
         .unwrap()
+}
+
+/// Joins `threads` once all have finished, failing the test if they have not within
+/// `RUN_BOUND` (a plain join waits as long as a thread stays blocked, e.g. in `send` on an
+/// inbox nobody drains); a panic of a thread is passed on with its own message.
+fn join_all<T>(threads: Vec<std::thread::JoinHandle<T>>) -> Vec<T> {
+    let deadline = std::time::Instant::now() + RUN_BOUND;
+    while !threads.iter().all(|thread| thread.is_finished()) {
+        let running = threads.iter().filter(|thread| !thread.is_finished()).count();
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{running} of {} threads still running after {RUN_BOUND:?}",
+            threads.len()
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    threads
+        .into_iter()
+        .map(|thread| thread.join().unwrap_or_else(|payload| std::panic::resume_unwind(payload)))
+        .collect()
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -244,8 +267,8 @@ fn bus_02_one_message_at_a_time_and_no_lost_updates() {
             })
         })
         .collect();
-    for sender in senders {
-        assert!(sender.join().unwrap() >= 10_000);
+    for count in join_all(senders) {
+        assert!(count >= 10_000);
     }
     // Every sender's messages were handled before its ask; all senders are done.
     assert_eq!(endpoint.ask(CountQuery).wait().unwrap(), 80_000);
@@ -303,9 +326,7 @@ fn per_sender_order_holds_under_concurrent_producers_with_batches() {
             })
         })
         .collect();
-    for thread in threads {
-        thread.join().unwrap();
-    }
+    join_all(threads);
     bus.shutdown().unwrap();
     let mut next = [0u64; SENDERS as usize];
     let mut marks = 0;
@@ -391,9 +412,7 @@ fn four_producers_times_a_million_lose_and_duplicate_nothing() {
             })
         })
         .collect();
-    for thread in threads {
-        thread.join().unwrap();
-    }
+    join_all(threads);
     let (sums, counts) = endpoint.ask(Totals).wait().unwrap();
     let expected_sum = per_producer * (per_producer - 1) / 2;
     assert_eq!(counts, [per_producer; 4]);
@@ -596,10 +615,14 @@ fn block_on<F: std::future::Future>(future: F) -> F::Output {
     let waker = Waker::from(Arc::new(ThreadWaker(std::thread::current())));
     let mut task = TaskContext::from_waker(&waker);
     let mut future = std::pin::pin!(future);
+    // Bounded: a reply that never becomes ready (not even with its ask timeout, `WAIT`) fails
+    // the test instead of hanging it.
+    let deadline = std::time::Instant::now() + 2 * WAIT;
     loop {
         if let Poll::Ready(output) = future.as_mut().poll(&mut task) {
             return output;
         }
+        assert!(std::time::Instant::now() < deadline, "future not ready within {:?}", 2 * WAIT);
         std::thread::park_timeout(Duration::from_millis(10));
     }
 }
@@ -767,9 +790,7 @@ fn more_busy_threads_than_cores_still_make_progress() {
             })
         })
         .collect();
-    for thread in threads {
-        thread.join().unwrap();
-    }
+    join_all(threads);
     let total: u64 =
         endpoints.iter().map(|endpoint| endpoint.ask(CountQuery).wait().unwrap()).sum();
     assert_eq!(total, 40_000);

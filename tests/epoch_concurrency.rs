@@ -10,7 +10,10 @@
 
 mod epoch_support;
 
-use std::sync::Arc;
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
 use coordbus::coordinators::epoch::{
     CommitPartitionEpoch, EpochConfig, EpochMessage, GetCurrentEpoch, GetEpochStats,
@@ -20,6 +23,9 @@ use epoch_support::{message, offset, recorders, BusHarness, Call, REPLY_TIMEOUT}
 
 const PARTITIONS: i32 = 12;
 const EPOCHS: i64 = 150;
+/// How long the producers and the driver may take in all before the test fails (well under a
+/// second when things work).
+const RUN_BOUND: Duration = Duration::from_secs(120);
 
 #[test]
 fn concurrent_producers_commit_every_epoch_once_in_order() {
@@ -79,6 +85,13 @@ fn concurrent_producers_commit_every_epoch_once_in_order() {
             }
         })
     };
+    // Joined once all are done (bounded: a producer blocked for good in `send` fails the test
+    // instead of hanging it).
+    let deadline = Instant::now() + RUN_BOUND;
+    while !(threads.iter().all(|thread| thread.is_finished()) && driver.is_finished()) {
+        assert!(Instant::now() < deadline, "producers or driver running after {RUN_BOUND:?}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
     for thread in threads {
         thread.join().unwrap();
     }

@@ -108,6 +108,18 @@ fn answer_in_reverse_batches(
     })
 }
 
+/// Joins the answering thread once it has finished, failing the test if it has not within
+/// `WAIT`: it ends when the endpoint holding its channel's sender is dropped (at the bus's
+/// shutdown), so a plain join would wait as long as that never happens.
+fn join_answerer(answerer: std::thread::JoinHandle<usize>) -> usize {
+    let deadline = Instant::now() + WAIT;
+    while !answerer.is_finished() {
+        assert!(Instant::now() < deadline, "the answering thread still runs after {WAIT:?}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    answerer.join().expect("answerer")
+}
+
 /// A minimal executor: polls the future, parking the thread between wake-ups.
 fn block_on<F: std::future::Future>(future: F) -> F::Output {
     use std::task::{Context as TaskContext, Poll, Wake, Waker};
@@ -178,7 +190,7 @@ fn repliers_kept_and_answered_later_in_reverse_from_another_thread_reach_their_a
         .unwrap();
     keep_in_flight(&endpoint, asks, 64);
     bus.shutdown().unwrap();
-    assert_eq!(answerer.join().expect("answerer"), asks as usize);
+    assert_eq!(join_answerer(answerer), asks as usize);
     assert_eq!(drops.load(Ordering::SeqCst), asks as usize);
 }
 
@@ -210,7 +222,7 @@ fn abandoned_asks_have_their_late_replies_dropped_once_and_the_endpoint_keeps_se
     // Still serving, in order, after all the abandoned asks.
     assert_eq!(endpoint.ask(Query(asks)).wait().expect("answered").id, asks);
     bus.shutdown().unwrap();
-    assert_eq!(answerer.join().expect("answerer"), asks as usize + 1);
+    assert_eq!(join_answerer(answerer), asks as usize + 1);
     assert_eq!(drops.load(Ordering::SeqCst), asks as usize + 1, "timed out: {timed_out}");
 }
 

@@ -28,6 +28,10 @@ use coordbus::wal::{
     WalConfig, WalError, WalOptions,
 };
 
+/// Bound of a durability wait with a timeout: far longer than a sync; a wait that has not
+/// returned by then is hung, and fails the test instead of hanging it.
+const WAIT_BOUND: Duration = Duration::from_secs(30);
+
 #[derive(Debug, Default)]
 struct Faults {
     /// Fail every fdatasync with EIO.
@@ -239,8 +243,9 @@ fn a_failed_fsync_fails_the_log_for_good_on(path: IoVariant) {
     for durability in [Durability::default(), Durability::EveryRecord] {
         let dir = tempfile::tempdir().unwrap();
         let (wal, faults) = open_faulty(path, dir.path(), durability, 1 << 20);
+        let wal = Arc::new(wal);
         let (acked, _) = wal.append_bytes(b"acknowledged", 1).unwrap();
-        wal.wait_durable(acked).unwrap();
+        wait_leading(&wal, acked).unwrap();
         faults.sync_eio.store(true, Ordering::SeqCst);
         let (doomed, _) = wal.append_bytes(b"doomed", 2).unwrap();
         let error = wal.wait_durable_timeout(doomed, Duration::from_secs(10)).unwrap_err();
@@ -275,10 +280,11 @@ fn disk_full_on_preallocation_is_a_clear_error() {
 fn disk_full_on_preallocation_on(path: IoVariant) {
     let dir = tempfile::tempdir().unwrap();
     let (wal, faults) = open_faulty(path, dir.path(), Durability::EveryRecord, 4096);
+    let wal = Arc::new(wal);
     let mut acknowledged = Vec::new();
     for index in 0..20u8 {
         let (lsn, _) = wal.append_bytes(&[index; 100], 0).unwrap();
-        wal.wait_durable(lsn).unwrap();
+        wait_leading(&wal, lsn).unwrap();
         acknowledged.push(vec![index; 100]);
     }
     faults.allocate_enospc.store(true, Ordering::SeqCst);
@@ -287,7 +293,7 @@ fn disk_full_on_preallocation_on(path: IoVariant) {
     for _ in 0..100 {
         match wal.append_bytes(&[0xee; 100], 0) {
             Ok((lsn, _)) => {
-                if let Err(error) = wal.wait_durable(lsn) {
+                if let Err(error) = wait_leading(&wal, lsn) {
                     failure = Some(error);
                     break;
                 }
@@ -322,10 +328,10 @@ fn disk_full_on_write_on(path: IoVariant) {
     let dir = tempfile::tempdir().unwrap();
     let (wal, faults) = open_faulty(path, dir.path(), Durability::default(), 1 << 20);
     let (acked, _) = wal.append_bytes(b"before", 0).unwrap();
-    wal.wait_durable(acked).unwrap();
+    wal.wait_durable_timeout(acked, WAIT_BOUND).unwrap();
     faults.write_enospc.store(true, Ordering::SeqCst);
     let (lsn, _) = wal.append_bytes(b"after", 0).unwrap();
-    let error = wal.wait_durable(lsn).unwrap_err();
+    let error = wal.wait_durable_timeout(lsn, WAIT_BOUND).unwrap_err();
     assert!(matches!(error.root_cause(), WalError::DiskFull { op: "write", .. }), "{error:?}");
     assert!(error.to_string().contains("disk full"), "{error}");
     assert!(wal.durable_lsn() < lsn);
@@ -347,19 +353,23 @@ fn short_writes_are_completed_on(path: IoVariant) {
         let wait_each = durability == Durability::EveryRecord;
         let dir = tempfile::tempdir().unwrap();
         let (wal, faults) = open_faulty(path, dir.path(), durability, 64 << 10);
+        let wal = Arc::new(wal);
         faults.short_write_bytes.store(7, Ordering::SeqCst);
-        let mut expected = Vec::new();
-        let mut last = Lsn::ZERO;
         let count = if wait_each { 100 } else { 500 };
-        for index in 0..count {
-            let bytes: Vec<u8> = (0..index % 200).map(|byte| (byte ^ index) as u8).collect();
-            last = wal.append_bytes(&bytes, 0).unwrap().0;
-            if wait_each {
-                wal.wait_durable(last).unwrap();
+        let (expected, last) = bounded(&wal, move |wal| {
+            let mut expected = Vec::new();
+            let mut last = Lsn::ZERO;
+            for index in 0..count {
+                let bytes: Vec<u8> = (0..index % 200).map(|byte| (byte ^ index) as u8).collect();
+                last = wal.append_bytes(&bytes, 0).unwrap().0;
+                if wait_each {
+                    wal.wait_durable(last).unwrap();
+                }
+                expected.push(bytes);
             }
-            expected.push(bytes);
-        }
-        wal.wait_durable(last).unwrap();
+            (expected, last)
+        });
+        wait_leading(&wal, last).unwrap();
         assert!(faults.syncs.load(Ordering::SeqCst) > 0);
         if wait_each {
             assert!(wal.stats().led_groups > 0, "{:?}", wal.stats());
@@ -371,8 +381,26 @@ fn short_writes_are_completed_on(path: IoVariant) {
     }
 }
 
-/// `wal.wait_durable(lsn)` (no timeout: the wait that may lead), on a thread of its own and
-/// collected with a bound, so that a wait that hangs fails the test instead.
+/// Runs `work` on a thread of its own with the log, and fails the test if it has not finished
+/// within 60 s: `work` appends and waits for durability with no timeout (the wait that may
+/// lead, right after its append as a real waiter does), so a wait that hangs fails the test
+/// instead of stalling it (the thread is left behind).
+fn bounded<T: Send + 'static>(wal: &Arc<Wal>, work: impl FnOnce(&Wal) -> T + Send + 'static) -> T {
+    let (sender, receiver) = std::sync::mpsc::channel();
+    let wal = Arc::clone(wal);
+    std::thread::spawn(move || {
+        let result = work(&wal);
+        // Before answering: the test may drop the log and reopen its directory next.
+        drop(wal);
+        let _ = sender.send(result);
+    });
+    receiver.recv_timeout(Duration::from_secs(60)).expect("the appends and waits hung")
+}
+
+/// `wal.wait_durable(lsn)` (no timeout), on a thread of its own and collected with a bound, so
+/// that a wait that hangs fails the test instead. The wait starts a thread's start-up after
+/// the append, so the sync thread may write the group first: use [`bounded`] where leading
+/// matters.
 fn wait_leading(wal: &Arc<Wal>, lsn: Lsn) -> Result<(), WalError> {
     let (sender, receiver) = std::sync::mpsc::channel();
     let wal = Arc::clone(wal);
@@ -391,7 +419,7 @@ fn a_failed_fsync_fails_the_waiter_where_waiters_lead() {
 }
 
 /// `EveryRecord` waiters write their own groups when the writer is free (checked: groups were
-/// led before the fault; each wait runs on a thread of its own, `wait_leading`). The failing sync is run by whichever takes the doomed group first:
+/// led before the fault). The failing sync is run by whichever takes the doomed group first:
 /// the waiter, leading, or the sync thread, which the pending callback wakes. Either way the
 /// waiter gets the sync's error from `wait_durable`, the callback gets it on the sync thread,
 /// and the log is failed for everyone.
@@ -399,10 +427,12 @@ fn a_failed_fsync_fails_the_waiter_where_waiters_lead_on(path: IoVariant) {
     let dir = tempfile::tempdir().unwrap();
     let (wal, faults) = open_faulty(path, dir.path(), Durability::EveryRecord, 1 << 20);
     let wal = Arc::new(wal);
-    for index in 0..10u8 {
-        let (lsn, _) = wal.append_bytes(&[index; 32], 0).unwrap();
-        wait_leading(&wal, lsn).unwrap();
-    }
+    bounded(&wal, |wal| {
+        for index in 0..10u8 {
+            let (lsn, _) = wal.append_bytes(&[index; 32], 0).unwrap();
+            wal.wait_durable(lsn).unwrap();
+        }
+    });
     assert!(wal.stats().led_groups > 0, "{:?}", wal.stats());
     faults.sync_eio.store(true, Ordering::SeqCst);
     let (doomed, _) = wal.append_bytes(b"doomed", 0).unwrap();
@@ -476,9 +506,14 @@ fn a_failed_fsync_amid_concurrent_groups_on(path: IoVariant) {
                         }),
                     );
                     appended.push((lsn.0, payload));
-                    // Pause now and then for durability, so there are many groups and syncs.
-                    if index % 100 == 99 && wal.wait_durable(lsn).is_err() {
-                        break;
+                    // Pause now and then for durability, so there are many groups and syncs
+                    // (bounded: a wait that hangs fails the test instead of ending the thread).
+                    if index % 100 == 99 {
+                        match wal.wait_durable_timeout(lsn, WAIT_BOUND) {
+                            Ok(()) => {}
+                            Err(error @ WalError::Timeout { .. }) => panic!("{error}"),
+                            Err(_) => break,
+                        }
                     }
                 }
                 appended

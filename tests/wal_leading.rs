@@ -19,6 +19,8 @@ use rand_xorshift::XorShiftRng;
 
 /// How long a test waits for something that takes microseconds, before failing.
 const BOUND: Duration = Duration::from_secs(10);
+/// How long a test waits for a run of appends and durability waits, before failing.
+const RUN_BOUND: Duration = Duration::from_secs(60);
 
 fn io_modes() -> [IoMode; 2] {
     [IoMode::Auto, IoMode::Pwrite]
@@ -37,7 +39,8 @@ fn payload(index: u32) -> Vec<u8> {
     (0..64).map(|byte| (byte as u32 ^ index) as u8).collect()
 }
 
-/// Appends and waits for each of `count` records; checks each is durable on return.
+/// Appends and waits for each of `count` records; checks each is durable on return. The waits
+/// have no timeout, so that they may lead: run it on a thread of its own (`bounded`).
 fn append_and_wait(wal: &Wal, first: u32, count: u32) -> Vec<(Lsn, coordbus::wal::RecordHandle)> {
     (first..first + count)
         .map(|index| {
@@ -49,12 +52,32 @@ fn append_and_wait(wal: &Wal, first: u32, count: u32) -> Vec<(Lsn, coordbus::wal
         .collect()
 }
 
+/// Runs `work` on a thread of its own with a clone of the log and returns its result, failing
+/// the test if it has none within `RUN_BOUND`: `work` waits for durability with no timeout (the
+/// wait that may lead), so a wait that hangs fails the test instead of stalling it (the thread
+/// is left behind).
+fn bounded<T: Send + 'static>(wal: &Arc<Wal>, work: impl FnOnce(&Wal) -> T + Send + 'static) -> T {
+    let (sender, receiver) = mpsc::channel();
+    let wal = Arc::clone(wal);
+    std::thread::spawn(move || {
+        let result = work(&wal);
+        // Before answering: the caller may close, drop and reopen the log next.
+        drop(wal);
+        let _ = sender.send(result);
+    });
+    match receiver.recv_timeout(RUN_BOUND) {
+        Ok(result) => result,
+        Err(mpsc::RecvTimeoutError::Timeout) => panic!("the waits hung (nothing in {RUN_BOUND:?})"),
+        Err(mpsc::RecvTimeoutError::Disconnected) => panic!("the waiting thread panicked"),
+    }
+}
+
 #[test]
 fn every_record_waiters_write_their_own_groups() {
     for io in io_modes() {
         let dir = tempfile::tempdir().unwrap();
-        let wal = open(dir.path(), Durability::EveryRecord, io);
-        let written = append_and_wait(&wal, 0, 50);
+        let wal = Arc::new(open(dir.path(), Durability::EveryRecord, io));
+        let written = bounded(&wal, |wal| append_and_wait(wal, 0, 50));
         let stats = wal.stats();
         assert!(stats.led_groups > 0, "no waiter led ({io:?}): {stats:?}");
         assert!(stats.led_groups <= stats.groups, "{stats:?}");
@@ -75,8 +98,8 @@ fn group_commit_waiters_never_lead() {
         let dir = tempfile::tempdir().unwrap();
         let durability =
             Durability::GroupCommit { max_delay: Duration::from_micros(200), max_bytes: 1 << 20 };
-        let wal = open(dir.path(), durability, io);
-        append_and_wait(&wal, 0, 20);
+        let wal = Arc::new(open(dir.path(), durability, io));
+        bounded(&wal, |wal| append_and_wait(wal, 0, 20));
         let stats = wal.stats();
         assert_eq!(stats.led_groups, 0, "{stats:?}");
         assert!(stats.groups > 0, "{stats:?}");
@@ -87,9 +110,9 @@ fn group_commit_waiters_never_lead() {
 fn a_record_nobody_waits_for_is_written_while_waiters_lead() {
     for io in io_modes() {
         let dir = tempfile::tempdir().unwrap();
-        let wal = open(dir.path(), Durability::EveryRecord, io);
+        let wal = Arc::new(open(dir.path(), Durability::EveryRecord, io));
         // Leaders have led: appends no longer wake the sync thread.
-        append_and_wait(&wal, 0, 10);
+        bounded(&wal, |wal| append_and_wait(wal, 0, 10));
         assert!(wal.stats().led_groups > 0);
         let (lsn, handle) = wal.append_bytes(&payload(99), 99).unwrap();
         // Nobody waits, registers a callback or reads: the sync thread must find it alone.
@@ -106,20 +129,25 @@ fn a_record_nobody_waits_for_is_written_while_waiters_lead() {
 fn durability_callbacks_of_led_groups_run_on_the_sync_thread() {
     for io in io_modes() {
         let dir = tempfile::tempdir().unwrap();
-        let wal = open(dir.path(), Durability::EveryRecord, io);
-        append_and_wait(&wal, 0, 5);
+        let wal = Arc::new(open(dir.path(), Durability::EveryRecord, io));
+        bounded(&wal, |wal| append_and_wait(wal, 0, 5));
         let led_before = wal.stats().led_groups;
         for index in 0..20u32 {
-            let (lsn, _) = wal.append_bytes(&payload(index), 0).unwrap();
             let (sender, receiver) = mpsc::channel();
-            wal.notify_when_durable(
-                lsn,
-                Box::new(move |result| {
-                    let thread = std::thread::current().name().map(str::to_owned);
-                    sender.send((result.is_ok(), thread)).unwrap();
-                }),
-            );
-            wal.wait_durable(lsn).unwrap();
+            // Appended, called back and waited for on one thread, as a real waiter does (a
+            // wait that starts later leaves the group to the sync thread).
+            bounded(&wal, move |wal| {
+                let (lsn, _) = wal.append_bytes(&payload(index), 0).unwrap();
+                wal.notify_when_durable(
+                    lsn,
+                    Box::new(move |result| {
+                        let thread = std::thread::current().name().map(str::to_owned);
+                        sender.send((result.is_ok(), thread)).unwrap();
+                    }),
+                );
+                wal.wait_durable(lsn)
+            })
+            .unwrap();
             let (ok, thread) = receiver.recv_timeout(BOUND).expect("the callback never ran");
             assert!(ok);
             assert_eq!(thread.as_deref(), Some("coordbus-wal-sync"), "record {index} ({io:?})");
@@ -142,6 +170,12 @@ fn concurrent_every_record_waiters_all_finish_durable() {
                 std::thread::spawn(move || append_and_wait(&wal, thread * PER_THREAD, PER_THREAD))
             })
             .collect();
+        // Joined once all are done (bounded): their waits have no timeout.
+        let deadline = Instant::now() + RUN_BOUND;
+        while !workers.iter().all(|worker| worker.is_finished()) {
+            assert!(Instant::now() < deadline, "a worker never finished ({io:?})");
+            std::thread::sleep(Duration::from_millis(1));
+        }
         let mut lsns: Vec<Lsn> = Vec::new();
         for (thread, worker) in workers.into_iter().enumerate() {
             let written = worker.join().unwrap();
@@ -223,8 +257,19 @@ fn mixed_waiters_callbacks_readers_and_unwaited_appends_all_finish() {
         }
         wal.close().unwrap();
         drop(wal);
-        // Every callback ran once, with Ok (the log closed only after all were durable).
-        let fired: Vec<(Lsn, bool)> = callbacks.iter().collect();
+        // Every callback ran once, with Ok (the log closed only after all were durable). All
+        // are collected once the last sender is gone (bounded: a callback the log kept and
+        // never ran nor dropped fails the test instead of hanging it).
+        let mut fired: Vec<(Lsn, bool)> = Vec::new();
+        loop {
+            match callbacks.recv_timeout(BOUND) {
+                Ok(outcome) => fired.push(outcome),
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    panic!("a durability callback was kept, never run nor dropped ({io:?})")
+                }
+            }
+        }
         assert!(!fired.is_empty());
         assert!(fired.iter().all(|(_, ok)| *ok), "a callback got an error");
         let mut lsns: Vec<Lsn> = fired.iter().map(|(lsn, _)| *lsn).collect();

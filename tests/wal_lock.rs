@@ -20,6 +20,9 @@ use coordbus::wal::{is_locked, Durability, Lsn, Wal, WalConfig, WalError, WalOpt
 
 const DIR_VAR: &str = "COORDBUS_WAL_LOCK_DIR";
 const READY: &str = "lock-child-ready";
+/// Bound of a durability wait: far longer than a sync; a wait that has not returned by then is
+/// hung, and fails the test instead of hanging it.
+const WAIT: Duration = Duration::from_secs(30);
 
 fn config() -> WalConfig {
     WalConfig {
@@ -42,14 +45,14 @@ fn a_second_open_in_this_process_is_locked_until_the_first_is_dropped() {
     let dir = tempfile::tempdir().unwrap();
     let first = Wal::open(dir.path(), config()).unwrap();
     let (lsn, _) = first.append_bytes(b"first", 1).unwrap();
-    first.wait_durable(lsn).unwrap();
+    first.wait_durable_timeout(lsn, WAIT).unwrap();
     assert_locked(Wal::open(dir.path(), config()), dir.path());
     let error = Wal::open(dir.path(), config()).unwrap_err();
     assert!(error.to_string().contains(&format!("{:?}", dir.path())), "{error}");
     drop(first);
     let second = Wal::open(dir.path(), config()).unwrap();
     let (lsn, _) = second.append_bytes(b"second", 2).unwrap();
-    second.wait_durable(lsn).unwrap();
+    second.wait_durable_timeout(lsn, WAIT).unwrap();
     let records: Vec<Vec<u8>> =
         second.iter_from(Lsn::ZERO).unwrap().map(|r| r.unwrap().bytes.to_vec()).collect();
     assert_eq!(records, vec![b"first".to_vec(), b"second".to_vec()]);
@@ -75,7 +78,7 @@ fn read_only_opens_work_on_a_locked_directory_and_see_the_holder() {
     let dir = tempfile::tempdir().unwrap();
     let writer = Wal::open(dir.path(), config()).unwrap();
     let (lsn, _) = writer.append_bytes(b"live", 1).unwrap();
-    writer.wait_durable(lsn).unwrap();
+    writer.wait_durable_timeout(lsn, WAIT).unwrap();
     assert!(is_locked(dir.path()).unwrap());
     let reader = Wal::open_with_options(
         dir.path(),
@@ -93,7 +96,7 @@ fn read_only_opens_work_on_a_locked_directory_and_see_the_holder() {
     .unwrap();
     drop((reader, reader_two));
     let (lsn, _) = writer.append_bytes(b"more", 2).unwrap();
-    writer.wait_durable(lsn).unwrap();
+    writer.wait_durable_timeout(lsn, WAIT).unwrap();
 }
 
 #[test]
@@ -105,7 +108,7 @@ fn a_missing_directory_created_by_another_writer_fails_the_late_writer_at_its_fi
     let late = Wal::open(&dir, config()).unwrap();
     assert!(!dir.exists());
     let (lsn, _) = early.append_bytes(b"early", 1).unwrap();
-    early.wait_durable(lsn).unwrap();
+    early.wait_durable_timeout(lsn, WAIT).unwrap();
     let (lsn, _) = late.append_bytes(b"late", 2).unwrap();
     let error = late.wait_durable_timeout(lsn, Duration::from_secs(10)).unwrap_err();
     match error.root_cause() {
@@ -115,7 +118,7 @@ fn a_missing_directory_created_by_another_writer_fails_the_late_writer_at_its_fi
     assert!(matches!(late.append_bytes(b"later", 3), Err(WalError::Failed { .. })));
     drop(late);
     let (lsn, _) = early.append_bytes(b"early two", 4).unwrap();
-    early.wait_durable(lsn).unwrap();
+    early.wait_durable_timeout(lsn, WAIT).unwrap();
     let records: Vec<Vec<u8>> =
         early.iter_from(Lsn::ZERO).unwrap().map(|r| r.unwrap().bytes.to_vec()).collect();
     assert_eq!(records, vec![b"early".to_vec(), b"early two".to_vec()]);

@@ -20,6 +20,24 @@ use proptest::prelude::*;
 use rand::{RngExt, SeedableRng};
 use rand_xorshift::XorShiftRng;
 
+/// Bound of a durability wait: far longer than a sync; a wait that has not returned by then is
+/// hung, and fails the test instead of hanging it.
+const WAIT: Duration = Duration::from_secs(30);
+
+/// `wal.wait_durable(lsn)` (the wait without a timeout) on a thread of its own, collected with
+/// a bound (`WAIT`), so that a wait that hangs fails the test instead of stalling it.
+fn wait_durable_bounded(wal: &Arc<Wal>, lsn: Lsn) -> Result<(), WalError> {
+    let (sender, receiver) = std::sync::mpsc::channel();
+    let wal = Arc::clone(wal);
+    std::thread::spawn(move || {
+        let waited = wal.wait_durable(lsn);
+        // Before answering: the caller may close the log and reopen its directory next.
+        drop(wal);
+        let _ = sender.send(waited);
+    });
+    receiver.recv_timeout(WAIT).expect("the durability wait hung")
+}
+
 /// A fixed-seed generator, enough for payload sizes and bytes.
 fn seeded(seed: u64) -> XorShiftRng {
     XorShiftRng::seed_from_u64(seed)
@@ -75,7 +93,7 @@ fn round_trip_of_varied_records_across_rolls_and_reopenings_on_both_io_paths() {
                     assert_eq!(lsn.0, expected.len() as u64 + 1);
                     expected.push((lsn, time, bytes, handle));
                 }
-                wal.wait_durable(expected.last().unwrap().0).unwrap();
+                wal.wait_durable_timeout(expected.last().unwrap().0, WAIT).unwrap();
                 for (_, _, bytes, handle) in &expected {
                     assert_eq!(&*wal.read_bytes(*handle).unwrap(), &bytes[..]);
                 }
@@ -122,7 +140,7 @@ fn typed_records_are_validated_zero_copy_reads() {
         };
         handles.push(wal.append(&value, block as i64).unwrap());
     }
-    wal.wait_durable(handles.last().unwrap().0).unwrap();
+    wal.wait_durable_timeout(handles.last().unwrap().0, WAIT).unwrap();
     for (block, (_, handle)) in handles.iter().enumerate() {
         let record = wal.read::<BlockAdded>(*handle).unwrap();
         assert_eq!(record.block, block as u64);
@@ -133,7 +151,7 @@ fn typed_records_are_validated_zero_copy_reads() {
     }
     // Reading a String record as a struct fails validation with a typed error.
     let (lsn, handle) = wal.append(&"not a block".to_owned(), 0).unwrap();
-    wal.wait_durable(lsn).unwrap();
+    wal.wait_durable_timeout(lsn, WAIT).unwrap();
     assert!(matches!(
         wal.read::<BlockAdded>(handle),
         Err(WalError::Record(coordbus::RecordError::Validate { .. }))
@@ -156,7 +174,7 @@ fn small_log(dir: &Path, count: usize) -> (std::path::PathBuf, Vec<Vec<u8>>, Vec
     for index in 0..count {
         let bytes: Vec<u8> = (0..20 + index * 3).map(|_| rng.random::<u8>()).collect();
         let (lsn, handle) = wal.append_bytes(&bytes, index as i64).unwrap();
-        wal.wait_durable(lsn).unwrap();
+        wal.wait_durable_timeout(lsn, WAIT).unwrap();
         payloads.push(bytes);
         handles.push(handle);
     }
@@ -253,7 +271,7 @@ fn damage_in_a_sealed_segment_is_corruption_naming_segment_and_offset() {
     for index in 0..100 {
         handles.push(wal.append_bytes(&[index as u8; 90], index).unwrap());
     }
-    wal.wait_durable(handles.last().unwrap().0).unwrap();
+    wal.wait_durable_timeout(handles.last().unwrap().0, WAIT).unwrap();
     wal.close().unwrap();
     let victim = handles[3].1;
     let path = dir.path().join(segment::file_name(victim.segment));
@@ -301,7 +319,7 @@ fn concurrent_appenders_share_groups_and_keep_their_order() {
         .collect();
     let results: Vec<Vec<(Lsn, RecordHandle)>> =
         threads.into_iter().map(|thread| thread.join().unwrap()).collect();
-    wal.wait_durable(wal.appended_lsn()).unwrap();
+    wal.wait_durable_timeout(wal.appended_lsn(), WAIT).unwrap();
     let stats = wal.stats();
     assert!(stats.syncs < u64::from(2 * per_thread), "groups shared syncs: {stats:?}");
     for (thread, handles) in results.iter().enumerate() {
@@ -321,7 +339,7 @@ fn concurrent_appenders_share_groups_and_keep_their_order() {
 fn durability_callbacks_waits_and_close() {
     for durability in [Durability::default(), Durability::EveryRecord, Durability::None] {
         let dir = tempfile::tempdir().unwrap();
-        let wal = open(dir.path(), durability, IoMode::Auto, 1 << 20);
+        let wal = Arc::new(open(dir.path(), durability, IoMode::Auto, 1 << 20));
         let (sender, receiver) = std::sync::mpsc::channel();
         let mut last = Lsn::ZERO;
         for index in 0..100u64 {
@@ -339,7 +357,10 @@ fn durability_callbacks_waits_and_close() {
             assert!(wal.durable_lsn() >= lsn);
         }
         wal.wait_durable_timeout(last, Duration::from_secs(10)).unwrap();
-        assert!(matches!(wal.wait_durable(Lsn(last.0 + 5)), Err(WalError::NotAppended { .. })));
+        assert!(matches!(
+            wait_durable_bounded(&wal, Lsn(last.0 + 5)),
+            Err(WalError::NotAppended { .. })
+        ));
         // Appended but unsynced records are flushed by close.
         let (lsn, handle) = wal.append_bytes(b"last words", 0).unwrap();
         wal.close().unwrap();
@@ -402,7 +423,7 @@ fn clean_below_an_lsn_deletes_whole_sealed_segments_only() {
     for index in 0..200u8 {
         appended.push(wal.append_bytes(&[index; 100], 0).unwrap());
     }
-    wal.wait_durable(appended.last().unwrap().0).unwrap();
+    wal.wait_durable_timeout(appended.last().unwrap().0, WAIT).unwrap();
     let first = appended[0].1.segment;
     let first_last_lsn =
         appended.iter().filter(|(_, handle)| handle.segment == first).map(|(lsn, _)| *lsn).max();
@@ -507,7 +528,7 @@ fn asking_for_io_uring_gives_it_or_a_typed_setup_error() {
             assert_eq!(wal.io_path(), IoPath::IoUring);
             assert_eq!(wal.stats().io_path, Some(IoPath::IoUring));
             let (lsn, handle) = wal.append_bytes(b"ring", 0).unwrap();
-            wal.wait_durable(lsn).unwrap();
+            wal.wait_durable_timeout(lsn, WAIT).unwrap();
             assert_eq!(&*wal.read_bytes(handle).unwrap(), b"ring");
         }
         Err(WalError::Io { op, .. }) => assert_eq!(op, "io_uring setup"),

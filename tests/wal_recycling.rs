@@ -22,6 +22,9 @@ use coordbus::wal::{
 };
 
 const SEGMENT_SIZE: u64 = 64 << 10;
+/// Bound of a durability wait: far longer than a sync; a wait that has not returned by then is
+/// hung, and fails the test instead of hanging it.
+const WAIT: Duration = Duration::from_secs(30);
 
 fn config() -> WalConfig {
     WalConfig {
@@ -56,7 +59,7 @@ fn append(wal: &Wal, range: std::ops::Range<u64>) {
     for index in range {
         last = wal.append_bytes(&payload(index), index as i64).unwrap().0;
     }
-    wal.wait_durable(last).unwrap();
+    wal.wait_durable_timeout(last, WAIT).unwrap();
 }
 
 /// Every record's payload, in order.
@@ -223,7 +226,7 @@ fn a_segment_a_reader_still_maps_is_deleted_not_reused() {
     let dir = tempfile::tempdir().unwrap();
     let wal = open_with(dir.path(), config(), IoMode::IoUring);
     let (first_lsn, first) = wal.append_bytes(&payload(0), 0).unwrap();
-    wal.wait_durable(first_lsn).unwrap();
+    wal.wait_durable_timeout(first_lsn, WAIT).unwrap();
     append(&wal, 1..200);
     let guard = wal.read_bytes(first).unwrap();
     assert!(clean_below(&wal, 150) >= 2);

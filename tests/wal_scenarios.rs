@@ -17,6 +17,9 @@ use coordbus::{
 };
 
 const SEGMENT_SIZE: u64 = 64 << 10;
+/// Bound of a durability wait: far longer than a sync; a wait that has not returned by then is
+/// hung, and fails the test instead of hanging it.
+const WAIT: Duration = Duration::from_secs(30);
 
 /// The (durability, io) combinations every scenario runs with.
 fn variants() -> Vec<(Durability, IoMode)> {
@@ -71,7 +74,7 @@ fn write_with_log(
         last = lsn;
         handles.push(handle);
     }
-    wal.wait_durable(last).unwrap();
+    wal.wait_durable_timeout(last, WAIT).unwrap();
     handles
 }
 
@@ -196,7 +199,7 @@ fn wal_f3_writer_durability_and_visibility_per_write() {
         for item in data(1..=100) {
             clock += 500;
             let (lsn, handle) = wal.append_bytes(item.as_bytes(), clock).unwrap();
-            wal.wait_durable(lsn).unwrap();
+            wal.wait_durable_timeout(lsn, WAIT).unwrap();
             // By hand, from the file, with the writer still open.
             let path = dir.path().join(segment::file_name(handle.segment));
             let bytes = std::fs::read(&path).unwrap();
@@ -401,7 +404,7 @@ fn wal_d1_rolling_rule() {
             last = lsn;
             segments.push(handle.segment);
         }
-        wal.wait_durable(last).unwrap();
+        wal.wait_durable_timeout(last, WAIT).unwrap();
         assert_eq!(segments[0], segments[1]);
         assert_ne!(segments[1], segments[2]);
         assert_eq!(segments[2], segments[3]);
@@ -438,7 +441,7 @@ fn wal_d2_clean_boundary_is_strict_and_current_file_never_cleaned() {
             handles.push(handle);
             last = lsn;
         }
-        wal.wait_durable(last).unwrap();
+        wal.wait_durable_timeout(last, WAIT).unwrap();
         let report = wal.clean(2_000, true).unwrap();
         assert_eq!(report.deleted, vec![handles[0].segment]);
         assert_eq!(segment_files(dir.path()).len(), 2);
@@ -470,7 +473,7 @@ fn append_small_records_at_times_0_to_199(wal: &Wal) -> Vec<coordbus::wal::Segme
         segments.push(handle.segment);
         last = lsn;
     }
-    wal.wait_durable(last).unwrap();
+    wal.wait_durable_timeout(last, WAIT).unwrap();
     segments
 }
 

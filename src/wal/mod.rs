@@ -2064,6 +2064,10 @@ impl Drop for Wal {
 mod tests {
     use super::*;
 
+    /// Bound of a durability wait in these tests: far longer than a sync; a wait that has not
+    /// returned by then is hung, and fails the test instead of hanging it.
+    const WAIT: Duration = Duration::from_secs(30);
+
     #[test]
     fn the_log_is_send_and_sync_and_handles_are_archivable() {
         fn assert_send_sync<T: Send + Sync>() {}
@@ -2083,7 +2087,7 @@ mod tests {
         wal.append_bytes_now(b"a").unwrap();
         clock.advance_ms(5);
         let (lsn, _) = wal.append_now(&7u64).unwrap();
-        wal.wait_durable(lsn).unwrap();
+        wal.wait_durable_timeout(lsn, WAIT).unwrap();
         let times: Vec<i64> =
             wal.iter_from(Lsn::ZERO).unwrap().map(|record| record.unwrap().time_ms).collect();
         assert_eq!(times, vec![12_345, 12_350]);
@@ -2112,7 +2116,7 @@ mod tests {
             let big_frame = frame::frame_len(big.len()) as usize;
             assert!(staged <= big_frame.max(limit), "staged {staged} bytes, limit {limit}");
         }
-        wal.wait_durable(last).unwrap();
+        wal.wait_durable_timeout(last, WAIT).unwrap();
         let read: Vec<Vec<u8>> = wal
             .iter_from(Lsn::ZERO)
             .unwrap()
@@ -2207,6 +2211,9 @@ mod tests {
         gate: Arc<Gate>,
     }
 
+    /// Longest a write waits at a closed gate: far longer than any test holds it (2.5 s).
+    const GATE_BOUND: Duration = Duration::from_secs(60);
+
     #[derive(Debug, Default)]
     struct Gate {
         open: Mutex<bool>,
@@ -2247,9 +2254,10 @@ mod tests {
             let mut open = lock(&self.gate.open);
             if !*open {
                 self.gate.writers_held.fetch_add(1, Ordering::SeqCst);
-                while !*open {
-                    open = self.gate.opened.wait(open).unwrap();
-                }
+                // Bounded: a test that fails before it opens the gate would otherwise leave the
+                // sync thread here for good, and the log's drop (which joins it) would hang it.
+                open =
+                    self.gate.opened.wait_timeout_while(open, GATE_BOUND, |open| !*open).unwrap().0;
             }
             drop(open);
             self.inner.write_at(buf, offset)
@@ -2287,7 +2295,7 @@ mod tests {
         let gate = Arc::clone(&storage.gate);
         let options = WalOptions { storage, ..WalOptions::default() };
         let config = WalConfig { durability, ..WalConfig::default() };
-        let wal = Wal::open_with_options(dir.path(), config, options).unwrap();
+        let wal = Arc::new(Wal::open_with_options(dir.path(), config, options).unwrap());
         // A full group: the sync thread takes it and is held at the gate.
         wal.append_bytes_now(&[1u8; 4096]).unwrap();
         eventually("the sync thread is held", || gate.writers_held.load(Ordering::SeqCst) > 0);
@@ -2295,25 +2303,34 @@ mod tests {
         // an empty buffer, whose appender waits.
         wal.append_bytes_now(&[2u8; 64]).unwrap();
         let big = vec![3u8; limit - 64];
-        let (big_lsn, small_lsn) = std::thread::scope(|scope| {
-            let big_appender = scope.spawn(|| wal.append_bytes_now(&big).unwrap().0);
-            eventually("the large frame waits", || {
-                lock(&wal.shared.append).room_waiters.len() == 1
-            });
-            // A newcomer whose frame would still fit beside the staged one waits behind it.
-            let small_appender = scope.spawn(|| wal.append_bytes_now(&[4u8; 64]).unwrap().0);
-            eventually("the newcomer waits or is done", || {
-                small_appender.is_finished() || lock(&wal.shared.append).room_waiters.len() == 2
-            });
-            *lock(&gate.open) = true;
-            gate.opened.notify_all();
-            (big_appender.join().unwrap(), small_appender.join().unwrap())
+        // Plain threads, not scoped ones: a scope joins its threads even when the test fails,
+        // so an appender whose wait for room never ends would hang the test instead of
+        // failing it.
+        let big_appender = {
+            let wal = Arc::clone(&wal);
+            std::thread::spawn(move || wal.append_bytes_now(&big).unwrap().0)
+        };
+        eventually("the large frame waits", || lock(&wal.shared.append).room_waiters.len() == 1);
+        // A newcomer whose frame would still fit beside the staged one waits behind it.
+        let small_appender = {
+            let wal = Arc::clone(&wal);
+            std::thread::spawn(move || wal.append_bytes_now(&[4u8; 64]).unwrap().0)
+        };
+        eventually("the newcomer waits or is done", || {
+            small_appender.is_finished() || lock(&wal.shared.append).room_waiters.len() == 2
         });
+        *lock(&gate.open) = true;
+        gate.opened.notify_all();
+        // Joined once done (bounded): their waits for room end once the held group is written.
+        eventually("both appenders are done", || {
+            big_appender.is_finished() && small_appender.is_finished()
+        });
+        let (big_lsn, small_lsn) = (big_appender.join().unwrap(), small_appender.join().unwrap());
         assert!(
             big_lsn < small_lsn,
             "the newcomer ({small_lsn:?}) went before the waiter ({big_lsn:?})"
         );
-        wal.wait_durable(small_lsn).unwrap();
+        wal.wait_durable_timeout(small_lsn, WAIT).unwrap();
         let sizes: Vec<usize> =
             wal.iter_from(Lsn::ZERO).unwrap().map(|record| record.unwrap().bytes.len()).collect();
         assert_eq!(sizes, vec![4096, 64, limit - 64, 64]);
@@ -2325,7 +2342,7 @@ mod tests {
         let wal = Wal::open(dir.path(), WalConfig::default()).unwrap();
         for value in 0..30u64 {
             let (lsn, _) = wal.append_now(&value).unwrap();
-            wal.wait_durable(lsn).unwrap();
+            wal.wait_durable_timeout(lsn, WAIT).unwrap();
         }
         let stats = wal.stats();
         assert_eq!(stats.groups, 30);
@@ -2347,7 +2364,7 @@ mod tests {
                 appended += 1;
             }
         }
-        wal.wait_durable(last).unwrap();
+        wal.wait_durable_timeout(last, WAIT).unwrap();
         let stats = wal.stats();
         assert!(stats.paced_groups > 0, "no group was paced: {stats:?}");
         let read: Vec<u64> = wal
@@ -2504,7 +2521,7 @@ mod tests {
         assert!(!path.exists());
         let wal = Wal::open(&path, WalConfig::default()).unwrap();
         let (lsn, _) = wal.append_bytes(b"x", 1).unwrap();
-        wal.wait_durable(lsn).unwrap();
+        wal.wait_durable_timeout(lsn, WAIT).unwrap();
         assert!(path.exists());
     }
 }
