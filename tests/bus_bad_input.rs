@@ -223,3 +223,72 @@ fn a_shutdown_from_a_handler_does_not_wait_for_its_own_thread() {
     assert!(took < Duration::from_secs(5), "shutdown from a handler took {took:?}");
     assert!(matches!(bus.register("late", SelfSender::default()), Err(BusError::ShutDown)));
 }
+
+/// Waits at the gate, then shuts its own bus down (while the test's own shutdown is waiting
+/// for this very thread).
+struct GatedStopper {
+    bus: Arc<OnceLock<Arc<Bus>>>,
+    gate: Arc<Gate>,
+    entered: mpsc::Sender<()>,
+    result: mpsc::Sender<(Result<(), BusError>, Duration)>,
+}
+
+impl Endpoint for GatedStopper {
+    type Message = ();
+    type Request = ();
+
+    fn handle(&mut self, (): (), _: &Context<Self>) -> Result<(), HandlerError> {
+        let _ = self.entered.send(());
+        self.gate.pass();
+        let bus = self.bus.get().expect("set before the message was sent");
+        let started = Instant::now();
+        let shut = bus.shutdown();
+        let _ = self.result.send((shut, started.elapsed()));
+        Ok(())
+    }
+
+    fn handle_request(&mut self, (): (), _: &Context<Self>) -> Result<(), HandlerError> {
+        Ok(())
+    }
+}
+
+#[test]
+fn a_handler_shutting_down_while_the_bus_is_being_shut_down_lets_both_finish_promptly() {
+    // A long timeout: a shutdown stuck behind the other would run it out.
+    let bus = Arc::new(Bus::builder().shutdown_timeout(BOUND).build().unwrap());
+    let cell = Arc::new(OnceLock::new());
+    let gate = Arc::new(Gate::default());
+    let (entered, handling) = mpsc::channel();
+    let (result, results) = mpsc::channel();
+    let stopper = bus
+        .register(
+            "gated-stopper",
+            GatedStopper { bus: Arc::clone(&cell), gate: Arc::clone(&gate), entered, result },
+        )
+        .unwrap();
+    assert!(cell.set(Arc::clone(&bus)).is_ok());
+    stopper.send(()).unwrap();
+    handling.recv_timeout(BOUND).expect("the handler never ran");
+    // The test's shutdown stops the endpoint and waits for its thread, which is in its handler.
+    let (main_done, main_result) = mpsc::channel();
+    {
+        let bus = Arc::clone(&bus);
+        std::thread::spawn(move || {
+            let started = Instant::now();
+            let shut = bus.shutdown();
+            let _ = main_done.send((shut, started.elapsed()));
+        });
+    }
+    let deadline = Instant::now() + BOUND;
+    while bus.lookup::<GatedStopper>("gated-stopper").is_ok() {
+        assert!(Instant::now() < deadline, "the test's shutdown never stopped the endpoint");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    gate.open();
+    let (handler_shut, handler_took) = results.recv_timeout(BOUND * 2).expect("handler hung");
+    let (main_shut, main_took) = main_result.recv_timeout(BOUND * 2).expect("shutdown hung");
+    handler_shut.unwrap();
+    main_shut.unwrap();
+    assert!(handler_took < Duration::from_secs(5), "the handler's shutdown took {handler_took:?}");
+    assert!(main_took < Duration::from_secs(5), "the test's shutdown took {main_took:?}");
+}

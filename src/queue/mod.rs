@@ -270,7 +270,9 @@ impl<T> ShardedQueue<T> {
     /// parked, until `deadline` (none: as long as it takes).
     ///
     /// # Errors
-    /// `Closed` if the queue is or becomes closed, `Timeout` if the deadline passes first.
+    /// `Closed` if the queue is or becomes closed, `Timeout` if the deadline passes first,
+    /// `Full` at once when the consumer's own thread finds the queue full (only it could make
+    /// room).
     #[inline(always)]
     pub fn push(&self, value: T, deadline: Option<Instant>) -> Result<(), QueueError<T>> {
         self.push_with(|| value, deadline)
@@ -352,7 +354,8 @@ impl<T> ShardedQueue<T> {
     /// compare-exchange (ring), waiting for room like [`push`] when full.
     ///
     /// # Errors
-    /// `Closed` or `Timeout` with the messages not pushed (those before them were).
+    /// `Closed`, `Timeout` or (on the consumer's own thread) `Full`, with the messages not
+    /// pushed (those before them were).
     ///
     /// [`push`]: ShardedQueue::push
     pub fn push_batch(

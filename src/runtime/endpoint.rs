@@ -331,7 +331,8 @@ impl<E: Endpoint> EndpointRef<E> {
     /// Sends, waiting at most `timeout` for room.
     ///
     /// # Errors
-    /// [`SendError::Timeout`] or [`SendError::Stopped`], with the message.
+    /// [`SendError::Timeout`] or [`SendError::Stopped`], with the message; from the endpoint's
+    /// own handler, [`SendError::Full`] at once when its own inbox is full.
     pub fn send_timeout(
         &self,
         message: impl Into<E::Message>,

@@ -10,8 +10,8 @@
 //! `stop`; sending goes straight from an [`EndpointRef`] to the endpoint's inbox, with no lookup
 //! and no lock. Stopping removes the name at once (it can be registered again immediately)
 //! and closes the inbox; the endpoint thread drains what was queued, runs `on_stop`, and ends
-//! (SPEC A.5). Shutting the bus down stops every endpoint that way and joins every thread, each
-//! wait bounded by `shutdown_timeout`.
+//! (SPEC A.5). Shutting the bus down stops every endpoint that way and joins every thread (but
+//! the caller's own, when a handler shuts the bus down), all within `shutdown_timeout`.
 
 mod endpoint;
 mod pin;
@@ -75,6 +75,9 @@ pub struct Bus {
     /// Each endpoint thread sends one unit here as it ends (even by panic), so shutdown can
     /// wait for threads with a deadline instead of polling.
     thread_ended: (mpsc::Sender<()>, Mutex<mpsc::Receiver<()>>),
+    /// The first endpoint thread found panicked (outside a handler) when a registration
+    /// joined it, for `shutdown` to report.
+    panicked_earlier: Mutex<Option<String>>,
 }
 
 /// Sends on drop: tells the bus an endpoint thread ended, however it ended.
@@ -112,6 +115,7 @@ impl Bus {
                 shut_down: AtomicBool::new(false),
             }),
             threads: Mutex::new(Vec::new()),
+            panicked_earlier: Mutex::new(None),
             thread_ended: {
                 let (sender, receiver) = mpsc::channel();
                 (sender, Mutex::new(receiver))
@@ -273,8 +277,8 @@ impl Bus {
 
     /// Joins the threads of endpoints stopped earlier that have finished, so that a bus whose
     /// endpoints come and go (one per query run) keeps no finished threads unjoined. Their
-    /// end signals are taken back too. A thread that panicked outside a handler was already
-    /// logged by its worker.
+    /// end signals are taken back too. The first that panicked outside a handler is kept for
+    /// `shutdown` to report.
     fn join_finished(&self, threads: &mut Vec<(String, std::thread::JoinHandle<()>)>) {
         let mut index = 0;
         while index < threads.len() {
@@ -285,6 +289,10 @@ impl Bus {
             let (name, handle) = threads.swap_remove(index);
             if handle.join().is_err() {
                 tracing::error!(endpoint = %name, "endpoint thread panicked outside a handler");
+                self.panicked_earlier
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .get_or_insert(name);
             }
             // Its one signal was sent before it finished.
             let ended = self.thread_ended.1.lock().unwrap_or_else(PoisonError::into_inner);
@@ -296,10 +304,11 @@ impl Bus {
     /// endpoint thread this bus started, waiting at most `shutdown_timeout` in all. Later
     /// registrations fail. Idempotent. Called from an endpoint's handler (or a bus dropped
     /// there), it does not wait for that endpoint's own thread, which finishes once the
-    /// handler returns.
+    /// handler returns (a later shutdown, or dropping the bus, joins it).
     ///
     /// # Errors
-    /// [`BusError::ThreadPanicked`] if an endpoint thread died outside a handler;
+    /// [`BusError::ThreadPanicked`] if an endpoint thread died outside a handler (the first
+    /// one, also if a registration had joined it already); else
     /// [`BusError::ShutdownTimedOut`] naming the endpoints whose threads were still running at
     /// the deadline (they are left detached: stopped, they finish on their own).
     pub fn shutdown(&self) -> Result<(), BusError> {
@@ -308,47 +317,76 @@ impl Bus {
         for name in names {
             let _already_gone = self.stop(&name);
         }
-        let mut threads =
-            std::mem::take(&mut *self.threads.lock().unwrap_or_else(PoisonError::into_inner));
-        // The calling thread's own endpoint (a shutdown from a handler) ends only after this
-        // returns: waiting for it would always run out the timeout.
-        let me = std::thread::current().id();
-        threads.retain(|(_, handle)| handle.thread().id() != me);
+        let threads = self.take_threads_but_mine();
+        let panicked_earlier =
+            self.panicked_earlier.lock().unwrap_or_else(PoisonError::into_inner).take();
+        if threads.is_empty() {
+            // Nothing to wait for (another shutdown took them, or this is the handler's own):
+            // return before taking the signals, which that other shutdown may be waiting on.
+            return panicked_earlier.map_or(Ok(()), |name| Err(BusError::ThreadPanicked { name }));
+        }
         // `None`: a timeout too large for the clock, no deadline.
         let deadline = Instant::now().checked_add(self.config.shutdown_timeout);
+        let all_signalled = self.wait_for_end_signals(threads.len(), deadline);
+        let mut panicked = panicked_earlier;
+        let mut unfinished = Vec::new();
+        for (name, handle) in threads {
+            // With every signal in, each thread is at most finishing its exit; still, a join
+            // waits no longer than the deadline, whatever the signals said.
+            let finished =
+                handle.is_finished() || (all_signalled && Self::wait_finished(&handle, deadline));
+            if !finished {
+                tracing::error!(endpoint = %name, "endpoint thread did not finish; detached");
+                unfinished.push(name);
+            } else if handle.join().is_err() && panicked.is_none() {
+                panicked = Some(name);
+            }
+        }
+        match (panicked, unfinished.is_empty()) {
+            (Some(name), _) => Err(BusError::ThreadPanicked { name }),
+            (None, false) => Err(BusError::ShutdownTimedOut {
+                endpoints: unfinished,
+                timeout: self.config.shutdown_timeout,
+            }),
+            (None, true) => Ok(()),
+        }
+    }
+
+    /// Takes the endpoint threads to join, leaving the calling thread's own (a shutdown from a
+    /// handler: it ends only after the handler returns) for a later shutdown.
+    fn take_threads_but_mine(&self) -> Vec<(String, JoinHandle<()>)> {
+        let mut held = self.threads.lock().unwrap_or_else(PoisonError::into_inner);
+        let me = std::thread::current().id();
+        let (mine, others) = std::mem::take(&mut *held)
+            .into_iter()
+            .partition(|(_, handle)| handle.thread().id() == me);
+        *held = mine;
+        others
+    }
+
+    /// Waits for `count` end signals, until `deadline`; whether all came.
+    fn wait_for_end_signals(&self, count: usize, deadline: Option<Instant>) -> bool {
         let ended = self.thread_ended.1.lock().unwrap_or_else(PoisonError::into_inner);
-        // Every thread sends exactly one signal as it ends; wait for as many as there are
-        // threads, up to the deadline.
-        let mut unsignalled = threads.len();
-        while unsignalled > 0 {
+        for _ in 0..count {
             let remaining = deadline.map_or(std::time::Duration::MAX, |deadline| {
                 deadline.saturating_duration_since(Instant::now())
             });
             if ended.recv_timeout(remaining).is_err() {
-                break;
-            }
-            unsignalled -= 1;
-        }
-        let mut first_error = None;
-        let mut unfinished = Vec::new();
-        for (name, handle) in threads {
-            // With every signal in, each thread is at most finishing its exit: join is prompt.
-            if unsignalled > 0 && !handle.is_finished() {
-                tracing::error!(endpoint = %name, "endpoint thread did not finish; detached");
-                unfinished.push(name);
-                continue;
-            }
-            if handle.join().is_err() && first_error.is_none() {
-                first_error = Some(BusError::ThreadPanicked { name });
+                return false;
             }
         }
-        if !unfinished.is_empty() && first_error.is_none() {
-            first_error = Some(BusError::ShutdownTimedOut {
-                endpoints: unfinished,
-                timeout: self.config.shutdown_timeout,
-            });
+        true
+    }
+
+    /// Polls until `handle`'s thread finished or `deadline` passed; whether it finished.
+    fn wait_finished(handle: &JoinHandle<()>, deadline: Option<Instant>) -> bool {
+        while !handle.is_finished() {
+            if deadline.is_some_and(|deadline| Instant::now() >= deadline) {
+                return false;
+            }
+            std::thread::sleep(std::time::Duration::from_micros(100));
         }
-        first_error.map_or(Ok(()), Err)
+        true
     }
 }
 
@@ -402,6 +440,61 @@ mod tests {
             assert!(Instant::now() < deadline, "{} threads held", held_threads(&bus));
             std::thread::sleep(std::time::Duration::from_millis(10));
         }
+        // Once the held threads finished, one end signal waits per held thread: the joined
+        // ones took theirs back, no more and no less.
+        while !bus.threads.lock().unwrap().iter().all(|(_, handle)| handle.is_finished()) {
+            assert!(Instant::now() < deadline, "the stopped threads did not finish");
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        let signals = bus.thread_ended.1.lock().unwrap().try_iter().count();
+        assert_eq!(signals, held_threads(&bus));
+        // Put back what was counted: shutdown waits for one per thread.
+        for _ in 0..signals {
+            bus.thread_ended.0.send(()).unwrap();
+        }
+        let started = Instant::now();
         bus.shutdown().unwrap();
+        assert!(started.elapsed() < std::time::Duration::from_secs(5), "shutdown waited it out");
+    }
+
+    /// Panics when dropped: after `on_stop`, outside any handler the worker guards.
+    struct PanicsOnDrop;
+
+    impl Endpoint for PanicsOnDrop {
+        type Message = ();
+        type Request = ();
+
+        fn handle(&mut self, (): (), _: &Context<Self>) -> Result<(), HandlerError> {
+            Ok(())
+        }
+
+        fn handle_request(&mut self, (): (), _: &Context<Self>) -> Result<(), HandlerError> {
+            Ok(())
+        }
+    }
+
+    impl Drop for PanicsOnDrop {
+        fn drop(&mut self) {
+            panic!("injected: an endpoint that panics when dropped");
+        }
+    }
+
+    #[test]
+    fn a_thread_that_panicked_and_was_joined_by_a_registration_is_still_reported_at_shutdown() {
+        let bus = Bus::builder().build().unwrap();
+        bus.register("dies", PanicsOnDrop).unwrap();
+        bus.stop("dies").unwrap();
+        let deadline = Instant::now() + std::time::Duration::from_secs(30);
+        while !bus.threads.lock().unwrap().iter().all(|(_, handle)| handle.is_finished()) {
+            assert!(Instant::now() < deadline, "the stopped thread did not finish");
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        // This registration joins the finished thread (and its panic).
+        bus.register("lives", Idle).unwrap();
+        assert_eq!(held_threads(&bus), 1);
+        match bus.shutdown() {
+            Err(BusError::ThreadPanicked { name }) => assert_eq!(name, "dies"),
+            other => panic!("expected ThreadPanicked, got {other:?}"),
+        }
     }
 }
