@@ -184,37 +184,19 @@ fn a_shutdown_whose_endpoint_outlives_the_timeout_names_it_instead_of_reporting_
     gate.open();
 }
 
-/// Shuts its own bus down from its handler and reports how that went.
-struct SelfStopper {
-    bus: Arc<OnceLock<Arc<Bus>>>,
-    result: mpsc::Sender<(Result<(), BusError>, Duration)>,
-}
-
-impl Endpoint for SelfStopper {
-    type Message = ();
-    type Request = ();
-
-    fn handle(&mut self, (): (), _: &Context<Self>) -> Result<(), HandlerError> {
-        let bus = self.bus.get().expect("set before the message was sent");
-        let started = Instant::now();
-        let shut = bus.shutdown();
-        let _ = self.result.send((shut, started.elapsed()));
-        Ok(())
-    }
-
-    fn handle_request(&mut self, (): (), _: &Context<Self>) -> Result<(), HandlerError> {
-        Ok(())
-    }
-}
-
 #[test]
 fn a_shutdown_from_a_handler_does_not_wait_for_its_own_thread() {
     // A long timeout: waiting for its own thread used to run it out every time.
     let bus = Arc::new(Bus::builder().shutdown_timeout(BOUND).build().unwrap());
     let cell = Arc::new(OnceLock::new());
     let (result, results) = mpsc::channel();
-    let stopper =
-        bus.register("self-stopper", SelfStopper { bus: Arc::clone(&cell), result }).unwrap();
+    let (entered, _handling) = mpsc::channel();
+    // Its gate is open from the start: it shuts the bus down as soon as it has the message.
+    let gate = Arc::new(Gate::default());
+    gate.open();
+    let stopper = bus
+        .register("self-stopper", GatedStopper { bus: Arc::clone(&cell), gate, entered, result })
+        .unwrap();
     bus.register("bystander", SelfSender::default()).unwrap();
     assert!(cell.set(Arc::clone(&bus)).is_ok());
     stopper.send(()).unwrap();
@@ -224,8 +206,7 @@ fn a_shutdown_from_a_handler_does_not_wait_for_its_own_thread() {
     assert!(matches!(bus.register("late", SelfSender::default()), Err(BusError::ShutDown)));
 }
 
-/// Waits at the gate, then shuts its own bus down (while the test's own shutdown is waiting
-/// for this very thread).
+/// Waits at the gate, then shuts its own bus down and reports how that went.
 struct GatedStopper {
     bus: Arc<OnceLock<Arc<Bus>>>,
     gate: Arc<Gate>,
