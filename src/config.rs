@@ -72,7 +72,7 @@ pub struct BusConfig {
     pub inbox_shards: usize,
     /// Messages per lane and per ring, rounded up to a power of two (default 16384;
     /// 2 ..= 2^24). A full lane or ring makes `send` wait: with the lane and ring counts this
-    /// bounds memory per endpoint.
+    /// bounds memory per endpoint, to at most 2^27 slots in all (rings plus lanes).
     pub inbox_capacity: usize,
     /// Thread placement (default [`Pinning::Off`]).
     pub pinning: Pinning,
@@ -104,6 +104,18 @@ impl Default for BusConfig {
     }
 }
 
+/// The most slots one endpoint's inbox may have, rings and lanes together (2^27: a few GiB for
+/// small messages). Each setting alone may be in range and their product not: 1024 shards of
+/// 2^24 slots would abort the process on allocation.
+pub(crate) const MAX_INBOX_SLOTS: u64 = 1 << 27;
+
+/// Slots of an inbox of `shards` rings and `lanes` lanes of `capacity` slots each, as the queue
+/// rounds them (counts and capacity up to powers of two).
+fn inbox_slots(shards: usize, lanes: usize, capacity: usize) -> u64 {
+    let rings = shards.max(1).next_power_of_two() as u64;
+    (rings + lanes as u64).saturating_mul(capacity.max(2).next_power_of_two() as u64)
+}
+
 impl BusConfig {
     /// Checks every setting.
     ///
@@ -125,6 +137,18 @@ impl BusConfig {
         }
         if !(2..=1 << 24).contains(&self.inbox_capacity) {
             return Err(invalid("inbox_capacity", self.inbox_capacity, "must be 2 ..= 2^24"));
+        }
+        let slots = inbox_slots(self.inbox_shards, self.inbox_lanes, self.inbox_capacity);
+        if slots > MAX_INBOX_SLOTS {
+            return Err(ConfigError::Invalid {
+                setting: "inbox_capacity",
+                value: format!(
+                    "{} x ({} shards + {} lanes) = {slots} slots",
+                    self.inbox_capacity, self.inbox_shards, self.inbox_lanes
+                ),
+                reason: "an inbox holds at most 2^27 slots in all (its rings are allocated up \
+                         front, its lanes on first use)",
+            });
         }
         if self.drain_batch == 0 {
             return Err(invalid("drain_batch", self.drain_batch, "must be at least 1"));
@@ -226,5 +250,20 @@ mod tests {
         assert_eq!(error.to_string(), "inbox_lanes = 1025 is invalid: must be 0 ..= 1024");
         assert!(BusBuilder::default().drain_batch(0).build().is_err());
         assert!(BusBuilder::default().ask_timeout(Duration::ZERO).build().is_err());
+    }
+
+    #[test]
+    fn settings_in_range_alone_whose_inbox_would_be_too_large_together_are_refused() {
+        // Each in range; together 2^34 slots, which aborted the process at registration.
+        let error =
+            BusBuilder::default().inbox_shards(1024).inbox_capacity(1 << 24).build().unwrap_err();
+        assert!(
+            error.to_string().starts_with(
+                "inbox_capacity = 16777216 x (1024 shards + 16 lanes) = 17448304640 slots is"
+            ),
+            "{error}"
+        );
+        // The largest inbox the load tool builds (1023 producers and the driver) still fits.
+        assert!(BusBuilder::default().inbox_shards(1024).inbox_capacity(1 << 16).build().is_ok());
     }
 }
