@@ -12,6 +12,8 @@
 //! variant checks that the ring really consulted the fault plan; it is skipped, with a printed
 //! reason, only if the kernel refuses io_uring.
 
+mod wal_support;
+
 use std::{
     io,
     os::fd::RawFd,
@@ -27,6 +29,7 @@ use coordbus::wal::{
     Durability, FileStorage, IoMode, IoPath, Lsn, RingFault, RingOp, Storage, StorageFile, Wal,
     WalConfig, WalError, WalOptions,
 };
+use wal_support::{bounded, wait_durable_bounded};
 
 /// Bound of a durability wait with a timeout: far longer than a sync; a wait that has not
 /// returned by then is hung, and fails the test instead of hanging it.
@@ -245,7 +248,7 @@ fn a_failed_fsync_fails_the_log_for_good_on(path: IoVariant) {
         let (wal, faults) = open_faulty(path, dir.path(), durability, 1 << 20);
         let wal = Arc::new(wal);
         let (acked, _) = wal.append_bytes(b"acknowledged", 1).unwrap();
-        wait_leading(&wal, acked).unwrap();
+        wait_durable_bounded(&wal, acked).unwrap();
         faults.sync_eio.store(true, Ordering::SeqCst);
         let (doomed, _) = wal.append_bytes(b"doomed", 2).unwrap();
         let error = wal.wait_durable_timeout(doomed, Duration::from_secs(10)).unwrap_err();
@@ -284,7 +287,7 @@ fn disk_full_on_preallocation_on(path: IoVariant) {
     let mut acknowledged = Vec::new();
     for index in 0..20u8 {
         let (lsn, _) = wal.append_bytes(&[index; 100], 0).unwrap();
-        wait_leading(&wal, lsn).unwrap();
+        wait_durable_bounded(&wal, lsn).unwrap();
         acknowledged.push(vec![index; 100]);
     }
     faults.allocate_enospc.store(true, Ordering::SeqCst);
@@ -293,7 +296,7 @@ fn disk_full_on_preallocation_on(path: IoVariant) {
     for _ in 0..100 {
         match wal.append_bytes(&[0xee; 100], 0) {
             Ok((lsn, _)) => {
-                if let Err(error) = wait_leading(&wal, lsn) {
+                if let Err(error) = wait_durable_bounded(&wal, lsn) {
                     failure = Some(error);
                     break;
                 }
@@ -383,7 +386,7 @@ fn short_writes_are_completed_on(path: IoVariant) {
                 break;
             }
         }
-        wait_leading(&wal, last).unwrap();
+        wait_durable_bounded(&wal, last).unwrap();
         assert!(faults.syncs.load(Ordering::SeqCst) > 0);
         if wait_each {
             assert!(wal.stats().led_groups > 0, "no waiter led in ten rounds: {:?}", wal.stats());
@@ -393,38 +396,6 @@ fn short_writes_are_completed_on(path: IoVariant) {
         drop(wal);
         assert_eq!(records(dir.path()), expected, "{durability:?}");
     }
-}
-
-/// Runs `work` on a thread of its own with the log, and fails the test if it has not finished
-/// within 60 s: `work` appends and waits for durability with no timeout (the wait that may
-/// lead, right after its append as a real waiter does), so a wait that hangs fails the test
-/// instead of stalling it (the thread is left behind).
-fn bounded<T: Send + 'static>(wal: &Arc<Wal>, work: impl FnOnce(&Wal) -> T + Send + 'static) -> T {
-    let (sender, receiver) = std::sync::mpsc::channel();
-    let wal = Arc::clone(wal);
-    std::thread::spawn(move || {
-        let result = work(&wal);
-        // Before answering: the test may drop the log and reopen its directory next.
-        drop(wal);
-        let _ = sender.send(result);
-    });
-    receiver.recv_timeout(Duration::from_secs(60)).expect("the appends and waits hung")
-}
-
-/// `wal.wait_durable(lsn)` (no timeout), on a thread of its own and collected with a bound, so
-/// that a wait that hangs fails the test instead. The wait starts a thread's start-up after
-/// the append, so the sync thread may write the group first: use [`bounded`] where leading
-/// matters.
-fn wait_leading(wal: &Arc<Wal>, lsn: Lsn) -> Result<(), WalError> {
-    let (sender, receiver) = std::sync::mpsc::channel();
-    let wal = Arc::clone(wal);
-    std::thread::spawn(move || {
-        let waited = wal.wait_durable(lsn);
-        // Before answering: the test may drop the log and reopen its directory next.
-        drop(wal);
-        let _ = sender.send(waited);
-    });
-    receiver.recv_timeout(Duration::from_secs(30)).expect("the durability wait hung")
 }
 
 #[test]
@@ -460,7 +431,7 @@ fn a_failed_fsync_fails_the_waiter_where_waiters_lead_on(path: IoVariant) {
             sender.send((result.is_err(), thread)).unwrap();
         }),
     );
-    let error = wait_leading(&wal, doomed).unwrap_err();
+    let error = wait_durable_bounded(&wal, doomed).unwrap_err();
     match error.root_cause() {
         WalError::Io { op, .. } => assert_eq!(*op, "fdatasync"),
         other => panic!("expected the fdatasync error, got {other:?}"),

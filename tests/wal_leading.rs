@@ -8,6 +8,8 @@
 //! kernel allows it, and pwrite); `WalStats::led_groups` tells groups a leader wrote from
 //! groups the sync thread wrote.
 
+mod wal_support;
+
 use std::{
     sync::{mpsc, Arc},
     time::{Duration, Instant},
@@ -16,11 +18,10 @@ use std::{
 use coordbus::wal::{Durability, IoMode, Lsn, Wal, WalConfig, WalOptions};
 use rand::{RngExt, SeedableRng};
 use rand_xorshift::XorShiftRng;
+use wal_support::{bounded, RUN_BOUND};
 
 /// How long a test waits for something that takes microseconds, before failing.
 const BOUND: Duration = Duration::from_secs(10);
-/// How long a test waits for a run of appends and durability waits, before failing.
-const RUN_BOUND: Duration = Duration::from_secs(60);
 
 fn io_modes() -> [IoMode; 2] {
     [IoMode::Auto, IoMode::Pwrite]
@@ -50,26 +51,6 @@ fn append_and_wait(wal: &Wal, first: u32, count: u32) -> Vec<(Lsn, coordbus::wal
             (lsn, handle)
         })
         .collect()
-}
-
-/// Runs `work` on a thread of its own with a clone of the log and returns its result, failing
-/// the test if it has none within `RUN_BOUND`: `work` waits for durability with no timeout (the
-/// wait that may lead), so a wait that hangs fails the test instead of stalling it (the thread
-/// is left behind).
-fn bounded<T: Send + 'static>(wal: &Arc<Wal>, work: impl FnOnce(&Wal) -> T + Send + 'static) -> T {
-    let (sender, receiver) = mpsc::channel();
-    let wal = Arc::clone(wal);
-    std::thread::spawn(move || {
-        let result = work(&wal);
-        // Before answering: the caller may close, drop and reopen the log next.
-        drop(wal);
-        let _ = sender.send(result);
-    });
-    match receiver.recv_timeout(RUN_BOUND) {
-        Ok(result) => result,
-        Err(mpsc::RecvTimeoutError::Timeout) => panic!("the waits hung (nothing in {RUN_BOUND:?})"),
-        Err(mpsc::RecvTimeoutError::Disconnected) => panic!("the waiting thread panicked"),
-    }
 }
 
 #[test]

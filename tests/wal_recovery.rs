@@ -7,6 +7,8 @@
 //! the last record and flips of every bit of a middle and the last record, each checked by a
 //! read-only scan (and a few by a full open); a proptest that replay equals the appends.
 
+mod wal_support;
+
 use std::{path::Path, sync::Arc, time::Duration};
 
 use coordbus::{
@@ -19,24 +21,11 @@ use coordbus::{
 use proptest::prelude::*;
 use rand::{RngExt, SeedableRng};
 use rand_xorshift::XorShiftRng;
+use wal_support::wait_durable_bounded;
 
 /// Bound of a durability wait: far longer than a sync; a wait that has not returned by then is
 /// hung, and fails the test instead of hanging it.
 const WAIT: Duration = Duration::from_secs(30);
-
-/// `wal.wait_durable(lsn)` (the wait without a timeout) on a thread of its own, collected with
-/// a bound (`WAIT`), so that a wait that hangs fails the test instead of stalling it.
-fn wait_durable_bounded(wal: &Arc<Wal>, lsn: Lsn) -> Result<(), WalError> {
-    let (sender, receiver) = std::sync::mpsc::channel();
-    let wal = Arc::clone(wal);
-    std::thread::spawn(move || {
-        let waited = wal.wait_durable(lsn);
-        // Before answering: the caller may close the log and reopen its directory next.
-        drop(wal);
-        let _ = sender.send(waited);
-    });
-    receiver.recv_timeout(WAIT).expect("the durability wait hung")
-}
 
 /// A fixed-seed generator, enough for payload sizes and bytes.
 fn seeded(seed: u64) -> XorShiftRng {

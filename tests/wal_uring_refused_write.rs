@@ -22,12 +22,15 @@
 //! `SIGXFSZ`).
 #![allow(unsafe_code)]
 
+mod wal_support;
+
 use std::{io::ErrorKind, sync::Arc, time::Duration};
 
 use coordbus::{
     record::frame,
     wal::{Durability, IoMode, IoPath, Lsn, Wal, WalConfig, WalError, WalOptions},
 };
+use wal_support::wait_durable_bounded;
 
 fn config(durability: Durability, segment_size_bytes: u64) -> WalConfig {
     WalConfig { segment_size_bytes, durability, ..WalConfig::default() }
@@ -72,22 +75,6 @@ fn payloads(dir: &std::path::Path) -> Vec<Vec<u8>> {
     let wal = Wal::open_with_options(dir, config(Durability::default(), 1 << 20), uring_options())
         .unwrap();
     wal.iter_from(Lsn::ZERO).unwrap().map(|record| record.unwrap().bytes.to_vec()).collect()
-}
-
-/// Waits until `lsn` is durable or the log failed, with no timeout of its own, so that with
-/// `EveryRecord` the waiting thread may write the group itself ("leading"); on a thread of its
-/// own, so that a hang fails the test (the thread is left behind) instead of stalling it.
-fn wait_durable_bounded(wal: &Arc<Wal>, lsn: Lsn) -> Result<(), WalError> {
-    let (done, outcome) = std::sync::mpsc::channel();
-    let wal = Arc::clone(wal);
-    std::thread::spawn(move || {
-        let outcome = wal.wait_durable(lsn);
-        // Before answering: once the answer is in, the caller's handle is the log's last one,
-        // and dropping it closes the log (so that it can be reopened).
-        drop(wal);
-        done.send(outcome)
-    });
-    outcome.recv_timeout(Duration::from_secs(20)).expect("the wait ended within 20 s")
 }
 
 /// The segment header's length (the WAL's on-disk format, module `wal`): a segment's first

@@ -401,7 +401,21 @@ mod tests {
     use super::*;
     use crate::{runtime::Context, HandlerError};
 
-    struct Idle;
+    /// Handles nothing; with `panics_on_drop`, panics when dropped: after `on_stop`, outside
+    /// any handler the worker guards.
+    struct Idle {
+        panics_on_drop: bool,
+    }
+
+    const IDLE: Idle = Idle { panics_on_drop: false };
+
+    impl Drop for Idle {
+        fn drop(&mut self) {
+            if self.panics_on_drop {
+                panic!("injected: an endpoint that panics when dropped");
+            }
+        }
+    }
 
     impl Endpoint for Idle {
         type Message = ();
@@ -425,13 +439,13 @@ mod tests {
         let bus = Bus::builder().build().unwrap();
         for run in 0..20 {
             let name = format!("run-{run}");
-            bus.register(&name, Idle).unwrap();
+            bus.register(&name, IDLE).unwrap();
             bus.stop(&name).unwrap();
         }
         // Each stopped thread finishes on its own; the next registration joins the finished.
         let deadline = Instant::now() + std::time::Duration::from_secs(30);
         loop {
-            bus.register("probe", Idle).unwrap();
+            bus.register("probe", IDLE).unwrap();
             bus.stop("probe").unwrap();
             // At most the probe just started and the ones not yet finished.
             if held_threads(&bus) <= 2 {
@@ -457,32 +471,10 @@ mod tests {
         assert!(started.elapsed() < std::time::Duration::from_secs(5), "shutdown waited it out");
     }
 
-    /// Panics when dropped: after `on_stop`, outside any handler the worker guards.
-    struct PanicsOnDrop;
-
-    impl Endpoint for PanicsOnDrop {
-        type Message = ();
-        type Request = ();
-
-        fn handle(&mut self, (): (), _: &Context<Self>) -> Result<(), HandlerError> {
-            Ok(())
-        }
-
-        fn handle_request(&mut self, (): (), _: &Context<Self>) -> Result<(), HandlerError> {
-            Ok(())
-        }
-    }
-
-    impl Drop for PanicsOnDrop {
-        fn drop(&mut self) {
-            panic!("injected: an endpoint that panics when dropped");
-        }
-    }
-
     #[test]
     fn a_thread_that_panicked_and_was_joined_by_a_registration_is_still_reported_at_shutdown() {
         let bus = Bus::builder().build().unwrap();
-        bus.register("dies", PanicsOnDrop).unwrap();
+        bus.register("dies", Idle { panics_on_drop: true }).unwrap();
         bus.stop("dies").unwrap();
         let deadline = Instant::now() + std::time::Duration::from_secs(30);
         while !bus.threads.lock().unwrap().iter().all(|(_, handle)| handle.is_finished()) {
@@ -490,7 +482,7 @@ mod tests {
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
         // This registration joins the finished thread (and its panic).
-        bus.register("lives", Idle).unwrap();
+        bus.register("lives", IDLE).unwrap();
         assert_eq!(held_threads(&bus), 1);
         match bus.shutdown() {
             Err(BusError::ThreadPanicked { name }) => assert_eq!(name, "dies"),
