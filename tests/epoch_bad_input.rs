@@ -11,9 +11,10 @@ mod epoch_support;
 
 use coordbus::{
     coordinators::epoch::{
-        coordinator_name, DropReason, Epoch, EpochConfig, EpochCoordinator, EpochCounters,
-        EpochError, EpochStats, IncrementAndGetEpoch, MessageKind, PartitionId, PartitionSide,
-        Payload, Rejected, SetReaderPartitions, SetWriterPartitions, StopContinuousExecutionWrites,
+        coordinator_name, BacklogQueue, DropReason, Epoch, EpochConfig, EpochCoordinator,
+        EpochCounters, EpochError, EpochStats, IncrementAndGetEpoch, MessageKind, PartitionId,
+        PartitionSide, Payload, Rejected, SetReaderPartitions, SetWriterPartitions,
+        StopContinuousExecutionWrites,
     },
     AskError,
 };
@@ -312,6 +313,76 @@ fn state_machine_rejections_carry_the_offending_values() {
         coordinator.commit_partition_epoch(PartitionId(0), Epoch(1), 2.into()).unwrap_err();
     assert_eq!(duplicate.reason, DropReason::DuplicateCommit);
     assert!(duplicate.to_string().contains("partition 0"), "{duplicate}");
+}
+
+/// Issue 4, "memory bounded by the backlog limits": once a queue overflowed (and the query was
+/// stopped with Spark's error), a flood of messages that would grow it is dropped and counted
+/// instead of stored, until commits bring the queue back to its limit.
+#[test]
+fn a_queue_over_its_limit_stores_nothing_more_until_commits_free_it() {
+    // EC-08's steps: writers 1, readers 1, limit 10; reports for epochs 1..=11 overflow at 11.
+    let harness = BusHarness::scenario(1, 1);
+    for epoch in 1..=11 {
+        harness.report(0, epoch);
+    }
+    harness.barrier();
+    let overflowed = harness.stats();
+    assert_eq!(overflowed.offset_entries, 11);
+    assert_eq!(overflowed.counters.backlog_overflows, 1);
+
+    // The tasks keep reporting: nothing more is stored, nothing is added, no check runs.
+    for epoch in 12..=2011 {
+        harness.report(0, epoch);
+    }
+    harness.barrier();
+    assert_only_counters_changed(
+        overflowed,
+        harness.stats(),
+        counters_plus(overflowed.counters, |c| c.dropped_backlog_full += 2000),
+    );
+    let added: Vec<Call> = (1..=11).map(|epoch| add_offsets(epoch, 1)).collect();
+    let calls = harness.calls();
+    assert_eq!(calls[..11], added[..], "only the reports before the overflow were added");
+    assert_eq!(calls.len(), 12, "the eleven offsets records and one stop: {calls:?}");
+
+    // Commits have their own queue, which is not full: committing epochs 1 and 2 cleans up
+    // epoch 1's offset, so the offset queue is back at its limit and stores a report again.
+    harness.commit(0, 1);
+    harness.commit(0, 2);
+    harness.report(0, 12);
+    harness.report(0, 13);
+    harness.barrier();
+    let after = harness.stats();
+    assert_eq!(after.last_committed, Epoch(2));
+    assert_eq!(after.offset_entries, 11, "epochs 2..=12: epoch 12 was stored, then 13 dropped");
+    assert_eq!(after.counters.offsets_accepted, overflowed.counters.offsets_accepted + 1);
+    assert_eq!(after.counters.dropped_backlog_full, 2001);
+    let calls = harness.calls();
+    assert!(calls.contains(&add_offsets(12, 1)), "{calls:?}");
+    assert!(!calls.contains(&add_offsets(13, 1)), "{calls:?}");
+}
+
+#[test]
+fn a_full_queue_rejection_names_the_queue_and_its_limit() {
+    let (query, sink, _) = recorders();
+    let config = EpochConfig::new(1).with_backlog_limit(2);
+    let mut coordinator = EpochCoordinator::new(config, query, sink).unwrap();
+    coordinator.set_reader_partitions(1).unwrap();
+    coordinator.set_writer_partitions(1).unwrap();
+    for epoch in 1..=3 {
+        coordinator.commit_partition_epoch(PartitionId(0), Epoch(epoch), 1.into()).unwrap();
+    }
+    let rejected =
+        coordinator.commit_partition_epoch(PartitionId(0), Epoch(4), 1.into()).unwrap_err();
+    assert_eq!(
+        rejected.reason,
+        DropReason::BacklogFull { queue: BacklogQueue::PartitionCommits, limit: 2 }
+    );
+    assert!(rejected.to_string().contains("partition commit queue"), "{rejected}");
+    assert!(rejected.to_string().contains("limit of 2"), "{rejected}");
+    // The offset queue is separate: a report is still stored, and completes epoch 1.
+    coordinator.report_partition_offset(PartitionId(0), Epoch(1), 1.into()).unwrap();
+    assert_eq!(coordinator.last_committed(), Epoch(1));
 }
 
 /// Writers 1, readers 1; completes epochs `epochs` in order and returns the harness.

@@ -68,7 +68,9 @@ fn case() -> impl Strategy<Value = Case> {
     let failure = prop_oneof![6 => Just(None), 1 => (0..8i64).prop_map(Some)];
     (
         0..3i64,
-        (1..14usize, 1..14usize, 0..5usize),
+        // Entry limits up to 40: small ones overflow early (and then drop what would grow the
+        // full queue), larger ones let runs commit many epochs first.
+        (1..40usize, 1..40usize, 0..5usize),
         (failure.clone(), failure.clone(), failure),
         (1..4i32, 1..4i32),
         proptest::collection::vec(op(), 0..200),
@@ -188,7 +190,8 @@ proptest! {
 }
 
 /// The generated cases do reach the interesting states (guards against a strategy that never
-/// commits, overflows or fails, which would make the equivalence check vacuous).
+/// commits, overflows, drops for a full queue or fails, which would make the equivalence check
+/// vacuous).
 #[test]
 fn generated_cases_cover_commits_waits_overflows_and_failures() {
     use proptest::{
@@ -197,6 +200,7 @@ fn generated_cases_cover_commits_waits_overflows_and_failures() {
     };
     let mut runner = TestRunner::new(Config { rng_seed: RngSeed::Fixed(7), ..Config::default() });
     let (mut commits, mut chained, mut stops, mut failures) = (0u64, 0u64, 0u64, 0u64);
+    let mut backlog_full_runs = 0u64;
     for _ in 0..200 {
         let case = case().new_tree(&mut runner).unwrap().current();
         check(&case).unwrap();
@@ -233,10 +237,18 @@ fn generated_cases_cover_commits_waits_overflows_and_failures() {
             .filter(|call| matches!(call, epoch_support::Call::Stop { .. }))
             .count() as u64;
         failures += u64::from(stats.failed_epoch.is_some());
+        backlog_full_runs += u64::from(stats.counters.dropped_backlog_full > 0);
     }
-    eprintln!("coverage: commits {commits} chained {chained} stops {stops} failures {failures}");
+    eprintln!(
+        "coverage: commits {commits} chained {chained} stops {stops} failures {failures} \
+         backlog_full_runs {backlog_full_runs}"
+    );
     assert!(commits > 150, "commits {commits}");
     assert!(chained > 10, "runs with waiting epochs that later committed: {chained}");
     assert!(stops > 20, "stop calls {stops}");
     assert!(failures > 5, "fail-stopped runs {failures}");
+    assert!(
+        backlog_full_runs > 10,
+        "runs that dropped messages for a full queue {backlog_full_runs}"
+    );
 }

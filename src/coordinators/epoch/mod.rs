@@ -47,9 +47,14 @@
 //! Memory is proportional to the stored entries: sparse buckets grow with their entries; dense
 //! buckets (40 bytes per partition and side, only for partition counts up to 16 Ki) exist only
 //! for the 16 epochs after the last committed one, plus at most 16 recycled ones. The backlog
-//! checks stop the query once the entries exceed the limits (default 10 000 each); as in Spark
-//! (SPEC B.7), the coordinator itself keeps accepting until the query sends
-//! `StopContinuousExecutionWrites`.
+//! checks stop the query once the entries exceed the limits (default 10 000 each), with Spark's
+//! errors (SPEC B.7). Spark then keeps storing until the query sends
+//! `StopContinuousExecutionWrites`, so tasks that keep sending grow its maps without bound.
+//! Here a queue already over its limit stores nothing more: a report or commit that would grow
+//! it is dropped and counted ([`DropReason::BacklogFull`]) until commits bring the queue back
+//! to its limit. Each queue therefore holds at most its limit plus one entry, and memory stays
+//! bounded by the limits whatever arrives after the stop. (The run is failing by then: the
+//! query already has the overflow error.)
 //!
 //! # Behaviour decisions (SPEC 0.3 over B, and where the spec is silent)
 //! * A message for an epoch at or below the last committed epoch (which covers epochs below
@@ -62,9 +67,9 @@
 //! * A duplicate `CommitPartitionEpoch` is dropped and counted (first commit wins, no backlog
 //!   check). A repeated `ReportPartitionOffset` overwrites the offset (Spark) and, if the epoch's
 //!   offsets are complete, calls `add_offsets` again.
-//! * Dropped messages (writes stopped, stale epoch, bad partition, duplicate commit) change no
-//!   state and run no backlog check. Precedence of reasons: writes stopped, negative partition,
-//!   partition out of range, stale epoch, duplicate commit.
+//! * Dropped messages (writes stopped, stale epoch, bad partition, backlog full, duplicate
+//!   commit) change no state and run no backlog check. Precedence of reasons: writes stopped,
+//!   negative partition, partition out of range, stale epoch, backlog full, duplicate commit.
 //! * A negative partition count in `SetReaderPartitions` / `SetWriterPartitions` is rejected
 //!   with [`EpochError::InvalidPartitionCount`] (the asker gets the error) and changes nothing.
 //!   `IncrementAndGetEpoch` at `i64::MAX` fails with [`EpochError::EpochOverflow`].
@@ -343,6 +348,15 @@ impl BacklogQueue {
             Self::WaitingEpochs => "Size of the epoch queue has exceeded its maximum",
         }
     }
+
+    /// What the queue holds, for messages.
+    fn noun(self) -> &'static str {
+        match self {
+            Self::PartitionOffsets => "partition offset queue",
+            Self::PartitionCommits => "partition commit queue",
+            Self::WaitingEpochs => "epoch queue",
+        }
+    }
 }
 
 /// Which side a partition count belongs to.
@@ -547,6 +561,16 @@ pub enum DropReason {
     /// A commit for this epoch and partition was already stored (the first wins).
     #[error("the partition already committed this epoch")]
     DuplicateCommit,
+    /// The message's queue already holds more entries than its backlog limit: the backlog
+    /// check stopped the query when it overflowed, and the coordinator stores no more until
+    /// commits bring it back to the limit (memory stays bounded by the limits).
+    #[error("the {} already holds more than its limit of {limit} entries", .queue.noun())]
+    BacklogFull {
+        /// The queue the message would have grown.
+        queue: BacklogQueue,
+        /// Its backlog limit.
+        limit: usize,
+    },
 }
 
 impl DropReason {
@@ -559,6 +583,7 @@ impl DropReason {
             Self::PartitionOutOfRange { .. } => "partition id out of range",
             Self::StaleEpoch { .. } => "stale epoch",
             Self::DuplicateCommit => "duplicate commit",
+            Self::BacklogFull { .. } => "backlog full",
         }
     }
 }
@@ -601,6 +626,8 @@ pub struct EpochCounters {
     pub dropped_stale_epoch: u64,
     /// Duplicate writer commits dropped.
     pub dropped_duplicate_commit: u64,
+    /// Messages dropped because their queue was over its backlog limit.
+    pub dropped_backlog_full: u64,
     /// Partition-count requests rejected (negative count).
     pub rejected_partition_counts: u64,
     /// Backlog checks that failed (each one called [`Query::stop`]).
@@ -615,6 +642,7 @@ impl EpochCounters {
             + self.dropped_partition_out_of_range
             + self.dropped_stale_epoch
             + self.dropped_duplicate_commit
+            + self.dropped_backlog_full
     }
 
     pub(crate) fn count_drop(&mut self, reason: DropReason) -> u64 {
@@ -624,6 +652,7 @@ impl EpochCounters {
             DropReason::PartitionOutOfRange { .. } => &mut self.dropped_partition_out_of_range,
             DropReason::StaleEpoch { .. } => &mut self.dropped_stale_epoch,
             DropReason::DuplicateCommit => &mut self.dropped_duplicate_commit,
+            DropReason::BacklogFull { .. } => &mut self.dropped_backlog_full,
         };
         *counter += 1;
         *counter

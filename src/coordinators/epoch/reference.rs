@@ -235,10 +235,30 @@ impl<Q: Query, S: Sink> ReferenceEpochCoordinator<Q, S> {
             DropReason::PartitionOutOfRange { count: partition_count }
         } else if epoch.0 <= self.last_committed_epoch {
             DropReason::StaleEpoch { last_committed: Epoch(self.last_committed_epoch) }
+        } else if let Some((queue, limit)) = self.backlog_full(kind) {
+            DropReason::BacklogFull { queue, limit }
         } else {
             return Ok(());
         };
         Err(self.reject(kind, partition, epoch, reason))
+    }
+
+    /// Issue 4's memory bound: a queue already over its limit (the query was stopped when it
+    /// got there) stores nothing more.
+    fn backlog_full(&self, kind: MessageKind) -> Option<(BacklogQueue, usize)> {
+        let (queue, size, limit) = match kind {
+            MessageKind::CommitPartitionEpoch => (
+                BacklogQueue::PartitionCommits,
+                self.partition_commits.len(),
+                self.config.partition_commit_limit,
+            ),
+            MessageKind::ReportPartitionOffset => (
+                BacklogQueue::PartitionOffsets,
+                self.partition_offsets.len(),
+                self.config.partition_offset_limit,
+            ),
+        };
+        (size > limit).then_some((queue, limit))
     }
 
     fn reject(

@@ -678,10 +678,32 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
             DropReason::PartitionOutOfRange { count: partition_count }
         } else if epoch <= self.last_committed {
             DropReason::StaleEpoch { last_committed: self.last_committed }
+        } else if let Some((queue, limit)) = self.backlog_full(kind) {
+            DropReason::BacklogFull { queue, limit }
         } else {
             return Ok(());
         };
         Err(self.drop_message(kind, partition, epoch, reason))
+    }
+
+    /// The queue `kind` stores into and its limit, if that queue already holds more entries
+    /// than the limit. The backlog check stopped the query when it got there; storing more
+    /// would let a flood of messages grow memory without bound until writes stop.
+    #[inline]
+    fn backlog_full(&self, kind: MessageKind) -> Option<(BacklogQueue, usize)> {
+        let (queue, entries, limit) = match kind {
+            MessageKind::CommitPartitionEpoch => (
+                BacklogQueue::PartitionCommits,
+                self.commit_entries,
+                self.config.partition_commit_limit,
+            ),
+            MessageKind::ReportPartitionOffset => (
+                BacklogQueue::PartitionOffsets,
+                self.offset_entries,
+                self.config.partition_offset_limit,
+            ),
+        };
+        (entries > limit).then_some((queue, limit))
     }
 
     #[cold]
