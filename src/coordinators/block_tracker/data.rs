@@ -7,15 +7,23 @@
 //! journal (as in Spark, one per stream under `<checkpoint>/receivedData/<stream>`) so the
 //! journal only ever holds tracker events.
 
-use std::path::{Path, PathBuf};
+use std::{
+    path::{Path, PathBuf},
+    time::Duration,
+};
 
 use super::{BlockStoreResult, BlockTrackerError, ReceivedBlockInfo, StreamBlockId, StreamId};
 use crate::wal::{Lsn, RecordBytes, Wal, WalConfig, WalError};
+
+/// How long [`ReceiverBlockStore::store`] waits for a block's data to become durable by
+/// default: Spark's `spark.streaming.receiver.blockStoreTimeout`, 30 s.
+pub const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A receiver-side log of block data.
 #[derive(Debug)]
 pub struct ReceiverBlockStore {
     wal: Wal,
+    store_timeout: Duration,
 }
 
 impl ReceiverBlockStore {
@@ -29,14 +37,39 @@ impl ReceiverBlockStore {
     /// # Errors
     /// The WAL's opening errors.
     pub fn open(dir: impl AsRef<Path>, config: WalConfig) -> Result<Self, WalError> {
-        Ok(Self { wal: Wal::open(dir, config)? })
+        Ok(Self::from_wal(Wal::open(dir, config)?))
+    }
+
+    /// A store over a log the caller opened (with its own [`crate::wal::WalOptions`], say).
+    pub fn from_wal(wal: Wal) -> Self {
+        Self { wal, store_timeout: DEFAULT_STORE_TIMEOUT }
+    }
+
+    /// Sets how long [`Self::store`] waits for durability (default
+    /// [`DEFAULT_STORE_TIMEOUT`]).
+    #[must_use]
+    pub fn with_store_timeout(mut self, timeout: Duration) -> Self {
+        self.store_timeout = timeout;
+        self
+    }
+
+    /// How long [`Self::store`] waits for durability.
+    pub fn store_timeout(&self) -> Duration {
+        self.store_timeout
     }
 
     /// Appends `data` for `block_id` with record time `time_ms` and returns once it is durable,
-    /// with the store result to put in the block's info.
+    /// with the store result to put in the block's info. Waits at most
+    /// [`Self::store_timeout`], as Spark's receiver does, so a stuck disk fails the store
+    /// instead of hanging the receiver. The waiting thread never writes and syncs itself (a
+    /// sync could outlast the bound); with `Durability::EveryRecord`, [`Self::store_deferred`]
+    /// and `wal().wait_durable(lsn)` let it do so, without a bound.
     ///
     /// # Errors
-    /// The WAL's append or durability error.
+    /// The WAL's append or durability error; [`WalError::Timeout`] (with the LSN and the
+    /// timeout) if the data was not durable in time. It may still become durable later: a
+    /// receiver that retries appends the data again, and the first record is then never read
+    /// (the log's time-based cleaning removes it).
     pub fn store(
         &self,
         block_id: StreamBlockId,
@@ -44,7 +77,7 @@ impl ReceiverBlockStore {
         time_ms: i64,
     ) -> Result<BlockStoreResult, WalError> {
         let (lsn, result) = self.store_deferred(block_id, data, time_ms)?;
-        self.wal.wait_durable(lsn)?;
+        self.wal.wait_durable_timeout(lsn, self.store_timeout)?;
         Ok(result)
     }
 

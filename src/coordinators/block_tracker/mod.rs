@@ -70,7 +70,7 @@ mod types;
 use std::{collections::BTreeMap, path::PathBuf, sync::Arc, time::Duration};
 
 pub use self::{
-    data::ReceiverBlockStore,
+    data::{ReceiverBlockStore, DEFAULT_STORE_TIMEOUT},
     endpoint::{
         AddBlock, AddBlocks, AllocateBlocksToBatch, BlockTrackerEndpoint, BlockTrackerMessage,
         BlockTrackerRequest, CleanupOldBatches, ConnectReceiver, GetBlocksOfBatch,
