@@ -423,6 +423,34 @@ fn rbt_06_wal_disabled_without_checkpoint_dir() {
     assert!(tracker.wal().is_none());
 }
 
+/// SPEC D: blocks of a stream missing from `stream_ids` are accepted and queued but never
+/// allocated; the tracker names such streams so an operator can see what will never drain.
+#[test]
+fn blocks_of_an_unconfigured_stream_are_queued_never_allocated_and_listed() {
+    let clock = Arc::new(ManualClock::new(0));
+    let mut tracker =
+        ReceivedBlockTracker::open(config(None, Duration::from_secs(60)), clock).unwrap();
+    let other = StreamId(7);
+    let block_id = StreamBlockId { stream: other, unique_id: 1 };
+    let stray =
+        ReceivedBlockInfo::new(other, Some(0), None, BlockStoreResult::BlockManager { block_id })
+            .unwrap();
+    let configured = Blocks::new().take(2);
+    assert!(tracker.unconfigured_streams().is_empty());
+    assert!(tracker.add_block(stray.clone()));
+    for info in &configured {
+        assert!(tracker.add_block(info.clone()));
+    }
+    assert_eq!(tracker.unconfigured_streams(), [other]);
+
+    tracker.allocate_blocks_to_batch(BatchTime(1)).unwrap();
+    assert_eq!(tracker.blocks_of_batch_and_stream(BatchTime(1), STREAM), configured);
+    assert!(tracker.blocks_of_batch_and_stream(BatchTime(1), other).is_empty());
+    assert_eq!(tracker.unallocated_blocks(other), [stray]);
+    assert!(tracker.has_unallocated_blocks(), "the stray block is still queued");
+    assert_eq!(tracker.unconfigured_streams(), [other]);
+}
+
 #[test]
 fn cleanup_threshold_must_be_in_the_past_and_nothing_is_written_otherwise() {
     let dir = tempfile::tempdir().unwrap();

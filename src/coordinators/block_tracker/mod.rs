@@ -54,7 +54,9 @@
 //! cleanable) and the state starts empty.
 //!
 //! ## Choices where SPEC is silent
-//! * Blocks of streams not in `stream_ids` are queued but never allocated (as Spark).
+//! * Blocks of streams not in `stream_ids` are queued but never allocated (as Spark). The first
+//!   block of such a stream logs a warning, and [`ReceivedBlockTracker::unconfigured_streams`]
+//!   lists them: nothing frees their queues until the tracker stops.
 //! * [`ReceivedBlockTracker::stop`] closes the log; later writes fail (so additions answer
 //!   false and allocations do nothing), reads keep working.
 
@@ -67,7 +69,12 @@ mod receiver;
 mod recycle;
 mod types;
 
-use std::{collections::BTreeMap, path::PathBuf, sync::Arc, time::Duration};
+use std::{
+    collections::{btree_map, BTreeMap},
+    path::PathBuf,
+    sync::Arc,
+    time::Duration,
+};
 
 pub use self::{
     data::{ReceiverBlockStore, DEFAULT_STORE_TIMEOUT},
@@ -510,13 +517,13 @@ impl ReceivedBlockTracker {
         if blocks.len() == 1 {
             // Kept inline in its chunk; a batch-sized vector goes back to the receivers.
             let chunk = blocks.drain(..).collect();
-            self.unallocated.entry(first).or_default().push(lsn, chunk);
+            self.queue_of(first).push(lsn, chunk);
             self.recycled.give_back(blocks);
             return;
         }
         if blocks.iter().all(|info| info.stream_id() == first) {
             // One stream (a receiver belongs to one): the vector becomes the chunk as it is.
-            self.unallocated.entry(first).or_default().push(lsn, ChunkBlocks::from_vec(blocks));
+            self.queue_of(first).push(lsn, ChunkBlocks::from_vec(blocks));
             return;
         }
         // Several streams (a receiver rotating over streams; Spark's serve one each): the
@@ -524,13 +531,13 @@ impl ReceivedBlockTracker {
         let moved = blocks.iter().filter(|info| info.stream_id() != first).count();
         let mut others = self.vector_with_capacity(moved);
         others.extend(blocks.extract_if(.., |info| info.stream_id() != first));
-        self.unallocated.entry(first).or_default().push(lsn, ChunkBlocks::from_vec(blocks));
+        self.queue_of(first).push(lsn, ChunkBlocks::from_vec(blocks));
         let Some(second) = others.first().map(ReceivedBlockInfo::stream_id) else {
             debug_assert!(false, "the record had a block of another stream");
             return;
         };
         if others.iter().all(|info| info.stream_id() == second) {
-            self.unallocated.entry(second).or_default().push(lsn, ChunkBlocks::from_vec(others));
+            self.queue_of(second).push(lsn, ChunkBlocks::from_vec(others));
             return;
         }
         // Three streams or more: counted first, so that each stream's chunk is allocated
@@ -550,7 +557,7 @@ impl ReceivedBlockTracker {
         }
         self.recycled.give_back(others);
         for (stream, blocks) in by_stream {
-            self.unallocated.entry(stream).or_default().push(lsn, blocks);
+            self.queue_of(stream).push(lsn, blocks);
         }
     }
 
@@ -592,13 +599,33 @@ impl ReceivedBlockTracker {
         } else {
             ChunkBlocks::from_vec(blocks)
         };
-        self.unallocated.entry(stream).or_default().push(lsn, chunk);
+        self.queue_of(stream).push(lsn, chunk);
+    }
+
+    /// The unallocated queue of `stream`, created on its first block. A stream missing from
+    /// `stream_ids` gets one too (SPEC D: accepted and queued) but is never allocated, so
+    /// nothing ever frees it: its first block is worth a warning.
+    fn queue_of(&mut self, stream: StreamId) -> &mut StreamQueue {
+        match self.unallocated.entry(stream) {
+            btree_map::Entry::Occupied(queue) => queue.into_mut(),
+            btree_map::Entry::Vacant(slot) => {
+                if self.stream_ids.binary_search(&stream).is_err() {
+                    tracing::warn!(
+                        %stream,
+                        configured = ?self.stream_ids,
+                        "blocks of a stream missing from the tracker's stream ids are kept but \
+                         never allocated"
+                    );
+                }
+                slot.insert(StreamQueue::default())
+            }
+        }
     }
 
     /// Queues one block added as record `lsn`.
     fn enqueue(&mut self, lsn: Lsn, info: ReceivedBlockInfo) {
         let stream = info.stream_id();
-        self.unallocated.entry(stream).or_default().push(lsn, smallvec::smallvec![info]);
+        self.queue_of(stream).push(lsn, smallvec::smallvec![info]);
     }
 
     /// Takes every configured stream's queue into an allocation event for `time`; the chunk
@@ -637,7 +664,7 @@ impl ReceivedBlockTracker {
         for (StreamBlocks { stream_id, blocks }, bounds) in
             blocks.into_streams().into_iter().zip(bounds)
         {
-            self.unallocated.entry(stream_id).or_default().restore(blocks, bounds);
+            self.queue_of(stream_id).restore(blocks, bounds);
         }
     }
 
@@ -857,6 +884,18 @@ impl ReceivedBlockTracker {
     /// Whether any stream has unallocated blocks.
     pub fn has_unallocated_blocks(&self) -> bool {
         self.unallocated.values().any(|queue| !queue.is_empty())
+    }
+
+    /// The streams that have blocks queued but are missing from the configured stream ids:
+    /// their blocks are never allocated (SPEC D), and stay queued until the tracker stops.
+    pub fn unconfigured_streams(&self) -> Vec<StreamId> {
+        self.unallocated
+            .iter()
+            .filter(|(stream, queue)| {
+                !queue.is_empty() && self.stream_ids.binary_search(stream).is_err()
+            })
+            .map(|(stream, _)| *stream)
+            .collect()
     }
 
     /// The unallocated blocks of `stream`, oldest first.
