@@ -156,17 +156,22 @@ fn typed_records_are_validated_zero_copy_reads() {
 /// Writes `count` records (EveryRecord, each waited) into one segment; returns the file, the
 /// payloads and the handles.
 fn small_log(dir: &Path, count: usize) -> (std::path::PathBuf, Vec<Vec<u8>>, Vec<RecordHandle>) {
-    let wal = open(dir, Durability::EveryRecord, IoMode::Auto, 64 << 10);
-    let mut rng = seeded(7);
-    let mut payloads = Vec::new();
-    let mut handles = Vec::new();
-    for index in 0..count {
-        let bytes: Vec<u8> = (0..20 + index * 3).map(|_| rng.random::<u8>()).collect();
-        let (lsn, handle) = wal.append_bytes(&bytes, index as i64).unwrap();
-        wal.wait_durable_timeout(lsn, WAIT).unwrap();
-        payloads.push(bytes);
-        handles.push(handle);
-    }
+    let wal = Arc::new(open(dir, Durability::EveryRecord, IoMode::Auto, 64 << 10));
+    // Appended and waited for without a timeout on one bounded thread: each waiter may write
+    // and sync its record itself (leading), as a real `EveryRecord` writer does.
+    let (payloads, handles) = wal_support::bounded(&wal, move |wal| {
+        let mut rng = seeded(7);
+        let mut payloads = Vec::new();
+        let mut handles = Vec::new();
+        for index in 0..count {
+            let bytes: Vec<u8> = (0..20 + index * 3).map(|_| rng.random::<u8>()).collect();
+            let (lsn, handle) = wal.append_bytes(&bytes, index as i64).unwrap();
+            wal.wait_durable(lsn).unwrap();
+            payloads.push(bytes);
+            handles.push(handle);
+        }
+        (payloads, handles)
+    });
     wal.close().unwrap();
     (dir.join(segment::file_name(handles[0].segment)), payloads, handles)
 }

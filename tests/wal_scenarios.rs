@@ -6,7 +6,9 @@
 //! `write_with_log`: the clock starts at 10 000 and advances 500 ms before each write, with a
 //! rolling interval of 1 s (so segments roll by time).
 
-use std::{path::Path, time::Duration};
+mod wal_support;
+
+use std::{path::Path, sync::Arc, time::Duration};
 
 use coordbus::{
     record::frame,
@@ -194,22 +196,27 @@ fn wal_c6_corrupt_or_truncated_earlier_files_do_not_block_later_ones() {
 fn wal_f3_writer_durability_and_visibility_per_write() {
     for (durability, io) in variants() {
         let dir = tempfile::tempdir().unwrap();
-        let wal = open(dir.path(), durability, io, RecoveryMode::Strict);
-        let mut clock = 10_000;
-        for item in data(1..=100) {
-            clock += 500;
-            let (lsn, handle) = wal.append_bytes(item.as_bytes(), clock).unwrap();
-            wal.wait_durable_timeout(lsn, WAIT).unwrap();
-            // By hand, from the file, with the writer still open.
-            let path = dir.path().join(segment::file_name(handle.segment));
-            let bytes = std::fs::read(&path).unwrap();
-            let (header, payload) = frame::parse(&bytes[handle.offset as usize..]).unwrap();
-            assert_eq!(payload, item.as_bytes());
-            assert_eq!(header.lsn, lsn.0);
-            assert_eq!(header.time_ms, clock);
-            // And through the log's own reader.
-            assert_eq!(&*wal.read_bytes(handle).unwrap(), item.as_bytes());
-        }
+        let wal = Arc::new(open(dir.path(), durability, io, RecoveryMode::Strict));
+        let dir_path = dir.path().to_path_buf();
+        // Appends and waits without a timeout on one bounded thread, as a writer does: with
+        // `EveryRecord` the waiter may then write and sync its record itself (leading).
+        wal_support::bounded(&wal, move |wal| {
+            let mut clock = 10_000;
+            for item in data(1..=100) {
+                clock += 500;
+                let (lsn, handle) = wal.append_bytes(item.as_bytes(), clock).unwrap();
+                wal.wait_durable(lsn).unwrap();
+                // By hand, from the file, with the writer still open.
+                let path = dir_path.join(segment::file_name(handle.segment));
+                let bytes = std::fs::read(&path).unwrap();
+                let (header, payload) = frame::parse(&bytes[handle.offset as usize..]).unwrap();
+                assert_eq!(payload, item.as_bytes());
+                assert_eq!(header.lsn, lsn.0);
+                assert_eq!(header.time_ms, clock);
+                // And through the log's own reader.
+                assert_eq!(&*wal.read_bytes(handle).unwrap(), item.as_bytes());
+            }
+        });
     }
 }
 
