@@ -315,51 +315,68 @@ fn state_machine_rejections_carry_the_offending_values() {
     assert!(duplicate.to_string().contains("partition 0"), "{duplicate}");
 }
 
-/// Issue 4, "memory bounded by the backlog limits": once a queue overflowed (and the query was
-/// stopped with Spark's error), a flood of messages that would grow it is dropped and counted
-/// instead of stored, until commits bring the queue back to its limit.
+/// Memory bounded by the backlog limits (issue 4): once a queue overflowed (and the query was
+/// stopped with Spark's error), a flood of messages that would add entries to it is dropped
+/// and counted instead of stored, while the checks still fire on each (SPEC B.7). Messages of
+/// the next epoch to commit are still taken, so the coordinator can commit and free the queue.
 #[test]
-fn a_queue_over_its_limit_stores_nothing_more_until_commits_free_it() {
-    // EC-08's steps: writers 1, readers 1, limit 10; reports for epochs 1..=11 overflow at 11.
+fn a_queue_over_its_limit_takes_only_the_next_epoch_until_commits_free_it() {
+    // Writers 1, readers 1, limit 10: reports for epochs 2..=12 overflow at 12, while epoch 1
+    // (the next to commit) has nothing yet.
     let harness = BusHarness::scenario(1, 1);
-    for epoch in 1..=11 {
+    for epoch in 2..=12 {
         harness.report(0, epoch);
     }
     harness.barrier();
     let overflowed = harness.stats();
     assert_eq!(overflowed.offset_entries, 11);
     assert_eq!(overflowed.counters.backlog_overflows, 1);
+    let calls_before_flood = harness.calls().len();
 
-    // The tasks keep reporting: nothing more is stored, nothing is added, no check runs.
-    for epoch in 12..=2011 {
+    // The tasks keep reporting later epochs: nothing is stored or added, and every dropped
+    // report runs the checks again, which stop the query again.
+    for epoch in 13..=2012 {
         harness.report(0, epoch);
     }
     harness.barrier();
     assert_only_counters_changed(
         overflowed,
         harness.stats(),
-        counters_plus(overflowed.counters, |c| c.dropped_backlog_full += 2000),
+        counters_plus(overflowed.counters, |c| {
+            c.dropped_backlog_full += 2000;
+            c.backlog_overflows += 2000;
+        }),
     );
-    let added: Vec<Call> = (1..=11).map(|epoch| add_offsets(epoch, 1)).collect();
-    let calls = harness.calls();
-    assert_eq!(calls[..11], added[..], "only the reports before the overflow were added");
-    assert_eq!(calls.len(), 12, "the eleven offsets records and one stop: {calls:?}");
+    let flood_calls = harness.calls().split_off(calls_before_flood);
+    assert_eq!(flood_calls.len(), 2000, "one stop per dropped report, nothing else");
+    assert!(
+        stop_messages(&flood_calls)
+            .iter()
+            .all(|message| message == "Size of the partition offset queue has exceeded its maximum"),
+        "{flood_calls:?}"
+    );
 
-    // Commits have their own queue, which is not full: committing epochs 1 and 2 cleans up
-    // epoch 1's offset, so the offset queue is back at its limit and stores a report again.
+    // Epoch 1's report is taken although the queue is full, and with the commits (their queue
+    // is not full) epochs 1, 2 and 3 commit; committing 3 cleans up epoch 2's offset, which
+    // brings the queue back to its limit, so a report of epoch 13 is stored again. Before that,
+    // epoch 13 is refused (the queue is still over its limit after epoch 2's commit).
+    harness.report(0, 1);
     harness.commit(0, 1);
     harness.commit(0, 2);
-    harness.report(0, 12);
+    harness.report(0, 13);
+    harness.commit(0, 3);
     harness.report(0, 13);
     harness.barrier();
     let after = harness.stats();
-    assert_eq!(after.last_committed, Epoch(2));
-    assert_eq!(after.offset_entries, 11, "epochs 2..=12: epoch 12 was stored, then 13 dropped");
-    assert_eq!(after.counters.offsets_accepted, overflowed.counters.offsets_accepted + 1);
+    assert_eq!(after.last_committed, Epoch(3));
+    assert_eq!(after.offset_entries, 11, "epochs 3..=13");
+    assert_eq!(after.counters.offsets_accepted, overflowed.counters.offsets_accepted + 2);
     assert_eq!(after.counters.dropped_backlog_full, 2001);
     let calls = harness.calls();
-    assert!(calls.contains(&add_offsets(12, 1)), "{calls:?}");
-    assert!(!calls.contains(&add_offsets(13, 1)), "{calls:?}");
+    for epoch in [1, 13] {
+        assert!(calls.contains(&add_offsets(epoch, 1)), "epoch {epoch} not added: {calls:?}");
+    }
+    assert!(calls.contains(&sink_commit(3, 1)), "{calls:?}");
 }
 
 #[test]

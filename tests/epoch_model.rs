@@ -68,8 +68,8 @@ fn case() -> impl Strategy<Value = Case> {
     let failure = prop_oneof![6 => Just(None), 1 => (0..8i64).prop_map(Some)];
     (
         0..3i64,
-        // Entry limits up to 40: small ones overflow early (and then drop what would grow the
-        // full queue), larger ones let runs commit many epochs first.
+        // Entry limits up to 40: small ones overflow early (and then refuse new entries of all
+        // but the next epoch to commit), larger ones let runs commit many epochs first.
         (1..40usize, 1..40usize, 0..5usize),
         (failure.clone(), failure.clone(), failure),
         (1..4i32, 1..4i32),

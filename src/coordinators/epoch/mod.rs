@@ -50,11 +50,16 @@
 //! checks stop the query once the entries exceed the limits (default 10 000 each), with Spark's
 //! errors (SPEC B.7). Spark then keeps storing until the query sends
 //! `StopContinuousExecutionWrites`, so tasks that keep sending grow its maps without bound.
-//! Here a queue already over its limit stores nothing more: a report or commit that would grow
-//! it is dropped and counted ([`DropReason::BacklogFull`]) until commits bring the queue back
-//! to its limit. Each queue therefore holds at most its limit plus one entry, and memory stays
-//! bounded by the limits whatever arrives after the stop. (The run is failing by then: the
-//! query already has the overflow error.)
+//! Here a side (offsets or commits) whose entries are over its limit takes no new
+//! `(epoch, partition)` entry, except for the next epoch to commit while that side's partition
+//! count is set: only those messages can commit epochs and so free the queue. A message it
+//! refuses is dropped and counted ([`DropReason::BacklogFull`]), and the checks run for it as
+//! for a stored one (they fire again, as in Spark); a repeat report or a duplicate commit adds
+//! no entry and is handled as usual. Each side therefore holds at most its limit plus one
+//! entry, plus the next epoch's (at most its partition count), whatever arrives after the stop;
+//! ready epochs waiting to commit hold commit entries, so they are bounded by the commit limit
+//! too. A refused message is lost (tasks do not resend), so its epoch never commits: by then
+//! the run is failing anyway (the query has the overflow error).
 //!
 //! # Behaviour decisions (SPEC 0.3 over B, and where the spec is silent)
 //! * A message for an epoch at or below the last committed epoch (which covers epochs below
@@ -68,8 +73,9 @@
 //!   check). A repeated `ReportPartitionOffset` overwrites the offset (Spark) and, if the epoch's
 //!   offsets are complete, calls `add_offsets` again.
 //! * Dropped messages (writes stopped, stale epoch, bad partition, backlog full, duplicate
-//!   commit) change no state and run no backlog check. Precedence of reasons: writes stopped,
-//!   negative partition, partition out of range, stale epoch, backlog full, duplicate commit.
+//!   commit) change no state and, except for backlog full (see the paragraph on memory above),
+//!   run no backlog check. Precedence of reasons: writes stopped, negative partition, partition
+//!   out of range, stale epoch, backlog full, duplicate commit.
 //! * A negative partition count in `SetReaderPartitions` / `SetWriterPartitions` is rejected
 //!   with [`EpochError::InvalidPartitionCount`] (the asker gets the error) and changes nothing.
 //!   `IncrementAndGetEpoch` at `i64::MAX` fails with [`EpochError::EpochOverflow`].
@@ -561,9 +567,11 @@ pub enum DropReason {
     /// A commit for this epoch and partition was already stored (the first wins).
     #[error("the partition already committed this epoch")]
     DuplicateCommit,
-    /// The message's queue already holds more entries than its backlog limit: the backlog
-    /// check stopped the query when it overflowed, and the coordinator stores no more until
-    /// commits bring it back to the limit (memory stays bounded by the limits).
+    /// The message would add an entry to a queue that already holds more entries than its
+    /// backlog limit, for an epoch other than the next to commit: the backlog check stopped
+    /// the query when the queue overflowed, and the coordinator takes no more such entries
+    /// until commits bring it back to the limit (so memory stays bounded by the limits: see
+    /// the module doc).
     #[error("the {} already holds more than its limit of {limit} entries", .queue.noun())]
     BacklogFull {
         /// The queue the message would have grown.

@@ -235,30 +235,46 @@ impl<Q: Query, S: Sink> ReferenceEpochCoordinator<Q, S> {
             DropReason::PartitionOutOfRange { count: partition_count }
         } else if epoch.0 <= self.last_committed_epoch {
             DropReason::StaleEpoch { last_committed: Epoch(self.last_committed_epoch) }
-        } else if let Some((queue, limit)) = self.backlog_full(kind) {
+        } else if let Some((queue, limit)) =
+            self.backlog_full(kind, partition, epoch, partition_count)
+        {
             DropReason::BacklogFull { queue, limit }
         } else {
             return Ok(());
         };
-        Err(self.reject(kind, partition, epoch, reason))
+        let rejected = self.reject(kind, partition, epoch, reason);
+        if let DropReason::BacklogFull { .. } = reason {
+            self.check_processing_queue_boundaries();
+        }
+        Err(rejected)
     }
 
-    /// Issue 4's memory bound: a queue already over its limit (the query was stopped when it
-    /// got there) stores nothing more.
-    fn backlog_full(&self, kind: MessageKind) -> Option<(BacklogQueue, usize)> {
-        let (queue, size, limit) = match kind {
+    /// A map over its limit takes no new `(epoch, partition)` entry, except for the next epoch
+    /// to commit while the side's partition count is set (the memory bound of the module doc
+    /// of [`super`]).
+    fn backlog_full(
+        &self,
+        kind: MessageKind,
+        partition: PartitionId,
+        epoch: Epoch,
+        partition_count: i32,
+    ) -> Option<(BacklogQueue, usize)> {
+        let (queue, map, limit) = match kind {
             MessageKind::CommitPartitionEpoch => (
                 BacklogQueue::PartitionCommits,
-                self.partition_commits.len(),
+                &self.partition_commits,
                 self.config.partition_commit_limit,
             ),
             MessageKind::ReportPartitionOffset => (
                 BacklogQueue::PartitionOffsets,
-                self.partition_offsets.len(),
+                &self.partition_offsets,
                 self.config.partition_offset_limit,
             ),
         };
-        (size > limit).then_some((queue, limit))
+        let next_to_commit =
+            self.last_committed_epoch.checked_add(1) == Some(epoch.0) && partition_count > 0;
+        let new_entry = !map.contains_key(&(epoch.0, partition.0));
+        (map.len() > limit && new_entry && !next_to_commit).then_some((queue, limit))
     }
 
     fn reject(

@@ -143,6 +143,21 @@ impl Slots {
         self.len
     }
 
+    /// Whether `partition` has an entry.
+    fn contains(&self, partition: PartitionId) -> bool {
+        let position = partition.0 as usize;
+        if self.dense && position < self.entries.len() {
+            return self.present[position / 64] & (1 << (position % 64)) != 0;
+        }
+        if self.dense {
+            false
+        } else if self.positional {
+            position < self.entries.len()
+        } else {
+            self.index.contains_key(&partition.0)
+        }
+    }
+
     /// Stores `payload` for `partition`; an existing entry is replaced when `overwrite`, else
     /// kept (and `Duplicate` returned).
     ///
@@ -493,7 +508,8 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
     /// (the first one wins), commits what became committable, then runs the backlog checks.
     ///
     /// # Errors
-    /// [`Rejected`] when dropped: writes stopped, bad partition, stale epoch, duplicate.
+    /// [`Rejected`] when dropped: writes stopped, bad partition, stale epoch, commit queue
+    /// full, duplicate.
     #[inline]
     pub fn commit_partition_epoch(
         &mut self,
@@ -524,7 +540,8 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
     /// checks.
     ///
     /// # Errors
-    /// [`Rejected`] when dropped: writes stopped, bad partition, stale epoch.
+    /// [`Rejected`] when dropped: writes stopped, bad partition, stale epoch, offset queue
+    /// full.
     #[inline]
     pub fn report_partition_offset(
         &mut self,
@@ -678,19 +695,32 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
             DropReason::PartitionOutOfRange { count: partition_count }
         } else if epoch <= self.last_committed {
             DropReason::StaleEpoch { last_committed: self.last_committed }
-        } else if let Some((queue, limit)) = self.backlog_full(kind) {
+        } else if let Some((queue, limit)) =
+            self.backlog_full(kind, partition, epoch, partition_count)
+        {
             DropReason::BacklogFull { queue, limit }
         } else {
             return Ok(());
         };
-        Err(self.drop_message(kind, partition, epoch, reason))
+        let rejected = self.drop_message(kind, partition, epoch, reason);
+        if let DropReason::BacklogFull { .. } = reason {
+            // A message Spark would have stored: its checks run (SPEC B.7, "fire again on
+            // every later message while the condition holds").
+            self.check_backlog();
+        }
+        Err(rejected)
     }
 
-    /// The queue `kind` stores into and its limit, if that queue already holds more entries
-    /// than the limit. The backlog check stopped the query when it got there; storing more
-    /// would let a flood of messages grow memory without bound until writes stop.
+    /// The queue `kind` stores into and its limit, if that queue is over its limit and the
+    /// message would add an entry to it that it may not take (see [`Self::full_queue_refuses`]).
     #[inline]
-    fn backlog_full(&self, kind: MessageKind) -> Option<(BacklogQueue, usize)> {
+    fn backlog_full(
+        &self,
+        kind: MessageKind,
+        partition: PartitionId,
+        epoch: Epoch,
+        partition_count: i32,
+    ) -> Option<(BacklogQueue, usize)> {
         let (queue, entries, limit) = match kind {
             MessageKind::CommitPartitionEpoch => (
                 BacklogQueue::PartitionCommits,
@@ -703,7 +733,37 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
                 self.config.partition_offset_limit,
             ),
         };
-        (entries > limit).then_some((queue, limit))
+        (entries > limit && self.full_queue_refuses(kind, partition, epoch, partition_count))
+            .then_some((queue, limit))
+    }
+
+    /// Whether a queue that is over its limit refuses this message: one that would add an
+    /// entry, unless it is for the next epoch to commit while the side's partition count is
+    /// set. (The backlog check stopped the query when the queue got there; storing every new
+    /// entry would let a flood of messages grow memory without bound until writes stop.) The
+    /// next epoch's messages are still taken, at most `partition_count` of them, because only
+    /// they can commit epochs and so free the queue; a repeat report or a duplicate commit
+    /// adds nothing and is handled as usual.
+    #[cold]
+    fn full_queue_refuses(
+        &self,
+        kind: MessageKind,
+        partition: PartitionId,
+        epoch: Epoch,
+        partition_count: i32,
+    ) -> bool {
+        let next_to_commit = self.last_committed.0.checked_add(1) == Some(epoch.0);
+        if next_to_commit && partition_count > 0 {
+            return false;
+        }
+        let stored = self.live_slot(epoch).is_some_and(|slot| {
+            let bucket = &self.buckets[slot as usize];
+            match kind {
+                MessageKind::CommitPartitionEpoch => bucket.commits.contains(partition),
+                MessageKind::ReportPartitionOffset => bucket.offsets.contains(partition),
+            }
+        });
+        !stored
     }
 
     #[cold]
