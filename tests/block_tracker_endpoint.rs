@@ -24,8 +24,9 @@ use coordbus::{
         AddBlock, AddBlocks, AllocateBlocksToBatch, BatchTime, BlockLog, BlockLogError,
         BlockStoreResult, BlockTrackerConfig, BlockTrackerEndpoint, BlockTrackerError,
         CleanupOldBatches, GetBlocksOfBatch, GetBlocksOfBatchAndStream, GetUnallocatedBlocks,
-        HasUnallocatedBlocks, ReceivedBlockInfo, ReceivedBlockTracker, StopTracker, StreamBlockId,
-        StreamId, TrackerEvent, WalBlockLog, RECEIVED_BLOCK_METADATA_DIR,
+        GetUnconfiguredStreams, HasUnallocatedBlocks, ReceivedBlockInfo, ReceivedBlockTracker,
+        StopTracker, StreamBlockId, StreamId, TrackerEvent, WalBlockLog,
+        RECEIVED_BLOCK_METADATA_DIR,
     },
     wal::{
         storage::{FileStorage, Storage, StorageFile},
@@ -147,6 +148,22 @@ fn concurrent_receivers_are_acknowledged_only_once_durable_and_share_syncs() {
     }
     assert!(!endpoint.ask(HasUnallocatedBlocks).wait().unwrap());
     endpoint.ask(StopTracker).wait().unwrap();
+    bus.shutdown().unwrap();
+}
+
+#[test]
+fn the_endpoint_lists_streams_whose_blocks_are_never_allocated() {
+    let clock = Arc::new(ManualClock::new(10_000));
+    let bus = Bus::builder().build().unwrap();
+    let tracker =
+        ReceivedBlockTracker::open(BlockTrackerConfig::new([StreamId(1)]), clock).unwrap();
+    let endpoint = bus.register("tracker", BlockTrackerEndpoint::new(tracker)).unwrap();
+    assert!(endpoint.ask(AddBlock(info(1, 1))).wait().unwrap());
+    assert_eq!(endpoint.ask(GetUnconfiguredStreams).wait().unwrap(), []);
+    assert!(endpoint.ask(AddBlock(info(9, 2))).wait().unwrap());
+    endpoint.ask(AllocateBlocksToBatch(BatchTime(1_000))).wait().unwrap();
+    assert_eq!(endpoint.ask(GetUnconfiguredStreams).wait().unwrap(), [StreamId(9)]);
+    assert_eq!(endpoint.ask(GetUnallocatedBlocks(StreamId(9))).wait().unwrap(), [info(9, 2)]);
     bus.shutdown().unwrap();
 }
 

@@ -423,32 +423,98 @@ fn rbt_06_wal_disabled_without_checkpoint_dir() {
     assert!(tracker.wal().is_none());
 }
 
+/// Counts the warnings logged on the current thread (with `tracing::subscriber::with_default`).
+#[derive(Clone, Default)]
+struct WarningCounter(Arc<std::sync::atomic::AtomicUsize>);
+
+impl WarningCounter {
+    fn count(&self) -> usize {
+        self.0.load(Ordering::SeqCst)
+    }
+
+    /// Runs `body` with this counter as the thread's subscriber.
+    fn around<T>(&self, body: impl FnOnce() -> T) -> T {
+        use tracing_subscriber::layer::SubscriberExt;
+        let subscriber = tracing_subscriber::registry().with(self.clone());
+        tracing::subscriber::with_default(subscriber, body)
+    }
+}
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for WarningCounter {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        if *event.metadata().level() == tracing::Level::WARN {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+}
+
+fn block_of(stream: StreamId, unique_id: u64) -> ReceivedBlockInfo {
+    let block_id = StreamBlockId { stream, unique_id };
+    ReceivedBlockInfo::new(stream, Some(0), None, BlockStoreResult::BlockManager { block_id })
+        .unwrap()
+}
+
 /// SPEC D: blocks of a stream missing from `stream_ids` are accepted and queued but never
-/// allocated; the tracker names such streams so an operator can see what will never drain.
+/// allocated. The tracker warns once per such stream and lists them, so an operator can see
+/// what will never drain.
 #[test]
-fn blocks_of_an_unconfigured_stream_are_queued_never_allocated_and_listed() {
+fn blocks_of_an_unconfigured_stream_are_queued_never_allocated_warned_and_listed() {
+    let warnings = WarningCounter::default();
     let clock = Arc::new(ManualClock::new(0));
     let mut tracker =
         ReceivedBlockTracker::open(config(None, Duration::from_secs(60)), clock).unwrap();
-    let other = StreamId(7);
-    let block_id = StreamBlockId { stream: other, unique_id: 1 };
-    let stray =
-        ReceivedBlockInfo::new(other, Some(0), None, BlockStoreResult::BlockManager { block_id })
-            .unwrap();
+    let (other, another) = (StreamId(7), StreamId(8));
+    let stray = block_of(other, 1);
     let configured = Blocks::new().take(2);
     assert!(tracker.unconfigured_streams().is_empty());
-    assert!(tracker.add_block(stray.clone()));
-    for info in &configured {
-        assert!(tracker.add_block(info.clone()));
-    }
-    assert_eq!(tracker.unconfigured_streams(), [other]);
+    warnings.around(|| {
+        assert!(tracker.add_block(stray.clone()));
+        assert_eq!(warnings.count(), 1, "the first block of an unconfigured stream warns");
+        assert!(tracker.add_block(block_of(other, 2)));
+        for info in &configured {
+            assert!(tracker.add_block(info.clone()));
+        }
+        assert_eq!(warnings.count(), 1, "once per stream, and never for a configured one");
+        assert!(tracker.add_block(block_of(another, 3)));
+        assert_eq!(warnings.count(), 2);
+    });
+    assert_eq!(tracker.unconfigured_streams(), [other, another]);
 
     tracker.allocate_blocks_to_batch(BatchTime(1)).unwrap();
     assert_eq!(tracker.blocks_of_batch_and_stream(BatchTime(1), STREAM), configured);
     assert!(tracker.blocks_of_batch_and_stream(BatchTime(1), other).is_empty());
-    assert_eq!(tracker.unallocated_blocks(other), [stray]);
-    assert!(tracker.has_unallocated_blocks(), "the stray block is still queued");
-    assert_eq!(tracker.unconfigured_streams(), [other]);
+    assert_eq!(tracker.unallocated_blocks(other), [stray, block_of(other, 2)]);
+    assert!(tracker.has_unallocated_blocks(), "the stray blocks are still queued");
+    assert_eq!(tracker.unconfigured_streams(), [other, another]);
+}
+
+/// A log written while a stream was configured, recovered by a tracker without it: blocks the
+/// log allocated are gone after the replay and warn about nothing; blocks left unallocated are
+/// listed and warned about once, after the replay.
+#[test]
+fn recovery_warns_only_about_unconfigured_streams_that_keep_blocks() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(1_000));
+    let (allocated_stream, pending_stream) = (StreamId(7), StreamId(8));
+    let mut both = BlockTrackerConfig::new([STREAM, allocated_stream, pending_stream])
+        .checkpoint_dir(dir.path());
+    both.wal.segment_size_bytes = 4 << 20;
+    let mut first = ReceivedBlockTracker::open(both, clock.clone()).unwrap();
+    assert!(first.add_block(block_of(allocated_stream, 1)));
+    assert!(first.add_block(block_of(pending_stream, 2)));
+    first.allocate_blocks_to_batch(BatchTime(1_000)).unwrap();
+    assert!(first.add_block(block_of(pending_stream, 3)));
+    first.stop().unwrap();
+    drop(first);
+
+    let warnings = WarningCounter::default();
+    let recovered = warnings.around(|| {
+        let only_stream = config(Some(dir.path()), Duration::from_secs(60)).recover(true);
+        ReceivedBlockTracker::open(only_stream, clock).unwrap()
+    });
+    assert_eq!(recovered.unconfigured_streams(), [pending_stream]);
+    assert_eq!(recovered.unallocated_blocks(allocated_stream), []);
+    assert_eq!(warnings.count(), 1, "one warning, after the replay, for stream 8 only");
 }
 
 #[test]
@@ -484,25 +550,6 @@ fn negative_record_counts_are_rejected_at_construction() {
     assert_eq!(error, BlockTrackerError::NegativeNumRecords { block_id, num_records: -1 });
 }
 
-/// `store.store(..)` (whose durability wait has no timeout) on a thread of its own, collected
-/// with a bound, so that a wait that hangs fails the test instead of stalling it.
-fn store_bounded(
-    store: &Arc<ReceiverBlockStore>,
-    block_id: StreamBlockId,
-    data: Vec<u8>,
-    time_ms: i64,
-) -> Result<BlockStoreResult, WalError> {
-    let (sender, receiver) = std::sync::mpsc::channel();
-    let store = Arc::clone(store);
-    std::thread::spawn(move || {
-        let stored = store.store(block_id, &data, time_ms);
-        // Before answering: the caller may drop the store and reopen its log next.
-        drop(store);
-        let _ = sender.send(stored);
-    });
-    receiver.recv_timeout(Duration::from_secs(30)).expect("storing a block hung")
-}
-
 #[test]
 fn block_data_in_a_receiver_log_is_read_back_by_handle_after_recovery() {
     let dir = tempfile::tempdir().unwrap();
@@ -510,13 +557,14 @@ fn block_data_in_a_receiver_log_is_read_back_by_handle_after_recovery() {
     let config = config(Some(dir.path()), Duration::from_secs(60));
     let data_dir = ReceiverBlockStore::dir_for(dir.path(), STREAM);
     let data_config = WalConfig { segment_size_bytes: 4 << 20, ..WalConfig::default() };
-    let store = Arc::new(ReceiverBlockStore::open(&data_dir, data_config.clone()).unwrap());
+    // `store` waits for durability at most its store timeout (30 s): no outside bound needed.
+    let store = ReceiverBlockStore::open(&data_dir, data_config.clone()).unwrap();
     let mut tracker = ReceivedBlockTracker::open(config.clone(), clock.clone()).unwrap();
     let mut infos = Vec::new();
     for unique_id in 0..20u64 {
         let data = vec![unique_id as u8; 100 + unique_id as usize * 37];
         let block_id = StreamBlockId { stream: STREAM, unique_id };
-        let result = store_bounded(&store, block_id, data.clone(), 1_000).unwrap();
+        let result = store.store(block_id, &data, 1_000).unwrap();
         let info = ReceivedBlockInfo::new(STREAM, Some(1), Some(b"meta".to_vec()), result).unwrap();
         assert!(tracker.add_block(info.clone()));
         infos.push((info, data));

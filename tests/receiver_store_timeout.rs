@@ -150,7 +150,7 @@ fn a_store_whose_sync_does_not_finish_times_out_with_its_lsn_and_bound() {
 }
 
 #[test]
-fn a_store_waits_thirty_seconds_by_default_as_spark_does() {
+fn the_default_store_timeout_is_sparks_thirty_seconds() {
     let dir = tempfile::tempdir().unwrap();
     let store = ReceiverBlockStore::open(dir.path(), WalConfig::default()).unwrap();
     assert_eq!(DEFAULT_STORE_TIMEOUT, Duration::from_secs(30));

@@ -103,6 +103,8 @@ pub enum BlockTrackerRequest {
     HasUnallocatedBlocks(Replier<bool>),
     /// See [`GetUnallocatedBlocks`].
     GetUnallocatedBlocks(StreamId, Replier<Vec<ReceivedBlockInfo>>),
+    /// See [`GetUnconfiguredStreams`].
+    GetUnconfiguredStreams(Replier<Vec<StreamId>>),
     /// See [`CleanupOldBatches`].
     CleanupOldBatches(BatchTime, bool, Replier<()>),
     /// See [`StopTracker`].
@@ -142,6 +144,11 @@ pub struct HasUnallocatedBlocks;
 /// The unallocated blocks of a stream.
 #[derive(Debug, Clone, Copy)]
 pub struct GetUnallocatedBlocks(pub StreamId);
+
+/// The streams with queued blocks that are missing from the configured stream ids (their
+/// blocks are never allocated: [`ReceivedBlockTracker::unconfigured_streams`]).
+#[derive(Debug, Clone, Copy)]
+pub struct GetUnconfiguredStreams;
 
 /// Forgets batches older than `threshold` and deletes old WAL files (waiting for the deletion
 /// if `wait`). Fails with [`BlockTrackerError::ThresholdNotInPast`] unless the threshold is in
@@ -186,6 +193,9 @@ ask_impl!(GetBlocksOfBatchAndStream, Vec<ReceivedBlockInfo>, |r, p| {
 ask_impl!(HasUnallocatedBlocks, bool, |_r, p| BlockTrackerRequest::HasUnallocatedBlocks(p));
 ask_impl!(GetUnallocatedBlocks, Vec<ReceivedBlockInfo>, |r, p| {
     BlockTrackerRequest::GetUnallocatedBlocks(r.0, p)
+});
+ask_impl!(GetUnconfiguredStreams, Vec<StreamId>, |_r, p| {
+    BlockTrackerRequest::GetUnconfiguredStreams(p)
 });
 ask_impl!(CleanupOldBatches, (), |r, p| BlockTrackerRequest::CleanupOldBatches(
     r.threshold,
@@ -580,6 +590,10 @@ impl Endpoint for BlockTrackerEndpoint {
             BlockTrackerRequest::GetUnallocatedBlocks(stream, replier) => {
                 let blocks = self.tracker.unallocated_blocks(stream);
                 self.answer(blocks, replier);
+            }
+            BlockTrackerRequest::GetUnconfiguredStreams(replier) => {
+                let streams = self.tracker.unconfigured_streams();
+                self.answer(streams, replier);
             }
             BlockTrackerRequest::CleanupOldBatches(threshold, wait, replier) => {
                 match self.tracker.cleanup_old_batches_deferred(threshold) {

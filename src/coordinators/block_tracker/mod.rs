@@ -56,7 +56,7 @@
 //! ## Choices where SPEC is silent
 //! * Blocks of streams not in `stream_ids` are queued but never allocated (as Spark). The first
 //!   block of such a stream logs a warning, and [`ReceivedBlockTracker::unconfigured_streams`]
-//!   lists them: nothing frees their queues until the tracker stops.
+//!   lists them: nothing frees their queues while the tracker lives.
 //! * [`ReceivedBlockTracker::stop`] closes the log; later writes fail (so additions answer
 //!   false and allocations do nothing), reads keep working.
 
@@ -81,7 +81,8 @@ pub use self::{
     endpoint::{
         AddBlock, AddBlocks, AllocateBlocksToBatch, BlockTrackerEndpoint, BlockTrackerMessage,
         BlockTrackerRequest, CleanupOldBatches, ConnectReceiver, GetBlocksOfBatch,
-        GetBlocksOfBatchAndStream, GetUnallocatedBlocks, HasUnallocatedBlocks, StopTracker,
+        GetBlocksOfBatchAndStream, GetUnallocatedBlocks, GetUnconfiguredStreams,
+        HasUnallocatedBlocks, StopTracker,
     },
     log::{BlockLog, BlockLogError, WalBlockLog},
     receiver::{AddReceipt, BlockReceiver, LoggedBlocks, COMBINE_MAX_BLOCKS},
@@ -268,6 +269,9 @@ pub struct ReceivedBlockTracker {
     allocated: BTreeMap<BatchTime, AllocatedBlocks>,
     last_allocated: Option<BatchTime>,
     recovered_events: u64,
+    /// True while the log is replayed: a queue of an unconfigured stream created then may be
+    /// emptied by a later event of the log (warned about after the replay instead).
+    replaying: bool,
     /// The last LSN replayed at construction: blocks added up to it were marked invalid.
     recovered_through: Lsn,
     /// Block vectors of forgotten batches, emptied, for the next allocations: a large
@@ -343,6 +347,7 @@ impl ReceivedBlockTracker {
             allocated: BTreeMap::new(),
             last_allocated: None,
             recovered_events: 0,
+            replaying: false,
             recovered_through: Lsn::ZERO,
             spare: Vec::new(),
             recent_allocation_max: 0,
@@ -359,6 +364,15 @@ impl ReceivedBlockTracker {
                 allocated_batches = tracker.allocated.len(),
                 "received-block tracker recovered from its write-ahead log"
             );
+            let unconfigured = tracker.unconfigured_streams();
+            if !unconfigured.is_empty() {
+                tracing::warn!(
+                    streams = ?unconfigured,
+                    configured = ?tracker.stream_ids,
+                    "recovered blocks of streams missing from the tracker's stream ids are kept \
+                     but never allocated"
+                );
+            }
         }
         Ok(tracker)
     }
@@ -609,7 +623,7 @@ impl ReceivedBlockTracker {
         match self.unallocated.entry(stream) {
             btree_map::Entry::Occupied(queue) => queue.into_mut(),
             btree_map::Entry::Vacant(slot) => {
-                if self.stream_ids.binary_search(&stream).is_err() {
+                if !self.replaying && self.stream_ids.binary_search(&stream).is_err() {
                     tracing::warn!(
                         %stream,
                         configured = ?self.stream_ids,
@@ -887,7 +901,7 @@ impl ReceivedBlockTracker {
     }
 
     /// The streams that have blocks queued but are missing from the configured stream ids:
-    /// their blocks are never allocated (SPEC D), and stay queued until the tracker stops.
+    /// their blocks are never allocated (SPEC D), and stay queued while the tracker lives.
     pub fn unconfigured_streams(&self) -> Vec<StreamId> {
         self.unallocated
             .iter()
@@ -957,6 +971,7 @@ impl ReceivedBlockTracker {
         };
         let mut through = Lsn::ZERO;
         let mut events = 0;
+        self.replaying = true;
         let mut apply = |lsn: Lsn, event: TrackerEvent| match event {
             TrackerEvent::BlockAddition(BlockAdditionEvent { mut info }) => {
                 through = lsn;
@@ -993,7 +1008,9 @@ impl ReceivedBlockTracker {
                 self.forget_batches(&times);
             }
         };
-        log.replay(last, &mut apply)?;
+        let replayed = log.replay(last, &mut apply);
+        self.replaying = false;
+        replayed?;
         Ok((events, through))
     }
 }
