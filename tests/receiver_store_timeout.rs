@@ -6,11 +6,11 @@
 //! Method: a storage whose `sync_data` is held at a gate until the test opens it, on the
 //! pwrite path with group commit (so the sync thread, not the storing thread, syncs).
 
+mod wal_support;
+
 use std::{
-    io,
-    os::fd::RawFd,
     path::Path,
-    sync::{Arc, Condvar, Mutex},
+    sync::Arc,
     time::{Duration, Instant},
 };
 
@@ -19,79 +19,12 @@ use coordbus::{
         BlockStoreResult, ReceivedBlockInfo, ReceiverBlockStore, StreamBlockId, StreamId,
         DEFAULT_STORE_TIMEOUT,
     },
-    wal::{
-        Durability, FileStorage, IoMode, Storage, StorageFile, Wal, WalConfig, WalError, WalOptions,
-    },
+    wal::{Durability, IoMode, Wal, WalConfig, WalError, WalOptions},
 };
+use wal_support::{AfterGate, Gate, GatedSyncStorage};
 
 /// Far longer than a sync; a wait that has not returned by then is hung.
 const BOUND: Duration = Duration::from_secs(30);
-
-/// Holds every sync until the test opens it.
-#[derive(Debug, Default)]
-struct Gate {
-    open: Mutex<bool>,
-    opened: Condvar,
-}
-
-impl Gate {
-    fn open(&self) {
-        *self.open.lock().unwrap() = true;
-        self.opened.notify_all();
-    }
-
-    /// Waits (bounded: a test that never opens it fails anyway) until the gate is open.
-    fn pass(&self) {
-        let open = self.open.lock().unwrap();
-        let _open = self.opened.wait_timeout_while(open, BOUND, |open| !*open).unwrap();
-    }
-}
-
-#[derive(Debug)]
-struct GatedSyncStorage(Arc<Gate>);
-
-#[derive(Debug)]
-struct GatedSyncFile(Arc<dyn StorageFile>, Arc<Gate>);
-
-impl Storage for GatedSyncStorage {
-    fn create_dir_all(&self, dir: &Path) -> io::Result<()> {
-        FileStorage.create_dir_all(dir)
-    }
-    fn create(&self, path: &Path) -> io::Result<Arc<dyn StorageFile>> {
-        Ok(Arc::new(GatedSyncFile(FileStorage.create(path)?, Arc::clone(&self.0))))
-    }
-    fn open_existing(&self, path: &Path) -> io::Result<Arc<dyn StorageFile>> {
-        FileStorage.open_existing(path)
-    }
-    fn remove(&self, path: &Path) -> io::Result<()> {
-        FileStorage.remove(path)
-    }
-    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
-        FileStorage.rename(from, to)
-    }
-    fn sync_dir(&self, dir: &Path) -> io::Result<()> {
-        FileStorage.sync_dir(dir)
-    }
-}
-
-impl StorageFile for GatedSyncFile {
-    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<usize> {
-        self.0.write_at(buf, offset)
-    }
-    fn sync_data(&self) -> io::Result<()> {
-        self.1.pass();
-        self.0.sync_data()
-    }
-    fn allocate(&self, len: u64) -> io::Result<()> {
-        self.0.allocate(len)
-    }
-    fn set_len(&self, len: u64) -> io::Result<()> {
-        self.0.set_len(len)
-    }
-    fn raw_fd(&self) -> Option<RawFd> {
-        None
-    }
-}
 
 fn open_gated(dir: &Path, gate: &Arc<Gate>) -> Wal {
     let config = WalConfig {
@@ -104,7 +37,7 @@ fn open_gated(dir: &Path, gate: &Arc<Gate>) -> Wal {
     };
     let options = WalOptions {
         io: IoMode::Pwrite,
-        storage: Arc::new(GatedSyncStorage(Arc::clone(gate))),
+        storage: Arc::new(GatedSyncStorage { gate: Arc::clone(gate), after: AfterGate::Sync }),
         ..WalOptions::default()
     };
     Wal::open_with_options(dir, config, options).unwrap()

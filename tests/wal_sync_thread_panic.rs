@@ -9,86 +9,19 @@
 //! wait runs on a helper thread and is collected with a bound: the bug this guards against is
 //! a hang.
 
+mod wal_support;
+
 use std::{
-    io,
-    os::fd::RawFd,
     path::Path,
-    sync::{mpsc, Arc, Condvar, Mutex},
+    sync::{mpsc, Arc},
     time::Duration,
 };
 
-use coordbus::wal::{
-    Durability, FileStorage, IoMode, Storage, StorageFile, Wal, WalConfig, WalError, WalOptions,
-};
+use coordbus::wal::{Durability, IoMode, Wal, WalConfig, WalError, WalOptions};
+use wal_support::{AfterGate, Gate, GatedSyncStorage};
 
 /// Far longer than a sync; a wait that has not returned by then is hung.
 const BOUND: Duration = Duration::from_secs(30);
-
-/// Holds every sync until the test opens it; then the sync panics.
-#[derive(Debug, Default)]
-struct Gate {
-    open: Mutex<bool>,
-    opened: Condvar,
-}
-
-impl Gate {
-    fn open(&self) {
-        *self.open.lock().unwrap() = true;
-        self.opened.notify_all();
-    }
-
-    /// Waits (bounded: a test that never opens it fails anyway) until the gate is open.
-    fn pass(&self) {
-        let open = self.open.lock().unwrap();
-        let _open = self.opened.wait_timeout_while(open, BOUND, |open| !*open).unwrap();
-    }
-}
-
-#[derive(Debug)]
-struct PanickingSyncStorage(Arc<Gate>);
-
-#[derive(Debug)]
-struct PanickingSyncFile(Arc<dyn StorageFile>, Arc<Gate>);
-
-impl Storage for PanickingSyncStorage {
-    fn create_dir_all(&self, dir: &Path) -> io::Result<()> {
-        FileStorage.create_dir_all(dir)
-    }
-    fn create(&self, path: &Path) -> io::Result<Arc<dyn StorageFile>> {
-        Ok(Arc::new(PanickingSyncFile(FileStorage.create(path)?, Arc::clone(&self.0))))
-    }
-    fn open_existing(&self, path: &Path) -> io::Result<Arc<dyn StorageFile>> {
-        FileStorage.open_existing(path)
-    }
-    fn remove(&self, path: &Path) -> io::Result<()> {
-        FileStorage.remove(path)
-    }
-    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
-        FileStorage.rename(from, to)
-    }
-    fn sync_dir(&self, dir: &Path) -> io::Result<()> {
-        FileStorage.sync_dir(dir)
-    }
-}
-
-impl StorageFile for PanickingSyncFile {
-    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<usize> {
-        self.0.write_at(buf, offset)
-    }
-    fn sync_data(&self) -> io::Result<()> {
-        self.1.pass();
-        panic!("injected: the storage layer panicked in sync_data");
-    }
-    fn allocate(&self, len: u64) -> io::Result<()> {
-        self.0.allocate(len)
-    }
-    fn set_len(&self, len: u64) -> io::Result<()> {
-        self.0.set_len(len)
-    }
-    fn raw_fd(&self) -> Option<RawFd> {
-        None
-    }
-}
 
 fn open(dir: &Path, gate: &Arc<Gate>) -> Arc<Wal> {
     let config = WalConfig {
@@ -101,7 +34,7 @@ fn open(dir: &Path, gate: &Arc<Gate>) -> Arc<Wal> {
     };
     let options = WalOptions {
         io: IoMode::Pwrite,
-        storage: Arc::new(PanickingSyncStorage(Arc::clone(gate))),
+        storage: Arc::new(GatedSyncStorage { gate: Arc::clone(gate), after: AfterGate::Panic }),
         ..WalOptions::default()
     };
     Arc::new(Wal::open_with_options(dir, config, options).unwrap())

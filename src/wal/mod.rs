@@ -2013,21 +2013,14 @@ impl Wal {
     }
 
     /// Writes and syncs everything appended, stops the sync thread, and rejects later appends
-    /// with [`WalError::Closed`]. Idempotent; reads keep working.
+    /// with [`WalError::Closed`]. Idempotent; reads keep working. Waits as long as the disk
+    /// takes, and so does the drop, which calls this; [`Wal::close_timeout`] bounds the wait.
     ///
     /// # Errors
     /// [`WalError::Failed`] if a write or sync failed (now or earlier).
     pub fn close(&self) -> Result<(), WalError> {
-        {
-            let mut state = lock(&self.shared.append);
-            state.closing = true;
-        }
-        self.shared.writer_cv.notify_all();
-        self.shared.space_cv.notify_all();
+        self.begin_close();
         let handle = lock(&self.writer).take();
-        if handle.is_some() {
-            self.shared.wake_ring();
-        }
         // A durability callback may drop the last reference to the log on the sync thread
         // itself; that thread then finishes on its own once `closing` is seen.
         let handle = handle.filter(|handle| handle.thread().id() != std::thread::current().id());
@@ -2049,6 +2042,69 @@ impl Wal {
             Some(_) => Err(self.shared.failed_error()),
             None => Ok(()),
         }
+    }
+}
+
+impl Wal {
+    /// [`Wal::close`] with a bound on the wait: refuses appends at once, then waits at most
+    /// `timeout` for the sync thread to write and sync everything appended and exit. A disk
+    /// that stopped answering then fails the call instead of hanging it.
+    ///
+    /// # Errors
+    /// [`WalError::Timeout`] (with the last appended LSN and the durable one) if the sync
+    /// thread was still busy after `timeout`: the log stays closing (appends are refused, reads
+    /// work), the thread goes on in the background, and a later `close` or the drop joins it.
+    /// Otherwise as [`Wal::close`].
+    pub fn close_timeout(&self, timeout: Duration) -> Result<(), WalError> {
+        self.begin_close();
+        // Called from the sync thread (a durability callback): it exits after this returns.
+        let on_sync_thread = lock(&self.writer)
+            .as_ref()
+            .is_some_and(|handle| handle.thread().id() == std::thread::current().id());
+        if !on_sync_thread {
+            self.wait_for_writer_exit(timeout)?;
+        }
+        self.close()
+    }
+
+    /// Marks the log closing (appends are refused from now on) and wakes the sync thread and
+    /// appenders waiting for space.
+    fn begin_close(&self) {
+        {
+            let mut state = lock(&self.shared.append);
+            state.closing = true;
+        }
+        self.shared.writer_cv.notify_all();
+        self.shared.space_cv.notify_all();
+        if lock(&self.writer).is_some() {
+            self.shared.wake_ring();
+        }
+    }
+
+    /// Waits at most `timeout` until the sync thread has exited (it signals `durable_cv`).
+    fn wait_for_writer_exit(&self, timeout: Duration) -> Result<(), WalError> {
+        let shared = &*self.shared;
+        let deadline = Instant::now().checked_add(timeout);
+        let mut sync = lock(&shared.sync);
+        while !sync.writer_exited {
+            let remaining = match deadline {
+                None => None,
+                Some(deadline) => match deadline.checked_duration_since(Instant::now()) {
+                    Some(remaining) if !remaining.is_zero() => Some(remaining),
+                    _ => {
+                        return Err(WalError::Timeout {
+                            lsn: shared.appended_lsn.load(Ordering::Acquire),
+                            durable: shared.durable_lsn.load(Ordering::Acquire),
+                            timeout,
+                        })
+                    }
+                },
+            };
+            sync = SyncState::wait_counted(sync, &shared.durable_cv, remaining, |sync| {
+                &mut sync.durable_waiters
+            });
+        }
+        Ok(())
     }
 }
 

@@ -1,15 +1,19 @@
 //! Shared helpers of the WAL tests: waits for durability without a timeout (the wait that may
 //! lead: with `EveryRecord`, only such a wait writes and syncs the group on the waiting thread),
-//! bounded from outside, so that a wait that hangs fails the test instead of stalling it.
+//! bounded from outside, so that a wait that hangs fails the test instead of stalling it; and a
+//! storage layer whose syncs wait at a gate the test opens.
 
 #![allow(dead_code)]
 
 use std::{
+    io,
+    os::fd::RawFd,
+    path::Path,
     sync::{mpsc, Arc},
     time::Duration,
 };
 
-use coordbus::wal::{Lsn, Wal, WalError};
+use coordbus::wal::{FileStorage, Lsn, Storage, StorageFile, Wal, WalError};
 
 /// How long `work` may take before the test fails: far longer than any sync.
 pub const RUN_BOUND: Duration = Duration::from_secs(60);
@@ -42,4 +46,89 @@ pub fn bounded<T: Send + 'static>(
 /// too where leading matters.
 pub fn wait_durable_bounded(wal: &Arc<Wal>, lsn: Lsn) -> Result<(), WalError> {
     bounded(wal, move |wal| wal.wait_durable(lsn))
+}
+
+/// A gate that holds threads until the test opens it (each wait bounded by [`RUN_BOUND`]: a
+/// test that never opens it fails anyway).
+#[derive(Debug, Default)]
+pub struct Gate {
+    open: std::sync::Mutex<bool>,
+    opened: std::sync::Condvar,
+}
+
+impl Gate {
+    pub fn open(&self) {
+        *self.open.lock().unwrap() = true;
+        self.opened.notify_all();
+    }
+
+    pub fn pass(&self) {
+        let open = self.open.lock().unwrap();
+        let _open = self.opened.wait_timeout_while(open, RUN_BOUND, |open| !*open).unwrap();
+    }
+}
+
+/// What a gated file's `sync_data` does once its gate is open.
+#[derive(Debug, Clone, Copy)]
+pub enum AfterGate {
+    /// Syncs the file.
+    Sync,
+    /// Panics (a broken storage layer).
+    Panic,
+}
+
+/// Real files whose `sync_data` waits at a [`Gate`] first, then does what [`AfterGate`] says.
+/// The files hide their descriptors, so the log writes with pwrite: open it with
+/// `IoMode::Pwrite`.
+#[derive(Debug)]
+pub struct GatedSyncStorage {
+    pub gate: Arc<Gate>,
+    pub after: AfterGate,
+}
+
+#[derive(Debug)]
+struct GatedSyncFile(Arc<dyn StorageFile>, Arc<Gate>, AfterGate);
+
+impl Storage for GatedSyncStorage {
+    fn create_dir_all(&self, dir: &Path) -> io::Result<()> {
+        FileStorage.create_dir_all(dir)
+    }
+    fn create(&self, path: &Path) -> io::Result<Arc<dyn StorageFile>> {
+        let file = FileStorage.create(path)?;
+        Ok(Arc::new(GatedSyncFile(file, Arc::clone(&self.gate), self.after)))
+    }
+    fn open_existing(&self, path: &Path) -> io::Result<Arc<dyn StorageFile>> {
+        FileStorage.open_existing(path)
+    }
+    fn remove(&self, path: &Path) -> io::Result<()> {
+        FileStorage.remove(path)
+    }
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        FileStorage.rename(from, to)
+    }
+    fn sync_dir(&self, dir: &Path) -> io::Result<()> {
+        FileStorage.sync_dir(dir)
+    }
+}
+
+impl StorageFile for GatedSyncFile {
+    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<usize> {
+        self.0.write_at(buf, offset)
+    }
+    fn sync_data(&self) -> io::Result<()> {
+        self.1.pass();
+        match self.2 {
+            AfterGate::Sync => self.0.sync_data(),
+            AfterGate::Panic => panic!("injected: the storage layer panicked in sync_data"),
+        }
+    }
+    fn allocate(&self, len: u64) -> io::Result<()> {
+        self.0.allocate(len)
+    }
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        self.0.set_len(len)
+    }
+    fn raw_fd(&self) -> Option<RawFd> {
+        None
+    }
 }

@@ -1,0 +1,92 @@
+//! `Wal::close_timeout`: closing with a bound. A sync that does not finish fails the close
+//! with a typed timeout (naming the last appended LSN, the durable one and the bound) instead
+//! of hanging the caller; the log is closing anyway (appends are refused), and once the sync
+//! finishes a later close completes and every appended record is durable.
+//!
+//! Method: a storage whose syncs wait at a gate the test opens (`wal_support`), on the pwrite
+//! path with group commit, so the sync thread does every write and sync.
+
+mod wal_support;
+
+use std::{
+    path::Path,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use coordbus::wal::{Durability, IoMode, Lsn, Wal, WalConfig, WalError, WalOptions};
+use wal_support::{AfterGate, Gate, GatedSyncStorage, RUN_BOUND};
+
+fn config() -> WalConfig {
+    WalConfig {
+        segment_size_bytes: 1 << 20,
+        durability: Durability::GroupCommit {
+            max_delay: Duration::from_micros(200),
+            max_bytes: 1 << 20,
+        },
+        ..WalConfig::default()
+    }
+}
+
+fn open_gated(dir: &Path, gate: &Arc<Gate>) -> Wal {
+    let options = WalOptions {
+        io: IoMode::Pwrite,
+        storage: Arc::new(GatedSyncStorage { gate: Arc::clone(gate), after: AfterGate::Sync }),
+        ..WalOptions::default()
+    };
+    Wal::open_with_options(dir, config(), options).unwrap()
+}
+
+fn payloads(wal: &Wal) -> Vec<Vec<u8>> {
+    wal.iter_from(Lsn::ZERO).unwrap().map(|record| record.unwrap().bytes.to_vec()).collect()
+}
+
+#[test]
+fn a_close_whose_sync_does_not_finish_times_out_refuses_appends_and_completes_later() {
+    let dir = tempfile::tempdir().unwrap();
+    let gate = Arc::new(Gate::default());
+    let wal = open_gated(dir.path(), &gate);
+    let (first, _) = wal.append_bytes(b"first", 1).unwrap();
+    let (last, _) = wal.append_bytes(b"last", 2).unwrap();
+    assert!(first < last);
+
+    let timeout = Duration::from_millis(100);
+    let started = Instant::now();
+    let error = wal.close_timeout(timeout).unwrap_err();
+    let waited = started.elapsed();
+    match error {
+        WalError::Timeout { lsn, durable, timeout: reported } => {
+            assert_eq!(lsn, last.0, "the timeout names the last appended record");
+            assert!(durable < first.0, "nothing could be durable yet (durable {durable})");
+            assert_eq!(reported, timeout);
+        }
+        other => panic!("expected a timeout, got {other}"),
+    }
+    assert!(waited >= timeout, "returned before its bound: {waited:?}");
+    assert!(waited < RUN_BOUND, "the close waited {waited:?}");
+    assert!(
+        matches!(wal.append_bytes(b"after", 3), Err(WalError::Closed)),
+        "a log that is closing accepted an append"
+    );
+
+    gate.open();
+    wal.close_timeout(RUN_BOUND).unwrap();
+    assert!(wal.durable_lsn() >= last, "the close returned before the records were durable");
+    drop(wal);
+    let reopened = Wal::open(dir.path(), config()).unwrap();
+    assert_eq!(payloads(&reopened), [b"first".to_vec(), b"last".to_vec()]);
+}
+
+#[test]
+fn a_healthy_close_timeout_syncs_everything_and_is_idempotent() {
+    let dir = tempfile::tempdir().unwrap();
+    let wal = Wal::open(dir.path(), config()).unwrap();
+    let (last, _) = (0..100u8).map(|i| wal.append_bytes(&[i; 64], 1).unwrap()).last().unwrap();
+    wal.close_timeout(RUN_BOUND).unwrap();
+    assert!(wal.durable_lsn() >= last);
+    wal.close_timeout(RUN_BOUND).unwrap();
+    wal.close().unwrap();
+    drop(wal);
+    let reopened = Wal::open(dir.path(), config()).unwrap();
+    assert_eq!(payloads(&reopened).len(), 100);
+}
