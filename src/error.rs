@@ -380,6 +380,20 @@ pub enum WalError {
         /// How long the caller waited.
         timeout: Duration,
     },
+    /// [`Wal::close_timeout`](crate::wal::Wal::close_timeout): the sync thread had not
+    /// finished writing, syncing and exiting in time.
+    #[error(
+        "the log's sync thread had not finished closing within {timeout:?} \
+         (appended: {appended}, durable: {durable})"
+    )]
+    CloseTimedOut {
+        /// The last LSN appended.
+        appended: u64,
+        /// The LSN durable when the wait gave up.
+        durable: u64,
+        /// How long the caller waited.
+        timeout: Duration,
+    },
     /// Waiting for an LSN that was never appended (it would wait forever).
     #[error("LSN {lsn} was never appended (last appended: {appended})")]
     NotAppended {

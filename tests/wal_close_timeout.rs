@@ -1,5 +1,5 @@
 //! `Wal::close_timeout`: closing with a bound. A sync that does not finish fails the close
-//! with a typed timeout (naming the last appended LSN, the durable one and the bound) instead
+//! with a typed error (naming the last appended LSN, the durable one and the bound) instead
 //! of hanging the caller; the log is closing anyway (appends are refused), and once the sync
 //! finishes a later close completes and every appended record is durable.
 //!
@@ -55,8 +55,8 @@ fn a_close_whose_sync_does_not_finish_times_out_refuses_appends_and_completes_la
     let error = wal.close_timeout(timeout).unwrap_err();
     let waited = started.elapsed();
     match error {
-        WalError::Timeout { lsn, durable, timeout: reported } => {
-            assert_eq!(lsn, last.0, "the timeout names the last appended record");
+        WalError::CloseTimedOut { appended, durable, timeout: reported } => {
+            assert_eq!(appended, last.0, "the timeout names the last appended record");
             assert!(durable < first.0, "nothing could be durable yet (durable {durable})");
             assert_eq!(reported, timeout);
         }

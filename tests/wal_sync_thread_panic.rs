@@ -82,4 +82,10 @@ fn a_panic_on_the_sync_thread_fails_waiters_callbacks_and_appends_instead_of_han
         "an append after the panic was accepted"
     );
     assert!(wal.durable_lsn() < lsn, "the durable watermark moved past the failed record");
+
+    // A bounded close sees the thread gone and reports the failure at once, not a timeout.
+    let started = std::time::Instant::now();
+    let closed = wal.close_timeout(BOUND);
+    assert!(matches!(closed, Err(WalError::Failed { .. })), "close_timeout gave {closed:?}");
+    assert!(started.elapsed() < BOUND / 2, "close_timeout waited {:?}", started.elapsed());
 }

@@ -1106,6 +1106,20 @@ impl Shared {
 
     /// Deletes the files of `segments` (no longer tracked), or keeps them as spares, adding
     /// what happened to `report`. Failures are logged and reported, never retried (SPEC E.4).
+    /// The sync thread is ending without [`writer::Writer`]'s orderly exit (it panicked, and
+    /// the log is failed): from now on `clean` deletes by itself (what it queued is deleted
+    /// here), and threads waiting for the thread to exit (`Wal::close_timeout`) see it gone.
+    pub(crate) fn writer_gone(&self) {
+        let leftover_doomed = {
+            let mut doomed = lock(&self.doomed);
+            doomed.writer_exited = true;
+            std::mem::take(&mut doomed.segments)
+        };
+        self.delete_segments(leftover_doomed, &mut CleanReport::default());
+        lock(&self.sync).writer_exited = true;
+        self.durable_cv.notify_all();
+    }
+
     pub(crate) fn delete_segments(&self, segments: Vec<Arc<Segment>>, report: &mut CleanReport) {
         for segment in segments {
             let (id, path, len) = (segment.header.id, segment.path.clone(), segment.file_len());
@@ -2051,10 +2065,10 @@ impl Wal {
     /// that stopped answering then fails the call instead of hanging it.
     ///
     /// # Errors
-    /// [`WalError::Timeout`] (with the last appended LSN and the durable one) if the sync
-    /// thread was still busy after `timeout`: the log stays closing (appends are refused, reads
-    /// work), the thread goes on in the background, and a later `close` or the drop joins it.
-    /// Otherwise as [`Wal::close`].
+    /// [`WalError::CloseTimedOut`] (with the last appended LSN and the durable one) if the
+    /// sync thread was still busy after `timeout`: the log stays closing (appends are refused,
+    /// reads work), the thread goes on in the background, and a later `close` or the drop
+    /// joins it. Otherwise as [`Wal::close`].
     pub fn close_timeout(&self, timeout: Duration) -> Result<(), WalError> {
         self.begin_close();
         // Called from the sync thread (a durability callback): it exits after this returns.
@@ -2092,8 +2106,8 @@ impl Wal {
                 Some(deadline) => match deadline.checked_duration_since(Instant::now()) {
                     Some(remaining) if !remaining.is_zero() => Some(remaining),
                     _ => {
-                        return Err(WalError::Timeout {
-                            lsn: shared.appended_lsn.load(Ordering::Acquire),
+                        return Err(WalError::CloseTimedOut {
+                            appended: shared.appended_lsn.load(Ordering::Acquire),
                             durable: shared.durable_lsn.load(Ordering::Acquire),
                             timeout,
                         })

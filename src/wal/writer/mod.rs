@@ -268,13 +268,17 @@ fn swap_out_group(
 ///
 /// A panic (a broken invariant, or a storage layer that panics) fails the log before the
 /// thread ends, so that waiters, durability callbacks and appenders get the error instead of
-/// waiting forever; the panic then goes on, for [`crate::wal::Wal::close`] to report. The
+/// waiting forever, and marks the thread gone (for `clean` and `Wal::close_timeout`); the
+/// panic then goes on, for [`crate::wal::Wal::close`] to report. The
 /// callbacks run after the unwind was caught, not during it: one that panicked there would
 /// abort the process.
 pub(crate) fn run(writer: Arc<Mutex<Writer>>) {
     let shared = Arc::clone(&lock(&writer).shared);
     let turns = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_turns(&writer)));
     if let Err(panic) = turns {
+        // Marked gone after the failure is published, also if a callback run by `fail`
+        // panics in turn.
+        let _gone = MarkGoneOnDrop(&shared);
         shared.fail(
             WalError::Io {
                 op: "sync thread",
@@ -285,6 +289,15 @@ pub(crate) fn run(writer: Arc<Mutex<Writer>>) {
             true,
         );
         std::panic::resume_unwind(panic);
+    }
+}
+
+/// Calls `Shared::writer_gone` when dropped (see [`run`]).
+struct MarkGoneOnDrop<'a>(&'a Shared);
+
+impl Drop for MarkGoneOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.writer_gone();
     }
 }
 
