@@ -803,4 +803,25 @@ mod tests {
             self.blocked_producers.registered()
         }
     }
+
+    /// Waits that end by their deadline while the consumer is stuck leave their registrations
+    /// behind; a retry loop must not grow that list without bound.
+    #[test]
+    fn timed_out_pushes_against_a_stuck_consumer_leave_a_bounded_waiter_list() {
+        for (kind, queue) in each_kind(1, 2) {
+            queue.try_push(1).unwrap();
+            queue.try_push(2).unwrap();
+            for value in 0..10_000 {
+                assert_eq!(
+                    queue.push(value, Some(Instant::now())),
+                    Err(QueueError::Timeout(value)),
+                    "{kind}"
+                );
+            }
+            let queued = queue.blocked_producers.queued();
+            let bound = wake::STALE_WAITERS_MAX + 1;
+            assert!(queued <= bound, "{kind}: {queued} registrations left behind");
+            assert_eq!(queue.blocked_producers_registered(), 0, "{kind}");
+        }
+    }
 }

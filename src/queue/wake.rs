@@ -23,6 +23,10 @@ use crate::sync::{current_thread, fence, park_timeout, AtomicBool, AtomicUsize, 
 /// The longest a parked producer sleeps before re-checking on its own.
 const PRODUCER_PARK_MAX: Duration = Duration::from_millis(1);
 
+/// Registrations in [`ProducerWaiters`] above which a producer whose wait ended while it was
+/// still registered empties the queue itself (see [`ProducerWaiters::wait_until`]).
+pub(crate) const STALE_WAITERS_MAX: usize = 64;
+
 /// Wakes a parked consumer.
 #[derive(Debug)]
 pub(crate) struct Doorbell {
@@ -98,7 +102,9 @@ pub(crate) struct ProducerWaiters {
     /// slots; a stale registration only causes a spurious wake-up.
     count: CachePadded<AtomicUsize>,
     /// Waiters to unpark, each at most once at a time (see [`Waiter::queued`]). May hold
-    /// waiters that already left; unparking those is harmless.
+    /// waiters that already left (a wait that ended by its deadline, say, while the consumer
+    /// was stuck); unparking those is harmless, and their number is bounded (see
+    /// [`ProducerWaiters::wait_until`]).
     waiters: SegQueue<std::sync::Arc<Waiter>>,
 }
 
@@ -116,6 +122,12 @@ impl ProducerWaiters {
     ///
     /// `try_again` returns `Some(result)` to finish, `None` to keep waiting; it is always called
     /// after registering, so a consumer that frees a slot in between is sure to wake us.
+    ///
+    /// A wait that ends while its registration is still queued leaves it behind, and only the
+    /// consumer empties the queue. So that waits ending by their deadline against a stuck
+    /// consumer (a `send_timeout` retried in a loop) cannot grow it without bound, a producer
+    /// that leaves such a registration while more than [`STALE_WAITERS_MAX`] are queued empties
+    /// the queue itself: the live waiters among them get a spurious wake-up and register again.
     pub(crate) fn wait_until<R>(&self, mut try_again: impl FnMut() -> Option<R>) -> R {
         let waiter = std::sync::Arc::new(Waiter {
             thread: current_thread(),
@@ -133,6 +145,9 @@ impl ProducerWaiters {
             }
             self.count.fetch_sub(1, Ordering::Relaxed);
             if let Some(result) = outcome {
+                if waiter.queued.load(Ordering::Acquire) && self.waiters.len() > STALE_WAITERS_MAX {
+                    self.wake_all();
+                }
                 return result;
             }
         }
@@ -151,6 +166,12 @@ impl ProducerWaiters {
     #[cfg(all(test, not(loom)))]
     pub(crate) fn registered(&self) -> usize {
         self.count.load(Ordering::SeqCst)
+    }
+
+    /// Number of registrations queued, live or left behind (tests).
+    #[cfg(all(test, not(loom)))]
+    pub(crate) fn queued(&self) -> usize {
+        self.waiters.len()
     }
 
     #[cold]
