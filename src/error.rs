@@ -85,7 +85,9 @@ pub enum AskError {
     /// The handler dropped the reply without answering (a bug in the endpoint).
     #[error("the handler dropped the request without replying")]
     NoReply,
-    /// The inbox stayed full until the ask's deadline (only from `try_ask`-style calls).
+    /// The inbox stayed full for the bus's `ask_timeout`, so the request was never queued:
+    /// the handler never sees it, and asking again is safe. (A [`AskError::Timeout`], by
+    /// contrast, means the request was queued and its handler may still run.)
     #[error("inbox of endpoint {endpoint:?} is full")]
     Full {
         /// The endpoint's name.

@@ -11,7 +11,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use coordbus::{Ask, Bus, BusError, Context, Endpoint, HandlerError, Replier, SendError};
+use coordbus::{Ask, AskError, Bus, BusError, Context, Endpoint, HandlerError, Replier, SendError};
 
 /// Longer than anything below takes; a wait that reaches it is a hang.
 const BOUND: Duration = Duration::from_secs(30);
@@ -150,9 +150,18 @@ struct Blocker {
     entered: mpsc::Sender<()>,
 }
 
+/// A request the blocker answers at once.
+struct Ping;
+impl Ask<Blocker> for Ping {
+    type Reply = ();
+    fn into_request(self, replier: Replier<()>) -> Replier<()> {
+        replier
+    }
+}
+
 impl Endpoint for Blocker {
     type Message = ();
-    type Request = ();
+    type Request = Replier<()>;
 
     fn handle(&mut self, (): (), _: &Context<Self>) -> Result<(), HandlerError> {
         let _ = self.entered.send(());
@@ -160,7 +169,12 @@ impl Endpoint for Blocker {
         Ok(())
     }
 
-    fn handle_request(&mut self, (): (), _: &Context<Self>) -> Result<(), HandlerError> {
+    fn handle_request(
+        &mut self,
+        replier: Replier<()>,
+        _: &Context<Self>,
+    ) -> Result<(), HandlerError> {
+        replier.reply(());
         Ok(())
     }
 }
@@ -182,6 +196,39 @@ fn a_shutdown_whose_endpoint_outlives_the_timeout_names_it_instead_of_reporting_
         other => panic!("expected ShutdownTimedOut, got {other:?}"),
     }
     gate.open();
+}
+
+/// An ask into an inbox that stays full for `ask_timeout` is never queued: it fails with
+/// `Full`, naming the endpoint, and the handler never sees it.
+#[test]
+fn an_ask_into_an_inbox_full_for_its_timeout_is_full_not_timeout() {
+    let ask_timeout = Duration::from_millis(50);
+    let bus =
+        Bus::builder().inbox_shards(1).inbox_capacity(4).ask_timeout(ask_timeout).build().unwrap();
+    let gate = Arc::new(Gate::default());
+    let (entered, handling) = mpsc::channel();
+    let blocker = bus.register("full", Blocker { gate: Arc::clone(&gate), entered }).unwrap();
+    blocker.send(()).unwrap();
+    handling.recv_timeout(BOUND).expect("the handler never ran");
+    // The handler is held at the gate: fill the inbox.
+    let mut queued = 0;
+    while blocker.try_send(()).is_ok() {
+        queued += 1;
+        assert!(queued < 1 << 20, "the inbox never filled");
+    }
+    let started = Instant::now();
+    match blocker.ask(Ping).wait_timeout(BOUND) {
+        Err(AskError::Full { endpoint }) => assert_eq!(endpoint, "full"),
+        other => panic!("expected Full, got {other:?}"),
+    }
+    assert!(started.elapsed() >= ask_timeout, "gave up before ask_timeout");
+    gate.open();
+    // Every queued note is handled (each passes the open gate), and nothing else: the refused
+    // ask left no request behind. A later ask is answered.
+    blocker.ask(Ping).wait_timeout(BOUND).expect("the endpoint serves again");
+    let stats = blocker.stats();
+    assert_eq!(stats.handled, 1 + queued + 1, "{stats:?}");
+    bus.shutdown().unwrap();
 }
 
 #[test]

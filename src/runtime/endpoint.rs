@@ -375,7 +375,9 @@ impl<E: Endpoint> EndpointRef<E> {
     /// wait on or await. Waits for room (up to the bus's `ask_timeout`) if the shard is full.
     ///
     /// Errors arrive through the handle: [`AskError::Stopped`] at once for a stopped endpoint,
-    /// [`AskError::SelfAsk`] when called from this endpoint's own handler.
+    /// [`AskError::SelfAsk`] when called from this endpoint's own handler,
+    /// [`AskError::Full`] if the inbox stayed full for `ask_timeout` (the request was never
+    /// queued), and then those of [`Reply::wait`](crate::Reply::wait).
     pub fn ask<A: Ask<E>>(&self, request: A) -> Reply<A::Reply> {
         if CURRENT_INBOX.with(std::cell::Cell::get) == self.inbox.address() {
             return Reply::failed(AskError::SelfAsk { endpoint: self.inbox.name.clone() });
@@ -411,7 +413,7 @@ impl<E: Endpoint> EndpointRef<E> {
                 Reply::failed(AskError::Stopped { endpoint: self.inbox.name.clone() })
             }
             Err(QueueError::Full(_) | QueueError::Timeout(_)) => {
-                Reply::failed(AskError::Timeout { timeout: self.inbox.ask_timeout })
+                Reply::failed(AskError::Full { endpoint: self.inbox.name.clone() })
             }
         }
     }
