@@ -382,6 +382,20 @@ pub enum WalError {
         /// How long the caller waited.
         timeout: Duration,
     },
+    /// [`Wal::append_bytes_timeout`](crate::wal::Wal::append_bytes_timeout): the staging
+    /// buffer stayed full (the disk is behind) for the whole timeout; nothing was appended.
+    #[error(
+        "no room to stage the record within {timeout:?}: the disk is behind \
+         (appended: {appended}, durable: {durable})"
+    )]
+    AppendTimedOut {
+        /// How long the caller waited.
+        timeout: Duration,
+        /// The last LSN appended when the wait gave up.
+        appended: u64,
+        /// The LSN durable when the wait gave up.
+        durable: u64,
+    },
     /// [`Wal::close_timeout`](crate::wal::Wal::close_timeout): the sync thread had not
     /// finished writing, syncing and exiting in time.
     #[error(

@@ -1,6 +1,7 @@
-//! A receiver's `ReceiverBlockStore::store` waits for durability at most its store timeout
-//! (Spark's `blockStoreTimeout`): a sync that does not finish fails the store with a typed
-//! timeout naming the LSN and the bound, instead of hanging the receiver; once the sync
+//! A receiver's `ReceiverBlockStore::store` waits at most its store timeout (Spark's
+//! `blockStoreTimeout`), for room to stage the data and then for durability: a sync that does
+//! not finish fails the store with a typed timeout naming the LSN and the bound, and a full
+//! staging buffer fails it with a typed error, instead of hanging the receiver; once the sync
 //! finishes, the data is durable and readable.
 //!
 //! Method: a storage whose `sync_data` is held at a gate until the test opens it, on the
@@ -80,6 +81,31 @@ fn a_store_whose_sync_does_not_finish_times_out_with_its_lsn_and_bound() {
     );
     let info = ReceivedBlockInfo::new(StreamId(0), Some(1), None, result).unwrap();
     assert_eq!(&*store.read(&info).unwrap(), b"stored");
+}
+
+#[test]
+fn a_store_that_finds_no_room_to_stage_in_time_fails_and_appends_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let gate = Arc::new(Gate::default());
+    let timeout = Duration::from_millis(50);
+    let store =
+        ReceiverBlockStore::from_wal(open_gated(dir.path(), &gate)).with_store_timeout(timeout);
+    // The sync is held: fill the staging buffer behind it.
+    let filler = vec![1u8; 64 << 10];
+    let mut filled = 0;
+    while store.wal().append_bytes_timeout(&filler, 1, timeout).is_ok() {
+        filled += 1;
+        assert!(filled < 10_000, "the staging buffer never filled");
+    }
+    let before = store.wal().appended_lsn();
+    let started = Instant::now();
+    match store.store(block(3), &filler, 12) {
+        Err(WalError::AppendTimedOut { timeout: reported, .. }) => assert_eq!(reported, timeout),
+        other => panic!("expected AppendTimedOut, got {other:?}"),
+    }
+    assert!(started.elapsed() < BOUND, "the store waited {:?}", started.elapsed());
+    assert_eq!(store.wal().appended_lsn(), before, "the refused store appended nothing");
+    gate.open();
 }
 
 #[test]

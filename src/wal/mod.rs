@@ -240,6 +240,17 @@ const LEADER_GRACE: Duration = Duration::from_micros(50);
 /// anyone waiting for it can wait to be written then.
 const LEADER_POLL: Duration = Duration::from_millis(1);
 
+/// What an append waits for in [`Wal::wait_for_room`]: room for a frame, until a deadline.
+#[derive(Debug, Clone, Copy)]
+struct Room {
+    frame_len: usize,
+    staging_limit: usize,
+    /// `None`: waits as long as it takes.
+    deadline: Option<Instant>,
+    /// The wait the caller asked for (reported on timeout).
+    timeout: Duration,
+}
+
 /// The staging limit for `durability`.
 fn staging_limit(durability: Durability) -> usize {
     match durability {
@@ -1492,12 +1503,17 @@ impl Wal {
         &self.shared.config
     }
 
-    /// Serializes `value` (rkyv) and appends it with time `time_ms`. Returns at once: the
-    /// record is durable once [`Wal::durable_lsn`] reaches the returned LSN.
+    /// Serializes `value` (rkyv) and appends it with time `time_ms`. Never waits for a sync:
+    /// the record is durable once [`Wal::durable_lsn`] reaches the returned LSN. It returns at
+    /// once unless the staging buffer is full (the disk is behind the appenders); then it
+    /// waits, first come first served, until the sync thread has written enough to make room
+    /// (back-pressure, as long as the disk takes: [`Wal::append_bytes_timeout`] bounds it).
     ///
     /// # Errors
     /// [`WalError::Record`] if serialization fails, [`WalError::RecordTooLarge`],
-    /// [`WalError::Closed`], [`WalError::Failed`] after an earlier write or sync failure.
+    /// [`WalError::Closed`], [`WalError::ReadOnly`] for a log opened read-only,
+    /// [`WalError::Failed`] after an earlier write or sync failure, and
+    /// [`WalError::InvalidConfig`] once the log's 2^32 segment ids are used up.
     pub fn append<T: Record>(
         &self,
         value: &T,
@@ -1532,6 +1548,34 @@ impl Wal {
         payload: &[u8],
         time_ms: i64,
     ) -> Result<(Lsn, RecordHandle), WalError> {
+        self.append_bytes_until(payload, time_ms, None, Duration::ZERO)
+    }
+
+    /// [`Wal::append_bytes`] that waits at most `timeout` for room in a full staging buffer.
+    ///
+    /// # Errors
+    /// As [`Wal::append`], plus [`WalError::AppendTimedOut`] if there was no room in time
+    /// (nothing was appended).
+    pub fn append_bytes_timeout(
+        &self,
+        payload: &[u8],
+        time_ms: i64,
+        timeout: Duration,
+    ) -> Result<(Lsn, RecordHandle), WalError> {
+        // A timeout too large for the clock waits without a deadline.
+        let deadline = Instant::now().checked_add(timeout);
+        self.append_bytes_until(payload, time_ms, deadline, timeout)
+    }
+
+    /// [`Wal::append_bytes`], waiting for room until `deadline` (`timeout` is what the caller
+    /// asked for, for the error).
+    fn append_bytes_until(
+        &self,
+        payload: &[u8],
+        time_ms: i64,
+        deadline: Option<Instant>,
+        timeout: Duration,
+    ) -> Result<(Lsn, RecordHandle), WalError> {
         let shared = &*self.shared;
         let frame_len = frame::frame_len(payload.len()) as u64;
         let capacity = shared.config.segment_size_bytes - SEGMENT_HEADER_LEN;
@@ -1546,8 +1590,8 @@ impl Wal {
             _ => None,
         };
         let staging_limit = staging_limit(shared.config.durability);
-        let mut state =
-            self.wait_for_room(lock(&shared.append), frame_len as usize, staging_limit)?;
+        let room = Room { frame_len: frame_len as usize, staging_limit, deadline, timeout };
+        let mut state = self.wait_for_room(lock(&shared.append), room)?;
         let needs_new = match &state.active {
             None => true,
             Some(active) => {
@@ -1623,16 +1667,17 @@ impl Wal {
         Ok((Lsn(lsn), RecordHandle { segment, offset, len: payload.len() as u32 }))
     }
 
-    /// Waits until a frame of `frame_len` bytes may be staged (`AppendState::has_room`, first
-    /// come first served), waking the sync thread so that the staged group is written at once.
-    /// Returns the append lock, or the error that ends the wait (closed or failed log).
+    /// Waits until a frame of `room.frame_len` bytes may be staged (`AppendState::has_room`,
+    /// first come first served), waking the sync thread so that the staged group is written at
+    /// once. Returns the append lock, or the error that ends the wait (closed or failed log,
+    /// or the deadline passed).
     fn wait_for_room<'a>(
         &'a self,
         mut state: MutexGuard<'a, AppendState>,
-        frame_len: usize,
-        staging_limit: usize,
+        room: Room,
     ) -> Result<MutexGuard<'a, AppendState>, WalError> {
         let shared = &*self.shared;
+        let Room { frame_len, staging_limit, deadline, timeout } = room;
         let mut ticket = None;
         loop {
             let refusal = if state.closing {
@@ -1642,18 +1687,27 @@ impl Wal {
             } else {
                 None
             };
+            // The frame must fit in the limit (the buffers are allocated at the limit: one
+            // that overflowed was reallocated, and the copy faulted in fresh pages each time).
+            if refusal.is_none() && state.has_room(frame_len, staging_limit, ticket) {
+                state.remove_room_waiter(ticket);
+                return Ok(state);
+            }
+            let refusal = refusal.or_else(|| {
+                deadline.filter(|deadline| Instant::now() >= *deadline).map(|_| {
+                    WalError::AppendTimedOut {
+                        timeout,
+                        appended: shared.appended_lsn.load(Ordering::Acquire),
+                        durable: shared.durable_lsn.load(Ordering::Acquire),
+                    }
+                })
+            });
             if let Some(error) = refusal {
                 state.remove_room_waiter(ticket);
                 drop(state);
                 // The waiters behind this one may go now.
                 shared.space_cv.notify_all();
                 return Err(error);
-            }
-            // The frame must fit in the limit (the buffers are allocated at the limit: one
-            // that overflowed was reallocated, and the copy faulted in fresh pages each time).
-            if state.has_room(frame_len, staging_limit, ticket) {
-                state.remove_room_waiter(ticket);
-                return Ok(state);
             }
             // Someone waits for room: the group is due now, not after its delay.
             if state.writer_wait.wants_wake(false, true) {
@@ -1664,7 +1718,16 @@ impl Wal {
             if ticket.is_none() {
                 ticket = Some(state.queue_room_waiter(frame_len));
             }
-            state = shared.space_cv.wait(state).unwrap_or_else(std::sync::PoisonError::into_inner);
+            state = match deadline {
+                None => {
+                    shared.space_cv.wait(state).unwrap_or_else(std::sync::PoisonError::into_inner)
+                }
+                Some(deadline) => {
+                    let remaining = deadline.saturating_duration_since(Instant::now());
+                    let waited = shared.space_cv.wait_timeout(state, remaining);
+                    waited.unwrap_or_else(std::sync::PoisonError::into_inner).0
+                }
+            };
         }
     }
 

@@ -9,7 +9,7 @@
 
 use std::{
     path::{Path, PathBuf},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use super::{BlockStoreResult, BlockTrackerError, ReceivedBlockInfo, StreamBlockId, StreamId};
@@ -60,29 +60,39 @@ impl ReceiverBlockStore {
 
     /// Appends `data` for `block_id` with record time `time_ms` and returns once it is durable,
     /// with the store result to put in the block's info. Waits at most
-    /// [`Self::store_timeout`], as Spark's receiver does, so a stuck disk fails the store
-    /// instead of hanging the receiver. The waiting thread never writes and syncs itself (a
-    /// sync could outlast the bound); with `Durability::EveryRecord`, [`Self::store_deferred`]
-    /// and `wal().wait_durable(lsn)` let it do so, without a bound.
+    /// [`Self::store_timeout`] in all (for room to stage the data, then for the sync), as
+    /// Spark's receiver does, so a stuck disk fails the store instead of hanging the receiver.
+    /// The waiting thread never writes and syncs itself (a sync could outlast the bound); with
+    /// `Durability::EveryRecord`, [`Self::store_deferred`] and `wal().wait_durable(lsn)` let it
+    /// do so, without a bound.
     ///
     /// # Errors
-    /// The WAL's append or durability error; [`WalError::Timeout`] (with the LSN and the
-    /// timeout) if the data was not durable in time. It may still become durable later: a
-    /// receiver that retries appends the data again, and the first record is then never read
-    /// (the log's time-based cleaning removes it).
+    /// The WAL's append or durability error; [`WalError::AppendTimedOut`] if there was no room
+    /// to stage the data in time (nothing was appended); [`WalError::Timeout`] (with the LSN
+    /// and the store timeout) if the data was not durable in time. It may still become durable
+    /// later: a receiver that retries appends the data again, and the first record is then
+    /// never read (the log's time-based cleaning removes it).
     pub fn store(
         &self,
         block_id: StreamBlockId,
         data: &[u8],
         time_ms: i64,
     ) -> Result<BlockStoreResult, WalError> {
-        let (lsn, result) = self.store_deferred(block_id, data, time_ms)?;
-        self.wal.wait_durable_timeout(lsn, self.store_timeout)?;
-        Ok(result)
+        let started = Instant::now();
+        let (lsn, handle) = self.wal.append_bytes_timeout(data, time_ms, self.store_timeout)?;
+        let remaining = self.store_timeout.saturating_sub(started.elapsed());
+        match self.wal.wait_durable_timeout(lsn, remaining) {
+            Ok(()) => Ok(BlockStoreResult::ReceiverWal { block_id, handle }),
+            Err(WalError::Timeout { lsn, durable, .. }) => {
+                Err(WalError::Timeout { lsn, durable, timeout: self.store_timeout })
+            }
+            Err(error) => Err(error),
+        }
     }
 
-    /// Appends without waiting; the data is durable once [`Self::wal`]'s durable LSN reaches
-    /// the returned LSN.
+    /// Appends without waiting for the sync; the data is durable once [`Self::wal`]'s durable
+    /// LSN reaches the returned LSN. Like [`Wal::append_bytes`], it waits for room (as long as
+    /// the disk takes) if the log's staging buffer is full.
     ///
     /// # Errors
     /// The WAL's append error.

@@ -25,8 +25,9 @@
 //! clock's current time (not the batch time), which is what WAL cleanup compares against.
 //!
 //! The synchronous methods ([`ReceivedBlockTracker::add_block`] and friends) wait until the
-//! event is durable (at most [`BlockTrackerConfig::write_timeout`], Spark's batching timeout)
-//! before changing the state. The `*_deferred` methods are for hosts that acknowledge
+//! event is durable (at most [`BlockTrackerConfig::write_timeout`], Spark's batching timeout,
+//! once it is appended; the append itself waits for room while the WAL's staging buffer is
+//! full) before changing the state. The `*_deferred` methods are for hosts that acknowledge
 //! asynchronously (the bus endpoint): they append the event, apply it at once, and return the
 //! LSN the caller must see durable before it tells anyone about the change.
 //! [`ReceivedBlockTracker::apply_logged_additions`] queues blocks whose record a receiver

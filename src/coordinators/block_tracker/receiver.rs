@@ -280,8 +280,9 @@ impl BlockReceiver {
 
     /// Adds `info`: logs it in a record of its own and hands it to the endpoint if this
     /// receiver has nothing in flight, else adds it to the pending batch (module doc,
-    /// "Combining"). The receipt says once the record holding it is durable. Never blocks on
-    /// a sync (only, briefly, when the WAL's staging buffer or the endpoint's inbox is full).
+    /// "Combining"). The receipt says once the record holding it is durable. Never waits for
+    /// a sync; it waits only while the WAL's staging buffer or the endpoint's inbox is full
+    /// (back-pressure: as long as the disk or the endpoint takes to make room).
     #[inline]
     pub fn add_block(&self, info: ReceivedBlockInfo) -> AddReceipt<'_> {
         let mut pending = self.lock_pending();

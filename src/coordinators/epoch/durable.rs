@@ -254,8 +254,9 @@ pub type RestartPoint = (Epoch, Vec<(PartitionId, Payload)>);
 ///   run logged after its last commit never shadow what the next run logs for that epoch.
 /// * Recovery ([`DurableQuery::open`], [`DurableQuery::from_wal`]): the last committed epoch
 ///   and its offsets ([`DurableQuery::restart_point`]); offsets of later epochs are ignored.
-/// * No blocking: appends return at once; the WAL's sync thread makes them durable (group
-///   commit). [`DurableQueryStatus`] says which commits are durable. A crash before a commit
+/// * No waiting for syncs: appends return at once (unless the WAL's staging buffer is full,
+///   when they wait for the disk to catch up: back-pressure); the WAL's sync thread makes them
+///   durable (group commit). [`DurableQueryStatus`] says which commits are durable. A crash before a commit
 ///   record is durable makes the next run commit that epoch again (at-least-once, SPEC B.5).
 /// * Bounded: with `D` the last commit known durable, WAL segments holding only epochs below
 ///   `D + 1 - retained_epochs` are deleted (time-based `clean`, at most every

@@ -1,7 +1,10 @@
-//! `Wal::close_timeout`: closing with a bound. A sync that does not finish fails the close
-//! with a typed error (naming the last appended LSN, the durable one and the bound) instead
-//! of hanging the caller; the log is closing anyway (appends are refused), and once the sync
-//! finishes a later close completes and every appended record is durable.
+//! The WAL's bounded waits, for callers that must not hang on a disk that stopped answering:
+//! - `Wal::close_timeout`: a sync that does not finish fails the close with a typed error
+//!   (naming the last appended LSN, the durable one and the bound) instead of hanging the
+//!   caller; the log is closing anyway (appends are refused), and once the sync finishes a
+//!   later close completes and every appended record is durable;
+//! - `Wal::append_bytes_timeout`: an append that finds the staging buffer full waits at most
+//!   its timeout for room, then fails with a typed error and appends nothing.
 //!
 //! Method: a storage whose syncs wait at a gate the test opens (`wal_support`), on the pwrite
 //! path with group commit, so the sync thread does every write and sync.
@@ -89,4 +92,47 @@ fn a_healthy_close_timeout_syncs_everything_and_is_idempotent() {
     drop(wal);
     let reopened = Wal::open(dir.path(), config()).unwrap();
     assert_eq!(payloads(&reopened).len(), 100);
+}
+
+#[test]
+fn an_append_that_finds_no_room_in_time_fails_and_appends_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let gate = Arc::new(Gate::default());
+    let wal = open_gated(dir.path(), &gate);
+    let timeout = Duration::from_millis(50);
+    let payload = vec![7u8; 64 << 10];
+    // The sync thread is held at its first sync: appends fill the staging buffer until one
+    // finds no room for its whole timeout.
+    let mut appended = Vec::new();
+    let error = loop {
+        assert!(appended.len() < 10_000, "the staging buffer never filled");
+        let started = Instant::now();
+        match wal.append_bytes_timeout(&payload, 1, timeout) {
+            Ok((lsn, _)) => appended.push(lsn),
+            Err(error) => {
+                let waited = started.elapsed();
+                assert!(waited >= timeout, "gave up after {waited:?}");
+                assert!(waited < RUN_BOUND, "waited {waited:?}");
+                break error;
+            }
+        }
+    };
+    let last = *appended.last().expect("some appends found room");
+    match error {
+        WalError::AppendTimedOut { timeout: reported, appended: reported_last, durable } => {
+            assert_eq!(reported, timeout);
+            assert_eq!(reported_last, last.0, "the error names the last appended LSN");
+            assert!(durable < last.0, "durable {durable}");
+        }
+        other => panic!("expected AppendTimedOut, got {other}"),
+    }
+    assert_eq!(wal.appended_lsn(), last, "the refused append appended nothing");
+
+    gate.open();
+    let (after, _) = wal.append_bytes_timeout(b"after", 2, RUN_BOUND).unwrap();
+    assert_eq!(after.0, last.0 + 1, "no LSN was used by the refused append");
+    wal.close_timeout(RUN_BOUND).unwrap();
+    drop(wal);
+    let reopened = Wal::open(dir.path(), config()).unwrap();
+    assert_eq!(payloads(&reopened).len(), appended.len() + 1);
 }
