@@ -43,8 +43,8 @@ pub enum Idle {
         /// The longest spin, used while recent gaps were short.
         max_spin: Duration,
     },
-    /// Park as soon as the inbox is empty (yields the core at once; each wake-up costs a few
-    /// microseconds).
+    /// Park once the inbox stays empty for a few yields of the core (no spinning; each
+    /// wake-up costs a few microseconds).
     Park,
 }
 
@@ -184,7 +184,7 @@ impl BusBuilder {
         self
     }
 
-    /// Messages per ring.
+    /// Messages per lane and per ring ([`BusConfig::inbox_capacity`]).
     pub fn inbox_capacity(mut self, capacity: usize) -> Self {
         self.config.inbox_capacity = capacity;
         self

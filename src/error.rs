@@ -182,7 +182,9 @@ pub enum ConfigError {
     },
 }
 
-/// Any coordbus error.
+/// The errors of the bus and the WAL in one type (for `?` in code that uses both). The
+/// coordinators' own errors ([`crate::coordinators::epoch::EpochError`], ...) and
+/// [`SendError`] (which carries the unsent message) stay separate.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {

@@ -490,7 +490,7 @@ impl WalConfig {
                 return Err(invalid(
                     "rolling_interval",
                     format!("{interval:?}"),
-                    "must be at least 1 ms",
+                    "must be between 1 ms and 2^62 ms",
                 ));
             }
         }
@@ -1908,10 +1908,11 @@ impl Wal {
         }
     }
 
-    /// Runs `callback` once `lsn` is durable (with `Ok`) or the log failed (with the error).
-    /// It runs on the sync thread, so it must be short and must not block on the log; if
-    /// `lsn` is already durable (or the outcome already known) it runs at once on the calling
-    /// thread.
+    /// Runs `callback` once `lsn` is durable (with `Ok`), or with the error that decides it
+    /// cannot become durable: [`WalError::Failed`] (the log failed), [`WalError::Closed`]
+    /// (closed first), [`WalError::NotAppended`] (an LSN never appended). It runs on the sync
+    /// thread, so it must be short and must not block on the log; if `lsn` is already durable
+    /// (or the outcome already known) it runs at once on the calling thread.
     pub fn notify_when_durable(&self, lsn: Lsn, callback: DurableCallback) {
         let shared = &*self.shared;
         let outcome = {
@@ -1938,12 +1939,13 @@ impl Wal {
     }
 
     /// The record at `handle` as raw payload bytes, checked (frame CRC, length) and borrowed
-    /// from the memory map. Waits briefly if the record is appended but not yet written.
+    /// from the memory map. If the record is appended but not yet written, waits until the sync
+    /// thread has written it (at most 60 s).
     ///
     /// # Errors
-    /// [`WalError::NotFound`] (cleaned, never appended, or past the end),
-    /// [`WalError::LengthMismatch`] naming both lengths, [`WalError::Corruption`] if the bytes
-    /// on disk are damaged.
+    /// [`WalError::NotFound`] (cleaned, never appended, past the end, or not written within
+    /// 60 s), [`WalError::LengthMismatch`] naming both lengths, [`WalError::Corruption`] if
+    /// the bytes on disk are damaged, [`WalError::Failed`] if the log fails while it waits.
     pub fn read_bytes(&self, handle: RecordHandle) -> Result<RecordBytes, WalError> {
         reader::read_bytes(&self.shared, handle)
     }

@@ -131,3 +131,16 @@ fn the_wal_tool_does_not_take_a_wrong_directory_for_a_healthy_log() {
     let (code, stderr) = wal_tool(&["verify", log.to_str().unwrap()]);
     assert_eq!(code, Some(0), "verify of a real log: {stderr}");
 }
+
+/// A usage error of `coordbus-wal` exits 3, as its help says, not clap's 2 (which `verify`
+/// uses for a torn tail); `--help` still exits 0.
+#[test]
+fn a_wal_tool_usage_error_exits_3_not_the_torn_tail_code() {
+    for args in [&["verify"][..], &["verify", "--no-such-flag", "."], &["no-such-command"]] {
+        let (code, stderr) = wal_tool(args);
+        assert_eq!(code, Some(3), "{args:?}: {stderr}");
+        assert!(stderr.contains("Usage"), "{args:?} does not explain the usage: {stderr}");
+    }
+    let (code, output) = wal_tool(&["--help"]);
+    assert_eq!(code, Some(0), "--help: {output}");
+}

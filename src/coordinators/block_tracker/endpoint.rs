@@ -2,8 +2,9 @@
 //! the batch side asks for allocations, blocks of batches and cleanups (SPEC 0.5).
 //!
 //! ## Durable acknowledgements without blocking
-//! A handler appends the event to the WAL (which returns at once), applies it to the tracker
-//! and keeps the request's [`Replier`] in a queue ordered by LSN. It never waits for a sync:
+//! A handler appends the event to the WAL (which returns at once, unless its staging buffer is
+//! full: back-pressure), applies it to the tracker and keeps the request's [`Replier`] in a
+//! queue ordered by LSN. It does not wait for syncs (two requests excepted, below):
 //! when the WAL reports an LSN durable, a callback (on the WAL's sync thread) sends the
 //! endpoint a [`BlockTrackerMessage::Durable`] wake-up, and the endpoint answers every queued
 //! request whose LSN is now durable. One callback is armed at a time, so a whole group commit
@@ -16,7 +17,11 @@
 //!   refused or failed it (then the block is not queued). `AddBlocks` does the same for
 //!   several blocks (one record each) and answers once the last is durable, per block.
 //! * `AllocateBlocksToBatch` and `CleanupOldBatches` answer once their event is durable (a
-//!   cleanup also deletes the old WAL files first).
+//!   cleanup also deletes the old WAL files first). A cleanup with `wait` deletes them on the
+//!   endpoint thread and syncs the directory before answering, so requests behind it wait
+//!   that long.
+//! * `StopTracker` waits on the endpoint thread, at most 5 s, for the queued events to become
+//!   durable, answers them, then closes the WAL.
 //! * Queries (`GetBlocksOfBatch`, ...) are answered with the state at the time they were
 //!   handled, but only once every event applied before them is durable: no answer ever
 //!   exposes a change that a crash could still undo.

@@ -819,7 +819,9 @@ impl ReceivedBlockTracker {
     /// # Errors
     /// [`BlockTrackerError::ThresholdNotInPast`] unless `threshold` is before the clock's
     /// time (checked before anything else); [`BlockTrackerError::LogRaised`];
-    /// [`BlockTrackerError::Wal`] if deleting files failed.
+    /// [`BlockTrackerError::Wal`] if the log refused the cleaning (read-only) or, with
+    /// `wait`, syncing the directory after the deletions failed. A file that cannot be deleted
+    /// is logged and skipped, as SPEC E.4 wants.
     pub fn cleanup_old_batches(
         &mut self,
         threshold: BatchTime,

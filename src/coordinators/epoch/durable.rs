@@ -264,7 +264,8 @@ pub type RestartPoint = (Epoch, Vec<(PartitionId, Payload)>);
 ///   later commit is in a later segment. A WAL rolling interval, if configured, counts epochs.
 /// * Dropping the query closes the log (writing and syncing everything appended).
 ///
-/// Two queries must not use one directory at once (the WAL does not detect it).
+/// Two queries cannot use one directory at once: the WAL locks it, and the second open fails
+/// with [`EpochError::Wal`] holding [`WalError::Locked`].
 #[derive(Debug)]
 pub struct DurableQuery<Q: Query = NoopQuery> {
     wal: Arc<Wal>,
@@ -290,7 +291,8 @@ impl DurableQuery<NoopQuery> {
     /// no inner query and [`DEFAULT_RETAINED_EPOCHS`].
     ///
     /// # Errors
-    /// As [`DurableQuery::from_wal`], plus [`EpochError::Wal`] if the WAL cannot be opened.
+    /// As [`DurableQuery::from_wal`], plus [`EpochError::Wal`] if the WAL cannot be opened
+    /// ([`WalError::Locked`] if another log, in this process or another, has `dir` open).
     pub fn open(dir: impl AsRef<Path>, config: WalConfig) -> Result<Self, EpochError> {
         let wal = Wal::open(dir, config)
             .map_err(|source| EpochError::Wal { op: "open the epoch log", source })?;

@@ -22,8 +22,8 @@
 //! * `durable`: [`DurableQuery`], the WAL-backed query (see Durability below), with
 //!   [`DurableQueryStatus`] and [`NoopQuery`].
 //! * Here: the collaborator traits [`Query`] and [`Sink`], an in-memory [`MemoryQuery`] (the
-//!   offset and commit logs of SPEC B.9 without persistence), [`EpochConfig`], errors and
-//!   counters.
+//!   offset and commit logs of SPEC B.9 without persistence), a [`NoopSink`], [`EpochConfig`],
+//!   errors and counters.
 //!
 //! # Why it is fast
 //! Spark's coordinator rescans its `(epoch, partition)` maps on every message (to count the
@@ -185,6 +185,17 @@ pub trait Sink {
         epoch: Epoch,
         messages: &[(PartitionId, Payload)],
     ) -> Result<(), CollaboratorError>;
+}
+
+/// A [`Sink`] that accepts every commit and keeps nothing: the default sink for tests,
+/// benchmarks, and engines whose writers make their output visible on their own.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoopSink;
+
+impl Sink for NoopSink {
+    fn commit(&mut self, _: Epoch, _: &[(PartitionId, Payload)]) -> Result<(), CollaboratorError> {
+        Ok(())
+    }
 }
 
 impl<T: Query + ?Sized> Query for Box<T> {
@@ -568,7 +579,8 @@ pub enum DropReason {
     #[error("the partition already committed this epoch")]
     DuplicateCommit,
     /// The message would add an entry to a queue that already holds more entries than its
-    /// backlog limit, for an epoch other than the next to commit: the backlog check stopped
+    /// backlog limit, for an epoch other than the next to commit (or for that one while its
+    /// side's partition count is unset): the backlog check stopped
     /// the query when the queue overflowed, and the coordinator takes no more such entries
     /// until commits bring it back to the limit (so memory stays bounded by the limits: see
     /// the module doc).

@@ -368,8 +368,8 @@ fn complete(len: usize, count: i32) -> bool {
 ///
 /// ```
 /// use coordbus::coordinators::epoch::{
-///     CollaboratorError, Epoch, EpochConfig, EpochCoordinator, EpochError, PartitionId, Payload,
-///     Query, Sink,
+///     CollaboratorError, Epoch, EpochConfig, EpochCoordinator, EpochError, NoopSink,
+///     PartitionId, Payload, Query,
 /// };
 ///
 /// #[derive(Default)]
@@ -386,13 +386,8 @@ fn complete(len: usize, count: i32) -> bool {
 ///     }
 ///     fn stop(&mut self, error: EpochError) { self.0.push(format!("stop {error}")); }
 /// }
-/// struct NoSink;
-/// impl Sink for NoSink {
-///     fn commit(&mut self, _: Epoch, _: &[(PartitionId, Payload)])
-///         -> Result<(), CollaboratorError> { Ok(()) }
-/// }
 ///
-/// let mut coordinator = EpochCoordinator::new(EpochConfig::new(1), Log::default(), NoSink)?;
+/// let mut coordinator = EpochCoordinator::new(EpochConfig::new(1), Log::default(), NoopSink)?;
 /// coordinator.set_reader_partitions(1)?;
 /// coordinator.set_writer_partitions(1)?;
 /// coordinator.report_partition_offset(PartitionId(0), Epoch(1), 7.into())?;

@@ -434,7 +434,8 @@ impl StateStoreCoordinatorRef {
     /// One-way report that `provider_id` is loaded at `location`.
     ///
     /// # Errors
-    /// [`SendError::Stopped`] once the coordinator is stopped.
+    /// [`SendError::Stopped`] once the coordinator is stopped. (While its inbox is full the
+    /// call waits for room, as [`EndpointRef::send`](crate::EndpointRef::send) does.)
     #[inline]
     pub fn report_active_instance(
         &self,
@@ -447,7 +448,8 @@ impl StateStoreCoordinatorRef {
     /// Request-reply report; returns the ids of `provider_ids_to_check` to unload.
     ///
     /// # Errors
-    /// [`AskError`]; bad input gives [`AskError::Handler`] with a [`StateStoreError`] source.
+    /// Any [`AskError`] (the call waits for its reply up to the bus's `ask_timeout`); bad
+    /// input gives [`AskError::Handler`] with a [`StateStoreError`] source.
     pub fn report_active_instance_and_check(
         &self,
         provider_id: StateStoreProviderId,
@@ -487,6 +489,7 @@ impl StateStoreCoordinatorRef {
     /// Forgets every provider of run `query_run_id`.
     ///
     /// # Errors
+    /// Any [`AskError`] (the call waits for its reply up to the bus's `ask_timeout`), such as
     /// [`AskError::Stopped`] once the coordinator is stopped.
     pub fn deactivate_instances(&self, query_run_id: Uuid) -> Result<bool, AskError> {
         self.endpoint.ask(DeactivateInstances { query_run_id }).wait()
@@ -508,6 +511,7 @@ impl StateStoreCoordinatorRef {
     /// Logs the lagging stores of run `query_run_id`.
     ///
     /// # Errors
+    /// Any [`AskError`] (the call waits for its reply up to the bus's `ask_timeout`), such as
     /// [`AskError::Stopped`] once the coordinator is stopped.
     pub fn log_lagging_state_stores(
         &self,
@@ -523,6 +527,7 @@ impl StateStoreCoordinatorRef {
     /// The latest recorded snapshot version of `provider_id`.
     ///
     /// # Errors
+    /// Any [`AskError`] (the call waits for its reply up to the bus's `ask_timeout`), such as
     /// [`AskError::Stopped`] once the coordinator is stopped.
     pub fn get_latest_snapshot_version_for_testing(
         &self,
@@ -534,6 +539,7 @@ impl StateStoreCoordinatorRef {
     /// The lagging providers of run `query_run_id`, most lagging first.
     ///
     /// # Errors
+    /// Any [`AskError`] (the call waits for its reply up to the bus's `ask_timeout`), such as
     /// [`AskError::Stopped`] once the coordinator is stopped.
     pub fn get_lagging_stores_for_testing(
         &self,
@@ -553,6 +559,7 @@ impl StateStoreCoordinatorRef {
     /// The coordinator's counters (reflecting every message this thread sent before).
     ///
     /// # Errors
+    /// Any [`AskError`] (the call waits for its reply up to the bus's `ask_timeout`), such as
     /// [`AskError::Stopped`] once the coordinator is stopped.
     pub fn counters(&self) -> Result<StateStoreCounters, AskError> {
         self.endpoint.ask(GetCounters).wait()

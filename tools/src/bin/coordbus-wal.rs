@@ -308,7 +308,16 @@ fn verify(dir: &PathBuf, as_json: bool) -> ExitCode {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(error) => {
+            // `--help` and `--version` are not errors; a usage error is 3, as documented (clap
+            // would exit with 2, which `verify` uses for a torn tail).
+            let code = if error.use_stderr() { 3 } else { 0 };
+            let _ = error.print();
+            return ExitCode::from(code);
+        }
+    };
     let result = match &cli.command {
         Command::Inspect { dir } => inspect(dir, cli.json),
         Command::Dump { dir, from, limit, preview_bytes } => {
