@@ -7,7 +7,10 @@
 //! every reply against its own model at once (per-sender FIFO makes that exact, also for
 //! one-way reports) and its final view at the end; the coordinator's counters must add up.
 
-use std::{collections::HashMap, sync::Arc};
+use std::{
+    collections::{HashMap, HashSet},
+    sync::Arc,
+};
 
 use coordbus::{
     clock::{Clock, ManualClock},
@@ -31,6 +34,9 @@ struct Model {
     instances: HashMap<StateStoreProviderId, ExecutorCacheTaskLocation>,
     snapshots: HashMap<StateStoreProviderId, SnapshotUploadEvent>,
     last_full_report_ms: HashMap<Uuid, i64>,
+    /// Runs deactivated earlier: their later reports are dropped (coordbus's documented
+    /// choice; the cases use far fewer runs than it remembers).
+    deactivated: HashSet<Uuid>,
 }
 
 fn valid_id(id: &StateStoreProviderId) -> bool {
@@ -55,7 +61,9 @@ impl Model {
         if !valid_id(&id) || !valid_location(&location) || !check.iter().all(valid_id) {
             return None;
         }
-        self.instances.insert(id, location);
+        if !self.deactivated.contains(&id.query_run_id) {
+            self.instances.insert(id, location);
+        }
         Some(
             check
                 .iter()
@@ -85,11 +93,15 @@ impl Model {
         // coordbus drops every snapshot record of the run (documented choice).
         self.snapshots.retain(|id, _| id.query_run_id != run);
         self.last_full_report_ms.remove(&run);
+        self.deactivated.insert(run);
     }
 
     fn snapshot(&mut self, id: StateStoreProviderId, version: i64, timestamp_ms: i64) -> bool {
         if !valid_id(&id) || version < 0 {
             return false;
+        }
+        if self.deactivated.contains(&id.query_run_id) {
+            return true;
         }
         let event = SnapshotUploadEvent::new(version, timestamp_ms);
         match self.snapshots.get(&id) {

@@ -9,13 +9,22 @@
 //! run's stores, here only the cost of freeing them). Lag detection walks only the run it is
 //! asked about.
 //!
-//! Choice where the spec is silent: deactivating a run drops all of that run's snapshot
-//! records, also those of providers that reported an upload but were never reported active
-//! (Spark drops only the ids it found active, leaving the others behind for good).
+//! Choices where the spec is silent:
+//! * Deactivating a run drops all of that run's snapshot records, also those of providers that
+//!   reported an upload but were never reported active (Spark drops only the ids it found
+//!   active, leaving the others behind for good).
+//! * A report (active instance or snapshot upload) for a run deactivated earlier is dropped,
+//!   counted and logged (the 1st, 2nd, 4th, ... time), instead of bringing the run back: tasks
+//!   of a stopped run that still load providers, or a maintenance upload that finishes after
+//!   the stop, would otherwise leave a run's tables behind for good (as Spark does), one per
+//!   query run over a driver's life. The last [`DEACTIVATED_RUNS_REMEMBERED`] deactivated runs
+//!   are remembered (run ids are fresh per run, so none is ever legitimately reused). A
+//!   dropped `ReportActiveInstance` still answers its check (against the providers active
+//!   now), so the executor unloads what it should.
 
-use std::time::Duration;
+use std::{collections::VecDeque, time::Duration};
 
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 use uuid::Uuid;
 
 use super::{
@@ -186,6 +195,8 @@ pub struct StateStoreCounters {
     pub full_lag_reports: u64,
     /// Messages rejected for bad input.
     pub rejected: u64,
+    /// Reports dropped because their run was deactivated earlier (module doc).
+    pub reports_of_deactivated_runs: u64,
 }
 
 /// One lagging store, as named in a full lag report.
@@ -243,7 +254,37 @@ pub struct StateStoreCoordinator<C: Clock = SystemClock> {
     config: StateStoreCoordinatorConfig,
     clock: C,
     runs: FxHashMap<u128, RunState>,
+    deactivated: DeactivatedRuns,
     counters: StateStoreCounters,
+}
+
+/// How many deactivated run ids a coordinator remembers, to drop late reports of those runs
+/// (module doc).
+pub const DEACTIVATED_RUNS_REMEMBERED: usize = 4096;
+
+/// The last [`DEACTIVATED_RUNS_REMEMBERED`] deactivated run ids, oldest first.
+#[derive(Debug, Default)]
+struct DeactivatedRuns {
+    order: VecDeque<u128>,
+    set: FxHashSet<u128>,
+}
+
+impl DeactivatedRuns {
+    fn remember(&mut self, run: u128) {
+        if !self.set.insert(run) {
+            return;
+        }
+        if self.order.len() == DEACTIVATED_RUNS_REMEMBERED {
+            if let Some(oldest) = self.order.pop_front() {
+                self.set.remove(&oldest);
+            }
+        }
+        self.order.push_back(run);
+    }
+
+    fn contains(&self, run: u128) -> bool {
+        self.set.contains(&run)
+    }
 }
 
 impl StateStoreCoordinator<SystemClock> {
@@ -270,6 +311,7 @@ impl<C: Clock> StateStoreCoordinator<C> {
             config,
             clock,
             runs: FxHashMap::default(),
+            deactivated: DeactivatedRuns::default(),
             counters: StateStoreCounters::default(),
         })
     }
@@ -280,6 +322,7 @@ impl<C: Clock> StateStoreCoordinator<C> {
             config: StateStoreCoordinatorConfig::default(),
             clock,
             runs: FxHashMap::default(),
+            deactivated: DeactivatedRuns::default(),
             counters: StateStoreCounters::default(),
         }
     }
@@ -399,10 +442,37 @@ impl<C: Clock> StateStoreCoordinator<C> {
         provider_id: StateStoreProviderId,
         location: ExecutorCacheTaskLocation,
     ) {
-        let run = self.runs.entry(provider_id.query_run_id.as_u128()).or_default();
+        let Some(run) = self.run_for_report(provider_id) else {
+            return;
+        };
         if run.instances.insert(provider_id.store_id, location).is_none() {
             self.counters.new_instances += 1;
             tracing::debug!(%provider_id, %location, "state store provider active");
+        }
+    }
+
+    /// The state of `provider_id`'s run, created on its first report; `None` (counted and
+    /// logged) if that run was deactivated earlier.
+    #[inline]
+    fn run_for_report(&mut self, provider_id: StateStoreProviderId) -> Option<&mut RunState> {
+        let run = provider_id.query_run_id.as_u128();
+        match self.runs.entry(run) {
+            std::collections::hash_map::Entry::Occupied(state) => Some(state.into_mut()),
+            std::collections::hash_map::Entry::Vacant(slot) => {
+                if self.deactivated.contains(run) {
+                    self.counters.reports_of_deactivated_runs += 1;
+                    let dropped = self.counters.reports_of_deactivated_runs;
+                    if dropped.is_power_of_two() {
+                        tracing::warn!(
+                            %provider_id,
+                            dropped,
+                            "report of a deactivated query run dropped"
+                        );
+                    }
+                    return None;
+                }
+                Some(slot.insert(RunState::default()))
+            }
         }
     }
 
@@ -453,6 +523,7 @@ impl<C: Clock> StateStoreCoordinator<C> {
     /// Returns how many active instances were removed.
     pub fn deactivate_instances(&mut self, query_run_id: Uuid) -> usize {
         self.counters.deactivations += 1;
+        self.deactivated.remember(query_run_id.as_u128());
         let removed =
             self.runs.remove(&query_run_id.as_u128()).map_or(0, |run| run.instances.len());
         self.counters.deactivated_instances += removed as u64;
@@ -477,7 +548,9 @@ impl<C: Clock> StateStoreCoordinator<C> {
         if version < 0 {
             return self.reject(StateStoreError::NegativeSnapshotVersion { provider_id, version });
         }
-        let run = self.runs.entry(provider_id.query_run_id.as_u128()).or_default();
+        let Some(run) = self.run_for_report(provider_id) else {
+            return Ok(());
+        };
         let event = SnapshotUploadEvent::new(version, timestamp_ms);
         run.snapshots
             .entry(provider_id.store_id)

@@ -44,7 +44,7 @@ pub use self::{
     },
     machine::{
         LagReport, LaggingStore, StateStoreCoordinator, StateStoreCoordinatorConfig,
-        StateStoreCounters, StateStoreError,
+        StateStoreCounters, StateStoreError, DEACTIVATED_RUNS_REMEMBERED,
     },
 };
 

@@ -241,12 +241,52 @@ fn full_lag_report_is_rate_limited_per_run_and_capped() {
     assert_eq!(coordinator.counters().full_lag_reports, 3);
     assert_eq!(coordinator.counters().lag_checks, 4);
 
-    // Deactivation forgets the run's timer: a new report of the run is full at once.
-    coordinator.deactivate_instances(run);
-    coordinator.report_active_instance(ids[0], at("h", "e")).unwrap();
-    assert_eq!(coordinator.log_lagging_state_stores(run, 1_000, false).full_report.len(), 1);
     // Nothing lagging: no report, and the timer is untouched.
     assert_eq!(coordinator.log_lagging_state_stores(run, 0, false), LagReport::default());
+    // Deactivation forgets the run, its timer with it; a late report of it is dropped, so
+    // nothing of the run lags any more.
+    coordinator.deactivate_instances(run);
+    coordinator.report_active_instance(ids[0], at("h", "e")).unwrap();
+    assert_eq!(coordinator.counters().reports_of_deactivated_runs, 1);
+    assert_eq!(coordinator.log_lagging_state_stores(run, 1_000, false), LagReport::default());
+}
+
+/// Late reports of deactivated runs (tasks still loading providers, a maintenance upload that
+/// finishes after the stop) are dropped and counted instead of bringing their runs back, so a
+/// driver that sees many runs keeps no state for finished ones.
+#[test]
+fn late_reports_of_deactivated_runs_leave_no_state_behind() {
+    let (mut coordinator, _) = coordinator();
+    for run in 0..10_000u128 {
+        let id = provider("late", 0, 0, Uuid::from_u128(run));
+        coordinator.report_active_instance(id, at("h", "e")).unwrap();
+        coordinator.deactivate_instances(id.query_run_id);
+        coordinator.report_active_instance(id, at("h", "e")).unwrap();
+        let checked = coordinator.report_active_instance_and_check(id, at("h", "e"), &[id]);
+        assert_eq!(checked.unwrap(), [], "nothing of the run is active, nothing to unload");
+        coordinator.report_snapshot_uploaded(id, 3, 1_000).unwrap();
+        assert!(!coordinator.verify_if_instance_active(id, "e".into()).unwrap());
+        assert_eq!(coordinator.get_latest_snapshot_version_for_testing(id), None);
+    }
+    assert_eq!(coordinator.run_count(), 0);
+    assert_eq!(coordinator.counters().reports_of_deactivated_runs, 30_000);
+}
+
+/// The deactivated runs remembered are bounded: past the limit the oldest is forgotten (and
+/// a report of it would be taken again).
+#[test]
+fn the_deactivated_runs_remembered_are_bounded() {
+    let (mut coordinator, _) = coordinator();
+    let runs = DEACTIVATED_RUNS_REMEMBERED as u128 + 1;
+    for run in 0..runs {
+        coordinator.deactivate_instances(Uuid::from_u128(run));
+    }
+    let oldest = provider("late", 0, 0, Uuid::from_u128(0));
+    let newest = provider("late", 0, 0, Uuid::from_u128(runs - 1));
+    coordinator.report_active_instance(newest, at("h", "e")).unwrap();
+    assert_eq!(coordinator.run_count(), 0, "the newest deactivated run is remembered");
+    coordinator.report_active_instance(oldest, at("h", "e")).unwrap();
+    assert_eq!(coordinator.run_count(), 1, "the oldest was forgotten");
 }
 
 #[test]
