@@ -25,7 +25,7 @@ use coordbus::{
         BlockStoreResult, BlockTrackerConfig, BlockTrackerEndpoint, BlockTrackerError,
         CleanupOldBatches, GetBlocksOfBatch, GetBlocksOfBatchAndStream, GetUnallocatedBlocks,
         GetUnconfiguredStreams, HasUnallocatedBlocks, ReceivedBlockInfo, ReceivedBlockTracker,
-        StopTracker, StreamBlockId, StreamId, TrackerEvent, WalBlockLog,
+        StopTracker, StreamBlockId, StreamId, TrackerEvent, WalBlockLog, MAX_PENDING_REQUESTS,
         RECEIVED_BLOCK_METADATA_DIR,
     },
     wal::{
@@ -85,6 +85,83 @@ impl BlockLog for RecordingLog {
     fn wal(&self) -> Option<&Arc<Wal>> {
         self.inner.wal()
     }
+}
+
+/// The real log, but nothing ever becomes durable: a disk that stopped answering.
+struct StalledLog {
+    inner: WalBlockLog,
+    callbacks: Mutex<Vec<DurableCallback>>,
+}
+
+impl BlockLog for StalledLog {
+    fn append(&self, event: &TrackerEvent, time_ms: i64) -> Result<Lsn, BlockLogError> {
+        self.inner.append(event, time_ms)
+    }
+    fn wait_durable(&self, lsn: Lsn, timeout: Duration) -> Result<(), WalError> {
+        Err(WalError::Timeout { lsn: lsn.0, durable: 0, timeout })
+    }
+    fn durable_lsn(&self) -> Lsn {
+        Lsn::ZERO
+    }
+    fn notify_when_durable(&self, _: Lsn, callback: DurableCallback) {
+        self.callbacks.lock().unwrap().push(callback);
+    }
+    fn replay(
+        &self,
+        last: Option<Lsn>,
+        apply: &mut dyn FnMut(Lsn, TrackerEvent),
+    ) -> Result<u64, BlockTrackerError> {
+        self.inner.replay(last, apply)
+    }
+    fn clean(&self, threshold_ms: i64, wait: bool) -> Result<(), WalError> {
+        self.inner.clean(threshold_ms, wait)
+    }
+    fn close(&self) -> Result<(), WalError> {
+        self.inner.close()
+    }
+    fn wal(&self) -> Option<&Arc<Wal>> {
+        self.inner.wal()
+    }
+}
+
+/// While nothing becomes durable, queries wait (holding their answers) up to a bound; past it
+/// they fail at once with a typed error instead of piling up.
+#[test]
+fn queries_behind_a_stalled_log_are_refused_past_the_bound() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = Arc::new(StalledLog {
+        inner: WalBlockLog::open(dir.path().join("wal"), WalConfig::default()).unwrap(),
+        callbacks: Mutex::new(Vec::new()),
+    });
+    let tracker = ReceivedBlockTracker::with_log(
+        BlockTrackerConfig::new([StreamId(1)]),
+        Arc::new(SystemClock),
+        Some(log.clone()),
+    )
+    .unwrap();
+    let bus = Bus::builder().build().unwrap();
+    let endpoint = bus.register("stalled", BlockTrackerEndpoint::new(tracker)).unwrap();
+    let mut addition = endpoint.ask(AddBlock(info(1, 1)));
+    let mut waiting: Vec<_> = (0..MAX_PENDING_REQUESTS - 1)
+        .map(|_| endpoint.ask(GetUnallocatedBlocks(StreamId(1))))
+        .collect();
+    match endpoint.ask(HasUnallocatedBlocks).wait_timeout(Duration::from_secs(30)) {
+        Err(AskError::Handler(cause)) => assert_eq!(
+            cause.downcast_ref::<BlockTrackerError>(),
+            Some(&BlockTrackerError::DurabilityBacklog {
+                pending: MAX_PENDING_REQUESTS,
+                limit: MAX_PENDING_REQUESTS
+            })
+        ),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    // The ones within the bound are still waiting, not refused (the refused query was handled
+    // after them: one sender's requests keep their order).
+    assert!(addition.try_take().is_none(), "the addition was answered before durable");
+    assert!(waiting.last_mut().unwrap().try_take().is_none());
+    drop(waiting);
+    drop(addition);
+    let _ = bus.shutdown();
 }
 
 #[test]

@@ -508,13 +508,20 @@ fn recovery_warns_only_about_unconfigured_streams_that_keep_blocks() {
     drop(first);
 
     let warnings = WarningCounter::default();
-    let recovered = warnings.around(|| {
+    let mut recovered = warnings.around(|| {
         let only_stream = config(Some(dir.path()), Duration::from_secs(60)).recover(true);
         ReceivedBlockTracker::open(only_stream, clock).unwrap()
     });
     assert_eq!(recovered.unconfigured_streams(), [pending_stream]);
     assert_eq!(recovered.unallocated_blocks(allocated_stream), []);
     assert_eq!(warnings.count(), 1, "one warning, after the replay, for stream 8 only");
+    // The replay left stream 7 an empty queue: its first live block still warns, once.
+    warnings.around(|| {
+        assert!(recovered.add_block(block_of(allocated_stream, 9)));
+        assert!(recovered.add_block(block_of(allocated_stream, 10)));
+    });
+    assert_eq!(warnings.count(), 2);
+    assert_eq!(recovered.unconfigured_streams(), [allocated_stream, pending_stream]);
 }
 
 #[test]

@@ -24,7 +24,9 @@
 //!   durable, answers them, then closes the WAL.
 //! * Queries (`GetBlocksOfBatch`, ...) are answered with the state at the time they were
 //!   handled, but only once every event applied before them is durable: no answer ever
-//!   exposes a change that a crash could still undo.
+//!   exposes a change that a crash could still undo. While [`MAX_PENDING_REQUESTS`] requests
+//!   wait for durability (a stalled disk), a query fails at once with
+//!   [`BlockTrackerError::DurabilityBacklog`] instead of queueing its answer.
 //!
 //! ## Two ways to add blocks
 //! * `AddBlock`/`AddBlocks` asks: the endpoint thread serializes and appends each addition
@@ -77,6 +79,12 @@ use crate::{
 
 /// Longest `Stop` (or stopping the endpoint) waits for queued events to become durable.
 const STOP_DURABILITY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Most requests waiting for durability before the endpoint refuses queries
+/// ([`BlockTrackerError::DurabilityBacklog`]). Each waiting query holds its answer, so a
+/// stalled disk must not let askers queue them without bound; additions and allocations are
+/// bounded by the WAL's staging back-pressure instead.
+pub const MAX_PENDING_REQUESTS: usize = 1 << 16;
 
 /// One-way messages of [`BlockTrackerEndpoint`].
 #[derive(Debug)]
@@ -456,6 +464,11 @@ impl BlockTrackerEndpoint {
         let durable = self.tracker.log().map_or(Lsn::ZERO, |log| log.durable_lsn());
         if self.pending.is_empty() && lsn <= durable {
             replier.reply(value);
+        } else if self.pending.len() >= MAX_PENDING_REQUESTS {
+            replier.fail(BlockTrackerError::DurabilityBacklog {
+                pending: self.pending.len(),
+                limit: MAX_PENDING_REQUESTS,
+            });
         } else {
             let complete = move |outcome: Result<(), WalError>| match outcome {
                 Ok(()) => replier.reply(value),

@@ -70,12 +70,7 @@ mod receiver;
 mod recycle;
 mod types;
 
-use std::{
-    collections::{btree_map, BTreeMap},
-    path::PathBuf,
-    sync::Arc,
-    time::Duration,
-};
+use std::{collections::BTreeMap, path::PathBuf, sync::Arc, time::Duration};
 
 pub use self::{
     data::{ReceiverBlockStore, DEFAULT_STORE_TIMEOUT},
@@ -83,7 +78,7 @@ pub use self::{
         AddBlock, AddBlocks, AllocateBlocksToBatch, BlockTrackerEndpoint, BlockTrackerMessage,
         BlockTrackerRequest, CleanupOldBatches, ConnectReceiver, GetBlocksOfBatch,
         GetBlocksOfBatchAndStream, GetUnallocatedBlocks, GetUnconfiguredStreams,
-        HasUnallocatedBlocks, StopTracker,
+        HasUnallocatedBlocks, StopTracker, MAX_PENDING_REQUESTS,
     },
     log::{BlockLog, BlockLogError, WalBlockLog},
     receiver::{AddReceipt, BlockReceiver, LoggedBlocks, COMBINE_MAX_BLOCKS},
@@ -157,6 +152,19 @@ pub enum BlockTrackerError {
     Decode {
         /// What was wrong.
         message: String,
+    },
+    /// The bus endpoint refused a query: it already holds `limit` requests waiting for
+    /// earlier events to become durable (the disk is behind). Nothing changed; ask again
+    /// later.
+    #[error(
+        "{pending} requests already wait for the write-ahead log to catch up (limit {limit}); \
+         the query was refused"
+    )]
+    DurabilityBacklog {
+        /// Requests waiting when the query arrived.
+        pending: usize,
+        /// The endpoint's limit.
+        limit: usize,
     },
 }
 
@@ -288,6 +296,9 @@ pub struct ReceivedBlockTracker {
     recent_allocation_max: usize,
     /// Emptied record vectors go back to the receivers through this pool (module `recycle`).
     recycled: Arc<BlockVecPool>,
+    /// Events the WAL refused (logged at the 1st, 2nd, 4th, ... one: after a failure of the
+    /// log every later write fails too).
+    failed_writes: std::sync::atomic::AtomicU64,
 }
 
 /// Most spare block vectors kept.
@@ -353,6 +364,7 @@ impl ReceivedBlockTracker {
             spare: Vec::new(),
             recent_allocation_max: 0,
             recycled: Arc::default(),
+            failed_writes: std::sync::atomic::AtomicU64::new(0),
         };
         if config.recover_from_wal && tracker.log.is_some() {
             let started = std::time::Instant::now();
@@ -422,7 +434,16 @@ impl ReceivedBlockTracker {
         match log.append(event, self.clock.now_ms()) {
             Ok(lsn) => Ok(Append::Appended(lsn)),
             Err(BlockLogError::Wal(error)) => {
-                tracing::warn!(event = event.kind(), %error, "failed to write to the write-ahead log");
+                let failed =
+                    1 + self.failed_writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if failed.is_power_of_two() {
+                    tracing::warn!(
+                        event = event.kind(),
+                        %error,
+                        failed,
+                        "failed to write to the write-ahead log"
+                    );
+                }
                 Ok(Append::Failed)
             }
             Err(BlockLogError::Raised { message }) => {
@@ -619,22 +640,19 @@ impl ReceivedBlockTracker {
 
     /// The unallocated queue of `stream`, created on its first block. A stream missing from
     /// `stream_ids` gets one too (SPEC D: accepted and queued) but is never allocated, so
-    /// nothing ever frees it: its first block is worth a warning.
+    /// nothing ever frees it: a block into its empty queue (its first, unless a replayed
+    /// allocation emptied the queue) is worth a warning.
     fn queue_of(&mut self, stream: StreamId) -> &mut StreamQueue {
-        match self.unallocated.entry(stream) {
-            btree_map::Entry::Occupied(queue) => queue.into_mut(),
-            btree_map::Entry::Vacant(slot) => {
-                if !self.replaying && self.stream_ids.binary_search(&stream).is_err() {
-                    tracing::warn!(
-                        %stream,
-                        configured = ?self.stream_ids,
-                        "blocks of a stream missing from the tracker's stream ids are kept but \
-                         never allocated"
-                    );
-                }
-                slot.insert(StreamQueue::default())
-            }
+        let queue = self.unallocated.entry(stream).or_default();
+        if queue.is_empty() && !self.replaying && self.stream_ids.binary_search(&stream).is_err() {
+            tracing::warn!(
+                %stream,
+                configured = ?self.stream_ids,
+                "blocks of a stream missing from the tracker's stream ids are kept but never \
+                 allocated"
+            );
         }
+        queue
     }
 
     /// Queues one block added as record `lsn`.

@@ -361,7 +361,13 @@ impl Endpoint for StateStoreCoordinatorEndpoint {
     }
 
     fn on_error(&mut self, error: &HandlerError) {
-        tracing::warn!(%error, "state store coordinator rejected a one-way report");
+        // Logged at the 1st, 2nd, 4th, ... rejection, so a flood of bad reports logs O(log n).
+        let rejected = self.coordinator.counters().rejected;
+        if rejected == 0 || rejected.is_power_of_two() {
+            tracing::warn!(%error, rejected, "state store coordinator rejected a one-way report");
+        } else {
+            tracing::debug!(%error, rejected, "state store coordinator rejected a one-way report");
+        }
     }
 }
 
