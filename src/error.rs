@@ -88,10 +88,12 @@ pub enum AskError {
     /// The inbox stayed full for the bus's `ask_timeout`, so the request was never queued:
     /// the handler never sees it, and asking again is safe. (A [`AskError::Timeout`], by
     /// contrast, means the request was queued and its handler may still run.)
-    #[error("inbox of endpoint {endpoint:?} is full")]
+    #[error("inbox of endpoint {endpoint:?} stayed full for {timeout:?} (setting: ask_timeout)")]
     Full {
         /// The endpoint's name.
         endpoint: String,
+        /// How long the ask waited for room.
+        timeout: Duration,
     },
     /// A handler asked its own endpoint: it would wait for itself forever.
     #[error("endpoint {endpoint:?} asked itself from inside its handler (would deadlock)")]

@@ -25,7 +25,7 @@ use coordbus::{
         BlockStoreResult, BlockTrackerConfig, BlockTrackerEndpoint, BlockTrackerError,
         CleanupOldBatches, GetBlocksOfBatch, GetBlocksOfBatchAndStream, GetUnallocatedBlocks,
         GetUnconfiguredStreams, HasUnallocatedBlocks, ReceivedBlockInfo, ReceivedBlockTracker,
-        StopTracker, StreamBlockId, StreamId, TrackerEvent, WalBlockLog, MAX_PENDING_REQUESTS,
+        StopTracker, StreamBlockId, StreamId, TrackerEvent, WalBlockLog, MAX_PENDING_QUERIES,
         RECEIVED_BLOCK_METADATA_DIR,
     },
     wal::{
@@ -87,6 +87,9 @@ impl BlockLog for RecordingLog {
     }
 }
 
+/// Far longer than any answer takes; a wait that reaches it is a hang.
+const BOUND: Duration = Duration::from_secs(30);
+
 /// The real log, but nothing ever becomes durable: a disk that stopped answering.
 struct StalledLog {
     inner: WalBlockLog,
@@ -125,7 +128,8 @@ impl BlockLog for StalledLog {
 }
 
 /// While nothing becomes durable, queries wait (holding their answers) up to a bound; past it
-/// they fail at once with a typed error instead of piling up.
+/// they fail at once with a typed error instead of piling up. Queries whose askers gave up do
+/// not count, and allocations are never refused (a stale one answers as the no-op it is).
 #[test]
 fn queries_behind_a_stalled_log_are_refused_past_the_bound() {
     let dir = tempfile::tempdir().unwrap();
@@ -141,26 +145,36 @@ fn queries_behind_a_stalled_log_are_refused_past_the_bound() {
     .unwrap();
     let bus = Bus::builder().build().unwrap();
     let endpoint = bus.register("stalled", BlockTrackerEndpoint::new(tracker)).unwrap();
-    let mut addition = endpoint.ask(AddBlock(info(1, 1)));
-    let mut waiting: Vec<_> = (0..MAX_PENDING_REQUESTS - 1)
-        .map(|_| endpoint.ask(GetUnallocatedBlocks(StreamId(1))))
-        .collect();
-    match endpoint.ask(HasUnallocatedBlocks).wait_timeout(Duration::from_secs(30)) {
-        Err(AskError::Handler(cause)) => assert_eq!(
-            cause.downcast_ref::<BlockTrackerError>(),
-            Some(&BlockTrackerError::DurabilityBacklog {
-                pending: MAX_PENDING_REQUESTS,
-                limit: MAX_PENDING_REQUESTS
-            })
-        ),
+    let refused = |reply: Result<bool, AskError>, pending: usize| match reply {
+        Err(AskError::Handler(cause)) => {
+            assert_eq!(
+                cause.downcast_ref::<BlockTrackerError>(),
+                Some(&BlockTrackerError::DurabilityBacklog { pending, limit: MAX_PENDING_QUERIES })
+            );
+        }
         other => panic!("expected a refusal, got {other:?}"),
+    };
+    let mut addition = endpoint.ask(AddBlock(info(1, 1)));
+    // Given up at once: these do not hold the bound.
+    for _ in 0..MAX_PENDING_QUERIES {
+        drop(endpoint.ask(HasUnallocatedBlocks));
     }
-    // The ones within the bound are still waiting, not refused (the refused query was handled
-    // after them: one sender's requests keep their order).
+    let mut waiting: Vec<_> =
+        (0..MAX_PENDING_QUERIES).map(|_| endpoint.ask(HasUnallocatedBlocks)).collect();
+    refused(endpoint.ask(HasUnallocatedBlocks).wait_timeout(BOUND), MAX_PENDING_QUERIES);
+    // Allocations are not queries: a logged one waits for its record, and a stale one (the
+    // same time again: a no-op) waits for everything before it, neither is refused.
+    let mut allocation = endpoint.ask(AllocateBlocksToBatch(BatchTime(1)));
+    let mut stale_allocation = endpoint.ask(AllocateBlocksToBatch(BatchTime(1)));
+    // (The stale allocation's answer waits as queries do, and counts with them.)
+    refused(endpoint.ask(HasUnallocatedBlocks).wait_timeout(BOUND), MAX_PENDING_QUERIES + 1);
+    // Everything within the bound still waits (one sender's requests keep their order, so
+    // they were all handled before the refusals came back).
     assert!(addition.try_take().is_none(), "the addition was answered before durable");
     assert!(waiting.last_mut().unwrap().try_take().is_none());
+    assert!(allocation.try_take().is_none(), "the allocation was answered before durable");
+    assert!(stale_allocation.try_take().is_none(), "the stale allocation was refused");
     drop(waiting);
-    drop(addition);
     let _ = bus.shutdown();
 }
 

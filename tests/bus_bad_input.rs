@@ -218,7 +218,10 @@ fn an_ask_into_an_inbox_full_for_its_timeout_is_full_not_timeout() {
     }
     let started = Instant::now();
     match blocker.ask(Ping).wait_timeout(BOUND) {
-        Err(AskError::Full { endpoint }) => assert_eq!(endpoint, "full"),
+        Err(AskError::Full { endpoint, timeout }) => {
+            assert_eq!(endpoint, "full");
+            assert_eq!(timeout, ask_timeout);
+        }
         other => panic!("expected Full, got {other:?}"),
     }
     assert!(started.elapsed() >= ask_timeout, "gave up before ask_timeout");

@@ -70,12 +70,14 @@ fn a_store_whose_sync_does_not_finish_times_out_with_its_lsn_and_bound() {
     assert!(waited >= timeout, "returned before its bound: {waited:?}");
     assert!(waited < BOUND, "the store waited {waited:?}");
 
-    // Once the sync finishes, the timed-out data is durable after all, and a new store returns
-    // a block that reads back.
+    // Once the sync finishes, the timed-out data is durable after all, and a block stored now
+    // reads back (waited for with the test's bound: the store's 100 ms is no bound for a
+    // write and an fsync on a loaded machine).
     gate.open();
     let appended = store.wal().appended_lsn();
     store.wal().wait_durable_timeout(appended, BOUND).unwrap();
-    let result = store.store(block(2), b"stored", 11).unwrap();
+    let (lsn, result) = store.store_deferred(block(2), b"stored", 11).unwrap();
+    store.wal().wait_durable_timeout(lsn, BOUND).unwrap();
     assert!(
         matches!(result, BlockStoreResult::ReceiverWal { block_id, .. } if block_id == block(2))
     );
@@ -90,8 +92,11 @@ fn a_store_that_finds_no_room_to_stage_in_time_fails_and_appends_nothing() {
     let timeout = Duration::from_millis(50);
     let store =
         ReceiverBlockStore::from_wal(open_gated(dir.path(), &gate)).with_store_timeout(timeout);
-    // The sync is held: fill the staging buffer behind it.
+    // Hold the sync thread at the gate, then fill the staging buffer behind it (a filler that
+    // times out before the sync thread took its group would leave room for the store).
     let filler = vec![1u8; 64 << 10];
+    store.wal().append_bytes(&filler, 1).unwrap();
+    gate.wait_until_reached(1);
     let mut filled = 0;
     while store.wal().append_bytes_timeout(&filler, 1, timeout).is_ok() {
         filled += 1;

@@ -401,20 +401,27 @@ fn concurrent_reporters_through_the_bus_match_their_own_models() {
                 let coordinator = coordinator.clone();
                 scope.spawn(move || {
                     let mut rng = SplitMix(0xc0ff_ee00 + thread);
-                    let runs = [
-                        Uuid::from_u128(u128::from(thread) << 8),
-                        Uuid::from_u128((u128::from(thread) << 8) + 1),
-                    ];
+                    // Two live runs and the one deactivated last. A deactivated run is over
+                    // for good (its later reports are dropped), so its slot gets a fresh run,
+                    // as a restarted query gets a new run id; the dead one stays in play to
+                    // exercise the dropping.
+                    let run_id =
+                        |generation: u128| Uuid::from_u128((u128::from(thread) << 32) | generation);
+                    let mut runs = [run_id(0), run_id(1), run_id(2)];
+                    let mut generation = 3;
                     let mut model = Model::default();
                     let mut tally = Tally::default();
-                    let random_id = |rng: &mut SplitMix| {
+                    let pick_run = |rng: &mut SplitMix, runs: &[Uuid; 3]| {
+                        runs[[0, 0, 0, 1, 1, 1, 2][rng.below(7) as usize]]
+                    };
+                    let random_id = |rng: &mut SplitMix, runs: &[Uuid; 3]| {
                         StateStoreProviderId::new(
                             StateStoreId::new(
                                 LOCATIONS[rng.below(3) as usize],
                                 rng.below(2) as i64,
                                 rng.below(5) as i32 - 1,
                             ),
-                            runs[rng.below(2) as usize],
+                            pick_run(rng, runs),
                         )
                     };
                     let random_location = |rng: &mut SplitMix| {
@@ -426,7 +433,8 @@ fn concurrent_reporters_through_the_bus_match_their_own_models() {
                     for _ in 0..OPS {
                         match rng.below(20) {
                             0..=7 => {
-                                let (id, at) = (random_id(&mut rng), random_location(&mut rng));
+                                let (id, at) =
+                                    (random_id(&mut rng, &runs), random_location(&mut rng));
                                 tally.reports += 1;
                                 if model.report(id, at, &[]).is_none() {
                                     tally.rejected += 1;
@@ -434,9 +442,10 @@ fn concurrent_reporters_through_the_bus_match_their_own_models() {
                                 coordinator.report_active_instance(id, at).unwrap();
                             }
                             8..=9 => {
-                                let (id, at) = (random_id(&mut rng), random_location(&mut rng));
+                                let (id, at) =
+                                    (random_id(&mut rng, &runs), random_location(&mut rng));
                                 let check: Vec<_> =
-                                    (0..rng.below(4)).map(|_| random_id(&mut rng)).collect();
+                                    (0..rng.below(4)).map(|_| random_id(&mut rng, &runs)).collect();
                                 tally.reports += 1;
                                 let expected = model.report(id, at, &check);
                                 if expected.is_none() {
@@ -447,7 +456,7 @@ fn concurrent_reporters_through_the_bus_match_their_own_models() {
                                 assert_eq!(ours.ok(), expected);
                             }
                             10..=13 => {
-                                let id = random_id(&mut rng);
+                                let id = random_id(&mut rng, &runs);
                                 let executor = EXECUTORS[rng.below(4) as usize];
                                 tally.verifies += 1;
                                 let expected = model.verify(id, executor);
@@ -458,7 +467,7 @@ fn concurrent_reporters_through_the_bus_match_their_own_models() {
                                 assert_eq!(ours.ok(), expected, "thread {thread} verify {id}");
                             }
                             14..=15 => {
-                                let id = random_id(&mut rng);
+                                let id = random_id(&mut rng, &runs);
                                 tally.location_queries += 1;
                                 let expected = model.location(id);
                                 if expected.is_none() {
@@ -467,13 +476,17 @@ fn concurrent_reporters_through_the_bus_match_their_own_models() {
                                 assert_eq!(coordinator.get_location(id).ok(), expected);
                             }
                             16 => {
-                                let run = runs[rng.below(2) as usize];
+                                let slot = rng.below(2) as usize;
+                                let run = runs[slot];
                                 tally.deactivations += 1;
                                 model.deactivate(run);
                                 assert!(coordinator.deactivate_instances(run).unwrap());
+                                runs[2] = run;
+                                runs[slot] = run_id(generation);
+                                generation += 1;
                             }
                             17..=18 => {
-                                let id = random_id(&mut rng);
+                                let id = random_id(&mut rng, &runs);
                                 let version = rng.below(130) as i64 - 1;
                                 let time = rng.below(START_MS as u64) as i64;
                                 tally.snapshot_reports += 1;
@@ -485,7 +498,7 @@ fn concurrent_reporters_through_the_bus_match_their_own_models() {
                                 assert_eq!(ours.is_ok(), accepted);
                             }
                             _ => {
-                                let run = runs[rng.below(2) as usize];
+                                let run = pick_run(&mut rng, &runs);
                                 let version = rng.below(200) as i64;
                                 let terminating = rng.below(2) == 0;
                                 let expected = model.lagging(run, version, START_MS, terminating);

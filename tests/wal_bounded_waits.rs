@@ -103,7 +103,8 @@ fn an_append_that_finds_no_room_in_time_fails_and_appends_nothing() {
     let payload = vec![7u8; 64 << 10];
     // The sync thread is held at its first sync: appends fill the staging buffer until one
     // finds no room for its whole timeout.
-    let mut appended = Vec::new();
+    let mut appended = vec![wal.append_bytes(&payload, 1).unwrap().0];
+    gate.wait_until_reached(1);
     let error = loop {
         assert!(appended.len() < 10_000, "the staging buffer never filled");
         let started = Instant::now();

@@ -412,9 +412,10 @@ impl<E: Endpoint> EndpointRef<E> {
             Err(QueueError::Closed(_)) => {
                 Reply::failed(AskError::Stopped { endpoint: self.inbox.name.clone() })
             }
-            Err(QueueError::Full(_) | QueueError::Timeout(_)) => {
-                Reply::failed(AskError::Full { endpoint: self.inbox.name.clone() })
-            }
+            Err(QueueError::Full(_) | QueueError::Timeout(_)) => Reply::failed(AskError::Full {
+                endpoint: self.inbox.name.clone(),
+                timeout: self.inbox.ask_timeout,
+            }),
         }
     }
 

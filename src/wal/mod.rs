@@ -739,7 +739,10 @@ impl AppendState {
 /// State guarded by the sync lock (paired with `durable_cv`).
 pub(crate) struct SyncState {
     pub(crate) callbacks: BTreeMap<u64, Vec<DurableCallback>>,
+    /// The sync thread takes no more work (set with the callbacks it will not run taken out).
     pub(crate) writer_exited: bool,
+    /// The sync thread has also run those callbacks: it is about to end.
+    pub(crate) writer_done: bool,
     /// Threads waiting on `durable_cv` for durability (`wait_durable`).
     pub(crate) durable_waiters: usize,
     /// Threads waiting on `durable_cv` for written bytes (readers of a record being written).
@@ -789,6 +792,9 @@ pub(crate) struct Shared {
     /// Wakes the sync thread while it waits in the io_uring ring (pipelined path only): one
     /// byte into a non-blocking pipe the ring polls.
     pub(crate) ring_waker: Option<std::io::PipeWriter>,
+    /// The sync thread, once it runs (`Wal::close_timeout` called from it must not wait for
+    /// itself).
+    pub(crate) sync_thread: OnceLock<std::thread::ThreadId>,
     /// Wakes appenders waiting for staging space (with `append`).
     pub(crate) space_cv: Condvar,
     /// Tracked segments in id order (the active one last).
@@ -1115,22 +1121,39 @@ impl Shared {
         }
     }
 
-    /// Deletes the files of `segments` (no longer tracked), or keeps them as spares, adding
-    /// what happened to `report`. Failures are logged and reported, never retried (SPEC E.4).
     /// The sync thread is ending without [`writer::Writer`]'s orderly exit (it panicked, and
     /// the log is failed): from now on `clean` deletes by itself (what it queued is deleted
-    /// here), and threads waiting for the thread to exit (`Wal::close_timeout`) see it gone.
+    /// here), and threads waiting for the thread to finish (`Wal::close_timeout`) see it gone.
+    /// Runs while the thread unwinds, so a storage layer that panics again while deleting is
+    /// caught (a panic during an unwind would abort the process); the files then stay.
     pub(crate) fn writer_gone(&self) {
         let leftover_doomed = {
             let mut doomed = lock(&self.doomed);
             doomed.writer_exited = true;
             std::mem::take(&mut doomed.segments)
         };
-        self.delete_segments(leftover_doomed, &mut CleanReport::default());
-        lock(&self.sync).writer_exited = true;
+        let deleted = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.delete_segments(leftover_doomed, &mut CleanReport::default());
+        }));
+        if deleted.is_err() {
+            tracing::error!("deleting cleaned segments after the sync thread panicked panicked");
+        }
+        self.mark_writer_done();
+    }
+
+    /// The sync thread has done everything it will ever do (its callbacks included): set
+    /// under the sync lock, with the waiters woken (`Wal::close_timeout` waits for it).
+    pub(crate) fn mark_writer_done(&self) {
+        {
+            let mut sync = lock(&self.sync);
+            sync.writer_exited = true;
+            sync.writer_done = true;
+        }
         self.durable_cv.notify_all();
     }
 
+    /// Deletes the files of `segments` (no longer tracked), or keeps them as spares, adding
+    /// what happened to `report`. Failures are logged and reported, never retried (SPEC E.4).
     pub(crate) fn delete_segments(&self, segments: Vec<Arc<Segment>>, report: &mut CleanReport) {
         for segment in segments {
             let (id, path, len) = (segment.header.id, segment.path.clone(), segment.file_len());
@@ -1433,6 +1456,7 @@ impl Wal {
             }),
             writer_cv: Condvar::new(),
             ring_waker,
+            sync_thread: OnceLock::new(),
             space_cv: Condvar::new(),
             segments: RwLock::new(recovered.segments),
             appended_lsn: CachePadded::new(AtomicU64::new(last_lsn)),
@@ -1442,6 +1466,7 @@ impl Wal {
             sync: Mutex::new(SyncState {
                 callbacks: BTreeMap::new(),
                 writer_exited: options.read_only,
+                writer_done: options.read_only,
                 durable_waiters: 0,
                 written_waiters: 0,
             }),
@@ -2137,9 +2162,7 @@ impl Wal {
     pub fn close_timeout(&self, timeout: Duration) -> Result<(), WalError> {
         self.begin_close();
         // Called from the sync thread (a durability callback): it exits after this returns.
-        let on_sync_thread = lock(&self.writer)
-            .as_ref()
-            .is_some_and(|handle| handle.thread().id() == std::thread::current().id());
+        let on_sync_thread = self.shared.sync_thread.get() == Some(&std::thread::current().id());
         if !on_sync_thread {
             self.wait_for_writer_exit(timeout)?;
         }
@@ -2160,12 +2183,13 @@ impl Wal {
         }
     }
 
-    /// Waits at most `timeout` until the sync thread has exited (it signals `durable_cv`).
+    /// Waits at most `timeout` until the sync thread is done (it signals `durable_cv`), so
+    /// that joining it does not wait.
     fn wait_for_writer_exit(&self, timeout: Duration) -> Result<(), WalError> {
         let shared = &*self.shared;
         let deadline = Instant::now().checked_add(timeout);
         let mut sync = lock(&shared.sync);
-        while !sync.writer_exited {
+        while !sync.writer_done {
             let remaining = match deadline {
                 None => None,
                 Some(deadline) => match deadline.checked_duration_since(Instant::now()) {

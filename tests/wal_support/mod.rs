@@ -49,22 +49,42 @@ pub fn wait_durable_bounded(wal: &Arc<Wal>, lsn: Lsn) -> Result<(), WalError> {
 }
 
 /// A gate that holds threads until the test opens it (each wait bounded by [`RUN_BOUND`]: a
-/// test that never opens it fails anyway).
+/// test that never opens it fails anyway), counting the threads that reached it.
 #[derive(Debug, Default)]
 pub struct Gate {
-    open: std::sync::Mutex<bool>,
-    opened: std::sync::Condvar,
+    state: std::sync::Mutex<GateState>,
+    changed: std::sync::Condvar,
+}
+
+#[derive(Debug, Default)]
+struct GateState {
+    open: bool,
+    arrived: usize,
 }
 
 impl Gate {
     pub fn open(&self) {
-        *self.open.lock().unwrap() = true;
-        self.opened.notify_all();
+        self.state.lock().unwrap().open = true;
+        self.changed.notify_all();
     }
 
     pub fn pass(&self) {
-        let open = self.open.lock().unwrap();
-        let _open = self.opened.wait_timeout_while(open, RUN_BOUND, |open| !*open).unwrap();
+        let mut state = self.state.lock().unwrap();
+        state.arrived += 1;
+        self.changed.notify_all();
+        let _state =
+            self.changed.wait_timeout_while(state, RUN_BOUND, |state| !state.open).unwrap();
+    }
+
+    /// Waits (bounded) until `count` threads have reached the gate: the sync thread is then
+    /// known to be held there.
+    pub fn wait_until_reached(&self, count: usize) {
+        let state = self.state.lock().unwrap();
+        let (state, _) = self
+            .changed
+            .wait_timeout_while(state, RUN_BOUND, |state| state.arrived < count)
+            .unwrap();
+        assert!(state.arrived >= count, "only {} of {count} reached the gate", state.arrived);
     }
 }
 

@@ -21,11 +21,12 @@
 //!   endpoint thread and syncs the directory before answering, so requests behind it wait
 //!   that long.
 //! * `StopTracker` waits on the endpoint thread, at most 5 s, for the queued events to become
-//!   durable, answers them, then closes the WAL.
+//!   durable, answers them, then closes the WAL (at most 30 s more:
+//!   [`WAL_CLOSE_TIMEOUT`](super::WAL_CLOSE_TIMEOUT)).
 //! * Queries (`GetBlocksOfBatch`, ...) are answered with the state at the time they were
 //!   handled, but only once every event applied before them is durable: no answer ever
-//!   exposes a change that a crash could still undo. While [`MAX_PENDING_REQUESTS`] requests
-//!   wait for durability (a stalled disk), a query fails at once with
+//!   exposes a change that a crash could still undo. While [`MAX_PENDING_QUERIES`] queries
+//!   wait for durability (a stalled disk), a further query fails at once with
 //!   [`BlockTrackerError::DurabilityBacklog`] instead of queueing its answer.
 //!
 //! ## Two ways to add blocks
@@ -80,11 +81,12 @@ use crate::{
 /// Longest `Stop` (or stopping the endpoint) waits for queued events to become durable.
 const STOP_DURABILITY_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Most requests waiting for durability before the endpoint refuses queries
-/// ([`BlockTrackerError::DurabilityBacklog`]). Each waiting query holds its answer, so a
-/// stalled disk must not let askers queue them without bound; additions and allocations are
-/// bounded by the WAL's staging back-pressure instead.
-pub const MAX_PENDING_REQUESTS: usize = 1 << 16;
+/// Most queries waiting for durability (their askers still waiting) before the endpoint
+/// refuses more ([`BlockTrackerError::DurabilityBacklog`]). Each waiting query holds its
+/// answer (a copy of a queue or a batch), so a stalled disk must not let askers queue them
+/// without bound; additions and allocations are bounded by the WAL's staging back-pressure
+/// instead.
+pub const MAX_PENDING_QUERIES: usize = 4096;
 
 /// One-way messages of [`BlockTrackerEndpoint`].
 #[derive(Debug)]
@@ -242,8 +244,34 @@ enum Pending {
     },
     Query {
         lsn: Lsn,
-        complete: Box<dyn FnOnce(Result<(), WalError>) + Send>,
+        answer: Box<dyn WaitingAnswer>,
     },
+}
+
+/// A query's answer waiting for durability, with its replier.
+trait WaitingAnswer: Send {
+    /// Replies with the answer (`Ok`) or fails the query with the WAL's error.
+    fn complete(self: Box<Self>, outcome: Result<(), WalError>);
+    /// Whether the asker gave up (its reply handle is gone).
+    fn is_abandoned(&self) -> bool;
+}
+
+struct Answer<T: Send + 'static> {
+    value: T,
+    replier: Replier<T>,
+}
+
+impl<T: Send + 'static> WaitingAnswer for Answer<T> {
+    fn complete(self: Box<Self>, outcome: Result<(), WalError>) {
+        match outcome {
+            Ok(()) => self.replier.reply(self.value),
+            Err(error) => self.replier.fail(BlockTrackerError::Wal(error)),
+        }
+    }
+
+    fn is_abandoned(&self) -> bool {
+        self.replier.is_abandoned()
+    }
 }
 
 impl Pending {
@@ -309,6 +337,8 @@ pub struct BlockTrackerEndpoint {
     tracker: ReceivedBlockTracker,
     /// Requests waiting for durability, in LSN order.
     pending: VecDeque<Pending>,
+    /// How many of `pending` are queries.
+    pending_queries: usize,
     waker: Arc<Waker>,
     /// The tracker was stopped (the WAL closed).
     stopped: bool,
@@ -337,6 +367,7 @@ impl BlockTrackerEndpoint {
         Self {
             tracker,
             pending: VecDeque::new(),
+            pending_queries: 0,
             waker: Arc::default(),
             stopped: false,
             applied_lsn: Lsn::ZERO,
@@ -453,29 +484,60 @@ impl BlockTrackerEndpoint {
                     }
                 }
             }
-            Pending::Query { complete, .. } => complete(outcome),
+            Pending::Query { answer, .. } => {
+                self.pending_queries -= 1;
+                answer.complete(outcome);
+            }
         }
     }
 
-    /// Answers a query with `value`, now if nothing is waiting for durability, else once
-    /// everything applied so far is durable.
-    fn answer<T: Send + 'static>(&mut self, value: T, replier: Replier<T>) {
-        let lsn = self.awaited_lsn();
-        let durable = self.tracker.log().map_or(Lsn::ZERO, |log| log.durable_lsn());
-        if self.pending.is_empty() && lsn <= durable {
-            replier.reply(value);
-        } else if self.pending.len() >= MAX_PENDING_REQUESTS {
-            replier.fail(BlockTrackerError::DurabilityBacklog {
-                pending: self.pending.len(),
-                limit: MAX_PENDING_REQUESTS,
-            });
-        } else {
-            let complete = move |outcome: Result<(), WalError>| match outcome {
-                Ok(()) => replier.reply(value),
-                Err(error) => replier.fail(BlockTrackerError::Wal(error)),
-            };
-            self.pending.push_back(Pending::Query { lsn, complete: Box::new(complete) });
+    /// Lets a query in (its answer is then computed and given with [`Self::answer`]), unless
+    /// its answer would have to wait for durability while [`MAX_PENDING_QUERIES`] queries
+    /// wait already (and their askers do: abandoned ones are dropped first). A refused query
+    /// fails at once with [`BlockTrackerError::DurabilityBacklog`].
+    fn admit_query<T: Send + 'static>(&mut self, replier: Replier<T>) -> Option<Replier<T>> {
+        if self.pending_queries < MAX_PENDING_QUERIES || !self.must_wait() {
+            return Some(replier);
         }
+        self.drop_abandoned_queries();
+        if self.pending_queries < MAX_PENDING_QUERIES {
+            return Some(replier);
+        }
+        replier.fail(BlockTrackerError::DurabilityBacklog {
+            pending: self.pending_queries,
+            limit: MAX_PENDING_QUERIES,
+        });
+        None
+    }
+
+    /// Answers `replier` with `value` once everything applied so far is durable (now if it
+    /// is). Never refused: also the answer of an allocation or cleanup that logged nothing.
+    fn answer<T: Send + 'static>(&mut self, value: T, replier: Replier<T>) {
+        if !self.must_wait() {
+            replier.reply(value);
+            return;
+        }
+        let lsn = self.awaited_lsn();
+        self.pending_queries += 1;
+        self.pending.push_back(Pending::Query { lsn, answer: Box::new(Answer { value, replier }) });
+    }
+
+    /// Whether an answer given now must wait for durability (requests wait, or applied events
+    /// are not durable yet).
+    fn must_wait(&self) -> bool {
+        let durable = self.tracker.log().map_or(Lsn::ZERO, |log| log.durable_lsn());
+        !self.pending.is_empty() || self.awaited_lsn() > durable
+    }
+
+    /// Drops the waiting queries whose askers gave up (nobody reads their answers).
+    #[cold]
+    fn drop_abandoned_queries(&mut self) {
+        let before = self.pending.len();
+        self.pending.retain(|pending| match pending {
+            Pending::Query { answer, .. } => !answer.is_abandoned(),
+            _ => true,
+        });
+        self.pending_queries -= before - self.pending.len();
     }
 
     /// Waits (bounded) for everything queued to become durable, answers it, closes the WAL.
@@ -594,24 +656,34 @@ impl Endpoint for BlockTrackerEndpoint {
                 }
             }
             BlockTrackerRequest::GetBlocksOfBatch(time, replier) => {
-                let blocks = self.tracker.blocks_of_batch(time);
-                self.answer(blocks, replier);
+                if let Some(replier) = self.admit_query(replier) {
+                    let blocks = self.tracker.blocks_of_batch(time);
+                    self.answer(blocks, replier);
+                }
             }
             BlockTrackerRequest::GetBlocksOfBatchAndStream(time, stream, replier) => {
-                let blocks = self.tracker.blocks_of_batch_and_stream(time, stream);
-                self.answer(blocks, replier);
+                if let Some(replier) = self.admit_query(replier) {
+                    let blocks = self.tracker.blocks_of_batch_and_stream(time, stream);
+                    self.answer(blocks, replier);
+                }
             }
             BlockTrackerRequest::HasUnallocatedBlocks(replier) => {
-                let any = self.tracker.has_unallocated_blocks();
-                self.answer(any, replier);
+                if let Some(replier) = self.admit_query(replier) {
+                    let any = self.tracker.has_unallocated_blocks();
+                    self.answer(any, replier);
+                }
             }
             BlockTrackerRequest::GetUnallocatedBlocks(stream, replier) => {
-                let blocks = self.tracker.unallocated_blocks(stream);
-                self.answer(blocks, replier);
+                if let Some(replier) = self.admit_query(replier) {
+                    let blocks = self.tracker.unallocated_blocks(stream);
+                    self.answer(blocks, replier);
+                }
             }
             BlockTrackerRequest::GetUnconfiguredStreams(replier) => {
-                let streams = self.tracker.unconfigured_streams();
-                self.answer(streams, replier);
+                if let Some(replier) = self.admit_query(replier) {
+                    let streams = self.tracker.unconfigured_streams();
+                    self.answer(streams, replier);
+                }
             }
             BlockTrackerRequest::CleanupOldBatches(threshold, wait, replier) => {
                 match self.tracker.cleanup_old_batches_deferred(threshold) {

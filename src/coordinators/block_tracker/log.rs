@@ -112,6 +112,9 @@ thread_local! {
     static ENCODE_BUF: std::cell::Cell<AlignedVec> = std::cell::Cell::new(AlignedVec::new());
 }
 
+/// How long [`WalBlockLog`]'s `close` waits for the WAL to close.
+pub const WAL_CLOSE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// [`BlockLog`] over a [`Wal`]: each event is one compact rkyv record (`journal` module).
 #[derive(Debug, Clone)]
 pub struct WalBlockLog {
@@ -212,8 +215,11 @@ impl BlockLog for WalBlockLog {
         self.wal.clean(threshold_ms, wait).map(|_| ())
     }
 
+    /// Waits at most [`WAL_CLOSE_TIMEOUT`] for the WAL to write, sync and close (a stuck
+    /// disk fails the close instead of hanging the tracker's stop; the WAL's sync thread then
+    /// finishes in the background).
     fn close(&self) -> Result<(), WalError> {
-        self.wal.close()
+        self.wal.close_timeout(WAL_CLOSE_TIMEOUT)
     }
 
     fn wal(&self) -> Option<&Arc<Wal>> {

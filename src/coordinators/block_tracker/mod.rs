@@ -78,9 +78,9 @@ pub use self::{
         AddBlock, AddBlocks, AllocateBlocksToBatch, BlockTrackerEndpoint, BlockTrackerMessage,
         BlockTrackerRequest, CleanupOldBatches, ConnectReceiver, GetBlocksOfBatch,
         GetBlocksOfBatchAndStream, GetUnallocatedBlocks, GetUnconfiguredStreams,
-        HasUnallocatedBlocks, StopTracker, MAX_PENDING_REQUESTS,
+        HasUnallocatedBlocks, StopTracker, MAX_PENDING_QUERIES,
     },
-    log::{BlockLog, BlockLogError, WalBlockLog},
+    log::{BlockLog, BlockLogError, WalBlockLog, WAL_CLOSE_TIMEOUT},
     receiver::{AddReceipt, BlockReceiver, LoggedBlocks, COMBINE_MAX_BLOCKS},
     types::{
         AllocatedBlocks, BatchAllocationEvent, BatchCleanupEvent, BatchTime, BlockAdditionEvent,
@@ -153,15 +153,14 @@ pub enum BlockTrackerError {
         /// What was wrong.
         message: String,
     },
-    /// The bus endpoint refused a query: it already holds `limit` requests waiting for
-    /// earlier events to become durable (the disk is behind). Nothing changed; ask again
-    /// later.
+    /// The bus endpoint refused a query: `limit` queries already wait for earlier events to
+    /// become durable (the disk is behind). Nothing changed; ask again later.
     #[error(
-        "{pending} requests already wait for the write-ahead log to catch up (limit {limit}); \
+        "{pending} queries already wait for the write-ahead log to catch up (limit {limit}); \
          the query was refused"
     )]
     DurabilityBacklog {
-        /// Requests waiting when the query arrived.
+        /// Queries waiting when this one arrived.
         pending: usize,
         /// The endpoint's limit.
         limit: usize,
@@ -948,10 +947,11 @@ impl ReceivedBlockTracker {
         self.last_allocated
     }
 
-    /// Closes the log (idempotent). Later writes fail; reads keep working.
+    /// Closes the log (idempotent; the WAL's log waits at most [`WAL_CLOSE_TIMEOUT`]). Later
+    /// writes fail; reads keep working.
     ///
     /// # Errors
-    /// [`BlockTrackerError::Wal`] if the log had failed.
+    /// [`BlockTrackerError::Wal`] if the log had failed, or did not close in time.
     pub fn stop(&mut self) -> Result<(), BlockTrackerError> {
         if let Some(log) = &self.log {
             log.close()?;

@@ -9,12 +9,13 @@
 //! run's stores, here only the cost of freeing them). Lag detection walks only the run it is
 //! asked about.
 //!
-//! Choices where the spec is silent:
+//! Choices beyond the spec:
 //! * Deactivating a run drops all of that run's snapshot records, also those of providers that
 //!   reported an upload but were never reported active (Spark drops only the ids it found
 //!   active, leaving the others behind for good).
 //! * A report (active instance or snapshot upload) for a run deactivated earlier is dropped,
-//!   counted and logged (the 1st, 2nd, 4th, ... time), instead of bringing the run back: tasks
+//!   counted and logged (the 1st, 2nd, 4th, ... time), instead of being stored as SPEC C.4
+//!   says, which would bring the run back: tasks
 //!   of a stopped run that still load providers, or a maintenance upload that finishes after
 //!   the stop, would otherwise leave a run's tables behind for good (as Spark does), one per
 //!   query run over a driver's life. The last [`DEACTIVATED_RUNS_REMEMBERED`] deactivated runs

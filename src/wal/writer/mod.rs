@@ -274,6 +274,7 @@ fn swap_out_group(
 /// abort the process.
 pub(crate) fn run(writer: Arc<Mutex<Writer>>) {
     let shared = Arc::clone(&lock(&writer).shared);
+    let _ = shared.sync_thread.set(std::thread::current().id());
     let turns = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_turns(&writer)));
     if let Err(panic) = turns {
         // Marked gone after the failure is published, also if a callback run by `fail`
@@ -372,6 +373,7 @@ impl Writer {
         for callback in leftover.into_values().flatten() {
             callback(Err(WalError::Closed));
         }
+        self.shared.mark_writer_done();
     }
 
     /// One group at a time: take, write, sync, publish (the pwrite path).
