@@ -7,16 +7,24 @@
 //! 16-byte slots in which neighbouring partitions share cache lines. That is several times less
 //! memory touched per report than one hash map keyed by the whole store id.
 //!
-//! Partition ids at or above [`DENSE_PARTITION_LIMIT`] go to a per-operator hash map instead,
-//! so a stray huge partition id costs one map entry, not a huge vector. The dense vector of an
-//! operator is therefore at most `DENSE_PARTITION_LIMIT` slots (1 MiB).
+//! The dense vector grows only as far as its live entries justify: a partition id goes there if
+//! it is below twice the operator's dense entries plus [`DENSE_SLACK`] (and below
+//! [`DENSE_PARTITION_LIMIT`]); any other id (a stray huge one, a negative one, or one that
+//! arrived far ahead of the others) goes to a per-operator hash map, and moves into the
+//! vector when the vector grows over it. So one report costs one slot or one map entry, not
+//! a vector up to its partition id: the vector of an operator holds at most about twice its
+//! entries plus the slack, and never more than `DENSE_PARTITION_LIMIT` slots (1 MiB).
 
 use rustc_hash::FxHashMap;
 
 use super::ids::{ExecutorCacheTaskLocation, Name, StateStoreId};
 
-/// Partition ids below this are kept in the dense vector of their operator.
+/// Partition ids below this may be kept in the dense vector of their operator.
 pub(super) const DENSE_PARTITION_LIMIT: usize = 1 << 16;
+
+/// Slots the dense vector may hold beyond twice its entries (so the first partitions of an
+/// operator, arriving in any order, go straight to the vector).
+pub(super) const DENSE_SLACK: usize = 64;
 
 /// One operator's stores within a run: every field of a [`StateStoreId`] but the partition.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
@@ -48,16 +56,58 @@ impl OperatorKey {
 /// The partitions of one operator.
 #[derive(Debug, Default)]
 struct PartitionSlots {
-    /// Slot `p` holds partition `p` (`p < DENSE_PARTITION_LIMIT`); `None` where not active.
+    /// Slot `p` holds partition `p`; `None` where not active. Every partition below
+    /// `dense.len()` is here, never in `sparse`.
     dense: Vec<Option<ExecutorCacheTaskLocation>>,
-    /// Partitions outside the dense range (huge or negative ids).
+    /// `Some` slots of `dense`.
+    dense_len: usize,
+    /// Partitions at or above `dense.len()` (huge, negative, or far ahead of the others).
     sparse: FxHashMap<i32, ExecutorCacheTaskLocation>,
 }
 
-/// Dense-vector index of `partition_id`, if it belongs in the dense range.
-#[inline]
-fn dense_index(partition_id: i32) -> Option<usize> {
-    usize::try_from(partition_id).ok().filter(|index| *index < DENSE_PARTITION_LIMIT)
+impl PartitionSlots {
+    /// How many slots the dense vector may have now (module doc).
+    fn dense_room(&self) -> usize {
+        (2 * self.dense_len + DENSE_SLACK).min(DENSE_PARTITION_LIMIT)
+    }
+
+    /// Grows the dense vector to hold `index` (at least doubling, within
+    /// [`Self::dense_room`]; `index` is below it).
+    #[cold]
+    fn grow_dense(&mut self, index: usize) {
+        let new_len = (2 * self.dense.len()).max(index + 1).min(self.dense_room());
+        self.grow_to(new_len);
+    }
+
+    /// After a new dense entry: while sparse entries wait and the room has doubled, grows the
+    /// vector to the room, taking in the entries it covers (each growth at least doubles the
+    /// vector, so a run of arrivals in any order costs O(log n) growths).
+    #[inline]
+    fn absorb_sparse(&mut self) {
+        while !self.sparse.is_empty() && self.dense_room() >= 2 * self.dense.len().max(1) {
+            let room = self.dense_room();
+            self.grow_to(room);
+        }
+    }
+
+    /// Resizes the dense vector to `new_len` slots and moves the sparse entries it now covers
+    /// into it.
+    #[cold]
+    fn grow_to(&mut self, new_len: usize) {
+        self.dense.resize(new_len, None);
+        let covered: Vec<i32> = self
+            .sparse
+            .keys()
+            .copied()
+            .filter(|partition| usize::try_from(*partition).is_ok_and(|p| p < new_len))
+            .collect();
+        for partition in covered {
+            if let Some(location) = self.sparse.remove(&partition) {
+                self.dense[partition as usize] = Some(location);
+                self.dense_len += 1;
+            }
+        }
+    }
 }
 
 /// Active providers of one run: store id -> location.
@@ -77,14 +127,21 @@ impl InstanceTable {
         location: ExecutorCacheTaskLocation,
     ) -> Option<ExecutorCacheTaskLocation> {
         let slots = self.operators.entry(OperatorKey::of(&store_id)).or_default();
-        let previous = match dense_index(store_id.partition_id) {
-            Some(index) => {
+        let index = usize::try_from(store_id.partition_id).ok();
+        let previous = match index {
+            Some(index) if index < slots.dense.len() || index < slots.dense_room() => {
                 if index >= slots.dense.len() {
-                    slots.dense.resize(index + 1, None);
+                    // The growth may move this very partition over from `sparse`.
+                    slots.grow_dense(index);
                 }
-                slots.dense[index].replace(location)
+                let previous = slots.dense[index].replace(location);
+                if previous.is_none() {
+                    slots.dense_len += 1;
+                    slots.absorb_sparse();
+                }
+                previous
             }
-            None => slots.sparse.insert(store_id.partition_id, location),
+            _ => slots.sparse.insert(store_id.partition_id, location),
         };
         if previous.is_none() {
             self.len += 1;
@@ -96,9 +153,9 @@ impl InstanceTable {
     #[inline]
     pub(super) fn get(&self, store_id: &StateStoreId) -> Option<ExecutorCacheTaskLocation> {
         let slots = self.operators.get(&OperatorKey::of(store_id))?;
-        match dense_index(store_id.partition_id) {
-            Some(index) => slots.dense.get(index).copied().flatten(),
-            None => slots.sparse.get(&store_id.partition_id).copied(),
+        match usize::try_from(store_id.partition_id) {
+            Ok(index) if index < slots.dense.len() => slots.dense[index],
+            _ => slots.sparse.get(&store_id.partition_id).copied(),
         }
     }
 
@@ -129,6 +186,42 @@ impl InstanceTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    impl InstanceTable {
+        /// Dense slots allocated for `store_id`'s operator (tests).
+        fn dense_slots(&self, store_id: &StateStoreId) -> usize {
+            self.operators.get(&OperatorKey::of(store_id)).map_or(0, |slots| slots.dense.len())
+        }
+    }
+
+    /// One report with a partition id far ahead costs one entry, not a vector up to it; ids
+    /// that arrive out of order move into the vector as it grows over them, and every
+    /// lookup finds them wherever they are.
+    #[test]
+    fn the_dense_vector_grows_with_its_entries_not_with_one_large_id() {
+        let mut table = InstanceTable::default();
+        let at = |executor| ExecutorCacheTaskLocation::new("h", executor);
+        let store = |partition| StateStoreId::new("/grow", 1, partition);
+        let far = DENSE_PARTITION_LIMIT as i32 - 1;
+        assert_eq!(table.insert(store(far), at("far")), None);
+        assert!(table.dense_slots(&store(0)) <= DENSE_SLACK, "{}", table.dense_slots(&store(0)));
+        // Partitions arriving in reverse: the first land in the map, then move over.
+        for partition in (0..1_000).rev() {
+            assert_eq!(table.insert(store(partition), at("x")), None, "partition {partition}");
+        }
+        assert_eq!(table.len(), 1_001);
+        for partition in 0..1_000 {
+            assert_eq!(table.get(&store(partition)), Some(at("x")), "partition {partition}");
+        }
+        assert_eq!(table.get(&store(far)), Some(at("far")));
+        // Everything below 1 000 moved into the vector, which stays within its bound.
+        let slots = table.dense_slots(&store(0));
+        assert!((1_000..=2 * 1_001 + DENSE_SLACK).contains(&slots), "{slots} dense slots");
+        // A repeat of a moved partition replaces it, counted once.
+        assert_eq!(table.insert(store(999), at("y")), Some(at("x")));
+        assert_eq!(table.len(), 1_001);
+        assert_eq!(table.iter().count(), 1_001);
+    }
 
     #[test]
     fn dense_sparse_and_negative_partitions_are_kept_apart_and_counted_once() {
