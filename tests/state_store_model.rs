@@ -401,7 +401,8 @@ fn concurrent_reporters_through_the_bus_match_their_own_models() {
                 let coordinator = coordinator.clone();
                 scope.spawn(move || {
                     let mut rng = SplitMix(0xc0ff_ee00 + thread);
-                    // Two live runs and the one deactivated last. A deactivated run is over
+                    // Two live runs and the one deactivated last (a third live run until the
+                    // first deactivation). A deactivated run is over
                     // for good (its later reports are dropped), so its slot gets a fresh run,
                     // as a restarted query gets a new run id; the dead one stays in play to
                     // exercise the dropping.

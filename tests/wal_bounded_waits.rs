@@ -137,3 +137,33 @@ fn an_append_that_finds_no_room_in_time_fails_and_appends_nothing() {
     let reopened = Wal::open(dir.path(), config()).unwrap();
     assert_eq!(payloads(&reopened).len(), appended.len() + 1);
 }
+
+/// After a close that timed out, dropping the log does not wait for the stuck sync thread
+/// either (it finishes in the background once the disk answers).
+#[test]
+fn dropping_a_log_whose_close_timed_out_does_not_wait_for_the_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    let gate = Arc::new(Gate::default());
+    let wal = open_gated(dir.path(), &gate);
+    wal.append_bytes(b"held", 1).unwrap();
+    gate.wait_until_reached(1);
+    assert!(matches!(
+        wal.close_timeout(Duration::from_millis(20)),
+        Err(WalError::CloseTimedOut { .. })
+    ));
+    let started = Instant::now();
+    drop(wal);
+    let waited = started.elapsed();
+    gate.open();
+    assert!(waited < Duration::from_secs(5), "the drop waited {waited:?} for the stuck disk");
+    // The sync thread finishes in the background: the log then reopens with the record.
+    let deadline = Instant::now() + RUN_BOUND;
+    let reopened = loop {
+        match Wal::open(dir.path(), config()) {
+            Ok(wal) => break wal,
+            Err(WalError::Locked { .. }) if Instant::now() < deadline => std::thread::yield_now(),
+            Err(error) => panic!("reopening: {error}"),
+        }
+    };
+    assert_eq!(payloads(&reopened), [b"held".to_vec()]);
+}

@@ -1136,7 +1136,7 @@ impl Shared {
             self.delete_segments(leftover_doomed, &mut CleanReport::default());
         }));
         if deleted.is_err() {
-            tracing::error!("deleting cleaned segments after the sync thread panicked panicked");
+            tracing::error!("deleting cleaned segments panicked after the sync thread panicked");
         }
         self.mark_writer_done();
     }
@@ -1345,6 +1345,9 @@ pub struct Wal {
     report: RecoveryReport,
     io_path: IoPath,
     clock: Arc<dyn Clock>,
+    /// A [`Wal::close_timeout`] gave up waiting for the sync thread: the drop does not wait for
+    /// it either.
+    close_timed_out: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Wal {
@@ -1515,6 +1518,7 @@ impl Wal {
             report: recovered.report,
             io_path,
             clock: options.clock,
+            close_timed_out: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -2127,8 +2131,12 @@ impl Wal {
         let handle = lock(&self.writer).take();
         // A durability callback may drop the last reference to the log on the sync thread
         // itself; that thread then finishes on its own once `closing` is seen.
-        let handle = handle.filter(|handle| handle.thread().id() != std::thread::current().id());
-        if let Some(handle) = handle {
+        let on_sync_thread = self.on_sync_thread();
+        if handle.is_none() && !on_sync_thread {
+            // Another close took the handle and joins the thread: wait for the same end.
+            let _ = self.wait_for_writer_done(None, Duration::ZERO);
+        }
+        if let Some(handle) = handle.filter(|_| !on_sync_thread) {
             if handle.join().is_err() {
                 self.shared.fail(
                     WalError::Io {
@@ -2162,11 +2170,19 @@ impl Wal {
     pub fn close_timeout(&self, timeout: Duration) -> Result<(), WalError> {
         self.begin_close();
         // Called from the sync thread (a durability callback): it exits after this returns.
-        let on_sync_thread = self.shared.sync_thread.get() == Some(&std::thread::current().id());
-        if !on_sync_thread {
-            self.wait_for_writer_exit(timeout)?;
+        if !self.on_sync_thread() {
+            let deadline = Instant::now().checked_add(timeout);
+            if let Err(error) = self.wait_for_writer_done(deadline, timeout) {
+                self.close_timed_out.store(true, std::sync::atomic::Ordering::Relaxed);
+                return Err(error);
+            }
         }
         self.close()
+    }
+
+    /// Whether the calling thread is this log's sync thread.
+    fn on_sync_thread(&self) -> bool {
+        self.shared.sync_thread.get() == Some(&std::thread::current().id())
     }
 
     /// Marks the log closing (appends are refused from now on) and wakes the sync thread and
@@ -2183,11 +2199,14 @@ impl Wal {
         }
     }
 
-    /// Waits at most `timeout` until the sync thread is done (it signals `durable_cv`), so
-    /// that joining it does not wait.
-    fn wait_for_writer_exit(&self, timeout: Duration) -> Result<(), WalError> {
+    /// Waits until the sync thread is done (it signals `durable_cv`), so that joining it does
+    /// not wait: until `deadline` if any (`timeout` is the caller's, for the error).
+    fn wait_for_writer_done(
+        &self,
+        deadline: Option<Instant>,
+        timeout: Duration,
+    ) -> Result<(), WalError> {
         let shared = &*self.shared;
-        let deadline = Instant::now().checked_add(timeout);
         let mut sync = lock(&shared.sync);
         while !sync.writer_done {
             let remaining = match deadline {
@@ -2213,6 +2232,19 @@ impl Wal {
 
 impl Drop for Wal {
     fn drop(&mut self) {
+        let stuck = self.close_timed_out.load(std::sync::atomic::Ordering::Relaxed)
+            && !lock(&self.shared.sync).writer_done;
+        if stuck {
+            // A bounded close gave up on this log's sync thread: do not wait for it here
+            // either. It owns what it needs and finishes in the background (or never, if the
+            // disk never answers); what it acknowledged was durable already.
+            drop(lock(&self.writer).take());
+            tracing::warn!(
+                dir = %self.shared.dir.display(),
+                "dropping a write-ahead log whose sync thread is still closing; not waiting"
+            );
+            return;
+        }
         if let Err(error) = self.close() {
             tracing::warn!(%error, "closing the write-ahead log on drop");
         }

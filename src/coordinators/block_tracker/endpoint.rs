@@ -85,7 +85,8 @@ const STOP_DURABILITY_TIMEOUT: Duration = Duration::from_secs(5);
 /// refuses more ([`BlockTrackerError::DurabilityBacklog`]). Each waiting query holds its
 /// answer (a copy of a queue or a batch), so a stalled disk must not let askers queue them
 /// without bound; additions and allocations are bounded by the WAL's staging back-pressure
-/// instead.
+/// instead. The answers of allocations and cleanups that logged nothing (a stale batch time,
+/// a failed write) wait the same way and count here too, but are never refused.
 pub const MAX_PENDING_QUERIES: usize = 4096;
 
 /// One-way messages of [`BlockTrackerEndpoint`].
@@ -446,6 +447,8 @@ impl BlockTrackerEndpoint {
     /// The WAL failed: fail every waiting request and fall back to the durable prefix.
     fn fail_pending(&mut self, error: WalError) {
         let pending = std::mem::take(&mut self.pending);
+        // Zeroed first: a `finish` below that panics must not leave the count too high.
+        self.pending_queries = 0;
         self.rebuilt = true;
         self.applied_lsn = Lsn::ZERO;
         tracing::warn!(%error, requests = pending.len(),
@@ -485,7 +488,8 @@ impl BlockTrackerEndpoint {
                 }
             }
             Pending::Query { answer, .. } => {
-                self.pending_queries -= 1;
+                // Saturating: `fail_pending` zeroes the count before it finishes the queries.
+                self.pending_queries = self.pending_queries.saturating_sub(1);
                 answer.complete(outcome);
             }
         }
@@ -496,7 +500,8 @@ impl BlockTrackerEndpoint {
     /// wait already (and their askers do: abandoned ones are dropped first). A refused query
     /// fails at once with [`BlockTrackerError::DurabilityBacklog`].
     fn admit_query<T: Send + 'static>(&mut self, replier: Replier<T>) -> Option<Replier<T>> {
-        if self.pending_queries < MAX_PENDING_QUERIES || !self.must_wait() {
+        // At the limit, `pending` is not empty: the answer would have to wait.
+        if self.pending_queries < MAX_PENDING_QUERIES {
             return Some(replier);
         }
         self.drop_abandoned_queries();
@@ -532,12 +537,12 @@ impl BlockTrackerEndpoint {
     /// Drops the waiting queries whose askers gave up (nobody reads their answers).
     #[cold]
     fn drop_abandoned_queries(&mut self) {
-        let before = self.pending.len();
         self.pending.retain(|pending| match pending {
             Pending::Query { answer, .. } => !answer.is_abandoned(),
             _ => true,
         });
-        self.pending_queries -= before - self.pending.len();
+        self.pending_queries =
+            self.pending.iter().filter(|pending| matches!(pending, Pending::Query { .. })).count();
     }
 
     /// Waits (bounded) for everything queued to become durable, answers it, closes the WAL.
