@@ -18,7 +18,7 @@ use std::{
 };
 
 use coordbus::wal::{Durability, IoMode, Lsn, Wal, WalConfig, WalError, WalOptions};
-use wal_support::{AfterGate, Gate, GatedSyncStorage, RUN_BOUND};
+use wal_support::{AfterGate, Gate, GatedSyncStorage, OpenOnDrop, RUN_BOUND};
 
 fn config() -> WalConfig {
     WalConfig {
@@ -49,6 +49,7 @@ fn a_close_whose_sync_does_not_finish_times_out_refuses_appends_and_completes_la
     let dir = tempfile::tempdir().unwrap();
     let gate = Arc::new(Gate::default());
     let wal = open_gated(dir.path(), &gate);
+    let _open_gate_on_exit = OpenOnDrop(Arc::clone(&gate));
     let (first, _) = wal.append_bytes(b"first", 1).unwrap();
     let (last, _) = wal.append_bytes(b"last", 2).unwrap();
     assert!(first < last);
@@ -99,6 +100,7 @@ fn an_append_that_finds_no_room_in_time_fails_and_appends_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let gate = Arc::new(Gate::default());
     let wal = open_gated(dir.path(), &gate);
+    let _open_gate_on_exit = OpenOnDrop(Arc::clone(&gate));
     let timeout = Duration::from_millis(50);
     let payload = vec![7u8; 64 << 10];
     // The sync thread is held at its first sync: appends fill the staging buffer until one
@@ -145,6 +147,7 @@ fn dropping_a_log_whose_close_timed_out_does_not_wait_for_the_disk() {
     let dir = tempfile::tempdir().unwrap();
     let gate = Arc::new(Gate::default());
     let wal = open_gated(dir.path(), &gate);
+    let _open_gate_on_exit = OpenOnDrop(Arc::clone(&gate));
     wal.append_bytes(b"held", 1).unwrap();
     gate.wait_until_reached(1);
     assert!(matches!(

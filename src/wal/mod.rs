@@ -245,10 +245,9 @@ const LEADER_POLL: Duration = Duration::from_millis(1);
 struct Room {
     frame_len: usize,
     staging_limit: usize,
-    /// `None`: waits as long as it takes.
-    deadline: Option<Instant>,
-    /// The wait the caller asked for (reported on timeout).
-    timeout: Duration,
+    /// The longest wait for room (`None`: as long as it takes). The clock is read only once
+    /// the append has to wait.
+    timeout: Option<Duration>,
 }
 
 /// The staging limit for `durability`.
@@ -1577,7 +1576,7 @@ impl Wal {
         payload: &[u8],
         time_ms: i64,
     ) -> Result<(Lsn, RecordHandle), WalError> {
-        self.append_bytes_until(payload, time_ms, None, Duration::ZERO)
+        self.append_bytes_within(payload, time_ms, None)
     }
 
     /// [`Wal::append_bytes`] that waits at most `timeout` for room in a full staging buffer.
@@ -1591,19 +1590,16 @@ impl Wal {
         time_ms: i64,
         timeout: Duration,
     ) -> Result<(Lsn, RecordHandle), WalError> {
-        // A timeout too large for the clock waits without a deadline.
-        let deadline = Instant::now().checked_add(timeout);
-        self.append_bytes_until(payload, time_ms, deadline, timeout)
+        self.append_bytes_within(payload, time_ms, Some(timeout))
     }
 
-    /// [`Wal::append_bytes`], waiting for room until `deadline` (`timeout` is what the caller
-    /// asked for, for the error).
-    fn append_bytes_until(
+    /// [`Wal::append_bytes`], waiting at most `timeout` for room (`None`: as long as it
+    /// takes).
+    fn append_bytes_within(
         &self,
         payload: &[u8],
         time_ms: i64,
-        deadline: Option<Instant>,
-        timeout: Duration,
+        timeout: Option<Duration>,
     ) -> Result<(Lsn, RecordHandle), WalError> {
         let shared = &*self.shared;
         let frame_len = frame::frame_len(payload.len()) as u64;
@@ -1619,7 +1615,7 @@ impl Wal {
             _ => None,
         };
         let staging_limit = staging_limit(shared.config.durability);
-        let room = Room { frame_len: frame_len as usize, staging_limit, deadline, timeout };
+        let room = Room { frame_len: frame_len as usize, staging_limit, timeout };
         let mut state = self.wait_for_room(lock(&shared.append), room)?;
         let needs_new = match &state.active {
             None => true,
@@ -1706,8 +1702,10 @@ impl Wal {
         room: Room,
     ) -> Result<MutexGuard<'a, AppendState>, WalError> {
         let shared = &*self.shared;
-        let Room { frame_len, staging_limit, deadline, timeout } = room;
+        let Room { frame_len, staging_limit, timeout } = room;
         let mut ticket = None;
+        // Set when the append first has to wait (a timeout too large for the clock: none).
+        let mut deadline: Option<Instant> = None;
         loop {
             let refusal = if state.closing {
                 Some(if shared.read_only { WalError::ReadOnly } else { WalError::Closed })
@@ -1722,10 +1720,13 @@ impl Wal {
                 state.remove_room_waiter(ticket);
                 return Ok(state);
             }
+            if ticket.is_none() {
+                deadline = timeout.and_then(|timeout| Instant::now().checked_add(timeout));
+            }
             let refusal = refusal.or_else(|| {
                 deadline.filter(|deadline| Instant::now() >= *deadline).map(|_| {
                     WalError::AppendTimedOut {
-                        timeout,
+                        timeout: timeout.unwrap_or_default(),
                         appended: shared.appended_lsn.load(Ordering::Acquire),
                         durable: shared.durable_lsn.load(Ordering::Acquire),
                     }

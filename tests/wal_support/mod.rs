@@ -152,3 +152,14 @@ impl StorageFile for GatedSyncFile {
         None
     }
 }
+
+/// Opens its gate when dropped: declared after the log, it opens the gate before the log's
+/// drop waits for its sync thread, also when the test panics (else each held sync would sit
+/// out the gate's bound before the failure is reported).
+pub struct OpenOnDrop(pub Arc<Gate>);
+
+impl Drop for OpenOnDrop {
+    fn drop(&mut self) {
+        self.0.open();
+    }
+}

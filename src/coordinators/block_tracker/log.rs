@@ -113,12 +113,21 @@ thread_local! {
 }
 
 /// How long [`WalBlockLog`]'s `close` waits for the WAL to close.
-pub const WAL_CLOSE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+pub const WAL_CLOSE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long [`WalBlockLog`]'s appends wait for room while the WAL's staging buffer is full
+/// (by default; Spark's batching timeout, as the tracker's `write_timeout`).
+pub const WAL_APPEND_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// [`BlockLog`] over a [`Wal`]: each event is one compact rkyv record (`journal` module).
+/// An append that finds the WAL's staging buffer full (the disk is behind) waits at most its
+/// append timeout, then fails as a refused write ([`WalError::AppendTimedOut`]: nothing was
+/// logged, so the addition answers false), instead of holding the tracker's thread or a
+/// receiver for as long as the disk takes.
 #[derive(Debug, Clone)]
 pub struct WalBlockLog {
     wal: Arc<Wal>,
+    append_timeout: Duration,
 }
 
 impl WalBlockLog {
@@ -127,12 +136,19 @@ impl WalBlockLog {
     /// # Errors
     /// The WAL's opening errors (configuration, corruption in strict mode, I/O).
     pub fn open(dir: impl AsRef<Path>, config: WalConfig) -> Result<Self, WalError> {
-        Ok(Self { wal: Arc::new(Wal::open(dir, config)?) })
+        Ok(Self::from_wal(Arc::new(Wal::open(dir, config)?)))
     }
 
     /// Wraps an open WAL.
     pub fn from_wal(wal: Arc<Wal>) -> Self {
-        Self { wal }
+        Self { wal, append_timeout: WAL_APPEND_TIMEOUT }
+    }
+
+    /// Sets how long appends wait for room (default [`WAL_APPEND_TIMEOUT`]).
+    #[must_use]
+    pub fn with_append_timeout(mut self, timeout: Duration) -> Self {
+        self.append_timeout = timeout;
+        self
     }
 }
 
@@ -148,7 +164,7 @@ impl WalBlockLog {
             let buf = encode(cell.take()).map_err(|error| BlockLogError::Raised {
                 message: format!("serializing a {kind}: {error}"),
             })?;
-            let outcome = self.wal.append_bytes(&buf, time_ms);
+            let outcome = self.wal.append_bytes_timeout(&buf, time_ms, self.append_timeout);
             // A huge record (a large allocation) does not pin its buffer for good.
             if buf.capacity() <= KEPT_BUF_BYTES_MAX {
                 cell.set(buf);

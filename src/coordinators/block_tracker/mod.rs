@@ -80,7 +80,7 @@ pub use self::{
         GetBlocksOfBatchAndStream, GetUnallocatedBlocks, GetUnconfiguredStreams,
         HasUnallocatedBlocks, StopTracker, MAX_PENDING_QUERIES,
     },
-    log::{BlockLog, BlockLogError, WalBlockLog, WAL_CLOSE_TIMEOUT},
+    log::{BlockLog, BlockLogError, WalBlockLog, WAL_APPEND_TIMEOUT, WAL_CLOSE_TIMEOUT},
     receiver::{AddReceipt, BlockReceiver, LoggedBlocks, COMBINE_MAX_BLOCKS},
     types::{
         AllocatedBlocks, BatchAllocationEvent, BatchCleanupEvent, BatchTime, BlockAdditionEvent,

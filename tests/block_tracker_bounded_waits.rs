@@ -1,8 +1,11 @@
+//! The block tracker's waits on a disk that stopped answering are bounded.
+//!
 //! A receiver's `ReceiverBlockStore::store` waits at most its store timeout (Spark's
 //! `blockStoreTimeout`), for room to stage the data and then for durability: a sync that does
 //! not finish fails the store with a typed timeout naming the LSN and the bound, and a full
 //! staging buffer fails it with a typed error, instead of hanging the receiver; once the sync
-//! finishes, the data is durable and readable.
+//! finishes, the data is durable and readable. The tracker's journal (`WalBlockLog`) waits at
+//! most its append timeout for room, then refuses the event (nothing logged).
 //!
 //! Method: a storage whose `sync_data` is held at a gate until the test opens it, on the
 //! pwrite path with group commit (so the sync thread, not the storing thread, syncs).
@@ -17,12 +20,13 @@ use std::{
 
 use coordbus::{
     coordinators::block_tracker::{
-        BlockStoreResult, ReceivedBlockInfo, ReceiverBlockStore, StreamBlockId, StreamId,
-        DEFAULT_STORE_TIMEOUT,
+        BatchCleanupEvent, BatchTime, BlockLog, BlockLogError, BlockStoreResult, ReceivedBlockInfo,
+        ReceiverBlockStore, StreamBlockId, StreamId, TrackerEvent, WalBlockLog,
+        DEFAULT_STORE_TIMEOUT, WAL_APPEND_TIMEOUT,
     },
     wal::{Durability, IoMode, Wal, WalConfig, WalError, WalOptions},
 };
-use wal_support::{AfterGate, Gate, GatedSyncStorage};
+use wal_support::{AfterGate, Gate, GatedSyncStorage, OpenOnDrop};
 
 /// Far longer than a sync; a wait that has not returned by then is hung.
 const BOUND: Duration = Duration::from_secs(30);
@@ -55,6 +59,7 @@ fn a_store_whose_sync_does_not_finish_times_out_with_its_lsn_and_bound() {
     let timeout = Duration::from_millis(100);
     let store =
         ReceiverBlockStore::from_wal(open_gated(dir.path(), &gate)).with_store_timeout(timeout);
+    let _open_gate_on_exit = OpenOnDrop(Arc::clone(&gate));
     assert_eq!(store.store_timeout(), timeout);
 
     let started = Instant::now();
@@ -92,6 +97,7 @@ fn a_store_that_finds_no_room_to_stage_in_time_fails_and_appends_nothing() {
     let timeout = Duration::from_millis(50);
     let store =
         ReceiverBlockStore::from_wal(open_gated(dir.path(), &gate)).with_store_timeout(timeout);
+    let _open_gate_on_exit = OpenOnDrop(Arc::clone(&gate));
     // Hold the sync thread at the gate, then fill the staging buffer behind it (a filler that
     // times out before the sync thread took its group would leave room for the store).
     let filler = vec![1u8; 64 << 10];
@@ -120,4 +126,39 @@ fn the_default_store_timeout_is_sparks_thirty_seconds() {
     assert_eq!(DEFAULT_STORE_TIMEOUT, Duration::from_secs(30));
     assert_eq!(store.store_timeout(), DEFAULT_STORE_TIMEOUT);
     store.store(block(1), b"data", 1).unwrap();
+}
+
+#[test]
+fn a_journal_append_that_finds_no_room_in_time_is_refused_and_logs_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let gate = Arc::new(Gate::default());
+    let timeout = Duration::from_millis(50);
+    let log =
+        WalBlockLog::from_wal(Arc::new(open_gated(dir.path(), &gate))).with_append_timeout(timeout);
+    let _open_gate_on_exit = OpenOnDrop(Arc::clone(&gate));
+    let wal = Arc::clone(log.wal().unwrap());
+    let filler = vec![1u8; 64 << 10];
+    wal.append_bytes(&filler, 1).unwrap();
+    gate.wait_until_reached(1);
+    // Large fillers, then small ones down to the last bytes of room: the event is small.
+    for filler in [&filler[..], &filler[..64]] {
+        let mut filled = 0;
+        while wal.append_bytes_timeout(filler, 1, timeout).is_ok() {
+            filled += 1;
+            assert!(filled < 100_000, "the staging buffer never filled");
+        }
+    }
+    let before = wal.appended_lsn();
+    let event = TrackerEvent::BatchCleanup(BatchCleanupEvent { times: vec![BatchTime(1)] });
+    let started = Instant::now();
+    match log.append(&event, 2) {
+        Err(BlockLogError::Wal(WalError::AppendTimedOut { timeout: reported, .. })) => {
+            assert_eq!(reported, timeout)
+        }
+        other => panic!("expected AppendTimedOut, got {other:?}"),
+    }
+    assert!(started.elapsed() < BOUND, "the append waited {:?}", started.elapsed());
+    assert_eq!(wal.appended_lsn(), before, "the refused event was logged");
+    assert_eq!(WAL_APPEND_TIMEOUT, Duration::from_secs(5));
+    gate.open();
 }
