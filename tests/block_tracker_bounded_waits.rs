@@ -19,12 +19,15 @@ use std::{
 };
 
 use coordbus::{
+    clock::SystemClock,
     coordinators::block_tracker::{
-        BatchCleanupEvent, BatchTime, BlockLog, BlockLogError, BlockStoreResult, ReceivedBlockInfo,
+        AddBlocks, BatchCleanupEvent, BatchTime, BlockLog, BlockLogError, BlockStoreResult,
+        BlockTrackerConfig, BlockTrackerEndpoint, ReceivedBlockInfo, ReceivedBlockTracker,
         ReceiverBlockStore, StreamBlockId, StreamId, TrackerEvent, WalBlockLog,
         DEFAULT_STORE_TIMEOUT, WAL_APPEND_TIMEOUT,
     },
     wal::{Durability, IoMode, Wal, WalConfig, WalError, WalOptions},
+    Bus,
 };
 use wal_support::{AfterGate, Gate, GatedSyncStorage, OpenOnDrop};
 
@@ -161,4 +164,51 @@ fn a_journal_append_that_finds_no_room_in_time_is_refused_and_logs_nothing() {
     assert_eq!(wal.appended_lsn(), before, "the refused event was logged");
     assert_eq!(WAL_APPEND_TIMEOUT, Duration::from_secs(5));
     gate.open();
+}
+
+/// On a stuck disk an `AddBlocks` request costs the endpoint one append timeout, not one per
+/// block: after the first refused write the rest of the request is refused at once.
+#[test]
+fn an_add_blocks_request_on_a_stuck_disk_waits_out_one_append_timeout_not_one_per_block() {
+    const BLOCKS: usize = 100;
+    let dir = tempfile::tempdir().unwrap();
+    let gate = Arc::new(Gate::default());
+    let timeout = Duration::from_millis(50);
+    let log = Arc::new(
+        WalBlockLog::from_wal(Arc::new(open_gated(dir.path(), &gate))).with_append_timeout(timeout),
+    );
+    let _open_gate_on_exit = OpenOnDrop(Arc::clone(&gate));
+    let wal = Arc::clone(log.wal().unwrap());
+    let filler = vec![1u8; 64 << 10];
+    wal.append_bytes(&filler, 1).unwrap();
+    gate.wait_until_reached(1);
+    for filler in [&filler[..], &filler[..64]] {
+        let mut filled = 0;
+        while wal.append_bytes_timeout(filler, 1, timeout).is_ok() {
+            filled += 1;
+            assert!(filled < 100_000, "the staging buffer never filled");
+        }
+    }
+    let tracker = ReceivedBlockTracker::with_log(
+        BlockTrackerConfig::new([StreamId(0)]),
+        Arc::new(SystemClock),
+        Some(log),
+    )
+    .unwrap();
+    let bus = Bus::builder().build().unwrap();
+    let endpoint = bus.register("stuck", BlockTrackerEndpoint::new(tracker)).unwrap();
+    let infos: Vec<ReceivedBlockInfo> = (0..BLOCKS as u64)
+        .map(|id| {
+            let result = BlockStoreResult::BlockManager { block_id: block(id) };
+            ReceivedBlockInfo::new(StreamId(0), Some(1), None, result).unwrap()
+        })
+        .collect();
+    let started = Instant::now();
+    let logged = endpoint.ask(AddBlocks(infos)).wait_timeout(BOUND).unwrap();
+    let waited = started.elapsed();
+    assert_eq!(logged, vec![false; BLOCKS], "a block was logged on a full, stuck log");
+    // One timeout (50 ms) and the request's own work; a hundred would be 5 s.
+    assert!(waited < Duration::from_secs(2), "the request took {waited:?}");
+    gate.open();
+    let _ = bus.shutdown();
 }

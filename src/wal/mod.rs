@@ -2123,7 +2123,8 @@ impl Wal {
 
     /// Writes and syncs everything appended, stops the sync thread, and rejects later appends
     /// with [`WalError::Closed`]. Idempotent; reads keep working. Waits as long as the disk
-    /// takes, and so does the drop, which calls this; [`Wal::close_timeout`] bounds the wait.
+    /// takes, and so does the drop, which calls this (unless a [`Wal::close_timeout`] gave up
+    /// first); [`Wal::close_timeout`] bounds the wait.
     ///
     /// # Errors
     /// [`WalError::Failed`] if a write or sync failed (now or earlier).
@@ -2166,8 +2167,9 @@ impl Wal {
     /// # Errors
     /// [`WalError::CloseTimedOut`] (with the last appended LSN and the durable one) if the
     /// sync thread was still busy after `timeout`: the log stays closing (appends are refused,
-    /// reads work), the thread goes on in the background, and a later `close` or the drop
-    /// joins it. Otherwise as [`Wal::close`].
+    /// reads work) and the thread goes on in the background. A later `close` joins it; the
+    /// drop does not wait for it (it leaves the thread to finish alone). Otherwise as
+    /// [`Wal::close`].
     pub fn close_timeout(&self, timeout: Duration) -> Result<(), WalError> {
         self.begin_close();
         // Called from the sync thread (a durability callback): it exits after this returns.

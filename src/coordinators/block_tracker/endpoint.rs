@@ -630,14 +630,26 @@ impl Endpoint for BlockTrackerEndpoint {
             }
             BlockTrackerRequest::AddBlocks(infos, replier) => {
                 let mut all_done = true;
+                // After the first refused write, the rest of the request is refused without
+                // trying: on a stuck disk each try would wait out the journal's append
+                // timeout, and the request would hold the endpoint that many times over.
+                let mut refused = false;
                 let lsns: Vec<Option<Lsn>> = infos
                     .into_iter()
-                    .map(|info| match self.tracker.add_block_deferred(info) {
-                        Logged::Done | Logged::Skipped => Some(Lsn::ZERO),
-                        Logged::Failed => None,
-                        Logged::Pending(lsn) => {
-                            all_done = false;
-                            Some(lsn)
+                    .map(|info| {
+                        if refused {
+                            return None;
+                        }
+                        match self.tracker.add_block_deferred(info) {
+                            Logged::Done | Logged::Skipped => Some(Lsn::ZERO),
+                            Logged::Failed => {
+                                refused = true;
+                                None
+                            }
+                            Logged::Pending(lsn) => {
+                                all_done = false;
+                                Some(lsn)
+                            }
                         }
                     })
                     .collect();

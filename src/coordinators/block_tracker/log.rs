@@ -115,8 +115,9 @@ thread_local! {
 /// How long [`WalBlockLog`]'s `close` waits for the WAL to close.
 pub const WAL_CLOSE_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// How long [`WalBlockLog`]'s appends wait for room while the WAL's staging buffer is full
-/// (by default; Spark's batching timeout, as the tracker's `write_timeout`).
+/// How long [`WalBlockLog`]'s appends wait for room while the WAL's staging buffer is full, by
+/// default (Spark's batching timeout; a tracker that opens its own log passes its
+/// `write_timeout`, whose default this is).
 pub const WAL_APPEND_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// [`BlockLog`] over a [`Wal`]: each event is one compact rkyv record (`journal` module).

@@ -328,10 +328,10 @@ impl ReceivedBlockTracker {
     ) -> Result<Self, BlockTrackerError> {
         let log: Option<Arc<dyn BlockLog>> = match &config.checkpoint_dir {
             None => None,
-            Some(dir) => Some(Arc::new(WalBlockLog::open(
-                dir.join(RECEIVED_BLOCK_METADATA_DIR),
-                config.wal.clone(),
-            )?)),
+            Some(dir) => Some(Arc::new(
+                WalBlockLog::open(dir.join(RECEIVED_BLOCK_METADATA_DIR), config.wal.clone())?
+                    .with_append_timeout(config.write_timeout),
+            )),
         };
         Self::with_log(config, clock, log)
     }

@@ -282,7 +282,8 @@ impl BlockReceiver {
     /// receiver has nothing in flight, else adds it to the pending batch (module doc,
     /// "Combining"). The receipt says once the record holding it is durable. Never waits for
     /// a sync; it waits only while the WAL's staging buffer or the endpoint's inbox is full
-    /// (back-pressure: as long as the disk or the endpoint takes to make room).
+    /// (back-pressure: at most the journal's append timeout for each record this call logs,
+    /// the pending batch's and its own, and the tracker's `write_timeout` for the inbox).
     #[inline]
     pub fn add_block(&self, info: ReceivedBlockInfo) -> AddReceipt<'_> {
         let mut pending = self.lock_pending();
@@ -483,9 +484,10 @@ impl AddReceipt<'_> {
         }
     }
 
-    /// The answer if it is known without waiting: `Some(true)` once durable, `Some(false)` if
-    /// not logged or the log failed, `None` while the sync is pending. Flushes a pending
-    /// batch holding the block.
+    /// The answer if it is known without waiting for a sync: `Some(true)` once durable,
+    /// `Some(false)` if not logged or the log failed, `None` while the sync is pending.
+    /// Flushes a pending batch holding the block (which waits for room in the WAL's staging
+    /// buffer if it is full: at most the journal's append timeout).
     pub fn try_result(&self) -> Option<bool> {
         match self.settled() {
             Outcome::Done(logged) => Some(logged),
@@ -513,7 +515,9 @@ impl AddReceipt<'_> {
         self.wait_timeout(timeout)
     }
 
-    /// [`Self::wait`] with an explicit bound.
+    /// [`Self::wait`] with an explicit bound on the wait for durability (flushing a pending
+    /// batch holding the block may first wait for room: at most the journal's append
+    /// timeout).
     #[inline]
     pub fn wait_timeout(self, timeout: Duration) -> bool {
         match self.settled() {
