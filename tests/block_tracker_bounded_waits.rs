@@ -13,7 +13,6 @@
 mod wal_support;
 
 use std::{
-    path::Path,
     sync::Arc,
     time::{Duration, Instant},
 };
@@ -26,30 +25,13 @@ use coordbus::{
         ReceiverBlockStore, StreamBlockId, StreamId, TrackerEvent, WalBlockLog,
         DEFAULT_STORE_TIMEOUT, WAL_APPEND_TIMEOUT,
     },
-    wal::{Durability, IoMode, Wal, WalConfig, WalError, WalOptions},
+    wal::{WalConfig, WalError},
     Bus,
 };
-use wal_support::{AfterGate, Gate, GatedSyncStorage, OpenOnDrop};
+use wal_support::{hold_and_fill_staging, open_gated, AfterGate, Gate, OpenOnDrop};
 
 /// Far longer than a sync; a wait that has not returned by then is hung.
 const BOUND: Duration = Duration::from_secs(30);
-
-fn open_gated(dir: &Path, gate: &Arc<Gate>) -> Wal {
-    let config = WalConfig {
-        segment_size_bytes: 1 << 20,
-        durability: Durability::GroupCommit {
-            max_delay: Duration::from_micros(200),
-            max_bytes: 1 << 20,
-        },
-        ..WalConfig::default()
-    };
-    let options = WalOptions {
-        io: IoMode::Pwrite,
-        storage: Arc::new(GatedSyncStorage { gate: Arc::clone(gate), after: AfterGate::Sync }),
-        ..WalOptions::default()
-    };
-    Wal::open_with_options(dir, config, options).unwrap()
-}
 
 fn block(id: u64) -> StreamBlockId {
     StreamBlockId { stream: StreamId(0), unique_id: id }
@@ -60,8 +42,8 @@ fn a_store_whose_sync_does_not_finish_times_out_with_its_lsn_and_bound() {
     let dir = tempfile::tempdir().unwrap();
     let gate = Arc::new(Gate::default());
     let timeout = Duration::from_millis(100);
-    let store =
-        ReceiverBlockStore::from_wal(open_gated(dir.path(), &gate)).with_store_timeout(timeout);
+    let store = ReceiverBlockStore::from_wal(open_gated(dir.path(), &gate, AfterGate::Sync))
+        .with_store_timeout(timeout);
     let _open_gate_on_exit = OpenOnDrop(Arc::clone(&gate));
     assert_eq!(store.store_timeout(), timeout);
 
@@ -98,19 +80,12 @@ fn a_store_that_finds_no_room_to_stage_in_time_fails_and_appends_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let gate = Arc::new(Gate::default());
     let timeout = Duration::from_millis(50);
-    let store =
-        ReceiverBlockStore::from_wal(open_gated(dir.path(), &gate)).with_store_timeout(timeout);
+    let store = ReceiverBlockStore::from_wal(open_gated(dir.path(), &gate, AfterGate::Sync))
+        .with_store_timeout(timeout);
     let _open_gate_on_exit = OpenOnDrop(Arc::clone(&gate));
-    // Hold the sync thread at the gate, then fill the staging buffer behind it (a filler that
-    // times out before the sync thread took its group would leave room for the store).
+    // Hold the sync thread at the gate, then fill the staging buffer behind it.
+    hold_and_fill_staging(store.wal(), &gate, 64 << 10, timeout);
     let filler = vec![1u8; 64 << 10];
-    store.wal().append_bytes(&filler, 1).unwrap();
-    gate.wait_until_reached(1);
-    let mut filled = 0;
-    while store.wal().append_bytes_timeout(&filler, 1, timeout).is_ok() {
-        filled += 1;
-        assert!(filled < 10_000, "the staging buffer never filled");
-    }
     let before = store.wal().appended_lsn();
     let started = Instant::now();
     match store.store(block(3), &filler, 12) {
@@ -136,21 +111,12 @@ fn a_journal_append_that_finds_no_room_in_time_is_refused_and_logs_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let gate = Arc::new(Gate::default());
     let timeout = Duration::from_millis(50);
-    let log =
-        WalBlockLog::from_wal(Arc::new(open_gated(dir.path(), &gate))).with_append_timeout(timeout);
+    let log = WalBlockLog::from_wal(Arc::new(open_gated(dir.path(), &gate, AfterGate::Sync)))
+        .with_append_timeout(timeout);
     let _open_gate_on_exit = OpenOnDrop(Arc::clone(&gate));
     let wal = Arc::clone(log.wal().unwrap());
-    let filler = vec![1u8; 64 << 10];
-    wal.append_bytes(&filler, 1).unwrap();
-    gate.wait_until_reached(1);
-    // Large fillers, then small ones down to the last bytes of room: the event is small.
-    for filler in [&filler[..], &filler[..64]] {
-        let mut filled = 0;
-        while wal.append_bytes_timeout(filler, 1, timeout).is_ok() {
-            filled += 1;
-            assert!(filled < 100_000, "the staging buffer never filled");
-        }
-    }
+    // Filled down to the last bytes of room: the event is small.
+    hold_and_fill_staging(&wal, &gate, 64 << 10, timeout);
     let before = wal.appended_lsn();
     let event = TrackerEvent::BatchCleanup(BatchCleanupEvent { times: vec![BatchTime(1)] });
     let started = Instant::now();
@@ -175,20 +141,11 @@ fn an_add_blocks_request_on_a_stuck_disk_waits_out_one_append_timeout_not_one_pe
     let gate = Arc::new(Gate::default());
     let timeout = Duration::from_millis(50);
     let log = Arc::new(
-        WalBlockLog::from_wal(Arc::new(open_gated(dir.path(), &gate))).with_append_timeout(timeout),
+        WalBlockLog::from_wal(Arc::new(open_gated(dir.path(), &gate, AfterGate::Sync)))
+            .with_append_timeout(timeout),
     );
     let _open_gate_on_exit = OpenOnDrop(Arc::clone(&gate));
-    let wal = Arc::clone(log.wal().unwrap());
-    let filler = vec![1u8; 64 << 10];
-    wal.append_bytes(&filler, 1).unwrap();
-    gate.wait_until_reached(1);
-    for filler in [&filler[..], &filler[..64]] {
-        let mut filled = 0;
-        while wal.append_bytes_timeout(filler, 1, timeout).is_ok() {
-            filled += 1;
-            assert!(filled < 100_000, "the staging buffer never filled");
-        }
-    }
+    hold_and_fill_staging(log.wal().unwrap(), &gate, 64 << 10, timeout);
     let tracker = ReceivedBlockTracker::with_log(
         BlockTrackerConfig::new([StreamId(0)]),
         Arc::new(SystemClock),

@@ -12,33 +12,14 @@
 mod wal_support;
 
 use std::{
-    path::Path,
     sync::Arc,
     time::{Duration, Instant},
 };
 
-use coordbus::wal::{Durability, IoMode, Lsn, Wal, WalConfig, WalError, WalOptions};
-use wal_support::{AfterGate, Gate, GatedSyncStorage, OpenOnDrop, RUN_BOUND};
-
-fn config() -> WalConfig {
-    WalConfig {
-        segment_size_bytes: 1 << 20,
-        durability: Durability::GroupCommit {
-            max_delay: Duration::from_micros(200),
-            max_bytes: 1 << 20,
-        },
-        ..WalConfig::default()
-    }
-}
-
-fn open_gated(dir: &Path, gate: &Arc<Gate>) -> Wal {
-    let options = WalOptions {
-        io: IoMode::Pwrite,
-        storage: Arc::new(GatedSyncStorage { gate: Arc::clone(gate), after: AfterGate::Sync }),
-        ..WalOptions::default()
-    };
-    Wal::open_with_options(dir, config(), options).unwrap()
-}
+use coordbus::wal::{Lsn, Wal, WalError};
+use wal_support::{
+    gated_config, hold_and_fill_staging, open_gated, AfterGate, Gate, OpenOnDrop, RUN_BOUND,
+};
 
 fn payloads(wal: &Wal) -> Vec<Vec<u8>> {
     wal.iter_from(Lsn::ZERO).unwrap().map(|record| record.unwrap().bytes.to_vec()).collect()
@@ -48,7 +29,7 @@ fn payloads(wal: &Wal) -> Vec<Vec<u8>> {
 fn a_close_whose_sync_does_not_finish_times_out_refuses_appends_and_completes_later() {
     let dir = tempfile::tempdir().unwrap();
     let gate = Arc::new(Gate::default());
-    let wal = open_gated(dir.path(), &gate);
+    let wal = open_gated(dir.path(), &gate, AfterGate::Sync);
     let _open_gate_on_exit = OpenOnDrop(Arc::clone(&gate));
     let (first, _) = wal.append_bytes(b"first", 1).unwrap();
     let (last, _) = wal.append_bytes(b"last", 2).unwrap();
@@ -77,21 +58,21 @@ fn a_close_whose_sync_does_not_finish_times_out_refuses_appends_and_completes_la
     wal.close_timeout(RUN_BOUND).unwrap();
     assert!(wal.durable_lsn() >= last, "the close returned before the records were durable");
     drop(wal);
-    let reopened = Wal::open(dir.path(), config()).unwrap();
+    let reopened = Wal::open(dir.path(), gated_config()).unwrap();
     assert_eq!(payloads(&reopened), [b"first".to_vec(), b"last".to_vec()]);
 }
 
 #[test]
 fn a_healthy_close_timeout_syncs_everything_and_is_idempotent() {
     let dir = tempfile::tempdir().unwrap();
-    let wal = Wal::open(dir.path(), config()).unwrap();
+    let wal = Wal::open(dir.path(), gated_config()).unwrap();
     let (last, _) = (0..100u8).map(|i| wal.append_bytes(&[i; 64], 1).unwrap()).last().unwrap();
     wal.close_timeout(RUN_BOUND).unwrap();
     assert!(wal.durable_lsn() >= last);
     wal.close_timeout(RUN_BOUND).unwrap();
     wal.close().unwrap();
     drop(wal);
-    let reopened = Wal::open(dir.path(), config()).unwrap();
+    let reopened = Wal::open(dir.path(), gated_config()).unwrap();
     assert_eq!(payloads(&reopened).len(), 100);
 }
 
@@ -99,27 +80,16 @@ fn a_healthy_close_timeout_syncs_everything_and_is_idempotent() {
 fn an_append_that_finds_no_room_in_time_fails_and_appends_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let gate = Arc::new(Gate::default());
-    let wal = open_gated(dir.path(), &gate);
+    let wal = open_gated(dir.path(), &gate, AfterGate::Sync);
     let _open_gate_on_exit = OpenOnDrop(Arc::clone(&gate));
     let timeout = Duration::from_millis(50);
-    let payload = vec![7u8; 64 << 10];
-    // The sync thread is held at its first sync: appends fill the staging buffer until one
-    // finds no room for its whole timeout.
-    let mut appended = vec![wal.append_bytes(&payload, 1).unwrap().0];
-    gate.wait_until_reached(1);
-    let error = loop {
-        assert!(appended.len() < 10_000, "the staging buffer never filled");
-        let started = Instant::now();
-        match wal.append_bytes_timeout(&payload, 1, timeout) {
-            Ok((lsn, _)) => appended.push(lsn),
-            Err(error) => {
-                let waited = started.elapsed();
-                assert!(waited >= timeout, "gave up after {waited:?}");
-                assert!(waited < RUN_BOUND, "waited {waited:?}");
-                break error;
-            }
-        }
-    };
+    // The sync thread is held at its first sync; the staging buffer fills behind it.
+    let appended = hold_and_fill_staging(&wal, &gate, 64 << 10, timeout);
+    let started = Instant::now();
+    let error = wal.append_bytes_timeout(&[7u8; 64 << 10], 1, timeout).unwrap_err();
+    let waited = started.elapsed();
+    assert!(waited >= timeout, "gave up after {waited:?}");
+    assert!(waited < RUN_BOUND, "waited {waited:?}");
     let last = *appended.last().expect("some appends found room");
     match error {
         WalError::AppendTimedOut { timeout: reported, appended: reported_last, durable } => {
@@ -136,7 +106,7 @@ fn an_append_that_finds_no_room_in_time_fails_and_appends_nothing() {
     assert_eq!(after.0, last.0 + 1, "no LSN was used by the refused append");
     wal.close_timeout(RUN_BOUND).unwrap();
     drop(wal);
-    let reopened = Wal::open(dir.path(), config()).unwrap();
+    let reopened = Wal::open(dir.path(), gated_config()).unwrap();
     assert_eq!(payloads(&reopened).len(), appended.len() + 1);
 }
 
@@ -146,7 +116,7 @@ fn an_append_that_finds_no_room_in_time_fails_and_appends_nothing() {
 fn dropping_a_log_whose_close_timed_out_does_not_wait_for_the_disk() {
     let dir = tempfile::tempdir().unwrap();
     let gate = Arc::new(Gate::default());
-    let wal = open_gated(dir.path(), &gate);
+    let wal = open_gated(dir.path(), &gate, AfterGate::Sync);
     let _open_gate_on_exit = OpenOnDrop(Arc::clone(&gate));
     wal.append_bytes(b"held", 1).unwrap();
     gate.wait_until_reached(1);
@@ -162,7 +132,7 @@ fn dropping_a_log_whose_close_timed_out_does_not_wait_for_the_disk() {
     // The sync thread finishes in the background: the log then reopens with the record.
     let deadline = Instant::now() + RUN_BOUND;
     let reopened = loop {
-        match Wal::open(dir.path(), config()) {
+        match Wal::open(dir.path(), gated_config()) {
             Ok(wal) => break wal,
             Err(WalError::Locked { .. }) if Instant::now() < deadline => std::thread::yield_now(),
             Err(error) => panic!("reopening: {error}"),

@@ -12,39 +12,21 @@
 mod wal_support;
 
 use std::{
-    path::Path,
     sync::{mpsc, Arc},
     time::Duration,
 };
 
-use coordbus::wal::{Durability, IoMode, Wal, WalConfig, WalError, WalOptions};
-use wal_support::{AfterGate, Gate, GatedSyncStorage};
+use coordbus::wal::WalError;
+use wal_support::{open_gated, AfterGate, Gate};
 
 /// Far longer than a sync; a wait that has not returned by then is hung.
 const BOUND: Duration = Duration::from_secs(30);
-
-fn open(dir: &Path, gate: &Arc<Gate>) -> Arc<Wal> {
-    let config = WalConfig {
-        segment_size_bytes: 1 << 20,
-        durability: Durability::GroupCommit {
-            max_delay: Duration::from_micros(200),
-            max_bytes: 1 << 20,
-        },
-        ..WalConfig::default()
-    };
-    let options = WalOptions {
-        io: IoMode::Pwrite,
-        storage: Arc::new(GatedSyncStorage { gate: Arc::clone(gate), after: AfterGate::Panic }),
-        ..WalOptions::default()
-    };
-    Arc::new(Wal::open_with_options(dir, config, options).unwrap())
-}
 
 #[test]
 fn a_panic_on_the_sync_thread_fails_waiters_callbacks_and_appends_instead_of_hanging() {
     let dir = tempfile::tempdir().unwrap();
     let gate = Arc::new(Gate::default());
-    let wal = open(dir.path(), &gate);
+    let wal = Arc::new(open_gated(dir.path(), &gate, AfterGate::Panic));
     // Appended, called back and waited for while every sync is held at the gate: nothing can
     // fail before the gate opens.
     let (lsn, _) = wal.append_bytes(b"never durable", 1).unwrap();

@@ -163,3 +163,49 @@ impl Drop for OpenOnDrop {
         self.0.open();
     }
 }
+
+/// The configuration of the gated logs: group commit (so the sync thread, not an appender,
+/// writes and syncs), 1 MiB segments and groups.
+pub fn gated_config() -> coordbus::wal::WalConfig {
+    coordbus::wal::WalConfig {
+        segment_size_bytes: 1 << 20,
+        durability: coordbus::wal::Durability::GroupCommit {
+            max_delay: Duration::from_micros(200),
+            max_bytes: 1 << 20,
+        },
+        ..coordbus::wal::WalConfig::default()
+    }
+}
+
+/// A log in `dir` ([`gated_config`]) whose syncs wait at `gate`, then do what `after` says.
+/// The pwrite path: the gated files hide their descriptors.
+pub fn open_gated(dir: &Path, gate: &Arc<Gate>, after: AfterGate) -> Wal {
+    let options = coordbus::wal::WalOptions {
+        io: coordbus::wal::IoMode::Pwrite,
+        storage: Arc::new(GatedSyncStorage { gate: Arc::clone(gate), after }),
+        ..coordbus::wal::WalOptions::default()
+    };
+    Wal::open_with_options(dir, gated_config(), options).unwrap()
+}
+
+/// Holds `wal`'s sync thread at `gate` (with one record of `payload_bytes`), then fills the
+/// staging buffer behind it: records of `payload_bytes`, then of 64 bytes, until an append
+/// finds no room for `timeout`. After this, an append of more than about 32 bytes of payload
+/// finds no room. Returns the LSNs appended.
+pub fn hold_and_fill_staging(
+    wal: &Wal,
+    gate: &Gate,
+    payload_bytes: usize,
+    timeout: Duration,
+) -> Vec<Lsn> {
+    let payload = vec![7u8; payload_bytes];
+    let mut appended = vec![wal.append_bytes(&payload, 1).unwrap().0];
+    gate.wait_until_reached(1);
+    for filler in [&payload[..], &payload[..64]] {
+        while let Ok((lsn, _)) = wal.append_bytes_timeout(filler, 1, timeout) {
+            appended.push(lsn);
+            assert!(appended.len() < 100_000, "the staging buffer never filled");
+        }
+    }
+    appended
+}
