@@ -160,7 +160,10 @@ pub fn child(work: &Path, _seed: u64, iteration: u64) -> anyhow::Result<()> {
                 if receiver == 0 {
                     for seq in start.. {
                         if !endpoint.ask(AddBlock(make(seq)?)).wait_timeout(REPLY_TIMEOUT)? {
-                            bail!("the tracker did not log block {seq} of receiver 0");
+                            bail!(
+                                "the tracker refused block {seq} of receiver 0 (its log failed, or \
+                                 stayed full for the append timeout)"
+                            );
                         }
                         print_line(&stdout, &format!("A {receiver} {seq}"))?;
                     }
@@ -183,7 +186,8 @@ pub fn child(work: &Path, _seed: u64, iteration: u64) -> anyhow::Result<()> {
                         let (first, count, receipt) = in_flight.pop_front().context("in flight")?;
                         if !receipt.wait_timeout(REPLY_TIMEOUT) {
                             bail!(
-                                "the tracker did not log blocks {first}.. of receiver {receiver}"
+                                "the tracker refused blocks {first}.. of receiver {receiver} \
+                                 (its log failed, or stayed full for the append timeout)"
                             );
                         }
                         for seq in first..first + count {

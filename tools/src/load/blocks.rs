@@ -504,7 +504,7 @@ fn finish_oldest(
     let (sent, receipt) = outstanding.pop_front().expect("not empty");
     let blocks = receipt.block_count() as u64;
     if !receipt.wait() {
-        bail!("an addition was not logged");
+        bail!("an addition was refused (the log failed, or stayed full for the append timeout)");
     }
     if let Some(sent) = sent {
         histogram.record_n(sent.elapsed().as_nanos() as u64, blocks)?;
@@ -532,7 +532,7 @@ fn wait_one(
         }
     };
     if !logged {
-        bail!("an addition was not logged");
+        bail!("an addition was refused (the log failed, or stayed full for the append timeout)");
     }
     histogram.record_n(sent.elapsed().as_nanos() as u64, blocks)?;
     Ok(())
@@ -554,7 +554,10 @@ fn run_recover_and_allocate(
         let stream = streams[(seq % streams.len() as u64) as usize];
         match writer.add_block_deferred(block(stream, seq)) {
             Logged::Pending(lsn) => last = Some(lsn),
-            other => bail!("addition {seq} not logged: {other:?}"),
+            other => bail!(
+                "addition {seq} refused (the log failed, or stayed full for the append timeout): \
+                 {other:?}"
+            ),
         }
     }
     if let (Some(lsn), Some(log)) = (last, writer.log()) {
