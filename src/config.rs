@@ -82,7 +82,8 @@ pub struct BusConfig {
     /// Messages taken from one shard before moving to the next (default 256; at least 1).
     pub drain_batch: usize,
     /// Default timeout of [`Reply::wait`](crate::Reply::wait) (default 120 s, Spark's
-    /// `spark.rpc.askTimeout` default).
+    /// `spark.rpc.askTimeout` default), and the longest an `ask` waits for room in a full
+    /// inbox ([`AskError::Full`](crate::AskError::Full) after it).
     pub ask_timeout: Duration,
     /// How long [`Bus::shutdown`](crate::Bus::shutdown) waits for endpoint threads to finish
     /// (default 30 s).
@@ -208,7 +209,8 @@ impl BusBuilder {
         self
     }
 
-    /// Default timeout of `Reply::wait`.
+    /// Default timeout of `Reply::wait`, and the longest an `ask` waits for room
+    /// ([`BusConfig::ask_timeout`]).
     pub fn ask_timeout(mut self, timeout: Duration) -> Self {
         self.config.ask_timeout = timeout;
         self

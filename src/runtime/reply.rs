@@ -220,8 +220,9 @@ impl<T> Reply<T> {
     /// Waits for the reply for at most the bus's `ask_timeout`.
     ///
     /// # Errors
-    /// Every [`AskError`]: the endpoint was stopped, the handler failed, panicked or dropped
-    /// the request, or the timeout passed.
+    /// Every [`AskError`]: the endpoint was stopped, the inbox stayed full (`Full`), the
+    /// handler failed, panicked or dropped the request, the ask came from the endpoint's own
+    /// handler (`SelfAsk`), or the timeout passed.
     pub fn wait(self) -> Result<T, AskError> {
         let timeout = self.default_timeout;
         self.wait_timeout(timeout)

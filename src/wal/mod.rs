@@ -489,7 +489,7 @@ impl WalConfig {
                 return Err(invalid(
                     "rolling_interval",
                     format!("{interval:?}"),
-                    "must be between 1 ms and 2^62 ms",
+                    "must be at least 1 ms and below 2^62 ms",
                 ));
             }
         }

@@ -15,7 +15,8 @@
 //! ## What a reply means
 //! * `AddBlock` answers `true` only once the addition's record is durable; `false` if the WAL
 //!   refused or failed it (then the block is not queued). `AddBlocks` does the same for
-//!   several blocks (one record each) and answers once the last is durable, per block.
+//!   several blocks (one record each) and answers once the last is durable, per block; after
+//!   a refused block, the rest of the request is refused without being tried.
 //! * `AllocateBlocksToBatch` and `CleanupOldBatches` answer once their event is durable (a
 //!   cleanup also deletes the old WAL files first). A cleanup with `wait` deletes them on the
 //!   endpoint thread and syncs the directory before answering, so requests behind it wait
@@ -135,7 +136,9 @@ pub struct AddBlock(pub ReceivedBlockInfo);
 
 /// Adds several blocks in order (one journal record each, as that many [`AddBlock`]s would);
 /// answers, once the last of them is durable, whether each was logged. Saves a receiver that
-/// has several blocks ready one ask per block.
+/// has several blocks ready one ask per block. Unlike separate asks, once one block's write
+/// is refused the blocks after it are refused without being tried (on a stalled disk each
+/// try would wait out the journal's append timeout).
 #[derive(Debug, Clone)]
 pub struct AddBlocks(pub Vec<ReceivedBlockInfo>);
 

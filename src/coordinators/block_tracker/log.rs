@@ -33,8 +33,9 @@ pub enum BlockLogError {
 
 /// The journal the tracker writes its events to.
 ///
-/// Appends return at once with the event's LSN; durability is learnt separately, so many
-/// writers can share one sync (group commit). Implementations must keep appends in order:
+/// Appends return with the event's LSN without waiting for a sync (only, bounded, for room
+/// while the log's buffer is full); durability is learnt separately, so many writers can
+/// share one sync (group commit). Implementations must keep appends in order:
 /// an event whose LSN is durable implies every earlier event is durable too.
 pub trait BlockLog: Send + Sync + 'static {
     /// Appends `event` with record time `time_ms`; returns its LSN without waiting for
@@ -94,7 +95,7 @@ pub trait BlockLog: Send + Sync + 'static {
     /// Writes and syncs what was appended and stops accepting writes. Idempotent.
     ///
     /// # Errors
-    /// The log's failure.
+    /// The log's failure, or (a bounded close) that it did not finish in time.
     fn close(&self) -> Result<(), WalError>;
 
     /// The underlying WAL, if there is one (for statistics and tests).

@@ -179,7 +179,8 @@ pub struct BlockTrackerConfig {
     /// The WAL's settings (default [`BlockTrackerConfig::driver_wal_config`]).
     pub wal: WalConfig,
     /// Longest a synchronous write waits for durability before it counts as failed (Spark's
-    /// `batchingTimeout`, 5 s).
+    /// `batchingTimeout`, 5 s). A tracker that opens its own log also bounds each append's
+    /// wait for room in the WAL's staging buffer by it.
     pub write_timeout: Duration,
 }
 
@@ -295,8 +296,7 @@ pub struct ReceivedBlockTracker {
     recent_allocation_max: usize,
     /// Emptied record vectors go back to the receivers through this pool (module `recycle`).
     recycled: Arc<BlockVecPool>,
-    /// Events the WAL refused (logged at the 1st, 2nd, 4th, ... one: after a failure of the
-    /// log every later write fails too).
+    /// Events the WAL refused (see `append` for which are logged).
     failed_writes: std::sync::atomic::AtomicU64,
 }
 
@@ -435,7 +435,11 @@ impl ReceivedBlockTracker {
             Err(BlockLogError::Wal(error)) => {
                 let failed =
                     1 + self.failed_writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                if failed.is_power_of_two() {
+                // A write refused for a full log (a stall, at most one per append timeout) is
+                // always worth a line; a failed log fails every later write, so those are
+                // logged at the 1st, 2nd, 4th, ... one.
+                let stalled = matches!(error, WalError::AppendTimedOut { .. });
+                if stalled || failed.is_power_of_two() {
                     tracing::warn!(
                         event = event.kind(),
                         %error,

@@ -256,8 +256,9 @@ pub type RestartPoint = (Epoch, Vec<(PartitionId, Payload)>);
 ///   and its offsets ([`DurableQuery::restart_point`]); offsets of later epochs are ignored.
 /// * No waiting for syncs: appends return at once (unless the WAL's staging buffer is full,
 ///   when they wait for the disk to catch up: back-pressure); the WAL's sync thread makes them
-///   durable (group commit). [`DurableQueryStatus`] says which commits are durable. A crash before a commit
-///   record is durable makes the next run commit that epoch again (at-least-once, SPEC B.5).
+///   durable (group commit). [`DurableQueryStatus`] says which commits are durable. A crash
+///   before a commit record is durable makes the next run commit that epoch again
+///   (at-least-once, SPEC B.5).
 /// * Bounded: with `D` the last commit known durable, WAL segments holding only epochs below
 ///   `D + 1 - retained_epochs` are deleted (time-based `clean`, at most every
 ///   `retained_epochs / 4` epochs); `D`'s records are never below that threshold, and every

@@ -151,13 +151,8 @@ pub enum EpochRequest {
 /// #   fn commit(&mut self, e: Epoch) -> Result<(), CollaboratorError> { self.0.push(e.0); Ok(()) }
 /// #   fn stop(&mut self, _: EpochError) {}
 /// # }
-/// # struct S;
-/// # impl Sink for S {
-/// #   fn commit(&mut self, _: Epoch, _: &[(PartitionId, Payload)])
-/// #       -> Result<(), CollaboratorError> { Ok(()) }
-/// # }
 /// let bus = Bus::builder().inbox_shards(2).build()?;
-/// let endpoint = EpochEndpoint::new(EpochConfig::new(1), Q::default(), S)?;
+/// let endpoint = EpochEndpoint::new(EpochConfig::new(1), Q::default(), NoopSink)?;
 /// let epoch = bus.register(coordinator_name("run42"), endpoint)?;
 /// epoch.ask(SetReaderPartitions(1)).wait()?;
 /// epoch.ask(SetWriterPartitions(1)).wait()?;

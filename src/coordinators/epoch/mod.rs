@@ -580,10 +580,9 @@ pub enum DropReason {
     DuplicateCommit,
     /// The message would add an entry to a queue that already holds more entries than its
     /// backlog limit, for an epoch other than the next to commit (or for that one while its
-    /// side's partition count is unset): the backlog check stopped
-    /// the query when the queue overflowed, and the coordinator takes no more such entries
-    /// until commits bring it back to the limit (so memory stays bounded by the limits: see
-    /// the module doc).
+    /// side's partition count is unset): the backlog check stopped the query when the queue
+    /// overflowed, and the coordinator takes no more such entries until commits bring it back
+    /// to the limit (so memory stays bounded by the limits: see the module doc).
     #[error("the {} already holds more than its limit of {limit} entries", .queue.noun())]
     BacklogFull {
         /// The queue the message would have grown.

@@ -29,7 +29,8 @@ use crate::{
 pub const STATE_STORE_COORDINATOR_NAME: &str = "StateStoreCoordinator";
 
 /// One-way report that `provider_id` is loaded at `location` (Spark <= 3.x). Bad input is
-/// counted as rejected and logged as a warning by the bus's error hook.
+/// counted as rejected and logged by the bus's error hook (a warning at the 1st, 2nd, 4th, ...
+/// rejection).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ReportActiveInstance {
     /// The provider.
