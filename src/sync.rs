@@ -8,13 +8,19 @@
 #[cfg(loom)]
 pub(crate) use loom::{
     hint::spin_loop,
-    sync::atomic::{fence, AtomicBool, AtomicPtr, AtomicU64, AtomicU8, AtomicUsize, Ordering},
+    sync::{
+        atomic::{fence, AtomicBool, AtomicPtr, AtomicU64, AtomicU8, AtomicUsize, Ordering},
+        Arc,
+    },
     thread::{current as current_thread, park, yield_now, Thread},
 };
 #[cfg(not(loom))]
 pub(crate) use std::{
     hint::spin_loop,
-    sync::atomic::{fence, AtomicBool, AtomicPtr, AtomicU64, AtomicU8, AtomicUsize, Ordering},
+    sync::{
+        atomic::{fence, AtomicBool, AtomicPtr, AtomicU64, AtomicU8, AtomicUsize, Ordering},
+        Arc,
+    },
     thread::{current as current_thread, park_timeout, yield_now, Thread},
 };
 

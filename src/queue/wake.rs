@@ -14,18 +14,27 @@
 
 use std::time::Duration;
 
+#[cfg(not(loom))]
 use crossbeam_queue::SegQueue;
 use crossbeam_utils::CachePadded;
 
 use super::barrier::BarrierMode;
-use crate::sync::{current_thread, fence, park_timeout, AtomicBool, AtomicUsize, Ordering, Thread};
+use crate::sync::{
+    current_thread, fence, park_timeout, Arc, AtomicBool, AtomicUsize, Ordering, Thread,
+};
 
 /// The longest a parked producer sleeps before re-checking on its own.
 const PRODUCER_PARK_MAX: Duration = Duration::from_millis(1);
 
 /// Registrations in [`ProducerWaiters`] above which a producer whose wait ended while it was
 /// still registered empties the queue itself (see [`ProducerWaiters::wait_until`]).
+#[cfg(not(loom))]
 pub(crate) const STALE_WAITERS_MAX: usize = 64;
+
+/// [`STALE_WAITERS_MAX`] for the loom models: the protocol is the same at any limit, and a
+/// small one keeps the models small.
+#[cfg(loom)]
+pub(crate) const STALE_WAITERS_MAX: usize = 2;
 
 /// Wakes a parked consumer.
 #[derive(Debug)]
@@ -105,7 +114,40 @@ pub(crate) struct ProducerWaiters {
     /// waiters that already left (a wait that ended by its deadline, say, while the consumer
     /// was stuck); unparking those is harmless, and their number is bounded (see
     /// [`ProducerWaiters::wait_until`]).
-    waiters: SegQueue<std::sync::Arc<Waiter>>,
+    waiters: WaiterQueue,
+}
+
+/// The queue of registrations: lock-free outside loom. Under loom a mutex-guarded deque
+/// stands in for it, because loom sees no ordering through crossbeam's atomics (it would
+/// take the hand-over of a registration for a race).
+#[cfg(not(loom))]
+type WaiterQueue = SegQueue<Arc<Waiter>>;
+
+/// The queue of registrations, as loom sees it (see the other definition).
+#[cfg(loom)]
+#[derive(Debug)]
+struct WaiterQueue(loom::sync::Mutex<std::collections::VecDeque<Arc<Waiter>>>);
+
+#[cfg(loom)]
+impl Default for WaiterQueue {
+    fn default() -> Self {
+        Self(loom::sync::Mutex::new(std::collections::VecDeque::new()))
+    }
+}
+
+#[cfg(loom)]
+impl WaiterQueue {
+    fn push(&self, waiter: Arc<Waiter>) {
+        self.0.lock().unwrap().push_back(waiter);
+    }
+
+    fn pop(&self) -> Option<Arc<Waiter>> {
+        self.0.lock().unwrap().pop_front()
+    }
+
+    fn len(&self) -> usize {
+        self.0.lock().unwrap().len()
+    }
 }
 
 /// One producer's registration for one wait.
@@ -129,14 +171,11 @@ impl ProducerWaiters {
     /// that leaves such a registration while more than [`STALE_WAITERS_MAX`] are queued empties
     /// the queue itself: the live waiters among them get a spurious wake-up and register again.
     pub(crate) fn wait_until<R>(&self, mut try_again: impl FnMut() -> Option<R>) -> R {
-        let waiter = std::sync::Arc::new(Waiter {
-            thread: current_thread(),
-            queued: AtomicBool::new(false),
-        });
+        let waiter = Arc::new(Waiter { thread: current_thread(), queued: AtomicBool::new(false) });
         loop {
             self.count.fetch_add(1, Ordering::SeqCst);
             if !waiter.queued.swap(true, Ordering::AcqRel) {
-                self.waiters.push(std::sync::Arc::clone(&waiter));
+                self.waiters.push(Arc::clone(&waiter));
             }
             fence(Ordering::SeqCst);
             let outcome = try_again();
@@ -186,7 +225,7 @@ impl ProducerWaiters {
 #[cfg(all(test, loom))]
 mod loom_tests {
     use super::*;
-    use loom::{sync::Arc, thread};
+    use loom::thread;
 
     /// A producer publishing while the consumer decides to park: the consumer either sees the
     /// message before parking or is unparked (loom reports a deadlock if it sleeps forever).
@@ -208,6 +247,58 @@ mod loom_tests {
                 doorbell.park_unless(Duration::from_millis(1), || published.load(Ordering::SeqCst));
             }
             producer.join().unwrap();
+        });
+    }
+
+    /// A producer waiting for room while the consumer frees a slot: the producer either sees
+    /// the room or is unparked (loom has no park timeout, so a lost wake-up is a deadlock).
+    /// (The waiting side runs on a spawned thread: loom takes an unpark that reaches a thread
+    /// blocked in `join` for a broken join.)
+    #[test]
+    fn loom_producer_waiter_has_no_lost_wakeup() {
+        loom::model(|| {
+            let waiters = Arc::new(ProducerWaiters::default());
+            let room = Arc::new(AtomicBool::new(false));
+            let producer = {
+                let (waiters, room) = (Arc::clone(&waiters), Arc::clone(&room));
+                thread::spawn(move || {
+                    waiters.wait_until(|| room.load(Ordering::SeqCst).then_some(()));
+                })
+            };
+            room.store(true, Ordering::SeqCst);
+            waiters.wake_all_if_any();
+            producer.join().unwrap();
+        });
+    }
+
+    /// The same while another producer, whose waits ended before anyone woke them, leaves
+    /// more than `STALE_WAITERS_MAX` registrations behind and empties the queue: the live
+    /// waiter's registration may be taken by that drain instead of the consumer, and it must
+    /// still be woken.
+    #[test]
+    fn loom_producer_waiter_survives_a_stale_drain() {
+        loom::model(|| {
+            let waiters = Arc::new(ProducerWaiters::default());
+            let room = Arc::new(AtomicBool::new(false));
+            let waiter = {
+                let (waiters, room) = (Arc::clone(&waiters), Arc::clone(&room));
+                thread::spawn(move || {
+                    waiters.wait_until(|| room.load(Ordering::SeqCst).then_some(()));
+                })
+            };
+            let leaver = {
+                let waiters = Arc::clone(&waiters);
+                thread::spawn(move || {
+                    // Waits that end at once; the last one is over the limit and drains.
+                    for _ in 0..=STALE_WAITERS_MAX {
+                        waiters.wait_until(|| Some(()));
+                    }
+                })
+            };
+            room.store(true, Ordering::SeqCst);
+            waiters.wake_all_if_any();
+            waiter.join().unwrap();
+            leaver.join().unwrap();
         });
     }
 }
