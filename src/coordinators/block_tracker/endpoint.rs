@@ -498,6 +498,19 @@ impl BlockTrackerEndpoint {
         }
     }
 
+    /// Answers a query with what `compute` reads from the tracker, unless [`Self::admit_query`]
+    /// refuses it (then nothing is computed).
+    fn answer_query<T: Send + 'static>(
+        &mut self,
+        replier: Replier<T>,
+        compute: impl FnOnce(&ReceivedBlockTracker) -> T,
+    ) {
+        if let Some(replier) = self.admit_query(replier) {
+            let value = compute(&self.tracker);
+            self.answer(value, replier);
+        }
+    }
+
     /// Lets a query in (its answer is then computed and given with [`Self::answer`]), unless
     /// its answer would have to wait for durability while [`MAX_PENDING_QUERIES`] queries
     /// wait already (and their askers do: abandoned ones are dropped first). A refused query
@@ -676,34 +689,21 @@ impl Endpoint for BlockTrackerEndpoint {
                 }
             }
             BlockTrackerRequest::GetBlocksOfBatch(time, replier) => {
-                if let Some(replier) = self.admit_query(replier) {
-                    let blocks = self.tracker.blocks_of_batch(time);
-                    self.answer(blocks, replier);
-                }
+                self.answer_query(replier, |tracker| tracker.blocks_of_batch(time));
             }
             BlockTrackerRequest::GetBlocksOfBatchAndStream(time, stream, replier) => {
-                if let Some(replier) = self.admit_query(replier) {
-                    let blocks = self.tracker.blocks_of_batch_and_stream(time, stream);
-                    self.answer(blocks, replier);
-                }
+                self.answer_query(replier, |tracker| {
+                    tracker.blocks_of_batch_and_stream(time, stream)
+                });
             }
             BlockTrackerRequest::HasUnallocatedBlocks(replier) => {
-                if let Some(replier) = self.admit_query(replier) {
-                    let any = self.tracker.has_unallocated_blocks();
-                    self.answer(any, replier);
-                }
+                self.answer_query(replier, ReceivedBlockTracker::has_unallocated_blocks);
             }
             BlockTrackerRequest::GetUnallocatedBlocks(stream, replier) => {
-                if let Some(replier) = self.admit_query(replier) {
-                    let blocks = self.tracker.unallocated_blocks(stream);
-                    self.answer(blocks, replier);
-                }
+                self.answer_query(replier, |tracker| tracker.unallocated_blocks(stream));
             }
             BlockTrackerRequest::GetUnconfiguredStreams(replier) => {
-                if let Some(replier) = self.admit_query(replier) {
-                    let streams = self.tracker.unconfigured_streams();
-                    self.answer(streams, replier);
-                }
+                self.answer_query(replier, ReceivedBlockTracker::unconfigured_streams);
             }
             BlockTrackerRequest::CleanupOldBatches(threshold, wait, replier) => {
                 match self.tracker.cleanup_old_batches_deferred(threshold) {
