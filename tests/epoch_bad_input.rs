@@ -490,3 +490,89 @@ fn coordinator_names_are_fresh_per_run() {
     let uuid = first.strip_prefix("EpochCoordinator-run42--").expect("prefix");
     assert_eq!(uuid.len(), 36, "{uuid}");
 }
+
+/// The warnings logged on this thread, each as its fields' text.
+#[derive(Clone, Default)]
+struct WarningLog(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
+
+impl WarningLog {
+    fn lines(&self) -> Vec<String> {
+        self.0.lock().unwrap().clone()
+    }
+
+    /// Runs `body` with this log as the thread's subscriber.
+    fn around<T>(&self, body: impl FnOnce() -> T) -> T {
+        use tracing_subscriber::layer::SubscriberExt;
+        let subscriber = tracing_subscriber::registry().with(self.clone());
+        tracing::subscriber::with_default(subscriber, body)
+    }
+}
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for WarningLog {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        struct Fields(String);
+        impl tracing::field::Visit for Fields {
+            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                self.0.push_str(&format!("{}={value:?} ", field.name()));
+            }
+        }
+        if *event.metadata().level() == tracing::Level::WARN {
+            let mut fields = Fields(String::new());
+            event.record(&mut fields);
+            self.0.lock().unwrap().push(fields.0);
+        }
+    }
+}
+
+/// Issue 4: bad input is "rejected with a counted, logged warning". Each kind warns with the
+/// message it dropped (kind, partition, epoch, reason and its value); repeats of one kind warn
+/// at counts 1, 2, 4, 8, ... so a flood cannot flood the log; drops after writes stopped are
+/// expected (lame-duck tasks, SPEC B.6) and do not warn.
+#[test]
+fn each_kind_of_bad_input_logs_a_warning_naming_the_message() {
+    let (query, sink, _) = recorders();
+    let mut coordinator = EpochCoordinator::new(EpochConfig::new(1), query, sink).unwrap();
+    coordinator.set_reader_partitions(2).unwrap();
+    coordinator.set_writer_partitions(2).unwrap();
+    let warnings = WarningLog::default();
+    warnings.around(|| {
+        coordinator.report_partition_offset(PartitionId(2), Epoch(1), 1.into()).unwrap_err();
+        coordinator.commit_partition_epoch(PartitionId(-4), Epoch(1), 1.into()).unwrap_err();
+        coordinator.commit_partition_epoch(PartitionId(0), Epoch(0), 1.into()).unwrap_err();
+        coordinator.commit_partition_epoch(PartitionId(1), Epoch(1), 1.into()).unwrap();
+        coordinator.commit_partition_epoch(PartitionId(1), Epoch(1), 2.into()).unwrap_err();
+    });
+    let lines = warnings.lines();
+    assert_eq!(lines.len(), 4, "one warning per dropped message: {lines:?}");
+    for (line, expected) in lines.iter().zip([
+        ["partition 2 ", "epoch 1 ", "partition count 2"],
+        ["partition -4 ", "epoch 1 ", "negative"],
+        ["partition 0 ", "epoch 0 ", "last committed epoch 0"],
+        ["partition 1 ", "epoch 1 ", "already committed this epoch"],
+    ]) {
+        for part in expected {
+            assert!(line.contains(part), "{part:?} missing from the warning {line:?}");
+        }
+    }
+
+    // Nine more out-of-range reports: the kind's drops 2..=10 warn at 2, 4 and 8.
+    let warnings = WarningLog::default();
+    warnings.around(|| {
+        for _ in 0..9 {
+            coordinator.report_partition_offset(PartitionId(7), Epoch(1), 1.into()).unwrap_err();
+        }
+    });
+    let lines = warnings.lines();
+    assert_eq!(lines.len(), 3, "{lines:?}");
+    assert!(lines[2].contains("dropped_for_this_reason=8"), "{lines:?}");
+    assert_eq!(coordinator.counters().dropped_partition_out_of_range, 10);
+
+    // After writes stop, drops are counted but not warned about.
+    coordinator.stop_writes();
+    let warnings = WarningLog::default();
+    warnings.around(|| {
+        coordinator.commit_partition_epoch(PartitionId(0), Epoch(1), 1.into()).unwrap_err();
+    });
+    assert_eq!(warnings.lines(), Vec::<String>::new());
+    assert_eq!(coordinator.counters().dropped_writes_stopped, 1);
+}

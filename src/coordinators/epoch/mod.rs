@@ -32,7 +32,8 @@
 //! whole-coordinator entry counters for the backlog checks, so a message costs O(1) amortised:
 //! * a bucket is found through a one-entry cache (consecutive messages mostly share an epoch)
 //!   and otherwise an epoch-keyed hash map; buckets live in a slab and are recycled with their
-//!   allocations, so a steady run allocates nothing per epoch;
+//!   allocations, so a steady run allocates nothing per epoch (payloads that spilled to the
+//!   heap are freed when their epoch commits, not kept until their slot is reused);
 //! * near the commit frontier (up to 16 epochs ahead) a bucket is laid out densely: slot `p`
 //!   holds partition `p`'s entry and a bitmap says which slots are filled, so a message costs a
 //!   bit test and a store, and a complete epoch already is the slice, sorted by partition id,

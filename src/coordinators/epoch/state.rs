@@ -91,6 +91,11 @@ struct Slots {
     present: Vec<u64>,
     /// Number of stored entries (dense: set bits; sparse: `entries.len()`).
     len: usize,
+    /// Dense layout: an entry stored since the last clear may hold its payload on the heap, so
+    /// [`Slots::clear`] frees those payloads instead of keeping them until the slot is
+    /// overwritten (recycled buckets would otherwise hold a whole epoch of large commit
+    /// messages each, beyond what the backlog limits bound).
+    heap_payloads: bool,
     /// Sparse layout: partition id -> position in `entries`, maintained only when `positional`
     /// is false.
     index: IntMap<i32, u32>,
@@ -110,6 +115,7 @@ impl Slots {
             dense: false,
             present: Vec::new(),
             len: 0,
+            heap_payloads: false,
             index: IntMap::default(),
             positional: true,
             max_partition: -1,
@@ -172,6 +178,7 @@ impl Slots {
             if let Some(present) = self.present.get_mut(word) {
                 if *present & bit == 0 {
                     *present |= bit;
+                    self.heap_payloads |= !payload.is_inline();
                     self.entries[position].1 = payload;
                     self.len += 1;
                     return Inserted::New;
@@ -200,6 +207,7 @@ impl Slots {
                 if !overwrite {
                     return Inserted::Duplicate;
                 }
+                self.heap_payloads |= !payload.is_inline();
                 self.entries[position].1 = payload;
                 return Inserted::Replaced;
             }
@@ -256,6 +264,8 @@ impl Slots {
             keep
         });
         self.dense = false;
+        // A sparse side drops its payloads when cleared.
+        self.heap_payloads = false;
         self.max_partition = self.entries.last().map_or(-1, |(partition, _)| partition.0);
         // Kept in partition order: positional exactly when the ids are 0..len.
         self.positional = self.max_partition + 1 == self.entries.len() as i32;
@@ -306,9 +316,13 @@ impl Slots {
         &self.entries
     }
 
-    /// Empties the side, keeping its allocations (a dense side keeps its layout).
+    /// Empties the side, keeping its allocations (a dense side keeps its layout) but not the
+    /// payloads' own.
     fn clear(&mut self) {
         if self.dense {
+            if self.heap_payloads {
+                self.free_heap_payloads();
+            }
             self.present.fill(0);
         } else {
             self.entries.clear();
@@ -317,6 +331,24 @@ impl Slots {
             self.max_partition = -1;
         }
         self.len = 0;
+    }
+
+    /// Dense layout: replaces the stored payloads that live on the heap with empty ones. Visits
+    /// only the filled slots (each was a message), so it stays O(1) amortised per message.
+    #[cold]
+    fn free_heap_payloads(&mut self) {
+        for (word_index, &word) in self.present.iter().enumerate() {
+            let mut bits = word;
+            while bits != 0 {
+                let position = word_index * 64 + bits.trailing_zeros() as usize;
+                let payload = &mut self.entries[position].1;
+                if !payload.is_inline() {
+                    *payload = Payload::new();
+                }
+                bits &= bits - 1;
+            }
+        }
+        self.heap_payloads = false;
     }
 
     /// Empties the side and gives back allocations larger than a small epoch needs.

@@ -1,0 +1,125 @@
+//! Goal (issue 4): small payloads (a few machine words) cost no allocation per message, and
+//! memory stays bounded by the backlog limits: the payloads of committed epochs are freed, so
+//! recycled buckets do not keep old writer commit messages alive.
+//!
+//! Method: `allocation_counter` (the global allocator of this test binary) counts the
+//! allocations and live bytes of the test's own thread while it drives the state machine with
+//! a query and sink that keep nothing. Each count is checked against a run that must allocate
+//! (payloads too large to be inline), so a counter that saw nothing would fail the test.
+
+use coordbus::coordinators::epoch::{
+    CollaboratorError, Epoch, EpochConfig, EpochCoordinator, EpochError, NoopSink, PartitionId,
+    Payload, Query,
+};
+
+/// A query that keeps nothing (so every allocation counted is the coordinator's).
+struct KeepNothing;
+
+impl Query for KeepNothing {
+    fn add_offsets(
+        &mut self,
+        _: Epoch,
+        _: &[(PartitionId, Payload)],
+    ) -> Result<(), CollaboratorError> {
+        Ok(())
+    }
+
+    fn commit(&mut self, _: Epoch) -> Result<(), CollaboratorError> {
+        Ok(())
+    }
+
+    fn stop(&mut self, error: EpochError) {
+        panic!("the query was stopped: {error}");
+    }
+}
+
+const PARTITIONS: i32 = 100;
+
+fn coordinator() -> EpochCoordinator<KeepNothing, NoopSink> {
+    let mut coordinator =
+        EpochCoordinator::new(EpochConfig::new(1), KeepNothing, NoopSink).unwrap();
+    coordinator.set_reader_partitions(PARTITIONS).unwrap();
+    coordinator.set_writer_partitions(PARTITIONS).unwrap();
+    coordinator
+}
+
+/// Runs epochs `epochs` with the writers `ahead` epochs ahead of the readers (as tasks race
+/// ahead of each other), so several buckets are live at once; every epoch commits.
+fn run(
+    coordinator: &mut EpochCoordinator<KeepNothing, NoopSink>,
+    epochs: std::ops::RangeInclusive<i64>,
+    ahead: i64,
+    message: impl Fn(i64) -> Payload,
+) {
+    let (first, last) = (*epochs.start(), *epochs.end());
+    for epoch in first..=last + ahead {
+        if epoch <= last {
+            for partition in 0..PARTITIONS {
+                let commit = message(epoch);
+                coordinator
+                    .commit_partition_epoch(PartitionId(partition), Epoch(epoch), commit)
+                    .unwrap();
+            }
+        }
+        let reported = epoch - ahead;
+        if reported >= first {
+            for partition in 0..PARTITIONS {
+                let offset = Payload::from(reported * 1000 + i64::from(partition));
+                coordinator
+                    .report_partition_offset(PartitionId(partition), Epoch(reported), offset)
+                    .unwrap();
+            }
+        }
+    }
+    assert_eq!(coordinator.last_committed(), Epoch(last), "every epoch committed");
+}
+
+#[test]
+fn small_payloads_cost_no_allocation_per_message_in_a_steady_run() {
+    let small = |epoch: i64| Payload::from(epoch);
+    let mut coordinator = coordinator();
+    // Warm up: the buckets, their slots and the epoch map reach their working size.
+    run(&mut coordinator, 1..=40, 8, small);
+    let steady = allocation_counter::measure(|| run(&mut coordinator, 41..=240, 8, small));
+    let messages = 200 * 2 * PARTITIONS as u64;
+    assert_eq!(steady.count_total, 0, "{messages} messages of 8 bytes: {steady:?}");
+
+    // The counter sees the coordinator's thread: 40-byte commit messages spill to the heap.
+    let large = |epoch: i64| Payload::from(vec![epoch as u8; 40]);
+    let spilled = allocation_counter::measure(|| run(&mut coordinator, 241..=250, 8, large));
+    assert!(spilled.count_total >= 10 * PARTITIONS as u64, "{spilled:?}");
+}
+
+#[test]
+fn committed_epochs_keep_no_large_commit_messages_alive() {
+    const MESSAGE_BYTES: usize = 4096;
+    let large = |epoch: i64| Payload::from(vec![epoch as u8; MESSAGE_BYTES]);
+    let small = |epoch: i64| Payload::from(epoch);
+    // The same run twice, with 8-byte and with 4 KiB commit messages: what the second keeps
+    // allocated beyond the first is payloads of committed epochs.
+    let mut kept = [0i64; 2];
+    for (round, large_messages) in [false, true].into_iter().enumerate() {
+        // The coordinator outlives the measurement, so what it still holds counts as kept.
+        let mut outlives = None;
+        let info = allocation_counter::measure(|| {
+            let mut coordinator = coordinator();
+            if large_messages {
+                run(&mut coordinator, 1..=60, 12, large);
+            } else {
+                run(&mut coordinator, 1..=60, 12, small);
+            }
+            outlives = Some(coordinator);
+        });
+        assert!(info.bytes_total > 0, "{info:?}");
+        kept[round] = info.bytes_current;
+        drop(outlives);
+    }
+    let [with_small, with_large] = kept;
+    let one_epoch_of_messages = (PARTITIONS as usize * MESSAGE_BYTES) as i64;
+    assert!(
+        with_large - with_small < one_epoch_of_messages / 4,
+        "a coordinator with every epoch committed still holds {} bytes more with 4 KiB commit \
+         messages ({with_large} against {with_small})",
+        with_large - with_small
+    );
+}
