@@ -178,7 +178,9 @@ impl Slots {
             if let Some(present) = self.present.get_mut(word) {
                 if *present & bit == 0 {
                     *present |= bit;
-                    self.heap_payloads |= !payload.is_inline();
+                    if !payload.is_inline() {
+                        self.heap_payloads = true;
+                    }
                     self.entries[position].1 = payload;
                     self.len += 1;
                     return Inserted::New;
@@ -207,7 +209,9 @@ impl Slots {
                 if !overwrite {
                     return Inserted::Duplicate;
                 }
-                self.heap_payloads |= !payload.is_inline();
+                if !payload.is_inline() {
+                    self.heap_payloads = true;
+                }
                 self.entries[position].1 = payload;
                 return Inserted::Replaced;
             }
