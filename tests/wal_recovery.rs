@@ -286,6 +286,55 @@ fn damage_in_a_sealed_segment_is_corruption_naming_segment_and_offset() {
     assert!(error.contains(&format!("segment {}", victim.segment)), "{error}");
 }
 
+/// A damaged record in the last segment that was durable is corruption, also when the record
+/// right after it was appended before it was durable (in the same group, or while its sync
+/// ran): a later record, appended once it was durable, proves it. Judged by the next record
+/// alone, the damage read as a torn tail, and the damaged record and every acknowledged one
+/// after it were cut without an error.
+#[test]
+fn damage_proved_only_by_a_later_record_is_corruption_not_a_torn_tail() {
+    let dir = tempfile::tempdir().unwrap();
+    let gate = Arc::new(wal_support::Gate::default());
+    let (first, second, third) = {
+        let wal =
+            Arc::new(wal_support::open_gated(dir.path(), &gate, wal_support::AfterGate::Sync));
+        let _open_gate_on_exit = wal_support::OpenOnDrop(Arc::clone(&gate));
+        let first = wal.append_bytes(&[1u8; 100], 1).unwrap();
+        // The sync thread holds the first record's sync: the second is appended before the
+        // first is durable, so its frame proves nothing about the first.
+        gate.wait_until_reached(1);
+        let second = wal.append_bytes(&[2u8; 100], 2).unwrap();
+        gate.open();
+        wait_durable_bounded(&wal, second.0).unwrap();
+        let third = wal.append_bytes(&[3u8; 100], 3).unwrap();
+        wait_durable_bounded(&wal, third.0).unwrap();
+        wal.close().unwrap();
+        (first, second, third)
+    };
+    assert_eq!((first.0 .0, second.0 .0, third.0 .0), (1, 2, 3));
+    let victim = first.1;
+    let path = dir.path().join(segment::file_name(victim.segment));
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[victim.offset as usize + frame::HEADER_LEN + 10] ^= 0x01;
+    std::fs::write(&path, &bytes).unwrap();
+
+    match scan_dir(dir.path(), RecoveryMode::Strict) {
+        Err(WalError::Corruption { segment, offset, reason }) => {
+            assert_eq!((segment, offset), (victim.segment.0, victim.offset));
+            assert!(reason.contains("LSN 3"), "the proof is the third record: {reason}");
+        }
+        other => panic!("expected corruption, got {other:?}"),
+    }
+    let wal = Wal::open(
+        dir.path(),
+        WalConfig { recovery: RecoveryMode::TolerateCorruption, ..wal_support::gated_config() },
+    )
+    .unwrap();
+    let kept: Vec<u64> = all_records(&wal).iter().map(|(lsn, _, _)| lsn.0).collect();
+    assert_eq!(kept, [2, 3], "only the damaged record is skipped");
+    assert_eq!(wal.recovery_report().corruption_skipped.len(), 1);
+}
+
 #[test]
 fn concurrent_appenders_share_groups_and_keep_their_order() {
     let dir = tempfile::tempdir().unwrap();

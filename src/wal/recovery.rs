@@ -245,6 +245,18 @@ fn find_frame(bytes: &[u8], from: u64, min_lsn: u64) -> Option<(u64, frame::Fram
     None
 }
 
+/// The last frame of the run of frames that starts with `first` (each found by
+/// [`find_frame`] past the one before, with a higher LSN).
+fn last_frame(bytes: &[u8], first: (u64, frame::FrameHeader)) -> (u64, frame::FrameHeader) {
+    let mut last = first;
+    while let Some(next) =
+        find_frame(bytes, last.0 + last.1.frame_len(), last.1.lsn.saturating_add(1))
+    {
+        last = next;
+    }
+    last
+}
+
 /// True if every byte of `bytes` is zero (word-wise, so the compiler vectorizes it).
 fn all_zero(bytes: &[u8]) -> bool {
     let words = bytes.chunks_exact(8);
@@ -456,20 +468,33 @@ fn scan_segment(
             .max()
             .unwrap_or(at)
             .max(at);
+        // Frames end on an alignment boundary, and their padding is zeros: a frame whose last
+        // bytes are padding ends past `garbage_end`.
+        let search_end = (garbage_end as usize).next_multiple_of(frame::ALIGN).min(bytes.len());
+        let region = &bytes[..search_end];
         let later = if garbage_end > at {
-            find_frame(&bytes[..garbage_end as usize], at + frame::ALIGN as u64, expected)
+            find_frame(region, at + frame::ALIGN as u64, expected)
         } else {
             None
         };
-        let proves =
-            later.filter(|(_, later)| !is_last || later.synced_lsn_at_append() >= expected);
-        if let Some((later_at, later_header)) = proves {
+        // In a sealed segment any later record proves damage. In the last one, a later record
+        // appended after LSN `expected` was durable does: the first one found may have been
+        // appended in the same group, before that sync, so the proof is the last record
+        // (the synced LSN a record carries only grows with its LSN).
+        let proof = if is_last {
+            later
+                .map(|first| last_frame(region, first))
+                .filter(|(_, last)| last.synced_lsn_at_append() >= expected)
+        } else {
+            later
+        };
+        if let (Some((later_at, later_header)), Some((proof_at, proof_header))) = (later, proof) {
             let what = problem.clone().unwrap_or_else(|| "records missing (zeroed)".into());
             let reason = if is_last {
                 format!(
-                    "{what}; LSN {} at offset {later_at} was appended after LSN {expected} was \
+                    "{what}; LSN {} at offset {proof_at} was appended after LSN {expected} was \
                      durable",
-                    later_header.lsn
+                    proof_header.lsn
                 )
             } else {
                 format!("{what}; in a sealed segment")
@@ -518,7 +543,6 @@ fn scan_segment(
                     let mut records_discarded = 0;
                     let mut new_end = at;
                     let mut from = at + frame::ALIGN as u64;
-                    let region = &bytes[..garbage_end as usize];
                     while let Some((found_at, found)) = find_frame(region, from, expected) {
                         records_discarded += 1;
                         from = found_at + found.frame_len();
