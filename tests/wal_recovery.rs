@@ -484,6 +484,39 @@ fn clean_below_an_lsn_deletes_whole_sealed_segments_only() {
     assert_eq!(wal.stats().segments, 1);
 }
 
+/// Record times out of LSN order (a restarted epoch log logs lower epochs again): `clean`
+/// deletes old segments only up to the first one it keeps. Deleting a later old segment too
+/// left an LSN gap, and the next open failed with corruption.
+#[test]
+fn clean_deletes_only_the_oldest_segments_so_the_log_keeps_no_gap() {
+    let dir = tempfile::tempdir().unwrap();
+    let wal = open(dir.path(), Durability::default(), IoMode::Auto, 4096);
+    // Times by segment: 300, then 50, then 40. The record that starts a segment carries the
+    // time of the one before, so the end times are 300, 300 and 50, and the fourth segment is
+    // the active one.
+    let times = [300, 50, 40, 40];
+    let mut segments = Vec::new();
+    let mut last = Lsn::ZERO;
+    while segments.len() < 4 {
+        let time = times[segments.len().saturating_sub(1)];
+        let (lsn, handle) = wal.append_bytes(&[7u8; 100], time).unwrap();
+        if segments.last() != Some(&handle.segment) {
+            segments.push(handle.segment);
+        }
+        last = lsn;
+    }
+    wal.wait_durable_timeout(last, WAIT).unwrap();
+    // The third segment ends below 100, but the first (300) is kept, so nothing is deleted.
+    assert_eq!(wal.clean(100, true).unwrap().deleted, Vec::new());
+    // Below 301 the first three go, in order.
+    assert_eq!(wal.clean(301, true).unwrap().deleted, segments[..3].to_vec());
+    drop(wal);
+    let reopened = open(dir.path(), Durability::default(), IoMode::Auto, 4096);
+    let lsns: Vec<u64> = all_records(&reopened).iter().map(|(lsn, _, _)| lsn.0).collect();
+    assert_eq!(lsns.last(), Some(&last.0), "the active segment's records survive");
+    assert!(lsns.windows(2).all(|pair| pair[1] == pair[0] + 1), "no gap: {lsns:?}");
+}
+
 #[test]
 fn a_callback_may_drop_the_last_reference_to_the_log() {
     let dir = tempfile::tempdir().unwrap();

@@ -178,8 +178,12 @@
 //! ## Choices where SPEC is silent
 //! * After opening, the first append starts a new segment (like Spark's new writer), so the
 //!   recovered tail is sealed as it was found (after cutting a torn tail).
-//! * `clean` never deletes the active segment, nor a segment whose bytes are not all written
-//!   yet. With `wait = true` it unlinks the files (or keeps them as spares) itself and syncs
+//! * `clean` deletes the oldest segments only, up to the first one it keeps (Spark deletes
+//!   every file older than the threshold; here a segment left behind a deleted one would be an
+//!   LSN gap, which recovery reads as corruption). It never deletes the active segment, nor a
+//!   segment whose bytes are not all written yet. The unlinks of one clean are made durable
+//!   together (one directory sync, or none without `wait`): a file system that reordered
+//!   them in a crash could leave such a gap; ext4, XFS and btrfs commit them in order. With `wait = true` it unlinks the files (or keeps them as spares) itself and syncs
 //!   the directory, so the deletion is durable on return; without, the sync thread does (SPEC E.4's
 //!   asynchronous deletion: dropping a segment's cached pages costs milliseconds that a
 //!   coordinator's thread should not pay). A log closed before that deletes them at close.
@@ -2003,9 +2007,11 @@ impl Wal {
         Ok(WalIter::new(self.shared.segments_snapshot(), from))
     }
 
-    /// Deletes every segment whose end time is strictly below `threshold_ms` (SPEC 0.6, E.4):
-    /// never the active segment, nor one not yet completely written. The segments leave the
-    /// log at once. With `wait`, their files are deleted here and the directory is synced, so
+    /// Deletes the segments whose end time is strictly below `threshold_ms` (SPEC 0.6, E.4),
+    /// oldest first, up to the first segment that is kept: never the active segment, nor one
+    /// not yet completely written, nor one behind a kept segment (when record times are not in
+    /// LSN order, as after a restart that logs lower times again), since a gap in the LSNs
+    /// would read as corruption on the next open. The segments leave the log at once. With `wait`, their files are deleted here and the directory is synced, so
     /// the deletions are durable on return; without, the sync thread deletes the files
     /// ([`CleanReport::queued`]), and the caller pays nothing for dropping their cached pages.
     ///
@@ -2018,7 +2024,7 @@ impl Wal {
         Ok(report)
     }
 
-    /// Deletes every segment all of whose records have an LSN below `lsn` (for callers that
+    /// Deletes the segments all of whose records have an LSN below `lsn` (for callers that
     /// checkpoint by position rather than time); same rules as [`Wal::clean`] otherwise.
     ///
     /// # Errors
@@ -2044,16 +2050,21 @@ impl Wal {
             return Err(WalError::ReadOnly);
         }
         let active = lock(&shared.append).active.as_ref().map(|segment| segment.header.id);
-        let selected: Vec<Arc<Segment>> = shared
-            .segments
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .extract_if(.., |segment| {
-                Some(segment.header.id) != active
-                    && segment.sealed.load(Ordering::Acquire)
-                    && select(segment)
-            })
-            .collect();
+        let selected: Vec<Arc<Segment>> = {
+            let mut segments =
+                shared.segments.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+            // The oldest segments only, up to the first one kept: deleting one further on
+            // would leave a gap in the LSNs, which recovery reads as corruption.
+            let prefix = segments
+                .iter()
+                .take_while(|segment| {
+                    Some(segment.header.id) != active
+                        && segment.sealed.load(Ordering::Acquire)
+                        && select(segment)
+                })
+                .count();
+            segments.drain(..prefix).collect()
+        };
         let mut report = CleanReport::default();
         if selected.is_empty() {
             // Nothing to delete: no wake-up of the sync thread (a coordinator cleans every few
