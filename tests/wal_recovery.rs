@@ -517,6 +517,40 @@ fn clean_deletes_only_the_oldest_segments_so_the_log_keeps_no_gap() {
     assert!(lsns.windows(2).all(|pair| pair[1] == pair[0] + 1), "no gap: {lsns:?}");
 }
 
+/// A reopened log has no active segment until its first append, and a clean then keeps the
+/// recovered last segment: the next open continues the LSNs and segment ids from it. (With
+/// every segment deleted, they started again at 1, and a handle kept from before the clean
+/// read a new record of the same length as if it were the old one.)
+#[test]
+fn a_clean_before_the_first_append_keeps_the_newest_segment_so_lsns_continue() {
+    let dir = tempfile::tempdir().unwrap();
+    let (old_handle, last) = {
+        let wal = open(dir.path(), Durability::default(), IoMode::Auto, 4096);
+        let mut appended = Vec::new();
+        for index in 0..100u8 {
+            appended.push(wal.append_bytes(&[index; 100], 1).unwrap());
+        }
+        wal.wait_durable_timeout(appended.last().unwrap().0, WAIT).unwrap();
+        (appended[0].1, appended.last().unwrap().0)
+    };
+    let newest = {
+        let wal = open(dir.path(), Durability::default(), IoMode::Auto, 4096);
+        let segments = wal.stats().segments;
+        let report = wal.clean(i64::MAX, true).unwrap();
+        assert_eq!(report.deleted.len(), segments - 1, "all but the newest");
+        report.deleted.iter().max().copied()
+    };
+    assert!(newest.is_some());
+    let wal = open(dir.path(), Durability::default(), IoMode::Auto, 4096);
+    let (lsn, handle) = wal.append_bytes(&[0xee; 100], 2).unwrap();
+    assert_eq!(lsn.0, last.0 + 1, "LSNs continue");
+    assert!(handle.segment > newest.unwrap(), "segment ids continue");
+    assert!(
+        matches!(wal.read_bytes(old_handle), Err(WalError::NotFound { .. })),
+        "a cleaned record stays gone"
+    );
+}
+
 #[test]
 fn a_callback_may_drop_the_last_reference_to_the_log() {
     let dir = tempfile::tempdir().unwrap();

@@ -180,8 +180,9 @@
 //!   recovered tail is sealed as it was found (after cutting a torn tail).
 //! * `clean` deletes the oldest segments only, up to the first one it keeps (Spark deletes
 //!   every file older than the threshold; here a segment left behind a deleted one would be an
-//!   LSN gap, which recovery reads as corruption). It never deletes the active segment, nor a
-//!   segment whose bytes are not all written yet. The unlinks of one clean are made durable
+//!   LSN gap, which recovery reads as corruption). It never deletes the newest segment (the
+//!   active one, or the recovered last one before the first append: the LSNs and segment ids
+//!   of a reopened log continue from it), nor a segment whose bytes are not all written yet. The unlinks of one clean are made durable
 //!   together (one directory sync, or none without `wait`): a file system that reordered
 //!   them in a crash could leave such a gap; ext4, XFS and btrfs commit them in order. With `wait = true` it unlinks the files (or keeps them as spares) itself and syncs
 //!   the directory, so the deletion is durable on return; without, the sync thread does (SPEC E.4's
@@ -2008,10 +2009,12 @@ impl Wal {
     }
 
     /// Deletes the segments whose end time is strictly below `threshold_ms` (SPEC 0.6, E.4),
-    /// oldest first, up to the first segment that is kept: never the active segment, nor one
-    /// not yet completely written, nor one behind a kept segment (when record times are not in
-    /// LSN order, as after a restart that logs lower times again), since a gap in the LSNs
-    /// would read as corruption on the next open. The segments leave the log at once. With `wait`, their files are deleted here and the directory is synced, so
+    /// oldest first, up to the first segment that is kept: never the newest segment (the
+    /// active one, or after a reopen the recovered last one: the log's LSNs and segment ids
+    /// continue from it), nor one not yet completely written, nor one behind a kept segment
+    /// (when record times are not in LSN order, as after a restart that logs lower times
+    /// again), since a gap in the LSNs would read as corruption on the next open. The
+    /// segments leave the log at once. With `wait`, their files are deleted here and the directory is synced, so
     /// the deletions are durable on return; without, the sync thread deletes the files
     /// ([`CleanReport::queued`]), and the caller pays nothing for dropping their cached pages.
     ///
@@ -2054,9 +2057,12 @@ impl Wal {
             let mut segments =
                 shared.segments.write().unwrap_or_else(std::sync::PoisonError::into_inner);
             // The oldest segments only, up to the first one kept: deleting one further on
-            // would leave a gap in the LSNs, which recovery reads as corruption.
+            // would leave a gap in the LSNs, which recovery reads as corruption. Never the
+            // newest: a reopened log continues its LSNs and segment ids from it (with none
+            // left they would start again at 1, and a stale handle could read a new record).
             let prefix = segments
                 .iter()
+                .take(segments.len().saturating_sub(1))
                 .take_while(|segment| {
                     Some(segment.header.id) != active
                         && segment.sealed.load(Ordering::Acquire)
