@@ -2735,4 +2735,51 @@ mod tests {
         wal.wait_durable_timeout(lsn, WAIT).unwrap();
         assert!(path.exists());
     }
+
+    /// The real file system, recording the directories it syncs.
+    #[derive(Debug, Default)]
+    struct DirSyncRecorder(Mutex<Vec<PathBuf>>);
+
+    impl Storage for DirSyncRecorder {
+        fn create_dir_all(&self, dir: &Path) -> std::io::Result<()> {
+            FileStorage.create_dir_all(dir)
+        }
+        fn create(&self, path: &Path) -> std::io::Result<Arc<dyn StorageFile>> {
+            FileStorage.create(path)
+        }
+        fn open_existing(&self, path: &Path) -> std::io::Result<Arc<dyn StorageFile>> {
+            FileStorage.open_existing(path)
+        }
+        fn remove(&self, path: &Path) -> std::io::Result<()> {
+            FileStorage.remove(path)
+        }
+        fn rename(&self, from: &Path, to: &Path) -> std::io::Result<()> {
+            FileStorage.rename(from, to)
+        }
+        fn sync_dir(&self, dir: &Path) -> std::io::Result<()> {
+            lock(&self.0).push(dir.to_path_buf());
+            FileStorage.sync_dir(dir)
+        }
+    }
+
+    /// A log whose directory is created with missing parents (a receiver's data log under
+    /// `<checkpoint>/receivedData/<stream>`) makes every new directory entry durable, not only
+    /// its own, before its first record is durable.
+    #[test]
+    fn every_directory_a_log_creates_has_its_entry_synced() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("checkpoint").join("receivedData").join("7");
+        let storage = Arc::new(DirSyncRecorder::default());
+        let options = WalOptions { storage: Arc::clone(&storage) as _, ..WalOptions::default() };
+        let wal = Wal::open_with_options(&dir, WalConfig::default(), options).unwrap();
+        let (lsn, _) = wal.append_bytes(b"x", 1).unwrap();
+        wal.wait_durable_timeout(lsn, WAIT).unwrap();
+        let synced = lock(&storage.0).clone();
+        let checkpoint = root.path().join("checkpoint");
+        for entry_holder in
+            [root.path().to_path_buf(), checkpoint.clone(), checkpoint.join("receivedData"), dir]
+        {
+            assert!(synced.contains(&entry_holder), "{entry_holder:?} not synced: {synced:?}");
+        }
+    }
 }

@@ -263,6 +263,16 @@ fn swap_out_group(
     closing
 }
 
+/// The directories from `dir` up that do not exist yet, deepest first (an error reading one
+/// counts as existing: `create_dir_all` reports it).
+fn missing_ancestors(dir: &Path) -> Vec<PathBuf> {
+    dir.ancestors()
+        .filter(|ancestor| !ancestor.as_os_str().is_empty())
+        .take_while(|ancestor| matches!(ancestor.try_exists(), Ok(false)))
+        .map(Path::to_path_buf)
+        .collect()
+}
+
 /// The sync thread's body: turns until the log closes. The writer lock is held for each turn
 /// and released while the thread waits for work, so that a leader can write meanwhile.
 ///
@@ -869,12 +879,18 @@ impl Writer {
         let shared = &*self.shared;
         let storage = shared.storage.as_ref();
         if !self.dir_ready {
+            // Every directory this creates needs its entry in its parent made durable, not
+            // only the log's own (a data log under `<checkpoint>/receivedData/<stream>` may
+            // create three levels).
+            let created = missing_ancestors(&shared.dir);
             storage
                 .create_dir_all(&shared.dir)
                 .map_err(|error| WalError::from_io("create directory", &shared.dir, 0, &error))?;
-            if let Some(parent) =
-                shared.dir.parent().filter(|parent| !parent.as_os_str().is_empty())
-            {
+            let parents = std::iter::once(shared.dir.as_path())
+                .chain(created.iter().map(PathBuf::as_path).filter(|dir| *dir != shared.dir))
+                .filter_map(Path::parent)
+                .filter(|parent| !parent.as_os_str().is_empty());
+            for parent in parents {
                 storage
                     .sync_dir(parent)
                     .map_err(|error| WalError::from_io("sync directory", parent, 0, &error))?;
