@@ -161,7 +161,8 @@ fn queue_groups(criterion: &mut Criterion) {
         // thread gets its own lane.
         group.bench_function("coordbus_sharded", |bench| {
             bench.iter_custom(|iterations| {
-                let ours = Arc::new(ShardedQueue::<Message>::new(producers as usize, CAPACITY));
+                let ours =
+                    Arc::new(ShardedQueue::<Message>::new(producers as usize, CAPACITY).unwrap());
                 run_contender(&ours, producers, iterations)
             })
         });

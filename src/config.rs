@@ -133,10 +133,11 @@ impl BusConfig {
         if self.inbox_lanes > crate::queue::MAX_LANES {
             return Err(invalid("inbox_lanes", self.inbox_lanes, "must be 0 ..= 1024"));
         }
-        if !(1..=1024).contains(&self.inbox_shards) {
+        // The queue's own limits (`crate::queue::MAX_SHARDS`, `MAX_CAPACITY`).
+        if !(1..=crate::queue::MAX_SHARDS).contains(&self.inbox_shards) {
             return Err(invalid("inbox_shards", self.inbox_shards, "must be 1 ..= 1024"));
         }
-        if !(2..=1 << 24).contains(&self.inbox_capacity) {
+        if !(2..=crate::queue::MAX_CAPACITY).contains(&self.inbox_capacity) {
             return Err(invalid("inbox_capacity", self.inbox_capacity, "must be 2 ..= 2^24"));
         }
         let slots = inbox_slots(self.inbox_shards, self.inbox_lanes, self.inbox_capacity);

@@ -60,6 +60,12 @@
 //!   tracker, each a plain state machine plus its bus endpoint.
 //! * [`clock`]: injectable time.
 
+// The queue's positions and stamps are `usize` counters that must never wrap (at 100 M
+// messages a second a 32-bit one wraps in under a minute), and the WAL maps segments of up to
+// gigabytes: 64-bit targets only.
+#[cfg(not(target_pointer_width = "64"))]
+compile_error!("coordbus needs a 64-bit target (its queue counters must never wrap)");
+
 /// The README's examples, compiled and run as doc tests.
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]

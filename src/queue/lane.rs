@@ -188,6 +188,7 @@ unsafe impl<T: Send> Sync for Lane<T> {}
 impl<T> Lane<T> {
     /// A lane of `capacity` slots, rounded up to a power of two (at least 2).
     pub(crate) fn with_capacity(capacity: usize) -> Self {
+        debug_assert!(capacity <= super::MAX_CAPACITY, "checked by `ShardedQueue`");
         let capacity = capacity.max(2).next_power_of_two();
         Self {
             producer: CachePadded::default(),

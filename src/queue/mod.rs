@@ -72,6 +72,37 @@ pub const DEFAULT_LANES: usize = 16;
 /// Most lane places an inbox can have (the number of recycled producer indices).
 pub const MAX_LANES: usize = producer::RECYCLED_INDICES;
 
+/// Most slots of one shared ring or lane (`capacity_per_shard`, before rounding up to a power
+/// of two).
+pub const MAX_CAPACITY: usize = 1 << 24;
+
+/// Most shared rings of one inbox (`shard_count`, before rounding up to a power of two).
+pub const MAX_SHARDS: usize = 1024;
+
+/// A [`ShardedQueue`] asked for more than it can be: the setting and its value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum QueueConfigError {
+    /// `capacity_per_shard` above [`MAX_CAPACITY`].
+    #[error("capacity_per_shard {value} exceeds the largest ring or lane, {MAX_CAPACITY} slots")]
+    Capacity {
+        /// The capacity asked for.
+        value: usize,
+    },
+    /// `shard_count` above [`MAX_SHARDS`].
+    #[error("shard_count {value} exceeds the most shared rings, {MAX_SHARDS}")]
+    Shards {
+        /// The shard count asked for.
+        value: usize,
+    },
+    /// `lane_count` above [`MAX_LANES`].
+    #[error("lane_count {value} exceeds the most lane places, {MAX_LANES}")]
+    Lanes {
+        /// The lane count asked for.
+        value: usize,
+    },
+}
+
 /// Where the calling thread's messages go.
 enum Target<'a, T> {
     Lane(&'a Lane<T>),
@@ -124,13 +155,24 @@ impl<T> ShardedQueue<T> {
     /// [`DEFAULT_LANES`] lanes and `shard_count` shared rings, each of `capacity_per_shard`
     /// slots (counts and capacity rounded up to powers of two; at least 1 ring of 2 slots).
     /// Lanes are allocated on their owner's first push.
-    pub fn new(shard_count: usize, capacity_per_shard: usize) -> Self {
+    ///
+    /// # Errors
+    /// [`QueueConfigError`] for a shard count above [`MAX_SHARDS`] or a capacity above
+    /// [`MAX_CAPACITY`].
+    pub fn new(shard_count: usize, capacity_per_shard: usize) -> Result<Self, QueueConfigError> {
         Self::with_lanes(DEFAULT_LANES, shard_count, capacity_per_shard)
     }
 
     /// Like [`ShardedQueue::new`] with `lane_count` lane places (0: every producer uses the
-    /// shared rings; at most [`MAX_LANES`]).
-    pub fn with_lanes(lane_count: usize, shard_count: usize, capacity_per_shard: usize) -> Self {
+    /// shared rings).
+    ///
+    /// # Errors
+    /// As [`ShardedQueue::new`], and [`QueueConfigError::Lanes`] above [`MAX_LANES`].
+    pub fn with_lanes(
+        lane_count: usize,
+        shard_count: usize,
+        capacity_per_shard: usize,
+    ) -> Result<Self, QueueConfigError> {
         Self::with_barrier(BarrierMode::detect(), lane_count, shard_count, capacity_per_shard)
     }
 
@@ -141,10 +183,21 @@ impl<T> ShardedQueue<T> {
         lane_count: usize,
         shard_count: usize,
         capacity_per_shard: usize,
-    ) -> Self {
+    ) -> Result<Self, QueueConfigError> {
+        // The limits keep the rounding up to a power of two (and each ring's index mask) from
+        // overflowing.
+        if capacity_per_shard > MAX_CAPACITY {
+            return Err(QueueConfigError::Capacity { value: capacity_per_shard });
+        }
+        if shard_count > MAX_SHARDS {
+            return Err(QueueConfigError::Shards { value: shard_count });
+        }
+        if lane_count > MAX_LANES {
+            return Err(QueueConfigError::Lanes { value: lane_count });
+        }
         let shard_count = shard_count.max(1).next_power_of_two();
-        Self {
-            lanes: LaneTable::new(lane_count.min(MAX_LANES), capacity_per_shard),
+        Ok(Self {
+            lanes: LaneTable::new(lane_count, capacity_per_shard),
             shards: (0..shard_count).map(|_| Ring::with_capacity(capacity_per_shard)).collect(),
             close_state: CachePadded::default(),
             barrier,
@@ -152,7 +205,7 @@ impl<T> ShardedQueue<T> {
             blocked_producers: ProducerWaiters::default(),
             depth_high_water: AtomicUsize::new(0),
             consumer_taken: AtomicBool::new(false),
-        }
+        })
     }
 
     /// Number of shared rings.
@@ -599,12 +652,13 @@ mod tests {
     /// lane whatever its index.
     fn each_kind<T>(shards: usize, capacity: usize) -> Vec<(&'static str, ShardedQueue<T>)> {
         vec![
-            ("lanes", ShardedQueue::with_lanes(MAX_LANES, shards, capacity)),
+            ("lanes", ShardedQueue::with_lanes(MAX_LANES, shards, capacity).unwrap()),
             (
                 "fenced lanes",
-                ShardedQueue::with_barrier(BarrierMode::Fenced, MAX_LANES, shards, capacity),
+                ShardedQueue::with_barrier(BarrierMode::Fenced, MAX_LANES, shards, capacity)
+                    .unwrap(),
             ),
-            ("rings", ShardedQueue::with_lanes(0, shards, capacity)),
+            ("rings", ShardedQueue::with_lanes(0, shards, capacity).unwrap()),
         ]
     }
 
@@ -715,9 +769,34 @@ mod tests {
         }
     }
 
+    /// Sizes whose rounding to a power of two would overflow (and leave a ring with no slots
+    /// behind an all-ones index mask) are typed errors naming the setting and its value.
+    #[test]
+    fn oversized_settings_are_typed_errors_naming_the_value() {
+        let cases = [
+            ((0, 1, usize::MAX), QueueConfigError::Capacity { value: usize::MAX }),
+            ((0, 1, MAX_CAPACITY + 1), QueueConfigError::Capacity { value: MAX_CAPACITY + 1 }),
+            ((0, usize::MAX, 2), QueueConfigError::Shards { value: usize::MAX }),
+            ((MAX_LANES + 1, 1, 2), QueueConfigError::Lanes { value: MAX_LANES + 1 }),
+        ];
+        for ((lanes, shards, capacity), expected) in cases {
+            let error = ShardedQueue::<u32>::with_lanes(lanes, shards, capacity).unwrap_err();
+            assert_eq!(error, expected);
+            let text = error.to_string();
+            let value = match expected {
+                QueueConfigError::Capacity { value }
+                | QueueConfigError::Shards { value }
+                | QueueConfigError::Lanes { value } => value,
+            };
+            assert!(text.contains(&value.to_string()), "{text}");
+        }
+        let queue = ShardedQueue::<u32>::with_lanes(MAX_LANES, MAX_SHARDS, 2).unwrap();
+        assert_eq!(queue.shard_count(), MAX_SHARDS);
+    }
+
     #[test]
     fn push_after_close_allocates_no_lane() {
-        let queue = ShardedQueue::<u32>::with_lanes(MAX_LANES, 1, 1 << 10);
+        let queue = ShardedQueue::<u32>::with_lanes(MAX_LANES, 1, 1 << 10).unwrap();
         queue.close();
         assert_eq!(queue.try_push(1), Err(QueueError::Closed(1)));
         assert_eq!(queue.push_batch(vec![2, 3], None), Err(QueueError::Closed(vec![2, 3])));

@@ -98,6 +98,7 @@ impl Claim {
 impl<T> Ring<T> {
     /// A ring of `capacity` slots, rounded up to a power of two (at least 2).
     pub(crate) fn with_capacity(capacity: usize) -> Self {
+        debug_assert!(capacity <= super::MAX_CAPACITY, "checked by `ShardedQueue`");
         let capacity = capacity.max(2).next_power_of_two();
         let slots = (0..capacity)
             .map(|index| Slot {
@@ -229,7 +230,9 @@ impl<T> Ring<T> {
     ///
     /// # Panics
     /// If `values` yields fewer items than the claim holds (a broken internal invariant: the
-    /// consumer would wait forever on the unfilled position).
+    /// consumer would wait forever on the unfilled position). The crate's callers pass vectors'
+    /// iterators and single envelopes, which neither fall short nor panic; `Drop` skips
+    /// positions left unwritten all the same.
     pub(crate) fn fill(&self, claim: Claim, values: impl IntoIterator<Item = T>) {
         let mut values = values.into_iter();
         for position in claim.start..claim.start + claim.len {
@@ -291,13 +294,17 @@ impl<T> Ring<T> {
 
 impl<T> Drop for Ring<T> {
     fn drop(&mut self) {
-        // `&mut self`: no producer or consumer is running. Every claimed position was filled
-        // (a claim is always filled before `fill` returns), so positions head..tail hold values.
+        // `&mut self`: no producer or consumer is running. Positions head..tail were claimed;
+        // each holds a value if its stamp says it was written (a claim is filled before `fill`
+        // returns, unless its iterator panicked: the crate's callers pass iterators that
+        // cannot, but an unwritten slot must not be dropped even then).
         let head = self.head.load(Ordering::Relaxed);
         let tail = self.tail.load(Ordering::Relaxed) & !CLOSED_BIT;
         for position in head..tail {
             let slot = &self.slots[position & self.mask];
-            debug_assert_eq!(slot.stamp.load(Ordering::Relaxed), position + 1);
+            if slot.stamp.load(Ordering::Relaxed) != position.wrapping_add(1) {
+                continue;
+            }
             slot.value.with_mut(|cell| {
                 // SAFETY: the stamp says the value at `position` was written and not consumed,
                 // and exclusive access (`&mut self`) rules out any concurrent reader.

@@ -154,11 +154,14 @@ impl Bus {
                 let inbox = Arc::new(Inbox::<E> {
                     name: name.clone(),
                     id: self.shared.next_id.fetch_add(1, Ordering::Relaxed),
+                    // Within the queue's limits: `BusBuilder::build` validated the settings
+                    // against them, and a bus is only made that way.
                     queue: ShardedQueue::with_lanes(
                         self.config.inbox_lanes,
                         self.config.inbox_shards,
                         self.config.inbox_capacity,
-                    ),
+                    )
+                    .expect("BusConfig::validate keeps inboxes within the queue's limits"),
                     counters: Default::default(),
                     bus: Arc::downgrade(&self.shared),
                     ask_timeout: self.config.ask_timeout,
