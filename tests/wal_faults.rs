@@ -26,8 +26,8 @@ use std::{
 };
 
 use coordbus::wal::{
-    Durability, FileStorage, IoMode, IoPath, Lsn, RingFault, RingOp, Storage, StorageFile, Wal,
-    WalConfig, WalError, WalOptions,
+    Durability, FileStorage, IoMode, IoPath, Lsn, RingFault, RingOp, Storage, StorageFile,
+    UnsyncedCut, Wal, WalConfig, WalError, WalOptions, UNSYNCED_MARKER,
 };
 use wal_support::{bounded, wait_durable_bounded};
 
@@ -270,8 +270,23 @@ fn a_failed_fsync_fails_the_log_for_good_on(path: IoVariant) {
         assert!(wal.durable_lsn() < doomed);
         assert_path_used(&wal, &faults);
         drop(wal);
-        let found = records(dir.path());
-        assert_eq!(found[0], b"acknowledged");
+        // The failure left its durable LSN: the doomed record, which the page cache still
+        // holds (the injected EIO dropped nothing), is cut on opening, since on a real disk
+        // it may never have been written (module `wal`, "Durability order").
+        let marker = dir.path().join(UNSYNCED_MARKER);
+        assert_eq!(std::fs::read_to_string(&marker).unwrap(), format!("{}\n", acked.0));
+        let wal =
+            Wal::open(dir.path(), WalConfig { segment_size_bytes: 4096, ..WalConfig::default() })
+                .unwrap();
+        assert_eq!(
+            wal.recovery_report().unsynced_cut,
+            Some(UnsyncedCut { durable_lsn: acked, records_discarded: 1 })
+        );
+        assert!(!marker.exists(), "the marker goes once the cut is durable");
+        let (next, _) = wal.append_bytes(b"next", 4).unwrap();
+        assert_eq!(next, Lsn(acked.0 + 1), "LSNs continue after the last durable one");
+        wait_durable_bounded(&Arc::new(wal), next).unwrap();
+        assert_eq!(records(dir.path()), [&b"acknowledged"[..], b"next"]);
     }
 }
 
@@ -528,8 +543,67 @@ fn a_failed_fsync_amid_concurrent_groups_on(path: IoVariant) {
     assert!(durable < appended.last().unwrap().0, "the failure left records unacknowledged");
     drop(wal);
     let found = records(dir.path());
-    assert!(found.len() as u64 >= durable);
+    // Exactly the acknowledged records: what the failed log wrote after them is cut.
+    assert_eq!(found.len() as u64, durable);
     for (lsn, payload) in appended.iter().take(durable as usize) {
         assert_eq!(&found[*lsn as usize - 1], payload, "LSN {lsn}");
     }
+}
+
+#[test]
+fn a_failure_amid_a_group_that_spans_segments_cuts_its_records_in_each() {
+    on_both_paths(a_failure_amid_a_group_that_spans_segments_on);
+}
+
+/// A group of records that fills several 4 KiB segments, whose second sync fails (the first
+/// syncs the rest of the segment it starts in): the log's durable LSN stays at the record
+/// acknowledged before. Opening cuts every record after it, in the segment it shares with
+/// that record and in the segments created for the group (dropped as a whole), and the next
+/// append continues right after it.
+fn a_failure_amid_a_group_that_spans_segments_on(path: IoVariant) {
+    let dir = tempfile::tempdir().unwrap();
+    let durability =
+        Durability::GroupCommit { max_delay: Duration::from_millis(50), max_bytes: 1 << 20 };
+    let (wal, faults) = open_faulty(path, dir.path(), durability, 4096);
+    let wal = Arc::new(wal);
+    let (acked, _) = wal.append_bytes(&[1u8; 100], 1).unwrap();
+    wait_durable_bounded(&wal, acked).unwrap();
+    let requests = faults.sync_requests.load(Ordering::SeqCst);
+    faults.fail_sync_from.store(requests + 2, Ordering::SeqCst);
+    let mut last = acked;
+    for _ in 0..80 {
+        match wal.append_bytes(&[2u8; 100], 2) {
+            Ok((lsn, _)) => last = lsn,
+            Err(_) => break,
+        }
+    }
+    assert!(wal.wait_durable_timeout(last, WAIT_BOUND).is_err());
+    let durable = wal.durable_lsn();
+    assert!(durable >= acked && durable < last, "durable {durable:?}, last {last:?}");
+    drop(wal);
+    let segment_files = || {
+        std::fs::read_dir(dir.path())
+            .unwrap()
+            .filter(|entry| {
+                entry.as_ref().unwrap().file_name().to_string_lossy().starts_with("seg-")
+            })
+            .count()
+    };
+    let before = segment_files();
+    let reopened =
+        Wal::open(dir.path(), WalConfig { segment_size_bytes: 4096, ..WalConfig::default() })
+            .unwrap();
+    let cut = reopened.recovery_report().unsynced_cut.expect("the failed log's marker");
+    // Which sync failed depends on how the records were grouped: the records after the
+    // durable LSN were cut where they were written, or the segment created for them dropped.
+    let after = segment_files();
+    assert!(cut.records_discarded > 0 || after < before, "{}", reopened.recovery_report());
+    assert!(after <= before);
+    assert_eq!(cut.durable_lsn, durable);
+    let (next, _) = reopened.append_bytes(b"next", 3).unwrap();
+    assert_eq!(next, Lsn(durable.0 + 1));
+    wait_durable_bounded(&Arc::new(reopened), next).unwrap();
+    let found = records(dir.path());
+    assert_eq!(found.len() as u64, durable.0 + 1);
+    assert_eq!(found.last().unwrap(), b"next");
 }

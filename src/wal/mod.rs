@@ -173,7 +173,14 @@
 //!   appended). At a damaged frame expecting LSN `e`, a later valid frame whose
 //!   `lsn - sync_gap >= e` proves `e` was durable: that is corruption. Otherwise the damage is a
 //!   torn tail: it is cut off (the file is truncated there) and reported.
-//! * After a failed write or sync the log is failed for good (SPEC 0.6, redb's `PreviousIo`).
+//! * After a failed write or sync the log is failed for good (SPEC 0.6, redb's `PreviousIo`),
+//!   and its durable LSN never moves again. It also leaves a marker file,
+//!   [`UNSYNCED_MARKER`], naming that durable LSN: opening the log cuts every record after it
+//!   (never acknowledged), then deletes the marker. Without it a process that opens the log
+//!   later in the same boot could read those records back from the page cache and sync them
+//!   without an error, although the kernel may never have written them: Linux reports a
+//!   failed writeback to one `fsync` only and may drop the dirty pages ("fsyncgate"), so the
+//!   records would vanish at the next reboot under state built on them.
 //!
 //! ## Choices where SPEC is silent
 //! * After opening, the first append starts a new segment (like Spark's new writer), so the
@@ -222,10 +229,18 @@ pub use self::lock::is_locked;
 use self::segment::{Segment, SegmentHeader, Window, HEADER_LEN as SEGMENT_HEADER_LEN};
 pub use self::{
     reader::{ArchivedRecord, RecordBytes, RecordRef, WalIter},
-    recovery::{scan_dir, CorruptionNote, DirScan, RecoveryReport, SegmentSummary, TornTail},
+    recovery::{
+        scan_dir, CorruptionNote, DirScan, RecoveryReport, SegmentSummary, TornTail, UnsyncedCut,
+    },
     storage::{FileStorage, RealFile, RingFault, RingOp, Storage, StorageFile},
 };
 pub use crate::error::WalError;
+
+/// The file a failed log leaves in its directory, holding its last durable LSN in decimal:
+/// opening the log cuts every record after that LSN, then deletes the file (module doc,
+/// "Durability order").
+pub const UNSYNCED_MARKER: &str = "unsynced-after.lsn";
+
 use crate::{
     clock::{Clock, SystemClock},
     record::{self, frame, Checked, Record},
@@ -877,29 +892,83 @@ impl Shared {
         };
         // The first failure is the log's; later ones (a close that finds the sync thread
         // panicked, which failed the log already) are only noted.
-        match self.failed.set(error) {
-            Ok(()) => tracing::error!(error = %self.failed.get().expect("just set"),
-                dir = ?self.dir, "write-ahead log failed; no more writes"),
-            Err(later) => tracing::debug!(error = %later, dir = ?self.dir,
-                "write-ahead log failed again"),
-        }
-        self.failed_flag.store(true, Ordering::Release);
-        let callbacks = {
+        let first = match self.failed.set(error) {
+            Ok(()) => {
+                tracing::error!(error = %self.failed.get().expect("just set"),
+                    dir = ?self.dir, "write-ahead log failed; no more writes");
+                true
+            }
+            Err(later) => {
+                tracing::debug!(error = %later, dir = ?self.dir, "write-ahead log failed again");
+                false
+            }
+        };
+        let (callbacks, durable) = {
             let mut sync = lock(&self.sync);
-            if run_callbacks {
+            // Under the sync lock, where `publish` moves the durable LSN: from here on it
+            // stays at `durable`, the LSN the marker names.
+            self.failed_flag.store(true, Ordering::Release);
+            let durable = self.durable_lsn.load(Ordering::Acquire);
+            let callbacks = if run_callbacks {
                 std::mem::take(&mut sync.callbacks)
             } else {
                 if !sync.callbacks.is_empty() {
                     self.callbacks_deferred.store(true, Ordering::Release);
                 }
                 BTreeMap::new()
-            }
+            };
+            (callbacks, durable)
         };
+        // Not while this thread unwinds (a leader's panic guard): a storage layer panicking
+        // again would abort the process. A panic is not a failed write, so the page cache
+        // holds nothing the kernel gave up on.
+        if first && !self.read_only && !std::thread::panicking() {
+            self.leave_unsynced_marker(durable);
+        }
         self.durable_cv.notify_all();
         self.space_cv.notify_all();
         let failed = self.failed_error();
         for callback in callbacks.into_values().flatten() {
             callback(Err(failed.clone()));
+        }
+    }
+
+    /// Writes [`UNSYNCED_MARKER`] naming `durable`, the failed log's last durable LSN (module
+    /// doc, "Durability order"). Best effort: the disk may be failing. A marker whose sync
+    /// failed is still kept, since it is read back from the same page cache as the records it
+    /// guards against.
+    ///
+    /// Runs inside `fail`, before the waiters and callbacks learn of the failure, so a storage
+    /// layer that panics here is caught: the failure must still reach them.
+    fn leave_unsynced_marker(&self, durable: u64) {
+        let path = self.dir.join(UNSYNCED_MARKER);
+        let written = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            match self.storage.remove(&path) {
+                Err(error) if error.kind() != std::io::ErrorKind::NotFound => return Err(error),
+                _ => {}
+            }
+            let file = self.storage.create(&path)?;
+            let text = format!("{durable}\n");
+            let mut at = 0;
+            while at < text.len() {
+                match file.write_at(&text.as_bytes()[at..], at as u64)? {
+                    0 => return Err(std::io::ErrorKind::WriteZero.into()),
+                    wrote => at += wrote,
+                }
+            }
+            file.sync_data()?;
+            self.storage.sync_dir(&self.dir)
+        }))
+        .unwrap_or_else(|_| Err(std::io::Error::other("the storage layer panicked")));
+        match written {
+            Ok(()) => tracing::warn!(
+                ?path,
+                durable,
+                "left a marker: opening the log will cut the records after the durable LSN"
+            ),
+            Err(error) => tracing::error!(?path, durable, %error,
+                "could not make the failed log's marker durable; records after the durable \
+                 LSN may be read back from the page cache by a later open"),
         }
     }
 
@@ -980,6 +1049,13 @@ impl Shared {
         let (ready, wake) = {
             let mut sync = lock(&self.sync);
             let previous = self.durable_lsn.load(Ordering::Acquire);
+            // A failed log's durable LSN stays where the failure found it (`fail`), and no
+            // callback past it runs as durable.
+            let durable = if self.failed_flag.load(Ordering::Acquire) {
+                durable.min(previous)
+            } else {
+                durable
+            };
             let durable_moved = durable > previous;
             if durable_moved {
                 self.durable_lsn.store(durable, Ordering::Release);

@@ -58,6 +58,16 @@ pub struct TornTail {
     pub records_discarded: u64,
 }
 
+/// Records a failed log had appended after its last durable LSN, cut on opening (module
+/// `wal`, "Durability order": the [`super::UNSYNCED_MARKER`] the failure left).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UnsyncedCut {
+    /// The failed log's last durable LSN: the log now ends there.
+    pub durable_lsn: Lsn,
+    /// Complete records cut after it (never acknowledged).
+    pub records_discarded: u64,
+}
+
 /// Damage skipped in tolerant mode.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CorruptionNote {
@@ -104,7 +114,8 @@ pub struct SegmentSummary {
     pub corruption: Vec<CorruptionNote>,
     /// The segment was unreadable and skipped as a whole (tolerant mode).
     pub skipped: bool,
-    /// The segment was a torn creation (last, no valid header, no records) and is dropped.
+    /// The segment is dropped: a torn creation (last, no valid header, no records), or every
+    /// record of it was cut after a failed log's last durable LSN.
     pub dropped: bool,
     /// The segment's file held an earlier segment (its header says so): bytes past
     /// `valid_end` may be that segment's frames (module `wal`, "Recycled segments").
@@ -128,8 +139,11 @@ pub struct RecoveryReport {
     pub torn_tail: Option<TornTail>,
     /// Damage skipped (tolerant mode only).
     pub corruption_skipped: Vec<CorruptionNote>,
-    /// Segment files skipped as a whole (tolerant mode) or dropped as a torn creation.
+    /// Segment files skipped as a whole (tolerant mode), dropped as a torn creation, or
+    /// dropped because every record of theirs was cut with [`Self::unsynced_cut`].
     pub segments_skipped: Vec<SegmentId>,
+    /// What a failed log's marker cut, if the log had failed (and left one).
+    pub unsynced_cut: Option<UnsyncedCut>,
     /// How long the scan took.
     pub elapsed: Duration,
 }
@@ -160,6 +174,13 @@ impl std::fmt::Display for RecoveryReport {
                 f,
                 "; skipped damage in segment {} at offset {} ({} bytes, {} records): {}",
                 note.segment, note.offset, note.bytes_skipped, note.records_skipped, note.reason
+            )?;
+        }
+        if let Some(cut) = &self.unsynced_cut {
+            write!(
+                f,
+                "; the log had failed: {} records after its last durable LSN {} cut",
+                cut.records_discarded, cut.durable_lsn
             )?;
         }
         if !self.segments_skipped.is_empty() {
@@ -602,7 +623,8 @@ fn scan_all(
         };
         scanned.push(scan);
     }
-    let mut report = RecoveryReport::default();
+    let unsynced_cut = unsynced_after(dir)?.map(|durable| cut_unsynced(&mut scanned, durable));
+    let mut report = RecoveryReport { unsynced_cut, ..RecoveryReport::default() };
     for scan in &scanned {
         let summary = &scan.summary;
         if summary.skipped || summary.dropped {
@@ -627,14 +649,134 @@ fn scan_all(
     }
     // An empty last segment still fixes where LSNs continue.
     if report.last_lsn == Lsn::ZERO {
-        if let Some(first) =
-            scanned.iter().rev().find_map(|scan| scan.header.map(|header| header.first_lsn))
+        if let Some(first) = scanned
+            .iter()
+            .rev()
+            .filter(|scan| !scan.summary.dropped)
+            .find_map(|scan| scan.header.map(|header| header.first_lsn))
         {
             report.last_lsn = Lsn(first.saturating_sub(1));
         }
     }
     report.elapsed = started.elapsed();
     Ok((scanned, report, next_id))
+}
+
+/// The last durable LSN a failed log's marker names, if it left one. A marker that cannot be
+/// read as one (its writing was cut short) is ignored with a warning: the failure's durable
+/// LSN is unknown then.
+fn unsynced_after(dir: &Path) -> Result<Option<u64>, WalError> {
+    let path = dir.join(super::UNSYNCED_MARKER);
+    match std::fs::read_to_string(&path) {
+        Ok(text) => match text.trim().parse::<u64>() {
+            Ok(durable) => Ok(Some(durable)),
+            Err(_) => {
+                tracing::warn!(?path, text, "ignoring an unreadable failed-log marker");
+                Ok(None)
+            }
+        },
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(error) => Err(WalError::from_io("read the failed-log marker", &path, 0, &error)),
+    }
+}
+
+/// Deletes a failed log's marker once its cut is durable (the cut segment synced, the
+/// dropped ones' removal with the directory), and makes the deletion durable.
+fn remove_unsynced_marker(dir: &Path, storage: &dyn Storage) -> Result<(), WalError> {
+    let path = dir.join(super::UNSYNCED_MARKER);
+    match storage.remove(&path) {
+        Ok(()) => {
+            tracing::info!(?path, "removed the failed log's marker after cutting its records");
+            storage
+                .sync_dir(dir)
+                .map_err(|error| WalError::from_io("sync directory", dir, 0, &error))
+        }
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(error) => Err(WalError::from_io("remove the failed-log marker", &path, 0, &error)),
+    }
+}
+
+/// Cuts every record after `durable` (a failed log's last durable LSN): segments that start
+/// after it are dropped, and the one holding `durable + 1` ends before it (a torn tail there,
+/// cut like one on opening). Returns what was cut (possibly nothing: the failure may have
+/// come before any record after `durable` was written).
+fn cut_unsynced(scanned: &mut [Scanned], durable: u64) -> UnsyncedCut {
+    let mut records_discarded = 0;
+    for scan in scanned.iter_mut() {
+        let Some(header) = &scan.header else {
+            continue;
+        };
+        if scan.summary.dropped || scan.summary.skipped {
+            continue;
+        }
+        if header.first_lsn > durable {
+            // All its records are after `durable`; kept empty, it would leave an LSN gap.
+            records_discarded += scan.summary.records;
+            scan.summary.dropped = true;
+            continue;
+        }
+        if scan.summary.last_lsn.is_some_and(|last| last.0 > durable) {
+            records_discarded += cut_segment_after(scan, durable);
+        }
+    }
+    UnsyncedCut { durable_lsn: Lsn(durable), records_discarded }
+}
+
+/// Ends `scan`'s segment before its first record after `durable` (walking its valid ranges);
+/// returns how many records that cut.
+fn cut_segment_after(scan: &mut Scanned, durable: u64) -> u64 {
+    let map = scan.map.as_ref().expect("scanned segments keep their map");
+    let bytes = map.bytes();
+    let (mut records, mut record_bytes) = (0u64, 0u64);
+    let (mut min_time, mut max_time) = (i64::MAX, i64::MIN);
+    let (mut first, mut last) = (None, None);
+    let mut cut = None;
+    'ranges: for &(start, end) in &scan.ranges {
+        let mut at = start;
+        while at < end {
+            let Ok((header, _)) = frame::parse(&bytes[at as usize..end as usize]) else {
+                break;
+            };
+            if header.lsn > durable {
+                cut = Some(at);
+                break 'ranges;
+            }
+            records += 1;
+            record_bytes += header.frame_len();
+            min_time = min_time.min(header.time_ms);
+            max_time = max_time.max(header.time_ms);
+            first.get_or_insert(Lsn(header.lsn));
+            last = Some(Lsn(header.lsn));
+            at += header.frame_len();
+        }
+    }
+    let Some(cut) = cut else {
+        return 0;
+    };
+    let summary = &mut scan.summary;
+    let discarded = summary.records - records;
+    let old_end = summary
+        .torn_tail
+        .as_ref()
+        .map_or(summary.valid_end, |tail| tail.offset + tail.bytes_discarded);
+    summary.torn_tail = Some(TornTail {
+        segment: summary.id,
+        offset: cut,
+        bytes_discarded: old_end.saturating_sub(cut),
+        records_discarded: discarded,
+    });
+    summary.valid_end = cut;
+    summary.records = records;
+    summary.record_bytes = record_bytes;
+    summary.first_lsn = first;
+    summary.last_lsn = last;
+    summary.time_range_ms = (records > 0).then_some((min_time, max_time));
+    scan.max_time_ms = max_time;
+    scan.ranges.retain(|&(start, _)| start < cut);
+    if let Some(range) = scan.ranges.last_mut() {
+        range.1 = range.1.min(cut);
+    }
+    discarded
 }
 
 /// Scans the log in `dir` without changing anything (for tools and `verify`).
@@ -682,10 +824,15 @@ pub(crate) fn recover(
             // Release the mapping before deleting.
             scan.map = None;
             storage.remove(&summary.path).map_err(|error| {
-                WalError::from_io("remove torn segment", &summary.path, 0, &error)
+                WalError::from_io("remove dropped segment", &summary.path, 0, &error)
             })?;
             changed_dir = true;
-            tracing::info!(segment = summary.id.0, "removed a segment whose creation was torn");
+            tracing::info!(
+                segment = summary.id.0,
+                records_cut = summary.records,
+                "removed a segment: its creation was torn, or it held only records of a failed \
+                 log past its last durable LSN"
+            );
             continue;
         }
         let Some(header) = scan.header else {
@@ -739,6 +886,7 @@ pub(crate) fn recover(
                 .sync_dir(dir)
                 .map_err(|error| WalError::from_io("sync directory", dir, 0, &error))?;
         }
+        remove_unsynced_marker(dir, storage)?;
     }
     report.segments = segments.len();
     Ok(Recovered { segments, report, next_segment_id })
