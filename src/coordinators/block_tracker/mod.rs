@@ -837,6 +837,11 @@ impl ReceivedBlockTracker {
     /// `threshold` (with `wait`, durably before returning). If the write fails nothing is
     /// removed and no file is deleted.
     ///
+    /// As in Spark, the files go whatever they hold: blocks added before `threshold` and still
+    /// unallocated (a stream missing from the configured ids, or allocations that kept failing)
+    /// stay queued in this tracker, but their additions leave the journal, so a tracker
+    /// recovered after this does not have them.
+    ///
     /// # Errors
     /// [`BlockTrackerError::ThresholdNotInPast`] unless `threshold` is before the clock's
     /// time (checked before anything else); [`BlockTrackerError::LogRaised`];
@@ -925,7 +930,9 @@ impl ReceivedBlockTracker {
     }
 
     /// The streams that have blocks queued but are missing from the configured stream ids:
-    /// their blocks are never allocated (SPEC D), and stay queued while the tracker lives.
+    /// their blocks are never allocated (SPEC D), and stay queued while the tracker lives (a
+    /// cleanup past their time removes their additions from the journal, though:
+    /// [`Self::cleanup_old_batches`]).
     pub fn unconfigured_streams(&self) -> Vec<StreamId> {
         self.unallocated
             .iter()
