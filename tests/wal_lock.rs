@@ -16,7 +16,9 @@ use std::{
     time::Duration,
 };
 
-use coordbus::wal::{is_locked, Durability, Lsn, Wal, WalConfig, WalError, WalOptions};
+use coordbus::wal::{
+    is_locked, Durability, Lsn, Wal, WalConfig, WalError, WalOptions, UNSYNCED_MARKER,
+};
 
 const DIR_VAR: &str = "COORDBUS_WAL_LOCK_DIR";
 const READY: &str = "lock-child-ready";
@@ -117,11 +119,18 @@ fn a_missing_directory_created_by_another_writer_fails_the_late_writer_at_its_fi
     }
     assert!(matches!(late.append_bytes(b"later", 3), Err(WalError::Failed { .. })));
     drop(late);
+    // The late writer failed, but the directory is not its own: it leaves no failed-log
+    // marker there (one naming its durable LSN, 0, would cut the early writer's records).
+    assert!(!dir.join(UNSYNCED_MARKER).exists());
     let (lsn, _) = early.append_bytes(b"early two", 4).unwrap();
     early.wait_durable_timeout(lsn, WAIT).unwrap();
-    let records: Vec<Vec<u8>> =
-        early.iter_from(Lsn::ZERO).unwrap().map(|r| r.unwrap().bytes.to_vec()).collect();
-    assert_eq!(records, vec![b"early".to_vec(), b"early two".to_vec()]);
+    let records = |wal: &Wal| -> Vec<Vec<u8>> {
+        wal.iter_from(Lsn::ZERO).unwrap().map(|r| r.unwrap().bytes.to_vec()).collect()
+    };
+    assert_eq!(records(&early), vec![b"early".to_vec(), b"early two".to_vec()]);
+    drop(early);
+    let reopened = Wal::open(&dir, config()).unwrap();
+    assert_eq!(records(&reopened), vec![b"early".to_vec(), b"early two".to_vec()]);
 }
 
 /// The other process: holds the log open until killed. A no-op unless started by the parent.

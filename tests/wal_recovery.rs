@@ -551,6 +551,63 @@ fn a_clean_before_the_first_append_keeps_the_newest_segment_so_lsns_continue() {
     );
 }
 
+/// A failed log's marker (module `wal`, "Durability order") names its last durable LSN:
+/// opening cuts every record after it, in the segment holding it and in whole later segments,
+/// continues LSNs right after it, and deletes the marker; a read-only scan shows the same cut
+/// and changes nothing.
+#[test]
+fn a_failed_logs_marker_cuts_every_record_after_its_durable_lsn() {
+    let dir = tempfile::tempdir().unwrap();
+    let handles: Vec<(Lsn, RecordHandle)> = {
+        let wal = open(dir.path(), Durability::default(), IoMode::Auto, 4096);
+        let handles: Vec<_> =
+            (0..100u8).map(|index| wal.append_bytes(&[index; 100], 1).unwrap()).collect();
+        wal.wait_durable_timeout(handles.last().unwrap().0, WAIT).unwrap();
+        handles
+    };
+    // Durable up to a record in the middle of the second segment.
+    let second =
+        handles.iter().map(|(_, handle)| handle.segment).find(|s| *s > handles[0].1.segment);
+    let in_second: Vec<&(Lsn, RecordHandle)> =
+        handles.iter().filter(|(_, handle)| Some(handle.segment) == second).collect();
+    let durable = in_second[in_second.len() / 2].0;
+    let later_segments = {
+        let mut ids: Vec<_> = handles
+            .iter()
+            .map(|(_, handle)| handle.segment)
+            .filter(|id| Some(*id) > second)
+            .collect();
+        ids.dedup();
+        ids
+    };
+    assert!(later_segments.len() >= 2, "whole segments after the cut: {later_segments:?}");
+    let marker = dir.path().join(coordbus::wal::UNSYNCED_MARKER);
+    std::fs::write(&marker, format!("{}\n", durable.0)).unwrap();
+
+    let scan = scan_dir(dir.path(), RecoveryMode::Strict).unwrap();
+    let expected_cut =
+        coordbus::wal::UnsyncedCut { durable_lsn: durable, records_discarded: 100 - durable.0 };
+    assert_eq!(scan.report.unsynced_cut, Some(expected_cut));
+    assert_eq!((scan.report.records, scan.report.last_lsn), (durable.0, durable));
+    assert_eq!(scan.report.segments_skipped, later_segments);
+    assert!(marker.exists(), "a read-only scan changes nothing");
+
+    let wal = open(dir.path(), Durability::default(), IoMode::Auto, 4096);
+    assert_eq!(wal.recovery_report().unsynced_cut, Some(expected_cut));
+    assert!(!marker.exists());
+    let kept: Vec<u64> = all_records(&wal).iter().map(|(lsn, _, _)| lsn.0).collect();
+    assert_eq!(kept, (1..=durable.0).collect::<Vec<_>>());
+    assert_eq!(wal.durable_lsn(), durable);
+    let (next, handle) = wal.append_bytes(b"next", 2).unwrap();
+    assert_eq!(next.0, durable.0 + 1, "LSNs continue after the durable one");
+    assert!(Some(handle.segment) > later_segments.last().copied(), "segment ids are not reused");
+    wal.wait_durable_timeout(next, WAIT).unwrap();
+    drop(wal);
+    let reopened = open(dir.path(), Durability::default(), IoMode::Auto, 4096);
+    assert_eq!(all_records(&reopened).len() as u64, durable.0 + 1, "a strict reopen finds no gap");
+    assert_eq!(reopened.recovery_report().unsynced_cut, None);
+}
+
 #[test]
 fn a_callback_may_drop_the_last_reference_to_the_log() {
     let dir = tempfile::tempdir().unwrap();

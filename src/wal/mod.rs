@@ -175,8 +175,12 @@
 //!   torn tail: it is cut off (the file is truncated there) and reported.
 //! * After a failed write or sync the log is failed for good (SPEC 0.6, redb's `PreviousIo`),
 //!   and its durable LSN never moves again. It also leaves a marker file,
-//!   [`UNSYNCED_MARKER`], naming that durable LSN: opening the log cuts every record after it
-//!   (never acknowledged), then deletes the marker. Without it a process that opens the log
+//!   [`UNSYNCED_MARKER`], naming that durable LSN (if it holds the directory's lock: another
+//!   writer's directory is not its to mark): opening the log cuts every record after it
+//!   (never acknowledged), then deletes the marker once the cut is durable; a read-only open
+//!   or [`scan_dir`] cuts in what it reports only. The marker is written before waiters are
+//!   woken, on the failing thread, so on a failing disk they wait for its sync too. Without
+//!   it a process that opens the log
 //!   later in the same boot could read those records back from the page cache and sync them
 //!   without an error, although the kernel may never have written them: Linux reports a
 //!   failed writeback to one `fsync` only and may drop the dirty pages ("fsyncgate"), so the
@@ -846,6 +850,12 @@ pub(crate) struct Shared {
     pub(crate) leaders_active: AtomicBool,
     /// A lead happened since the sync thread's last poll (set by leaders, cleared by polls).
     pub(crate) led_since_poll: AtomicBool,
+    /// The first segment a clean could not delete: no later one is deleted (see
+    /// `delete_segments`).
+    pub(crate) undeletable: Mutex<Option<SegmentId>>,
+    /// This log holds its directory's lock (the writer's `DirLock`): only then may a failure
+    /// leave its [`UNSYNCED_MARKER`] there (another writer's directory is not its to mark).
+    pub(crate) holds_dir_lock: AtomicBool,
     pub(crate) failed: OnceLock<WalError>,
     pub(crate) failed_flag: AtomicBool,
     pub(crate) groups: AtomicU64,
@@ -922,7 +932,11 @@ impl Shared {
         // Not while this thread unwinds (a leader's panic guard): a storage layer panicking
         // again would abort the process. A panic is not a failed write, so the page cache
         // holds nothing the kernel gave up on.
-        if first && !self.read_only && !std::thread::panicking() {
+        if first
+            && !self.read_only
+            && self.holds_dir_lock.load(Ordering::Acquire)
+            && !std::thread::panicking()
+        {
             self.leave_unsynced_marker(durable);
         }
         self.durable_cv.notify_all();
@@ -938,8 +952,8 @@ impl Shared {
     /// failed is still kept, since it is read back from the same page cache as the records it
     /// guards against.
     ///
-    /// Runs inside `fail`, before the waiters and callbacks learn of the failure, so a storage
-    /// layer that panics here is caught: the failure must still reach them.
+    /// Runs inside `fail`, before the waiting threads are woken and the callbacks run, so a
+    /// storage layer that panics here is caught: the failure must still reach them.
     fn leave_unsynced_marker(&self, durable: u64) {
         let path = self.dir.join(UNSYNCED_MARKER);
         let written = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -1234,8 +1248,19 @@ impl Shared {
 
     /// Deletes the files of `segments` (no longer tracked), or keeps them as spares, adding
     /// what happened to `report`. Failures are logged and reported, never retried (SPEC E.4).
+    ///
+    /// Oldest first, and never again once one cannot be deleted: a segment left on disk
+    /// behind deleted ones would be an LSN gap, which the next open reads as corruption. The
+    /// later ones stay on disk too (reported failed), now and in later cleans; the next open
+    /// finds them all, in order, and a clean then deletes them.
     pub(crate) fn delete_segments(&self, segments: Vec<Arc<Segment>>, report: &mut CleanReport) {
-        for segment in segments {
+        let mut segments = segments.into_iter();
+        if let Some(stuck) = *lock(&self.undeletable) {
+            let reason = format!("not deleted: segment {stuck} before it could not be");
+            report.failed.extend(segments.map(|kept| (kept.header.id, reason.clone())));
+            return;
+        }
+        while let Some(segment) = segments.next() {
             let (id, path, len) = (segment.header.id, segment.path.clone(), segment.file_len());
             if self.keep_as_spare(segment) {
                 report.deleted.push(id);
@@ -1250,9 +1275,14 @@ impl Shared {
                         report.deleted.push(id);
                     }
                     Err(error) => {
-                        tracing::warn!(?path, %error, "could not delete a WAL segment");
+                        tracing::warn!(?path, %error,
+                            "could not delete a WAL segment; no later one is deleted until the \
+                             log is reopened");
                         report.failed.push((id, error.to_string()));
-                        continue;
+                        *lock(&self.undeletable) = Some(id);
+                        let reason = format!("not deleted: segment {id} before it could not be");
+                        report.failed.extend(segments.map(|kept| (kept.header.id, reason.clone())));
+                        return;
                     }
                 }
             }
@@ -1562,6 +1592,8 @@ impl Wal {
             callbacks_deferred: AtomicBool::new(false),
             leaders_active: AtomicBool::new(false),
             led_since_poll: AtomicBool::new(false),
+            holds_dir_lock: AtomicBool::new(false),
+            undeletable: Mutex::new(None),
             failed: OnceLock::new(),
             failed_flag: AtomicBool::new(false),
             groups: AtomicU64::new(0),
@@ -2857,5 +2889,75 @@ mod tests {
         {
             assert!(synced.contains(&entry_holder), "{entry_holder:?} not synced: {synced:?}");
         }
+    }
+
+    /// The real file system, except that removing the file named in `refuse` fails.
+    #[derive(Debug, Default)]
+    struct RefusingRemove {
+        refuse: Mutex<Option<PathBuf>>,
+    }
+
+    impl Storage for RefusingRemove {
+        fn create_dir_all(&self, dir: &Path) -> std::io::Result<()> {
+            FileStorage.create_dir_all(dir)
+        }
+        fn create(&self, path: &Path) -> std::io::Result<Arc<dyn StorageFile>> {
+            FileStorage.create(path)
+        }
+        fn open_existing(&self, path: &Path) -> std::io::Result<Arc<dyn StorageFile>> {
+            FileStorage.open_existing(path)
+        }
+        fn remove(&self, path: &Path) -> std::io::Result<()> {
+            if lock(&self.refuse).as_deref() == Some(path) {
+                return Err(std::io::ErrorKind::PermissionDenied.into());
+            }
+            FileStorage.remove(path)
+        }
+        fn rename(&self, from: &Path, to: &Path) -> std::io::Result<()> {
+            FileStorage.rename(from, to)
+        }
+        fn sync_dir(&self, dir: &Path) -> std::io::Result<()> {
+            FileStorage.sync_dir(dir)
+        }
+    }
+
+    /// A segment that cannot be deleted stops cleaning there, in this clean and later ones:
+    /// deleting the segments after it would leave an LSN gap on disk, and the next open would
+    /// fail as corrupt. That open finds the kept segments in order.
+    #[test]
+    fn a_segment_that_cannot_be_deleted_stops_cleaning_so_no_gap_is_left() {
+        let dir = tempfile::tempdir().unwrap();
+        let storage = Arc::new(RefusingRemove::default());
+        let options = WalOptions {
+            storage: Arc::clone(&storage) as _,
+            spare_segments: 0,
+            ..WalOptions::default()
+        };
+        let config = WalConfig { segment_size_bytes: 4096, ..WalConfig::default() };
+        let wal = Wal::open_with_options(dir.path(), config.clone(), options).unwrap();
+        let appended: Vec<_> = (0..150u8)
+            .map(|index| wal.append_bytes(&[index; 100], i64::from(index)).unwrap())
+            .collect();
+        wal.wait_durable_timeout(appended.last().unwrap().0, WAIT).unwrap();
+        let segments: Vec<SegmentId> =
+            wal.shared.segments_snapshot().iter().map(|segment| segment.header.id).collect();
+        assert!(segments.len() >= 5, "{segments:?}");
+        *lock(&storage.refuse) = Some(dir.path().join(segment::file_name(segments[1])));
+
+        // Times are the record indices, 28 records a segment: below 100, the first three.
+        let first = wal.clean(100, true).unwrap();
+        assert_eq!(first.deleted, [segments[0]], "the segments before the stuck one go");
+        let failed: Vec<SegmentId> = first.failed.iter().map(|(id, _)| *id).collect();
+        assert_eq!(failed, segments[1..3], "the stuck one, and the one after it is kept");
+        let second = wal.clean(i64::MAX, true).unwrap();
+        assert!(second.deleted.is_empty(), "no later segment is deleted: {second:?}");
+        assert!(!second.failed.is_empty());
+        drop(wal);
+
+        let reopened = Wal::open(dir.path(), config).unwrap();
+        let lsns: Vec<u64> =
+            reopened.iter_from(Lsn::ZERO).unwrap().map(|r| r.unwrap().lsn.0).collect();
+        assert_eq!(lsns.last(), Some(&appended.last().unwrap().0 .0));
+        assert!(lsns.windows(2).all(|pair| pair[1] == pair[0] + 1), "no gap: {lsns:?}");
     }
 }

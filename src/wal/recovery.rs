@@ -21,6 +21,10 @@
 //! held earlier segments, whose frames of lower LSNs follow their records: module `wal`,
 //! "Recycled segments".) Spare files are no segments: a writer's open deletes them.
 //!
+//! After the scan, a failed log's marker ([`super::UNSYNCED_MARKER`]) cuts every record after
+//! the durable LSN it names: the segment holding the next LSN ends before it (cut like a torn
+//! tail), and later segments are removed whole; LSNs continue after the durable one.
+//!
 //! "Corruption" fails the open with [`WalError::Corruption`] naming segment and offset in
 //! [`RecoveryMode::Strict`]; in [`RecoveryMode::TolerateCorruption`] the damaged stretch (or
 //! segment) is skipped, every valid record kept, and the skip reported.
@@ -627,7 +631,13 @@ fn scan_all(
     let mut report = RecoveryReport { unsynced_cut, ..RecoveryReport::default() };
     for scan in &scanned {
         let summary = &scan.summary;
-        if summary.skipped || summary.dropped {
+        if summary.dropped {
+            // Opening removes it: its records (cut after a failed log's durable LSN) count
+            // nowhere, nor fix where LSNs continue.
+            report.segments_skipped.push(summary.id);
+            continue;
+        }
+        if summary.skipped {
             report.segments_skipped.push(summary.id);
         } else {
             report.segments += 1;

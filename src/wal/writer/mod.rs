@@ -227,6 +227,7 @@ impl Writer {
         engine: Box<dyn IoEngine>,
         dir_lock: Option<DirLock>,
     ) -> Self {
+        shared.holds_dir_lock.store(dir_lock.is_some(), Ordering::Release);
         Writer {
             shared,
             engine,
@@ -371,6 +372,7 @@ impl Writer {
         };
         self.shared.delete_segments(leftover_doomed, &mut CleanReport::default());
         // Everything is written and synced (or the log failed): another writer may take over.
+        self.shared.holds_dir_lock.store(false, Ordering::Release);
         self.dir_lock = None;
         // Callbacks a leader made ready run with `Ok`; the rest can never be durable now.
         self.shared.run_deferred_callbacks();
@@ -886,10 +888,12 @@ impl Writer {
             storage
                 .create_dir_all(&shared.dir)
                 .map_err(|error| WalError::from_io("create directory", &shared.dir, 0, &error))?;
+            // A relative path's top directory is an entry of the working directory (its
+            // parent reads as the empty path).
             let parents = std::iter::once(shared.dir.as_path())
                 .chain(created.iter().map(PathBuf::as_path).filter(|dir| *dir != shared.dir))
                 .filter_map(Path::parent)
-                .filter(|parent| !parent.as_os_str().is_empty());
+                .map(|parent| if parent.as_os_str().is_empty() { Path::new(".") } else { parent });
             for parent in parents {
                 storage
                     .sync_dir(parent)
@@ -899,6 +903,7 @@ impl Writer {
                 // The directory did not exist at open; another writer may have created and
                 // locked it since. Nothing is written before the lock is held.
                 self.dir_lock = Some(DirLock::acquire_existing(&shared.dir)?);
+                shared.holds_dir_lock.store(true, Ordering::Release);
             }
             self.dir_ready = true;
         }
