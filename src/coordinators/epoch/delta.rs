@@ -38,7 +38,11 @@
 //! finds, `E >= D`, and so the chain of `E`'s delta back to its keyframe, whose epoch `k` is
 //! above `E - interval`, every record of it at an epoch above `k` (a delta is never of an
 //! earlier epoch than its keyframe). With an interval of
-//! at most `retained_epochs`, `k > D - retained_epochs`: their segments are kept. A crash that
+//! at most `retained_epochs`, `k > D - retained_epochs`: their segments are kept. That holds
+//! for chains the cleaning run wrote. A run restarted with fewer retained epochs than the run
+//! before it keeps the recovered restart point's chain (up to [`KEYFRAME_INTERVAL`] epochs
+//! back) until a commit of its own is durable; its first offsets record is full, so from then
+//! on its own chains are what a restart needs. A crash that
 //! cuts the log keeps a prefix, and a chain's records precede the deltas that use them. Only a
 //! log opened with corrupted segments skipped can miss a base; opening then fails with
 //! [`super::EpochError::BadLogRecord`] if the restart point needs it.

@@ -494,7 +494,16 @@ impl<Q: Query> DurableQuery<Q> {
         if durable < 0 {
             return;
         }
-        let threshold = durable.saturating_add(1).saturating_sub(self.retained_epochs as i64);
+        let mut threshold = durable.saturating_add(1).saturating_sub(self.retained_epochs as i64);
+        if let Some((recovered, _)) = self.restart_point.as_ref().filter(|(e, _)| durable <= e.0) {
+            // The restart point is still the recovered one, whose offsets may be a delta in
+            // the previous run's chain: written under that run's retention, it may reach up to
+            // `KEYFRAME_INTERVAL` epochs back, further than this run keeps (module `delta`).
+            // Once a commit of this run is durable, its own chain (started by a full record)
+            // is what a restart needs.
+            let chain_start = recovered.0.saturating_add(1).saturating_sub(KEYFRAME_INTERVAL);
+            threshold = threshold.min(chain_start);
+        }
         if threshold < self.next_clean || threshold <= 0 {
             return;
         }
@@ -1058,6 +1067,44 @@ mod tests {
                 logged_offsets(query.wal()).iter().map(|(epoch, _, _)| *epoch).collect();
             assert_eq!(logged, (0..40).collect::<Vec<_>>(), "retained {retained}");
         }
+    }
+
+    /// A run that keeps fewer epochs than the one before it must not clean, before a commit of
+    /// its own is durable, what the recovered restart point decodes from: that run's chain may
+    /// reach further back (up to [`KEYFRAME_INTERVAL`] epochs) than the new retention. Checked
+    /// by opening a copy of the log cut back to the first run's records (as a crash before the
+    /// second run's commit became durable would leave it), through a failed-log marker.
+    #[test]
+    fn a_smaller_retention_after_a_restart_keeps_the_recovered_restart_points_chain() {
+        let dir = tempfile::tempdir().unwrap();
+        let offsets = |epoch: i64| -> Vec<(PartitionId, Payload)> { advancing(200, 5000, epoch) };
+        let config =
+            WalConfig { durability: Durability::None, segment_size_bytes: 4096, ..config() };
+        let first_run_end = {
+            let mut query = DurableQuery::open(dir.path(), config.clone()).unwrap();
+            commit_each_durably(&mut query, 0..150, offsets);
+            query.wal().appended_lsn()
+        };
+        {
+            let mut query =
+                DurableQuery::open(dir.path(), config.clone()).unwrap().with_retained_epochs(2);
+            commit_each_durably(&mut query, 150..151, offsets);
+            assert!(query.wal().stats().cleaned_segments > 0, "the second run cleaned");
+        }
+        let crashed = tempfile::tempdir().unwrap();
+        for entry in std::fs::read_dir(dir.path()).unwrap() {
+            let entry = entry.unwrap();
+            if entry.file_name().to_string_lossy().starts_with("seg-") {
+                std::fs::copy(entry.path(), crashed.path().join(entry.file_name())).unwrap();
+            }
+        }
+        std::fs::write(
+            crashed.path().join(crate::wal::UNSYNCED_MARKER),
+            format!("{}\n", first_run_end.0),
+        )
+        .unwrap();
+        let query = DurableQuery::open(crashed.path(), config).unwrap();
+        assert_eq!(query.restart_point(), Some(&(Epoch(149), offsets(149))));
     }
 
     #[test]
