@@ -32,6 +32,12 @@
 //! D.2, they only share a record and its LSN). Decoding validates everything an encoder
 //! guarantees (flags, extra indices, varint lengths, ranges, no trailing bytes), so every
 //! record round-trips exactly and a damaged one is an error, never a panic.
+//!
+//! The layout carries no version tag. It changed twice before any release (archived events
+//! became packed ones, then packed block lists became coded ones); a journal written by such
+//! an earlier build fails recovery with a decoding error (`BlockTrackerError::Decode`), it is
+//! never misread. A future change of the layout needs a tag, or a new root variant, to keep
+//! reading the journals written by this one.
 
 use rkyv::{rancor, util::AlignedVec, with::AsBox};
 

@@ -44,8 +44,14 @@
 //! be in the log. The caller was told "not written" (an addition answered `false`, an
 //! allocation silently not applied), yet a later recovery replays it: a block that reappears as
 //! unallocated (and is then allocated, so the receiver's retry makes it appear twice), or an
-//! allocation the runtime never applied. This is the at-least-once behaviour Spark has too;
-//! consumers must tolerate a block being offered again after a driver restart.
+//! allocation the runtime never applied. The latter on the synchronous path
+//! ([`ReceivedBlockTracker::allocate_blocks_to_batch`]): a batch whose allocation timed out
+//! gives its blocks back to the queues, a later batch takes them, and after a recovery the
+//! blocks belong to both batches (the replayed first allocation, and the later one, which
+//! lists them too). The endpoint's deferred path has no such case: it applies an allocation at
+//! append and rebuilds from the durable prefix if the log fails. This is the at-least-once
+//! behaviour Spark has too; consumers must tolerate a block being offered again after a
+//! driver restart.
 //!
 //! ## Recovery (SPEC D.4)
 //! With `recover_from_wal`, construction replays the whole log: additions are queued with
