@@ -127,6 +127,27 @@ fn ss_03_multiple_references_share_one_coordinator() {
     bus.shutdown().unwrap();
 }
 
+/// SS-03's collision: the helper found no coordinator, but another registration won the name
+/// before its own (here from inside the helper's constructor, between the two steps). The
+/// helper returns a reference to the coordinator that won; the endpoint it built is dropped.
+#[test]
+fn ss_03_a_registration_that_collides_returns_the_existing_coordinator() {
+    let bus = bus();
+    let mut winner = None;
+    let late = StateStoreCoordinatorRef::for_driver_with(&bus, || {
+        winner = Some(StateStoreCoordinatorRef::for_driver(&bus).unwrap());
+        StateStoreCoordinatorEndpoint::default()
+    })
+    .unwrap();
+    let winner = winner.expect("the constructor ran: the lookup found no coordinator");
+    assert!(late.same_coordinator(&winner));
+    assert_eq!(bus.names(), vec![STATE_STORE_COORDINATOR_NAME.to_owned()]);
+    let id = p("x", 0, 0, Uuid::from_u128(0x55_0006));
+    winner.report_active_instance(id, at("hostX", "exec1")).unwrap();
+    assert!(late.verify_if_instance_active(id, "exec1").unwrap());
+    bus.shutdown().unwrap();
+}
+
 #[test]
 fn concurrent_for_driver_calls_register_one_coordinator() {
     let bus = bus();

@@ -223,6 +223,9 @@ fn answer<T: Send + 'static>(replier: Replier<T>, outcome: Result<T, StateStoreE
 /// coordinator has the same endpoint type and can be looked up by name whatever its clock.
 pub struct StateStoreCoordinatorEndpoint {
     coordinator: StateStoreCoordinator<Arc<dyn Clock>>,
+    /// One-way reports rejected (the coordinator's `rejected` counts asks too): the warning
+    /// cadence of `on_error`.
+    rejected_reports: u64,
 }
 
 impl std::fmt::Debug for StateStoreCoordinatorEndpoint {
@@ -238,7 +241,10 @@ impl std::fmt::Debug for StateStoreCoordinatorEndpoint {
 impl Default for StateStoreCoordinatorEndpoint {
     /// An endpoint with the default settings, on the system clock.
     fn default() -> Self {
-        Self { coordinator: StateStoreCoordinator::with_default_config(Arc::new(SystemClock)) }
+        Self {
+            coordinator: StateStoreCoordinator::with_default_config(Arc::new(SystemClock)),
+            rejected_reports: 0,
+        }
     }
 }
 
@@ -259,7 +265,10 @@ impl StateStoreCoordinatorEndpoint {
         config: StateStoreCoordinatorConfig,
         clock: Arc<dyn Clock>,
     ) -> Result<Self, StateStoreError> {
-        Ok(Self { coordinator: StateStoreCoordinator::with_clock(config, clock)? })
+        Ok(Self {
+            coordinator: StateStoreCoordinator::with_clock(config, clock)?,
+            rejected_reports: 0,
+        })
     }
 
     /// The state machine inside.
@@ -362,9 +371,11 @@ impl Endpoint for StateStoreCoordinatorEndpoint {
     }
 
     fn on_error(&mut self, error: &HandlerError) {
-        // Logged at the 1st, 2nd, 4th, ... rejection, so a flood of bad reports logs O(log n).
-        let rejected = self.coordinator.counters().rejected;
-        if rejected == 0 || rejected.is_power_of_two() {
+        // Logged at the 1st, 2nd, 4th, ... rejected report, so a flood of bad reports logs
+        // O(log n) (a rejected ask is the asker's error, not counted here).
+        self.rejected_reports += 1;
+        let rejected = self.rejected_reports;
+        if rejected.is_power_of_two() {
             tracing::warn!(%error, rejected, "state store coordinator rejected a one-way report");
         } else {
             tracing::debug!(%error, rejected, "state store coordinator rejected a one-way report");

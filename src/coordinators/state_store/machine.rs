@@ -169,8 +169,10 @@ pub enum StateStoreError {
     Config(#[from] ConfigError),
 }
 
-/// Counts of what the coordinator handled, for observability. Every message increments
-/// exactly one of the message counters, and `rejected` as well when its input was bad.
+/// Counts of what the coordinator handled, for observability. Each report, verification,
+/// location query, deactivation and snapshot report increments its counter, and `rejected` as
+/// well when its input was bad (testing queries, counter reads, configuration updates and the
+/// stop count nowhere).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub struct StateStoreCounters {
@@ -180,6 +182,8 @@ pub struct StateStoreCounters {
     pub new_instances: u64,
     /// Ids checked for unloading by the request-reply report form.
     pub checked_ids: u64,
+    /// Malformed ids in such check lists, skipped (they can have no entry).
+    pub malformed_checked_ids: u64,
     /// Verifications.
     pub verifies: u64,
     /// Location queries.
@@ -396,12 +400,12 @@ impl<C: Clock> StateStoreCoordinator<C> {
     /// [`report_active_instance`](Self::report_active_instance), then returns, in input order,
     /// the ids of `provider_ids_to_check` (other providers loaded on the reporting executor)
     /// that are active at another location: the executor should unload them. Ids with no
-    /// active entry are not returned.
+    /// active entry are not returned; a malformed id in the list can have none, so it is not
+    /// returned either (counted in [`StateStoreCounters::malformed_checked_ids`] and logged):
+    /// the report itself still counts (SPEC C.4: its effect does not depend on the list).
     ///
     /// # Errors
-    /// As [`report_active_instance`](Self::report_active_instance), and
-    /// [`StateStoreError::MalformedStoreId`] for a malformed id in the list; nothing changes
-    /// then.
+    /// As [`report_active_instance`](Self::report_active_instance).
     pub fn report_active_instance_and_check(
         &mut self,
         provider_id: StateStoreProviderId,
@@ -410,16 +414,28 @@ impl<C: Clock> StateStoreCoordinator<C> {
     ) -> Result<Vec<StateStoreProviderId>, StateStoreError> {
         self.counters.reports += 1;
         self.check_report(provider_id, location)?;
-        for id in provider_ids_to_check {
-            self.check_store_id(id.store_id)?;
-        }
         self.insert_instance(provider_id, location);
         self.counters.checked_ids += provider_ids_to_check.len() as u64;
-        Ok(provider_ids_to_check
-            .iter()
-            .filter(|id| self.location(**id).is_some_and(|active| active != location))
-            .copied()
-            .collect())
+        let mut to_unload = Vec::new();
+        for id in provider_ids_to_check {
+            if let Some(reason) = id.store_id.malformation() {
+                self.skip_malformed_checked_id(*id, reason);
+            } else if self.location(*id).is_some_and(|active| active != location) {
+                to_unload.push(*id);
+            }
+        }
+        Ok(to_unload)
+    }
+
+    #[cold]
+    fn skip_malformed_checked_id(&mut self, id: StateStoreProviderId, reason: &'static str) {
+        self.counters.malformed_checked_ids += 1;
+        let count = self.counters.malformed_checked_ids;
+        if count.is_power_of_two() {
+            tracing::warn!(%id, reason, count, "malformed state store id in a check list skipped");
+        } else {
+            tracing::debug!(%id, reason, count, "malformed state store id in a check list skipped");
+        }
     }
 
     #[inline]

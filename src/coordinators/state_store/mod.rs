@@ -23,7 +23,8 @@
 //! Bad input (an empty host, executor id, checkpoint location or store name; a negative
 //! operator, partition or snapshot version) never panics: a request fails with a
 //! [`StateStoreError`] naming the values, a one-way report is dropped, counted in
-//! [`StateStoreCounters::rejected`] and logged (a warning at the 1st, 2nd, 4th, ... rejection).
+//! [`StateStoreCounters::rejected`] and logged (a warning at the 1st, 2nd, 4th, ... rejected
+//! report).
 
 mod endpoint;
 mod ids;

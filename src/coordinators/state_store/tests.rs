@@ -80,9 +80,13 @@ fn verify_compares_the_executor_id_only() {
     let (mut coordinator, _) = coordinator();
     let id = provider("x", 0, 0, Uuid::from_u128(1));
     coordinator.report_active_instance(id, at("hostX", "exec1")).unwrap();
-    // Another host with the same executor id still verifies, as in Spark.
     assert!(coordinator.verify_if_instance_active(id, "exec1".into()).unwrap());
-    assert_eq!(coordinator.location(id), Some(at("hostX", "exec1")));
+    assert!(!coordinator.verify_if_instance_active(id, "exec2".into()).unwrap());
+    // The owner is now on another host with the same executor id: it still verifies, as in
+    // Spark (verify names no host), and the location follows the report.
+    coordinator.report_active_instance(id, at("hostY", "exec1")).unwrap();
+    assert!(coordinator.verify_if_instance_active(id, "exec1".into()).unwrap());
+    assert_eq!(coordinator.location(id), Some(at("hostY", "exec1")));
 }
 
 #[test]
@@ -351,13 +355,22 @@ fn bad_input_is_rejected_with_the_values_and_changes_nothing() {
         coordinator.report_snapshot_uploaded(good, -1, 0),
         Err(StateStoreError::NegativeSnapshotVersion { provider_id: good, version: -1 })
     );
-    // A malformed id in the check list rejects the whole report; nothing is recorded.
-    assert!(coordinator
-        .report_active_instance_and_check(good, at("h", "e"), &[negative_partition])
-        .is_err());
     assert_eq!(coordinator.location(good), None);
     assert_eq!(coordinator.active_instance_count(), 0);
-    assert_eq!(coordinator.counters().rejected, 4 * 4 + 6);
+    assert_eq!(coordinator.counters().rejected, 4 * 4 + 5);
+
+    // A malformed id in a check list can have no entry, so it is not returned (counted); the
+    // report itself is recorded (SPEC C.4: its effect does not depend on the list), and a
+    // valid id beside it is still checked.
+    let elsewhere = provider("y", 0, 0, run);
+    coordinator.report_active_instance(elsewhere, at("other", "e9")).unwrap();
+    let to_unload = coordinator
+        .report_active_instance_and_check(good, at("h", "e"), &[negative_partition, elsewhere])
+        .unwrap();
+    assert_eq!(to_unload, [elsewhere]);
+    assert_eq!(coordinator.location(good), Some(at("h", "e")));
+    assert_eq!(coordinator.counters().malformed_checked_ids, 1);
+    assert_eq!(coordinator.counters().rejected, 4 * 4 + 5, "the report was not rejected");
 }
 
 #[test]
