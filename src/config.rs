@@ -52,6 +52,18 @@ impl Idle {
     /// An idle gap at most this long counts as short for [`Idle::Adaptive`]: about what a
     /// park and a wake-up cost, so spinning through a gap this short is cheaper than parking.
     pub const SHORT_GAP: Duration = Duration::from_micros(5);
+
+    /// The longest spin a configuration may ask for (`spin`, `max_spin`): an idle thread must
+    /// get to parking, and spinning longer than this saves no wake-up worth a core's time.
+    pub const MAX_SPIN: Duration = Duration::from_millis(10);
+
+    fn spin(self) -> Duration {
+        match self {
+            Self::SpinThenPark { spin } => spin,
+            Self::Adaptive { max_spin } => max_spin,
+            Self::Park => Duration::ZERO,
+        }
+    }
 }
 
 impl Default for Idle {
@@ -163,6 +175,13 @@ impl BusConfig {
                 return Err(invalid("pinning", cores, "Cores needs at least one core id"));
             }
         }
+        if self.idle.spin() > Idle::MAX_SPIN {
+            return Err(invalid(
+                "idle",
+                self.idle,
+                "spins at most 10 ms (Idle::MAX_SPIN): an idle thread must get to parking",
+            ));
+        }
         Ok(())
     }
 }
@@ -253,6 +272,20 @@ mod tests {
         assert_eq!(error.to_string(), "inbox_lanes = 1025 is invalid: must be 0 ..= 1024");
         assert!(BusBuilder::default().drain_batch(0).build().is_err());
         assert!(BusBuilder::default().ask_timeout(Duration::ZERO).build().is_err());
+        // An idle thread must get to parking: spins beyond `Idle::MAX_SPIN` are refused.
+        for idle in [
+            Idle::SpinThenPark { spin: Duration::MAX },
+            Idle::Adaptive { max_spin: Idle::MAX_SPIN + Duration::from_nanos(1) },
+        ] {
+            let error = BusBuilder::default().idle(idle).build().unwrap_err();
+            assert!(
+                error.to_string().starts_with(&format!("idle = {idle:?} is invalid")),
+                "{error}"
+            );
+        }
+        for idle in [Idle::SpinThenPark { spin: Idle::MAX_SPIN }, Idle::Park, Idle::default()] {
+            assert!(BusBuilder::default().idle(idle).build().is_ok());
+        }
     }
 
     #[test]

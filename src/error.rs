@@ -15,9 +15,10 @@ pub type HandlerError = Box<dyn std::error::Error + Send + Sync + 'static>;
 pub enum SendError<T> {
     /// The inbox shard of this sender is full: from `try_send`, and from a `send` or
     /// `send_batch` by the endpoint's own handler into its own full inbox (only that handler's
-    /// thread could make room, so waiting would never end). Endpoints that send to each other
-    /// in a cycle can still fill each other's inboxes: give such sends a deadline
-    /// (`send_timeout`) or use `try_send`.
+    /// thread could make room, so waiting would never end). A handler's send into another
+    /// endpoint's full inbox waits at most the bus's `ask_timeout`, then fails with
+    /// [`SendError::Timeout`] (endpoints that send to each other in a cycle would otherwise
+    /// wait for each other forever).
     #[error("inbox of endpoint {endpoint:?} is full")]
     Full {
         /// The endpoint's name.
@@ -33,7 +34,8 @@ pub enum SendError<T> {
         /// The message that was not sent.
         message: T,
     },
-    /// The inbox stayed full until the deadline of `send_timeout`.
+    /// The inbox stayed full until the deadline: `send_timeout`'s, or, for a `send` or
+    /// `send_batch` from an endpoint's handler, the bus's `ask_timeout`.
     #[error("inbox of endpoint {endpoint:?} stayed full for {timeout:?}")]
     Timeout {
         /// The endpoint's name.

@@ -62,6 +62,8 @@ enum Seen {
     Started,
     Message(u64, u64),
     Request(u64),
+    /// `on_error` with the error's text.
+    Error(String),
     Stopped,
 }
 
@@ -226,6 +228,10 @@ impl Endpoint for Recorder {
         Ok(())
     }
 
+    fn on_error(&mut self, error: &HandlerError) {
+        self.record(Seen::Error(error.to_string()));
+    }
+
     fn on_stop(&mut self) {
         self.record(Seen::Stopped);
     }
@@ -341,6 +347,7 @@ fn per_sender_order_holds_under_concurrent_producers_with_batches() {
                 marks += 1;
             }
             Seen::Started | Seen::Stopped => {}
+            Seen::Error(error) => panic!("no handler fails here: {error}"),
         }
     }
     assert_eq!(next, [PER_SENDER; SENDERS as usize], "nothing lost, nothing duplicated");
@@ -485,6 +492,22 @@ fn bus_05_handler_errors_and_panics_fail_the_asker_and_the_endpoint_keeps_servin
     let stats = endpoint.stats();
     assert_eq!(stats.failed, 1);
     assert_eq!(stats.panicked, 1);
+    // `on_error` hears of the panic too (SPEC A.6: a panic is a handler error), and of the
+    // failing one-way message; a request failed through its replier is the asker's only.
+    let errors: Vec<Seen> = endpoint
+        .ask(SeenQuery)
+        .wait()
+        .unwrap()
+        .into_iter()
+        .filter(|seen| matches!(seen, Seen::Error(_)))
+        .collect();
+    assert_eq!(
+        errors,
+        [
+            Seen::Error("the handler panicked: deliberate panic in handler".into()),
+            Seen::Error("handler refused: 3".into()),
+        ]
+    );
     bus.shutdown().unwrap();
 }
 
@@ -794,5 +817,147 @@ fn more_busy_threads_than_cores_still_make_progress() {
     let total: u64 =
         endpoints.iter().map(|endpoint| endpoint.ask(CountQuery).wait().unwrap()).sum();
     assert_eq!(total, 40_000);
+    bus.shutdown().unwrap();
+}
+
+/// SPEC A.1: registering on a shut-down bus fails. A registration racing a shutdown either
+/// fails with `ShutDown` or is stopped by that shutdown: no endpoint it returned is still
+/// running afterwards. (Before, one that checked the flag just before the shutdown listed the
+/// names was inserted after the listing and kept running.)
+#[test]
+fn a_registration_racing_a_shutdown_is_refused_or_stopped() {
+    for round in 0..40 {
+        let bus = Arc::new(small_bus());
+        let registrar = {
+            let bus = Arc::clone(&bus);
+            std::thread::spawn(move || {
+                let mut registered = Vec::new();
+                for index in 0..10_000 {
+                    match bus.register(format!("r{index}"), Recorder::default()) {
+                        Ok(endpoint) => registered.push(endpoint),
+                        Err(BusError::ShutDown) => break,
+                        Err(other) => panic!("round {round}: {other:?}"),
+                    }
+                }
+                registered
+            })
+        };
+        // Let the registrar get going (bounded: it registers within microseconds).
+        let started = std::time::Instant::now();
+        while bus.names().len() < 2 && started.elapsed() < RUN_BOUND {
+            std::thread::yield_now();
+        }
+        let _ = bus.shutdown();
+        let registered = registrar.join().unwrap();
+        assert!(!registered.is_empty());
+        for endpoint in &registered {
+            assert!(
+                matches!(
+                    endpoint.try_send(Note { sender: 0, sequence: 0 }),
+                    Err(SendError::Stopped { .. })
+                ),
+                "round {round}: an endpoint registered during the shutdown still takes messages"
+            );
+        }
+        assert!(bus.names().is_empty(), "round {round}: {:?}", bus.names());
+    }
+}
+
+/// Two endpoints whose handlers forward each message to the other (a cycle), with more
+/// messages in flight than the cycle's inbox lanes hold: once both lanes are full, each
+/// handler waits for room only the other can make. A handler's send waits at most the bus's
+/// `ask_timeout` and then fails (the forwarder drops that message), so the cycle drains
+/// instead of waiting forever.
+#[test]
+fn endpoints_sending_to_each_other_cannot_deadlock_on_full_inboxes() {
+    const HOPS: u64 = 20;
+    struct Forwarder {
+        peer: Arc<std::sync::OnceLock<coordbus::EndpointRef<Forwarder>>>,
+        gate: std::sync::mpsc::Receiver<()>,
+        retired: Arc<AtomicUsize>,
+        timed_out: Arc<AtomicUsize>,
+    }
+    impl Endpoint for Forwarder {
+        type Message = u64;
+        type Request = ();
+        fn on_start(&mut self, _: &Context<Self>) {
+            let _ = self.gate.recv_timeout(WAIT);
+        }
+        fn handle(&mut self, hops: u64, _: &Context<Self>) -> Result<(), HandlerError> {
+            if hops == 0 {
+                self.retired.fetch_add(1, Ordering::SeqCst);
+                return Ok(());
+            }
+            let peer = self.peer.get().expect("peer set before the gates open");
+            match peer.send(hops - 1) {
+                Ok(()) => {}
+                Err(SendError::Timeout { .. }) => {
+                    self.timed_out.fetch_add(1, Ordering::SeqCst);
+                    self.retired.fetch_add(1, Ordering::SeqCst);
+                }
+                Err(other) => return Err(other.to_string().into()),
+            }
+            Ok(())
+        }
+        fn handle_request(&mut self, (): (), _: &Context<Self>) -> Result<(), HandlerError> {
+            Ok(())
+        }
+    }
+    let bus = Bus::builder()
+        .inbox_shards(1)
+        .inbox_capacity(64)
+        .idle(Idle::SpinThenPark { spin: Duration::from_micros(20) })
+        .ask_timeout(Duration::from_millis(10))
+        .build()
+        .unwrap();
+    let (retired, timed_out) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let peers = [Arc::new(std::sync::OnceLock::new()), Arc::new(std::sync::OnceLock::new())];
+    let mut gates = Vec::new();
+    let mut endpoints = Vec::new();
+    for (index, peer) in peers.iter().enumerate() {
+        let (open, gate) = std::sync::mpsc::channel();
+        gates.push(open);
+        let forwarder = Forwarder {
+            peer: Arc::clone(peer),
+            gate,
+            retired: Arc::clone(&retired),
+            timed_out: Arc::clone(&timed_out),
+        };
+        endpoints.push(bus.register(format!("forwarder-{index}"), forwarder).unwrap());
+    }
+    peers[0].set(endpoints[1].clone()).unwrap();
+    peers[1].set(endpoints[0].clone()).unwrap();
+    // Seeding threads fill what they can of both inboxes while the handlers are held (their
+    // lanes, or the shared ring if they get none): at least as many messages as the slots the
+    // two handlers forward into, so both of those fill up.
+    let seeders: Vec<_> = (0..4)
+        .map(|_| {
+            let endpoints = endpoints.clone();
+            std::thread::spawn(move || {
+                let mut seeded = 0;
+                for endpoint in &endpoints {
+                    while seeded < 10_000 && endpoint.try_send(HOPS).is_ok() {
+                        seeded += 1;
+                    }
+                }
+                seeded
+            })
+        })
+        .collect();
+    let seeded: usize = seeders.into_iter().map(|seeder| seeder.join().unwrap()).sum();
+    assert!(seeded >= 2 * 64, "{seeded} seeded");
+    for open in gates {
+        open.send(()).unwrap();
+    }
+    let started = std::time::Instant::now();
+    while retired.load(Ordering::SeqCst) < seeded {
+        assert!(
+            started.elapsed() < RUN_BOUND,
+            "the cycle is stuck: {} of {seeded} messages retired",
+            retired.load(Ordering::SeqCst)
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(timed_out.load(Ordering::SeqCst) > 0, "both lanes filled, so some sends timed out");
     bus.shutdown().unwrap();
 }

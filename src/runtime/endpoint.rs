@@ -285,21 +285,50 @@ impl<E: Endpoint> EndpointRef<E> {
         }
     }
 
-    /// Sends a one-way message, waiting for room while this sender's inbox shard is full.
+    /// Sends a one-way message, waiting for room while this sender's inbox shard is full:
+    /// from a plain thread as long as it takes (back-pressure); from an endpoint's handler at
+    /// most the bus's `ask_timeout`, since endpoints that send to each other in a cycle would
+    /// otherwise wait for each other forever once both inboxes are full.
     ///
     /// # Errors
     /// [`SendError::Stopped`] (with the message) once the endpoint is stopped;
     /// [`SendError::Full`] when the endpoint's own handler sends into its own full inbox
-    /// (waiting there would never end).
+    /// (waiting there would never end); [`SendError::Timeout`] when a handler's send found no
+    /// room within `ask_timeout`.
     #[inline]
     pub fn send(&self, message: impl Into<E::Message>) -> Result<(), SendError<E::Message>> {
         // Converted first: no caller code may run inside the push (see `Lane::push_with`).
         // Only the outcome's tag is inspected on the way out (see `ShardedQueue::push_with`).
         let message = message.into();
-        match self.inbox.queue.push_with(|| Envelope::Message(message), None) {
+        match self.inbox.queue.try_push_with(|| Envelope::Message(message)) {
             Ok(()) => Ok(()),
-            Err(refused) => Err(self.send_refused(refused, None)),
+            Err(refused) => self.send_when_refused(refused),
         }
+    }
+
+    /// The rest of [`send`](Self::send) once the first try found no room (or a stopped
+    /// endpoint): waits, with a deadline on an endpoint thread.
+    #[cold]
+    #[inline(never)]
+    fn send_when_refused(
+        &self,
+        refused: QueueError<Envelope<E>>,
+    ) -> Result<(), SendError<E::Message>> {
+        let QueueError::Full(envelope) = refused else {
+            return Err(self.send_refused(refused, None));
+        };
+        let timeout = self.handler_send_timeout();
+        let deadline = timeout.and_then(|timeout| Instant::now().checked_add(timeout));
+        match self.inbox.queue.push_with(|| envelope, deadline) {
+            Ok(()) => Ok(()),
+            Err(refused) => Err(self.send_refused(refused, timeout)),
+        }
+    }
+
+    /// How long a send from this thread may wait for room: `ask_timeout` on an endpoint's
+    /// thread (see [`send`](Self::send)), else without a bound.
+    fn handler_send_timeout(&self) -> Option<Duration> {
+        on_endpoint_thread().then_some(self.inbox.ask_timeout)
     }
 
     /// The error of a send whose push was refused (out of line: see `send`).
@@ -348,15 +377,19 @@ impl<E: Endpoint> EndpointRef<E> {
     }
 
     /// Sends many one-way messages in order, claiming inbox slots for as many as fit with one
-    /// atomic operation (one publication per claim). Waits for room like [`send`](Self::send).
+    /// atomic operation (one publication per claim). Waits for room like [`send`](Self::send)
+    /// (from a handler, at most `ask_timeout` in all).
     ///
     /// # Errors
     /// [`SendError::Stopped`] with the messages not sent (the earlier ones were);
-    /// [`SendError::Full`] likewise when the endpoint's own handler fills its own inbox.
+    /// [`SendError::Full`] likewise when the endpoint's own handler fills its own inbox;
+    /// [`SendError::Timeout`] likewise when a handler's batch found no room in time.
     pub fn send_batch(&self, messages: Vec<E::Message>) -> Result<(), SendError<Vec<E::Message>>> {
         // Mapped lazily: the messages go straight from the caller's vector into the slots.
         let envelopes = messages.into_iter().map(Envelope::Message);
-        self.inbox.queue.push_batch_from(envelopes, None).map_err(|error| {
+        let timeout = self.handler_send_timeout();
+        let deadline = timeout.and_then(|timeout| Instant::now().checked_add(timeout));
+        self.inbox.queue.push_batch_from(envelopes, deadline).map_err(|error| {
             let unwrap_all = |envelopes: Vec<Envelope<E>>| {
                 envelopes.into_iter().filter_map(Envelope::into_message).collect()
             };
@@ -366,7 +399,7 @@ impl<E: Endpoint> EndpointRef<E> {
                     QueueError::Closed(rest) => QueueError::Closed(unwrap_all(rest)),
                     QueueError::Timeout(rest) => QueueError::Timeout(unwrap_all(rest)),
                 },
-                None,
+                timeout,
             )
         })
     }

@@ -176,6 +176,14 @@ impl Bus {
                 inbox
             }
         };
+        // A shutdown that began meanwhile may have listed the names before this one was in:
+        // look again, after a full fence (shutdown fences between setting its flag and
+        // listing), so that either it stops this endpoint or this sees its flag.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if self.shared.shut_down.load(Ordering::SeqCst) {
+            inbox.stop();
+            return Err(BusError::ShutDown);
+        }
         if let Err(error) = self.spawn_worker(endpoint, Arc::clone(&inbox)) {
             inbox.stop();
             return Err(error);
@@ -316,6 +324,8 @@ impl Bus {
     /// the deadline (they are left detached: stopped, they finish on their own).
     pub fn shutdown(&self) -> Result<(), BusError> {
         self.shared.shut_down.store(true, Ordering::SeqCst);
+        // Pairs with `register`'s fence: a registration this listing misses sees the flag.
+        std::sync::atomic::fence(Ordering::SeqCst);
         let names: Vec<String> = self.names();
         for name in names {
             let _already_gone = self.stop(&name);

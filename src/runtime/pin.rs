@@ -12,12 +12,23 @@ use crate::config::Pinning;
 #[derive(Debug)]
 pub(crate) struct CorePlanner {
     pinning: Pinning,
+    /// [`Pinning::RoundRobin`]'s cores: the ids the process may run on when the bus was
+    /// built (not list positions: under a restricted cpuset they need not start at 0), read
+    /// once, so an endpoint registered from a pinned thread does not see only that thread's
+    /// core.
+    round_robin: Vec<usize>,
     next_index: AtomicUsize,
 }
 
 impl CorePlanner {
     pub(crate) fn new(pinning: Pinning) -> Self {
-        Self { pinning, next_index: AtomicUsize::new(0) }
+        let round_robin = match pinning {
+            Pinning::RoundRobin => core_affinity::get_core_ids()
+                .map(|ids| ids.into_iter().map(|id| id.id).collect())
+                .unwrap_or_default(),
+            _ => Vec::new(),
+        };
+        Self { pinning, round_robin, next_index: AtomicUsize::new(0) }
     }
 
     /// The core id for the next endpoint thread, if pinning is on.
@@ -25,10 +36,8 @@ impl CorePlanner {
         let index = self.next_index.fetch_add(1, Ordering::Relaxed);
         match &self.pinning {
             Pinning::Off => None,
-            Pinning::RoundRobin => {
-                let cores = core_affinity::get_core_ids().map_or(0, |ids| ids.len());
-                (cores > 0).then(|| index % cores)
-            }
+            Pinning::RoundRobin => (!self.round_robin.is_empty())
+                .then(|| self.round_robin[index % self.round_robin.len()]),
             Pinning::Cores(cores) => Some(cores[index % cores.len()]),
         }
     }
@@ -75,6 +84,30 @@ mod tests {
         .join()
         .expect("pinning to an impossible core panicked");
         assert_eq!(affinity.0, affinity.1, "the thread's affinity changed");
+    }
+
+    /// Round robin hands out the core ids the process may run on, read when the planner is
+    /// made: from a thread pinned to the last of them, a new planner still cycles through all
+    /// (and a planner made on it then, only through that one: its id, not position 0).
+    #[test]
+    fn round_robin_hands_out_core_ids_read_when_the_bus_is_built() {
+        let allowed = current_affinity();
+        let planner = CorePlanner::new(Pinning::RoundRobin);
+        let handed: Vec<usize> =
+            (0..allowed.len() * 2).map(|_| planner.next_core().unwrap()).collect();
+        let expected: Vec<usize> = allowed.iter().chain(&allowed).copied().collect();
+        assert_eq!(handed, expected);
+        let last = *allowed.last().unwrap();
+        let on_last = std::thread::spawn(move || {
+            pin_current_thread(last, "test");
+            let planner = CorePlanner::new(Pinning::RoundRobin);
+            (planner.next_core(), planner.next_core(), planner.next_core())
+        })
+        .join()
+        .unwrap();
+        assert_eq!(on_last, (Some(last), Some(last), Some(last)));
+        // The planner made before keeps cycling through every allowed core.
+        assert_eq!(planner.next_core(), Some(allowed[0]));
     }
 
     #[test]

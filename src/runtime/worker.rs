@@ -22,7 +22,7 @@ use super::{
     reply::{fail_replies_orphaned_by_panic, has_orphaned_replies},
     stats::HANDLER_TIME_SAMPLE_EVERY,
 };
-use crate::{config::Idle, queue::Consume};
+use crate::{config::Idle, error::HandlerError, queue::Consume, AskError};
 
 /// Drain rounds between two looks for replies orphaned by a panic a handler caught itself
 /// (an idle endpoint polls in rounds too, and looks again before it parks).
@@ -83,8 +83,14 @@ pub(crate) fn run_endpoint<E: Endpoint>(
             Err(payload) => {
                 inbox.counters.panicked.fetch_add(1, Ordering::Relaxed);
                 let message = panic_message(payload.as_ref());
+                drop_caught(payload);
                 tracing::error!(endpoint = %inbox.name, panic = %message, "handler panicked");
                 fail_replies_orphaned_by_panic(&message);
+                // SPEC A.6: a panic is a handler error, and `on_error` hears of it too.
+                let error: HandlerError = Box::new(AskError::HandlerPanicked { message });
+                if catch_unwind(AssertUnwindSafe(|| endpoint.on_error(&error))).is_err() {
+                    tracing::error!(endpoint = %inbox.name, "on_error panicked on a handler panic");
+                }
                 1
             }
         };
@@ -293,8 +299,17 @@ fn dispatch<E: Endpoint>(endpoint: &mut E, context: &Context<E>, envelope: Envel
 fn guarded_hook(endpoint: &str, hook: &str, run: impl FnOnce()) {
     if let Err(payload) = catch_unwind(AssertUnwindSafe(run)) {
         let message = panic_message(payload.as_ref());
+        drop_caught(payload);
         tracing::error!(endpoint, hook, panic = %message, "endpoint hook panicked");
         fail_replies_orphaned_by_panic(&message);
+    }
+}
+
+/// Drops a caught panic's payload where a panic of its own `Drop` is caught too (it would end
+/// the endpoint thread, leaving its inbox open and its senders waiting).
+fn drop_caught(payload: Box<dyn std::any::Any + Send>) {
+    if catch_unwind(AssertUnwindSafe(move || drop(payload))).is_err() {
+        tracing::error!("dropping a panic's payload panicked");
     }
 }
 

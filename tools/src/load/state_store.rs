@@ -114,8 +114,8 @@ pub struct StateStoreArgs {
     )]
     pub inbox_capacity: usize,
     /// How long the coordinator's thread spins for work before it parks, in microseconds
-    /// (the bus default is 50).
-    #[arg(long, default_value_t = 50)]
+    /// (the bus default is 50; at most 10 000, the bus's `Idle::MAX_SPIN`).
+    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u64).range(0..=10_000))]
     pub spin_us: u64,
 }
 
