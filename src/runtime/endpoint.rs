@@ -112,9 +112,12 @@ pub(crate) struct EndpointCounters {
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub struct EndpointStats {
-    /// Messages accepted into the inbox (handled + queued).
+    /// Messages accepted into the inbox (handled + queued). Read while a drain round runs it
+    /// lags by up to that round (up to the bus's `drain_batch` messages): `handled` is
+    /// published once per round, while the depth drops with each message taken.
     pub received: u64,
-    /// Messages handled (including those whose handler failed or panicked).
+    /// Messages handled (including those whose handler failed or panicked), as of the end of
+    /// the last drain round.
     pub handled: u64,
     /// Handler calls that returned an error.
     pub failed: u64,
@@ -242,7 +245,10 @@ impl<E: Endpoint> Context<E> {
 ///
 /// Per-sender order: all messages a thread sends or asks through any reference to the same
 /// endpoint are handled in the order the thread issued them; an `ask` therefore returns only
-/// after the same thread's earlier sends were handled (SPEC A.4).
+/// after the same thread's earlier sends were handled (SPEC A.4). The sender is the thread:
+/// an async task that moves to another thread between two sends (across an `.await` on a
+/// work-stealing executor) is two senders, and its two messages may be handled in either
+/// order; send such sequences from one thread, or wait for a reply in between.
 pub struct EndpointRef<E: Endpoint> {
     pub(crate) inbox: Arc<Inbox<E>>,
 }

@@ -196,7 +196,8 @@ impl Bus {
     /// returns a reference to it (Spark's "for driver" helper, SPEC C.5).
     ///
     /// # Errors
-    /// As [`Bus::register`] and [`Bus::lookup`].
+    /// As [`Bus::register`] and [`Bus::lookup`]; [`BusError::NotFound`] if the endpoint that
+    /// won the name was stopped between this call's registration attempt and its lookup.
     pub fn register_or_lookup<E: Endpoint>(
         &self,
         name: &str,

@@ -299,7 +299,10 @@ impl<T> Reply<T> {
 }
 
 /// Awaiting a reply honours the bus's `ask_timeout` lazily: the deadline is checked each time
-/// the future is polled (an executor without timers may only notice it at the next wake-up).
+/// the future is polled, and the future arms no timer. So a reply that never comes (a handler
+/// that keeps its `Replier` and never answers) leaves `.await` pending until something else
+/// wakes the task, with any executor: bound the wait with the executor's own timeout (such as
+/// `tokio::time::timeout`), or use [`Reply::wait_timeout`] on a thread.
 impl<T> Future for Reply<T> {
     type Output = Result<T, AskError>;
 
