@@ -144,3 +144,76 @@ fn a_wal_tool_usage_error_exits_3_not_the_torn_tail_code() {
     let (code, output) = wal_tool(&["--help"]);
     assert_eq!(code, Some(0), "--help: {output}");
 }
+
+/// A log that failed leaves a marker naming its last durable LSN: `verify` reports the records
+/// after it (which opening cuts) with exit code 2, as it does a torn tail, never "healthy";
+/// `inspect --json` names the cut. A directory holding only the marker (a log that failed
+/// before its first segment) is a log directory, not a wrong one.
+#[test]
+fn the_wal_tool_reports_a_failed_logs_records_after_its_durable_lsn() {
+    let parent = tempfile::tempdir().unwrap();
+    let log = parent.path().join("log");
+    {
+        let wal = coordbus::wal::Wal::open(&log, coordbus::wal::WalConfig::default()).unwrap();
+        for index in 0..10u8 {
+            let (lsn, _) = wal.append_bytes(&[index; 40], 1).unwrap();
+            wal.wait_durable_timeout(lsn, BOUND).unwrap();
+        }
+        wal.close().unwrap();
+    }
+    std::fs::write(log.join(coordbus::wal::UNSYNCED_MARKER), b"6\n").unwrap();
+    let path = log.to_str().unwrap();
+    let (code, output) = wal_tool(&["verify", path]);
+    assert_eq!(code, Some(2), "{output}");
+    assert!(output.starts_with("failed-log:"), "{output}");
+    assert!(output.contains("4 records after its last durable LSN 6 cut"), "{output}");
+    let (code, output) = wal_tool(&["--json", "inspect", path]);
+    assert_eq!(code, Some(0), "{output}");
+    assert!(
+        output.contains(r#""unsynced_cut":{"durable_lsn":6,"records_discarded":4}"#),
+        "{output}"
+    );
+
+    let only_marker = parent.path().join("failed-early");
+    std::fs::create_dir(&only_marker).unwrap();
+    std::fs::write(only_marker.join(coordbus::wal::UNSYNCED_MARKER), b"0\n").unwrap();
+    let (code, output) = wal_tool(&["verify", only_marker.to_str().unwrap()]);
+    assert_ne!(code, Some(3), "a failed log's directory taken for a wrong one: {output}");
+}
+
+/// `dump` into a reader that stops early (`| head -1`) ends quietly: no panic on the closed
+/// pipe, exit code 0.
+#[test]
+fn the_wal_tool_stops_quietly_when_its_reader_goes_away() {
+    use std::io::{BufRead, BufReader};
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let wal =
+            coordbus::wal::Wal::open(dir.path(), coordbus::wal::WalConfig::default()).unwrap();
+        let mut last = None;
+        for index in 0..20_000u32 {
+            last = Some(wal.append_bytes(&index.to_le_bytes(), 1).unwrap().0);
+        }
+        wal.wait_durable_timeout(last.unwrap(), BOUND).unwrap();
+        wal.close().unwrap();
+    }
+    let mut child = Command::new(env!("CARGO_BIN_EXE_coordbus-wal"))
+        .args(["dump", dir.path().to_str().unwrap()])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut first).unwrap();
+    assert!(first.starts_with("lsn"), "{first}");
+    // The reader is dropped here: the rest of the dump meets a closed pipe.
+    let (sender, receiver) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = sender.send(child.wait_with_output());
+    });
+    let output = receiver.recv_timeout(BOUND).expect("dump ended").unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(output.status.code(), Some(0), "{stderr}");
+}

@@ -16,6 +16,7 @@
 //! parent of the log, a typo) must not pass for one. An empty directory is an empty log.
 
 use std::{
+    io::Write,
     path::{Path, PathBuf},
     process::ExitCode,
 };
@@ -25,12 +26,20 @@ use clap::{Parser, Subcommand};
 use coordbus::wal::{
     is_locked, scan_dir,
     segment::{is_spare_file_name, parse_file_name},
-    Lsn, RecoveryMode, SegmentSummary, Wal, WalConfig, WalOptions,
+    Lsn, RecoveryMode, RecoveryReport, SegmentSummary, Wal, WalConfig, WalOptions, UNSYNCED_MARKER,
 };
 use serde_json::json;
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// `println!` that returns the write's error instead of panicking: output piped into a
+/// reader that stops early (`| head`) ends the command quietly (see `main`).
+macro_rules! outln {
+    ($($arg:tt)*) => {
+        writeln!(std::io::stdout().lock(), $($arg)*)
+    };
+}
 
 /// Inspect, dump and verify a coordbus write-ahead log (read-only).
 #[derive(Debug, Parser)]
@@ -65,8 +74,9 @@ enum Command {
         preview_bytes: usize,
     },
     /// Strict scan. Exit code 0: healthy; 1: corruption (opening would fail in strict mode);
-    /// 2: a torn tail (opening cuts it; nothing acknowledged is affected); 3: I/O or usage
-    /// error (also: DIR does not exist, or holds files but no WAL segment).
+    /// 2: a torn tail, or records a failed log wrote after its last durable LSN (opening cuts
+    /// them; nothing acknowledged is affected); 3: I/O or usage error (also: DIR does not
+    /// exist, or holds files but no WAL segment).
     Verify {
         /// The log directory.
         dir: PathBuf,
@@ -95,8 +105,17 @@ fn summary_json(segment: &SegmentSummary) -> serde_json::Value {
             "bytes_skipped": note.bytes_skipped,
         })).collect::<Vec<_>>(),
         "skipped": segment.skipped,
+        "dropped": segment.dropped,
         "recycled": segment.recycled,
     })
+}
+
+/// What a failed log's marker cuts, as JSON (`null` without a marker).
+fn unsynced_cut_json(report: &RecoveryReport) -> serde_json::Value {
+    report.unsynced_cut.map_or(
+        serde_json::Value::Null,
+        |cut| json!({"durable_lsn": cut.durable_lsn.0, "records_discarded": cut.records_discarded}),
+    )
 }
 
 /// One line on the writer lock, for text output.
@@ -129,7 +148,10 @@ fn check_log_dir(dir: &Path) -> anyhow::Result<()> {
         let entry = entry.with_context(|| format!("listing {}", dir.display()))?;
         let name = entry.file_name();
         match name.to_str() {
-            Some(name) if parse_file_name(name).is_some() => segments += 1,
+            // A log that failed before its first segment leaves only its marker.
+            Some(name) if parse_file_name(name).is_some() || name == UNSYNCED_MARKER => {
+                segments += 1
+            }
             Some(name) if is_spare_file_name(name) => spares += 1,
             _ => others += 1,
         }
@@ -155,9 +177,9 @@ fn inspect(dir: &PathBuf, as_json: bool) -> anyhow::Result<ExitCode> {
     let first_corruption = scan.segments.iter().flat_map(|segment| &segment.corruption).next();
     if as_json {
         for segment in &scan.segments {
-            println!("{}", summary_json(segment));
+            outln!("{}", summary_json(segment))?;
         }
-        println!(
+        outln!(
             "{}",
             json!({
                 "summary": scan.report.to_string(),
@@ -166,17 +188,23 @@ fn inspect(dir: &PathBuf, as_json: bool) -> anyhow::Result<ExitCode> {
                 "first_lsn": scan.report.first_lsn.0,
                 "last_lsn": scan.report.last_lsn.0,
                 "locked_by_writer": locked,
+                "unsynced_cut": unsynced_cut_json(&scan.report),
                 "first_corruption": first_corruption.map(|note| json!({
                     "segment": note.segment.0, "offset": note.offset, "reason": note.reason,
                 })),
             })
-        );
+        )?;
         return Ok(ExitCode::SUCCESS);
     }
-    println!(
+    outln!(
         "{:<18} {:>10} {:>9} {:>21} {:>27} {:>27}  state",
-        "segment", "bytes", "records", "LSNs", "times (ms)", "window (ms)"
-    );
+        "segment",
+        "bytes",
+        "records",
+        "LSNs",
+        "times (ms)",
+        "window (ms)"
+    )?;
     for segment in &scan.segments {
         let lsns = match (segment.first_lsn, segment.last_lsn) {
             (Some(first), Some(last)) => format!("{first}..={last}"),
@@ -186,6 +214,9 @@ fn inspect(dir: &PathBuf, as_json: bool) -> anyhow::Result<ExitCode> {
         let window = segment.window.map_or("-".into(), |(start, stop)| format!("{start}..={stop}"));
         let state = if segment.skipped {
             "unreadable (skipped)".to_owned()
+        } else if segment.dropped {
+            "removed on open (a torn creation, or records of a failed log past its durable LSN)"
+                .to_owned()
         } else if let Some(tail) = &segment.torn_tail {
             format!(
                 "torn tail at {} ({} bytes, {} records)",
@@ -198,7 +229,7 @@ fn inspect(dir: &PathBuf, as_json: bool) -> anyhow::Result<ExitCode> {
         } else {
             "ok".to_owned()
         };
-        println!(
+        outln!(
             "{:<18} {:>10} {:>9} {:>21} {:>27} {:>27}  {state}",
             segment
                 .path
@@ -209,16 +240,18 @@ fn inspect(dir: &PathBuf, as_json: bool) -> anyhow::Result<ExitCode> {
             lsns,
             times,
             window
-        );
+        )?;
     }
-    println!("{}", scan.report);
-    println!("{}", lock_note(locked));
+    outln!("{}", scan.report)?;
+    outln!("{}", lock_note(locked))?;
     match first_corruption {
-        Some(note) => println!(
+        Some(note) => outln!(
             "first corruption: segment {} offset {}: {}",
-            note.segment, note.offset, note.reason
-        ),
-        None => println!("no corruption"),
+            note.segment,
+            note.offset,
+            note.reason
+        )?,
+        None => outln!("no corruption")?,
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -248,7 +281,7 @@ fn dump(
         let record = record?;
         let preview = &record.bytes[..record.bytes.len().min(preview_bytes)];
         if as_json {
-            println!(
+            outln!(
                 "{}",
                 json!({
                     "lsn": record.lsn.0,
@@ -259,9 +292,9 @@ fn dump(
                     "crc32c": crc32c::crc32c(&record.bytes),
                     "payload_hex": hex(preview),
                 })
-            );
+            )?;
         } else {
-            println!(
+            outln!(
                 "lsn {:>10}  time {:>14}  segment {:>6} offset {:>10}  len {:>7}  {}{}",
                 record.lsn,
                 record.time_ms,
@@ -270,7 +303,7 @@ fn dump(
                 record.handle.len,
                 hex(preview),
                 if preview.len() < record.bytes.len() { ".." } else { "" }
-            );
+            )?;
         }
     }
     Ok(ExitCode::SUCCESS)
@@ -282,6 +315,9 @@ fn verify(dir: &PathBuf, as_json: bool) -> ExitCode {
     let (code, verdict, detail) = match check_log_dir(dir) {
         Err(error) => (3, "error", format!("{error:#}")),
         Ok(()) => match scan_dir(dir, RecoveryMode::Strict) {
+            Ok(scan) if scan.report.unsynced_cut.is_some() => {
+                (2, "failed-log", scan.report.to_string())
+            }
             Ok(scan) if scan.report.torn_tail.is_some() => {
                 (2, "torn-tail", scan.report.to_string())
             }
@@ -293,17 +329,17 @@ fn verify(dir: &PathBuf, as_json: bool) -> ExitCode {
             Err(error) => (3, "error", error.to_string()),
         },
     };
-    if as_json {
-        println!(
+    // The exit code is the answer: output nobody reads (a closed pipe) does not change it.
+    let _ = if as_json {
+        outln!(
             "{}",
             json!({
                 "verdict": verdict, "exit_code": code, "detail": detail, "locked_by_writer": locked,
             })
-        );
+        )
     } else {
-        println!("{verdict}: {detail}");
-        println!("{}", lock_note(locked));
-    }
+        outln!("{verdict}: {detail}").and_then(|()| outln!("{}", lock_note(locked)))
+    };
     ExitCode::from(code)
 }
 
@@ -327,9 +363,19 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(code) => code,
+        Err(error) if is_broken_pipe(&error) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("error: {error:#}");
             ExitCode::from(3)
         }
     }
+}
+
+/// Whether `error` is stdout's reader going away (`| head`): the reader has what it wanted.
+fn is_broken_pipe(error: &anyhow::Error) -> bool {
+    error.chain().any(|cause| {
+        cause
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+    })
 }

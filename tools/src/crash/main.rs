@@ -6,9 +6,13 @@
 //! for the first acknowledgement, lets the child run for a random time (seeded, at most
 //! `--max-run-ms`), kills it with SIGKILL, then reopens the directory itself, measuring the
 //! recovery time, and checks that every acknowledged item is present, intact and not
-//! duplicated. A killed process keeps what reached the page cache, so the check proves the
-//! ordering "durable before acknowledged" end to end on real files (unlike the storage-trait
-//! fault tests, which build crash images in memory).
+//! duplicated. A killed process keeps what reached the page cache: the check proves, end to
+//! end on real files and processes, that each item was written before it was acknowledged and
+//! that recovery finds it, not that it was synced (a power loss). That half is
+//! `tests/wal_power_loss.rs`, which opens images holding only the synced bytes. What these
+//! loops rarely reach: a kill inside a write (torn records; `torn_tails_cut` counts them), a
+//! kill during recovery itself (the window opens at the first acknowledgement), and, with
+//! short runs, cleaning and segment reuse (`--max-run-ms 200` reaches them).
 //!
 //! Parts: `main.rs` (CLI, the kill loop, counting and the summary), one module per target
 //! (`wal`, `epoch`, `blocks`) with its child workload and its checker, `rng` (a seeded

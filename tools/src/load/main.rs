@@ -19,7 +19,8 @@ use clap::{Parser, Subcommand};
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-/// Load generator for coordbus: measures each workload against a baseline in the same run.
+/// Load generator for coordbus: measures each workload, against a baseline in the same run
+/// where one exists (the `blocks` workload reports Spark's published rates instead).
 #[derive(Debug, Parser)]
 #[command(version, about)]
 struct Cli {

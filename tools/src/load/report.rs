@@ -6,6 +6,19 @@
 //! baseline ran; `core_round_trip_ns`, the machine's core-to-core round trip probed just before
 //! and just after the workload (`[before, after]`, module `machine`: it tells which of the
 //! machine's modes a figure was measured in); plus workload-specific keys (`extra`).
+//!
+//! What the baselines and latencies are, where that is easy to misread:
+//! * `epoch`: `p50_ns`.. are from an epoch's last message handed to the bus to its commit, not
+//!   to its commit being durable (the run's end waits for that). The `reference (direct)`
+//!   baseline runs the reference model in memory on this thread, on a prefix of the stream,
+//!   also for `--durability group|every` runs: compare a durable run with the in-memory run
+//!   of the same sitting, not with that baseline.
+//! * `wal`: the every-record baseline is one thread's fdatasync rate, whatever `--threads`
+//!   says; the group-commit baseline syncs 4 MiB batches, larger than the log's own groups.
+//! * `blocks`: no baseline runs; the `spark_*` keys are Spark's published rates
+//!   (`../shared/ANCHORS.md`).
+//! * `state-store/deactivate`: ours is the median of several rounds, the baseline one cold
+//!   measurement.
 
 use hdrhistogram::Histogram;
 use serde_json::{json, Map, Value};
