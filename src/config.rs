@@ -94,8 +94,10 @@ pub struct BusConfig {
     /// Messages taken from one shard before moving to the next (default 256; at least 1).
     pub drain_batch: usize,
     /// Default timeout of [`Reply::wait`](crate::Reply::wait) (default 120 s, Spark's
-    /// `spark.rpc.askTimeout` default), and the longest an `ask` waits for room in a full
-    /// inbox ([`AskError::Full`](crate::AskError::Full) after it).
+    /// `spark.rpc.askTimeout` default), the longest an `ask` waits for room in a full
+    /// inbox ([`AskError::Full`](crate::AskError::Full) after it), and the longest a `send` or
+    /// `send_batch` from an endpoint's thread waits for room
+    /// ([`SendError::Timeout`](crate::SendError::Timeout) after it).
     pub ask_timeout: Duration,
     /// How long [`Bus::shutdown`](crate::Bus::shutdown) waits for endpoint threads to finish
     /// (default 30 s).
@@ -229,8 +231,8 @@ impl BusBuilder {
         self
     }
 
-    /// Default timeout of `Reply::wait`, and the longest an `ask` waits for room
-    /// ([`BusConfig::ask_timeout`]).
+    /// Default timeout of `Reply::wait`, and the longest an `ask`, or a send from an
+    /// endpoint's thread, waits for room ([`BusConfig::ask_timeout`]).
     pub fn ask_timeout(mut self, timeout: Duration) -> Self {
         self.config.ask_timeout = timeout;
         self

@@ -60,7 +60,9 @@ pub trait Endpoint: Send + Sized + 'static {
     /// Runs on the endpoint thread after the last message, once the endpoint was stopped.
     fn on_stop(&mut self) {}
 
-    /// Called with every error a handler returns. Default: a `tracing` warning.
+    /// Called with every error a handler returns, and with
+    /// [`AskError::HandlerPanicked`] for a handler that
+    /// panicked (SPEC A.6). Default: a `tracing` warning.
     fn on_error(&mut self, error: &HandlerError) {
         tracing::warn!(endpoint = std::any::type_name::<Self>(), %error, "handler failed");
     }
@@ -113,8 +115,9 @@ pub(crate) struct EndpointCounters {
 #[non_exhaustive]
 pub struct EndpointStats {
     /// Messages accepted into the inbox (handled + queued). Read while a drain round runs it
-    /// lags by up to that round (up to the bus's `drain_batch` messages): `handled` is
-    /// published once per round, while the depth drops with each message taken.
+    /// lags by up to that round (up to the bus's `drain_batch` messages from each lane and
+    /// ring): `handled` is published once per round, while the depth drops with each message
+    /// taken.
     pub received: u64,
     /// Messages handled (including those whose handler failed or panicked), as of the end of
     /// the last drain round.
@@ -292,9 +295,10 @@ impl<E: Endpoint> EndpointRef<E> {
     }
 
     /// Sends a one-way message, waiting for room while this sender's inbox shard is full:
-    /// from a plain thread as long as it takes (back-pressure); from an endpoint's handler at
-    /// most the bus's `ask_timeout`, since endpoints that send to each other in a cycle would
-    /// otherwise wait for each other forever once both inboxes are full.
+    /// from a plain thread as long as it takes (back-pressure); from an endpoint's thread (a
+    /// handler, or `on_start`/`on_stop`) at most the bus's `ask_timeout`, since endpoints that
+    /// send to each other in a cycle would otherwise wait for each other forever once both
+    /// inboxes are full.
     ///
     /// # Errors
     /// [`SendError::Stopped`] (with the message) once the endpoint is stopped;

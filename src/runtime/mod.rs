@@ -133,8 +133,9 @@ impl Bus {
     ///
     /// # Errors
     /// [`BusError::DuplicateName`] if a live endpoint has the name; [`BusError::InvalidName`]
-    /// for a name holding a NUL character; [`BusError::ShutDown`] after [`Bus::shutdown`];
-    /// [`BusError::Spawn`] if the thread cannot be started.
+    /// for a name holding a NUL character; [`BusError::ShutDown`] after [`Bus::shutdown`] (a
+    /// registration overlapping a shutdown either fails so, or returns an endpoint that the
+    /// shutdown stops and joins); [`BusError::Spawn`] if the thread cannot be started.
     pub fn register<E: Endpoint>(
         &self,
         name: impl Into<String>,
@@ -176,17 +177,19 @@ impl Bus {
                 inbox
             }
         };
-        // A shutdown that began meanwhile may have listed the names before this one was in:
-        // look again, after a full fence (shutdown fences between setting its flag and
-        // listing), so that either it stops this endpoint or this sees its flag.
+        if let Err(error) = self.spawn_worker(endpoint, Arc::clone(&inbox)) {
+            inbox.stop();
+            return Err(error);
+        }
+        // A shutdown that began meanwhile may have listed the names, or taken the threads to
+        // join, before this one's were in: look again, after a full fence (shutdown fences
+        // between setting its flag and doing both). Either it stops and joins this endpoint,
+        // or this sees its flag, stops the endpoint, and refuses (the thread, already
+        // started, ends on its own; the bus's drop joins it).
         std::sync::atomic::fence(Ordering::SeqCst);
         if self.shared.shut_down.load(Ordering::SeqCst) {
             inbox.stop();
             return Err(BusError::ShutDown);
-        }
-        if let Err(error) = self.spawn_worker(endpoint, Arc::clone(&inbox)) {
-            inbox.stop();
-            return Err(error);
         }
         tracing::info!(endpoint = %name, "endpoint registered");
         Ok(EndpointRef { inbox })

@@ -371,6 +371,11 @@ impl Endpoint for StateStoreCoordinatorEndpoint {
     }
 
     fn on_error(&mut self, error: &HandlerError) {
+        if let Some(panic @ AskError::HandlerPanicked { .. }) = error.downcast_ref::<AskError>() {
+            // The runtime already logged the panic as an error; it is no rejected report.
+            tracing::debug!(%panic, "state store coordinator's handler panicked");
+            return;
+        }
         // Logged at the 1st, 2nd, 4th, ... rejected report, so a flood of bad reports logs
         // O(log n) (a rejected ask is the asker's error, not counted here).
         self.rejected_reports += 1;
@@ -452,8 +457,11 @@ impl StateStoreCoordinatorRef {
     /// One-way report that `provider_id` is loaded at `location`.
     ///
     /// # Errors
-    /// [`SendError::Stopped`] once the coordinator is stopped. (While its inbox is full the
-    /// call waits for room, as [`EndpointRef::send`](crate::EndpointRef::send) does.)
+    /// [`SendError::Stopped`] once the coordinator is stopped. While its inbox is full the
+    /// call waits for room, as [`EndpointRef::send`](crate::EndpointRef::send) does: called
+    /// from an endpoint's thread it waits at most the bus's `ask_timeout`
+    /// ([`SendError::Timeout`]), and from the coordinator's own handler it does not wait
+    /// ([`SendError::Full`]).
     #[inline]
     pub fn report_active_instance(
         &self,

@@ -170,9 +170,10 @@ pub enum StateStoreError {
 }
 
 /// Counts of what the coordinator handled, for observability. Each report, verification,
-/// location query, deactivation and snapshot report increments its counter, and `rejected` as
-/// well when its input was bad (testing queries, counter reads, configuration updates and the
-/// stop count nowhere).
+/// location query, deactivation, snapshot report and lag evaluation (including the testing
+/// query's) increments its counter, and `rejected` as well when its input was bad; the
+/// snapshot-version testing query, counter reads, configuration updates and the stop count
+/// nowhere.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub struct StateStoreCounters {

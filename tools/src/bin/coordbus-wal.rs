@@ -12,8 +12,9 @@
 //!
 //! `DIR` must be a log directory: a path that does not exist, or a directory holding files but
 //! no segment file (`seg-NNNNNNNNNN.wal`; spare files `spare-NNNNNNNNNN.wal` are not
-//! segments), is an error (exit code 3), never an empty, healthy log: the wrong directory (the
-//! parent of the log, a typo) must not pass for one. An empty directory is an empty log.
+//! segments) nor a failed log's marker (`unsynced-after.lsn`), is an error (exit code 3),
+//! never an empty, healthy log: the wrong directory (the parent of the log, a typo) must not
+//! pass for one. An empty directory is an empty log.
 
 use std::{
     io::Write,
@@ -74,9 +75,9 @@ enum Command {
         preview_bytes: usize,
     },
     /// Strict scan. Exit code 0: healthy; 1: corruption (opening would fail in strict mode);
-    /// 2: a torn tail, or records a failed log wrote after its last durable LSN (opening cuts
-    /// them; nothing acknowledged is affected); 3: I/O or usage error (also: DIR does not
-    /// exist, or holds files but no WAL segment).
+    /// 2: a torn tail, or records (or a segment) a failed log wrote after its last durable LSN
+    /// (opening cuts them; nothing acknowledged is affected); 3: I/O or usage error (also: DIR
+    /// does not exist, or holds files but no WAL segment nor failed-log marker).
     Verify {
         /// The log directory.
         dir: PathBuf,
@@ -107,6 +108,14 @@ fn summary_json(segment: &SegmentSummary) -> serde_json::Value {
         "skipped": segment.skipped,
         "dropped": segment.dropped,
         "recycled": segment.recycled,
+    })
+}
+
+/// Whether opening would cut records or remove a segment for a failed log's marker (a marker
+/// with nothing after its LSN only goes).
+fn cuts_unsynced(scan: &coordbus::wal::DirScan) -> bool {
+    scan.report.unsynced_cut.is_some_and(|cut| {
+        cut.records_discarded > 0 || scan.segments.iter().any(|segment| segment.dropped)
     })
 }
 
@@ -315,9 +324,7 @@ fn verify(dir: &PathBuf, as_json: bool) -> ExitCode {
     let (code, verdict, detail) = match check_log_dir(dir) {
         Err(error) => (3, "error", format!("{error:#}")),
         Ok(()) => match scan_dir(dir, RecoveryMode::Strict) {
-            Ok(scan) if scan.report.unsynced_cut.is_some() => {
-                (2, "failed-log", scan.report.to_string())
-            }
+            Ok(scan) if cuts_unsynced(&scan) => (2, "failed-log", scan.report.to_string()),
             Ok(scan) if scan.report.torn_tail.is_some() => {
                 (2, "torn-tail", scan.report.to_string())
             }

@@ -9,7 +9,8 @@
 //! duplicated. A killed process keeps what reached the page cache: the check proves, end to
 //! end on real files and processes, that each item was written before it was acknowledged and
 //! that recovery finds it, not that it was synced (a power loss). That half is
-//! `tests/wal_power_loss.rs`, which opens images holding only the synced bytes. What these
+//! `tests/wal_power_loss.rs`, which opens images holding only the synced bytes (on the pwrite
+//! path; see its limits). What these
 //! loops rarely reach: a kill inside a write (torn records; `torn_tails_cut` counts them), a
 //! kill during recovery itself (the window opens at the first acknowledgement), and, with
 //! short runs, cleaning and segment reuse (`--max-run-ms 200` reaches them).
