@@ -4,40 +4,17 @@
 //!
 //! Method: `allocation_counter` (the global allocator of this test binary) counts the
 //! allocations and live bytes of the test's own thread while it drives the state machine with
-//! a query and sink that keep nothing. Each count is checked against a run that must allocate
+//! a query and sink that keep nothing (`NoopQuery`, `NoopSink`). Each count is checked against a run that must allocate
 //! (payloads too large to be inline), so a counter that saw nothing would fail the test.
 
 use coordbus::coordinators::epoch::{
-    CollaboratorError, Epoch, EpochConfig, EpochCoordinator, EpochError, NoopSink, PartitionId,
-    Payload, Query,
+    Epoch, EpochConfig, EpochCoordinator, NoopQuery, NoopSink, PartitionId, Payload,
 };
-
-/// A query that keeps nothing (so every allocation counted is the coordinator's).
-struct KeepNothing;
-
-impl Query for KeepNothing {
-    fn add_offsets(
-        &mut self,
-        _: Epoch,
-        _: &[(PartitionId, Payload)],
-    ) -> Result<(), CollaboratorError> {
-        Ok(())
-    }
-
-    fn commit(&mut self, _: Epoch) -> Result<(), CollaboratorError> {
-        Ok(())
-    }
-
-    fn stop(&mut self, error: EpochError) {
-        panic!("the query was stopped: {error}");
-    }
-}
 
 const PARTITIONS: i32 = 100;
 
-fn coordinator() -> EpochCoordinator<KeepNothing, NoopSink> {
-    let mut coordinator =
-        EpochCoordinator::new(EpochConfig::new(1), KeepNothing, NoopSink).unwrap();
+fn coordinator() -> EpochCoordinator<NoopQuery, NoopSink> {
+    let mut coordinator = EpochCoordinator::new(EpochConfig::new(1), NoopQuery, NoopSink).unwrap();
     coordinator.set_reader_partitions(PARTITIONS).unwrap();
     coordinator.set_writer_partitions(PARTITIONS).unwrap();
     coordinator
@@ -46,7 +23,7 @@ fn coordinator() -> EpochCoordinator<KeepNothing, NoopSink> {
 /// Runs epochs `epochs` with the writers `ahead` epochs ahead of the readers (as tasks race
 /// ahead of each other), so several buckets are live at once; every epoch commits.
 fn run(
-    coordinator: &mut EpochCoordinator<KeepNothing, NoopSink>,
+    coordinator: &mut EpochCoordinator<NoopQuery, NoopSink>,
     epochs: std::ops::RangeInclusive<i64>,
     ahead: i64,
     message: impl Fn(i64) -> Payload,

@@ -2844,11 +2844,15 @@ mod tests {
         assert!(path.exists());
     }
 
-    /// The real file system, recording the directories it syncs.
+    /// The real file system, recording the directories it syncs and refusing to remove the
+    /// file named in `refuse_remove`.
     #[derive(Debug, Default)]
-    struct DirSyncRecorder(Mutex<Vec<PathBuf>>);
+    struct ObservedStorage {
+        synced_dirs: Mutex<Vec<PathBuf>>,
+        refuse_remove: Mutex<Option<PathBuf>>,
+    }
 
-    impl Storage for DirSyncRecorder {
+    impl Storage for ObservedStorage {
         fn create_dir_all(&self, dir: &Path) -> std::io::Result<()> {
             FileStorage.create_dir_all(dir)
         }
@@ -2859,13 +2863,16 @@ mod tests {
             FileStorage.open_existing(path)
         }
         fn remove(&self, path: &Path) -> std::io::Result<()> {
+            if lock(&self.refuse_remove).as_deref() == Some(path) {
+                return Err(std::io::ErrorKind::PermissionDenied.into());
+            }
             FileStorage.remove(path)
         }
         fn rename(&self, from: &Path, to: &Path) -> std::io::Result<()> {
             FileStorage.rename(from, to)
         }
         fn sync_dir(&self, dir: &Path) -> std::io::Result<()> {
-            lock(&self.0).push(dir.to_path_buf());
+            lock(&self.synced_dirs).push(dir.to_path_buf());
             FileStorage.sync_dir(dir)
         }
     }
@@ -2877,47 +2884,17 @@ mod tests {
     fn every_directory_a_log_creates_has_its_entry_synced() {
         let root = tempfile::tempdir().unwrap();
         let dir = root.path().join("checkpoint").join("receivedData").join("7");
-        let storage = Arc::new(DirSyncRecorder::default());
+        let storage = Arc::new(ObservedStorage::default());
         let options = WalOptions { storage: Arc::clone(&storage) as _, ..WalOptions::default() };
         let wal = Wal::open_with_options(&dir, WalConfig::default(), options).unwrap();
         let (lsn, _) = wal.append_bytes(b"x", 1).unwrap();
         wal.wait_durable_timeout(lsn, WAIT).unwrap();
-        let synced = lock(&storage.0).clone();
+        let synced = lock(&storage.synced_dirs).clone();
         let checkpoint = root.path().join("checkpoint");
         for entry_holder in
             [root.path().to_path_buf(), checkpoint.clone(), checkpoint.join("receivedData"), dir]
         {
             assert!(synced.contains(&entry_holder), "{entry_holder:?} not synced: {synced:?}");
-        }
-    }
-
-    /// The real file system, except that removing the file named in `refuse` fails.
-    #[derive(Debug, Default)]
-    struct RefusingRemove {
-        refuse: Mutex<Option<PathBuf>>,
-    }
-
-    impl Storage for RefusingRemove {
-        fn create_dir_all(&self, dir: &Path) -> std::io::Result<()> {
-            FileStorage.create_dir_all(dir)
-        }
-        fn create(&self, path: &Path) -> std::io::Result<Arc<dyn StorageFile>> {
-            FileStorage.create(path)
-        }
-        fn open_existing(&self, path: &Path) -> std::io::Result<Arc<dyn StorageFile>> {
-            FileStorage.open_existing(path)
-        }
-        fn remove(&self, path: &Path) -> std::io::Result<()> {
-            if lock(&self.refuse).as_deref() == Some(path) {
-                return Err(std::io::ErrorKind::PermissionDenied.into());
-            }
-            FileStorage.remove(path)
-        }
-        fn rename(&self, from: &Path, to: &Path) -> std::io::Result<()> {
-            FileStorage.rename(from, to)
-        }
-        fn sync_dir(&self, dir: &Path) -> std::io::Result<()> {
-            FileStorage.sync_dir(dir)
         }
     }
 
@@ -2927,7 +2904,7 @@ mod tests {
     #[test]
     fn a_segment_that_cannot_be_deleted_stops_cleaning_so_no_gap_is_left() {
         let dir = tempfile::tempdir().unwrap();
-        let storage = Arc::new(RefusingRemove::default());
+        let storage = Arc::new(ObservedStorage::default());
         let options = WalOptions {
             storage: Arc::clone(&storage) as _,
             spare_segments: 0,
@@ -2942,7 +2919,7 @@ mod tests {
         let segments: Vec<SegmentId> =
             wal.shared.segments_snapshot().iter().map(|segment| segment.header.id).collect();
         assert!(segments.len() >= 5, "{segments:?}");
-        *lock(&storage.refuse) = Some(dir.path().join(segment::file_name(segments[1])));
+        *lock(&storage.refuse_remove) = Some(dir.path().join(segment::file_name(segments[1])));
 
         // Times are the record indices, 28 records a segment: below 100, the first three.
         let first = wal.clean(100, true).unwrap();
