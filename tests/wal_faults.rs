@@ -49,6 +49,8 @@ struct Faults {
     syncs: AtomicU64,
     /// Fail every sync from this one on (1-based count of syncs asked for; 0: never).
     fail_sync_from: AtomicU64,
+    /// Fail this one sync only (1-based count of syncs asked for; 0: none).
+    fail_one_sync: AtomicU64,
     /// Syncs asked for (either path).
     sync_requests: AtomicU64,
     /// Operations the io_uring engine submitted after asking the fault plan.
@@ -62,7 +64,7 @@ impl Faults {
     fn planned_sync_failure(&self) -> bool {
         let number = self.sync_requests.fetch_add(1, Ordering::SeqCst) + 1;
         let from = self.fail_sync_from.load(Ordering::SeqCst);
-        from > 0 && number >= from
+        (from > 0 && number >= from) || number == self.fail_one_sync.load(Ordering::SeqCst)
     }
 }
 
@@ -606,4 +608,40 @@ fn a_failure_amid_a_group_that_spans_segments_on(path: IoVariant) {
     let found = records(dir.path());
     assert_eq!(found.len() as u64, durable.0 + 1);
     assert_eq!(found.last().unwrap(), b"next");
+}
+
+/// io_uring: a group alone on the ring, its write linked to its sync. The write comes up short
+/// (finished with pwrite) and the linked sync fails with EIO. The failed sync fails the log:
+/// it is not voided like a cancelled one, since the sync issued in its place could succeed
+/// over the bytes the failed writeback lost (Linux reports such an error once).
+#[test]
+fn a_failed_linked_sync_fails_the_log_even_when_its_write_came_up_short() {
+    if let Some(reason) = io_uring_refusal() {
+        eprintln!("skipping: the kernel refuses io_uring: {reason}");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (wal, faults) = open_faulty(IoVariant::Uring, dir.path(), Durability::default(), 1 << 20);
+    let wal = Arc::new(wal);
+    // The segment's first group goes one group at a time; the next one is pipelined.
+    let (first, _) = wal.append_bytes(b"first", 1).unwrap();
+    wait_durable_bounded(&wal, first).unwrap();
+    faults.short_write_bytes.store(7, Ordering::SeqCst);
+    let next_sync = faults.sync_requests.load(Ordering::SeqCst) + 1;
+    faults.fail_one_sync.store(next_sync, Ordering::SeqCst);
+    let (lsn, _) = wal.append_bytes(&[9u8; 100], 2).unwrap();
+    let outcome = wal.wait_durable_timeout(lsn, WAIT_BOUND);
+    assert!(
+        faults.sync_requests.load(Ordering::SeqCst) >= next_sync,
+        "the planned sync was never asked for"
+    );
+    match outcome {
+        Err(error) => match error.root_cause() {
+            WalError::Io { op, .. } => assert_eq!(*op, "fdatasync"),
+            other => panic!("expected the fdatasync error, got {other:?}"),
+        },
+        Ok(()) => panic!("a record whose sync failed was reported durable"),
+    }
+    assert!(wal.durable_lsn() < lsn);
+    assert_path_used(&wal, &faults);
 }

@@ -75,8 +75,9 @@
 //!   (fault injection through `write_at`) drain the pipeline and go one group at a time, so
 //!   the segment-order rules below hold unchanged.
 //! * While groups are in flight the sync thread waits in the ring, not on the condition
-//!   variable; appenders wake it there through a non-blocking pipe the ring polls, and the
-//!   group-commit delay becomes the wait's timeout.
+//!   variable; appenders wake it there through a non-blocking pipe the ring polls. A group
+//!   that is not full is held until the groups in flight finish; the group-commit delay
+//!   applies from then on.
 //!
 //! The `pwrite` path keeps one group at a time: with blocking calls there is nothing to
 //! overlap without a second thread.

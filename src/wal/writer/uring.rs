@@ -11,7 +11,11 @@
 //! them (or, for a group alone on the ring with one write, linked behind that write); while
 //! it runs, later groups' writes proceed. See the `wal` module doc, "Pipelined
 //! group commit". Every buffer the kernel reads stays owned by the engine until its write's
-//! completion was reaped, and `Drop` waits for every entry in flight.
+//! completion was reaped, and `Drop` waits for every entry in flight. One exception: if
+//! `io_uring_enter` itself fails with entries in flight (a broken ring), the engine panics
+//! and the unwind frees buffers the kernel may still read. The kernel only reads them, so at
+//! worst stray bytes reach a log that the panic has failed (recovery cuts an unsynced tail);
+//! no memory of this process is written.
 //!
 //! One group at a time (`write_and_sync`: the first group of a segment, rolls, seals at
 //! close, a leader's groups, and the unit tests): the writes are followed by one `fdatasync`,
@@ -19,9 +23,10 @@
 //! flagged `IO_DRAIN`, so the kernel starts the sync only after every earlier write
 //! completed, and one `io_uring_enter` submits the lot and waits for all completions.
 //!
-//! On both, a short or failed write is finished with `pwrite` afterwards and synced again (or
-//! before the covering sync is submitted), so the durability claim never rests on a sync that
-//! ran before all bytes were written.
+//! On both, a short write (or one interrupted: `EINTR`, and on the pipelined path `EAGAIN`)
+//! is finished with `pwrite` afterwards and synced again (or before the covering sync is
+//! submitted), so the durability claim never rests on a sync that ran before all bytes were
+//! written; any other failed write or sync fails the log.
 //!
 //! Fault injection: before each write or sync entry the file's `StorageFile::ring_fault` is
 //! asked; an injected errno replaces the entry with a no-op whose completion carries it, an
@@ -399,7 +404,11 @@ impl UringEngine {
                 let sync = self.sync_in_flight.take().expect("a sync completion has its sync");
                 debug_assert_eq!(sync.seq, seq);
                 let result = sync.injected.unwrap_or(result);
-                if sync.linked && self.linked_sync_void(seq, result) {
+                // A sync that failed (not one the kernel cancelled) fails the log, voided or
+                // not: Linux reports a writeback error once, so the sync issued in its place
+                // could succeed over lost bytes.
+                let failed = result < 0 && result != -libc::ECANCELED;
+                if sync.linked && !failed && self.linked_sync_void(seq, result) {
                     continue;
                 }
                 if result < 0 {
@@ -677,9 +686,11 @@ impl IoEngine for UringEngine {
                     // SAFETY: the buffer `op.buf[piece.start..piece.start + len]` is borrowed
                     // from `ops` for this whole call, and this function does not return before
                     // every submitted entry completed (submit_and_wait below waits for all), so
-                    // the kernel never reads freed memory. The descriptor belongs to a file the
-                    // caller keeps open for the call. The queue has room: at most
-                    // RING_ENTRIES - 1 writes plus one sync are pushed per round.
+                    // the kernel never reads freed memory; only the panic on a broken ring
+                    // unwinds with entries in flight (module doc: the kernel only reads the
+                    // buffer, so no memory of this process is written). The descriptor belongs
+                    // to a file the caller keeps open for the call. The queue has room: at
+                    // most RING_ENTRIES - 1 writes plus one sync are pushed per round.
                     unsafe { submission.push(&entry) }.expect("ring has room for the batch");
                     expected += 1;
                 }
