@@ -2938,4 +2938,42 @@ mod tests {
         assert_eq!(lsns.last(), Some(&appended.last().unwrap().0 .0));
         assert!(lsns.windows(2).all(|pair| pair[1] == pair[0] + 1), "no gap: {lsns:?}");
     }
+
+    /// A kernel that sets up a ring but lacks something the engine uses: `IoMode::Auto`
+    /// writes with pwrite (and works), `IoMode::IoUring` is a typed setup error naming what is
+    /// missing. (Skipped where the kernel refuses io_uring outright.)
+    #[cfg(not(loom))]
+    #[test]
+    fn a_ring_missing_a_feature_falls_back_to_pwrite_under_auto() {
+        if writer::uring::UringEngine::new(0).is_err() {
+            eprintln!("skipping: the kernel refuses io_uring");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        writer::uring::PRETEND_MISSING.with(|pretend| pretend.set(true));
+        let wal = Wal::open(dir.path(), WalConfig::default()).unwrap();
+        assert_eq!(wal.io_path(), IoPath::Pwrite);
+        let (lsn, _) = wal.append_bytes(b"written with pwrite", 1).unwrap();
+        wal.wait_durable_timeout(lsn, WAIT).unwrap();
+        drop(wal);
+
+        writer::uring::PRETEND_MISSING.with(|pretend| pretend.set(true));
+        let options = WalOptions { io: IoMode::IoUring, ..WalOptions::default() };
+        match Wal::open_with_options(dir.path(), WalConfig::default(), options) {
+            Err(WalError::Io { op: "io_uring setup", kind, message, .. }) => {
+                assert_eq!(kind, std::io::ErrorKind::Unsupported);
+                assert!(message.contains("io_uring without"), "{message}");
+            }
+            other => panic!("expected the setup error, got {other:?}"),
+        }
+        // Without the pretence, the same kernel's ring is taken.
+        let wal = Wal::open(dir.path(), WalConfig::default()).unwrap();
+        assert_eq!(wal.io_path(), IoPath::IoUring);
+        let records: Vec<Vec<u8>> = wal
+            .iter_from(Lsn::ZERO)
+            .unwrap()
+            .map(|record| record.unwrap().bytes.to_vec())
+            .collect();
+        assert_eq!(records, [b"written with pwrite".to_vec()]);
+    }
 }

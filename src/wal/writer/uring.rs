@@ -172,13 +172,54 @@ impl std::fmt::Debug for UringEngine {
     }
 }
 
+/// Whether the kernel behind `ring` runs what the engine submits: writes, fsyncs, polls (the
+/// wake pipe), no-ops (injected faults), and waits with a timeout (`EXT_ARG`).
+fn check_support(ring: &IoUring) -> std::io::Result<()> {
+    let unsupported = |what: &str| {
+        std::io::Error::new(std::io::ErrorKind::Unsupported, format!("io_uring without {what}"))
+    };
+    if !ring.params().is_feature_ext_arg() || pretend_missing() {
+        return Err(unsupported("waits with a timeout (IORING_FEAT_EXT_ARG)"));
+    }
+    let mut probe = io_uring::Probe::new();
+    ring.submitter().register_probe(&mut probe)?;
+    let needed = [
+        ("writes", opcode::Write::CODE),
+        ("fsync", opcode::Fsync::CODE),
+        ("poll", opcode::PollAdd::CODE),
+        ("no-ops", opcode::Nop::CODE),
+    ];
+    match needed.iter().find(|(_, code)| !probe.is_supported(*code)) {
+        Some((what, _)) => Err(unsupported(what)),
+        None => Ok(()),
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+thread_local! {
+    /// Unit tests: the next ring set up on this thread reports a missing feature.
+    pub(crate) static PRETEND_MISSING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+fn pretend_missing() -> bool {
+    #[cfg(all(test, not(loom)))]
+    return PRETEND_MISSING.with(std::cell::Cell::take);
+    #[cfg(not(all(test, not(loom))))]
+    false
+}
+
 impl UringEngine {
-    /// Sets up a ring.
+    /// Sets up a ring, and checks that the kernel runs every operation and feature the engine
+    /// uses (a ring can be set up where some are missing: kernels before 5.11, sandboxes with
+    /// a partial io_uring), so that `IoMode::Auto` falls back to pwrite then instead of
+    /// failing the log at its first write.
     ///
     /// # Errors
-    /// The kernel's error (ENOSYS without io_uring, EPERM under seccomp or when disabled).
+    /// The kernel's error (ENOSYS without io_uring, EPERM under seccomp or when disabled), or
+    /// `Unsupported` naming what is missing.
     pub fn new(direct_max_bytes: usize) -> std::io::Result<Self> {
         let ring = IoUring::new(RING_ENTRIES)?;
+        check_support(&ring)?;
         let (wake_reader, wake_writer) = std::io::pipe()?;
         set_nonblocking(wake_reader.as_raw_fd())?;
         set_nonblocking(wake_writer.as_raw_fd())?;
