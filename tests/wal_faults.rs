@@ -51,6 +51,8 @@ struct Faults {
     fail_sync_from: AtomicU64,
     /// Fail this one sync only (1-based count of syncs asked for; 0: none).
     fail_one_sync: AtomicU64,
+    /// Complete the next ring write with this errno instead (0: none), once.
+    ring_write_errno_once: std::sync::atomic::AtomicI32,
     /// Syncs asked for (either path).
     sync_requests: AtomicU64,
     /// Operations the io_uring engine submitted after asking the fault plan.
@@ -159,6 +161,11 @@ impl StorageFile for FaultFile {
             }
             RingOp::Write { .. } if self.faults.write_enospc.load(Ordering::SeqCst) => {
                 Some(RingFault::Errno(libc::ENOSPC))
+            }
+            RingOp::Write { .. }
+                if self.faults.ring_write_errno_once.load(Ordering::SeqCst) != 0 =>
+            {
+                Some(RingFault::Errno(self.faults.ring_write_errno_once.swap(0, Ordering::SeqCst)))
             }
             RingOp::Write { len, .. } => {
                 let limit = self.faults.short_write_bytes.load(Ordering::SeqCst) as usize;
@@ -644,4 +651,32 @@ fn a_failed_linked_sync_fails_the_log_even_when_its_write_came_up_short() {
     }
     assert!(wal.durable_lsn() < lsn);
     assert_path_used(&wal, &faults);
+}
+
+/// io_uring: a ring write that completes with EAGAIN (would block) or EINTR wrote nothing and
+/// failed nothing: it is finished with pwrite, on the one-group path (a segment's first group)
+/// and on the pipelined one alike, and the record is durable and intact.
+#[test]
+fn a_ring_write_that_would_block_is_finished_with_pwrite_on_both_ring_paths() {
+    if let Some(reason) = io_uring_refusal() {
+        eprintln!("skipping: the kernel refuses io_uring: {reason}");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (wal, faults) = open_faulty(IoVariant::Uring, dir.path(), Durability::default(), 1 << 20);
+    let wal = Arc::new(wal);
+    let mut expected = Vec::new();
+    // The first record's group is the segment's first (one group at a time); the later ones
+    // go through the pipeline.
+    for (index, errno) in [libc::EAGAIN, libc::EAGAIN, libc::EINTR].into_iter().enumerate() {
+        faults.ring_write_errno_once.store(errno, Ordering::SeqCst);
+        let bytes = vec![index as u8; 50 + index];
+        let (lsn, _) = wal.append_bytes(&bytes, index as i64).unwrap();
+        wait_durable_bounded(&wal, lsn).unwrap();
+        assert_eq!(faults.ring_write_errno_once.load(Ordering::SeqCst), 0, "the fault was used");
+        expected.push(bytes);
+    }
+    assert_path_used(&wal, &faults);
+    drop(wal);
+    assert_eq!(records(dir.path()), expected);
 }

@@ -23,8 +23,8 @@
 //! flagged `IO_DRAIN`, so the kernel starts the sync only after every earlier write
 //! completed, and one `io_uring_enter` submits the lot and waits for all completions.
 //!
-//! On both, a short write (or one interrupted: `EINTR`, and on the pipelined path `EAGAIN`)
-//! is finished with `pwrite` afterwards and synced again (or before the covering sync is
+//! On both, a short write (or one that was interrupted or would block: `EINTR`, `EAGAIN`) is
+//! finished with `pwrite` afterwards and synced again (or before the covering sync is
 //! submitted), so the durability claim never rests on a sync that ran before all bytes were
 //! written; any other failed write or sync fails the log.
 //!
@@ -795,7 +795,9 @@ impl IoEngine for UringEngine {
                     let result = injected[slot].unwrap_or(entry.result());
                     if result < 0 {
                         let error = std::io::Error::from_raw_os_error(-result);
-                        if error.kind() == std::io::ErrorKind::Interrupted {
+                        // Interrupted or would block: nothing failed, the piece is finished with
+                        // pwrite (as on the pipelined path).
+                        if matches!(-result, libc::EINTR | libc::EAGAIN) {
                             leftovers.push(piece);
                         } else {
                             let op = &ops[piece.op];
