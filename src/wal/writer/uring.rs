@@ -173,13 +173,19 @@ impl std::fmt::Debug for UringEngine {
 }
 
 /// Whether the kernel behind `ring` runs what the engine submits: writes, fsyncs, polls (the
-/// wake pipe), no-ops (injected faults), and waits with a timeout (`EXT_ARG`).
+/// wake pipe), no-ops (injected faults), waits with a timeout (`EXT_ARG`), and keeps the
+/// completions that overflow the completion queue instead of dropping them (`NODROP`: the
+/// pipelined path can have more entries in flight than the queue holds, and a dropped
+/// completion would leave its entry counted in flight for good).
 fn check_support(ring: &IoUring) -> std::io::Result<()> {
     let unsupported = |what: &str| {
         std::io::Error::new(std::io::ErrorKind::Unsupported, format!("io_uring without {what}"))
     };
     if !ring.params().is_feature_ext_arg() || pretend_missing() {
         return Err(unsupported("waits with a timeout (IORING_FEAT_EXT_ARG)"));
+    }
+    if !ring.params().is_feature_nodrop() {
+        return Err(unsupported("kept completion overflow (IORING_FEAT_NODROP)"));
     }
     let mut probe = io_uring::Probe::new();
     ring.submitter().register_probe(&mut probe)?;
