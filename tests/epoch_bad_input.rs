@@ -453,6 +453,27 @@ fn sink_commit_failure_stops_the_query_and_commits_nothing_after() {
     assert_eq!(stats.waiting_epochs, 3, "epochs 2, 3 and 4 wait forever");
 }
 
+/// A collaborator that panics (SPEC 0.2: a panic is a handler error) fail-stops the
+/// coordinator like a failed one (SPEC 0.3): the query is stopped naming the panic and the
+/// epoch, and nothing commits after it. (Before, the epoch neither committed nor failed, and
+/// the later ones waited until a backlog limit stopped the query for the wrong reason.)
+#[test]
+fn a_panicking_sink_stops_the_query_and_commits_nothing_after() {
+    let (query, mut sink, log) = recorders();
+    sink.panic_at.insert(2);
+    let harness = run_epochs(query, sink, log);
+    let calls = harness.calls();
+    let stops = stop_messages(&calls);
+    assert_eq!(stops.len(), 1, "{calls:?}");
+    assert!(stops[0].contains("handler panicked (next epoch to commit: 2)"), "{stops:?}");
+    assert!(stops[0].contains("injected: the sink panicked at 2"), "{stops:?}");
+    assert!(!calls.contains(&Call::QueryCommit(2)), "query commit after a panicked sink commit");
+    assert!(!calls.iter().any(|c| matches!(c, Call::SinkCommit(3.., _))));
+    let stats = harness.stats();
+    assert_eq!(stats.last_committed, Epoch(1));
+    assert_eq!(stats.failed_epoch, Some(Epoch(2)));
+}
+
 #[test]
 fn query_commit_failure_stops_the_query_and_commits_nothing_after() {
     let (mut query, sink, log) = recorders();

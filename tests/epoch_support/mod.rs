@@ -86,11 +86,13 @@ impl Query for RecordingQuery {
     }
 }
 
-/// Sink recorder; fails `commit` at the given epochs.
+/// Sink recorder; fails `commit` at the given epochs (`fail_at`), or panics there
+/// (`panic_at`).
 #[derive(Debug, Default, Clone)]
 pub struct RecordingSink {
     pub log: CallLog,
     pub fail_at: HashSet<i64>,
+    pub panic_at: HashSet<i64>,
 }
 
 impl Sink for RecordingSink {
@@ -103,6 +105,7 @@ impl Sink for RecordingSink {
         if self.fail_at.contains(&epoch.0) {
             return Err(injected("sink commit", epoch));
         }
+        assert!(!self.panic_at.contains(&epoch.0), "injected: the sink panicked at {epoch}");
         Ok(())
     }
 }

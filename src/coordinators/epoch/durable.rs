@@ -200,7 +200,9 @@ impl DurableQueryStatus {
             return true;
         }
         let target = status.pending().iter().find(|(_, committed)| *committed >= epoch.0).copied();
-        let Some((lsn, _)) = target else { return false };
+        // None: not committed yet, or made durable (and taken off the queue) by another
+        // reader's `advance` since the check above.
+        let Some((lsn, _)) = target else { return durable(status) };
         match wal.wait_durable_timeout(Lsn(lsn), timeout) {
             Ok(()) => status.advance(Lsn(lsn)),
             Err(error @ WalError::Failed { .. }) => status.fail(&error),

@@ -14,7 +14,7 @@
 use super::{EpochConfig, EpochCoordinator, EpochError, EpochStats, Payload, Query, Sink};
 use crate::{
     error::{ConfigError, HandlerError},
-    Ask, Context, Endpoint, Replier,
+    Ask, AskError, Context, Endpoint, Replier,
 };
 
 /// The bus name of a coordinator for one run: `EpochCoordinator-<queryRunId>--<uuid>`, with a
@@ -205,6 +205,17 @@ where
 {
     type Message = EpochMessage;
     type Request = EpochRequest;
+
+    /// Only a panic reaches this hook (the handlers answer every error themselves): the
+    /// coordinator fail-stops (`EpochCoordinator::fail_after_panic`).
+    fn on_error(&mut self, error: &HandlerError) {
+        match error.downcast_ref::<AskError>() {
+            Some(AskError::HandlerPanicked { message }) => {
+                self.coordinator.fail_after_panic(message.clone());
+            }
+            _ => tracing::warn!(%error, "epoch coordinator handler error"),
+        }
+    }
 
     fn on_start(&mut self, context: &Context<Self>) {
         let stats = self.coordinator.stats();

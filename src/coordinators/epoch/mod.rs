@@ -437,6 +437,16 @@ pub enum EpochError {
         #[source]
         source: CollaboratorError,
     },
+    /// A handler of the coordinator panicked (a collaborator's, or its own): its state may be
+    /// half updated, so it fail-stops as for a failed collaborator (SPEC 0.3), at the epoch it
+    /// was to commit next.
+    #[error("the epoch coordinator's handler panicked (next epoch to commit: {epoch}): {message}")]
+    HandlerPanicked {
+        /// The epoch the coordinator was to commit next.
+        epoch: Epoch,
+        /// The panic's message.
+        message: String,
+    },
     /// A partition count below zero was asked for.
     #[error("{side} partition count {count} is negative")]
     InvalidPartitionCount {

@@ -951,6 +951,16 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
         Ok(())
     }
 
+    /// After a panic in one of its handlers (reported by the bus): the state may be half
+    /// updated (an epoch sink-committed but not recorded, say), so the coordinator fail-stops
+    /// with [`EpochError::HandlerPanicked`] at the next epoch to commit, as for a failed
+    /// collaborator (SPEC 0.3). Without it, that epoch would neither commit nor fail, and the
+    /// later ones would wait until a backlog limit stopped the query for the wrong reason.
+    pub fn fail_after_panic(&mut self, message: String) {
+        let epoch = self.last_committed.next().unwrap_or(self.last_committed);
+        self.fail(EpochError::HandlerPanicked { epoch, message }, epoch);
+    }
+
     /// Enters the fail-stop state and stops the query with `error`.
     #[cold]
     fn fail(&mut self, error: EpochError, epoch: Epoch) {
