@@ -140,3 +140,34 @@ fn dropping_a_log_whose_close_timed_out_does_not_wait_for_the_disk() {
     };
     assert_eq!(payloads(&reopened), [b"held".to_vec()]);
 }
+
+/// The epoch log's appends are bounded too: a `DurableQuery` whose WAL stays full (the disk
+/// stalled) fails the append after its write timeout with a typed error, which stops the query
+/// (the coordinator's thread is not held for good), and nothing is appended.
+#[test]
+fn the_epoch_logs_append_on_a_stalled_disk_fails_after_its_write_timeout() {
+    use coordbus::coordinators::epoch::{
+        DurableQuery, Epoch, EpochError, NoopQuery, PartitionId, Payload, Query,
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let gate = Arc::new(Gate::default());
+    let timeout = Duration::from_millis(200);
+    let mut query =
+        DurableQuery::from_wal(open_gated(dir.path(), &gate, AfterGate::Sync), NoopQuery)
+            .unwrap()
+            .with_write_timeout(timeout);
+    let _open_gate_on_exit = OpenOnDrop(Arc::clone(&gate));
+    hold_and_fill_staging(query.wal(), &gate, 4096, Duration::from_millis(50));
+    let appended = query.wal().appended_lsn();
+    let offsets: Vec<(PartitionId, Payload)> =
+        (0..64).map(|p| (PartitionId(p), Payload::from(vec![7u8; 64]))).collect();
+    let started = Instant::now();
+    let error = query.add_offsets(Epoch(0), &offsets).unwrap_err();
+    let waited = started.elapsed();
+    assert!(waited >= timeout && waited < RUN_BOUND / 2, "waited {waited:?}");
+    match error.downcast_ref::<EpochError>() {
+        Some(EpochError::Wal { source: WalError::AppendTimedOut { .. }, .. }) => {}
+        other => panic!("expected the append's timeout, got {other:?} ({error})"),
+    }
+    assert_eq!(query.wal().appended_lsn(), appended, "nothing was appended");
+}

@@ -75,6 +75,7 @@ use std::{
         atomic::{AtomicI64, AtomicU64, Ordering},
         Arc, Mutex, MutexGuard, OnceLock, Weak,
     },
+    time::Duration,
 };
 
 use rkyv::{rancor, util::AlignedVec};
@@ -92,6 +93,14 @@ use crate::wal::{Lsn, RecordHandle, Wal, WalConfig, WalError};
 /// The default number of committed epochs whose records are retained (Spark's
 /// `spark.sql.streaming.minBatchesToRetain`).
 pub const DEFAULT_RETAINED_EPOCHS: usize = 100;
+
+/// The longest an append waits for room in the WAL's staging buffer by default (the disk
+/// stalled): the coordinator's thread then fails the query instead of waiting for good
+/// ([`DurableQuery::with_write_timeout`]).
+pub const DEFAULT_WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The longest dropping the query waits for the log to write and sync what was appended.
+pub const CLOSE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A [`Query`] that does nothing: the default inner query of a [`DurableQuery`] when the
 /// engine needs no callbacks of its own.
@@ -188,7 +197,7 @@ impl DurableQueryStatus {
     /// Waits at most `timeout` until the commit record of `epoch` (or a later one) is durable,
     /// and returns whether it is. Returns `false` at once if `epoch` is not committed yet, and
     /// `false` if the WAL fails first.
-    pub fn wait_durable_committed(&self, epoch: Epoch, timeout: std::time::Duration) -> bool {
+    pub fn wait_durable_committed(&self, epoch: Epoch, timeout: Duration) -> bool {
         let status = &*self.0;
         let durable = |status: &Status| status.durable_committed.load(Ordering::Acquire) >= epoch.0;
         let Some(wal) = status.wal.upgrade() else {
@@ -257,15 +266,18 @@ pub type RestartPoint = (Epoch, Vec<(PartitionId, Payload)>);
 /// * Recovery ([`DurableQuery::open`], [`DurableQuery::from_wal`]): the last committed epoch
 ///   and its offsets ([`DurableQuery::restart_point`]); offsets of later epochs are ignored.
 /// * No waiting for syncs: appends return at once (unless the WAL's staging buffer is full,
-///   when they wait for the disk to catch up: back-pressure); the WAL's sync thread makes them
-///   durable (group commit). [`DurableQueryStatus`] says which commits are durable. A crash
+///   when they wait for the disk to catch up: back-pressure, at most the write timeout,
+///   [`DEFAULT_WRITE_TIMEOUT`], after which the record is refused with
+///   [`WalError::AppendTimedOut`] and the coordinator stops the query); the WAL's sync thread
+///   makes them durable (group commit). [`DurableQueryStatus`] says which commits are durable. A crash
 ///   before a commit record is durable makes the next run commit that epoch again
 ///   (at-least-once, SPEC B.5).
 /// * Bounded: with `D` the last commit known durable, WAL segments holding only epochs below
 ///   `D + 1 - retained_epochs` are deleted (time-based `clean`, at most every
 ///   `retained_epochs / 4` epochs); `D`'s records are never below that threshold, and every
 ///   later commit is in a later segment. A WAL rolling interval, if configured, counts epochs.
-/// * Dropping the query closes the log (writing and syncing everything appended).
+/// * Dropping the query closes the log (writing and syncing everything appended), waiting at
+///   most [`CLOSE_TIMEOUT`].
 ///
 /// Two queries cannot use one directory at once: the WAL locks it, and the second open fails
 /// with [`EpochError::Wal`] holding [`WalError::Locked`].
@@ -279,6 +291,8 @@ pub struct DurableQuery<Q: Query = NoopQuery> {
     /// Epochs after the last commit whose offsets this run logged.
     logged: BTreeSet<i64>,
     retained_epochs: usize,
+    /// The longest an append waits for room ([`DEFAULT_WRITE_TIMEOUT`]).
+    write_timeout: Duration,
     /// The next cleaning threshold that triggers a `clean`.
     next_clean: i64,
     /// Reused serialization buffer.
@@ -345,11 +359,20 @@ impl<Q: Query> DurableQuery<Q> {
             restart_point: recovered.restart_point,
             logged: BTreeSet::new(),
             retained_epochs: DEFAULT_RETAINED_EPOCHS,
+            write_timeout: DEFAULT_WRITE_TIMEOUT,
             next_clean: i64::MIN,
             buf: AlignedVec::new(),
             assume_compact: true,
             deltas: DeltaEncoder::default(),
         })
+    }
+
+    /// Waits at most `timeout` for room in the WAL's staging buffer per append (default
+    /// [`DEFAULT_WRITE_TIMEOUT`]); an append that found none fails with
+    /// [`WalError::AppendTimedOut`], and the coordinator stops the query.
+    pub fn with_write_timeout(mut self, timeout: Duration) -> Self {
+        self.write_timeout = timeout;
+        self
     }
 
     /// Keeps the records of the newest `retained_epochs` committed epochs (at least 1;
@@ -429,7 +452,7 @@ impl<Q: Query> DurableQuery<Q> {
 
     /// Appends what [`Self::serialize`] left in `self.buf`.
     fn append_serialized(&mut self, epoch: Epoch, op: &'static str) -> Result<Lsn, EpochError> {
-        match self.wal.append_bytes(&self.buf, epoch.0) {
+        match self.wal.append_bytes_timeout(&self.buf, epoch.0, self.write_timeout) {
             Ok((lsn, _)) => Ok(lsn),
             Err(source) => {
                 if matches!(source, WalError::Failed { .. }) {
@@ -597,7 +620,7 @@ impl<Q: Query> Drop for DurableQuery<Q> {
     /// Closes the log: everything appended is written and synced (or the failure recorded),
     /// so a clean stop leaves every commit durable.
     fn drop(&mut self) {
-        match self.wal.close() {
+        match self.wal.close_timeout(CLOSE_TIMEOUT) {
             Ok(()) => self.status.advance(Lsn(u64::MAX)),
             Err(error) => {
                 tracing::warn!(%error, "closing the epoch log");
@@ -805,7 +828,6 @@ impl Winner {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
 
     use crate::wal::Durability;
 

@@ -126,7 +126,10 @@ pub mod reference;
 mod state;
 
 pub use self::{
-    durable::{DurableQuery, DurableQueryStatus, NoopQuery, RestartPoint, DEFAULT_RETAINED_EPOCHS},
+    durable::{
+        DurableQuery, DurableQueryStatus, NoopQuery, RestartPoint, CLOSE_TIMEOUT,
+        DEFAULT_RETAINED_EPOCHS, DEFAULT_WRITE_TIMEOUT,
+    },
     endpoint::{
         coordinator_name, CommitPartitionEpoch, EpochEndpoint, EpochMessage, EpochRequest,
         GetCurrentEpoch, GetEpochStats, IncrementAndGetEpoch, ReportPartitionOffset,
