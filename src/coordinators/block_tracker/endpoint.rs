@@ -410,6 +410,14 @@ impl BlockTrackerEndpoint {
                 self.finish(pending, Ok(()));
             }
             if let Some(error) = self.waker.failure() {
+                // The durable LSN stops where the failure found it, but it may have moved
+                // since it was read above: answer what became durable meanwhile, as the
+                // rebuild keeps it, before failing the rest.
+                let durable = self.tracker.log().map_or(durable, |log| log.durable_lsn());
+                while self.pending.front().is_some_and(|pending| pending.lsn() <= durable) {
+                    let pending = self.pending.pop_front().expect("checked");
+                    self.finish(pending, Ok(()));
+                }
                 if awaited > durable || !self.pending.is_empty() {
                     self.fail_pending(error);
                 }
