@@ -692,15 +692,15 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
     let wal_stats = durable_status.as_ref().and_then(|status| status.wal_stats());
     bus.shutdown()?;
     drop(wal_dir);
-    if let Some(failure) = not_durable {
-        bail!("the commit record of epoch {committed} did not become durable (WAL: {failure:?})");
-    }
     if committed < epochs {
         bail!(
             "only {committed} of {epochs} epochs committed (stats: {stats:?}); the query was \
              stopped: {}",
             shared.failed.load(Ordering::Relaxed)
         );
+    }
+    if let Some(failure) = not_durable {
+        bail!("the commit record of epoch {committed} did not become durable (WAL: {failure:?})");
     }
     if stats.counters.dropped() != 0 {
         bail!("the coordinator dropped messages: {:?}", stats.counters);
