@@ -592,3 +592,64 @@ fn block_data_in_a_receiver_log_is_read_back_by_handle_after_recovery() {
     let manager_block = Blocks::new().take(1).remove(0);
     assert!(matches!(store.read(&manager_block), Err(BlockTrackerError::NotInReceiverLog { .. })));
 }
+
+/// An allocation too large for one log record (64 KiB segments here, blocks with 200 bytes of
+/// metadata) takes the oldest blocks that fit; the rest stay queued, the next batches take
+/// them in order, and a recovery replays the same allocations. (Taking everything, as SPEC D.3
+/// says, failed the same way for every later batch, each larger: allocation stopped for good.)
+#[test]
+fn an_allocation_too_large_for_one_record_takes_what_fits_and_the_rest_follows() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(0));
+    let mut config = config(Some(dir.path()), Duration::from_secs(60));
+    config.wal.segment_size_bytes = 64 << 10;
+    let infos: Vec<ReceivedBlockInfo> = (0..1000u64)
+        .map(|unique_id| {
+            let block_id = StreamBlockId { stream: STREAM, unique_id };
+            let metadata = Some(vec![unique_id as u8; 200]);
+            ReceivedBlockInfo::new(
+                STREAM,
+                Some(1),
+                metadata,
+                BlockStoreResult::BlockManager { block_id },
+            )
+            .unwrap()
+        })
+        .collect();
+    {
+        let mut tracker = ReceivedBlockTracker::open(config.clone(), clock.clone()).unwrap();
+        for chunk in infos.chunks(100) {
+            let event = TrackerEvent::BlockAdditions(
+                coordbus::coordinators::block_tracker::BlockAdditionsEvent {
+                    infos: chunk.to_vec(),
+                },
+            );
+            assert!(tracker.write_to_log(&event).unwrap());
+        }
+        tracker.stop().unwrap();
+    }
+    let mut tracker =
+        ReceivedBlockTracker::open(config.clone().recover(true), clock.clone()).unwrap();
+    assert_eq!(tracker.unallocated_blocks(STREAM).len(), 1000);
+    let mut allocated = Vec::new();
+    let mut batches = Vec::new();
+    for time in 1..=64 {
+        if !tracker.has_unallocated_blocks() {
+            break;
+        }
+        tracker.allocate_blocks_to_batch(BatchTime(time)).unwrap();
+        let batch = tracker.blocks_of_batch_and_stream(BatchTime(time), STREAM);
+        assert!(!batch.is_empty() && batch.len() < 1000, "batch {time}: {} blocks", batch.len());
+        allocated.extend(batch.iter().cloned());
+        batches.push((time, batch));
+    }
+    assert!(batches.len() > 1, "the allocation was split");
+    assert_eq!(allocated, infos, "every block once, oldest first");
+    tracker.stop().unwrap();
+
+    let recovered = ReceivedBlockTracker::open(config.recover(true), clock).unwrap();
+    for (time, batch) in batches {
+        assert_eq!(recovered.blocks_of_batch_and_stream(BatchTime(time), STREAM), batch);
+    }
+    assert!(!recovered.has_unallocated_blocks());
+}

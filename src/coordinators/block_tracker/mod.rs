@@ -246,6 +246,29 @@ enum Append {
     Disabled,
     Appended(Lsn),
     Failed,
+    /// The record is larger than the log takes (`WalError::RecordTooLarge`): nothing failed,
+    /// a smaller one may go.
+    TooLarge,
+}
+
+/// Splits `bounds` (a queue's chunks, as `(lsn, blocks)`) after its first `at` blocks:
+/// `bounds` keeps those, the rest is returned.
+fn split_bounds(bounds: &mut Bounds, at: usize) -> Bounds {
+    let mut kept = 0;
+    let mut rest = Bounds::new();
+    bounds.retain_mut(|(lsn, count)| {
+        if kept >= at {
+            rest.push((*lsn, *count));
+            return false;
+        }
+        if kept + *count > at {
+            rest.push((*lsn, kept + *count - at));
+            *count = at - kept;
+        }
+        kept += *count;
+        true
+    });
+    rest
 }
 
 /// The received-block tracker as a plain state machine (see the module doc).
@@ -438,6 +461,10 @@ impl ReceivedBlockTracker {
         };
         match log.append(event, self.clock.now_ms()) {
             Ok(lsn) => Ok(Append::Appended(lsn)),
+            Err(BlockLogError::Wal(error @ WalError::RecordTooLarge { .. })) => {
+                tracing::warn!(event = event.kind(), %error, "a record too large for the log");
+                Ok(Append::TooLarge)
+            }
             Err(BlockLogError::Wal(error)) => {
                 let failed =
                     1 + self.failed_writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -487,7 +514,7 @@ impl ReceivedBlockTracker {
         Ok(match self.append(event)? {
             Append::Disabled => true,
             Append::Appended(lsn) => self.wait(event.kind(), lsn),
-            Append::Failed => false,
+            Append::Failed | Append::TooLarge => false,
         })
     }
 
@@ -501,7 +528,7 @@ impl ReceivedBlockTracker {
         let (logged, lsn) = match self.append(&event) {
             Ok(Append::Disabled) => (true, Lsn::ZERO),
             Ok(Append::Appended(lsn)) => (self.wait(event.kind(), lsn), lsn),
-            Ok(Append::Failed) => (false, Lsn::ZERO),
+            Ok(Append::Failed | Append::TooLarge) => (false, Lsn::ZERO),
             Err(error) => {
                 tracing::warn!(%error, "adding a block failed");
                 (false, Lsn::ZERO)
@@ -523,7 +550,7 @@ impl ReceivedBlockTracker {
         let outcome = match self.append(&event) {
             Ok(Append::Disabled) => Logged::Done,
             Ok(Append::Appended(lsn)) => Logged::Pending(lsn),
-            Ok(Append::Failed) => Logged::Failed,
+            Ok(Append::Failed | Append::TooLarge) => Logged::Failed,
             Err(error) => {
                 tracing::warn!(%error, "adding a block failed");
                 Logged::Failed
@@ -672,14 +699,21 @@ impl ReceivedBlockTracker {
 
     /// Takes every configured stream's queue into an allocation event for `time`; the chunk
     /// bounds are kept aside in case the allocation is not written.
-    fn take_allocation(&mut self, time: BatchTime) -> (TrackerEvent, Vec<Bounds>) {
+    /// Takes the unallocated blocks of every configured stream for batch `time`, at most
+    /// `limit` (the oldest) of each: the rest stay queued.
+    fn take_allocation(&mut self, time: BatchTime, limit: usize) -> (TrackerEvent, Vec<Bounds>) {
         let mut bounds = Vec::with_capacity(self.stream_ids.len());
         let mut largest = 0;
         let blocks = AllocatedBlocks::new(self.stream_ids.iter().map(|stream| {
-            let (infos, stream_bounds) = match self.unallocated.get_mut(stream) {
+            let (mut infos, mut stream_bounds) = match self.unallocated.get_mut(stream) {
                 Some(queue) if !queue.is_empty() => queue.take(&mut self.spare, &self.recycled),
                 _ => Default::default(),
             };
+            if infos.len() > limit {
+                let rest = infos.split_off(limit);
+                let rest_bounds = split_bounds(&mut stream_bounds, limit);
+                self.unallocated.get_mut(stream).expect("taken from").restore(rest, rest_bounds);
+            }
             largest = largest.max(infos.len());
             bounds.push(stream_bounds);
             (*stream, infos)
@@ -735,7 +769,10 @@ impl ReceivedBlockTracker {
     /// Allocates every unallocated block of the configured streams to batch `time`, after
     /// journaling the allocation durably (SPEC D.3). A time not newer than the last allocated
     /// one does nothing. If the write fails, nothing changes and the caller is not told (the
-    /// same time can be retried).
+    /// same time can be retried). An allocation too large for one log record takes the oldest
+    /// blocks of each stream that fit (halving the count until the record fits); the rest stay
+    /// queued for the next batch. (Taking everything, as SPEC D.3 says, would fail the same way
+    /// for every later batch, each larger still: allocation would stop for good.)
     ///
     /// # Errors
     /// Only [`BlockTrackerError::LogRaised`] (an injected log step raised); nothing changed.
@@ -743,13 +780,11 @@ impl ReceivedBlockTracker {
         if self.is_stale_batch(time) {
             return Ok(());
         }
-        let (event, bounds) = self.take_allocation(time);
-        let logged = match self.write_to_log(&event) {
-            Ok(logged) => logged,
-            Err(error) => {
-                self.restore_allocation(event, bounds);
-                return Err(error);
-            }
+        let (event, bounds, appended) = self.append_allocation(time)?;
+        let logged = match appended {
+            Append::Disabled => true,
+            Append::Appended(lsn) => self.wait(event.kind(), lsn),
+            Append::Failed | Append::TooLarge => false,
         };
         if logged {
             self.apply_allocation(event);
@@ -771,15 +806,11 @@ impl ReceivedBlockTracker {
         if self.is_stale_batch(time) {
             return Ok(Logged::Skipped);
         }
-        let (event, bounds) = self.take_allocation(time);
-        let outcome = match self.append(&event) {
-            Ok(Append::Disabled) => Logged::Done,
-            Ok(Append::Appended(lsn)) => Logged::Pending(lsn),
-            Ok(Append::Failed) => Logged::Failed,
-            Err(error) => {
-                self.restore_allocation(event, bounds);
-                return Err(error);
-            }
+        let (event, bounds, appended) = self.append_allocation(time)?;
+        let outcome = match appended {
+            Append::Disabled => Logged::Done,
+            Append::Appended(lsn) => Logged::Pending(lsn),
+            Append::Failed | Append::TooLarge => Logged::Failed,
         };
         if outcome == Logged::Failed {
             self.restore_allocation(event, bounds);
@@ -787,6 +818,44 @@ impl ReceivedBlockTracker {
             self.apply_allocation(event);
         }
         Ok(outcome)
+    }
+
+    /// Takes batch `time`'s allocation and appends it; one too large for a log record is put
+    /// back and taken again with at most half as many blocks per stream, until it fits (or a
+    /// single block does not: then `TooLarge`). Returns the event taken, its bounds and the
+    /// append's outcome.
+    ///
+    /// # Errors
+    /// An error of the log step ([`BlockTrackerError::LogRaised`]); the blocks are put back.
+    fn append_allocation(
+        &mut self,
+        time: BatchTime,
+    ) -> Result<(TrackerEvent, Vec<Bounds>, Append), BlockTrackerError> {
+        let mut limit = usize::MAX;
+        loop {
+            let (event, bounds) = self.take_allocation(time, limit);
+            let appended = match self.append(&event) {
+                Ok(appended) => appended,
+                Err(error) => {
+                    self.restore_allocation(event, bounds);
+                    return Err(error);
+                }
+            };
+            let largest =
+                bounds.iter().map(|stream| stream.iter().map(|(_, n)| n).sum::<usize>()).max();
+            match (appended, largest) {
+                (Append::TooLarge, Some(largest)) if largest > 1 => {
+                    self.restore_allocation(event, bounds);
+                    limit = largest / 2;
+                    tracing::warn!(
+                        batch = time.0,
+                        limit,
+                        "allocation too large for one log record: taking fewer blocks per stream"
+                    );
+                }
+                (appended, _) => return Ok((event, bounds, appended)),
+            }
+        }
     }
 
     fn cleanup_times(&self, threshold: BatchTime) -> Result<Vec<BatchTime>, BlockTrackerError> {
@@ -891,7 +960,7 @@ impl ReceivedBlockTracker {
         let outcome = match self.append(&event)? {
             Append::Disabled => Logged::Done,
             Append::Appended(lsn) => Logged::Pending(lsn),
-            Append::Failed => Logged::Failed,
+            Append::Failed | Append::TooLarge => Logged::Failed,
         };
         if outcome != Logged::Failed {
             let TrackerEvent::BatchCleanup(BatchCleanupEvent { times }) = &event else {
