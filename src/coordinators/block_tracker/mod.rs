@@ -312,6 +312,9 @@ pub struct ReceivedBlockTracker {
     replaying: bool,
     /// The last LSN replayed at construction: blocks added up to it were marked invalid.
     recovered_through: Lsn,
+    /// Without recovery, the log's durable LSN at construction: what earlier runs logged,
+    /// which this tracker never had, so a rebuild skips it.
+    unrecovered_through: Lsn,
     /// Block vectors of forgotten batches, emptied, for the next allocations: a large
     /// allocation's vector is then memory already mapped, not fresh pages the kernel must
     /// fault in and zero (which, at millions of blocks per second, cost more than the rest of
@@ -389,14 +392,19 @@ impl ReceivedBlockTracker {
             recovered_events: 0,
             replaying: false,
             recovered_through: Lsn::ZERO,
+            unrecovered_through: Lsn::ZERO,
             spare: Vec::new(),
             recent_allocation_max: 0,
             recycled: Arc::default(),
             failed_writes: std::sync::atomic::AtomicU64::new(0),
         };
+        if !config.recover_from_wal {
+            tracker.unrecovered_through =
+                tracker.log.as_ref().map_or(Lsn::ZERO, |log| log.durable_lsn());
+        }
         if config.recover_from_wal && tracker.log.is_some() {
             let started = std::time::Instant::now();
-            let (events, through) = tracker.replay(None, Lsn(u64::MAX))?;
+            let (events, through) = tracker.replay(None, Lsn::ZERO, Lsn(u64::MAX))?;
             tracker.recovered_events = events;
             tracker.recovered_through = through;
             tracing::info!(
@@ -1049,7 +1057,8 @@ impl ReceivedBlockTracker {
 
     /// Replaces the state with the replay of the log's durable prefix (blocks added since
     /// construction keep `block_id_valid = true`: the executors still hold them; blocks
-    /// recovered at construction stay invalid). A host of the `*_deferred`
+    /// recovered at construction stay invalid; a tracker opened without recovery skips what
+    /// the log held then, as it never had it). A host of the `*_deferred`
     /// methods calls this when the log fails before its pending events became durable.
     /// Returns the number of events replayed.
     ///
@@ -1063,14 +1072,16 @@ impl ReceivedBlockTracker {
         if last.is_none() {
             return Ok(0);
         }
-        Ok(self.replay(last, self.recovered_through)?.0)
+        Ok(self.replay(last, self.unrecovered_through, self.recovered_through)?.0)
     }
 
-    /// Replays the log up to `last` (all if `None`); additions up to `invalid_through` are
-    /// marked invalid. Returns the events replayed and the last LSN seen.
+    /// Replays the log up to `last` (all if `None`), skipping events up to `skip_through`;
+    /// additions up to `invalid_through` are marked invalid. Returns the events replayed and
+    /// the last LSN seen.
     fn replay(
         &mut self,
         last: Option<Lsn>,
+        skip_through: Lsn,
         invalid_through: Lsn,
     ) -> Result<(u64, Lsn), BlockTrackerError> {
         let Some(log) = self.log.clone() else {
@@ -1080,6 +1091,7 @@ impl ReceivedBlockTracker {
         let mut events = 0;
         self.replaying = true;
         let mut apply = |lsn: Lsn, event: TrackerEvent| match event {
+            _ if lsn <= skip_through => {}
             TrackerEvent::BlockAddition(BlockAdditionEvent { mut info }) => {
                 through = lsn;
                 events += 1;
