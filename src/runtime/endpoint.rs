@@ -60,9 +60,8 @@ pub trait Endpoint: Send + Sized + 'static {
     /// Runs on the endpoint thread after the last message, once the endpoint was stopped.
     fn on_stop(&mut self) {}
 
-    /// Called with every error a handler returns, and with
-    /// [`AskError::HandlerPanicked`] for a handler that
-    /// panicked (SPEC A.6). Default: a `tracing` warning.
+    /// Called with every error a handler returns, and with [`AskError::HandlerPanicked`] for a
+    /// handler that panicked (SPEC A.6). Default: a `tracing` warning.
     fn on_error(&mut self, error: &HandlerError) {
         tracing::warn!(endpoint = std::any::type_name::<Self>(), %error, "handler failed");
     }
@@ -327,18 +326,18 @@ impl<E: Endpoint> EndpointRef<E> {
         let QueueError::Full(envelope) = refused else {
             return Err(self.send_refused(refused, None));
         };
-        let timeout = self.handler_send_timeout();
-        let deadline = timeout.and_then(|timeout| Instant::now().checked_add(timeout));
+        let (timeout, deadline) = self.handler_send_deadline();
         match self.inbox.queue.push_with(|| envelope, deadline) {
             Ok(()) => Ok(()),
             Err(refused) => Err(self.send_refused(refused, timeout)),
         }
     }
 
-    /// How long a send from this thread may wait for room: `ask_timeout` on an endpoint's
-    /// thread (see [`send`](Self::send)), else without a bound.
-    fn handler_send_timeout(&self) -> Option<Duration> {
-        on_endpoint_thread().then_some(self.inbox.ask_timeout)
+    /// How long a send from this thread may wait for room, and until when: `ask_timeout` on an
+    /// endpoint's thread (see [`send`](Self::send)), else without a bound (no clock read).
+    fn handler_send_deadline(&self) -> (Option<Duration>, Option<Instant>) {
+        let timeout = on_endpoint_thread().then_some(self.inbox.ask_timeout);
+        (timeout, timeout.and_then(|timeout| Instant::now().checked_add(timeout)))
     }
 
     /// The error of a send whose push was refused (out of line: see `send`).
@@ -397,8 +396,7 @@ impl<E: Endpoint> EndpointRef<E> {
     pub fn send_batch(&self, messages: Vec<E::Message>) -> Result<(), SendError<Vec<E::Message>>> {
         // Mapped lazily: the messages go straight from the caller's vector into the slots.
         let envelopes = messages.into_iter().map(Envelope::Message);
-        let timeout = self.handler_send_timeout();
-        let deadline = timeout.and_then(|timeout| Instant::now().checked_add(timeout));
+        let (timeout, deadline) = self.handler_send_deadline();
         self.inbox.queue.push_batch_from(envelopes, deadline).map_err(|error| {
             let unwrap_all = |envelopes: Vec<Envelope<E>>| {
                 envelopes.into_iter().filter_map(Envelope::into_message).collect()

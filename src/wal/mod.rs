@@ -957,24 +957,32 @@ impl Shared {
     /// storage layer that panics here is caught: the failure must still reach them.
     fn leave_unsynced_marker(&self, durable: u64) {
         let path = self.dir.join(UNSYNCED_MARKER);
+        let failed = |op, at: &Path, error: std::io::Error| WalError::from_io(op, at, 0, &error);
         let written = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             match self.storage.remove(&path) {
-                Err(error) if error.kind() != std::io::ErrorKind::NotFound => return Err(error),
+                Err(error) if error.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(failed("remove", &path, error));
+                }
                 _ => {}
             }
-            let file = self.storage.create(&path)?;
+            let file =
+                self.storage.create(&path).map_err(|error| failed("create", &path, error))?;
             let text = format!("{durable}\n");
-            let mut at = 0;
-            while at < text.len() {
-                match file.write_at(&text.as_bytes()[at..], at as u64)? {
-                    0 => return Err(std::io::ErrorKind::WriteZero.into()),
-                    wrote => at += wrote,
-                }
-            }
-            file.sync_data()?;
-            self.storage.sync_dir(&self.dir)
+            writer::pwrite::write_all_at(&writer::WriteOp {
+                file: file.as_ref(),
+                path: &path,
+                buf: text.as_bytes(),
+                offset: 0,
+            })?;
+            file.sync_data().map_err(|error| failed("fdatasync", &path, error))?;
+            self.storage
+                .sync_dir(&self.dir)
+                .map_err(|error| failed("sync directory", &self.dir, error))
         }))
-        .unwrap_or_else(|_| Err(std::io::Error::other("the storage layer panicked")));
+        .unwrap_or_else(|_| {
+            let panicked = std::io::Error::other("the storage layer panicked");
+            Err(failed("write the failed-log marker", &path, panicked))
+        });
         match written {
             Ok(()) => tracing::warn!(
                 ?path,
