@@ -12,8 +12,8 @@ use std::{
     os::fd::RawFd,
     path::Path,
     sync::{
-        atomic::{AtomicBool, Ordering},
-        Arc, Mutex,
+        atomic::{AtomicBool, AtomicUsize, Ordering},
+        Arc, Condvar, Mutex,
     },
     time::Duration,
 };
@@ -90,10 +90,41 @@ impl BlockLog for RecordingLog {
 /// Far longer than any answer takes; a wait that reaches it is a hang.
 const BOUND: Duration = Duration::from_secs(30);
 
-/// The real log, but nothing ever becomes durable: a disk that stopped answering.
+/// The real log, but nothing ever becomes durable: a disk that stopped answering. It counts
+/// the replays of the log (rebuilds of the state), and fails them if `unreadable`.
 struct StalledLog {
     inner: WalBlockLog,
     callbacks: Mutex<Vec<DurableCallback>>,
+    /// Signalled when a callback is armed.
+    armed: Condvar,
+    replays: AtomicUsize,
+    unreadable: bool,
+}
+
+impl StalledLog {
+    fn new(dir: &Path, unreadable: bool) -> Arc<Self> {
+        Arc::new(Self {
+            inner: WalBlockLog::open(dir.join("wal"), WalConfig::default()).unwrap(),
+            callbacks: Mutex::new(Vec::new()),
+            armed: Condvar::new(),
+            replays: AtomicUsize::new(0),
+            unreadable,
+        })
+    }
+
+    /// Waits (bounded) until a durability callback is armed, then runs the ones armed so far
+    /// with `outcome`.
+    fn report(&self, outcome: &Result<(), WalError>) {
+        let (mut callbacks, timeout) = self
+            .armed
+            .wait_timeout_while(self.callbacks.lock().unwrap(), BOUND, |armed| armed.is_empty())
+            .unwrap();
+        assert!(!timeout.timed_out(), "no durability callback was armed");
+        let callbacks = std::mem::take(&mut *callbacks);
+        for callback in callbacks {
+            callback(outcome.clone());
+        }
+    }
 }
 
 impl BlockLog for StalledLog {
@@ -108,12 +139,17 @@ impl BlockLog for StalledLog {
     }
     fn notify_when_durable(&self, _: Lsn, callback: DurableCallback) {
         self.callbacks.lock().unwrap().push(callback);
+        self.armed.notify_all();
     }
     fn replay(
         &self,
         last: Option<Lsn>,
         apply: &mut dyn FnMut(Lsn, TrackerEvent),
     ) -> Result<u64, BlockTrackerError> {
+        self.replays.fetch_add(1, Ordering::SeqCst);
+        if self.unreadable {
+            return Err(BlockTrackerError::Decode { message: "unreadable journal".into() });
+        }
         self.inner.replay(last, apply)
     }
     fn clean(&self, threshold_ms: i64, wait: bool) -> Result<(), WalError> {
@@ -127,16 +163,8 @@ impl BlockLog for StalledLog {
     }
 }
 
-/// While nothing becomes durable, queries wait (holding their answers) up to a bound; past it
-/// they fail at once with a typed error instead of piling up. Queries whose askers gave up do
-/// not count, and allocations are never refused (a stale one answers as the no-op it is).
-#[test]
-fn queries_behind_a_stalled_log_are_refused_past_the_bound() {
-    let dir = tempfile::tempdir().unwrap();
-    let log = Arc::new(StalledLog {
-        inner: WalBlockLog::open(dir.path().join("wal"), WalConfig::default()).unwrap(),
-        callbacks: Mutex::new(Vec::new()),
-    });
+/// The tracker of `log` (one stream, 1) on a new bus.
+fn host_stalled(log: &Arc<StalledLog>) -> (Bus, coordbus::EndpointRef<BlockTrackerEndpoint>) {
     let tracker = ReceivedBlockTracker::with_log(
         BlockTrackerConfig::new([StreamId(1)]),
         Arc::new(SystemClock),
@@ -145,6 +173,68 @@ fn queries_behind_a_stalled_log_are_refused_past_the_bound() {
     .unwrap();
     let bus = Bus::builder().build().unwrap();
     let endpoint = bus.register("stalled", BlockTrackerEndpoint::new(tracker)).unwrap();
+    (bus, endpoint)
+}
+
+/// A `StopTracker` whose bounded wait ends with requests still waiting fails them (the
+/// addition answers false) without reading the log back: the tracker is stopping, and a
+/// rebuild would hold the endpoint thread past the stop's documented bound.
+#[test]
+fn a_stop_that_times_out_fails_what_waits_without_a_rebuild() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = StalledLog::new(dir.path(), false);
+    let (bus, endpoint) = host_stalled(&log);
+    let addition = endpoint.ask(AddBlock(info(1, 1)));
+    endpoint.ask(StopTracker).wait_timeout(BOUND).unwrap();
+    assert_eq!(addition.wait_timeout(BOUND).unwrap(), false, "never durable");
+    assert_eq!(log.replays.load(Ordering::SeqCst), 0, "the stop rebuilt the state");
+    bus.shutdown().unwrap();
+}
+
+/// A WAL failure whose durable prefix cannot be read back leaves no state to answer from:
+/// every query fails with a typed error naming the cause, instead of answering from the
+/// part replayed before the error.
+#[test]
+fn a_rebuild_that_fails_makes_every_query_fail_with_state_lost() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = StalledLog::new(dir.path(), true);
+    let (bus, endpoint) = host_stalled(&log);
+    let addition = endpoint.ask(AddBlock(info(1, 1)));
+    log.report(&Err(WalError::Closed));
+    assert_eq!(addition.wait_timeout(BOUND).unwrap(), false, "the WAL failed");
+    assert_eq!(log.replays.load(Ordering::SeqCst), 1);
+    let lost = BlockTrackerError::StateLost {
+        reason: "a journal record is not a valid tracker event: unreadable journal".into(),
+    };
+    let expect_lost = |reply: Result<(), AskError>| match reply {
+        Err(AskError::Handler(cause)) => {
+            assert_eq!(cause.downcast_ref::<BlockTrackerError>(), Some(&lost));
+        }
+        other => panic!("expected the state to be lost, got {other:?}"),
+    };
+    expect_lost(endpoint.ask(HasUnallocatedBlocks).wait_timeout(BOUND).map(drop));
+    expect_lost(endpoint.ask(GetUnallocatedBlocks(StreamId(1))).wait_timeout(BOUND).map(drop));
+    expect_lost(endpoint.ask(GetBlocksOfBatch(BatchTime(1))).wait_timeout(BOUND).map(drop));
+    expect_lost(
+        endpoint
+            .ask(GetBlocksOfBatchAndStream(BatchTime(1), StreamId(1)))
+            .wait_timeout(BOUND)
+            .map(drop),
+    );
+    expect_lost(endpoint.ask(GetUnconfiguredStreams).wait_timeout(BOUND).map(drop));
+    assert!(lost.to_string().contains("unreadable journal"), "{lost}");
+    endpoint.ask(StopTracker).wait_timeout(BOUND).unwrap();
+    bus.shutdown().unwrap();
+}
+
+/// While nothing becomes durable, queries wait (holding their answers) up to a bound; past it
+/// they fail at once with a typed error instead of piling up. Queries whose askers gave up do
+/// not count, and allocations are never refused (a stale one answers as the no-op it is).
+#[test]
+fn queries_behind_a_stalled_log_are_refused_past_the_bound() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = StalledLog::new(dir.path(), false);
+    let (bus, endpoint) = host_stalled(&log);
     let refused = |reply: Result<bool, AskError>, pending: usize| match reply {
         Err(AskError::Handler(cause)) => {
             assert_eq!(

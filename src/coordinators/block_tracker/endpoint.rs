@@ -57,7 +57,10 @@
 //! journal's durable prefix; receivers' hand-overs are dropped from then on (the rebuilt
 //! state holds every durable record, and no later one can become durable). A durability
 //! callback watches `applied_lsn` too, so a failure is noticed even when no request waits. A
-//! failed write may still be durable (module doc of the tracker).
+//! failed write may still be durable (module doc of the tracker). If the durable prefix
+//! cannot be read back either, the state is left empty and every query fails with
+//! [`BlockTrackerError::StateLost`]: no answer comes from a half-replayed state. A
+//! `StopTracker` whose wait ends with requests still waiting fails them without a rebuild.
 
 use std::{
     collections::VecDeque,
@@ -354,6 +357,9 @@ pub struct BlockTrackerEndpoint {
     /// every durable block already, and no later record can become durable, so receivers'
     /// hand-overs are dropped from then on.
     rebuilt: bool,
+    /// Why the rebuild after a WAL failure failed: queries fail with
+    /// [`BlockTrackerError::StateLost`].
+    state_lost: Option<String>,
 }
 
 impl std::fmt::Debug for BlockTrackerEndpoint {
@@ -376,6 +382,7 @@ impl BlockTrackerEndpoint {
             stopped: false,
             applied_lsn: Lsn::ZERO,
             rebuilt: false,
+            state_lost: None,
         }
     }
 
@@ -455,8 +462,26 @@ impl BlockTrackerEndpoint {
         }
     }
 
-    /// The WAL failed: fail every waiting request and fall back to the durable prefix.
+    /// The WAL failed: fail every waiting request and fall back to the durable prefix. If
+    /// that cannot be read back, no state is left to answer from: queries fail from then on
+    /// ([`BlockTrackerError::StateLost`]).
     fn fail_pending(&mut self, error: WalError) {
+        self.fail_requests(error);
+        match self.tracker.rebuild_from_log() {
+            Ok(events) => {
+                tracing::info!(events, "block tracker state rebuilt from the durable log")
+            }
+            Err(error) => {
+                tracing::error!(%error,
+                    "rebuilding the block tracker state failed; every query fails from now on");
+                self.state_lost = Some(error.to_string());
+            }
+        }
+    }
+
+    /// Fails every waiting request with `error`; receivers' hand-overs are dropped from then
+    /// on (no later record can become durable).
+    fn fail_requests(&mut self, error: WalError) {
         let pending = std::mem::take(&mut self.pending);
         // Zeroed first: a `finish` below that panics must not leave the count too high.
         self.pending_queries = 0;
@@ -466,12 +491,6 @@ impl BlockTrackerEndpoint {
             "the block tracker's WAL failed; failing the requests waiting for durability");
         for request in pending {
             self.finish(request, Err(error.clone()));
-        }
-        match self.tracker.rebuild_from_log() {
-            Ok(events) => {
-                tracing::info!(events, "block tracker state rebuilt from the durable log")
-            }
-            Err(error) => tracing::error!(%error, "rebuilding the block tracker state failed"),
         }
     }
 
@@ -522,8 +541,13 @@ impl BlockTrackerEndpoint {
     /// Lets a query in (its answer is then computed and given with [`Self::answer`]), unless
     /// its answer would have to wait for durability while [`MAX_PENDING_QUERIES`] queries
     /// wait already (and their askers do: abandoned ones are dropped first). A refused query
-    /// fails at once with [`BlockTrackerError::DurabilityBacklog`].
+    /// fails at once with [`BlockTrackerError::DurabilityBacklog`]; after a failed rebuild,
+    /// every query fails with [`BlockTrackerError::StateLost`].
     fn admit_query<T: Send + 'static>(&mut self, replier: Replier<T>) -> Option<Replier<T>> {
+        if let Some(reason) = &self.state_lost {
+            replier.fail(BlockTrackerError::StateLost { reason: reason.clone() });
+            return None;
+        }
         // At the limit, `pending` is not empty: the answer would have to wait.
         if self.pending_queries < MAX_PENDING_QUERIES {
             return Some(replier);
@@ -586,7 +610,9 @@ impl BlockTrackerEndpoint {
                 self.finish(pending, Ok(()));
             }
             if !self.pending.is_empty() {
-                self.fail_pending(self.waker.failure().unwrap_or(WalError::Closed));
+                // No rebuild: the tracker stops, and reading the log back would take this
+                // thread past the stop's bound.
+                self.fail_requests(self.waker.failure().unwrap_or(WalError::Closed));
             }
         }
         if let Err(error) = self.tracker.stop() {

@@ -171,6 +171,18 @@ pub enum BlockTrackerError {
         /// The endpoint's limit.
         limit: usize,
     },
+    /// The bus endpoint's write-ahead log failed, and rebuilding the state from the log's
+    /// durable prefix failed too: the endpoint holds no state it can vouch for, so every
+    /// query fails with this from then on. Restarting the tracker with recovery reads the
+    /// log again.
+    #[error(
+        "the block tracker's state is lost: its write-ahead log failed, and rebuilding the \
+         state from the log's durable prefix failed: {reason}"
+    )]
+    StateLost {
+        /// Why the rebuild failed.
+        reason: String,
+    },
 }
 
 /// Settings of a [`ReceivedBlockTracker`].
@@ -1063,16 +1075,28 @@ impl ReceivedBlockTracker {
     /// Returns the number of events replayed.
     ///
     /// # Errors
-    /// A damaged journal.
+    /// A damaged or unreadable journal. The state is then empty (not the part replayed
+    /// before the error).
     pub fn rebuild_from_log(&mut self) -> Result<u64, BlockTrackerError> {
         let last = self.log.as_ref().map(|log| log.durable_lsn());
-        self.unallocated.clear();
-        self.allocated.clear();
-        self.last_allocated = None;
+        self.forget_state();
         if last.is_none() {
             return Ok(0);
         }
-        Ok(self.replay(last, self.unrecovered_through, self.recovered_through)?.0)
+        match self.replay(last, self.unrecovered_through, self.recovered_through) {
+            Ok((events, _)) => Ok(events),
+            Err(error) => {
+                self.forget_state();
+                Err(error)
+            }
+        }
+    }
+
+    /// Empties the queues and the allocations (the configuration stays).
+    fn forget_state(&mut self) {
+        self.unallocated.clear();
+        self.allocated.clear();
+        self.last_allocated = None;
     }
 
     /// Replays the log up to `last` (all if `None`), skipping events up to `skip_through`;
