@@ -186,7 +186,7 @@ fn a_stop_that_times_out_fails_what_waits_without_a_rebuild() {
     let (bus, endpoint) = host_stalled(&log);
     let addition = endpoint.ask(AddBlock(info(1, 1)));
     endpoint.ask(StopTracker).wait_timeout(BOUND).unwrap();
-    assert_eq!(addition.wait_timeout(BOUND).unwrap(), false, "never durable");
+    assert!(!addition.wait_timeout(BOUND).unwrap(), "never durable");
     assert_eq!(log.replays.load(Ordering::SeqCst), 0, "the stop rebuilt the state");
     bus.shutdown().unwrap();
 }
@@ -201,7 +201,7 @@ fn a_rebuild_that_fails_makes_every_query_fail_with_state_lost() {
     let (bus, endpoint) = host_stalled(&log);
     let addition = endpoint.ask(AddBlock(info(1, 1)));
     log.report(&Err(WalError::Closed));
-    assert_eq!(addition.wait_timeout(BOUND).unwrap(), false, "the WAL failed");
+    assert!(!addition.wait_timeout(BOUND).unwrap(), "the WAL failed");
     assert_eq!(log.replays.load(Ordering::SeqCst), 1);
     let lost = BlockTrackerError::StateLost {
         reason: "a journal record is not a valid tracker event: unreadable journal".into(),
