@@ -25,8 +25,8 @@ use coordbus::{
         BlockStoreResult, BlockTrackerConfig, BlockTrackerEndpoint, BlockTrackerError,
         CleanupOldBatches, GetBlocksOfBatch, GetBlocksOfBatchAndStream, GetUnallocatedBlocks,
         GetUnconfiguredStreams, HasUnallocatedBlocks, ReceivedBlockInfo, ReceivedBlockTracker,
-        StopTracker, StreamBlockId, StreamId, TrackerEvent, WalBlockLog, MAX_PENDING_QUERIES,
-        RECEIVED_BLOCK_METADATA_DIR,
+        StopTracker, StreamBlockId, StreamId, TrackerEvent, WalBlockLog, DEFAULT_ANSWER_BYTE_LIMIT,
+        MAX_PENDING_QUERIES, RECEIVED_BLOCK_METADATA_DIR,
     },
     wal::{
         storage::{FileStorage, Storage, StorageFile},
@@ -163,8 +163,12 @@ impl BlockLog for StalledLog {
     }
 }
 
-/// The tracker of `log` (one stream, 1) on a new bus.
-fn host_stalled(log: &Arc<StalledLog>) -> (Bus, coordbus::EndpointRef<BlockTrackerEndpoint>) {
+/// The tracker of `log` (one stream, 1) on a new bus, its endpoint refusing queries while
+/// waiting answers hold `answer_byte_limit` bytes.
+fn host_stalled(
+    log: &Arc<StalledLog>,
+    answer_byte_limit: usize,
+) -> (Bus, coordbus::EndpointRef<BlockTrackerEndpoint>) {
     let tracker = ReceivedBlockTracker::with_log(
         BlockTrackerConfig::new([StreamId(1)]),
         Arc::new(SystemClock),
@@ -172,8 +176,46 @@ fn host_stalled(log: &Arc<StalledLog>) -> (Bus, coordbus::EndpointRef<BlockTrack
     )
     .unwrap();
     let bus = Bus::builder().build().unwrap();
-    let endpoint = bus.register("stalled", BlockTrackerEndpoint::new(tracker)).unwrap();
+    let endpoint = BlockTrackerEndpoint::new(tracker).with_answer_byte_limit(answer_byte_limit);
+    let endpoint = bus.register("stalled", endpoint).unwrap();
     (bus, endpoint)
+}
+
+/// The answers waiting for durability are bounded in bytes, not only in count: one answer
+/// may copy a queue of millions of blocks. Past the limit a query fails at once with a typed
+/// error naming the bytes held; once the asker of the large answer gives up, queries are let
+/// in again.
+#[test]
+fn the_answers_waiting_for_a_stalled_log_are_bounded_in_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = StalledLog::new(dir.path(), false);
+    let limit = 1000;
+    let (bus, endpoint) = host_stalled(&log, limit);
+    let blocks: Vec<_> = (0..100).map(|id| info(1, id)).collect();
+    let held_bytes = std::mem::size_of_val(blocks.as_slice());
+    assert!(held_bytes > limit);
+    let additions = endpoint.ask(AddBlocks(blocks));
+    let large = endpoint.ask(GetUnallocatedBlocks(StreamId(1)));
+    match endpoint.ask(HasUnallocatedBlocks).wait_timeout(BOUND) {
+        Err(AskError::Handler(cause)) => assert_eq!(
+            cause.downcast_ref::<BlockTrackerError>(),
+            Some(&BlockTrackerError::AnswerBacklog { held_bytes, limit })
+        ),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    drop(large);
+    let small = endpoint.ask(HasUnallocatedBlocks);
+    // Let in, it waits for durability like the additions, until the stop fails what waits
+    // (nothing ever becomes durable here).
+    bus.shutdown().unwrap();
+    match small.wait_timeout(BOUND) {
+        Err(AskError::Handler(cause)) => assert_eq!(
+            cause.downcast_ref::<BlockTrackerError>(),
+            Some(&BlockTrackerError::Wal(WalError::Closed))
+        ),
+        other => panic!("expected the query to wait until the stop, got {other:?}"),
+    }
+    assert_eq!(additions.wait_timeout(BOUND).unwrap(), vec![false; 100]);
 }
 
 /// A `StopTracker` whose bounded wait ends with requests still waiting fails them (the
@@ -183,7 +225,7 @@ fn host_stalled(log: &Arc<StalledLog>) -> (Bus, coordbus::EndpointRef<BlockTrack
 fn a_stop_that_times_out_fails_what_waits_without_a_rebuild() {
     let dir = tempfile::tempdir().unwrap();
     let log = StalledLog::new(dir.path(), false);
-    let (bus, endpoint) = host_stalled(&log);
+    let (bus, endpoint) = host_stalled(&log, DEFAULT_ANSWER_BYTE_LIMIT);
     let addition = endpoint.ask(AddBlock(info(1, 1)));
     endpoint.ask(StopTracker).wait_timeout(BOUND).unwrap();
     assert!(!addition.wait_timeout(BOUND).unwrap(), "never durable");
@@ -198,7 +240,7 @@ fn a_stop_that_times_out_fails_what_waits_without_a_rebuild() {
 fn a_rebuild_that_fails_makes_every_query_fail_with_state_lost() {
     let dir = tempfile::tempdir().unwrap();
     let log = StalledLog::new(dir.path(), true);
-    let (bus, endpoint) = host_stalled(&log);
+    let (bus, endpoint) = host_stalled(&log, DEFAULT_ANSWER_BYTE_LIMIT);
     let addition = endpoint.ask(AddBlock(info(1, 1)));
     log.report(&Err(WalError::Closed));
     assert!(!addition.wait_timeout(BOUND).unwrap(), "the WAL failed");
@@ -234,7 +276,7 @@ fn a_rebuild_that_fails_makes_every_query_fail_with_state_lost() {
 fn queries_behind_a_stalled_log_are_refused_past_the_bound() {
     let dir = tempfile::tempdir().unwrap();
     let log = StalledLog::new(dir.path(), false);
-    let (bus, endpoint) = host_stalled(&log);
+    let (bus, endpoint) = host_stalled(&log, DEFAULT_ANSWER_BYTE_LIMIT);
     let refused = |reply: Result<bool, AskError>, pending: usize| match reply {
         Err(AskError::Handler(cause)) => {
             assert_eq!(

@@ -27,8 +27,10 @@
 //! * Queries (`GetBlocksOfBatch`, ...) are answered with the state at the time they were
 //!   handled, but only once every event applied before them is durable: no answer ever
 //!   exposes a change that a crash could still undo. While [`MAX_PENDING_QUERIES`] queries
-//!   wait for durability (a stalled disk), a further query fails at once with
-//!   [`BlockTrackerError::DurabilityBacklog`] instead of queueing its answer.
+//!   wait for durability (a stalled disk), or their answers hold
+//!   [`DEFAULT_ANSWER_BYTE_LIMIT`] bytes (configurable), a further query fails at once with
+//!   [`BlockTrackerError::DurabilityBacklog`] or [`BlockTrackerError::AnswerBacklog`] instead
+//!   of queueing its answer.
 //!
 //! ## Two ways to add blocks
 //! * `AddBlock`/`AddBlocks` asks: the endpoint thread serializes and appends each addition
@@ -92,6 +94,13 @@ const STOP_DURABILITY_TIMEOUT: Duration = Duration::from_secs(5);
 /// instead. The answers of allocations and cleanups that logged nothing (a stale batch time,
 /// a failed write) wait the same way and count here too, but are never refused.
 pub const MAX_PENDING_QUERIES: usize = 4096;
+
+/// Most bytes the answers of waiting queries may hold, by default, before the endpoint
+/// refuses more queries ([`BlockTrackerError::AnswerBacklog`];
+/// [`BlockTrackerEndpoint::with_answer_byte_limit`]). The query count alone does not bound
+/// memory: one answer can copy a queue of millions of blocks. A query is let in while the
+/// answers held are below the limit, so they hold at most the limit plus one answer.
+pub const DEFAULT_ANSWER_BYTE_LIMIT: usize = 64 << 20;
 
 /// One-way messages of [`BlockTrackerEndpoint`].
 #[derive(Debug)]
@@ -251,8 +260,47 @@ enum Pending {
     },
     Query {
         lsn: Lsn,
+        /// What the answer holds ([`HeldBytes`]).
+        held_bytes: usize,
         answer: Box<dyn WaitingAnswer>,
     },
+}
+
+/// The bytes an answer holds while it waits for durability (its own size and its heap
+/// parts), for [`DEFAULT_ANSWER_BYTE_LIMIT`].
+trait HeldBytes {
+    fn held_bytes(&self) -> usize;
+}
+
+impl HeldBytes for () {
+    fn held_bytes(&self) -> usize {
+        0
+    }
+}
+
+impl HeldBytes for bool {
+    fn held_bytes(&self) -> usize {
+        0
+    }
+}
+
+impl HeldBytes for Vec<StreamId> {
+    fn held_bytes(&self) -> usize {
+        std::mem::size_of_val(self.as_slice())
+    }
+}
+
+impl HeldBytes for Vec<ReceivedBlockInfo> {
+    fn held_bytes(&self) -> usize {
+        std::mem::size_of_val(self.as_slice())
+            + self.iter().map(ReceivedBlockInfo::rare_heap_bytes).sum::<usize>()
+    }
+}
+
+impl HeldBytes for AllocatedBlocks {
+    fn held_bytes(&self) -> usize {
+        self.streams().iter().map(|stream| stream.blocks.held_bytes()).sum()
+    }
 }
 
 /// A query's answer waiting for durability, with its replier.
@@ -346,6 +394,10 @@ pub struct BlockTrackerEndpoint {
     pending: VecDeque<Pending>,
     /// How many of `pending` are queries.
     pending_queries: usize,
+    /// The bytes their answers hold.
+    pending_answer_bytes: usize,
+    /// Most bytes they may hold before further queries are refused.
+    answer_byte_limit: usize,
     waker: Arc<Waker>,
     /// The tracker was stopped (the WAL closed).
     stopped: bool,
@@ -378,12 +430,21 @@ impl BlockTrackerEndpoint {
             tracker,
             pending: VecDeque::new(),
             pending_queries: 0,
+            pending_answer_bytes: 0,
+            answer_byte_limit: DEFAULT_ANSWER_BYTE_LIMIT,
             waker: Arc::default(),
             stopped: false,
             applied_lsn: Lsn::ZERO,
             rebuilt: false,
             state_lost: None,
         }
+    }
+
+    /// Refuses queries while the answers waiting for durability hold `limit` bytes or more
+    /// (default [`DEFAULT_ANSWER_BYTE_LIMIT`]).
+    pub fn with_answer_byte_limit(mut self, limit: usize) -> Self {
+        self.answer_byte_limit = limit;
+        self
     }
 
     /// The hosted tracker.
@@ -483,8 +544,9 @@ impl BlockTrackerEndpoint {
     /// on (no later record can become durable).
     fn fail_requests(&mut self, error: WalError) {
         let pending = std::mem::take(&mut self.pending);
-        // Zeroed first: a `finish` below that panics must not leave the count too high.
+        // Zeroed first: a `finish` below that panics must not leave the counts too high.
         self.pending_queries = 0;
+        self.pending_answer_bytes = 0;
         self.rebuilt = true;
         self.applied_lsn = Lsn::ZERO;
         tracing::warn!(%error, requests = pending.len(),
@@ -517,9 +579,10 @@ impl BlockTrackerEndpoint {
                     }
                 }
             }
-            Pending::Query { answer, .. } => {
-                // Saturating: `fail_pending` zeroes the count before it finishes the queries.
+            Pending::Query { held_bytes, answer, .. } => {
+                // Saturating: `fail_requests` zeroes the counts before it finishes the queries.
                 self.pending_queries = self.pending_queries.saturating_sub(1);
+                self.pending_answer_bytes = self.pending_answer_bytes.saturating_sub(held_bytes);
                 answer.complete(outcome);
             }
         }
@@ -527,7 +590,7 @@ impl BlockTrackerEndpoint {
 
     /// Answers a query with what `compute` reads from the tracker, unless [`Self::admit_query`]
     /// refuses it (then nothing is computed).
-    fn answer_query<T: Send + 'static>(
+    fn answer_query<T: HeldBytes + Send + 'static>(
         &mut self,
         replier: Replier<T>,
         compute: impl FnOnce(&ReceivedBlockTracker) -> T,
@@ -540,39 +603,55 @@ impl BlockTrackerEndpoint {
 
     /// Lets a query in (its answer is then computed and given with [`Self::answer`]), unless
     /// its answer would have to wait for durability while [`MAX_PENDING_QUERIES`] queries
-    /// wait already (and their askers do: abandoned ones are dropped first). A refused query
-    /// fails at once with [`BlockTrackerError::DurabilityBacklog`]; after a failed rebuild,
-    /// every query fails with [`BlockTrackerError::StateLost`].
+    /// wait already, or their answers hold the byte limit (and their askers wait: abandoned
+    /// ones are dropped first). A refused query fails at once with
+    /// [`BlockTrackerError::DurabilityBacklog`] or [`BlockTrackerError::AnswerBacklog`];
+    /// after a failed rebuild, every query fails with [`BlockTrackerError::StateLost`].
     fn admit_query<T: Send + 'static>(&mut self, replier: Replier<T>) -> Option<Replier<T>> {
         if let Some(reason) = &self.state_lost {
             replier.fail(BlockTrackerError::StateLost { reason: reason.clone() });
             return None;
         }
-        // At the limit, `pending` is not empty: the answer would have to wait.
-        if self.pending_queries < MAX_PENDING_QUERIES {
+        // At a limit, `pending` is not empty: the answer would have to wait.
+        if self.below_query_limits() {
             return Some(replier);
         }
         self.drop_abandoned_queries();
-        if self.pending_queries < MAX_PENDING_QUERIES {
+        if self.below_query_limits() {
             return Some(replier);
         }
-        replier.fail(BlockTrackerError::DurabilityBacklog {
-            pending: self.pending_queries,
-            limit: MAX_PENDING_QUERIES,
-        });
+        if self.pending_queries >= MAX_PENDING_QUERIES {
+            replier.fail(BlockTrackerError::DurabilityBacklog {
+                pending: self.pending_queries,
+                limit: MAX_PENDING_QUERIES,
+            });
+        } else {
+            replier.fail(BlockTrackerError::AnswerBacklog {
+                held_bytes: self.pending_answer_bytes,
+                limit: self.answer_byte_limit,
+            });
+        }
         None
+    }
+
+    fn below_query_limits(&self) -> bool {
+        self.pending_queries < MAX_PENDING_QUERIES
+            && self.pending_answer_bytes < self.answer_byte_limit
     }
 
     /// Answers `replier` with `value` once everything applied so far is durable (now if it
     /// is). Never refused: also the answer of an allocation or cleanup that logged nothing.
-    fn answer<T: Send + 'static>(&mut self, value: T, replier: Replier<T>) {
+    fn answer<T: HeldBytes + Send + 'static>(&mut self, value: T, replier: Replier<T>) {
         if !self.must_wait() {
             replier.reply(value);
             return;
         }
         let lsn = self.awaited_lsn();
+        let held_bytes = value.held_bytes();
         self.pending_queries += 1;
-        self.pending.push_back(Pending::Query { lsn, answer: Box::new(Answer { value, replier }) });
+        self.pending_answer_bytes += held_bytes;
+        let answer = Box::new(Answer { value, replier });
+        self.pending.push_back(Pending::Query { lsn, held_bytes, answer });
     }
 
     /// Whether an answer given now must wait for durability (requests wait, or applied events
@@ -589,8 +668,13 @@ impl BlockTrackerEndpoint {
             Pending::Query { answer, .. } => !answer.is_abandoned(),
             _ => true,
         });
-        self.pending_queries =
-            self.pending.iter().filter(|pending| matches!(pending, Pending::Query { .. })).count();
+        (self.pending_queries, self.pending_answer_bytes) = (0, 0);
+        for pending in &self.pending {
+            if let Pending::Query { held_bytes, .. } = pending {
+                self.pending_queries += 1;
+                self.pending_answer_bytes += held_bytes;
+            }
+        }
     }
 
     /// Waits (bounded) for everything queued to become durable, answers it, closes the WAL.

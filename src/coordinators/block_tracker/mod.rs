@@ -84,7 +84,7 @@ pub use self::{
         AddBlock, AddBlocks, AllocateBlocksToBatch, BlockTrackerEndpoint, BlockTrackerMessage,
         BlockTrackerRequest, CleanupOldBatches, ConnectReceiver, GetBlocksOfBatch,
         GetBlocksOfBatchAndStream, GetUnallocatedBlocks, GetUnconfiguredStreams,
-        HasUnallocatedBlocks, StopTracker, MAX_PENDING_QUERIES,
+        HasUnallocatedBlocks, StopTracker, DEFAULT_ANSWER_BYTE_LIMIT, MAX_PENDING_QUERIES,
     },
     log::{BlockLog, BlockLogError, WalBlockLog, WAL_APPEND_TIMEOUT, WAL_CLOSE_TIMEOUT},
     receiver::{AddReceipt, BlockReceiver, LoggedBlocks, COMBINE_MAX_BLOCKS},
@@ -169,6 +169,19 @@ pub enum BlockTrackerError {
         /// Queries waiting when this one arrived.
         pending: usize,
         /// The endpoint's limit.
+        limit: usize,
+    },
+    /// The bus endpoint refused a query: the answers of the queries already waiting for
+    /// earlier events to become durable hold `held_bytes` (at least `limit`, the endpoint's
+    /// byte limit). Nothing changed; ask again later.
+    #[error(
+        "the answers of queries waiting for the write-ahead log to catch up already hold \
+         {held_bytes} bytes (limit {limit}); the query was refused"
+    )]
+    AnswerBacklog {
+        /// Bytes the waiting answers hold.
+        held_bytes: usize,
+        /// The endpoint's byte limit.
         limit: usize,
     },
     /// The bus endpoint's write-ahead log failed, and rebuilding the state from the log's

@@ -194,6 +194,14 @@ impl ReceivedBlockInfo {
         })
     }
 
+    /// Heap bytes of the parts most blocks lack (metadata, receiver-log handle); 0 for the
+    /// usual block.
+    pub(crate) fn rare_heap_bytes(&self) -> usize {
+        self.rare.as_ref().map_or(0, |rare| {
+            std::mem::size_of::<RareParts>() + rare.metadata.as_ref().map_or(0, |data| data.len())
+        })
+    }
+
     /// The stream the block belongs to.
     #[inline]
     pub fn stream_id(&self) -> StreamId {
