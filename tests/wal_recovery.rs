@@ -705,3 +705,80 @@ fn asking_for_io_uring_gives_it_or_a_typed_setup_error() {
     let wal = Wal::open_with_options(dir.path(), WalConfig::default(), pwrite).unwrap();
     assert_eq!(wal.io_path(), IoPath::Pwrite);
 }
+
+/// A writer's open cuts a torn tail without shrinking a file someone maps. A read-only tool's
+/// mapping of the segment (which holds the file's shared lock) keeps the bytes it mapped, where
+/// a file cut in place under it would make its reads past the cut fault (SIGBUS); the writer
+/// replaces the file under its name with a cut copy instead, and recovers every record.
+#[test]
+fn a_torn_tail_is_cut_without_shrinking_a_file_a_reader_maps() {
+    use std::os::unix::fs::FileExt;
+
+    let dir = tempfile::tempdir().unwrap();
+    let mut rng = seeded(41);
+    let payloads: Vec<Vec<u8>> = (0..100).map(|_| payload(&mut rng, 200)).collect();
+    let wal = open(dir.path(), Durability::default(), IoMode::Auto, 1 << 20);
+    for bytes in &payloads {
+        wal.append_bytes(bytes, 0).unwrap();
+    }
+    wal.close().unwrap();
+    drop(wal);
+    let scan = scan_dir(dir.path(), RecoveryMode::Strict).unwrap();
+    let (path, valid_end) = {
+        let last = scan.segments.last().unwrap();
+        (last.path.clone(), last.valid_end)
+    };
+    // A torn write after the last record.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .write_all_at(&[0xA5; 3000], valid_end)
+        .unwrap();
+    let torn = std::fs::read(&path).unwrap();
+    let expected: Vec<Vec<u8>> = payloads.clone();
+    let records = |wal: &Wal| all_records(wal).into_iter().map(|(_, _, bytes)| bytes).collect();
+
+    let reader = Wal::open_with_options(
+        dir.path(),
+        WalConfig::default(),
+        WalOptions { read_only: true, ..WalOptions::default() },
+    )
+    .unwrap();
+    let reader_records: Vec<Vec<u8>> = records(&reader);
+    assert_eq!(reader_records, expected);
+    // The file the reader maps, as the reader's mapping sees it.
+    let mapped = std::fs::File::open(&path).unwrap();
+
+    let writer = open(dir.path(), Durability::default(), IoMode::Auto, 1 << 20);
+    let tail = writer.recovery_report().torn_tail.clone().expect("the torn tail was found");
+    assert_eq!(tail.offset, valid_end);
+    let writer_records: Vec<Vec<u8>> = records(&writer);
+    assert_eq!(writer_records, expected);
+    assert_eq!(std::fs::metadata(&path).unwrap().len(), valid_end, "the name holds the cut file");
+    let mut seen = vec![0u8; torn.len()];
+    mapped.read_exact_at(&mut seen, 0).unwrap();
+    assert_eq!(seen, torn, "the file the reader maps changed under it");
+    let reader_records: Vec<Vec<u8>> = records(&reader);
+    assert_eq!(reader_records, expected);
+    drop((reader, writer));
+
+    // Nobody maps it any more: the next torn tail is cut in place.
+    let reopened = open(dir.path(), Durability::default(), IoMode::Auto, 1 << 20);
+    reopened.append_bytes(b"after", 0).unwrap();
+    reopened.close().unwrap();
+    drop(reopened);
+    let scan = scan_dir(dir.path(), RecoveryMode::Strict).unwrap();
+    let last = scan.segments.last().unwrap();
+    let (path, valid_end) = (last.path.clone(), last.valid_end);
+    let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    file.write_all_at(&[0xA5; 3000], valid_end).unwrap();
+    let before = std::fs::File::open(&path).unwrap();
+    let writer = open(dir.path(), Durability::default(), IoMode::Auto, 1 << 20);
+    assert_eq!(
+        writer.recovery_report().torn_tail.as_ref().map(|tail| tail.offset),
+        Some(valid_end)
+    );
+    assert_eq!(before.metadata().unwrap().len(), valid_end, "cut in place, the same file");
+    assert_eq!(all_records(&writer).len(), 101);
+}

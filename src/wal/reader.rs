@@ -6,8 +6,10 @@
 //! `clean` deletes its file meanwhile (the mapping outlives the directory entry).
 //!
 //! Hazard (inherent to mmap): another process truncating a segment file under a live mapping
-//! makes reads of the vanished pages fault (SIGBUS). coordbus itself only truncates the tail
-//! of a segment during recovery, before any mapping of it exists.
+//! makes reads of the vanished pages fault (SIGBUS). coordbus itself only cuts the torn tail
+//! of a segment during a writer's recovery, in place only under the file's exclusive lock
+//! (which no mapping's shared lock lets it take); while another process maps the file (a
+//! read-only tool), recovery replaces it with a cut copy and the mapping keeps the old file.
 //!
 //! Recycled segments (module `wal`) write a cleaned segment's file again, so no mapping of it
 //! may remain, in this process or another (a read-only tool on a live log). Every mapping
@@ -77,7 +79,8 @@ impl SegmentMap {
         // SAFETY: the mapping is read-only and private to this process's view of the file.
         // coordbus writes segment files only through `pwrite`/io_uring into ranges no reader
         // has been handed yet (readers wait for the written watermark), truncates a file only
-        // during recovery before it is mapped, and writes a cleaned segment's file again (a
+        // during recovery and under its exclusive lock (never while this shared lock is held),
+        // and writes a cleaned segment's file again (a
         // spare) only if it renamed the file away from the segment's name while holding the
         // file's exclusive lock. This mapping holds the shared lock from before it checked
         // the name until it is dropped: so either the writer saw the lock and deleted the file

@@ -45,6 +45,7 @@ use crate::{
         reader::{data_regions, SegmentMap},
         segment::{self, Segment, SegmentHeader, Window, HEADER_LEN},
         storage::Storage,
+        writer::{pwrite::write_all_at, WriteOp},
         Lsn, RecoveryMode, SegmentId, WalConfig,
     },
 };
@@ -799,7 +800,67 @@ pub fn scan_dir(dir: impl AsRef<Path>, mode: RecoveryMode) -> Result<DirScan, Wa
     Ok(DirScan { segments: scanned.into_iter().map(|scan| scan.summary).collect(), report })
 }
 
-/// Recovers the log in `dir`: scans, cuts a torn tail (truncating the file), drops a torn
+/// Cuts the segment file at `path` (segment `id`) at `offset`, durably. Returns whether it
+/// replaced the file (the directory then needs a sync).
+///
+/// A read-only tool may map the file (module `reader`), and shrinking a file under a mapping
+/// makes the mapper's reads of the vanished pages fault (SIGBUS). Every mapping holds the
+/// file's shared lock, so the file is cut in place only under its exclusive lock, taken
+/// without waiting: a tool opening it meanwhile waits for the lock, then maps the cut file.
+/// While someone maps it, its first `offset` bytes are copied to a new file (named as a
+/// spare: a crash before the rename leaves a file the next writer's open deletes) that
+/// replaces it under its name, and the mapper keeps reading the old file, unchanged.
+fn cut_torn_tail(
+    dir: &Path,
+    storage: &dyn Storage,
+    path: &Path,
+    id: SegmentId,
+    offset: u64,
+) -> Result<bool, WalError> {
+    let locked = std::fs::File::open(path)
+        .map_err(|error| WalError::from_io("open torn segment", path, 0, &error))?;
+    if locked.try_lock().is_ok() {
+        let file = storage
+            .open_existing(path)
+            .map_err(|error| WalError::from_io("open torn segment", path, 0, &error))?;
+        file.set_len(offset)
+            .map_err(|error| WalError::from_io("cut torn tail", path, 0, &error))?;
+        file.sync_data().map_err(|error| WalError::from_io("fdatasync", path, 0, &error))?;
+        return Ok(false);
+    }
+    let copy = dir.join(segment::spare_file_name(id));
+    let file = storage
+        .create(&copy)
+        .map_err(|error| WalError::from_io("create cut segment", &copy, 0, &error))?;
+    let mut chunk = vec![0u8; CUT_COPY_CHUNK.min(offset as usize)];
+    let mut at = 0u64;
+    while at < offset {
+        let len = chunk.len().min((offset - at) as usize);
+        std::os::unix::fs::FileExt::read_exact_at(&locked, &mut chunk[..len], at)
+            .map_err(|error| WalError::from_io("read torn segment", path, at, &error))?;
+        write_all_at(&WriteOp {
+            file: file.as_ref(),
+            path: &copy,
+            buf: &chunk[..len],
+            offset: at,
+        })?;
+        at += len as u64;
+    }
+    file.sync_data().map_err(|error| WalError::from_io("fdatasync", &copy, 0, &error))?;
+    storage
+        .rename(&copy, path)
+        .map_err(|error| WalError::from_io("replace torn segment", path, 0, &error))?;
+    tracing::info!(
+        ?path,
+        "the torn segment is mapped by another process: replaced it with a cut copy"
+    );
+    Ok(true)
+}
+
+/// Bytes [`cut_torn_tail`] copies at a time.
+const CUT_COPY_CHUNK: usize = 1 << 20;
+
+/// Recovers the log in `dir`: scans, cuts a torn tail ([`cut_torn_tail`]), drops a torn
 /// creation, and builds the segment states. `read_only` changes nothing on disk: the torn
 /// tail stays (readers stop before it) and a torn creation is ignored.
 pub(crate) fn recover(
@@ -850,15 +911,11 @@ pub(crate) fn recover(
         };
         let mut map = scan.map.take().expect("scanned segments keep their map");
         if let Some(tail) = summary.torn_tail.as_ref().filter(|_| !read_only) {
-            // The mapping must be gone before the file shrinks under it.
+            // Our own mapping (and its shared lock) must be gone before the file is cut.
             drop(map);
-            let file = storage.open_existing(&summary.path).map_err(|error| {
-                WalError::from_io("open torn segment", &summary.path, 0, &error)
-            })?;
-            file.set_len(tail.offset)
-                .map_err(|error| WalError::from_io("cut torn tail", &summary.path, 0, &error))?;
-            file.sync_data()
-                .map_err(|error| WalError::from_io("fdatasync", &summary.path, 0, &error))?;
+            if cut_torn_tail(dir, storage, &summary.path, summary.id, tail.offset)? {
+                changed_dir = true;
+            }
             tracing::info!(
                 segment = tail.segment.0,
                 offset = tail.offset,
