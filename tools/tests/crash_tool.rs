@@ -41,6 +41,11 @@ fn assert_nothing_lost(target: &str, iterations: u64) {
     for key in ["lost", "duplicated", "corrupt_accepted", "out_of_order", "open_failures"] {
         assert_eq!(summary[key], 0, "{key}: {summary}");
     }
+    // Every child named its I/O path, and kills hit the pwrite path (io_uring too, where the
+    // kernel allows it).
+    let on = |key: &str| summary[key].as_u64().unwrap_or(0);
+    assert_eq!(on("iterations_io_uring") + on("iterations_pwrite"), iterations, "{summary}");
+    assert!(on("iterations_pwrite") >= 1, "{summary}");
     let p50 = summary["recovery_p50_ms"].as_f64().unwrap();
     let max = summary["recovery_max_ms"].as_f64().unwrap();
     assert!(p50 > 0.0 && p50 <= max, "{summary}");

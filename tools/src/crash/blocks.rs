@@ -41,7 +41,7 @@ use coordbus::{
         AddBlock, AllocateBlocksToBatch, BatchTime, BlockReceiver, BlockStoreResult,
         BlockTrackerConfig, BlockTrackerEndpoint, CleanupOldBatches, GetBlocksOfBatch,
         ReceivedBlockInfo, ReceivedBlockTracker, StreamBlockId, StreamId, TrackerEvent,
-        RECEIVED_BLOCK_METADATA_DIR,
+        WalBlockLog, RECEIVED_BLOCK_METADATA_DIR,
     },
     wal::{Durability, Lsn, Wal, WalConfig, WalOptions},
     Bus,
@@ -125,8 +125,17 @@ fn print_line(stdout: &Mutex<std::io::Stdout>, line: &str) -> std::io::Result<()
 /// The child: a driver that works until killed.
 pub fn child(work: &Path, _seed: u64, iteration: u64) -> anyhow::Result<()> {
     let clock = Arc::new(SystemClock);
-    let tracker = ReceivedBlockTracker::open(config(work), clock.clone())
+    let config = config(work);
+    let dir = checkpoint_dir(work).join(RECEIVED_BLOCK_METADATA_DIR);
+    let options = WalOptions { io: crate::io_mode(iteration), ..WalOptions::default() };
+    let wal = Wal::open_with_options(&dir, config.wal.clone(), options)
+        .with_context(|| format!("opening the tracker's log in {}", dir.display()))?;
+    let log = WalBlockLog::from_wal(Arc::new(wal)).with_append_timeout(config.write_timeout);
+    let tracker = ReceivedBlockTracker::with_log(config, clock.clone(), Some(Arc::new(log)))
         .with_context(|| format!("recovering the tracker in {}", work.display()))?;
+    if let Some(wal) = tracker.log().and_then(|log| log.wal()) {
+        crate::print_io_path(wal.io_path())?;
+    }
     let recovered = snapshot(&tracker);
     // Each receiver resumes after the last of its blocks the journal holds.
     let mut resume = vec![0u64; RECEIVERS as usize];

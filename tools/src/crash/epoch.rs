@@ -29,10 +29,10 @@ use anyhow::{bail, Context};
 use coordbus::{
     coordinators::epoch::{
         coordinator_name, CollaboratorError, CommitPartitionEpoch, DurableQuery, Epoch,
-        EpochConfig, EpochEndpoint, IncrementAndGetEpoch, PartitionId, Payload,
+        EpochConfig, EpochEndpoint, IncrementAndGetEpoch, NoopQuery, PartitionId, Payload,
         ReportPartitionOffset, SetReaderPartitions, SetWriterPartitions, Sink,
     },
-    wal::{Durability, Lsn, WalConfig},
+    wal::{Durability, Lsn, Wal, WalConfig, WalOptions},
     Bus,
 };
 
@@ -80,9 +80,13 @@ impl Sink for PrintingSink {
 /// The child: runs epochs until killed.
 pub fn child(work: &Path, _seed: u64, iteration: u64) -> anyhow::Result<()> {
     let dir = log_dir(work);
-    let durable = DurableQuery::open(&dir, config(iteration))
-        .with_context(|| format!("opening the epoch log in {}", dir.display()))?
+    let options = WalOptions { io: crate::io_mode(iteration), ..WalOptions::default() };
+    let wal = Wal::open_with_options(&dir, config(iteration), options)
+        .with_context(|| format!("opening the epoch log in {}", dir.display()))?;
+    let durable = DurableQuery::from_wal(wal, NoopQuery)
+        .with_context(|| format!("recovering the epoch log in {}", dir.display()))?
         .with_retained_epochs(RETAINED_EPOCHS);
+    crate::print_io_path(durable.wal().io_path())?;
     let status = durable.status();
     let start = durable.start_epoch().0;
     println!("start {start}");

@@ -10,8 +10,7 @@
 //! end on real files and processes, that each item was written before it was acknowledged and
 //! that recovery finds it, not that it was synced (a power loss). That half is
 //! `tests/wal_power_loss.rs`, which opens images holding only the synced bytes (on the pwrite
-//! path; see its limits). What these
-//! loops rarely reach: a kill inside a write (torn records; `torn_tails_cut` counts them), a
+//! path; see its limits). What these loops rarely reach: a kill inside a write (torn records; `torn_tails_cut` counts them), a
 //! kill during recovery itself (the window opens at the first acknowledgement), and, with
 //! short runs, cleaning and segment reuse (`--max-run-ms 200` reaches them).
 //!
@@ -24,6 +23,8 @@
 //! intact, or different from what was acknowledged), `out_of_order` (order rules broken) and
 //! `open_failures` (the directory could not be reopened). Any of the last five non-zero fails
 //! the run (exit code 1); a tool error (the child cannot start, a bad flag) exits with 2.
+//! `iterations_io_uring` and `iterations_pwrite` count the children whose log wrote through
+//! each I/O path (each child prints its path first).
 //!
 //! On failure the run stops at the failing iteration and keeps the directory as the parent's
 //! check left it (the check only cuts torn tails, which hold nothing acknowledged) and prints
@@ -48,6 +49,8 @@ use anyhow::{bail, Context};
 use clap::{Parser, Subcommand, ValueEnum};
 use serde_json::json;
 
+use coordbus::wal::{IoMode, IoPath};
+
 use crate::rng::Rng;
 
 #[global_allocator]
@@ -57,6 +60,8 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 const FIRST_ACK_TIMEOUT: Duration = Duration::from_secs(30);
 /// SIGKILL's number (9 on Linux and every other Unix; POSIX fixes it for `kill -9`).
 const SIGKILL: i32 = 9;
+/// The prefix of a child's line naming its log's I/O path ([`print_io_path`]).
+const IO_PATH_LINE: &str = "io_path ";
 /// How often a long run prints a progress line on stderr.
 const PROGRESS_INTERVAL: Duration = Duration::from_secs(5);
 /// Failure notes printed at most (the counts hold the rest).
@@ -75,7 +80,9 @@ struct Cli {
     /// What to crash: `wal` (self-checking records with EveryRecord and GroupCommit, on the
     /// io_uring and pwrite paths), `epoch` (epochs committed through the EpochEndpoint with
     /// the WAL-backed DurableQuery), `blocks` (receivers adding blocks to the block tracker
-    /// endpoint and a batch loop allocating and processing batches).
+    /// endpoint and a batch loop allocating and processing batches). `epoch` and `blocks`
+    /// children alternate their log's I/O path every two iterations (the default, io_uring
+    /// where the kernel allows it, then pwrite).
     #[arg(long, value_enum, required = true)]
     target: Option<Target>,
     /// Number of kill -9 iterations (child runs), at least 1.
@@ -505,6 +512,7 @@ fn one_iteration(
     let status = child.wait().context("waiting for the killed child")?;
     reader.join().map_err(|_| anyhow::anyhow!("the stdout reader panicked"))?;
     lines.extend(receiver.try_iter());
+    count_io_path(&lines, counts);
     if inject_loss {
         checker.inject_loss(&lines)?;
     }
@@ -520,6 +528,37 @@ fn one_iteration(
         counts.note(iteration, format!("child stderr: {}", tail_of(&stderr_path)));
     }
     Ok(recovery)
+}
+
+/// A child's first line: the I/O path its log writes through (`Auto` picks io_uring where
+/// the kernel allows it), so that a run's summary says which paths its kills hit.
+pub fn print_io_path(path: IoPath) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{IO_PATH_LINE}{}", path.as_str())?;
+    out.flush()
+}
+
+/// The I/O path of an epoch or blocks child's log: two iterations on the default (`Auto`:
+/// io_uring where the kernel allows it), then two on `pwrite`, so that kills hit both (the
+/// `wal` target picks its own modes).
+pub fn io_mode(iteration: u64) -> IoMode {
+    if (iteration / 2).is_multiple_of(2) {
+        IoMode::Auto
+    } else {
+        IoMode::Pwrite
+    }
+}
+
+/// Counts the iterations of each I/O path, from the child's `io_path` line.
+fn count_io_path(lines: &[String], counts: &mut Counts) {
+    let path = lines.iter().find_map(|line| line.strip_prefix(IO_PATH_LINE));
+    let key = match path {
+        Some(name) if name == IoPath::IoUring.as_str() => "iterations_io_uring",
+        Some(name) if name == IoPath::Pwrite.as_str() => "iterations_pwrite",
+        _ => "iterations_io_path_unknown",
+    };
+    counts.add_extra(key, 1);
 }
 
 /// The last kilobyte of a child's stderr, for error messages.

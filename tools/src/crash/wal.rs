@@ -93,6 +93,7 @@ pub fn child(work: &Path, seed: u64, iteration: u64) -> anyhow::Result<()> {
         )
         .with_context(|| format!("opening the log in {}", dir.display()))?,
     );
+    crate::print_io_path(wal.io_path())?;
     let workers: Vec<_> = (0..threads)
         .map(|thread| {
             let wal = Arc::clone(&wal);
