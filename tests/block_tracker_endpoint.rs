@@ -181,6 +181,26 @@ fn host_stalled(
     (bus, endpoint)
 }
 
+/// A byte limit refuses only answers that would have to wait: with a limit of 0, an idle
+/// endpoint still answers, and a query behind an undurable addition is refused.
+#[test]
+fn a_zero_byte_limit_refuses_only_answers_that_must_wait() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = StalledLog::new(dir.path(), false);
+    let (bus, endpoint) = host_stalled(&log, 0);
+    assert!(!endpoint.ask(HasUnallocatedBlocks).wait_timeout(BOUND).unwrap());
+    let addition = endpoint.ask(AddBlock(info(1, 1)));
+    match endpoint.ask(HasUnallocatedBlocks).wait_timeout(BOUND) {
+        Err(AskError::Handler(cause)) => assert_eq!(
+            cause.downcast_ref::<BlockTrackerError>(),
+            Some(&BlockTrackerError::AnswerBacklog { held_bytes: 0, limit: 0 })
+        ),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    drop(addition);
+    let _ = bus.shutdown();
+}
+
 /// The answers waiting for durability are bounded in bytes, not only in count: one answer
 /// may copy a queue of millions of blocks. Past the limit a query fails at once with a typed
 /// error naming the bytes held; once the asker of the large answer gives up, queries are let
@@ -220,15 +240,29 @@ fn the_answers_waiting_for_a_stalled_log_are_bounded_in_bytes() {
 
 /// A `StopTracker` whose bounded wait ends with requests still waiting fails them (the
 /// addition answers false) without reading the log back: the tracker is stopping, and a
-/// rebuild would hold the endpoint thread past the stop's documented bound.
+/// rebuild would hold the endpoint thread past the stop's documented bound. A query queued
+/// behind the stop is refused: the state still holds the addition that never became durable.
 #[test]
 fn a_stop_that_times_out_fails_what_waits_without_a_rebuild() {
     let dir = tempfile::tempdir().unwrap();
     let log = StalledLog::new(dir.path(), false);
     let (bus, endpoint) = host_stalled(&log, DEFAULT_ANSWER_BYTE_LIMIT);
     let addition = endpoint.ask(AddBlock(info(1, 1)));
-    endpoint.ask(StopTracker).wait_timeout(BOUND).unwrap();
+    let stop = endpoint.ask(StopTracker);
+    let behind = endpoint.ask(GetUnallocatedBlocks(StreamId(1)));
+    stop.wait_timeout(BOUND).unwrap();
     assert!(!addition.wait_timeout(BOUND).unwrap(), "never durable");
+    match behind.wait_timeout(BOUND) {
+        Err(AskError::Handler(cause)) => assert!(
+            matches!(
+                cause.downcast_ref::<BlockTrackerError>(),
+                Some(BlockTrackerError::StateLost { reason })
+                    if reason.contains("stopped before its events were durable")
+            ),
+            "{cause}"
+        ),
+        other => panic!("a query behind the stop saw undurable state: {other:?}"),
+    }
     assert_eq!(log.replays.load(Ordering::SeqCst), 0, "the stop rebuilt the state");
     bus.shutdown().unwrap();
 }
@@ -244,9 +278,11 @@ fn a_rebuild_that_fails_makes_every_query_fail_with_state_lost() {
     let addition = endpoint.ask(AddBlock(info(1, 1)));
     log.report(&Err(WalError::Closed));
     assert!(!addition.wait_timeout(BOUND).unwrap(), "the WAL failed");
-    assert_eq!(log.replays.load(Ordering::SeqCst), 1);
     let lost = BlockTrackerError::StateLost {
-        reason: "a journal record is not a valid tracker event: unreadable journal".into(),
+        reason: "its write-ahead log failed, and rebuilding the state from the log's durable \
+                 prefix failed: a journal record is not a valid tracker event: unreadable \
+                 journal"
+            .into(),
     };
     let expect_lost = |reply: Result<(), AskError>| match reply {
         Err(AskError::Handler(cause)) => {
@@ -264,6 +300,8 @@ fn a_rebuild_that_fails_makes_every_query_fail_with_state_lost() {
             .map(drop),
     );
     expect_lost(endpoint.ask(GetUnconfiguredStreams).wait_timeout(BOUND).map(drop));
+    // (Read after a reply the endpoint sent once its whole failure handling was done.)
+    assert_eq!(log.replays.load(Ordering::SeqCst), 1);
     assert!(lost.to_string().contains("unreadable journal"), "{lost}");
     endpoint.ask(StopTracker).wait_timeout(BOUND).unwrap();
     bus.shutdown().unwrap();

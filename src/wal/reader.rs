@@ -43,6 +43,10 @@ use crate::{
 /// How long a read waits for a record appended but not yet written before giving up.
 const READ_WAIT_LIMIT: Duration = Duration::from_secs(60);
 
+/// How many times [`SegmentMap::open`] follows a segment's name to a file that replaced the
+/// one it opened.
+const MAX_REPLACED: u32 = 3;
+
 /// A read-only mapping of a whole segment file.
 #[derive(Debug)]
 pub struct SegmentMap {
@@ -57,18 +61,27 @@ impl SegmentMap {
     ///
     /// # Errors
     /// [`WalError::Io`] if the file cannot be opened, locked or mapped, or if `path` no longer
-    /// names it once locked (the segment was cleaned meanwhile: `NotFound`).
+    /// names a file once locked (the segment was cleaned meanwhile: `NotFound`).
     pub fn open(path: &Path) -> Result<Self, WalError> {
-        let file =
-            File::open(path).map_err(|error| WalError::from_io("open segment", path, 0, &error))?;
-        lock_shared(&file, path)?;
-        if !still_named(&file, path) {
-            let gone = std::io::Error::new(
-                std::io::ErrorKind::NotFound,
-                "the segment was cleaned while it was being opened",
-            );
-            return Err(WalError::from_io("open segment", path, 0, &gone));
-        }
+        let mut replaced = 0;
+        let file = loop {
+            let file = File::open(path)
+                .map_err(|error| WalError::from_io("open segment", path, 0, &error))?;
+            lock_shared(&file, path)?;
+            if still_named(&file, path) {
+                break file;
+            }
+            // The name moved on: cleaned (or kept as a spare), or replaced by a writer's
+            // recovery with a cut copy (module `recovery`), which is then the segment.
+            replaced += 1;
+            if replaced > MAX_REPLACED || std::fs::metadata(path).is_err() {
+                let gone = std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    "the segment was cleaned while it was being opened",
+                );
+                return Err(WalError::from_io("open segment", path, 0, &gone));
+            }
+        };
         let len = file
             .metadata()
             .map_err(|error| WalError::from_io("stat segment", path, 0, &error))?
@@ -111,7 +124,8 @@ impl SegmentMap {
 }
 
 /// Takes a shared lock on a segment file. A writer holds the exclusive one only across one
-/// rename, so this waits briefly; a lock held longer is another program's, and an error.
+/// rename (recycling) or one cut of a torn tail (recovery), so this waits briefly; a lock
+/// held longer is another program's, and an error.
 fn lock_shared(file: &File, path: &Path) -> Result<(), WalError> {
     let deadline = Instant::now() + lock::LOCK_GRACE;
     let mut pause = Duration::from_micros(50);

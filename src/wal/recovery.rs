@@ -809,7 +809,9 @@ pub fn scan_dir(dir: impl AsRef<Path>, mode: RecoveryMode) -> Result<DirScan, Wa
 /// without waiting: a tool opening it meanwhile waits for the lock, then maps the cut file.
 /// While someone maps it, its first `offset` bytes are copied to a new file (named as a
 /// spare: a crash before the rename leaves a file the next writer's open deletes) that
-/// replaces it under its name, and the mapper keeps reading the old file, unchanged.
+/// replaces it under its name, and the mapper keeps reading the old file, unchanged. That
+/// copy needs room for `offset` bytes: on a full disk the open fails ([`WalError::DiskFull`]
+/// naming the copy's path), where a cut in place would not have.
 fn cut_torn_tail(
     dir: &Path,
     storage: &dyn Storage,
@@ -825,6 +827,9 @@ fn cut_torn_tail(
             .map_err(|error| WalError::from_io("open torn segment", path, 0, &error))?;
         file.set_len(offset)
             .map_err(|error| WalError::from_io("cut torn tail", path, 0, &error))?;
+        // Cut: a mapping made from now on is safe, and a reader waits for the lock only
+        // briefly (module `reader`), so let go before the sync.
+        drop(locked);
         file.sync_data().map_err(|error| WalError::from_io("fdatasync", path, 0, &error))?;
         return Ok(false);
     }

@@ -62,7 +62,9 @@
 //! failed write may still be durable (module doc of the tracker). If the durable prefix
 //! cannot be read back either, the state is left empty and every query fails with
 //! [`BlockTrackerError::StateLost`]: no answer comes from a half-replayed state. A
-//! `StopTracker` whose wait ends with requests still waiting fails them without a rebuild.
+//! `StopTracker` whose wait ends with requests still waiting fails them without a rebuild,
+//! and the queries still queued behind it fail with [`BlockTrackerError::StateLost`] (the
+//! state holds what never became durable).
 
 use std::{
     collections::VecDeque,
@@ -405,12 +407,12 @@ pub struct BlockTrackerEndpoint {
     /// wait for it to be durable, and a durability callback watches it so that a WAL failure
     /// is noticed even when no request waits.
     applied_lsn: Lsn,
-    /// The state was rebuilt from the log's durable prefix (after a WAL failure): it holds
-    /// every durable block already, and no later record can become durable, so receivers'
-    /// hand-overs are dropped from then on.
-    rebuilt: bool,
-    /// Why the rebuild after a WAL failure failed: queries fail with
-    /// [`BlockTrackerError::StateLost`].
+    /// The waiting requests were failed (a WAL failure, or a stop that gave up waiting): no
+    /// later record can become durable, and the state was rebuilt from the durable prefix
+    /// (or is lost), so receivers' hand-overs are dropped from then on.
+    requests_failed: bool,
+    /// Why the state cannot be trusted (a failed rebuild, a stop before durability): queries
+    /// fail with [`BlockTrackerError::StateLost`].
     state_lost: Option<String>,
 }
 
@@ -435,7 +437,7 @@ impl BlockTrackerEndpoint {
             waker: Arc::default(),
             stopped: false,
             applied_lsn: Lsn::ZERO,
-            rebuilt: false,
+            requests_failed: false,
             state_lost: None,
         }
     }
@@ -535,7 +537,10 @@ impl BlockTrackerEndpoint {
             Err(error) => {
                 tracing::error!(%error,
                     "rebuilding the block tracker state failed; every query fails from now on");
-                self.state_lost = Some(error.to_string());
+                self.state_lost = Some(format!(
+                    "its write-ahead log failed, and rebuilding the state from the log's \
+                     durable prefix failed: {error}"
+                ));
             }
         }
     }
@@ -547,7 +552,7 @@ impl BlockTrackerEndpoint {
         // Zeroed first: a `finish` below that panics must not leave the counts too high.
         self.pending_queries = 0;
         self.pending_answer_bytes = 0;
-        self.rebuilt = true;
+        self.requests_failed = true;
         self.applied_lsn = Lsn::ZERO;
         tracing::warn!(%error, requests = pending.len(),
             "the block tracker's WAL failed; failing the requests waiting for durability");
@@ -605,15 +610,15 @@ impl BlockTrackerEndpoint {
     /// its answer would have to wait for durability while [`MAX_PENDING_QUERIES`] queries
     /// wait already, or their answers hold the byte limit (and their askers wait: abandoned
     /// ones are dropped first). A refused query fails at once with
-    /// [`BlockTrackerError::DurabilityBacklog`] or [`BlockTrackerError::AnswerBacklog`];
-    /// after a failed rebuild, every query fails with [`BlockTrackerError::StateLost`].
+    /// [`BlockTrackerError::DurabilityBacklog`] or [`BlockTrackerError::AnswerBacklog`]; an
+    /// answer that need not wait is never refused. Once the state is lost (a failed rebuild,
+    /// a stop before durability), every query fails with [`BlockTrackerError::StateLost`].
     fn admit_query<T: Send + 'static>(&mut self, replier: Replier<T>) -> Option<Replier<T>> {
         if let Some(reason) = &self.state_lost {
             replier.fail(BlockTrackerError::StateLost { reason: reason.clone() });
             return None;
         }
-        // At a limit, `pending` is not empty: the answer would have to wait.
-        if self.below_query_limits() {
+        if self.below_query_limits() || !self.must_wait() {
             return Some(replier);
         }
         self.drop_abandoned_queries();
@@ -695,8 +700,14 @@ impl BlockTrackerEndpoint {
             }
             if !self.pending.is_empty() {
                 // No rebuild: the tracker stops, and reading the log back would take this
-                // thread past the stop's bound.
-                self.fail_requests(self.waker.failure().unwrap_or(WalError::Closed));
+                // thread past the stop's bound. But the state holds what was not made
+                // durable, so the queries still queued behind the stop are refused.
+                let error = self.waker.failure().unwrap_or(WalError::Closed);
+                self.state_lost = Some(format!(
+                    "it stopped before its events were durable (waited {}s): {error}",
+                    STOP_DURABILITY_TIMEOUT.as_secs()
+                ));
+                self.fail_requests(error);
             }
         }
         if let Err(error) = self.tracker.stop() {
@@ -726,7 +737,7 @@ impl Endpoint for BlockTrackerEndpoint {
         match message {
             BlockTrackerMessage::Durable => self.complete_durable(),
             BlockTrackerMessage::Logged(LoggedBlocks { lsn, blocks }) => {
-                if self.rebuilt {
+                if self.requests_failed {
                     tracing::debug!(%lsn, "dropping blocks handed over after the WAL failed");
                     return Ok(());
                 }

@@ -184,16 +184,13 @@ pub enum BlockTrackerError {
         /// The endpoint's byte limit.
         limit: usize,
     },
-    /// The bus endpoint's write-ahead log failed, and rebuilding the state from the log's
-    /// durable prefix failed too: the endpoint holds no state it can vouch for, so every
-    /// query fails with this from then on. Restarting the tracker with recovery reads the
-    /// log again.
-    #[error(
-        "the block tracker's state is lost: its write-ahead log failed, and rebuilding the \
-         state from the log's durable prefix failed: {reason}"
-    )]
+    /// The bus endpoint holds no state it can vouch for, so every query fails with this from
+    /// then on: its write-ahead log failed and rebuilding the state from the log's durable
+    /// prefix failed too, or it stopped before its events were durable. Restarting the
+    /// tracker with recovery reads the log again.
+    #[error("the block tracker's state is lost: {reason}")]
     StateLost {
-        /// Why the rebuild failed.
+        /// What happened.
         reason: String,
     },
 }
