@@ -48,7 +48,7 @@ const ACKED_ENV: &str = "COORDBUS_BLOCK_TRACKER_CRASH_ACKED";
 const TEST_NAME: &str = "acknowledged_blocks_are_processed_exactly_once_across_kill_9";
 const RECEIVERS: u64 = 4;
 const STREAMS: u64 = 2;
-const BLOCKS_PER_RECEIVER: u64 = 600;
+const BLOCKS_PER_RECEIVER: u64 = 1500;
 const KILLS: usize = 24;
 const SEED: u64 = 0x6b69_6c6c_2d39;
 /// Bound on one child run without progress (a hang is a failure, not a wait).

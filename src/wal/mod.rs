@@ -2684,9 +2684,15 @@ mod tests {
         let deadline = Instant::now() + Duration::from_secs(20);
         let mut last = Lsn::ZERO;
         let mut appended = 0u64;
-        // Appends keep arriving while the syncs run: sustained load, and nobody waits.
-        while wal.stats().groups < 5 {
-            assert!(Instant::now() < deadline, "five groups were not written in 20 s");
+        // Appends keep arriving while the syncs run: sustained load, and nobody waits. At
+        // least five groups, and on until one was paced (a group whose first record a
+        // preempted appender made only after the previous sync completed is not).
+        while wal.stats().groups < 5 || wal.stats().paced_groups == 0 {
+            assert!(
+                Instant::now() < deadline,
+                "no paced group among the groups written in 20 s: {:?}",
+                wal.stats()
+            );
             for _ in 0..100 {
                 last = wal.append_now(&appended).unwrap().0;
                 appended += 1;

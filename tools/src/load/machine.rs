@@ -121,15 +121,30 @@ pub fn round_trips_json(before: Option<f64>, after: Option<f64>) -> serde_json::
 mod tests {
     use super::*;
 
+    /// The probes of these tests spin on both cores: run one at a time, or two pinned pairs
+    /// share the cores and neither gets its round trips done in time.
+    static ONE_PROBE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+        ONE_PROBE_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Probes a busy machine may leave unmeasured (`None`) before the test calls it broken.
+    const PROBE_TRIES: usize = 10;
+
     #[test]
     fn the_probe_measures_a_plausible_round_trip_or_explains_why_not() {
+        let _alone = one_at_a_time();
         let cores = core_affinity::get_core_ids().map_or(0, |cores| cores.len());
-        let measured = core_round_trip_ns();
         if cores < 2 {
-            assert_eq!(measured, None, "one core: nothing to measure");
+            assert_eq!(core_round_trip_ns(), None, "one core: nothing to measure");
             return;
         }
-        let ns = measured.expect("two cores to pin: the probe times at least one round trip");
+        // On shared vCPUs (another process spinning, steal time) one probe may not get its
+        // round trips done within its limit, which is what `None` says; not ten in a row.
+        let ns = (0..PROBE_TRIES)
+            .find_map(|_| core_round_trip_ns())
+            .expect("two cores to pin: the probe times at least one round trip");
         // A round trip is at least a few nanoseconds and, even with both threads sharing a
         // core, at most the probe's time limit.
         assert!(ns > 1.0 && ns < PROBE_TIME_LIMIT.as_nanos() as f64, "round trip {ns} ns");
@@ -137,6 +152,7 @@ mod tests {
 
     #[test]
     fn the_probe_leaves_the_callers_cores_as_they_were() {
+        let _alone = one_at_a_time();
         let before = core_affinity::get_core_ids();
         let _ = core_round_trip_ns();
         assert_eq!(
@@ -148,6 +164,7 @@ mod tests {
 
     #[test]
     fn a_probe_that_nobody_answers_ends_at_its_deadline() {
+        let _alone = one_at_a_time();
         let counter = AtomicU64::new(0);
         let started = Instant::now();
         assert_eq!(ask(&counter), None, "no answer: no round trip timed");
