@@ -782,3 +782,67 @@ fn a_torn_tail_is_cut_without_shrinking_a_file_a_reader_maps() {
     assert_eq!(before.metadata().unwrap().len(), valid_end, "cut in place, the same file");
     assert_eq!(all_records(&writer).len(), 101);
 }
+
+/// A log of `records` random payloads in segments of 64 KiB, closed; returns the payloads and
+/// the last segment's path.
+fn closed_log(dir: &Path, records: usize, seed: u64) -> (Vec<Vec<u8>>, std::path::PathBuf) {
+    let mut rng = seeded(seed);
+    let payloads: Vec<Vec<u8>> = (0..records).map(|_| payload(&mut rng, 400)).collect();
+    let wal = open(dir, Durability::default(), IoMode::Auto, 64 << 10);
+    for bytes in &payloads {
+        wal.append_bytes(bytes, 0).unwrap();
+    }
+    wal.close().unwrap();
+    drop(wal);
+    let scan = scan_dir(dir, RecoveryMode::Strict).unwrap();
+    (payloads, scan.segments.last().unwrap().path.clone())
+}
+
+/// A last segment whose header does not decode is a torn creation only if nothing follows
+/// the header: a new file's header is synced before any record is written. A segment whose
+/// header and records are all garbage held acknowledged records, so opening it is
+/// corruption (strict mode fails, naming the segment), not a file quietly removed with its
+/// records. (Before, any last segment without a valid header or frame was removed.)
+#[test]
+fn a_last_segment_of_garbage_is_corruption_not_a_torn_creation() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, last) = closed_log(dir.path(), 600, 51);
+    let id = scan_dir(dir.path(), RecoveryMode::Strict).unwrap().segments.last().unwrap().id;
+    assert!(id.0 >= 2, "the log rolled");
+    let mut garbage = vec![0u8; std::fs::metadata(&last).unwrap().len() as usize];
+    let mut rng = seeded(52);
+    garbage.iter_mut().for_each(|byte| *byte = rng.random());
+    std::fs::write(&last, &garbage).unwrap();
+    match scan_dir(dir.path(), RecoveryMode::Strict) {
+        Err(WalError::Corruption { segment, .. }) => assert_eq!(segment, id.0),
+        other => panic!("expected corruption of segment {}, got {other:?}", id.0),
+    }
+    match Wal::open(dir.path(), WalConfig::default()) {
+        Err(WalError::Corruption { segment, .. }) => assert_eq!(segment, id.0),
+        other => panic!("expected corruption of segment {}, got {other:?}", id.0),
+    }
+    assert!(last.exists(), "the damaged segment was removed");
+    let tolerant = scan_dir(dir.path(), RecoveryMode::TolerateCorruption).unwrap();
+    let summary = tolerant.segments.last().unwrap();
+    assert!(summary.skipped && !summary.dropped, "{summary:?}");
+}
+
+/// A torn creation (a header never made durable, zeros after it) is removed on open, and the
+/// records before it are all kept.
+#[test]
+fn a_torn_segment_creation_is_removed_and_the_records_before_it_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let (payloads, last) = closed_log(dir.path(), 50, 53);
+    let id = scan_dir(dir.path(), RecoveryMode::Strict).unwrap().segments.last().unwrap().id;
+    let torn = dir.path().join(segment::file_name(coordbus::wal::SegmentId(id.0 + 1)));
+    let mut bytes = vec![0u8; 64 << 10];
+    bytes[..20].fill(0x5A);
+    std::fs::write(&torn, &bytes).unwrap();
+    let scan = scan_dir(dir.path(), RecoveryMode::Strict).unwrap();
+    assert!(scan.segments.last().unwrap().dropped, "{:?}", scan.segments.last());
+    let wal = open(dir.path(), Durability::default(), IoMode::Auto, 64 << 10);
+    let found: Vec<Vec<u8>> = all_records(&wal).into_iter().map(|(_, _, bytes)| bytes).collect();
+    assert_eq!(found, payloads);
+    assert!(!torn.exists(), "the torn creation was kept");
+    assert!(last.exists());
+}

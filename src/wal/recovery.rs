@@ -10,16 +10,18 @@
 //! | sealed segment | damaged frame (whatever follows it)                   | corruption       |
 //! | last segment   | damage or garbage, no later record proves it durable  | torn tail: cut   |
 //! | last segment   | a later record appended after the damaged one was durable | corruption   |
-//! | last segment   | damaged segment header and no valid frame             | file removed     |
+//! | last segment   | damaged segment header, nothing but zeros after it    | file removed     |
 //! | recycled, sealed | no frame of LSN at or above the expected one, which is the next segment's first | clean end |
 //! | recycled, last | no frame (nor frame header) of LSN at or above the expected one | clean end |
 //! | other segment  | damaged segment header                                | corruption       |
 //! | next segment   | first LSN does not follow the previous segment's last | corruption       |
 //!
 //! ("Sealed" is every segment but the last; "file removed" is a torn creation: the process
-//! died between creating the file and making its header durable. "Recycled" segments' files
-//! held earlier segments, whose frames of lower LSNs follow their records: module `wal`,
-//! "Recycled segments".) Spare files are no segments: a writer's open deletes them.
+//! died between creating the file and making its header durable, so nothing was written after
+//! the header's place; a damaged header with anything after it is the "other segment" row.
+//! "Recycled" segments' files held earlier segments, whose frames of lower LSNs follow their
+//! records: module `wal`, "Recycled segments".) Spare files are no segments: a writer's open
+//! deletes them.
 //!
 //! After the scan, a failed log's marker ([`super::UNSYNCED_MARKER`]) cuts every record after
 //! the durable LSN it names: the segment holding the next LSN ends before it (cut like a torn
@@ -310,6 +312,20 @@ fn nonzero_end(bytes: &[u8], from: u64) -> u64 {
     from as u64
 }
 
+/// Whether a segment file whose header does not decode is a torn creation: the process died
+/// between creating the file and making its header durable. A new file's header is written
+/// and synced before any record is written (module `writer`, `new_file`; a spare's before it
+/// takes a segment's name), so such a file holds nothing past the header's place: every byte
+/// after it is zero (preallocated) or absent. Anything else there (records, garbage) was
+/// written after a durable header, so the header was damaged later: corruption, never a file
+/// to remove on open. (Holes are skipped: a preallocated file is not read through.)
+fn is_torn_creation(path: &Path, bytes: &[u8]) -> bool {
+    data_regions(path, HEADER_LEN, bytes.len() as u64).into_iter().all(|(from, to)| {
+        let region = &bytes[(from as usize).min(bytes.len())..(to as usize).min(bytes.len())];
+        all_zero(region)
+    })
+}
+
 /// What the file after a segment says about where that segment ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Next {
@@ -335,7 +351,7 @@ impl Next {
             return Next::Starts(header.first_lsn);
         }
         let is_last = index + 2 == files.len();
-        if is_last && find_frame(bytes, HEADER_LEN, 0).is_none() {
+        if is_last && is_torn_creation(&files[index + 1].1, bytes) {
             Next::TornCreation
         } else {
             Next::Unreadable
@@ -389,7 +405,7 @@ fn scan_segment(
         Ok(header) => header,
         Err(error @ WalError::UnsupportedVersion { .. }) => return Err(error),
         Err(error) => {
-            if is_last && find_frame(bytes, HEADER_LEN, 0).is_none() {
+            if is_last && is_torn_creation(path, bytes) {
                 // Created, then the process died before its header reached the disk: nothing
                 // in it was ever acknowledged.
                 summary.dropped = true;

@@ -181,6 +181,37 @@ fn the_wal_tool_reports_a_failed_logs_records_after_its_durable_lsn() {
     assert_ne!(code, Some(3), "a failed log's directory taken for a wrong one: {output}");
 }
 
+/// `verify` tells a torn segment creation (exit 2: opening removes a file that never held a
+/// record) from a last segment of garbage (exit 1: its records are damaged, and opening in
+/// strict mode fails).
+#[test]
+fn the_wal_tool_tells_a_torn_segment_creation_from_a_damaged_last_segment() {
+    let parent = tempfile::tempdir().unwrap();
+    let log = parent.path().join("log");
+    {
+        let wal = coordbus::wal::Wal::open(&log, coordbus::wal::WalConfig::default()).unwrap();
+        let (lsn, _) = wal.append_bytes(b"record", 1).unwrap();
+        wal.wait_durable_timeout(lsn, BOUND).unwrap();
+        wal.close().unwrap();
+    }
+    let next = log.join(coordbus::wal::segment::file_name(coordbus::wal::SegmentId(2)));
+    let mut torn = vec![0u8; 1 << 16];
+    torn[..24].fill(0x5A);
+    std::fs::write(&next, &torn).unwrap();
+    let path = log.to_str().unwrap();
+    let (code, output) = wal_tool(&["verify", path]);
+    assert_eq!(code, Some(2), "{output}");
+    assert!(output.starts_with("torn-tail:"), "{output}");
+    assert!(output.contains("a torn segment creation, removed on open"), "{output}");
+    assert!(output.contains("seg-0000000002.wal"), "{output}");
+    // Bytes past the header: written after a durable header, so the header was damaged.
+    torn[5000..5100].fill(0xA7);
+    std::fs::write(&next, &torn).unwrap();
+    let (code, output) = wal_tool(&["verify", path]);
+    assert_eq!(code, Some(1), "{output}");
+    assert!(output.starts_with("corrupt:"), "{output}");
+}
+
 /// `dump` into a reader that stops early (`| head -1`) ends quietly: no panic on the closed
 /// pipe, exit code 0.
 #[test]

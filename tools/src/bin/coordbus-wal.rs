@@ -75,9 +75,10 @@ enum Command {
         preview_bytes: usize,
     },
     /// Strict scan. Exit code 0: healthy; 1: corruption (opening would fail in strict mode);
-    /// 2: a torn tail, or records (or a segment) a failed log wrote after its last durable LSN
-    /// (opening cuts them; nothing acknowledged is affected); 3: I/O or usage error (also: DIR
-    /// does not exist, or holds files but no WAL segment nor failed-log marker).
+    /// 2: a torn tail or a torn segment creation, or records (or a segment) a failed log wrote
+    /// after its last durable LSN (opening cuts or removes them; nothing acknowledged is
+    /// affected); 3: I/O or usage error (also: DIR does not exist, or holds files but no WAL
+    /// segment nor failed-log marker).
     Verify {
         /// The log directory.
         dir: PathBuf,
@@ -318,6 +319,23 @@ fn dump(
     Ok(ExitCode::SUCCESS)
 }
 
+/// The report of a scan whose last segment is a torn creation (its header never reached the
+/// disk, nothing follows it), which opening removes.
+fn torn_creation_detail(scan: &coordbus::wal::DirScan) -> String {
+    let dropped: Vec<String> = scan
+        .segments
+        .iter()
+        .filter(|segment| segment.dropped)
+        .map(|segment| format!("segment {} ({})", segment.id.0, segment.path.display()))
+        .collect();
+    format!(
+        "{}; a torn segment creation, removed on open (its header never reached the disk, \
+         nothing follows it): {}",
+        scan.report,
+        dropped.join(", ")
+    )
+}
+
 fn verify(dir: &PathBuf, as_json: bool) -> ExitCode {
     // A probe failure (e.g. no permission to open the directory) shows up in the scan below.
     let locked = is_locked(dir).unwrap_or(false);
@@ -327,6 +345,9 @@ fn verify(dir: &PathBuf, as_json: bool) -> ExitCode {
             Ok(scan) if cuts_unsynced(&scan) => (2, "failed-log", scan.report.to_string()),
             Ok(scan) if scan.report.torn_tail.is_some() => {
                 (2, "torn-tail", scan.report.to_string())
+            }
+            Ok(scan) if scan.segments.iter().any(|segment| segment.dropped) => {
+                (2, "torn-tail", torn_creation_detail(&scan))
             }
             Ok(scan) => (0, "healthy", scan.report.to_string()),
             Err(error @ coordbus::WalError::Corruption { .. })
