@@ -78,6 +78,17 @@ fn out_of_range_load_options_are_refused_naming_the_flag_and_value() {
         (&["ask", "--in-flight", "18446744073709551615"], &["--in-flight"]),
         (&["bus", "--producers", "18446744073709551615"], &["--producers"]),
         (&["state-store", "--asks", "0"], &["--asks", "0"]),
+        (&["state-store", "--stores", "1000000000000000"], &["--stores", "1000000000000000"]),
+        (&["state-store", "--executors", "1000000000"], &["--executors", "1000000000"]),
+        (&["state-store", "--stores", "10", "--executors", "20"], &["--executors", "20", "10"]),
+        (&["state-store", "--deactivate-rounds", "0"], &["--deactivate-rounds", "0"]),
+        (&["epoch", "--partitions", "4000000"], &["--partitions", "4000000"]),
+        (&["epoch", "--partitions=-5"], &["--partitions", "-5"]),
+        (&["epoch", "--backlog-limit", "0"], &["--backlog-limit", "0"]),
+        (
+            &["epoch", "--partitions", "1000", "--backlog-limit", "1000"],
+            &["--backlog-limit", "1000"],
+        ),
     ];
     for (args, names) in cases {
         assert_load_refuses(args, names);

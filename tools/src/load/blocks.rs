@@ -492,6 +492,11 @@ fn add_through_receiver(
     Ok(())
 }
 
+/// Why a run stops when an addition is refused.
+const ADDITION_REFUSED: &str = "an addition was refused: the log failed, stayed full for the \
+    append timeout, or one --batch of blocks makes a record larger than a --segment-mib \
+    segment holds (the WAL's reason is in the log output)";
+
 /// `BlockReceiver` calls whose latency is measured: one in this many.
 const LATENCY_SAMPLE_EVERY: u64 = 16;
 
@@ -504,7 +509,7 @@ fn finish_oldest(
     let (sent, receipt) = outstanding.pop_front().expect("not empty");
     let blocks = receipt.block_count() as u64;
     if !receipt.wait() {
-        bail!("an addition was refused (the log failed, or stayed full for the append timeout)");
+        bail!(ADDITION_REFUSED);
     }
     if let Some(sent) = sent {
         histogram.record_n(sent.elapsed().as_nanos() as u64, blocks)?;
@@ -532,7 +537,7 @@ fn wait_one(
         }
     };
     if !logged {
-        bail!("an addition was refused (the log failed, or stayed full for the append timeout)");
+        bail!(ADDITION_REFUSED);
     }
     histogram.record_n(sent.elapsed().as_nanos() as u64, blocks)?;
     Ok(())

@@ -61,6 +61,12 @@ const MAX_EPOCHS: i64 = 1 << 24;
 /// Most producer threads: the coordinator's inbox has a shard per producer plus one for the
 /// driver, and the bus allows at most [`MAX_INBOX_SHARDS`].
 const MAX_PRODUCERS: u64 = MAX_INBOX_SHARDS - 1;
+/// Most partitions (`--partitions`, 2^20): the load's offsets hold the partition in their low
+/// 20 bits, and an epoch is 2 x partitions messages, generated whole.
+const MAX_PARTITIONS: i64 = 1 << 20;
+/// Largest `--backlog-limit` (2^26 entries per queue): the coordinator may hold that many
+/// entries before the limit stops the query.
+const MAX_BACKLOG_LIMIT: u64 = 1 << 26;
 /// Longest time budget of the reference model run (`--baseline-seconds`), in seconds.
 const MAX_BASELINE_SECONDS: f64 = 3600.0;
 
@@ -97,8 +103,13 @@ pub enum Baseline {
 /// Flags of the `epoch` workload.
 #[derive(clap::Args, Debug, Clone)]
 pub struct EpochArgs {
-    /// Reader partitions, and as many writer partitions.
-    #[arg(long, default_value_t = 1000)]
+    /// Reader partitions, and as many writer partitions (1 ..= 1048576: an offset holds the
+    /// partition in its low 20 bits).
+    #[arg(
+        long,
+        default_value_t = 1000,
+        value_parser = clap::value_parser!(i32).range(1..=MAX_PARTITIONS)
+    )]
     pub partitions: i32,
     /// Epochs to run (each is 2 x partitions messages; 1 ..= 16777216, the run keeps two
     /// timestamps per epoch).
@@ -156,8 +167,13 @@ pub struct EpochArgs {
     /// coordinator's own (10 000, Spark's): the window keeps about 64 Ki messages in flight,
     /// so each queue holds up to about 32 Ki entries, which would stop the query as Spark's
     /// limits would; and at 10 000 partitions one committed epoch (still counted, SPEC B.7)
-    /// and the next already reach 10 000 entries.
-    #[arg(long, default_value_t = 1_000_000)]
+    /// and the next already reach 10 000 entries. At least 2 x `--partitions` (a committed
+    /// epoch's entries and the next epoch's), at most 2^26.
+    #[arg(
+        long,
+        default_value_t = 1_000_000,
+        value_parser = RangedU64ValueParser::<usize>::new().range(1..=MAX_BACKLOG_LIMIT)
+    )]
     pub backlog_limit: usize,
     /// Inbox capacity per lane and per shared ring (messages; 2 ..= 2^24, the bus's limit).
     #[arg(
@@ -461,8 +477,26 @@ fn check_baseline_seconds(seconds: f64) -> Result<(), String> {
 /// Checks the flags before anything runs (the clap ranges check each flag alone; this checks
 /// them together, and the values of a run built in code).
 fn validate(args: &EpochArgs) -> anyhow::Result<()> {
-    if args.partitions < 1 || args.epochs < 1 || args.producers < 1 || args.batch < 1 {
-        bail!("--partitions, --epochs, --producers and --batch must be at least 1");
+    if !(1..=MAX_PARTITIONS).contains(&i64::from(args.partitions)) {
+        bail!("--partitions {} is out of range (1 ..= {MAX_PARTITIONS})", args.partitions);
+    }
+    if args.epochs < 1 || args.producers < 1 || args.batch < 1 {
+        bail!(
+            "--epochs {}, --producers {} and --batch {} must each be at least 1",
+            args.epochs,
+            args.producers,
+            args.batch
+        );
+    }
+    let least_backlog = 2 * args.partitions as usize;
+    if args.backlog_limit < least_backlog || args.backlog_limit as u64 > MAX_BACKLOG_LIMIT {
+        bail!(
+            "--backlog-limit {} is out of range for --partitions {} ({least_backlog} ..= \
+             {MAX_BACKLOG_LIMIT}: a committed epoch's entries stay counted while the next \
+             epoch's arrive, so a smaller limit stops the query by design)",
+            args.backlog_limit,
+            args.partitions
+        );
     }
     if args.producers > args.partitions as usize {
         bail!(
@@ -785,18 +819,28 @@ fn run_direct(args: &EpochArgs) -> (Figure, Figure) {
     let budget = Duration::from_secs_f64(args.baseline_seconds);
     let mut buffer = Vec::new();
     let (mut reference_messages, mut reference_time) = (0u64, Duration::ZERO);
-    for epoch in 1..=args.epochs {
+    'epochs: for epoch in 1..=args.epochs {
         buffer.clear();
         stream_epoch(epoch, &mut buffer);
-        let count = buffer.len() as u64;
-        let started = Instant::now();
-        for message in buffer.drain(..) {
-            let _ = reference.apply(message);
-        }
-        reference_time += started.elapsed();
-        reference_messages += count;
-        if reference_time > budget {
-            break;
+        // The budget is checked every chunk of messages, not only between epochs: the model
+        // rescans its maps per message, so one epoch of many partitions can take far longer
+        // than the whole budget.
+        let mut messages = buffer.drain(..);
+        loop {
+            let started = Instant::now();
+            let mut applied = 0u64;
+            for message in messages.by_ref().take(REFERENCE_CHUNK) {
+                let _ = reference.apply(message);
+                applied += 1;
+            }
+            reference_time += started.elapsed();
+            reference_messages += applied;
+            if reference_time > budget {
+                break 'epochs;
+            }
+            if applied < REFERENCE_CHUNK as u64 {
+                break;
+            }
         }
     }
     let reference_epochs = reference.last_committed().0;
@@ -826,6 +870,9 @@ fn run_direct(args: &EpochArgs) -> (Figure, Figure) {
             .with("epochs", reference_epochs);
     (ours, reference)
 }
+
+/// Messages the reference model applies between checks of its time budget.
+const REFERENCE_CHUNK: usize = 1024;
 
 /// A query for the direct runs: does nothing.
 struct LoadSinkQuery;

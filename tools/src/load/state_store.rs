@@ -52,15 +52,31 @@ const SPARK_PIPELINED_2_PER_SEC: f64 = 740_000.0;
 /// Spark 4.3, deactivateInstances of 100 k stores of one run.
 const SPARK_DEACTIVATE_100K_SECONDS: f64 = 0.078;
 
+/// Most stores (`--stores`, `--deactivate-stores`): each is about a hundred bytes in the
+/// coordinator and in the workload's own tables.
+const MAX_STORES: u64 = 10_000_000;
+/// Most executors (`--executors`): each is an interned host and executor name, never freed.
+const MAX_EXECUTORS: u64 = 1_000_000;
+/// Most deactivation rounds (`--deactivate-rounds`).
+const MAX_DEACTIVATE_ROUNDS: u64 = 1000;
+
 /// Flags of `coordbus-load state-store`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct StateStoreArgs {
     /// Stores registered (spread over the executors and the producers); 10k is 50 operators of
-    /// 200 partitions.
-    #[arg(long, default_value_t = 10_000)]
+    /// 200 partitions (1 ..= 10000000).
+    #[arg(
+        long,
+        default_value_t = 10_000,
+        value_parser = RangedU64ValueParser::<usize>::new().range(1..=MAX_STORES)
+    )]
     pub stores: usize,
-    /// Executors the stores are spread over.
-    #[arg(long, default_value_t = 1_000)]
+    /// Executors the stores are spread over (1 ..= 1000000, and at most `--stores`).
+    #[arg(
+        long,
+        default_value_t = 1_000,
+        value_parser = RangedU64ValueParser::<usize>::new().range(1..=MAX_EXECUTORS)
+    )]
     pub executors: usize,
     /// Reporter threads of state-store/report (1 by default: with the endpoint thread that
     /// fills a 2-core machine; 1 ..= 1024, and at most `--stores`: each reports its own share
@@ -93,11 +109,19 @@ pub struct StateStoreArgs {
         value_parser = RangedU64ValueParser::<usize>::new().range(1..=MAX_IN_FLIGHT)
     )]
     pub in_flight: usize,
-    /// Stores of the run removed by state-store/deactivate.
-    #[arg(long, default_value_t = 100_000)]
+    /// Stores of the run removed by state-store/deactivate (1 ..= 10000000).
+    #[arg(
+        long,
+        default_value_t = 100_000,
+        value_parser = RangedU64ValueParser::<usize>::new().range(1..=MAX_STORES)
+    )]
     pub deactivate_stores: usize,
-    /// Deactivation rounds (the median is reported).
-    #[arg(long, default_value_t = 5)]
+    /// Deactivation rounds (the median is reported; 1 ..= 1000).
+    #[arg(
+        long,
+        default_value_t = 5,
+        value_parser = RangedU64ValueParser::<usize>::new().range(1..=MAX_DEACTIVATE_ROUNDS)
+    )]
     pub deactivate_rounds: usize,
     /// Inbox rings of the coordinator (1 ..= 1024, the bus's limit).
     #[arg(
@@ -139,8 +163,27 @@ pub fn quick() -> StateStoreArgs {
 
 /// Runs every state-store workload.
 pub fn run(args: &StateStoreArgs) -> anyhow::Result<Vec<Figure>> {
-    anyhow::ensure!(args.stores > 0, "--stores must be positive");
-    anyhow::ensure!(args.executors > 0, "--executors must be positive");
+    anyhow::ensure!(
+        (1..=MAX_STORES as usize).contains(&args.stores),
+        "--stores {} is out of range (1 ..= {MAX_STORES})",
+        args.stores
+    );
+    anyhow::ensure!(
+        (1..=MAX_STORES as usize).contains(&args.deactivate_stores),
+        "--deactivate-stores {} is out of range (1 ..= {MAX_STORES})",
+        args.deactivate_stores
+    );
+    anyhow::ensure!(
+        (1..=MAX_EXECUTORS as usize).contains(&args.executors) && args.executors <= args.stores,
+        "--executors {} is out of range (1 ..= {MAX_EXECUTORS}, and at most --stores {})",
+        args.executors,
+        args.stores
+    );
+    anyhow::ensure!(
+        (1..=MAX_DEACTIVATE_ROUNDS as usize).contains(&args.deactivate_rounds),
+        "--deactivate-rounds {} is out of range (1 ..= {MAX_DEACTIVATE_ROUNDS})",
+        args.deactivate_rounds
+    );
     anyhow::ensure!(args.producers > 0, "--producers must be positive");
     anyhow::ensure!(
         args.producers <= args.stores,
@@ -553,7 +596,7 @@ fn deactivate(
     coordinator: &StateStoreCoordinatorRef,
     other_stores: &[Store],
 ) -> anyhow::Result<Figure> {
-    let rounds = args.deactivate_rounds.max(1);
+    let rounds = args.deactivate_rounds;
     let mut times = Vec::with_capacity(rounds);
     for round in 0..rounds {
         let run_id = Uuid::from_u128(0xdead_0000 + round as u128);
