@@ -29,7 +29,7 @@ use coordbus::wal::{
     Durability, FileStorage, IoMode, IoPath, Lsn, RingFault, RingOp, Storage, StorageFile,
     UnsyncedCut, Wal, WalConfig, WalError, WalOptions, UNSYNCED_MARKER,
 };
-use wal_support::{bounded, wait_durable_bounded};
+use wal_support::{bounded, io_uring_refusal, wait_durable_bounded};
 
 /// Bound of a durability wait with a timeout: far longer than a sync; a wait that has not
 /// returned by then is hung, and fails the test instead of hanging it.
@@ -191,19 +191,6 @@ fn on_both_paths(test: impl Fn(IoVariant)) {
         Some(reason) => {
             eprintln!("skipping the io_uring variant: the kernel refuses io_uring: {reason}")
         }
-    }
-}
-
-/// Why the kernel refuses io_uring, if it does.
-fn io_uring_refusal() -> Option<String> {
-    let dir = tempfile::tempdir().unwrap();
-    match Wal::open_with_options(
-        dir.path(),
-        WalConfig::default(),
-        WalOptions { io: IoMode::IoUring, ..WalOptions::default() },
-    ) {
-        Ok(_) => None,
-        Err(error) => Some(error.to_string()),
     }
 }
 

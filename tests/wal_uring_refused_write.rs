@@ -115,13 +115,11 @@ fn refused_write(case: Case) {
         ),
     };
     let config = config(durability, segment_size_bytes);
-    let wal = match Wal::open_with_options(dir.path(), config, uring_options()) {
-        Ok(wal) => Arc::new(wal),
-        Err(error) => {
-            eprintln!("skipped: the kernel refuses io_uring: {error}");
-            return;
-        }
-    };
+    if let Some(reason) = wal_support::io_uring_refusal() {
+        eprintln!("skipped: the kernel refuses io_uring: {reason}");
+        return;
+    }
+    let wal = Arc::new(Wal::open_with_options(dir.path(), config, uring_options()).unwrap());
     assert_eq!(wal.io_path(), IoPath::IoUring, "the test needs the live io_uring path");
     // Under no limit: the first record creates and preallocates the segment. In the led case,
     // records go until one was led: appends then leave their group to the next leader.

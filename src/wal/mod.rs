@@ -2959,8 +2959,7 @@ mod tests {
     #[cfg(not(loom))]
     #[test]
     fn a_ring_missing_a_feature_falls_back_to_pwrite_under_auto() {
-        if writer::uring::UringEngine::new(0).is_err() {
-            eprintln!("skipping: the kernel refuses io_uring");
+        if writer::uring::tests::engine_if_available().is_none() {
             return;
         }
         let dir = tempfile::tempdir().unwrap();

@@ -209,3 +209,27 @@ pub fn hold_and_fill_staging(
     }
     appended
 }
+
+/// Why the kernel refuses io_uring, if it does: `None` if a log opens on the io_uring path.
+/// Only a refusal (no io_uring: `ENOSYS`, or a ring without what the engine needs; not
+/// allowed: `EPERM`/`EACCES`; no locked memory left: `ENOMEM`) lets a test skip its io_uring
+/// variant; any other setup error is a failure, not a silent skip.
+pub fn io_uring_refusal() -> Option<String> {
+    use coordbus::wal::{IoMode, WalOptions};
+    use std::io::ErrorKind;
+    let dir = tempfile::tempdir().unwrap();
+    let options = WalOptions { io: IoMode::IoUring, ..WalOptions::default() };
+    match Wal::open_with_options(dir.path(), coordbus::wal::WalConfig::default(), options) {
+        Ok(_) => None,
+        Err(
+            error @ WalError::Io {
+                op: "io_uring setup",
+                kind: ErrorKind::Unsupported | ErrorKind::PermissionDenied | ErrorKind::OutOfMemory,
+                ..
+            },
+        ) => Some(error.to_string()),
+        Err(other) => {
+            panic!("io_uring setup failed, and not because the kernel refuses it: {other:?}")
+        }
+    }
+}

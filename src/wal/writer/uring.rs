@@ -894,7 +894,7 @@ pub(crate) fn posix_fallocate(fd: RawFd, len: libc::off_t) -> i32 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::{
         path::Path,
         sync::atomic::{AtomicU64, Ordering},
@@ -1071,13 +1071,30 @@ mod tests {
     }
 
     /// An engine, or `None` (said on stderr) where the kernel refuses io_uring: the pwrite
-    /// path covers such a machine.
-    fn engine_if_available() -> Option<UringEngine> {
-        let engine = UringEngine::new(0).ok();
-        if engine.is_none() {
-            eprintln!("io_uring unavailable here; the pwrite path covers this machine");
+    /// path covers such a machine. Any other setup error fails the test (no silent skip).
+    pub(crate) fn engine_if_available() -> Option<UringEngine> {
+        match UringEngine::new(0) {
+            Ok(engine) => Some(engine),
+            Err(error) if kernel_refuses(&error) => {
+                eprintln!(
+                    "io_uring unavailable here ({error}); the pwrite path covers this machine"
+                );
+                None
+            }
+            Err(error) => {
+                panic!("io_uring setup failed, not because the kernel refuses it: {error}")
+            }
         }
-        engine
+    }
+
+    /// No io_uring (`ENOSYS`, or a ring without what the engine needs), not allowed
+    /// (`EPERM`/`EACCES`), or no locked memory left (`ENOMEM`).
+    fn kernel_refuses(error: &std::io::Error) -> bool {
+        use std::io::ErrorKind;
+        matches!(
+            error.kind(),
+            ErrorKind::Unsupported | ErrorKind::PermissionDenied | ErrorKind::OutOfMemory
+        )
     }
 
     #[test]
