@@ -95,6 +95,33 @@ fn out_of_range_load_options_are_refused_naming_the_flag_and_value() {
     }
 }
 
+/// Flags that are each in range but multiply past the memory a run may plan up front are
+/// refused before anything runs, naming every flag of the product.
+#[test]
+fn flags_whose_product_is_too_much_memory_are_refused_naming_them() {
+    let cases: &[(&[&str], &[&str])] = &[
+        (
+            &["bus", "--producers", "1024", "--batch", "1048576", "--messages", "100000000"],
+            &["--producers 1024", "--batch 1048576", "8 GiB"],
+        ),
+        (
+            &["blocks", "--receivers", "1024", "--batch", "1048576", "--batch-in-flight", "16"],
+            &["--receivers 1024", "--batch-in-flight 16", "--batch 1048576"],
+        ),
+        (
+            &["wal", "--threads", "1024", "--record-bytes", "16777216", "--records", "2048"],
+            &["--threads 1024", "--record-bytes 16777216"],
+        ),
+        (
+            &["epoch", "--producers", "1000", "--batch", "1048576"],
+            &["--producers 1000", "--batch 1048576"],
+        ),
+    ];
+    for (args, names) in cases {
+        assert_load_refuses(args, names);
+    }
+}
+
 #[test]
 fn work_that_splits_to_nothing_per_thread_is_refused_naming_both_flags() {
     assert_load_refuses(

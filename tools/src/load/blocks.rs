@@ -230,6 +230,15 @@ fn validate(args: &BlocksArgs) -> anyhow::Result<()> {
     if args.receivers == 0 || args.in_flight == 0 || args.batch_in_flight == 0 || args.batch == 0 {
         bail!("--receivers, --in-flight, --batch-in-flight and --batch must be at least 1");
     }
+    // Each receiver keeps its additions in flight, `--batch` blocks per record.
+    let block = std::mem::size_of::<ReceivedBlockInfo>() as u128;
+    crate::limits::check_planned_bytes(
+        &format!(
+            "--receivers {} x --batch-in-flight {} x --batch {}",
+            args.receivers, args.batch_in_flight, args.batch
+        ),
+        args.receivers as u128 * args.batch_in_flight as u128 * args.batch as u128 * block,
+    )?;
     if args.blocks < args.receivers as u64 {
         bail!(
             "--blocks {} is less than --receivers {}: every receiver adds at least one block",

@@ -180,6 +180,20 @@ pub fn run_bus(args: &BusArgs) -> anyhow::Result<Vec<Figure>> {
             args.producers
         );
     }
+    let slot = std::mem::size_of::<Payload>() as u128;
+    crate::limits::check_planned_bytes(
+        &format!("--producers {} x --batch {}", args.producers, args.batch),
+        args.producers as u128 * args.batch as u128 * slot,
+    )?;
+    if args.baseline == BusBaseline::Ring {
+        crate::limits::check_planned_bytes(
+            &format!(
+                "--baseline ring: --producers {} x --capacity {}",
+                args.producers, args.capacity
+            ),
+            args.producers as u128 * args.capacity as u128 * slot,
+        )?;
+    }
     let per_producer = args.messages / args.producers as u64;
     let total = per_producer * args.producers as u64;
     let (ours, stats) = measure_bus(args, per_producer)?;

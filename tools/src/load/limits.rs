@@ -50,3 +50,20 @@ pub const SEGMENT_MIB: RangeInclusive<u64> = 1..=1 << 20;
 pub fn segment_bytes(segment_mib: u64) -> u64 {
     segment_mib.saturating_mul(1 << 20)
 }
+
+/// Most bytes the flags of one run may make it allocate up front together (8 GiB). Each flag's
+/// range is checked alone; several of them multiply (threads x batch x message size, producers
+/// x ring slots), and a product past this is refused before anything runs, naming the flags,
+/// instead of aborting on a failed allocation or swapping in the middle of a run.
+pub const MAX_PLANNED_BYTES: u128 = 8 << 30;
+
+/// Refuses a run whose flags named in `what` plan `bytes` bytes of memory up front, more than
+/// [`MAX_PLANNED_BYTES`].
+pub fn check_planned_bytes(what: &str, bytes: u128) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        bytes <= MAX_PLANNED_BYTES,
+        "{what} make the run allocate {bytes} bytes up front, more than {MAX_PLANNED_BYTES} (8 \
+         GiB): lower one of them"
+    );
+    Ok(())
+}

@@ -219,6 +219,11 @@ fn validate(args: &WalArgs) -> anyhow::Result<()> {
             args.record_bytes,
             &format!("--every-records {} x --threads {threads}", args.every_records),
         )?;
+        // Each thread appends from a payload of its own.
+        crate::limits::check_planned_bytes(
+            &format!("--threads {threads} x --record-bytes {}", args.record_bytes),
+            threads as u128 * args.record_bytes as u128,
+        )?;
     }
     anyhow::ensure!(args.every_records > 0, "--every-records must be at least 1");
     anyhow::ensure!(!args.durability.is_empty(), "--durability lists no mode");
