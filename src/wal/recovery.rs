@@ -121,8 +121,9 @@ pub struct SegmentSummary {
     pub corruption: Vec<CorruptionNote>,
     /// The segment was unreadable and skipped as a whole (tolerant mode).
     pub skipped: bool,
-    /// The segment is dropped: a torn creation (last, no valid header, no records), or every
-    /// record of it was cut after a failed log's last durable LSN.
+    /// The segment is dropped: a torn creation (last, no valid header, nothing but zeros after
+    /// it; `first_lsn_in_header` is `None`), or every record of it was cut after a failed
+    /// log's last durable LSN.
     pub dropped: bool,
     /// The segment's file held an earlier segment (its header says so): bytes past
     /// `valid_end` may be that segment's frames (module `wal`, "Recycled segments").
@@ -333,8 +334,8 @@ enum Next {
     Nothing,
     /// The next segment's header names its first LSN.
     Starts(u64),
-    /// The next file is the last and a torn creation (no readable header, no frame): the
-    /// segment before it was complete and synced when its creation began.
+    /// The next file is the last and a torn creation (no readable header, nothing but zeros
+    /// after it): the segment before it was complete and synced when its creation began.
     TornCreation,
     /// The next file's header is unreadable, and it is no torn creation.
     Unreadable,

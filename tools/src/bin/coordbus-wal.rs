@@ -115,8 +115,13 @@ fn summary_json(segment: &SegmentSummary) -> serde_json::Value {
 /// Whether opening would cut records or remove a segment for a failed log's marker (a marker
 /// with nothing after its LSN only goes).
 fn cuts_unsynced(scan: &coordbus::wal::DirScan) -> bool {
+    // A dropped segment with a header is one the cut removed; one without is a torn creation.
     scan.report.unsynced_cut.is_some_and(|cut| {
-        cut.records_discarded > 0 || scan.segments.iter().any(|segment| segment.dropped)
+        cut.records_discarded > 0
+            || scan
+                .segments
+                .iter()
+                .any(|segment| segment.dropped && segment.first_lsn_in_header.is_some())
     })
 }
 
