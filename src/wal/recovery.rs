@@ -244,9 +244,21 @@ fn files_named<K>(
     Ok(found)
 }
 
-/// Lists segment files of `dir` in id order.
+/// Lists segment files of `dir` in id order. A segment's name on something that is not a
+/// regular file (a directory, say) is an error naming it, not a file to map.
 fn list(dir: &Path) -> Result<Vec<(SegmentId, PathBuf)>, WalError> {
     let mut found = files_named(dir, segment::parse_file_name)?;
+    for (_, path) in &found {
+        let metadata = std::fs::metadata(path)
+            .map_err(|error| WalError::from_io("stat segment", path, 0, &error))?;
+        if !metadata.is_file() {
+            let not_a_file = std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "a segment's name on something that is not a regular file",
+            );
+            return Err(WalError::from_io("list segments", path, 0, &not_a_file));
+        }
+    }
     found.sort();
     Ok(found)
 }

@@ -168,6 +168,11 @@ fn the_wal_tool_does_not_take_a_wrong_directory_for_a_healthy_log() {
     }
     let (code, stderr) = wal_tool(&["verify", log.to_str().unwrap()]);
     assert_eq!(code, Some(0), "verify of a real log: {stderr}");
+    // A segment's name on a directory: named as what it is, not mapped ("no such device").
+    let odd = parent.path().join("odd");
+    std::fs::create_dir_all(odd.join("seg-0000000001.wal")).unwrap();
+    assert_verify_refuses(&odd, "not a regular file");
+    assert!(!wal_tool(&["verify", odd.to_str().unwrap()]).1.contains("writer lock"));
 }
 
 /// A usage error of `coordbus-wal` exits 3, as its help says, not clap's 2 (which `verify`

@@ -371,7 +371,14 @@ fn verify(dir: &PathBuf, as_json: bool) -> ExitCode {
             })
         )
     } else {
-        outln!("{verdict}: {detail}").and_then(|()| outln!("{}", lock_note(locked)))
+        // The lock note only means something for a log directory.
+        outln!("{verdict}: {detail}").and_then(|()| {
+            if code == 3 {
+                Ok(())
+            } else {
+                outln!("{}", lock_note(locked))
+            }
+        })
     };
     ExitCode::from(code)
 }
