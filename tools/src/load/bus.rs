@@ -181,10 +181,7 @@ pub fn run_bus(args: &BusArgs) -> anyhow::Result<Vec<Figure>> {
         );
     }
     let slot = std::mem::size_of::<Payload>() as u128;
-    crate::limits::check_planned_bytes(
-        &format!("--producers {} x --batch {}", args.producers, args.batch),
-        args.producers as u128 * args.batch as u128 * slot,
-    )?;
+    crate::limits::check_producer_batches(args.producers, args.batch, slot as usize)?;
     if args.baseline == BusBaseline::Ring {
         crate::limits::check_planned_bytes(
             &format!(

@@ -488,11 +488,10 @@ fn validate(args: &EpochArgs) -> anyhow::Result<()> {
             args.batch
         );
     }
-    // Each producer builds a batch at a time; the direct runs build an epoch at a time.
-    let message = std::mem::size_of::<EpochMessage>() as u128;
-    crate::limits::check_planned_bytes(
-        &format!("--producers {} x --batch {}", args.producers, args.batch),
-        args.producers as u128 * args.batch as u128 * message,
+    crate::limits::check_producer_batches(
+        args.producers,
+        args.batch,
+        std::mem::size_of::<EpochMessage>(),
     )?;
     let least_backlog = 2 * args.partitions as usize;
     if args.backlog_limit < least_backlog || args.backlog_limit as u64 > MAX_BACKLOG_LIMIT {

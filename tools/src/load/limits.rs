@@ -57,6 +57,19 @@ pub fn segment_bytes(segment_mib: u64) -> u64 {
 /// instead of aborting on a failed allocation or swapping in the middle of a run.
 pub const MAX_PLANNED_BYTES: u128 = 8 << 30;
 
+/// Refuses a run whose `producers` threads each build batches of `batch` messages of
+/// `message_bytes` (`--producers` x `--batch`) past [`MAX_PLANNED_BYTES`].
+pub fn check_producer_batches(
+    producers: usize,
+    batch: usize,
+    message_bytes: usize,
+) -> anyhow::Result<()> {
+    check_planned_bytes(
+        &format!("--producers {producers} x --batch {batch}"),
+        producers as u128 * batch as u128 * message_bytes as u128,
+    )
+}
+
 /// Refuses a run whose flags named in `what` plan `bytes` bytes of memory up front, more than
 /// [`MAX_PLANNED_BYTES`].
 pub fn check_planned_bytes(what: &str, bytes: u128) -> anyhow::Result<()> {

@@ -193,11 +193,10 @@ pub fn run(args: &StateStoreArgs) -> anyhow::Result<Vec<Figure>> {
     );
     anyhow::ensure!(args.reports > 0, "--reports must be positive");
     anyhow::ensure!(args.batch > 0, "--batch must be positive");
-    crate::limits::check_planned_bytes(
-        &format!("--producers {} x --batch {}", args.producers, args.batch),
-        args.producers as u128
-            * args.batch as u128
-            * std::mem::size_of::<ReportActiveInstance>() as u128,
+    crate::limits::check_producer_batches(
+        args.producers,
+        args.batch,
+        std::mem::size_of::<ReportActiveInstance>(),
     )?;
     anyhow::ensure!(args.asks > 0, "--asks must be positive");
     anyhow::ensure!(args.in_flight > 0, "--in-flight must be positive");
