@@ -91,6 +91,7 @@ enum RecorderRequest {
     Count(Replier<u64>),
     Seen(Replier<Vec<Seen>>),
     Fail(Replier<u64>),
+    Raise(Replier<u64>),
     Panic(Replier<u64>),
     HandOut(Replier<Late>),
     Mark(u64, Replier<()>),
@@ -116,6 +117,14 @@ impl Ask<Recorder> for FailingRequest {
     type Reply = u64;
     fn into_request(self, replier: Replier<u64>) -> RecorderRequest {
         RecorderRequest::Fail(replier)
+    }
+}
+/// Its handler returns an error (SPEC A.6's "handler throws"), dropping the replier.
+struct RaisingRequest;
+impl Ask<Recorder> for RaisingRequest {
+    type Reply = u64;
+    fn into_request(self, replier: Replier<u64>) -> RecorderRequest {
+        RecorderRequest::Raise(replier)
     }
 }
 struct PanickingRequest;
@@ -211,6 +220,10 @@ impl Endpoint for Recorder {
             RecorderRequest::Count(reply) => reply.reply(self.count.get()),
             RecorderRequest::Seen(reply) => reply.reply(self.seen.clone()),
             RecorderRequest::Fail(reply) => reply.fail(Refused(7)),
+            RecorderRequest::Raise(reply) => {
+                drop(reply);
+                return Err(Box::new(Refused(9)));
+            }
             RecorderRequest::Panic(_reply) => panic!("deliberate panic in handler"),
             RecorderRequest::HandOut(reply) => match &self.handed_out {
                 Some(handed_out) => handed_out.send(reply).map_err(|_| "nobody takes repliers")?,
@@ -478,6 +491,14 @@ fn bus_05_handler_errors_and_panics_fail_the_asker_and_the_endpoint_keeps_servin
         Err(AskError::Handler(cause)) => assert_eq!(cause.to_string(), "handler refused: 7"),
         other => panic!("expected a handler error, got {other:?}"),
     }
+    // A handler that raises (returns an error): the asker fails with that error as its cause,
+    // and `on_error` sees it too (SPEC A.6, BUS-05).
+    match endpoint.ask(RaisingRequest).wait() {
+        Err(AskError::Handler(cause)) => {
+            assert!(matches!(cause.downcast_ref::<Refused>(), Some(Refused(9))), "{cause:?}")
+        }
+        other => panic!("expected the raised error, got {other:?}"),
+    }
     match endpoint.ask(PanickingRequest).wait() {
         Err(AskError::HandlerPanicked { message }) => {
             assert_eq!(message, "deliberate panic in handler")
@@ -489,10 +510,11 @@ fn bus_05_handler_errors_and_panics_fail_the_asker_and_the_endpoint_keeps_servin
     endpoint.send(Note { sender: 3, sequence: 1 }).unwrap();
     assert_eq!(endpoint.ask(CountQuery).wait().unwrap(), 2);
     let stats = endpoint.stats();
-    assert_eq!(stats.failed, 1);
+    assert_eq!(stats.failed, 2);
     assert_eq!(stats.panicked, 1);
-    // `on_error` hears of the panic too (SPEC A.6: a panic is a handler error), and of the
-    // failing one-way message; a request failed through its replier is the asker's only.
+    // `on_error` hears of the raised error, of the panic (SPEC A.6: a panic is a handler
+    // error) and of the failing one-way message; a request failed through its replier (an
+    // answer, not a raise) is the asker's only.
     let errors: Vec<Seen> = endpoint
         .ask(SeenQuery)
         .wait()
@@ -503,6 +525,7 @@ fn bus_05_handler_errors_and_panics_fail_the_asker_and_the_endpoint_keeps_servin
     assert_eq!(
         errors,
         [
+            Seen::Error("handler refused: 9".into()),
             Seen::Error("the handler panicked: deliberate panic in handler".into()),
             Seen::Error("handler refused: 3".into()),
         ]

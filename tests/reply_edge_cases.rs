@@ -20,6 +20,9 @@ use std::{
 
 use coordbus::{Ask, AskError, Bus, Context, Endpoint, HandlerError, Replier};
 
+/// Far longer than any answer here takes; a wait that reaches it is a hang.
+const WAIT: Duration = Duration::from_secs(30);
+
 /// Keeps each replier until told to answer, or drops it inside a panic it catches itself.
 #[derive(Default)]
 struct Keeper {
@@ -31,6 +34,38 @@ enum Request {
     Echo(u32, Replier<u32>),
     PanicCaughtInside(Replier<u32>),
     PanicHolding(Replier<u32>),
+    /// Drops the kept repliers and its own, then returns an error.
+    RaiseDroppingAll(Replier<u32>),
+    /// Drops the kept repliers, then panics holding its own.
+    DropKeptThenPanic(Replier<u32>),
+}
+
+/// The error `RaiseDroppingAll`'s handler returns.
+#[derive(Debug, PartialEq, Eq)]
+struct Raised(u32);
+
+impl std::fmt::Display for Raised {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(formatter, "raised {}", self.0)
+    }
+}
+
+impl std::error::Error for Raised {}
+
+struct RaiseDroppingAll;
+impl Ask<Keeper> for RaiseDroppingAll {
+    type Reply = u32;
+    fn into_request(self, replier: Replier<u32>) -> Request {
+        Request::RaiseDroppingAll(replier)
+    }
+}
+
+struct DropKeptThenPanic;
+impl Ask<Keeper> for DropKeptThenPanic {
+    type Reply = u32;
+    fn into_request(self, replier: Replier<u32>) -> Request {
+        Request::DropKeptThenPanic(replier)
+    }
 }
 
 struct KeepIt;
@@ -88,6 +123,16 @@ impl Endpoint for Keeper {
             Request::PanicHolding(replier) => {
                 let _held = replier;
                 panic!("the handler panics holding the replier");
+            }
+            Request::RaiseDroppingAll(replier) => {
+                self.kept.lock().unwrap().clear();
+                drop(replier);
+                return Err(Box::new(Raised(5)));
+            }
+            Request::DropKeptThenPanic(replier) => {
+                self.kept.lock().unwrap().clear();
+                let _held = replier;
+                panic!("the handler panics after dropping repliers");
             }
         }
         Ok(())
@@ -218,5 +263,59 @@ fn a_waker_that_panics_when_a_panicking_handler_fails_its_reply_does_not_end_the
         other => panic!("expected the handler's panic, got {other:?}"),
     }
     assert_eq!(endpoint.stats().panicked, 1);
+    bus.shutdown().unwrap();
+}
+
+/// Waits (bounded) until the endpoint keeps `count` repliers.
+fn wait_kept(kept: &Mutex<Vec<Replier<u32>>>, count: usize) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while kept.lock().unwrap().len() < count {
+        assert!(std::time::Instant::now() < deadline, "the asks never reached the endpoint");
+        std::thread::yield_now();
+    }
+}
+
+/// SPEC A.6: a request handler that raises fails its asker with the raised error. Every
+/// replier the handler dropped without replying fails with it: one asker gets the error
+/// itself (its type intact), the others its text; `on_error` gets it too. Repliers a handler
+/// drops before it panics fail with the panic's message, as the one it held does.
+#[test]
+fn repliers_a_raising_or_panicking_handler_dropped_fail_with_its_error() {
+    let bus = Bus::builder().build().unwrap();
+    let kept = Arc::new(Mutex::new(Vec::new()));
+    let endpoint = bus.register("keeper", Keeper { kept: Arc::clone(&kept) }).unwrap();
+    let first = endpoint.ask(KeepIt);
+    let second = endpoint.ask(KeepIt);
+    wait_kept(&kept, 2);
+    let raising = endpoint.ask(RaiseDroppingAll);
+    let outcomes: Vec<_> =
+        [first, second, raising].into_iter().map(|reply| reply.wait_timeout(WAIT)).collect();
+    let mut originals = 0;
+    for outcome in &outcomes {
+        match outcome {
+            Err(AskError::Handler(cause)) => {
+                assert_eq!(cause.to_string(), "raised 5");
+                originals += usize::from(cause.downcast_ref::<Raised>() == Some(&Raised(5)));
+            }
+            other => panic!("expected the raised error, got {other:?}"),
+        }
+    }
+    assert_eq!(originals, 1, "{outcomes:?}");
+
+    let third = endpoint.ask(KeepIt);
+    wait_kept(&kept, 1);
+    let panicking = endpoint.ask(DropKeptThenPanic);
+    for outcome in [third.wait_timeout(WAIT), panicking.wait_timeout(WAIT)] {
+        match outcome {
+            Err(AskError::HandlerPanicked { message }) => {
+                assert_eq!(message, "the handler panics after dropping repliers")
+            }
+            other => panic!("expected the panic's message, got {other:?}"),
+        }
+    }
+    // The endpoint keeps serving (and this answer comes after the counts above were taken).
+    assert_eq!(endpoint.ask(Echo(3)).wait_timeout(WAIT).unwrap(), 3);
+    let stats = endpoint.stats();
+    assert_eq!((stats.failed, stats.panicked), (1, 1));
     bus.shutdown().unwrap();
 }

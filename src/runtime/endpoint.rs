@@ -46,8 +46,13 @@ pub trait Endpoint: Send + Sized + 'static {
         context: &Context<Self>,
     ) -> Result<(), HandlerError>;
 
-    /// Handles one request; answer through its [`Replier`]. An `Err` goes to
-    /// [`Endpoint::on_error`] (fail the replier as well if the asker should know).
+    /// Handles one request; answer through its [`Replier`]. An `Err` (SPEC A.6's "handler
+    /// throws") goes to [`Endpoint::on_error`], and fails the asker with it as the cause
+    /// ([`AskError::Handler`]) if the handler dropped the replier without answering (the
+    /// usual case: it returned early with `?`). Failing the replier explicitly
+    /// ([`Replier::fail`]) is an answer: the asker gets that error, and `on_error` is not
+    /// called. A replier dropped without an answer by a handler that returns `Ok` fails its
+    /// asker with [`AskError::NoReply`].
     ///
     /// # Errors
     /// Whatever the endpoint considers a failed request.

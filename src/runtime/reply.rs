@@ -27,7 +27,7 @@
 //! each parked replier with the panic's message. Nothing of this runs unless a panic happens.
 
 use std::{
-    cell::RefCell,
+    cell::{Cell, RefCell},
     future::Future,
     pin::Pin,
     task::{Context as TaskContext, Poll},
@@ -58,17 +58,117 @@ const PAIR_TIMEOUT: Duration = Duration::from_secs(120);
 /// Fails one orphaned reply with a panic message.
 type FailWithPanic = Box<dyn FnOnce(&str)>;
 
+/// Fails one reply its request handler dropped without replying.
+type FailDropped = Box<dyn FnOnce(AskError)>;
+
 thread_local! {
     /// Repliers dropped while their handler was panicking, waiting for the panic message.
     static ORPHANED_BY_PANIC: RefCell<Vec<FailWithPanic>> = const {
         RefCell::new(Vec::new())
     };
+    /// Whether a request handler runs on this thread ([`RequestScope`]), and whether it
+    /// dropped a replier without replying (one load at the handler's return tells).
+    static REQUEST_HANDLER: Cell<HandlerState> = const { Cell::new(HandlerState::Outside) };
+    /// Repliers dropped without a reply while a request handler ran, waiting for what it
+    /// returns: its error, if it returned one (SPEC A.6: the asker fails with the thrown
+    /// error), else [`AskError::NoReply`].
+    static DROPPED_IN_HANDLER: RefCell<Vec<FailDropped>> = const { RefCell::new(Vec::new()) };
 }
+
+/// Where this thread is with respect to a request handler ([`RequestScope`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum HandlerState {
+    /// No request handler runs.
+    Outside,
+    /// A request handler runs and has dropped no replier without replying.
+    Running,
+    /// A request handler runs and dropped a replier without replying
+    /// (`DROPPED_IN_HANDLER` holds it).
+    Dropped,
+}
+
+/// The time a request handler runs on an endpoint thread: a replier dropped without a reply
+/// meanwhile is failed when the handler returns ([`RequestScope::finish`]), with the
+/// handler's error if it returns one. Dropped during a panic, the scope ends (the repliers
+/// are then failed with the panic's message, [`fail_replies_orphaned_by_panic`]).
+pub(crate) struct RequestScope(());
+
+impl RequestScope {
+    #[inline(always)]
+    pub(crate) fn enter() -> Self {
+        REQUEST_HANDLER.with(|state| state.set(HandlerState::Running));
+        RequestScope(())
+    }
+
+    /// After the handler returned `outcome`: fails the repliers it dropped without replying,
+    /// the first with the handler's error itself (then given back as text, for `on_error`
+    /// and any other one), else with [`AskError::NoReply`]. Returns the outcome, the error
+    /// intact when no replier took it.
+    #[inline(always)]
+    pub(crate) fn finish(self, outcome: Result<(), HandlerError>) -> Result<(), HandlerError> {
+        // `Drop` would store `Outside` again.
+        std::mem::forget(self);
+        match REQUEST_HANDLER.with(|state| state.replace(HandlerState::Outside)) {
+            HandlerState::Dropped => fail_dropped_in_handler(outcome),
+            HandlerState::Running | HandlerState::Outside => outcome,
+        }
+    }
+}
+
+impl Drop for RequestScope {
+    /// Only when the handler panicked (else [`RequestScope::finish`] ran): the repliers it
+    /// dropped are failed with the panic's message ([`fail_replies_orphaned_by_panic`]).
+    fn drop(&mut self) {
+        let _ = REQUEST_HANDLER.try_with(|state| state.set(HandlerState::Outside));
+    }
+}
+
+/// [`RequestScope::finish`]'s rare part.
+#[cold]
+fn fail_dropped_in_handler(outcome: Result<(), HandlerError>) -> Result<(), HandlerError> {
+    let dropped = DROPPED_IN_HANDLER.with(|list| std::mem::take(&mut *list.borrow_mut()));
+    let (mut original, text) = match outcome {
+        Ok(()) => (None, None),
+        Err(error) => {
+            let text = error.to_string();
+            (Some(error), Some(text))
+        }
+    };
+    for fail in dropped {
+        let error = match (original.take(), &text) {
+            (Some(error), _) => AskError::Handler(error),
+            (None, Some(text)) => AskError::Handler(Box::new(HandlerErrorText(text.clone()))),
+            (None, None) => AskError::NoReply,
+        };
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| fail(error))).is_err() {
+            tracing::warn!("an asker's waker panicked while its reply was failed");
+        }
+    }
+    match (original, text) {
+        (Some(error), _) => Err(error),
+        (None, Some(text)) => Err(Box::new(HandlerErrorText(text))),
+        (None, None) => Ok(()),
+    }
+}
+
+/// A handler's error as text: what the endpoint's `on_error` (and a second dropped replier)
+/// get when the asker took the error itself.
+#[derive(Debug)]
+struct HandlerErrorText(String);
+
+impl std::fmt::Display for HandlerErrorText {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for HandlerErrorText {}
 
 /// Whether a panic left replies waiting for its message on this thread (a handler that
 /// caught a panic itself leaves them behind without the endpoint loop seeing a panic).
 pub(crate) fn has_orphaned_replies() -> bool {
     ORPHANED_BY_PANIC.with(|list| !list.borrow().is_empty())
+        || DROPPED_IN_HANDLER.with(|list| !list.borrow().is_empty())
 }
 
 /// Fails every reply that a panicking handler dropped, with the panic's message.
@@ -77,6 +177,14 @@ pub(crate) fn has_orphaned_replies() -> bool {
 /// is logged and the others are still failed. The caller (the endpoint loop, outside its
 /// per-round `catch_unwind`) must not unwind, or the endpoint thread would end.
 pub(crate) fn fail_replies_orphaned_by_panic(panic_message: &str) {
+    // Repliers the handler dropped before it panicked did not get its outcome either.
+    let dropped = DROPPED_IN_HANDLER.with(|list| std::mem::take(&mut *list.borrow_mut()));
+    for fail in dropped {
+        let error = AskError::HandlerPanicked { message: panic_message.to_owned() };
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| fail(error))).is_err() {
+            tracing::warn!("an asker's waker panicked while its reply was failed");
+        }
+    }
     let orphaned = ORPHANED_BY_PANIC.with(|list| std::mem::take(&mut *list.borrow_mut()));
     for fail in orphaned {
         if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| fail(panic_message))).is_err() {
@@ -170,6 +278,15 @@ impl<T: Send + 'static> Drop for Replier<T> {
             // completer in it) is dropped here and the asker sees NoReply, which is still an
             // error and never a hang.
             let _ = ORPHANED_BY_PANIC.try_with(|list| list.borrow_mut().push(Box::new(fail)));
+        } else if REQUEST_HANDLER
+            .try_with(Cell::get)
+            .is_ok_and(|state| state != HandlerState::Outside)
+        {
+            // Failed when the handler returns, with its error if it returns one. (try_with:
+            // during thread teardown the closure is dropped here, and the asker sees NoReply.)
+            let fail = move |error: AskError| completer.complete(Err(error));
+            let _ = DROPPED_IN_HANDLER.try_with(|list| list.borrow_mut().push(Box::new(fail)));
+            let _ = REQUEST_HANDLER.try_with(|state| state.set(HandlerState::Dropped));
         } else {
             completer.complete(Err(AskError::NoReply));
         }

@@ -19,7 +19,7 @@ use std::{
 
 use super::{
     endpoint::{Context, Endpoint, Envelope, Inbox},
-    reply::{fail_replies_orphaned_by_panic, has_orphaned_replies},
+    reply::{fail_replies_orphaned_by_panic, has_orphaned_replies, RequestScope},
     stats::HANDLER_TIME_SAMPLE_EVERY,
 };
 use crate::{config::Idle, error::HandlerError, queue::Consume, AskError};
@@ -288,7 +288,13 @@ fn dispatch_noting<E: Endpoint>(
 fn dispatch<E: Endpoint>(endpoint: &mut E, context: &Context<E>, envelope: Envelope<E>) {
     let outcome = match envelope {
         Envelope::Message(message) => endpoint.handle(message, context),
-        Envelope::Request(request) => endpoint.handle_request(request, context),
+        Envelope::Request(request) => {
+            // A replier the handler drops without replying fails with the handler's error,
+            // if it returns one (SPEC A.6), once it has returned.
+            let scope = RequestScope::enter();
+            let outcome = endpoint.handle_request(request, context);
+            scope.finish(outcome)
+        }
     };
     if let Err(error) = outcome {
         context.inbox.counters.failed.fetch_add(1, Ordering::Relaxed);
