@@ -13,8 +13,8 @@
 mod epoch_support;
 
 use coordbus::coordinators::epoch::{
-    reference::ReferenceEpochCoordinator, Epoch, EpochConfig, EpochCoordinator, PartitionId,
-    Payload,
+    reference::ReferenceEpochCoordinator, BacklogQueue, Epoch, EpochConfig, EpochCoordinator,
+    PartitionId, Payload,
 };
 use epoch_support::{recorders, CallLog, RecordingQuery, RecordingSink};
 use proptest::{prelude::*, test_runner::RngSeed};
@@ -201,6 +201,9 @@ fn generated_cases_cover_commits_waits_overflows_and_failures() {
     let mut runner = TestRunner::new(Config { rng_seed: RngSeed::Fixed(7), ..Config::default() });
     let (mut commits, mut chained, mut stops, mut failures) = (0u64, 0u64, 0u64, 0u64);
     let mut backlog_full_runs = 0u64;
+    // Runs stopped by an overflow of each queue (offsets, commits, waiting epochs): the model
+    // comparison covers "stop on the same overflow" only if each kind happens.
+    let mut overflow_runs = [0u64; 3];
     for _ in 0..200 {
         let case = case().new_tree(&mut runner).unwrap().current();
         check(&case).unwrap();
@@ -232,16 +235,34 @@ fn generated_cases_cover_commits_waits_overflows_and_failures() {
         let stats = fast.stats();
         commits += stats.counters.epochs_committed;
         chained += u64::from(max_waiting > 0 && stats.counters.epochs_committed > 1);
-        stops += epoch_support::calls(&log)
-            .iter()
-            .filter(|call| matches!(call, epoch_support::Call::Stop { .. }))
-            .count() as u64;
+        let calls = epoch_support::calls(&log);
+        stops +=
+            calls.iter().filter(|call| matches!(call, epoch_support::Call::Stop { .. })).count()
+                as u64;
+        for (kind, queue) in [
+            BacklogQueue::PartitionOffsets,
+            BacklogQueue::PartitionCommits,
+            BacklogQueue::WaitingEpochs,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            overflow_runs[kind] += u64::from(calls.iter().any(|call| {
+                matches!(call, epoch_support::Call::Stop { backlog: Some((q, _, _)), .. } if *q == queue)
+            }));
+        }
         failures += u64::from(stats.failed_epoch.is_some());
         backlog_full_runs += u64::from(stats.counters.dropped_backlog_full > 0);
     }
     eprintln!(
         "coverage: commits {commits} chained {chained} stops {stops} failures {failures} \
-         backlog_full_runs {backlog_full_runs}"
+         backlog_full_runs {backlog_full_runs} overflow runs (offsets, commits, waiting) \
+         {overflow_runs:?}"
+    );
+    assert!(
+        overflow_runs.iter().all(|&runs| runs > 0),
+        "runs stopped by an overflow of each queue (offsets, commits, waiting epochs): \
+         {overflow_runs:?}"
     );
     assert!(commits > 150, "commits {commits}");
     assert!(chained > 10, "runs with waiting epochs that later committed: {chained}");
