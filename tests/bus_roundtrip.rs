@@ -546,6 +546,8 @@ fn bus_06_ask_timeout_names_the_timeout_and_a_late_reply_is_harmless() {
                 matches!(error, AskError::Timeout { timeout: reported } if reported == timeout);
             assert!(named, "{error:?}");
             assert!(error.to_string().contains("200ms"), "{error}");
+            // ...and names the setting that controls it (SPEC A.6, BUS-06).
+            assert!(error.to_string().contains("ask_timeout"), "{error}");
         }
         other => panic!("expected a timeout, got {other:?}"),
     }
