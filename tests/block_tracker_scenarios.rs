@@ -294,6 +294,11 @@ fn rbt_04_failed_allocation_write_does_not_lose_blocks() {
 
     // [derived] The WAL write itself fails: writeToLog is false, allocate returns normally.
     log.refuse_allocation.store(true, Ordering::SeqCst);
+    let event = TrackerEvent::BatchAllocation(BatchAllocationEvent {
+        time: BatchTime(1),
+        blocks: AllocatedBlocks::new([(STREAM, b.clone())]),
+    });
+    assert_eq!(tracker.write_to_log(&event), Ok(false));
     tracker.allocate_blocks_to_batch(BatchTime(1)).unwrap();
     assert_nothing_allocated(&tracker, &b);
     log.refuse_allocation.store(false, Ordering::SeqCst);
