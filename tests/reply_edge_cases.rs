@@ -36,8 +36,11 @@ enum Request {
     PanicHolding(Replier<u32>),
     /// Drops the kept repliers and its own, then returns an error.
     RaiseDroppingAll(Replier<u32>),
-    /// Drops the kept repliers, then panics holding its own.
-    DropKeptThenPanic(Replier<u32>),
+    /// Drops the kept repliers and its own, then panics.
+    DropAllThenPanic(Replier<u32>),
+    /// Makes a replier of its own (`Replier::pair`), drops it, and answers 1 if its reply
+    /// says `NoReply` within the wait (0 otherwise).
+    PairInside(Replier<u32>),
 }
 
 /// The error `RaiseDroppingAll`'s handler returns.
@@ -60,11 +63,19 @@ impl Ask<Keeper> for RaiseDroppingAll {
     }
 }
 
-struct DropKeptThenPanic;
-impl Ask<Keeper> for DropKeptThenPanic {
+struct PairInside;
+impl Ask<Keeper> for PairInside {
     type Reply = u32;
     fn into_request(self, replier: Replier<u32>) -> Request {
-        Request::DropKeptThenPanic(replier)
+        Request::PairInside(replier)
+    }
+}
+
+struct DropAllThenPanic;
+impl Ask<Keeper> for DropAllThenPanic {
+    type Reply = u32;
+    fn into_request(self, replier: Replier<u32>) -> Request {
+        Request::DropAllThenPanic(replier)
     }
 }
 
@@ -129,9 +140,15 @@ impl Endpoint for Keeper {
                 drop(replier);
                 return Err(Box::new(Raised(5)));
             }
-            Request::DropKeptThenPanic(replier) => {
+            Request::PairInside(replier) => {
+                let (inner, reply) = Replier::<u32>::pair();
+                drop(inner);
+                let answered = matches!(reply.wait_timeout(WAIT), Err(AskError::NoReply));
+                replier.reply(u32::from(answered));
+            }
+            Request::DropAllThenPanic(replier) => {
                 self.kept.lock().unwrap().clear();
-                let _held = replier;
+                drop(replier);
                 panic!("the handler panics after dropping repliers");
             }
         }
@@ -275,12 +292,13 @@ fn wait_kept(kept: &Mutex<Vec<Replier<u32>>>, count: usize) {
     }
 }
 
-/// SPEC A.6: a request handler that raises fails its asker with the raised error. Every
-/// replier the handler dropped without replying fails with it: one asker gets the error
-/// itself (its type intact), the others its text; `on_error` gets it too. Repliers a handler
-/// drops before it panics fail with the panic's message, as the one it held does.
+/// SPEC A.6: a request handler that raises fails its asker with the raised error itself (its
+/// type intact); `on_error` gets it too. Other repliers the handler drops unanswered (kept
+/// from earlier requests) fail with `NoReply`, at once, as anywhere else: the handler's error
+/// is its own request's. A request's replier its handler dropped before panicking fails
+/// with the panic's message.
 #[test]
-fn repliers_a_raising_or_panicking_handler_dropped_fail_with_its_error() {
+fn a_raising_handler_fails_its_own_asker_with_its_error_and_others_with_no_reply() {
     let bus = Bus::builder().build().unwrap();
     let kept = Arc::new(Mutex::new(Vec::new()));
     let endpoint = bus.register("keeper", Keeper { kept: Arc::clone(&kept) }).unwrap();
@@ -288,31 +306,28 @@ fn repliers_a_raising_or_panicking_handler_dropped_fail_with_its_error() {
     let second = endpoint.ask(KeepIt);
     wait_kept(&kept, 2);
     let raising = endpoint.ask(RaiseDroppingAll);
-    let outcomes: Vec<_> =
-        [first, second, raising].into_iter().map(|reply| reply.wait_timeout(WAIT)).collect();
-    let mut originals = 0;
-    for outcome in &outcomes {
-        match outcome {
-            Err(AskError::Handler(cause)) => {
-                assert_eq!(cause.to_string(), "raised 5");
-                originals += usize::from(cause.downcast_ref::<Raised>() == Some(&Raised(5)));
-            }
-            other => panic!("expected the raised error, got {other:?}"),
-        }
+    for other in [first, second] {
+        assert!(matches!(other.wait_timeout(WAIT), Err(AskError::NoReply)));
     }
-    assert_eq!(originals, 1, "{outcomes:?}");
+    match raising.wait_timeout(WAIT) {
+        Err(AskError::Handler(cause)) => {
+            assert_eq!(cause.downcast_ref::<Raised>(), Some(&Raised(5)), "{cause:?}")
+        }
+        other => panic!("expected the raised error, got {other:?}"),
+    }
 
     let third = endpoint.ask(KeepIt);
     wait_kept(&kept, 1);
-    let panicking = endpoint.ask(DropKeptThenPanic);
-    for outcome in [third.wait_timeout(WAIT), panicking.wait_timeout(WAIT)] {
-        match outcome {
-            Err(AskError::HandlerPanicked { message }) => {
-                assert_eq!(message, "the handler panics after dropping repliers")
-            }
-            other => panic!("expected the panic's message, got {other:?}"),
+    let panicking = endpoint.ask(DropAllThenPanic);
+    assert!(matches!(third.wait_timeout(WAIT), Err(AskError::NoReply)));
+    match panicking.wait_timeout(WAIT) {
+        Err(AskError::HandlerPanicked { message }) => {
+            assert_eq!(message, "the handler panics after dropping repliers")
         }
+        other => panic!("expected the panic's message, got {other:?}"),
     }
+    // A replier a handler makes and drops itself fails at once: its handler can wait for it.
+    assert_eq!(endpoint.ask(PairInside).wait_timeout(WAIT).unwrap(), 1);
     // The endpoint keeps serving (and this answer comes after the counts above were taken).
     assert_eq!(endpoint.ask(Echo(3)).wait_timeout(WAIT).unwrap(), 3);
     let stats = endpoint.stats();

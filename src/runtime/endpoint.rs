@@ -47,12 +47,13 @@ pub trait Endpoint: Send + Sized + 'static {
     ) -> Result<(), HandlerError>;
 
     /// Handles one request; answer through its [`Replier`]. An `Err` (SPEC A.6's "handler
-    /// throws") goes to [`Endpoint::on_error`], and fails the asker with it as the cause
-    /// ([`AskError::Handler`]) if the handler dropped the replier without answering (the
-    /// usual case: it returned early with `?`). Failing the replier explicitly
-    /// ([`Replier::fail`]) is an answer: the asker gets that error, and `on_error` is not
-    /// called. A replier dropped without an answer by a handler that returns `Ok` fails its
-    /// asker with [`AskError::NoReply`].
+    /// throws") goes to [`Endpoint::on_error`] (as text), and fails the asker with the error
+    /// itself as the cause ([`AskError::Handler`]) if the handler dropped this request's
+    /// replier without answering (the usual case: it returned early with `?`); that asker
+    /// learns of it once the handler returns. Failing the replier explicitly
+    /// ([`Replier::fail`]) is an answer: the asker gets that error (and `on_error` hears of a
+    /// returned `Err` only). Any other replier dropped without an answer, or this one by a
+    /// handler that returns `Ok`, fails its asker with [`AskError::NoReply`].
     ///
     /// # Errors
     /// Whatever the endpoint considers a failed request.
@@ -98,10 +99,12 @@ pub trait Ask<E: Endpoint>: Send + 'static {
     fn into_request(self, replier: Replier<Self::Reply>) -> E::Request;
 }
 
-/// What travels through an inbox.
+/// What travels through an inbox. A request carries its reply slot's address
+/// ([`Replier::slot_address`]): the endpoint loop tells the request's own replier from any
+/// other one its handler drops (`reply::RequestScope`).
 pub(crate) enum Envelope<E: Endpoint> {
     Message(E::Message),
-    Request(E::Request),
+    Request(E::Request, usize),
 }
 
 /// Per-endpoint counters, written by the endpoint thread only.
@@ -429,12 +432,13 @@ impl<E: Endpoint> EndpointRef<E> {
             return Reply::failed(AskError::SelfAsk { endpoint: self.inbox.name.clone() });
         }
         let (replier, reply) = request_pair(self.inbox.ask_timeout);
+        let slot = replier.slot_address();
         let request = request.into_request(replier);
         // Only the tag of the push's outcome is inspected on this path: matching on the whole
         // result lets the compiler spill it and reload it wider than it was stored, a failed
         // store-to-load forwarding that waits for the inbox slot's write (a cache miss, the
         // line was last read by the endpoint) to drain.
-        match self.inbox.queue.try_push_with(|| Envelope::Request(request)) {
+        match self.inbox.queue.try_push_with(|| Envelope::Request(request, slot)) {
             Ok(()) => reply,
             Err(refused) => self.ask_refused(refused, reply),
         }
@@ -487,7 +491,7 @@ impl<E: Endpoint> Envelope<E> {
     fn into_message(self) -> Option<E::Message> {
         match self {
             Self::Message(message) => Some(message),
-            Self::Request(_) => None,
+            Self::Request(..) => None,
         }
     }
 }
@@ -496,7 +500,7 @@ impl<E: Endpoint> Envelope<E> {
 fn unwrap_message<E: Endpoint>(error: QueueError<Envelope<E>>) -> QueueError<E::Message> {
     let unwrap = |envelope: Envelope<E>| match envelope {
         Envelope::Message(message) => message,
-        Envelope::Request(_) => unreachable!("send only pushes Message envelopes"),
+        Envelope::Request(..) => unreachable!("send only pushes Message envelopes"),
     };
     match error {
         QueueError::Full(envelope) => QueueError::Full(unwrap(envelope)),

@@ -25,6 +25,12 @@
 //! A handler that panics while it owns a `Replier` drops it during unwinding; the drop parks the
 //! replier in a thread-local list, and the endpoint thread, once it has caught the panic, fails
 //! each parked replier with the panic's message. Nothing of this runs unless a panic happens.
+//!
+//! A request handler that returns an error (SPEC A.6's "handler throws") fails its asker with
+//! that error: its envelope names the request's reply slot, and the drop of that request's own
+//! replier unanswered during its handler parks it until the handler returns
+//! ([`RequestScope`]). The common path costs one thread-local store before the handler and
+//! one load after it.
 
 use std::{
     cell::{Cell, RefCell},
@@ -58,7 +64,7 @@ const PAIR_TIMEOUT: Duration = Duration::from_secs(120);
 /// Fails one orphaned reply with a panic message.
 type FailWithPanic = Box<dyn FnOnce(&str)>;
 
-/// Fails one reply its request handler dropped without replying.
+/// Fails the reply its request handler dropped without replying.
 type FailDropped = Box<dyn FnOnce(AskError)>;
 
 thread_local! {
@@ -66,93 +72,83 @@ thread_local! {
     static ORPHANED_BY_PANIC: RefCell<Vec<FailWithPanic>> = const {
         RefCell::new(Vec::new())
     };
-    /// Whether a request handler runs on this thread ([`RequestScope`]), and whether it
-    /// dropped a replier without replying (one load at the handler's return tells).
-    static REQUEST_HANDLER: Cell<HandlerState> = const { Cell::new(HandlerState::Outside) };
-    /// Repliers dropped without a reply while a request handler ran, waiting for what it
-    /// returns: its error, if it returned one (SPEC A.6: the asker fails with the thrown
-    /// error), else [`AskError::NoReply`].
-    static DROPPED_IN_HANDLER: RefCell<Vec<FailDropped>> = const { RefCell::new(Vec::new()) };
+    /// The reply slot of the request whose handler runs on this thread ([`RequestScope`]): 0
+    /// outside a request handler, [`OWN_REPLIER_DROPPED`] once the handler dropped that
+    /// request's replier without replying (one load at the handler's return tells).
+    static CURRENT_REQUEST: Cell<usize> = const { Cell::new(0) };
+    /// That replier, waiting for what its handler returns: its error, if it returns one
+    /// (SPEC A.6: the asker fails with the thrown error), else [`AskError::NoReply`].
+    static DROPPED_OWN_REPLIER: RefCell<Option<FailDropped>> = const { RefCell::new(None) };
 }
 
-/// Where this thread is with respect to a request handler ([`RequestScope`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum HandlerState {
-    /// No request handler runs.
-    Outside,
-    /// A request handler runs and has dropped no replier without replying.
-    Running,
-    /// A request handler runs and dropped a replier without replying
-    /// (`DROPPED_IN_HANDLER` holds it).
-    Dropped,
-}
+/// [`CURRENT_REQUEST`] once the running handler dropped its request's replier unanswered (no
+/// slot has this address: slots are aligned).
+const OWN_REPLIER_DROPPED: usize = usize::MAX;
 
-/// The time a request handler runs on an endpoint thread: a replier dropped without a reply
-/// meanwhile is failed when the handler returns ([`RequestScope::finish`]), with the
-/// handler's error if it returns one. Dropped during a panic, the scope ends (the repliers
-/// are then failed with the panic's message, [`fail_replies_orphaned_by_panic`]).
+/// The time a request handler runs on an endpoint thread. If the handler drops its request's
+/// own replier (the one whose slot the envelope named) without replying, the asker is failed
+/// when the handler returns ([`RequestScope::finish`]), with the handler's error if it
+/// returns one. Any other replier dropped unanswered fails with [`AskError::NoReply`] at once,
+/// as outside a handler. Dropped during a panic, the scope ends (the held replier is then
+/// failed with the panic's message, [`fail_replies_orphaned_by_panic`]).
 pub(crate) struct RequestScope(());
 
 impl RequestScope {
+    /// Enters the handler of the request whose reply slot is at `slot`.
     #[inline(always)]
-    pub(crate) fn enter() -> Self {
-        REQUEST_HANDLER.with(|state| state.set(HandlerState::Running));
+    pub(crate) fn enter(slot: usize) -> Self {
+        CURRENT_REQUEST.with(|current| current.set(slot));
         RequestScope(())
     }
 
-    /// After the handler returned `outcome`: fails the repliers it dropped without replying,
-    /// the first with the handler's error itself (then given back as text, for `on_error`
-    /// and any other one), else with [`AskError::NoReply`]. Returns the outcome, the error
-    /// intact when no replier took it.
+    /// After the handler returned `outcome`: fails the request's replier if the handler
+    /// dropped it unanswered, with the handler's error itself (then given back as text, for
+    /// `on_error`), else with [`AskError::NoReply`]. Returns the outcome, the error intact
+    /// when the asker did not take it.
     #[inline(always)]
     pub(crate) fn finish(self, outcome: Result<(), HandlerError>) -> Result<(), HandlerError> {
-        // `Drop` would store `Outside` again.
+        // `Drop` would clear the slot again.
         std::mem::forget(self);
-        match REQUEST_HANDLER.with(|state| state.replace(HandlerState::Outside)) {
-            HandlerState::Dropped => fail_dropped_in_handler(outcome),
-            HandlerState::Running | HandlerState::Outside => outcome,
+        if CURRENT_REQUEST.with(|current| current.replace(0)) == OWN_REPLIER_DROPPED {
+            return fail_dropped_own_replier(outcome);
         }
+        outcome
     }
 }
 
 impl Drop for RequestScope {
-    /// Only when the handler panicked (else [`RequestScope::finish`] ran): the repliers it
-    /// dropped are failed with the panic's message ([`fail_replies_orphaned_by_panic`]).
+    /// Only when the handler panicked (else [`RequestScope::finish`] ran).
     fn drop(&mut self) {
-        let _ = REQUEST_HANDLER.try_with(|state| state.set(HandlerState::Outside));
+        let _ = CURRENT_REQUEST.try_with(|current| current.set(0));
     }
 }
 
 /// [`RequestScope::finish`]'s rare part.
 #[cold]
-fn fail_dropped_in_handler(outcome: Result<(), HandlerError>) -> Result<(), HandlerError> {
-    let dropped = DROPPED_IN_HANDLER.with(|list| std::mem::take(&mut *list.borrow_mut()));
-    let (mut original, text) = match outcome {
-        Ok(()) => (None, None),
-        Err(error) => {
-            let text = error.to_string();
-            (Some(error), Some(text))
+fn fail_dropped_own_replier(outcome: Result<(), HandlerError>) -> Result<(), HandlerError> {
+    // The text first: `Display` is the endpoint's code, and should it panic, the replier is
+    // still held and the endpoint loop fails it with the panic's message.
+    let failed = outcome.map_err(|error| {
+        let text = error.to_string();
+        (error, text)
+    });
+    let Some(fail) = DROPPED_OWN_REPLIER.with(|held| held.borrow_mut().take()) else {
+        return failed.map_err(|(error, _)| error);
+    };
+    let (error, returned) = match failed {
+        Ok(()) => (AskError::NoReply, Ok(())),
+        Err((error, text)) => {
+            (AskError::Handler(error), Err(Box::new(HandlerErrorText(text)) as HandlerError))
         }
     };
-    for fail in dropped {
-        let error = match (original.take(), &text) {
-            (Some(error), _) => AskError::Handler(error),
-            (None, Some(text)) => AskError::Handler(Box::new(HandlerErrorText(text.clone()))),
-            (None, None) => AskError::NoReply,
-        };
-        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| fail(error))).is_err() {
-            tracing::warn!("an asker's waker panicked while its reply was failed");
-        }
+    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| fail(error))).is_err() {
+        tracing::warn!("an asker's waker panicked while its reply was failed");
     }
-    match (original, text) {
-        (Some(error), _) => Err(error),
-        (None, Some(text)) => Err(Box::new(HandlerErrorText(text))),
-        (None, None) => Ok(()),
-    }
+    returned
 }
 
-/// A handler's error as text: what the endpoint's `on_error` (and a second dropped replier)
-/// get when the asker took the error itself.
+/// A handler's error as text: what the endpoint's `on_error` gets when the asker took the
+/// error itself.
 #[derive(Debug)]
 struct HandlerErrorText(String);
 
@@ -168,7 +164,7 @@ impl std::error::Error for HandlerErrorText {}
 /// caught a panic itself leaves them behind without the endpoint loop seeing a panic).
 pub(crate) fn has_orphaned_replies() -> bool {
     ORPHANED_BY_PANIC.with(|list| !list.borrow().is_empty())
-        || DROPPED_IN_HANDLER.with(|list| !list.borrow().is_empty())
+        || DROPPED_OWN_REPLIER.with(|held| held.borrow().is_some())
 }
 
 /// Fails every reply that a panicking handler dropped, with the panic's message.
@@ -177,9 +173,9 @@ pub(crate) fn has_orphaned_replies() -> bool {
 /// is logged and the others are still failed. The caller (the endpoint loop, outside its
 /// per-round `catch_unwind`) must not unwind, or the endpoint thread would end.
 pub(crate) fn fail_replies_orphaned_by_panic(panic_message: &str) {
-    // Repliers the handler dropped before it panicked did not get its outcome either.
-    let dropped = DROPPED_IN_HANDLER.with(|list| std::mem::take(&mut *list.borrow_mut()));
-    for fail in dropped {
+    // The request's replier, if its handler dropped it before it panicked, did not get the
+    // handler's outcome either.
+    if let Some(fail) = DROPPED_OWN_REPLIER.with(|held| held.borrow_mut().take()) {
         let error = AskError::HandlerPanicked { message: panic_message.to_owned() };
         if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| fail(error))).is_err() {
             tracing::warn!("an asker's waker panicked while its reply was failed");
@@ -207,8 +203,11 @@ pub(crate) fn request_pair<T: Send + 'static>(default_timeout: Duration) -> (Rep
 /// [`fail`](Replier::fail). It may be kept and answered later, from any thread (this is how
 /// durable work is acknowledged once the WAL has synced it).
 ///
-/// Dropping it unanswered gives the asker [`AskError::NoReply`]. If the asker already gave up
-/// (timed out or dropped its [`Reply`]), answering is harmless and does nothing.
+/// Dropping it unanswered gives the asker [`AskError::NoReply`], except while the handler of
+/// its own request runs: then the asker fails once that handler returns, with the handler's
+/// error if it returns one ([`crate::Endpoint::handle_request`]), or with the panic's message
+/// if it panics. If the asker already gave up (timed out or dropped its [`Reply`]), answering
+/// is harmless and does nothing.
 #[must_use = "a request must be answered with reply() or fail()"]
 pub struct Replier<T: Send + 'static> {
     /// `None` once answered (or handed to the panic list).
@@ -222,6 +221,11 @@ impl<T: Send + 'static> std::fmt::Debug for Replier<T> {
 }
 
 impl<T: Send + 'static> Replier<T> {
+    /// The address of its reply slot (0 once answered): names the request in its envelope.
+    pub(crate) fn slot_address(&self) -> usize {
+        self.completer.as_ref().map_or(0, Completer::address)
+    }
+
     /// A connected replier and reply handle, not bound to any endpoint (for driving a state
     /// machine directly, in tests or embeddings without the bus). [`Reply::wait`] on it waits
     /// at most 120 s.
@@ -278,15 +282,13 @@ impl<T: Send + 'static> Drop for Replier<T> {
             // completer in it) is dropped here and the asker sees NoReply, which is still an
             // error and never a hang.
             let _ = ORPHANED_BY_PANIC.try_with(|list| list.borrow_mut().push(Box::new(fail)));
-        } else if REQUEST_HANDLER
-            .try_with(Cell::get)
-            .is_ok_and(|state| state != HandlerState::Outside)
-        {
-            // Failed when the handler returns, with its error if it returns one. (try_with:
-            // during thread teardown the closure is dropped here, and the asker sees NoReply.)
+        } else if CURRENT_REQUEST.try_with(Cell::get) == Ok(completer.address()) {
+            // The running handler's own request: failed when the handler returns, with its
+            // error if it returns one. (try_with: during thread teardown the closure is
+            // dropped here, and the asker sees NoReply.)
             let fail = move |error: AskError| completer.complete(Err(error));
-            let _ = DROPPED_IN_HANDLER.try_with(|list| list.borrow_mut().push(Box::new(fail)));
-            let _ = REQUEST_HANDLER.try_with(|state| state.set(HandlerState::Dropped));
+            let _ = DROPPED_OWN_REPLIER.try_with(|held| *held.borrow_mut() = Some(Box::new(fail)));
+            let _ = CURRENT_REQUEST.try_with(|current| current.set(OWN_REPLIER_DROPPED));
         } else {
             completer.complete(Err(AskError::NoReply));
         }
@@ -781,6 +783,12 @@ mod slot {
             // (which this completer alone sets, in `complete`, after which it is gone) lets
             // the receiver free it.
             unsafe { self.slot.as_ref() }
+        }
+
+        /// The slot's address: which request this completer answers (never 0, and never
+        /// `usize::MAX`: the block is aligned).
+        pub(crate) fn address(&self) -> usize {
+            self.slot.as_ptr() as usize
         }
 
         /// Whether the asker gave up (an answer would be dropped).

@@ -232,7 +232,7 @@ impl<E: Endpoint> Consume<Envelope<E>> for Dispatcher<'_, E> {
         // One test per message for the three rarer cases, so that the common one (a one-way
         // message, not timed, not after an idle period) stays a few instructions around the
         // handler call.
-        if sampled || self.idle_since.is_some() || matches!(envelope, Envelope::Request(_)) {
+        if sampled || self.idle_since.is_some() || matches!(envelope, Envelope::Request(..)) {
             dispatch_noting(
                 self.endpoint,
                 self.context,
@@ -273,7 +273,7 @@ fn dispatch_noting<E: Endpoint>(
     if let Some(since) = noting.idle_since.take() {
         noting.spin_budget.record_gap(since.elapsed());
     }
-    if matches!(envelope, Envelope::Request(_)) {
+    if matches!(envelope, Envelope::Request(..)) {
         context.inbox.counters.handled.store(noting.handled_total, Ordering::Relaxed);
     }
     if noting.sampled {
@@ -288,10 +288,10 @@ fn dispatch_noting<E: Endpoint>(
 fn dispatch<E: Endpoint>(endpoint: &mut E, context: &Context<E>, envelope: Envelope<E>) {
     let outcome = match envelope {
         Envelope::Message(message) => endpoint.handle(message, context),
-        Envelope::Request(request) => {
-            // A replier the handler drops without replying fails with the handler's error,
-            // if it returns one (SPEC A.6), once it has returned.
-            let scope = RequestScope::enter();
+        Envelope::Request(request, slot) => {
+            // The request's replier, if the handler drops it without replying, fails with the
+            // handler's error, if it returns one (SPEC A.6), once it has returned.
+            let scope = RequestScope::enter(slot);
             let outcome = endpoint.handle_request(request, context);
             scope.finish(outcome)
         }
