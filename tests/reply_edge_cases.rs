@@ -27,6 +27,8 @@ const WAIT: Duration = Duration::from_secs(30);
 #[derive(Default)]
 struct Keeper {
     kept: Arc<Mutex<Vec<Replier<u32>>>>,
+    /// What `ReplyAfterGiveUp` found: 1 if its own pair's reply said `NoReply` at once.
+    late_pair: Arc<std::sync::atomic::AtomicU32>,
 }
 
 enum Request {
@@ -41,6 +43,9 @@ enum Request {
     /// Makes a replier of its own (`Replier::pair`), drops it, and answers 1 if its reply
     /// says `NoReply` within the wait (0 otherwise).
     PairInside(Replier<u32>),
+    /// Waits (bounded) until its asker gave up, answers anyway (which frees the reply slot on
+    /// this thread), then does what `PairInside` does, noting the result in `late_pair`.
+    ReplyAfterGiveUp(Replier<u32>),
 }
 
 /// The error `RaiseDroppingAll`'s handler returns.
@@ -68,6 +73,14 @@ impl Ask<Keeper> for PairInside {
     type Reply = u32;
     fn into_request(self, replier: Replier<u32>) -> Request {
         Request::PairInside(replier)
+    }
+}
+
+struct ReplyAfterGiveUp;
+impl Ask<Keeper> for ReplyAfterGiveUp {
+    type Reply = u32;
+    fn into_request(self, replier: Replier<u32>) -> Request {
+        Request::ReplyAfterGiveUp(replier)
     }
 }
 
@@ -146,6 +159,19 @@ impl Endpoint for Keeper {
                 let answered = matches!(reply.wait_timeout(WAIT), Err(AskError::NoReply));
                 replier.reply(u32::from(answered));
             }
+            Request::ReplyAfterGiveUp(replier) => {
+                let deadline = std::time::Instant::now() + WAIT;
+                while !replier.is_abandoned() && std::time::Instant::now() < deadline {
+                    std::thread::yield_now();
+                }
+                replier.reply(0);
+                // The freed slot's block is this thread's next one.
+                let (inner, reply) = Replier::<u32>::pair();
+                drop(inner);
+                let at_once =
+                    matches!(reply.wait_timeout(Duration::from_secs(5)), Err(AskError::NoReply));
+                self.late_pair.store(u32::from(at_once), std::sync::atomic::Ordering::SeqCst);
+            }
             Request::DropAllThenPanic(replier) => {
                 self.kept.lock().unwrap().clear();
                 drop(replier);
@@ -173,7 +199,8 @@ impl Wake for PanickingWake {
 fn timeouts_too_large_for_the_clock_mean_no_deadline() {
     let bus = Bus::builder().ask_timeout(Duration::MAX).build().unwrap();
     let kept = Arc::new(Mutex::new(Vec::new()));
-    let endpoint = bus.register("keeper", Keeper { kept: Arc::clone(&kept) }).unwrap();
+    let endpoint =
+        bus.register("keeper", Keeper { kept: Arc::clone(&kept), ..Keeper::default() }).unwrap();
     endpoint.send_timeout(1u32, Duration::MAX).unwrap();
     // Polled before the reply exists: the future fixes its deadline (none) without panicking.
     let mut reply = pin!(endpoint.ask(KeepIt));
@@ -257,7 +284,8 @@ fn a_replier_dropped_in_a_panic_the_handler_caught_fails_its_asker() {
 fn a_waker_that_panics_when_a_panicking_handler_fails_its_reply_does_not_end_the_endpoint() {
     let bus = Bus::builder().ask_timeout(Duration::from_secs(30)).build().unwrap();
     let kept = Arc::new(Mutex::new(Vec::new()));
-    let endpoint = bus.register("keeper", Keeper { kept: Arc::clone(&kept) }).unwrap();
+    let endpoint =
+        bus.register("keeper", Keeper { kept: Arc::clone(&kept), ..Keeper::default() }).unwrap();
     // Polled first, so failing the reply wakes this waker on the endpoint thread.
     let mut reply = pin!(endpoint.ask(PanicWhileHoldingIt));
     let waker = Waker::from(Arc::new(PanickingWake));
@@ -301,7 +329,9 @@ fn wait_kept(kept: &Mutex<Vec<Replier<u32>>>, count: usize) {
 fn a_raising_handler_fails_its_own_asker_with_its_error_and_others_with_no_reply() {
     let bus = Bus::builder().build().unwrap();
     let kept = Arc::new(Mutex::new(Vec::new()));
-    let endpoint = bus.register("keeper", Keeper { kept: Arc::clone(&kept) }).unwrap();
+    let late_pair = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let keeper = Keeper { kept: Arc::clone(&kept), late_pair: Arc::clone(&late_pair) };
+    let endpoint = bus.register("keeper", keeper).unwrap();
     let first = endpoint.ask(KeepIt);
     let second = endpoint.ask(KeepIt);
     wait_kept(&kept, 2);
@@ -328,6 +358,14 @@ fn a_raising_handler_fails_its_own_asker_with_its_error_and_others_with_no_reply
     }
     // A replier a handler makes and drops itself fails at once: its handler can wait for it.
     assert_eq!(endpoint.ask(PairInside).wait_timeout(WAIT).unwrap(), 1);
+    // Also when it reuses the block of the request's own reply slot, freed by an answer to
+    // an asker that gave up: it is not taken for the request's own replier.
+    assert!(matches!(
+        endpoint.ask(ReplyAfterGiveUp).wait_timeout(Duration::from_millis(1)),
+        Err(AskError::Timeout { .. })
+    ));
+    assert_eq!(endpoint.ask(Echo(4)).wait_timeout(WAIT).unwrap(), 4);
+    assert_eq!(late_pair.load(std::sync::atomic::Ordering::SeqCst), 1);
     // The endpoint keeps serving (and this answer comes after the counts above were taken).
     assert_eq!(endpoint.ask(Echo(3)).wait_timeout(WAIT).unwrap(), 3);
     let stats = endpoint.stats();

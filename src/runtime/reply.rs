@@ -123,6 +123,19 @@ impl Drop for RequestScope {
     }
 }
 
+/// Before a replier's answer: if it is the running handler's own request's, nothing may match
+/// that request's slot any more. Once answered, the slot can be freed (its asker gave up)
+/// and its block reused, by a replier the same handler then makes (`Replier::pair`, a nested
+/// ask): that one must not be taken for the request's own.
+#[inline(always)]
+fn answered<T>(completer: &Completer<T>) {
+    let _ = CURRENT_REQUEST.try_with(|current| {
+        if current.get() == completer.address() {
+            current.set(0);
+        }
+    });
+}
+
 /// [`RequestScope::finish`]'s rare part.
 #[cold]
 fn fail_dropped_own_replier(outcome: Result<(), HandlerError>) -> Result<(), HandlerError> {
@@ -236,6 +249,7 @@ impl<T: Send + 'static> Replier<T> {
     /// Answers with `value`.
     pub fn reply(mut self, value: T) {
         if let Some(completer) = self.completer.take() {
+            answered(&completer);
             completer.complete(Ok(value));
         }
     }
@@ -243,6 +257,7 @@ impl<T: Send + 'static> Replier<T> {
     /// Answers with a failure; the asker sees [`AskError::Handler`] with `error` as its cause.
     pub fn fail(mut self, error: impl Into<HandlerError>) {
         if let Some(completer) = self.completer.take() {
+            answered(&completer);
             completer.complete(Err(AskError::Handler(error.into())));
         }
     }

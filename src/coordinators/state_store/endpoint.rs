@@ -130,7 +130,8 @@ pub struct StopCoordinator;
 
 /// The requests of the coordinator, each with its typed replier. Built by the [`Ask`] impls of
 /// the request structs; users rarely name it. The rare large requests are boxed so that every
-/// inbox slot stays small (at most 80 bytes).
+/// inbox slot stays small (at most 88 bytes: 80 for the request, and its reply slot's
+/// address, which the bus carries with it).
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum StateStoreRequest {
