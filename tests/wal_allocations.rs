@@ -53,3 +53,27 @@ fn a_huge_declared_frame_length_is_never_allocated() {
         assert!(counted.bytes_max < 1 << 20, "declared {declared}: {counted:?}");
     }
 }
+
+/// The peak resident memory of this process so far, in KiB (`VmHWM`).
+fn peak_rss_kib() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status.lines().find(|line| line.starts_with("VmHWM:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+/// A segment file that is a 1 GiB hole (a torn creation on a file system that preallocates
+/// sparsely) is scanned without reading the hole: recovery looks only where the file system
+/// says data may be, so the scan does not fault a gigabyte of zero pages in (the peak resident
+/// memory of the process stays far below it).
+#[test]
+fn a_sparse_segment_is_scanned_without_reading_its_holes() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = std::fs::File::create(dir.path().join("seg-0000000001.wal")).unwrap();
+    file.set_len(1 << 30).unwrap();
+    drop(file);
+    let before = peak_rss_kib();
+    let scan = scan_dir(dir.path(), RecoveryMode::Strict).unwrap();
+    let grown_mib = (peak_rss_kib() - before) / 1024;
+    assert!(scan.segments[0].dropped, "an all-zero file is a torn creation: {scan:?}");
+    assert!(grown_mib < 256, "the scan made the process {grown_mib} MiB larger at its peak");
+}

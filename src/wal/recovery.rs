@@ -309,6 +309,17 @@ fn all_zero(bytes: &[u8]) -> bool {
             == 0
 }
 
+/// [`nonzero_end`] of `path`'s mapping `bytes`, reading only the regions that may hold data
+/// (holes read as zeros: a preallocated or sparse file is not faulted in page by page).
+fn nonzero_end_of_file(path: &Path, bytes: &[u8], from: u64) -> u64 {
+    data_regions(path, from, bytes.len() as u64)
+        .into_iter()
+        .map(|(start, end)| nonzero_end(&bytes[..(end as usize).min(bytes.len())], start))
+        .max()
+        .unwrap_or(from)
+        .max(from)
+}
+
 /// Offset just past the last non-zero byte at or after `from` (`from` if all zero).
 fn nonzero_end(bytes: &[u8], from: u64) -> u64 {
     let from = (from as usize).min(bytes.len());
@@ -425,7 +436,7 @@ fn scan_segment(
                 summary.torn_tail = Some(TornTail {
                     segment: id,
                     offset: 0,
-                    bytes_discarded: nonzero_end(bytes, 0),
+                    bytes_discarded: nonzero_end_of_file(path, bytes, 0),
                     records_discarded: 0,
                 });
                 return Ok(Scanned {
@@ -517,12 +528,7 @@ fn scan_segment(
         }
         // Nothing past the last non-zero byte can be a frame: bound the search there (the
         // zeroed, preallocated rest of an active segment is not scanned twice).
-        let garbage_end = data_regions(path, at, bytes.len() as u64)
-            .into_iter()
-            .map(|(start, end)| nonzero_end(&bytes[..end as usize], start))
-            .max()
-            .unwrap_or(at)
-            .max(at);
+        let garbage_end = nonzero_end_of_file(path, bytes, at);
         // Frames end on an alignment boundary, and their padding is zeros: a frame whose last
         // bytes are padding ends past `garbage_end`.
         let search_end = (garbage_end as usize).next_multiple_of(frame::ALIGN).min(bytes.len());
