@@ -240,7 +240,8 @@ impl Sink for PrintingSink {
     }
 }
 
-/// Child mode: runs epochs until killed, printing `start E`, `sink E` and `durable E` lines;
+/// Child mode: runs epochs until killed (every seventh step with the next epoch complete
+/// first, waiting behind the current one), printing `start E`, `sink E` and `durable E` lines;
 /// prints `limit N` and exits with an error after `CHILD_MAX_EPOCHS` epochs.
 fn child(dir: &Path) -> ! {
     let durable =
@@ -254,10 +255,17 @@ fn child(dir: &Path) -> ! {
     epoch.ask(SetReaderPartitions(READERS)).wait_timeout(REPLY_TIMEOUT).unwrap();
     epoch.ask(SetWriterPartitions(WRITERS)).wait_timeout(REPLY_TIMEOUT).unwrap();
     let mut printed = start - 1;
-    for e in start..start + CHILD_MAX_EPOCHS {
-        send_epoch(&epoch, e);
-        // The epoch thread's ask: a barrier for the sends above.
-        epoch.ask(IncrementAndGetEpoch).wait_timeout(REPLY_TIMEOUT).unwrap();
+    let mut next = start;
+    while next < start + CHILD_MAX_EPOCHS {
+        // Every seventh step sends the next epoch first: it completes, waits behind this one
+        // (its offsets logged, not committed), and a kill may land right then.
+        let epochs = if (next - start) % 7 == 3 { vec![next + 1, next] } else { vec![next] };
+        for &e in &epochs {
+            send_epoch(&epoch, e);
+            // The epoch thread's ask: a barrier for the sends above.
+            epoch.ask(IncrementAndGetEpoch).wait_timeout(REPLY_TIMEOUT).unwrap();
+        }
+        next += epochs.len() as i64;
         let durable = status.durable_committed().map_or(-1, |epoch| epoch.0);
         if durable > printed {
             println!("{MARK} durable {durable}");
