@@ -154,9 +154,7 @@ fn fail_dropped_own_replier(outcome: Result<(), HandlerError>) -> Result<(), Han
             (AskError::Handler(error), Err(Box::new(HandlerErrorText(text)) as HandlerError))
         }
     };
-    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| fail(error))).is_err() {
-        tracing::warn!("an asker's waker panicked while its reply was failed");
-    }
+    fail_catching_waker_panics(|| fail(error));
     returned
 }
 
@@ -190,15 +188,19 @@ pub(crate) fn fail_replies_orphaned_by_panic(panic_message: &str) {
     // handler's outcome either.
     if let Some(fail) = DROPPED_OWN_REPLIER.with(|held| held.borrow_mut().take()) {
         let error = AskError::HandlerPanicked { message: panic_message.to_owned() };
-        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| fail(error))).is_err() {
-            tracing::warn!("an asker's waker panicked while its reply was failed");
-        }
+        fail_catching_waker_panics(|| fail(error));
     }
     let orphaned = ORPHANED_BY_PANIC.with(|list| std::mem::take(&mut *list.borrow_mut()));
     for fail in orphaned {
-        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| fail(panic_message))).is_err() {
-            tracing::warn!("an asker's waker panicked while its reply was failed");
-        }
+        fail_catching_waker_panics(|| fail(panic_message));
+    }
+}
+
+/// Runs `fail` (which fails a reply, waking its asker) on the endpoint loop, where nothing may
+/// unwind: a waker is the asker's code, and one that panics is logged.
+fn fail_catching_waker_panics(fail: impl FnOnce()) {
+    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(fail)).is_err() {
+        tracing::warn!("an asker's waker panicked while its reply was failed");
     }
 }
 
