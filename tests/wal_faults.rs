@@ -149,13 +149,13 @@ impl StorageFile for FaultFile {
     fn ring_fault(&self, op: RingOp) -> Option<RingFault> {
         self.faults.ring_ops.fetch_add(1, Ordering::SeqCst);
         match op {
-            RingOp::SyncData
+            RingOp::SyncData { .. }
                 if self.faults.sync_eio.load(Ordering::SeqCst)
                     || self.faults.planned_sync_failure() =>
             {
                 Some(RingFault::Errno(libc::EIO))
             }
-            RingOp::SyncData => {
+            RingOp::SyncData { .. } => {
                 self.faults.syncs.fetch_add(1, Ordering::SeqCst);
                 None
             }

@@ -10,11 +10,26 @@
 //! names. Opening the image (strict recovery) must succeed and yield every acknowledged record,
 //! intact. Two appenders run at once; rolls, cleaning and spare reuse (renames) run meanwhile.
 //!
-//! Limits of the model: the log writes with pwrite (the storage layer hides the descriptors,
-//! so every write and sync goes through it), so the io_uring engine's pipelined groups are
-//! not covered here (`wal_faults` injects their failures); a sync is taken to make durable
-//! what the file held as it started; an unsynced rename or unlink is lost, never persisted
-//! early.
+//! Both write paths run it:
+//! * **pwrite**: the storage layer hides the descriptors, so every write and sync goes through
+//!   it; a sync makes durable what the file held as it started.
+//! * **io_uring**: the layer hands the engine the real descriptors and learns of each ring
+//!   entry twice, at submission (`StorageFile::ring_fault`) and when the engine reaps its
+//!   completion (`StorageFile::ring_completed`). A ring `fdatasync` makes durable what the file
+//!   holds when its completion is reaped, except the bytes of every write it may not cover,
+//!   which keep what the last sync left (zeros if none): writes submitted after it, and, unless
+//!   the kernel orders it behind every earlier entry (drained or linked), writes whose
+//!   completions were not reaped before it was submitted. This is stricter than the kernel
+//!   (which covers any write finished before the sync started), so a group acknowledged on a
+//!   sync that did not cover it is caught, pipelining included.
+//!
+//! Limits of the model: it learns of ring entries from the engine's own calls, made where each
+//! entry is built and where its completion is read, so it checks how the engine orders writes,
+//! syncs and acknowledgements, not whether the kernel ran what was submitted. An unsynced
+//! rename or unlink is lost, never persisted early. A write that lands while a sync through
+//! the storage layer runs may or may not be in it, and the model may count it in (that sync
+//! snapshots the file as it starts; only ring writes in flight are masked). Each record is
+//! also checked against the model when it is acknowledged, not only in the images.
 
 mod wal_support;
 
@@ -31,7 +46,8 @@ use std::{
 };
 
 use coordbus::wal::{
-    Durability, FileStorage, IoMode, Lsn, Storage, StorageFile, Wal, WalConfig, WalOptions,
+    Durability, FileStorage, IoMode, IoPath, Lsn, RingFault, RingOp, Storage, StorageFile, Wal,
+    WalConfig, WalOptions,
 };
 use rand::{RngExt, SeedableRng};
 use rand_xorshift::XorShiftRng;
@@ -55,6 +71,10 @@ struct Durable {
 #[derive(Debug, Default)]
 struct SyncedImage {
     durable: Arc<Mutex<Durable>>,
+    /// Hand the engine the real descriptors, so io_uring writes and syncs through them.
+    ring: bool,
+    /// Ring syncs whose success the model applied.
+    ring_syncs: Arc<AtomicUsize>,
 }
 
 #[derive(Debug)]
@@ -62,6 +82,52 @@ struct TrackedFile {
     inner: Arc<dyn StorageFile>,
     id: u64,
     durable: Arc<Mutex<Durable>>,
+    ring: bool,
+    ring_syncs: Arc<AtomicUsize>,
+    ring_state: Mutex<RingState>,
+}
+
+/// A file's ring entries the model still follows.
+#[derive(Debug, Default)]
+struct RingState {
+    /// Ring writes submitted and not yet reaped: `(offset, len)`.
+    in_flight: Vec<(u64, usize)>,
+    /// The ring sync submitted and not yet reaped: the byte ranges it may not cover.
+    sync_uncovered: Option<Vec<(u64, usize)>>,
+}
+
+impl TrackedFile {
+    fn new(inner: Arc<dyn StorageFile>, id: u64, storage: &SyncedImage) -> Self {
+        Self {
+            inner,
+            id,
+            durable: Arc::clone(&storage.durable),
+            ring: storage.ring,
+            ring_syncs: Arc::clone(&storage.ring_syncs),
+            ring_state: Mutex::new(RingState::default()),
+        }
+    }
+
+    /// The file's bytes now (through the descriptor, whatever its name is by now).
+    fn bytes_now(&self) -> io::Result<Vec<u8>> {
+        let fd = self.inner.raw_fd().expect("a real file");
+        std::fs::read(format!("/proc/self/fd/{fd}"))
+    }
+
+    /// Makes `bytes` the file's durable content, except the `uncovered` ranges, which keep
+    /// what the last sync left (zeros where it left nothing).
+    fn make_durable(&self, mut bytes: Vec<u8>, uncovered: &[(u64, usize)]) {
+        let mut durable = self.durable.lock().unwrap();
+        let before = durable.synced_bytes.get(&self.id).map_or(&[][..], Vec::as_slice);
+        for &(offset, len) in uncovered {
+            let start = (offset as usize).min(bytes.len());
+            let end = (offset as usize + len).min(bytes.len());
+            for (at, byte) in bytes[start..end].iter_mut().enumerate() {
+                *byte = before.get(start + at).copied().unwrap_or(0);
+            }
+        }
+        durable.synced_bytes.insert(self.id, bytes);
+    }
 }
 
 impl SyncedImage {
@@ -72,6 +138,19 @@ impl SyncedImage {
             let bytes = durable.synced_bytes.get(id).map_or(&[][..], Vec::as_slice);
             std::fs::write(into.join(path.file_name().unwrap()), bytes).unwrap();
         }
+    }
+}
+
+impl SyncedImage {
+    /// Whether `bytes` are in what a power loss would leave now (a file under a synced name).
+    fn holds_durably(&self, bytes: &[u8]) -> bool {
+        let durable = self.durable.lock().unwrap();
+        durable.synced_names.values().any(|id| {
+            durable
+                .synced_bytes
+                .get(id)
+                .is_some_and(|synced| synced.windows(bytes.len()).any(|window| window == bytes))
+        })
     }
 }
 
@@ -86,13 +165,13 @@ impl Storage for SyncedImage {
         durable.next_id += 1;
         let id = durable.next_id;
         durable.current.insert(path.to_path_buf(), id);
-        Ok(Arc::new(TrackedFile { inner, id, durable: Arc::clone(&self.durable) }))
+        Ok(Arc::new(TrackedFile::new(inner, id, self)))
     }
 
     fn open_existing(&self, path: &Path) -> io::Result<Arc<dyn StorageFile>> {
         let inner = FileStorage.open_existing(path)?;
         let id = self.durable.lock().unwrap().current[path];
-        Ok(Arc::new(TrackedFile { inner, id, durable: Arc::clone(&self.durable) }))
+        Ok(Arc::new(TrackedFile::new(inner, id, self)))
     }
 
     fn remove(&self, path: &Path) -> io::Result<()> {
@@ -131,16 +210,20 @@ impl Storage for SyncedImage {
 
 impl StorageFile for TrackedFile {
     fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<usize> {
+        // Written while a ring sync runs: that sync may not cover it.
+        if let Some(uncovered) = &mut self.ring_state.lock().unwrap().sync_uncovered {
+            uncovered.push((offset, buf.len()));
+        }
         self.inner.write_at(buf, offset)
     }
 
     fn sync_data(&self) -> io::Result<()> {
         // What the file holds as the sync starts is what it makes durable (a write while it
-        // runs may miss it): read through the descriptor, whatever the file's name is by now.
-        let fd = self.inner.raw_fd().expect("a real file");
-        let bytes = std::fs::read(format!("/proc/self/fd/{fd}"))?;
+        // runs may miss it), except ring writes still in flight.
+        let in_flight = self.ring_state.lock().unwrap().in_flight.clone();
+        let bytes = self.bytes_now()?;
         self.inner.sync_data()?;
-        self.durable.lock().unwrap().synced_bytes.insert(self.id, bytes);
+        self.make_durable(bytes, &in_flight);
         Ok(())
     }
 
@@ -153,8 +236,51 @@ impl StorageFile for TrackedFile {
     }
 
     fn raw_fd(&self) -> Option<RawFd> {
-        // Hidden: the log then writes and syncs through `write_at` and `sync_data`.
+        // Hidden on the pwrite path: the log then writes and syncs through `write_at` and
+        // `sync_data`.
+        if self.ring {
+            self.inner.raw_fd()
+        } else {
+            None
+        }
+    }
+
+    fn ring_fault(&self, op: RingOp) -> Option<RingFault> {
+        let mut state = self.ring_state.lock().unwrap();
+        match op {
+            RingOp::Write { offset, len } => {
+                state.in_flight.push((offset, len));
+                if let Some(uncovered) = &mut state.sync_uncovered {
+                    uncovered.push((offset, len));
+                }
+            }
+            RingOp::SyncData { ordered } => {
+                assert!(state.sync_uncovered.is_none(), "two ring syncs of one file at once");
+                let uncovered = if ordered { Vec::new() } else { state.in_flight.clone() };
+                state.sync_uncovered = Some(uncovered);
+            }
+            _ => panic!("an operation the model does not know: {op:?}"),
+        }
         None
+    }
+
+    fn ring_completed(&self, op: RingOp, result: i32) {
+        let mut state = self.ring_state.lock().unwrap();
+        match op {
+            RingOp::Write { offset, len } => {
+                let at = state.in_flight.iter().position(|&write| write == (offset, len));
+                state.in_flight.swap_remove(at.expect("a reaped write was submitted"));
+            }
+            RingOp::SyncData { .. } => {
+                let uncovered = state.sync_uncovered.take().expect("a reaped sync was submitted");
+                drop(state);
+                if result >= 0 {
+                    self.make_durable(self.bytes_now().unwrap(), &uncovered);
+                    self.ring_syncs.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+            _ => panic!("an operation the model does not know: {op:?}"),
+        }
     }
 }
 
@@ -179,13 +305,39 @@ struct Acknowledged {
     time_ms: i64,
 }
 
-/// Two appenders (each waiting for its own records), cleaning every so often, in 16 KiB
-/// segments with spares; `images` crash images at seeded moments, each opened and checked.
-fn acknowledged_records_survive_the_loss_of_unsynced_bytes(durability: Durability, seed: u64) {
+/// Records each appender writes.
+const RECORDS_PER_APPENDER: u64 = 600;
+
+/// Waits (bounded) until `record` is durable, checks that the model holds its bytes durably
+/// already, and notes it as acknowledged.
+fn acknowledge(
+    wal: &Arc<Wal>,
+    storage: &SyncedImage,
+    acknowledged: &Mutex<Vec<Acknowledged>>,
+    record: Acknowledged,
+) {
+    wal_support::wait_durable_bounded(wal, Lsn(record.lsn)).unwrap();
+    // Durable by the time it is acknowledged, not just by the next image.
+    assert!(
+        storage.holds_durably(&payload(record.key)),
+        "LSN {} acknowledged before a sync made its bytes durable",
+        record.lsn
+    );
+    acknowledged.lock().unwrap().push(record);
+}
+
+/// Two appenders (each waiting for its own records, and checking that each is durable in the
+/// model once acknowledged), cleaning every so often, in 16 KiB segments with spares; crash
+/// images at seeded moments, each opened and checked.
+fn acknowledged_records_survive_the_loss_of_unsynced_bytes(
+    io: IoMode,
+    durability: Durability,
+    seed: u64,
+) {
     let dir = tempfile::tempdir().unwrap();
-    let storage = Arc::new(SyncedImage::default());
+    let storage = Arc::new(SyncedImage { ring: io == IoMode::IoUring, ..SyncedImage::default() });
     let options = WalOptions {
-        io: IoMode::Pwrite,
+        io,
         storage: Arc::clone(&storage) as _,
         spare_segments: 2,
         ..WalOptions::default()
@@ -203,10 +355,11 @@ fn acknowledged_records_survive_the_loss_of_unsynced_bytes(durability: Durabilit
         .map(|thread| {
             let (wal, acknowledged) = (Arc::clone(&wal), Arc::clone(&acknowledged));
             let (cleaned_below, images) = (Arc::clone(&cleaned_below), Arc::clone(&images));
+            let storage = Arc::clone(&storage);
             std::thread::spawn(move || {
-                for index in 0..600u64 {
-                    if index == 200 || index == 400 {
-                        let wanted = (index / 200) as usize;
+                for index in 0..RECORDS_PER_APPENDER {
+                    if index == RECORDS_PER_APPENDER / 3 || index == 2 * RECORDS_PER_APPENDER / 3 {
+                        let wanted = (3 * index / RECORDS_PER_APPENDER) as usize;
                         let started = Instant::now();
                         while images.load(Ordering::SeqCst) < wanted {
                             assert!(started.elapsed() < IMAGE_WAIT, "no image in {IMAGE_WAIT:?}");
@@ -216,8 +369,8 @@ fn acknowledged_records_survive_the_loss_of_unsynced_bytes(durability: Durabilit
                     let key = thread << 32 | index;
                     let time_ms = index as i64;
                     let (lsn, _) = wal.append_bytes(&payload(key), time_ms).unwrap();
-                    wal_support::wait_durable_bounded(&wal, lsn).unwrap();
-                    acknowledged.lock().unwrap().push(Acknowledged { lsn: lsn.0, key, time_ms });
+                    let record = Acknowledged { lsn: lsn.0, key, time_ms };
+                    acknowledge(&wal, &storage, &acknowledged, record);
                     if index % 150 == 149 {
                         let threshold = time_ms - 100;
                         cleaned_below.fetch_max(threshold, Ordering::SeqCst);
@@ -246,6 +399,11 @@ fn acknowledged_records_survive_the_loss_of_unsynced_bytes(durability: Durabilit
     storage.image(image.path());
     check_image(image.path(), &acknowledged.lock().unwrap(), cleaned_below.load(Ordering::SeqCst));
     assert!(wal.stats().recycled_segments > 0 || wal.stats().cleaned_segments > 0);
+    if io == IoMode::IoUring {
+        // The live ring engine made records durable, not a fallback.
+        assert_eq!(wal.io_path(), IoPath::IoUring);
+        assert!(storage.ring_syncs.load(Ordering::SeqCst) > 0, "no ring sync was modelled");
+    }
 }
 
 /// Opens `image` (strict) and checks that every record in it is intact, and that it holds
@@ -270,10 +428,51 @@ fn check_image(image: &Path, acknowledged: &[Acknowledged], cleaned_below: i64) 
 
 #[test]
 fn every_record_acknowledged_by_group_commit_survives_a_power_loss() {
-    acknowledged_records_survive_the_loss_of_unsynced_bytes(Durability::default(), 0x5eed_2001);
+    acknowledged_records_survive_the_loss_of_unsynced_bytes(
+        IoMode::Pwrite,
+        Durability::default(),
+        0x5eed_2001,
+    );
 }
 
 #[test]
 fn every_record_acknowledged_per_record_survives_a_power_loss() {
-    acknowledged_records_survive_the_loss_of_unsynced_bytes(Durability::EveryRecord, 0x5eed_2002);
+    acknowledged_records_survive_the_loss_of_unsynced_bytes(
+        IoMode::Pwrite,
+        Durability::EveryRecord,
+        0x5eed_2002,
+    );
+}
+
+/// Skips an io_uring variant only where the kernel refuses io_uring.
+fn kernel_allows_io_uring() -> bool {
+    match wal_support::io_uring_refusal() {
+        None => true,
+        Some(reason) => {
+            eprintln!("skipping: the kernel refuses io_uring: {reason}");
+            false
+        }
+    }
+}
+
+#[test]
+fn every_record_acknowledged_by_io_uring_group_commit_survives_a_power_loss() {
+    if kernel_allows_io_uring() {
+        acknowledged_records_survive_the_loss_of_unsynced_bytes(
+            IoMode::IoUring,
+            Durability::default(),
+            0x5eed_2003,
+        );
+    }
+}
+
+#[test]
+fn every_record_acknowledged_per_record_on_io_uring_survives_a_power_loss() {
+    if kernel_allows_io_uring() {
+        acknowledged_records_survive_the_loss_of_unsynced_bytes(
+            IoMode::IoUring,
+            Durability::EveryRecord,
+            0x5eed_2004,
+        );
+    }
 }

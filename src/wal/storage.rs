@@ -14,7 +14,9 @@
 //! to the ring, and a [`RingFault`] turns that submission into a failed one (the entry is
 //! replaced by a no-op whose completion carries the injected errno) or a short write (the
 //! entry writes fewer bytes than asked). Everything after the submission (completion
-//! handling, the failure rule, publishing) is the live code.
+//! handling, the failure rule, publishing) is the live code. After each completion the engine
+//! reports its result to [`StorageFile::ring_completed`], so a test can model what a power
+//! loss keeps on the io_uring path too (`tests/wal_power_loss.rs`).
 
 use std::{
     fmt::Debug,
@@ -64,6 +66,14 @@ pub trait StorageFile: Send + Sync + Debug {
         let _ = op;
         None
     }
+    /// Observation on the io_uring path: called by the io_uring engine with the result of
+    /// each `op` it submitted for this file, once it reaped the completion (in the order it
+    /// reaps them): bytes written (a write) or 0 (a sync), or a negative errno, the injected
+    /// one included. The default ignores it; a storage layer that models what a power loss
+    /// keeps uses it to learn when the kernel finished a write or a sync.
+    fn ring_completed(&self, op: RingOp, result: i32) {
+        let _ = (op, result);
+    }
 }
 
 /// An operation the io_uring engine is about to submit (see [`StorageFile::ring_fault`]).
@@ -78,7 +88,12 @@ pub enum RingOp {
         len: usize,
     },
     /// An `fdatasync`.
-    SyncData,
+    SyncData {
+        /// The kernel starts it only after every entry submitted before it completed (it is
+        /// drained, or linked behind the only write in flight). Otherwise it covers only the
+        /// writes whose completions the engine reaped before submitting it.
+        ordered: bool,
+    },
 }
 
 /// How [`StorageFile::ring_fault`] changes a submission.

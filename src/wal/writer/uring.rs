@@ -125,7 +125,7 @@ struct SyncInFlight {
     /// Result injected by the fault plan.
     injected: Option<i32>,
     /// Keeps the descriptor open until the completion is reaped.
-    _file: Arc<dyn StorageFile>,
+    file: Arc<dyn StorageFile>,
     path: PathBuf,
 }
 
@@ -392,13 +392,13 @@ impl UringEngine {
     fn push_sync(&mut self, last: usize, linked: bool) {
         let group = &self.groups[last];
         let fd = group.file.raw_fd().expect("checked at submission");
-        let (entry, injected) = sync_entry(group.file.as_ref(), fd);
+        let (entry, injected) = sync_entry(group.file.as_ref(), fd, linked);
         let entry = entry.user_data(group.seq << SEQ_SHIFT | CODE_SYNC);
         self.sync_in_flight = Some(SyncInFlight {
             seq: group.seq,
             linked,
             injected,
-            _file: Arc::clone(&group.file),
+            file: Arc::clone(&group.file),
             path: group.path.clone(),
         });
         for group in self.groups.iter_mut().take(last + 1) {
@@ -451,6 +451,7 @@ impl UringEngine {
                 let sync = self.sync_in_flight.take().expect("a sync completion has its sync");
                 debug_assert_eq!(sync.seq, seq);
                 let result = sync.injected.unwrap_or(result);
+                sync.file.ring_completed(RingOp::SyncData { ordered: sync.linked }, result);
                 // A sync that failed (not one the kernel cancelled) fails the log, voided or
                 // not: Linux reports a writeback error once, so the sync issued in its place
                 // could succeed over lost bytes.
@@ -477,6 +478,8 @@ impl UringEngine {
             group.writes_pending -= 1;
             let piece = group.pieces[slot];
             let result = group.injected[slot].unwrap_or(result);
+            let op = RingOp::Write { offset: piece.file_offset, len: piece.len };
+            group.file.ring_completed(op, result);
             if result < 0 {
                 if matches!(-result, libc::EINTR | libc::EAGAIN) {
                     group.rewritten = true;
@@ -713,6 +716,7 @@ impl IoEngine for UringEngine {
             // Results injected by the storage's fault plan, per slot (and for the sync).
             let mut injected: Vec<Option<i32>> = vec![None; batch.len()];
             let mut sync_injected: Option<i32> = None;
+            let mut sync_ordered = false;
             {
                 let mut submission = self.ring.submission();
                 for (slot, piece) in batch.iter().enumerate() {
@@ -743,10 +747,12 @@ impl IoEngine for UringEngine {
                 }
                 if let Some(target) = with_sync {
                     let fd = target.file.raw_fd().expect("checked above");
-                    let (entry, fault) = sync_entry(target.file, fd);
-                    sync_injected = fault;
                     let order =
                         if linked { squeue::Flags::empty() } else { squeue::Flags::IO_DRAIN };
+                    // Linked behind the only write, or drained: ordered either way.
+                    sync_ordered = linked || order.contains(squeue::Flags::IO_DRAIN);
+                    let (entry, fault) = sync_entry(target.file, fd, sync_ordered);
+                    sync_injected = fault;
                     let entry = entry.flags(order).user_data(SYNC_USER_DATA);
                     // SAFETY: an fsync entry carries no buffer; the descriptor stays open for
                     // the call, which waits for the completion below.
@@ -779,6 +785,9 @@ impl IoEngine for UringEngine {
                     if entry.user_data() == SYNC_USER_DATA {
                         let result = sync_injected.unwrap_or(entry.result());
                         let target = with_sync.expect("a sync was submitted");
+                        target
+                            .file
+                            .ring_completed(RingOp::SyncData { ordered: sync_ordered }, result);
                         if linked && result == -libc::ECANCELED {
                             // The linked write failed or came up short: handled with it.
                             continue;
@@ -799,6 +808,12 @@ impl IoEngine for UringEngine {
                     let slot = entry.user_data() as usize;
                     let piece = batch[slot];
                     let result = injected[slot].unwrap_or(entry.result());
+                    let op = &ops[piece.op];
+                    let file_offset = op.offset + piece.start as u64;
+                    op.file.ring_completed(
+                        RingOp::Write { offset: file_offset, len: piece.len },
+                        result,
+                    );
                     if result < 0 {
                         let error = std::io::Error::from_raw_os_error(-result);
                         // Interrupted or would block: nothing failed, the piece is finished with
@@ -806,7 +821,6 @@ impl IoEngine for UringEngine {
                         if matches!(-result, libc::EINTR | libc::EAGAIN) {
                             leftovers.push(piece);
                         } else {
-                            let op = &ops[piece.op];
                             first_error.get_or_insert(WalError::from_io(
                                 "write",
                                 op.path,
@@ -878,9 +892,10 @@ fn write_entry(
 }
 
 /// The ring entry for `fdatasync` of `fd`, or a no-op with an injected errno (see
-/// [`write_entry`]).
-fn sync_entry(file: &dyn StorageFile, fd: RawFd) -> (squeue::Entry, Option<i32>) {
-    match file.ring_fault(RingOp::SyncData) {
+/// [`write_entry`]). `ordered`: the kernel starts it only after every entry submitted before
+/// it completed (`RingOp::SyncData`).
+fn sync_entry(file: &dyn StorageFile, fd: RawFd, ordered: bool) -> (squeue::Entry, Option<i32>) {
+    match file.ring_fault(RingOp::SyncData { ordered }) {
         Some(RingFault::Errno(errno)) => (opcode::Nop::new().build(), Some(-errno.abs())),
         _ => (opcode::Fsync::new(types::Fd(fd)).flags(types::FsyncFlags::DATASYNC).build(), None),
     }
@@ -946,11 +961,11 @@ pub(crate) mod tests {
         }
         fn ring_fault(&self, op: RingOp) -> Option<RingFault> {
             self.note(match op {
-                RingOp::SyncData => "sync",
+                RingOp::SyncData { .. } => "sync",
                 RingOp::Write { .. } => "ring write",
             });
             match op {
-                RingOp::SyncData => {
+                RingOp::SyncData { .. } => {
                     let number = self.syncs.fetch_add(1, Ordering::SeqCst) + 1;
                     (number == self.fail_sync_number).then_some(RingFault::Errno(libc::EIO))
                 }
