@@ -122,6 +122,26 @@ fn flags_whose_product_is_too_much_memory_are_refused_naming_them() {
     }
 }
 
+/// Logs larger than the free space of their file system are refused before anything runs
+/// (a 1 TiB segment is preallocated whole), naming the flags and the free bytes. (A durable
+/// `epoch` run is checked the same way, but its largest log, about 2 GiB, fits here.)
+#[test]
+fn logs_larger_than_the_free_disk_are_refused_naming_the_flags() {
+    let terabyte_segments = ["--segment-mib", "1048576"];
+    let cases: &[(&[&str], &[&str])] = &[
+        (&["wal", "--records", "10"], &["--records 10", "--segment-mib 1048576", "bytes free"]),
+        (
+            &["wal-recover", "--records", "10"],
+            &["--records 10", "--segment-mib 1048576", "bytes free"],
+        ),
+        (&["blocks", "--blocks", "10"], &["--blocks 10", "--segment-mib 1048576", "bytes free"]),
+    ];
+    for (args, names) in cases {
+        let args: Vec<&str> = args.iter().chain(&terabyte_segments).copied().collect();
+        assert_load_refuses(&args, names);
+    }
+}
+
 #[test]
 fn work_that_splits_to_nothing_per_thread_is_refused_naming_both_flags() {
     assert_load_refuses(

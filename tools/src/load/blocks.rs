@@ -27,6 +27,7 @@
 
 use std::{
     collections::VecDeque,
+    path::Path,
     sync::{
         atomic::{AtomicBool, Ordering},
         Arc, Barrier,
@@ -277,11 +278,47 @@ pub fn run(args: &BlocksArgs) -> anyhow::Result<Vec<Figure>> {
     if args.batch > 1 {
         runs.push((args.receivers, args.batch));
     }
+    check_free_disk(args, runs.len(), root)?;
     for (index, (receivers, batch)) in runs.into_iter().enumerate() {
         figures.push(run_add(args, receivers, batch, &root.join(format!("add-{index}")))?);
     }
     figures.extend(run_recover_and_allocate(args, &root.join("recover"))?);
     Ok(figures)
+}
+
+/// Most WAL bytes a logged block event takes (a single block's addition record, the largest
+/// per event; batched additions take 4-6).
+const MAX_BYTES_PER_EVENT: u128 = 64;
+
+/// Recovery segments hold the allocation of every block in one record: 128 bytes per event,
+/// in MiB steps (`run_recover_and_allocate`).
+fn recover_segment_bytes(args: &BlocksArgs) -> u64 {
+    let allocation_bytes_max = (args.recover_events * 128 + (1 << 20)).next_multiple_of(1 << 20);
+    segment_bytes(args.segment_mib).max(allocation_bytes_max)
+}
+
+/// Refuses a run whose logs do not fit in the free space under `root`: `add_runs` logs of
+/// `--blocks` additions and the recovery log (its additions, then their allocation in larger
+/// segments), all kept until the run ends.
+fn check_free_disk(args: &BlocksArgs, add_runs: usize, root: &Path) -> anyhow::Result<()> {
+    let segment = segment_bytes(args.segment_mib);
+    let events_log = |events: u64| {
+        crate::limits::log_disk_bytes(u128::from(events) * MAX_BYTES_PER_EVENT, segment)
+    };
+    let allocation_log = crate::limits::log_disk_bytes(
+        u128::from(args.recover_events) * 128,
+        recover_segment_bytes(args),
+    );
+    crate::limits::check_free_disk(
+        root,
+        &format!(
+            "--blocks {} ({add_runs} runs) and --recover-events {} in --segment-mib {} segments",
+            args.blocks, args.recover_events, args.segment_mib
+        ),
+        events_log(args.blocks) * add_runs as u128
+            + events_log(args.recover_events)
+            + allocation_log,
+    )
 }
 
 fn run_add(
@@ -586,9 +623,8 @@ fn run_recover_and_allocate(
     // page cache), then the WAL's own opening scan alone, a second time. The allocation of
     // every block is one record, so new segments must hold it (about 100 bytes per block).
     let mut recover_config = config.recover(true);
-    let allocation_bytes_max = (args.recover_events * 128 + (1 << 20)).next_multiple_of(1 << 20);
     recover_config.wal.segment_size_bytes =
-        recover_config.wal.segment_size_bytes.max(allocation_bytes_max);
+        recover_config.wal.segment_size_bytes.max(recover_segment_bytes(args));
     let started = Instant::now();
     let mut tracker = ReceivedBlockTracker::open(recover_config, clock)?;
     let recover_seconds = started.elapsed().as_secs_f64();

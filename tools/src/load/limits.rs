@@ -7,9 +7,10 @@
 //! (inbox shards, lanes and capacity, segment size, payload size, group commit delay), the
 //! flag takes exactly that.
 
-use std::ops::RangeInclusive;
+use std::{ops::RangeInclusive, path::Path};
 
-use coordbus::record::frame;
+use anyhow::Context;
+use coordbus::{record::frame, wal::segment};
 
 /// Most threads a count flag starts (`bus --producers`, `wal --threads`, `state-store
 /// --producers`, `blocks --receivers`): each is an OS thread of its own.
@@ -77,6 +78,31 @@ pub fn check_planned_bytes(what: &str, bytes: u128) -> anyhow::Result<()> {
         bytes <= MAX_PLANNED_BYTES,
         "{what} make the run allocate {bytes} bytes up front, more than {MAX_PLANNED_BYTES} (8 \
          GiB): lower one of them"
+    );
+    Ok(())
+}
+
+/// Bytes a log of `frame_bytes` bytes of frames takes on disk in `segment_bytes` segments:
+/// every segment is preallocated whole, and one more is counted for the segment a roll
+/// starts (and the spare a clean may keep).
+pub fn log_disk_bytes(frame_bytes: u128, segment_bytes: u64) -> u128 {
+    let room = u128::from(segment_bytes.saturating_sub(segment::HEADER_LEN).max(1));
+    (frame_bytes.div_ceil(room) + 1) * u128::from(segment_bytes)
+}
+
+/// Refuses a run whose flags (named in `what`) would have it write about `bytes` bytes to
+/// the file system holding `dir`, more than is free there for this user: the run would
+/// otherwise stop in the middle with `ENOSPC` (a preallocated 1 TiB segment, say) after
+/// minutes of work.
+pub fn check_free_disk(dir: &Path, what: &str, bytes: u128) -> anyhow::Result<()> {
+    let stats = rustix::fs::statvfs(dir)
+        .with_context(|| format!("reading the free space of {}", dir.display()))?;
+    let free = u128::from(stats.f_bavail) * u128::from(stats.f_frsize);
+    anyhow::ensure!(
+        bytes <= free,
+        "{what} make the run write about {bytes} bytes to {}, which has {free} bytes free: \
+         lower them, or choose a larger file system (--dir, or TMPDIR)",
+        dir.display()
     );
     Ok(())
 }

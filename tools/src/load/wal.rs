@@ -470,6 +470,7 @@ fn every_record_figure(
 pub fn run(args: &WalArgs) -> anyhow::Result<Vec<Figure>> {
     validate(args)?;
     let root = temp_in(&args.dir)?;
+    check_free_disk(args, root.path())?;
     let with_baseline = baseline_enabled(&args.baseline)?;
     let frame_bytes = frame::frame_len(args.record_bytes);
     let mut figures = Vec::new();
@@ -521,10 +522,43 @@ pub fn run(args: &WalArgs) -> anyhow::Result<Vec<Figure>> {
     Ok(figures)
 }
 
+/// Refuses a `wal` run whose largest log does not fit in the free space under `root`. The
+/// figures run one after the other, each log removed before the next (and before its pwrite
+/// baseline writes as many bytes again).
+fn check_free_disk(args: &WalArgs, root: &Path) -> anyhow::Result<()> {
+    let frame_bytes = frame::frame_len(args.record_bytes) as u128;
+    let every_threads = if args.durability.iter().any(|name| name == "every") {
+        args.threads.iter().copied().max().unwrap_or(1) as u128
+    } else {
+        0
+    };
+    let records = u128::from(args.records).max(u128::from(args.every_records) * every_threads);
+    crate::limits::check_free_disk(
+        root,
+        &format!(
+            "--records {} (or --every-records {} per thread) of --record-bytes {} in --segment-mib \
+             {} segments",
+            args.records, args.every_records, args.record_bytes, args.segment_mib
+        ),
+        crate::limits::log_disk_bytes(records * frame_bytes, segment_bytes(args.segment_mib)),
+    )
+}
+
 /// Runs `coordbus-load wal-recover`.
 pub fn run_recover(args: &WalRecoverArgs) -> anyhow::Result<Vec<Figure>> {
     validate_recover(args)?;
     let root = temp_in(&args.dir)?;
+    crate::limits::check_free_disk(
+        root.path(),
+        &format!(
+            "--records {} of --record-bytes {} in --segment-mib {} segments",
+            args.records, args.record_bytes, args.segment_mib
+        ),
+        crate::limits::log_disk_bytes(
+            u128::from(args.records) * frame::frame_len(args.record_bytes) as u128,
+            segment_bytes(args.segment_mib),
+        ),
+    )?;
     let dir = root.path().join("log");
     let config = WalConfig {
         segment_size_bytes: segment_bytes(args.segment_mib),
