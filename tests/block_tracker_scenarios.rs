@@ -22,7 +22,7 @@ use coordbus::{
         ReceivedBlockInfo, ReceivedBlockTracker, ReceiverBlockStore, StreamBlockId, StreamId,
         TrackerEvent, WalBlockLog, RECEIVED_BLOCK_METADATA_DIR,
     },
-    wal::{DurableCallback, Durability, Lsn, Wal, WalConfig, WalError},
+    wal::{Durability, DurableCallback, Lsn, Wal, WalConfig, WalError},
 };
 
 const STREAM: StreamId = StreamId(1);

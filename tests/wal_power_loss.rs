@@ -21,7 +21,8 @@
 //!   the kernel orders it behind every earlier entry (drained or linked), writes whose
 //!   completions were not reaped before it was submitted. This is stricter than the kernel
 //!   (which covers any write finished before the sync started), so a group acknowledged on a
-//!   sync that did not cover it is caught, pipelining included.
+//!   sync that did not cover it is caught, pipelining included. Seeded ring writes come up
+//!   short or are interrupted, so the engine's finishing of them with pwrite runs too.
 //!
 //! Limits of the model: it learns of ring entries from the engine's own calls, made where each
 //! entry is built and where its completion is read, so it checks how the engine orders writes,
@@ -75,6 +76,35 @@ struct SyncedImage {
     ring: bool,
     /// Ring syncs whose success the model applied.
     ring_syncs: Arc<AtomicUsize>,
+    /// Ring writes to come up short or be interrupted now and then (seeded), so the engine's
+    /// finishing of such writes with pwrite runs under the model too.
+    ring_faults: Option<Arc<RingFaults>>,
+}
+
+/// Seeded faults for ring writes, shared by every file of a log.
+#[derive(Debug)]
+struct RingFaults {
+    rng: Mutex<XorShiftRng>,
+    injected: AtomicUsize,
+}
+
+impl RingFaults {
+    fn new(seed: u64) -> Self {
+        Self { rng: Mutex::new(XorShiftRng::seed_from_u64(seed)), injected: AtomicUsize::new(0) }
+    }
+
+    /// For a ring write of `len` bytes: one in 16 comes up short (half of it is submitted),
+    /// one in 32 is interrupted (`EINTR`, nothing written); the engine finishes both with
+    /// pwrite.
+    fn for_write(&self, len: usize) -> Option<RingFault> {
+        let fault = match self.rng.lock().unwrap().random_range(0..32) {
+            0 | 1 if len > 1 => RingFault::ShortWrite(len / 2),
+            2 => RingFault::Errno(libc::EINTR),
+            _ => return None,
+        };
+        self.injected.fetch_add(1, Ordering::SeqCst);
+        Some(fault)
+    }
 }
 
 #[derive(Debug)]
@@ -84,6 +114,7 @@ struct TrackedFile {
     durable: Arc<Mutex<Durable>>,
     ring: bool,
     ring_syncs: Arc<AtomicUsize>,
+    ring_faults: Option<Arc<RingFaults>>,
     ring_state: Mutex<RingState>,
 }
 
@@ -104,6 +135,7 @@ impl TrackedFile {
             durable: Arc::clone(&storage.durable),
             ring: storage.ring,
             ring_syncs: Arc::clone(&storage.ring_syncs),
+            ring_faults: storage.ring_faults.clone(),
             ring_state: Mutex::new(RingState::default()),
         }
     }
@@ -253,15 +285,16 @@ impl StorageFile for TrackedFile {
                 if let Some(uncovered) = &mut state.sync_uncovered {
                     uncovered.push((offset, len));
                 }
+                self.ring_faults.as_ref().and_then(|faults| faults.for_write(len))
             }
             RingOp::SyncData { ordered } => {
                 assert!(state.sync_uncovered.is_none(), "two ring syncs of one file at once");
                 let uncovered = if ordered { Vec::new() } else { state.in_flight.clone() };
                 state.sync_uncovered = Some(uncovered);
+                None
             }
             _ => panic!("an operation the model does not know: {op:?}"),
         }
-        None
     }
 
     fn ring_completed(&self, op: RingOp, result: i32) {
@@ -309,17 +342,21 @@ struct Acknowledged {
 const RECORDS_PER_APPENDER: u64 = 600;
 
 /// Waits (bounded) until `record` is durable, checks that the model holds its bytes durably
-/// already, and notes it as acknowledged.
+/// already (or that it is older than a cleaning threshold passed), and notes it as
+/// acknowledged.
 fn acknowledge(
     wal: &Arc<Wal>,
     storage: &SyncedImage,
     acknowledged: &Mutex<Vec<Acknowledged>>,
+    cleaned_below: &AtomicI64,
     record: Acknowledged,
 ) {
     wal_support::wait_durable_bounded(wal, Lsn(record.lsn)).unwrap();
-    // Durable by the time it is acknowledged, not just by the next image.
+    // Durable by the time it is acknowledged, not just by the next image (unless the other
+    // appender has cleaned it away meanwhile).
     assert!(
-        storage.holds_durably(&payload(record.key)),
+        storage.holds_durably(&payload(record.key))
+            || record.time_ms < cleaned_below.load(Ordering::SeqCst),
         "LSN {} acknowledged before a sync made its bytes durable",
         record.lsn
     );
@@ -335,7 +372,12 @@ fn acknowledged_records_survive_the_loss_of_unsynced_bytes(
     seed: u64,
 ) {
     let dir = tempfile::tempdir().unwrap();
-    let storage = Arc::new(SyncedImage { ring: io == IoMode::IoUring, ..SyncedImage::default() });
+    let ring = io == IoMode::IoUring;
+    let storage = Arc::new(SyncedImage {
+        ring,
+        ring_faults: ring.then(|| Arc::new(RingFaults::new(seed))),
+        ..SyncedImage::default()
+    });
     let options = WalOptions {
         io,
         storage: Arc::clone(&storage) as _,
@@ -370,7 +412,7 @@ fn acknowledged_records_survive_the_loss_of_unsynced_bytes(
                     let time_ms = index as i64;
                     let (lsn, _) = wal.append_bytes(&payload(key), time_ms).unwrap();
                     let record = Acknowledged { lsn: lsn.0, key, time_ms };
-                    acknowledge(&wal, &storage, &acknowledged, record);
+                    acknowledge(&wal, &storage, &acknowledged, &cleaned_below, record);
                     if index % 150 == 149 {
                         let threshold = time_ms - 100;
                         cleaned_below.fetch_max(threshold, Ordering::SeqCst);
@@ -403,6 +445,8 @@ fn acknowledged_records_survive_the_loss_of_unsynced_bytes(
         // The live ring engine made records durable, not a fallback.
         assert_eq!(wal.io_path(), IoPath::IoUring);
         assert!(storage.ring_syncs.load(Ordering::SeqCst) > 0, "no ring sync was modelled");
+        let faults = storage.ring_faults.as_ref().unwrap().injected.load(Ordering::SeqCst);
+        assert!(faults > 0, "no short or interrupted ring write was injected");
     }
 }
 

@@ -69,8 +69,10 @@ pub trait StorageFile: Send + Sync + Debug {
     /// Observation on the io_uring path: called by the io_uring engine with the result of
     /// each `op` it submitted for this file, once it reaped the completion (in the order it
     /// reaps them): bytes written (a write) or 0 (a sync), or a negative errno, the injected
-    /// one included. The default ignores it; a storage layer that models what a power loss
-    /// keeps uses it to learn when the kernel finished a write or a sync.
+    /// one included. `op` is the one [`StorageFile::ring_fault`] was given (a write's full
+    /// length, even where an injected short write submitted fewer bytes). The default ignores
+    /// it; a storage layer that models what a power loss keeps uses it to learn when the
+    /// kernel finished a write or a sync.
     fn ring_completed(&self, op: RingOp, result: i32) {
         let _ = (op, result);
     }
@@ -89,7 +91,7 @@ pub enum RingOp {
     },
     /// An `fdatasync`.
     SyncData {
-        /// The kernel starts it only after every entry submitted before it completed (it is
+        /// The kernel starts it only after every write submitted before it completed (it is
         /// drained, or linked behind the only write in flight). Otherwise it covers only the
         /// writes whose completions the engine reaped before submitting it.
         ordered: bool,

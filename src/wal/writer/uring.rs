@@ -30,7 +30,9 @@
 //!
 //! Fault injection: before each write or sync entry the file's `StorageFile::ring_fault` is
 //! asked; an injected errno replaces the entry with a no-op whose completion carries it, an
-//! injected short write submits fewer bytes. The completion handling is the live code.
+//! injected short write submits fewer bytes. The completion handling is the live code. Each
+//! reaped completion is reported to `StorageFile::ring_completed` (with the injected result,
+//! if any), so a test can model what a power loss keeps.
 //!
 //! By default every group goes through the ring. As an opt-in tuning, a group that is a single
 //! write of at most `WalOptions::uring_direct_max_bytes` (typical of `EveryRecord` and of light
@@ -334,6 +336,7 @@ impl UringEngine {
         // writes would need a chain, which serializes them.
         let link_sync =
             sync && pieces.len() == 1 && self.groups.is_empty() && self.sync_in_flight.is_none();
+        let write_flags = if link_sync { squeue::Flags::IO_LINK } else { squeue::Flags::empty() };
         let seq = self.next_seq;
         self.next_seq += 1;
         self.groups.push_back(GroupInFlight {
@@ -360,10 +363,7 @@ impl UringEngine {
             let as_piece = Piece { op: 0, start: piece.buf_start, len: piece.len };
             let (entry, fault) =
                 write_entry(group.file.as_ref(), fd, &group.buf, as_piece, piece.file_offset);
-            let mut entry = entry.user_data(seq << SEQ_SHIFT | slot as u64);
-            if link_sync {
-                entry = entry.flags(squeue::Flags::IO_LINK);
-            }
+            let entry = entry.user_data(seq << SEQ_SHIFT | slot as u64).flags(write_flags);
             self.groups[index].injected[slot] = fault;
             self.entries_in_flight += 1;
             // SAFETY: the entry reads `buf[piece.buf_start..][..len]` of the group's buffer,
@@ -376,7 +376,8 @@ impl UringEngine {
             unsafe { self.push(&entry, if link_sync { 2 } else { 1 }) };
         }
         if link_sync {
-            self.push_sync(index, true);
+            // Ordered behind the write: the flag it was pushed with says so.
+            self.push_sync(index, write_flags.contains(squeue::Flags::IO_LINK));
         }
         self.enter(0, None);
     }
@@ -712,6 +713,11 @@ impl IoEngine for UringEngine {
             // comes up short, the sync is cancelled and the code below writes the rest and
             // syncs again.
             let linked = with_sync.is_some() && batch.len() == 1;
+            let write_flags = if linked {
+                squeue::Flags::IO_LINK | squeue::Flags::ASYNC
+            } else {
+                squeue::Flags::empty()
+            };
             let mut expected = 0usize;
             // Results injected by the storage's fault plan, per slot (and for the sync).
             let mut injected: Vec<Option<i32>> = vec![None; batch.len()];
@@ -729,11 +735,7 @@ impl IoEngine for UringEngine {
                     // Linked, it goes straight to the kernel worker (`ASYNC`): a buffered
                     // write to ext4 cannot complete without blocking, so trying it inline
                     // first only delays it.
-                    let entry = if linked {
-                        entry.flags(squeue::Flags::IO_LINK | squeue::Flags::ASYNC)
-                    } else {
-                        entry
-                    };
+                    let entry = entry.flags(write_flags);
                     // SAFETY: the buffer `op.buf[piece.start..piece.start + len]` is borrowed
                     // from `ops` for this whole call, and this function does not return before
                     // every submitted entry completed (submit_and_wait below waits for all), so
@@ -749,8 +751,9 @@ impl IoEngine for UringEngine {
                     let fd = target.file.raw_fd().expect("checked above");
                     let order =
                         if linked { squeue::Flags::empty() } else { squeue::Flags::IO_DRAIN };
-                    // Linked behind the only write, or drained: ordered either way.
-                    sync_ordered = linked || order.contains(squeue::Flags::IO_DRAIN);
+                    // As pushed: linked behind the only write, or drained.
+                    sync_ordered = write_flags.contains(squeue::Flags::IO_LINK)
+                        || order.contains(squeue::Flags::IO_DRAIN);
                     let (entry, fault) = sync_entry(target.file, fd, sync_ordered);
                     sync_injected = fault;
                     let entry = entry.flags(order).user_data(SYNC_USER_DATA);
