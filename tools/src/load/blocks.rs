@@ -298,17 +298,14 @@ fn recover_segment_bytes(args: &BlocksArgs) -> u64 {
 }
 
 /// Refuses a run whose logs do not fit in the free space under `root`: `add_runs` logs of
-/// `--blocks` additions and the recovery log (its additions, then their allocation in larger
-/// segments), all kept until the run ends.
+/// `--blocks` additions and the recovery log (its additions, then their allocation: one record
+/// in one larger segment), all kept until the run ends.
 fn check_free_disk(args: &BlocksArgs, add_runs: usize, root: &Path) -> anyhow::Result<()> {
     let segment = segment_bytes(args.segment_mib);
     let events_log = |events: u64| {
-        crate::limits::log_disk_bytes(u128::from(events) * MAX_BYTES_PER_EVENT, segment)
+        crate::limits::log_disk_bytes(u128::from(events), MAX_BYTES_PER_EVENT, segment)
     };
-    let allocation_log = crate::limits::log_disk_bytes(
-        u128::from(args.recover_events) * 128,
-        recover_segment_bytes(args),
-    );
+    let allocation_segment = u128::from(recover_segment_bytes(args));
     crate::limits::check_free_disk(
         root,
         &format!(
@@ -317,7 +314,8 @@ fn check_free_disk(args: &BlocksArgs, add_runs: usize, root: &Path) -> anyhow::R
         ),
         events_log(args.blocks) * add_runs as u128
             + events_log(args.recover_events)
-            + allocation_log,
+            + allocation_segment,
+        " (--dir)",
     )
 }
 

@@ -523,24 +523,28 @@ fn validate(args: &EpochArgs) -> anyhow::Result<()> {
         .map_err(|reason| anyhow::anyhow!("--baseline-seconds {}: {reason}", args.baseline_seconds))
 }
 
-/// Runs the workload.
 /// Refuses a durable run whose log does not fit in the free space under `dir`. The durable
 /// query keeps the records of its last `DEFAULT_RETAINED_EPOCHS` committed epochs (cleaning
 /// every quarter of that); counted here as twice that many full offsets records (8 bytes per
 /// partition) in default segments, and the spare segments cleaning keeps.
-fn check_free_disk(partitions: i32, dir: &std::path::Path) -> anyhow::Result<()> {
-    let record_bytes = u128::from(partitions.unsigned_abs()) * 8 + 256;
-    let retained_bytes =
-        2 * coordbus::coordinators::epoch::DEFAULT_RETAINED_EPOCHS as u128 * record_bytes;
+fn check_free_disk(args: &EpochArgs, dir: &std::path::Path) -> anyhow::Result<()> {
+    let record_bytes = u128::from(args.partitions.unsigned_abs()) * 8 + 256;
+    let records = 2 * coordbus::coordinators::epoch::DEFAULT_RETAINED_EPOCHS as u128;
     let segment = WalConfig::default().segment_size_bytes;
     let spares = wal::DEFAULT_SPARE_SEGMENTS as u128 * u128::from(segment);
     crate::limits::check_free_disk(
         dir,
-        &format!("--partitions {partitions} with --durability"),
-        crate::limits::log_disk_bytes(retained_bytes, segment) + spares,
+        &format!(
+            "--partitions {} with --durability {}",
+            args.partitions,
+            format!("{:?}", args.durability).to_lowercase()
+        ),
+        crate::limits::log_disk_bytes(records, record_bytes, segment) + spares,
+        " (TMPDIR)",
     )
 }
 
+/// Runs the workload.
 pub fn run(args: &EpochArgs) -> anyhow::Result<Vec<Figure>> {
     validate(args)?;
     let mut figures = vec![run_bus(args)?];
@@ -593,7 +597,7 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
         Durability::None => Box::new(load_query),
         Durability::Group | Durability::Every => {
             let dir = tempfile::TempDir::new().context("temporary WAL directory")?;
-            check_free_disk(args.partitions, dir.path())?;
+            check_free_disk(args, dir.path())?;
             let durability = match args.durability {
                 Durability::Every => wal::Durability::EveryRecord,
                 _ => wal::Durability::GroupCommit {

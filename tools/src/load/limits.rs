@@ -82,27 +82,32 @@ pub fn check_planned_bytes(what: &str, bytes: u128) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Bytes a log of `frame_bytes` bytes of frames takes on disk in `segment_bytes` segments:
-/// every segment is preallocated whole, and one more is counted for the segment a roll
-/// starts (and the spare a clean may keep).
-pub fn log_disk_bytes(frame_bytes: u128, segment_bytes: u64) -> u128 {
-    let room = u128::from(segment_bytes.saturating_sub(segment::HEADER_LEN).max(1));
-    (frame_bytes.div_ceil(room) + 1) * u128::from(segment_bytes)
+/// Bytes a log of `frames` frames of at most `frame_bytes` bytes each takes on disk in
+/// `segment_bytes` segments. A frame that does not fit in what is left of a segment starts the
+/// next one, and every segment is preallocated whole, so this counts whole segments of as many
+/// whole frames as fit, plus one for the segment a roll starts (or the spare a clean keeps).
+pub fn log_disk_bytes(frames: u128, frame_bytes: u128, segment_bytes: u64) -> u128 {
+    let room = u128::from(segment_bytes.saturating_sub(segment::HEADER_LEN));
+    let frames_per_segment = (room / frame_bytes.max(1)).max(1);
+    (frames.div_ceil(frames_per_segment) + 1) * u128::from(segment_bytes)
 }
 
 /// Refuses a run whose flags (named in `what`) would have it write about `bytes` bytes to
 /// the file system holding `dir`, more than is free there for this user: the run would
 /// otherwise stop in the middle with `ENOSPC` (a preallocated 1 TiB segment, say) after
 /// minutes of work.
-pub fn check_free_disk(dir: &Path, what: &str, bytes: u128) -> anyhow::Result<()> {
+///
+/// `elsewhere` names how to choose another directory (`" (--dir)"`, `" (TMPDIR)"`).
+pub fn check_free_disk(dir: &Path, what: &str, bytes: u128, elsewhere: &str) -> anyhow::Result<()> {
     let stats = rustix::fs::statvfs(dir)
         .with_context(|| format!("reading the free space of {}", dir.display()))?;
     let free = u128::from(stats.f_bavail) * u128::from(stats.f_frsize);
     anyhow::ensure!(
         bytes <= free,
         "{what} make the run write about {bytes} bytes to {}, which has {free} bytes free: \
-         lower them, or choose a larger file system (--dir, or TMPDIR)",
-        dir.display()
+         lower them, or give the run a larger file system{}",
+        dir.display(),
+        elsewhere
     );
     Ok(())
 }

@@ -526,21 +526,25 @@ pub fn run(args: &WalArgs) -> anyhow::Result<Vec<Figure>> {
 /// figures run one after the other, each log removed before the next (and before its pwrite
 /// baseline writes as many bytes again).
 fn check_free_disk(args: &WalArgs, root: &Path) -> anyhow::Result<()> {
-    let frame_bytes = frame::frame_len(args.record_bytes) as u128;
-    let every_threads = if args.durability.iter().any(|name| name == "every") {
-        args.threads.iter().copied().max().unwrap_or(1) as u128
+    let max_threads = args.threads.iter().copied().max().unwrap_or(1) as u128;
+    let every_records = if args.durability.iter().any(|name| name == "every") {
+        u128::from(args.every_records) * max_threads
     } else {
         0
     };
-    let records = u128::from(args.records).max(u128::from(args.every_records) * every_threads);
     crate::limits::check_free_disk(
         root,
         &format!(
-            "--records {} (or --every-records {} per thread) of --record-bytes {} in --segment-mib \
-             {} segments",
+            "--records {} (or --every-records {} x --threads {max_threads}) of --record-bytes {} \
+             in --segment-mib {} segments",
             args.records, args.every_records, args.record_bytes, args.segment_mib
         ),
-        crate::limits::log_disk_bytes(records * frame_bytes, segment_bytes(args.segment_mib)),
+        crate::limits::log_disk_bytes(
+            u128::from(args.records).max(every_records),
+            frame::frame_len(args.record_bytes) as u128,
+            segment_bytes(args.segment_mib),
+        ),
+        " (--dir)",
     )
 }
 
@@ -555,9 +559,11 @@ pub fn run_recover(args: &WalRecoverArgs) -> anyhow::Result<Vec<Figure>> {
             args.records, args.record_bytes, args.segment_mib
         ),
         crate::limits::log_disk_bytes(
-            u128::from(args.records) * frame::frame_len(args.record_bytes) as u128,
+            u128::from(args.records),
+            frame::frame_len(args.record_bytes) as u128,
             segment_bytes(args.segment_mib),
         ),
+        " (--dir)",
     )?;
     let dir = root.path().join("log");
     let config = WalConfig {
