@@ -9,10 +9,12 @@
 //! duplicated. A killed process keeps what reached the page cache: the check proves, end to
 //! end on real files and processes, that each item was written before it was acknowledged and
 //! that recovery finds it, not that it was synced (a power loss). That half is
-//! `tests/wal_power_loss.rs`, which opens images holding only the synced bytes (on the pwrite
-//! path; see its limits). What these loops rarely reach: a kill inside a write (torn records; `torn_tails_cut` counts them), a
-//! kill during recovery itself (the window opens at the first acknowledgement), and, with
-//! short runs, cleaning and segment reuse (`--max-run-ms 200` reaches them).
+//! `tests/wal_power_loss.rs`, which opens images holding only the synced bytes (on both write
+//! paths; see its limits). A kill inside a write (a torn record) is rare; the `wal` target's
+//! parent tears the unacknowledged tail itself in every third iteration (`tails_torn`,
+//! `torn_tails_cut` counts what recovery cut). What these loops rarely reach: a kill during
+//! recovery itself (the window opens at the first acknowledgement), and, with short runs,
+//! cleaning and segment reuse (`--max-run-ms 200` reaches them).
 //!
 //! Parts: `main.rs` (CLI, the kill loop, counting and the summary), one module per target
 //! (`wal`, `epoch`, `blocks`) with its child workload and its checker, `rng` (a seeded
@@ -287,7 +289,7 @@ fn run(cli: &Cli) -> anyhow::Result<bool> {
         .with_context(|| format!("creating a work directory in {}", parent.display()))?;
     let work_dir = work.path().to_path_buf();
     let mut checker: Box<dyn Checker> = match target {
-        Target::Wal => Box::new(wal::WalChecker::new(&work_dir)),
+        Target::Wal => Box::new(wal::WalChecker::new(&work_dir, cli.seed)),
         Target::Epoch => Box::new(epoch::EpochChecker::new(&work_dir)),
         Target::Blocks => Box::new(blocks::BlocksChecker::new(&work_dir)),
     };

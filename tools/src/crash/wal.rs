@@ -10,7 +10,11 @@
 //! new segments (module doc of `coordbus::wal`, "Recycled segments") while the kill can come;
 //! after each clean it prints `recycled <n>`, the segments its run has made from spares.
 //!
-//! Parent: reopens the log in strict mode (the recovery time), and checks that LSNs run
+//! Parent: in every third iteration, first tears the tail after the last acknowledged record
+//! (`tear_after`): from a random point after it to a little past the last frame written, the
+//! bytes become zeros or garbage, as a power loss may leave bytes no sync covered (a kill -9
+//! alone keeps them whole). Then it reopens the log in strict mode (the recovery time), and
+//! checks that LSNs run
 //! contiguously from the first record kept, which must be at or below the highest `clean`
 //! threshold announced so far (1 if none), that every record passes its self-check, that every
 //! printed LSN is present with the printed checksum, that every record verified after earlier
@@ -25,7 +29,10 @@ use std::{
 };
 
 use anyhow::Context;
-use coordbus::wal::{scan_dir, Durability, IoMode, Lsn, RecoveryMode, Wal, WalConfig, WalOptions};
+use coordbus::{
+    record::frame,
+    wal::{scan_dir, segment, Durability, IoMode, Lsn, RecoveryMode, Wal, WalConfig, WalOptions},
+};
 
 use crate::{rng::Rng, Checker, Counts};
 
@@ -63,6 +70,69 @@ fn mode(iteration: u64) -> (&'static str, Durability, IoMode, u64) {
 /// Whether the iteration's first appender cleans behind itself.
 fn cleans(iteration: u64) -> bool {
     iteration % 8 >= 4
+}
+
+/// Whether the parent tears the log's tail after the iteration's kill (module doc).
+fn tears(iteration: u64) -> bool {
+    iteration % 3 == 2
+}
+
+/// Seeds the parent's tear of an iteration (apart from the children's seeds).
+const TEAR_SEED: u64 = 0x7ea2_7a11;
+
+/// What a tear did to the last segment.
+struct Tear {
+    bytes: u64,
+    garbage: bool,
+}
+
+/// Tears the log in `dir` after the record of `acknowledged` (the last one a child
+/// acknowledged), as a power loss may tear bytes no sync covered: from a random point after
+/// that record's frame to a little past the last frame written, the bytes become zeros or
+/// garbage. Only a tail inside the last segment file is torn (an earlier segment was synced
+/// before a later one got records, so a power loss leaves it whole); `None` when there is
+/// nothing after the record in its segment, or a later segment exists.
+fn tear_after(dir: &Path, acknowledged: Lsn, rng: &mut Rng) -> anyhow::Result<Option<Tear>> {
+    let (acked, last) = {
+        let options = WalOptions { read_only: true, ..WalOptions::default() };
+        let wal = Wal::open_with_options(dir, config(Durability::default()), options)?;
+        let mut records = wal.iter_from(acknowledged)?;
+        let Some(first) = records.next().transpose()? else { return Ok(None) };
+        if first.lsn != acknowledged {
+            // Not there: the check counts the loss.
+            return Ok(None);
+        }
+        let mut last = first.handle;
+        for record in records {
+            last = record?.handle;
+        }
+        (first.handle, last)
+    };
+    let later_segment = std::fs::read_dir(dir)?.filter_map(Result::ok).any(|entry| {
+        entry
+            .file_name()
+            .to_str()
+            .and_then(segment::parse_file_name)
+            .is_some_and(|id| id.0 > acked.segment.0)
+    });
+    if later_segment || last.segment != acked.segment {
+        return Ok(None);
+    }
+    let acked_end = acked.offset + frame::frame_len(acked.len as usize) as u64;
+    let written_end = last.offset + frame::frame_len(last.len as usize) as u64;
+    if written_end <= acked_end {
+        return Ok(None);
+    }
+    let path = dir.join(segment::file_name(acked.segment));
+    let file = std::fs::OpenOptions::new().write(true).open(&path)?;
+    let start = acked_end + rng.below(written_end - acked_end);
+    let end = (written_end + rng.below(4096)).min(file.metadata()?.len());
+    let garbage = rng.below(2) == 0;
+    let bytes: Vec<u8> =
+        (start..end).map(|_| if garbage { rng.next_u64() as u8 } else { 0 }).collect();
+    std::os::unix::fs::FileExt::write_all_at(&file, &bytes, start)
+        .with_context(|| format!("tearing {}", path.display()))?;
+    Ok(Some(Tear { bytes: end - start, garbage }))
 }
 
 /// A self-checking payload of `len + 4` bytes: CRC32C of the body, then the body.
@@ -143,6 +213,8 @@ pub fn child(work: &Path, seed: u64, iteration: u64) -> anyhow::Result<()> {
 /// The parent's side: what every earlier check verified.
 pub struct WalChecker {
     dir: PathBuf,
+    /// The run's seed (the tears derive theirs from it).
+    seed: u64,
     /// CRC32C of each record verified so far, index `lsn - 1` (`None` below the first record
     /// kept).
     verified: Vec<Option<u32>>,
@@ -151,9 +223,9 @@ pub struct WalChecker {
 }
 
 impl WalChecker {
-    /// A checker for the log in `<work>/wal`.
-    pub fn new(work: &Path) -> Self {
-        Self { dir: wal_dir(work), verified: Vec::new(), clean_floor: 0 }
+    /// A checker for the log in `<work>/wal`, tearing tails with seeds derived from `seed`.
+    pub fn new(work: &Path, seed: u64) -> Self {
+        Self { dir: wal_dir(work), seed, verified: Vec::new(), clean_floor: 0 }
     }
 }
 
@@ -204,6 +276,17 @@ impl Checker for WalChecker {
     ) -> anyhow::Result<Option<Duration>> {
         let printed = printed(lines);
         counts.acked += printed.len() as u64;
+        let last_acked = printed.iter().map(|(lsn, _)| *lsn).max();
+        let mut tear = None;
+        if let Some(last) = last_acked.filter(|_| tears(iteration)) {
+            let mut rng = Rng::new(self.seed ^ TEAR_SEED ^ iteration.rotate_left(32));
+            tear = tear_after(&self.dir, Lsn(last), &mut rng)?;
+            if let Some(tear) = &tear {
+                counts.add_extra("tails_torn", 1);
+                counts.add_extra("tails_torn_with_garbage", u64::from(tear.garbage));
+                counts.add_extra("tail_bytes_torn", tear.bytes);
+            }
+        }
         if let Some(threshold) = announced_clean(lines) {
             counts.add_extra("runs_cleaning", 1);
             self.clean_floor = self.clean_floor.max(threshold);
@@ -224,6 +307,10 @@ impl Checker for WalChecker {
         if let Some(tail) = &wal.recovery_report().torn_tail {
             counts.add_extra("torn_tails_cut", 1);
             counts.add_extra("torn_records_discarded", tail.records_discarded);
+        } else if tear.is_some_and(|tear| tear.garbage) {
+            // Garbage after the last whole frame is a torn tail, never a clean end.
+            counts.corrupt_accepted += 1;
+            counts.note(iteration, "the garbage of a torn tail was not cut".to_string());
         }
         // Read every record: LSNs contiguous from the first one kept, each intact.
         let mut crcs: Vec<Option<u32>> = Vec::new();
