@@ -60,15 +60,14 @@ fn wal_kill_loop_loses_nothing_and_cleans_up() {
 }
 
 /// In every third iteration the parent tears the tail after the last acknowledged record
-/// (zeros or garbage); recovery cuts every torn tail of garbage and loses nothing
-/// acknowledged. Eight tears are tried: a kill between two acknowledgements leaves nothing to
-/// tear, which one or two of them may meet, never all.
+/// (zeros or garbage); recovery loses nothing acknowledged, and the tool counts garbage left
+/// uncut (outside a recycled segment) as `corrupt_accepted`, which must stay 0. Eight tears
+/// are tried: a kill between two acknowledgements leaves nothing to tear, which one or two of
+/// them may meet, never all.
 #[test]
 fn wal_tails_torn_after_kills_are_cut_without_loss() {
     let summary = assert_nothing_lost("wal", 24);
-    let count = |key: &str| summary[key].as_u64().unwrap_or(0);
-    assert!(count("tails_torn") >= 1, "no tail was torn: {summary}");
-    assert!(count("torn_tails_cut") >= count("tails_torn_with_garbage"), "{summary}");
+    assert!(summary["tails_torn"].as_u64().unwrap_or(0) >= 1, "no tail was torn: {summary}");
 }
 
 #[test]
