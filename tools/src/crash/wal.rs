@@ -11,10 +11,11 @@
 //! after each clean it prints `recycled <n>`, the segments its run has made from spares.
 //!
 //! Parent: in every third iteration, first tears the tail after the last acknowledged record
-//! (`tear_after`): from a random point after it to a little past the last frame written, the
-//! bytes become zeros or garbage, as a power loss may leave bytes no sync covered (a kill -9
-//! alone keeps them whole). Then it reopens the log in strict mode (the recovery time), and
-//! checks that LSNs run
+//! (`tear_after`), in the last segment only: from a random point after it to up to 4 KiB past
+//! the last frame written, the bytes become zeros or garbage, as a power loss may leave bytes
+//! no sync covered (a kill -9 alone keeps them whole); recovery must cut garbage as a torn
+//! tail (except in a recycled segment, where it may be taken for the earlier segment's bytes).
+//! Then it reopens the log in strict mode (the recovery time), and checks that LSNs run
 //! contiguously from the first record kept, which must be at or below the highest `clean`
 //! threshold announced so far (1 if none), that every record passes its self-check, that every
 //! printed LSN is present with the printed checksum, that every record verified after earlier
@@ -32,7 +33,10 @@ use std::{
 use anyhow::Context;
 use coordbus::{
     record::frame,
-    wal::{scan_dir, segment, Durability, IoMode, Lsn, RecoveryMode, Wal, WalConfig, WalOptions},
+    wal::{
+        scan_dir, segment, Durability, IoMode, Lsn, RecordHandle, RecoveryMode, Wal, WalConfig,
+        WalOptions,
+    },
 };
 
 use crate::{rng::Rng, Checker, Counts};
@@ -81,6 +85,27 @@ fn tears(iteration: u64) -> bool {
 /// Seeds the parent's tear of an iteration (apart from the children's seeds).
 const TEAR_SEED: u64 = 0x7ea2_7a11;
 
+/// The handles of the record of `acknowledged` and of the last record, read (read-only) from a
+/// log that ends cleanly; `None` otherwise (see [`tear_after`]).
+fn acknowledged_and_last(dir: &Path, acknowledged: Lsn) -> Option<(RecordHandle, RecordHandle)> {
+    let options = WalOptions { read_only: true, ..WalOptions::default() };
+    let wal = Wal::open_with_options(dir, config(Durability::default()), options).ok()?;
+    let report = wal.recovery_report();
+    if report.torn_tail.is_some() || report.unsynced_cut.is_some() {
+        return None;
+    }
+    let mut records = wal.iter_from(acknowledged).ok()?;
+    let first = records.next()?.ok()?;
+    if first.lsn != acknowledged {
+        return None;
+    }
+    let mut last = first.handle;
+    for record in records {
+        last = record.ok()?.handle;
+    }
+    Some((first.handle, last))
+}
+
 /// What a tear did to the last segment.
 struct Tear {
     bytes: u64,
@@ -92,25 +117,18 @@ struct Tear {
 
 /// Tears the log in `dir` after the record of `acknowledged` (the last one a child
 /// acknowledged), as a power loss may tear bytes no sync covered: from a random point after
-/// that record's frame to a little past the last frame written, the bytes become zeros or
-/// garbage. Only a tail inside the last segment file is torn (an earlier segment was synced
-/// before a later one got records, so a power loss leaves it whole); `None` when there is
-/// nothing after the record in its segment, or a later segment exists.
+/// that record's frame to up to 4 KiB past the last frame written, the bytes become zeros or
+/// garbage. Records synced but not acknowledged yet may be torn too, which is stricter than a
+/// power loss but loses nothing acknowledged: every frame after the tear's start is destroyed,
+/// so none is left to prove them durable. Only a tail inside the last segment file is torn (an
+/// earlier segment was synced before a later one got records, so a power loss leaves it whole).
+/// `None` (nothing torn) when there is nothing after the record in its segment, a later
+/// segment exists, the record is not found (the check counts the loss), or the log does not
+/// end cleanly before the tear (a torn tail, a failed log's cut, a read error: frames past the
+/// last one read could survive the tear; the check's own open judges such a log).
 fn tear_after(dir: &Path, acknowledged: Lsn, rng: &mut Rng) -> anyhow::Result<Option<Tear>> {
-    let (acked, last) = {
-        let options = WalOptions { read_only: true, ..WalOptions::default() };
-        let wal = Wal::open_with_options(dir, config(Durability::default()), options)?;
-        let mut records = wal.iter_from(acknowledged)?;
-        let Some(first) = records.next().transpose()? else { return Ok(None) };
-        if first.lsn != acknowledged {
-            // Not there: the check counts the loss.
-            return Ok(None);
-        }
-        let mut last = first.handle;
-        for record in records {
-            last = record?.handle;
-        }
-        (first.handle, last)
+    let Some((acked, last)) = acknowledged_and_last(dir, acknowledged) else {
+        return Ok(None);
     };
     let later_segment = std::fs::read_dir(dir)?.filter_map(Result::ok).any(|entry| {
         entry
