@@ -233,3 +233,14 @@ pub fn io_uring_refusal() -> Option<String> {
         }
     }
 }
+
+/// Whether a test's io_uring variant runs: only a kernel refusal skips it (printed).
+pub fn kernel_allows_io_uring() -> bool {
+    match io_uring_refusal() {
+        None => true,
+        Some(reason) => {
+            eprintln!("skipping: the kernel refuses io_uring: {reason}");
+            false
+        }
+    }
+}
