@@ -9,8 +9,8 @@
 //! duplicated. A killed process keeps what reached the page cache: the check proves, end to
 //! end on real files and processes, that each item was written before it was acknowledged and
 //! that recovery finds it, not that it was synced (a power loss). That half is
-//! `tests/wal_power_loss.rs`, which opens images holding only the synced bytes (on both write
-//! paths; see its limits). A kill inside a write (a torn record) is rare; the `wal` target's
+//! `tests/wal_power_loss.rs`, `epoch_power_loss.rs` and `block_tracker_power_loss.rs`, which
+//! open images holding only the synced bytes (on both write paths; see their limits). A kill inside a write (a torn record) is rare; the `wal` target's
 //! parent tears the unacknowledged tail itself in every third iteration (`tails_torn`,
 //! `torn_tails_cut` counts what recovery cut). What these loops rarely reach: a kill during
 //! recovery itself (the window opens at the first acknowledgement), and, with short runs,
