@@ -105,6 +105,7 @@ fn durable_commits_survive_a_power_loss(io: IoMode, directory: Directory, seed: 
     assert!(images >= 10, "only {images} images");
     let stats = status.wal_stats().unwrap();
     assert!(stats.cleaned_segments > 0, "no segment was cleaned: {stats:?}");
+    assert!(stats.recycled_segments > 0, "no spare was reused: {stats:?}");
     if io == IoMode::IoUring {
         assert_eq!(stats.io_path, Some(IoPath::IoUring), "the ring engine wrote, not a fallback");
         assert!(storage.ring_syncs() > 0, "no ring sync was modelled");

@@ -1,8 +1,9 @@
 //! `SyncedImage`, a storage layer over the real file system that keeps what a power loss would
 //! leave: for every file the bytes it held at its last sync, and for the directory the names
-//! (and the files they name) as of its last directory sync. `image` writes that state out as a
-//! directory of its own, which a test opens as a restarted process would after a power loss.
-//! Used by the WAL's power-loss test and by the epoch log's.
+//! (and the files they name) as of its last directory sync, or of its last rename or unlink
+//! (`Directory::Eager`). `image` writes that state out as a directory of its own, which a test
+//! opens as a restarted process would after a power loss. Used by the power-loss tests of the
+//! WAL, the epoch log and the block tracker.
 //!
 //! Both write paths are modelled:
 //! * **pwrite**: the storage layer hides the descriptors, so every write and sync goes through
@@ -15,19 +16,24 @@
 //!   the kernel orders it behind every earlier write (drained or linked), writes whose
 //!   completions were not reaped before it was submitted. This is stricter than the kernel
 //!   (which covers any write finished before the sync started), so a group acknowledged on a
-//!   sync that did not cover it is caught, pipelining included. Seeded ring writes come up
-//!   short or are interrupted, so the engine's finishing of them with pwrite runs too.
+//!   sync that did not cover it is caught, pipelining included. Ring writes come up short or
+//!   are interrupted (chosen by a hash of the seed, the file and the write's place), so the
+//!   engine's finishing of them with pwrite runs too.
 //!
 //! The directory: by default a name change (create, rename, unlink) is durable only after a
-//! directory sync; `Directory::Eager` makes every rename and unlink durable at once, with
-//! the changes before it, as a journal commit right after it may (ext4 commits the journal at
-//! any `fsync`). A correct log survives both extremes.
+//! directory sync (`Directory::Lazy`). `Directory::Eager` makes every rename and unlink
+//! durable at once with every change before it: the state a journal commit right after it
+//! leaves (ext4 commits metadata in order, and any `fsync` may commit the journal). Only the
+//! changed file's directory is persisted (the logs here live in one directory); a commit right
+//! after a create (a new name before its header is synced) is not modelled. A correct log
+//! survives both extremes.
 //!
 //! Limits of the model: it learns of ring entries from the engine's own calls, made where each
 //! entry is built and where its completion is read, so it checks how the engine orders writes,
-//! syncs and acknowledgements, not whether the kernel ran what was submitted. A write that lands while a sync through
-//! the storage layer runs may or may not be in it, and the model may count it in (that sync
-//! snapshots the file as it starts; only ring writes in flight are masked).
+//! syncs and acknowledgements, not whether the kernel ran what was submitted. A write that
+//! lands while a sync through the storage layer runs may or may not be in it, and the model may
+//! count it in (that sync snapshots the file as it starts; only ring writes in flight are
+//! masked).
 
 #![allow(dead_code)]
 
@@ -43,8 +49,6 @@ use std::{
 };
 
 use coordbus::wal::{FileStorage, RingFault, RingOp, Storage, StorageFile};
-use rand::{RngExt, SeedableRng};
-use rand_xorshift::XorShiftRng;
 
 /// What a power loss would leave, as of now.
 #[derive(Debug, Default)]
@@ -56,6 +60,11 @@ pub struct Durable {
     /// Each file's bytes as of its last `sync_data` (none: never synced, empty after a loss).
     synced_bytes: HashMap<u64, Vec<u8>>,
     next_id: u64,
+    /// Name changes so far, and how many of them `synced_names` holds: a directory sync that
+    /// started before a change made durable since (eagerly, or by an overlapping sync) must
+    /// not undo it.
+    name_changes: u64,
+    names_durable_through: u64,
 }
 
 /// The real file system, recording what each sync made durable (module doc).
@@ -78,20 +87,25 @@ pub struct SyncedImage {
 /// Seeded faults for ring writes, shared by every file of a log.
 #[derive(Debug)]
 pub struct RingFaults {
-    rng: Mutex<XorShiftRng>,
+    seed: u64,
     injected: AtomicUsize,
 }
 
 impl RingFaults {
     fn new(seed: u64) -> Self {
-        Self { rng: Mutex::new(XorShiftRng::seed_from_u64(seed)), injected: AtomicUsize::new(0) }
+        Self { seed, injected: AtomicUsize::new(0) }
     }
 
-    /// For a ring write of `len` bytes: one in 16 comes up short (half of it is submitted),
-    /// one in 32 is interrupted (`EINTR`, nothing written); the engine finishes both with
-    /// pwrite.
-    fn for_write(&self, len: usize) -> Option<RingFault> {
-        let fault = match self.rng.lock().unwrap().random_range(0..32) {
+    /// For a ring write of `len` bytes at `offset` of file `file`: one in 16 comes up short
+    /// (half of it is submitted), one in 32 is interrupted (`EINTR`, nothing written); the
+    /// engine finishes both with pwrite. Chosen by a hash of the seed and the write, so the
+    /// same writes get the same faults whatever the timing.
+    fn for_write(&self, file: u64, offset: u64, len: usize) -> Option<RingFault> {
+        let mut hash = self.seed ^ file.rotate_left(48) ^ offset.rotate_left(16) ^ len as u64;
+        // splitmix64's finalizer.
+        hash = (hash ^ (hash >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        hash = (hash ^ (hash >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        let fault = match (hash ^ (hash >> 31)) % 32 {
             0 | 1 if len > 1 => RingFault::ShortWrite(len / 2),
             2 => RingFault::Errno(libc::EINTR),
             _ => return None,
@@ -191,6 +205,7 @@ impl Storage for SyncedImage {
         durable.next_id += 1;
         let id = durable.next_id;
         durable.current.insert(path.to_path_buf(), id);
+        durable.name_changes += 1;
         Ok(Arc::new(TrackedFile::new(inner, id, self)))
     }
 
@@ -204,6 +219,7 @@ impl Storage for SyncedImage {
         FileStorage.remove(path)?;
         let mut durable = self.durable.lock().unwrap();
         durable.current.remove(path);
+        durable.name_changes += 1;
         if self.eager_directory {
             durable.persist_names(path.parent().expect("a file in a directory"));
         }
@@ -215,6 +231,7 @@ impl Storage for SyncedImage {
         let mut durable = self.durable.lock().unwrap();
         let id = durable.current.remove(from).expect("renaming a known file");
         durable.current.insert(to.to_path_buf(), id);
+        durable.name_changes += 1;
         if self.eager_directory {
             durable.persist_names(to.parent().expect("a file in a directory"));
         }
@@ -224,11 +241,17 @@ impl Storage for SyncedImage {
     fn sync_dir(&self, dir: &Path) -> io::Result<()> {
         // The names as the sync starts are what it makes durable (a change while it runs may
         // miss it).
-        let in_dir = self.durable.lock().unwrap().names_in(dir);
+        let (in_dir, changes) = {
+            let durable = self.durable.lock().unwrap();
+            (durable.names_in(dir), durable.name_changes)
+        };
         FileStorage.sync_dir(dir)?;
         let mut durable = self.durable.lock().unwrap();
-        durable.synced_names.retain(|path, _| path.parent() != Some(dir));
-        durable.synced_names.extend(in_dir);
+        if changes > durable.names_durable_through {
+            durable.synced_names.retain(|path, _| path.parent() != Some(dir));
+            durable.synced_names.extend(in_dir);
+            durable.names_durable_through = changes;
+        }
         Ok(())
     }
 }
@@ -248,6 +271,7 @@ impl Durable {
         let in_dir = self.names_in(dir);
         self.synced_names.retain(|path, _| path.parent() != Some(dir));
         self.synced_names.extend(in_dir);
+        self.names_durable_through = self.name_changes;
     }
 }
 
@@ -296,7 +320,7 @@ impl StorageFile for TrackedFile {
                 if let Some(uncovered) = &mut state.sync_uncovered {
                     uncovered.push((offset, len));
                 }
-                self.ring_faults.as_ref().and_then(|faults| faults.for_write(len))
+                self.ring_faults.as_ref().and_then(|faults| faults.for_write(self.id, offset, len))
             }
             RingOp::SyncData { ordered } => {
                 assert!(state.sync_uncovered.is_none(), "two ring syncs of one file at once");
