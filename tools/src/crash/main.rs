@@ -10,11 +10,12 @@
 //! end on real files and processes, that each item was written before it was acknowledged and
 //! that recovery finds it, not that it was synced (a power loss). That half is
 //! `tests/wal_power_loss.rs`, `epoch_power_loss.rs` and `block_tracker_power_loss.rs`, which
-//! open images holding only the synced bytes (on both write paths; see their limits). A kill inside a write (a torn record) is rare; the `wal` target's
-//! parent tears the unacknowledged tail itself in every third iteration (`tails_torn`,
-//! `torn_tails_cut` counts what recovery cut). What these loops rarely reach: a kill during
-//! recovery itself (the window opens at the first acknowledgement), and, with short runs,
-//! cleaning and segment reuse (`--max-run-ms 200` reaches them).
+//! open images holding only the synced bytes (on both write paths; see their limits). A kill
+//! inside a write (a torn record) is rare; the `wal` target's parent tears the unacknowledged
+//! tail itself in every third iteration (`tails_torn`; `torn_tails_cut` counts what recovery
+//! cut). What these loops rarely reach: a kill during recovery itself (the window opens at the
+//! first acknowledgement), and, with short runs, cleaning and segment reuse (`--max-run-ms
+//! 200` reaches them).
 //!
 //! Parts: `main.rs` (CLI, the kill loop, counting and the summary), one module per target
 //! (`wal`, `epoch`, `blocks`) with its child workload and its checker, `rng` (a seeded
