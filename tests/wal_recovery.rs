@@ -827,6 +827,58 @@ fn a_last_segment_of_garbage_is_corruption_not_a_torn_creation() {
     assert!(summary.skipped && !summary.dropped, "{summary:?}");
 }
 
+/// The same after a recycled segment: its file held an earlier segment, so its records are
+/// followed by that segment's frames, and only the next segment's header can confirm where its
+/// own records end. When that header is garbage, strict opening names the damaged segment, not
+/// the intact recycled one before it (which it named before).
+#[test]
+fn a_garbage_segment_after_a_recycled_one_is_the_corruption_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let wal = Arc::new(open(dir.path(), Durability::default(), IoMode::Auto, 64 << 10));
+    let mut rng = seeded(54);
+    let mut append = |wal: &Arc<Wal>| {
+        let (lsn, handle) = wal.append_bytes(&payload(&mut rng, 400), 0).unwrap();
+        wait_durable_bounded(wal, lsn).unwrap();
+        (lsn, handle.segment)
+    };
+    let mut last = Lsn::ZERO;
+    for _ in 0..600 {
+        last = append(&wal).0;
+    }
+    // Every segment but the last becomes a spare (two are kept), to be the next segments.
+    wal.clean_below_lsn(last, true).unwrap();
+    // Append until the second spare is a segment, then a record too large for what is left
+    // of it: the log rolls with the earlier use's frames left after the records.
+    let recycled = (0..5000)
+        .map(|_| append(&wal).1)
+        .find(|_| wal.stats().recycled_segments == 2)
+        .expect("the second spare became a segment");
+    let room = (64 << 10) - segment::HEADER_LEN as usize;
+    let largest = (0..room).rev().find(|&len| frame::frame_len(len) <= room).unwrap();
+    let (lsn, handle) = wal.append_bytes(&vec![7u8; largest], 0).unwrap();
+    wait_durable_bounded(&wal, lsn).unwrap();
+    assert_eq!(handle.segment.0, recycled.0 + 1, "the large record rolled the log");
+    Arc::into_inner(wal).unwrap().close().unwrap();
+    let scan = scan_dir(dir.path(), RecoveryMode::Strict).unwrap();
+    let (before, garbled) = match scan.segments.as_slice() {
+        [.., before, garbled] => (before, garbled),
+        other => panic!("two segments at least: {other:?}"),
+    };
+    assert!(before.recycled && before.id == recycled, "{before:?}");
+    assert!(!garbled.recycled && garbled.id.0 == recycled.0 + 1, "{garbled:?}");
+    let mut garbage = vec![0u8; std::fs::metadata(&garbled.path).unwrap().len() as usize];
+    garbage.iter_mut().for_each(|byte| *byte = rng.random());
+    std::fs::write(&garbled.path, &garbage).unwrap();
+    match scan_dir(dir.path(), RecoveryMode::Strict) {
+        Err(WalError::Corruption { segment, .. }) => assert_eq!(segment, garbled.id.0),
+        other => panic!("expected corruption of segment {}, got {other:?}", garbled.id.0),
+    }
+    match Wal::open(dir.path(), WalConfig::default()) {
+        Err(WalError::Corruption { segment, .. }) => assert_eq!(segment, garbled.id.0),
+        other => panic!("expected corruption of segment {}, got {other:?}", garbled.id.0),
+    }
+}
+
 /// A torn creation (a header never made durable, zeros after it) is removed on open, and the
 /// records before it are all kept.
 #[test]

@@ -361,7 +361,7 @@ enum Next {
     /// after it): the segment before it was complete and synced when its creation began.
     TornCreation,
     /// The next file's header is unreadable, and it is no torn creation.
-    Unreadable,
+    Unreadable(SegmentId),
 }
 
 impl Next {
@@ -378,7 +378,7 @@ impl Next {
         if is_last && is_torn_creation(&files[index + 1].1, bytes) {
             Next::TornCreation
         } else {
-            Next::Unreadable
+            Next::Unreadable(*id)
         }
     }
 
@@ -388,7 +388,7 @@ impl Next {
         match self {
             Next::Starts(first) => first == expected,
             Next::TornCreation => true,
-            Next::Nothing | Next::Unreadable => false,
+            Next::Nothing | Next::Unreadable(_) => false,
         }
     }
 }
@@ -585,6 +585,20 @@ fn scan_segment(
             Some(_) if !is_last && header.recycled && next.confirms_end_at(expected) => {}
             Some(reason) if !is_last => {
                 if !tolerant {
+                    if let (true, Next::Unreadable(next_id)) = (header.recycled, next) {
+                        // The next file's header, which would confirm where the records here
+                        // end, is damaged: that is the corruption to name (what follows the
+                        // records here may well be the earlier use's frames).
+                        return Err(WalError::Corruption {
+                            segment: next_id.0,
+                            offset: 0,
+                            reason: format!(
+                                "damaged segment header, after recycled segment {} whose \
+                                 records end at offset {at}",
+                                id.0
+                            ),
+                        });
+                    }
                     return Err(WalError::Corruption {
                         segment: id.0,
                         offset: at,
