@@ -29,7 +29,7 @@ use coordbus::wal::{
     Durability, FileStorage, IoMode, IoPath, Lsn, RingFault, RingOp, Storage, StorageFile,
     UnsyncedCut, Wal, WalConfig, WalError, WalOptions, UNSYNCED_MARKER,
 };
-use wal_support::{bounded, io_uring_refusal, wait_durable_bounded};
+use wal_support::{bounded, kernel_allows_io_uring, wait_durable_bounded};
 
 /// Bound of a durability wait with a timeout: far longer than a sync; a wait that has not
 /// returned by then is hung, and fails the test instead of hanging it.
@@ -186,11 +186,8 @@ enum IoVariant {
 /// Runs `test` on both paths (the uring one only if the kernel allows io_uring).
 fn on_both_paths(test: impl Fn(IoVariant)) {
     test(IoVariant::Pwrite);
-    match io_uring_refusal() {
-        None => test(IoVariant::Uring),
-        Some(reason) => {
-            eprintln!("skipping the io_uring variant: the kernel refuses io_uring: {reason}")
-        }
+    if kernel_allows_io_uring() {
+        test(IoVariant::Uring);
     }
 }
 
@@ -615,8 +612,7 @@ fn a_failure_amid_a_group_that_spans_segments_on(path: IoVariant) {
 /// over the bytes the failed writeback lost (Linux reports such an error once).
 #[test]
 fn a_failed_linked_sync_fails_the_log_even_when_its_write_came_up_short() {
-    if let Some(reason) = io_uring_refusal() {
-        eprintln!("skipping: the kernel refuses io_uring: {reason}");
+    if !kernel_allows_io_uring() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -650,8 +646,7 @@ fn a_failed_linked_sync_fails_the_log_even_when_its_write_came_up_short() {
 /// and on the pipelined one alike, and the record is durable and intact.
 #[test]
 fn a_ring_write_that_would_block_is_finished_with_pwrite_on_both_ring_paths() {
-    if let Some(reason) = io_uring_refusal() {
-        eprintln!("skipping: the kernel refuses io_uring: {reason}");
+    if !kernel_allows_io_uring() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();

@@ -830,7 +830,7 @@ fn a_last_segment_of_garbage_is_corruption_not_a_torn_creation() {
 /// The same after a recycled segment: its file held an earlier segment, so its records are
 /// followed by that segment's frames, and only the next segment's header can confirm where its
 /// own records end. When that header is garbage, strict opening names the damaged segment, not
-/// the intact recycled one before it (which it named before).
+/// the intact recycled one before it.
 #[test]
 fn a_garbage_segment_after_a_recycled_one_is_the_corruption_named() {
     let dir = tempfile::tempdir().unwrap();

@@ -124,8 +124,10 @@
 //!   one durable only with an LSN at or above it. Where a recycled segment's records stop, the
 //!   rest is its earlier use, not damage: a clean end for a sealed segment where the next
 //!   segment's header starts at the next LSN (or the next file is a torn creation; otherwise
-//!   it is damage in a sealed segment), and a torn tail for the last segment only if frames of
-//!   this use (LSN at or above the expected one, complete or with just their header) lie there.
+//!   it is damage in a sealed segment, reported in strict mode as the next file's damaged
+//!   header when that header does not decode and no frame of this use lies there), and a torn
+//!   tail for the last segment only if frames of this use (LSN at or above the expected one,
+//!   complete or with just their header) lie there.
 //! * Closing a log deletes its spares, and a writer's open deletes those a crash left (and a
 //!   spare whose reuse a crash interrupted): only the process that retired a spare knows that
 //!   every frame in it has a lower LSN than the next one. So spares take disk space, up to

@@ -581,20 +581,23 @@ fn scan_segment(
             // before a torn creation): what follows is its file's earlier use (frames of lower
             // LSNs; garbage where they do not start at a frame boundary of this use), not
             // damage. Without the next file to confirm the end, it is judged like any sealed
-            // segment.
+            // segment, except in strict mode when that file's header is damaged and nothing
+            // here is a frame of this use: the header is then the corruption named.
             Some(_) if !is_last && header.recycled && next.confirms_end_at(expected) => {}
             Some(reason) if !is_last => {
                 if !tolerant {
-                    if let (true, Next::Unreadable(next_id)) = (header.recycled, next) {
-                        // The next file's header, which would confirm where the records here
-                        // end, is damaged: that is the corruption to name (what follows the
-                        // records here may well be the earlier use's frames).
+                    let frame_of_this_use =
+                        frame::claimed_lsn(rest).is_some_and(|lsn| lsn >= expected);
+                    if let (true, false, Next::Unreadable(next_id)) =
+                        (header.recycled, frame_of_this_use, next)
+                    {
                         return Err(WalError::Corruption {
                             segment: next_id.0,
                             offset: 0,
                             reason: format!(
-                                "damaged segment header, after recycled segment {} whose \
-                                 records end at offset {at}",
+                                "damaged segment header: it alone could confirm where the \
+                                 records of recycled segment {} before it end (at offset {at}: \
+                                 {reason})",
                                 id.0
                             ),
                         });

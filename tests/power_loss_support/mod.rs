@@ -60,11 +60,11 @@ pub struct Durable {
     /// Each file's bytes as of its last `sync_data` (none: never synced, empty after a loss).
     synced_bytes: HashMap<u64, Vec<u8>>,
     next_id: u64,
-    /// Name changes so far, and how many of them `synced_names` holds: a directory sync that
-    /// started before a change made durable since (eagerly, or by an overlapping sync) must
-    /// not undo it.
+    /// Name changes so far, and per directory how many of them `synced_names` holds: a
+    /// directory sync that started before a change made durable since (eagerly, or by an
+    /// overlapping sync) must not undo it.
     name_changes: u64,
-    names_durable_through: u64,
+    names_durable_through: HashMap<PathBuf, u64>,
 }
 
 /// The real file system, recording what each sync made durable (module doc).
@@ -247,10 +247,10 @@ impl Storage for SyncedImage {
         };
         FileStorage.sync_dir(dir)?;
         let mut durable = self.durable.lock().unwrap();
-        if changes > durable.names_durable_through {
+        if changes > durable.names_durable_through.get(dir).copied().unwrap_or(0) {
             durable.synced_names.retain(|path, _| path.parent() != Some(dir));
             durable.synced_names.extend(in_dir);
-            durable.names_durable_through = changes;
+            durable.names_durable_through.insert(dir.to_path_buf(), changes);
         }
         Ok(())
     }
@@ -271,7 +271,7 @@ impl Durable {
         let in_dir = self.names_in(dir);
         self.synced_names.retain(|path, _| path.parent() != Some(dir));
         self.synced_names.extend(in_dir);
-        self.names_durable_through = self.name_changes;
+        self.names_durable_through.insert(dir.to_path_buf(), self.name_changes);
     }
 }
 

@@ -5,7 +5,9 @@
 //! any run starts, instead of panicking, wrapping or hanging in the middle of one. The bounds
 //! are far above any useful value and the defaults; where the library has its own limit
 //! (inbox shards, lanes and capacity, segment size, payload size, group commit delay), the
-//! flag takes exactly that.
+//! flag takes exactly that. Flags that only bound together are checked before a run:
+//! memory planned up front ([`check_planned_bytes`]) and logs against the free space of their
+//! file system ([`check_free_disk`], sized by [`log_disk_bytes`]).
 
 use std::{ops::RangeInclusive, path::Path};
 
