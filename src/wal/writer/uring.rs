@@ -376,8 +376,7 @@ impl UringEngine {
             unsafe { self.push(&entry, if link_sync { 2 } else { 1 }) };
         }
         if link_sync {
-            // Ordered behind the write: the flag it was pushed with says so.
-            self.push_sync(index, write_flags.contains(squeue::Flags::IO_LINK));
+            self.push_sync(index, true);
         }
         self.enter(0, None);
     }
@@ -722,7 +721,6 @@ impl IoEngine for UringEngine {
             // Results injected by the storage's fault plan, per slot (and for the sync).
             let mut injected: Vec<Option<i32>> = vec![None; batch.len()];
             let mut sync_injected: Option<i32> = None;
-            let mut sync_ordered = false;
             {
                 let mut submission = self.ring.submission();
                 for (slot, piece) in batch.iter().enumerate() {
@@ -751,10 +749,8 @@ impl IoEngine for UringEngine {
                     let fd = target.file.raw_fd().expect("checked above");
                     let order =
                         if linked { squeue::Flags::empty() } else { squeue::Flags::IO_DRAIN };
-                    // As pushed: linked behind the only write, or drained.
-                    sync_ordered = write_flags.contains(squeue::Flags::IO_LINK)
-                        || order.contains(squeue::Flags::IO_DRAIN);
-                    let (entry, fault) = sync_entry(target.file, fd, sync_ordered);
+                    // Linked behind the only write, or drained: ordered either way.
+                    let (entry, fault) = sync_entry(target.file, fd, true);
                     sync_injected = fault;
                     let entry = entry.flags(order).user_data(SYNC_USER_DATA);
                     // SAFETY: an fsync entry carries no buffer; the descriptor stays open for
@@ -788,9 +784,7 @@ impl IoEngine for UringEngine {
                     if entry.user_data() == SYNC_USER_DATA {
                         let result = sync_injected.unwrap_or(entry.result());
                         let target = with_sync.expect("a sync was submitted");
-                        target
-                            .file
-                            .ring_completed(RingOp::SyncData { ordered: sync_ordered }, result);
+                        target.file.ring_completed(RingOp::SyncData { ordered: true }, result);
                         if linked && result == -libc::ECANCELED {
                             // The linked write failed or came up short: handled with it.
                             continue;
