@@ -1,6 +1,7 @@
 //! Goal (issue 4): small payloads (a few machine words) cost no allocation per message, and
 //! memory stays bounded by the backlog limits: the payloads of committed epochs are freed, so
-//! recycled buckets do not keep old writer commit messages alive.
+//! recycled buckets do not keep old writer commit messages alive, and pending epochs are laid
+//! out by partition only where the partition count is within the limit.
 //!
 //! Method: `allocation_counter` (the global allocator of this test binary) counts the
 //! allocations and live bytes of the test's own thread while it drives the state machine with
@@ -98,5 +99,42 @@ fn committed_epochs_keep_no_large_commit_messages_alive() {
         "a coordinator with every epoch committed still holds {} bytes more with 4 KiB commit \
          messages ({with_large} against {with_small})",
         with_large - with_small
+    );
+}
+
+/// Peak bytes the coordinator's thread holds while epochs `1..=16` each get one offset report
+/// and one writer commit (32 entries per side, far below the limit of 64), with 16 Ki reader
+/// and writer partitions.
+fn peak_bytes_of_sixteen_thin_epochs(backlog_limit: usize) -> u64 {
+    let info = allocation_counter::measure(|| {
+        let config = EpochConfig::new(1).with_backlog_limit(backlog_limit);
+        let mut coordinator = EpochCoordinator::new(config, NoopQuery, NoopSink).unwrap();
+        coordinator.set_reader_partitions(1 << 14).unwrap();
+        coordinator.set_writer_partitions(1 << 14).unwrap();
+        for epoch in 1..=16 {
+            let partition = PartitionId(epoch as i32);
+            coordinator.report_partition_offset(partition, Epoch(epoch), epoch.into()).unwrap();
+            coordinator.commit_partition_epoch(partition, Epoch(epoch), epoch.into()).unwrap();
+        }
+        assert!(coordinator.counters().dropped() == 0, "no limit was reached");
+    });
+    info.bytes_max
+}
+
+#[test]
+fn pending_epochs_take_memory_bounded_by_the_backlog_limits() {
+    // A dense side is sized by the partition count (40 bytes per partition), not by what it
+    // holds: with 16 Ki partitions and a limit of 64 entries, sixteen epochs laid out densely
+    // would take 16 x 2 x 16 Ki x 40 bytes = 20 MiB for 64 entries.
+    let small_limit = peak_bytes_of_sixteen_thin_epochs(64);
+    assert!(
+        small_limit < 256 * 1024,
+        "64 entries at a backlog limit of 64 took {small_limit} bytes at the peak"
+    );
+    // The same messages under a limit that allows the dense layout: the counter sees it.
+    let large_limit = peak_bytes_of_sixteen_thin_epochs(1 << 20);
+    assert!(
+        large_limit > 16 * 2 * (1 << 14) * 40,
+        "dense layouts within a limit of 2^20 took only {large_limit} bytes"
     );
 }

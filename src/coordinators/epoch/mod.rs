@@ -46,10 +46,11 @@
 //!   instead of scanning all pending state.
 //!
 //! Memory is proportional to the stored entries: sparse buckets grow with their entries; dense
-//! buckets (40 bytes per partition and side, only for partition counts up to 16 Ki) exist only
-//! for the 16 epochs after the last committed one, plus at most 16 recycled ones. The backlog
-//! checks stop the query once the entries exceed the limits (default 10 000 each), with Spark's
-//! errors (SPEC B.7). Spark then keeps storing until the query sends
+//! buckets (40 bytes per partition and side, only for partition counts up to 16 Ki and up to
+//! the side's backlog limit) exist only for the 16 epochs after the last committed one, plus
+//! at most 16 recycled ones, so they take at most 32 x 40 bytes per unit of the limits. The
+//! backlog checks stop the query once the entries exceed the limits (default 10 000 each),
+//! with Spark's errors (SPEC B.7). Spark then keeps storing until the query sends
 //! `StopContinuousExecutionWrites`, so tasks that keep sending grow its maps without bound.
 //! Here a side (offsets or commits) whose entries are over its limit takes no new
 //! `(epoch, partition)` entry, except for the next epoch to commit while that side's partition

@@ -67,6 +67,14 @@ impl Hasher for IntHasher {
 
 pub(crate) type IntMap<K, V> = HashMap<K, V, BuildHasherDefault<IntHasher>>;
 
+/// Whether a dense side for `count` partitions stays within `limit` entries: a dense side is
+/// sized by the partition count, not by what it holds, so only a count within its backlog limit
+/// is laid out densely (a larger one is sparse and grows with its entries), and memory stays
+/// bounded by the limits.
+fn fits_limit(count: i32, limit: usize) -> bool {
+    usize::try_from(count).is_ok_and(|count| count <= limit)
+}
+
 /// What an insert into [`Slots`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Inserted {
@@ -844,8 +852,15 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
                     bucket.offsets.shrink();
                     bucket.commits.shrink();
                 }
-                bucket.offsets.prepare(self.reader_partitions, !far);
-                bucket.commits.prepare(self.writer_partitions, !far);
+                let dense = |count: i32, limit: usize| !far && fits_limit(count, limit);
+                let (offset_limit, commit_limit) =
+                    (self.config.partition_offset_limit, self.config.partition_commit_limit);
+                bucket
+                    .offsets
+                    .prepare(self.reader_partitions, dense(self.reader_partitions, offset_limit));
+                bucket
+                    .commits
+                    .prepare(self.writer_partitions, dense(self.writer_partitions, commit_limit));
                 *vacant.insert(slot)
             }
         };
