@@ -103,7 +103,7 @@ fn committed_epochs_keep_no_large_commit_messages_alive() {
 }
 
 /// Peak bytes the coordinator's thread holds while epochs `1..=16` each get one offset report
-/// and one writer commit (32 entries per side, far below the limit of 64), with 16 Ki reader
+/// and one writer commit (16 entries per side, far below the limit of 64), with 16 Ki reader
 /// and writer partitions.
 fn peak_bytes_of_sixteen_thin_epochs(backlog_limit: usize) -> u64 {
     let info = allocation_counter::measure(|| {
@@ -125,11 +125,11 @@ fn peak_bytes_of_sixteen_thin_epochs(backlog_limit: usize) -> u64 {
 fn pending_epochs_take_memory_bounded_by_the_backlog_limits() {
     // A dense side is sized by the partition count (40 bytes per partition), not by what it
     // holds: with 16 Ki partitions and a limit of 64 entries, sixteen epochs laid out densely
-    // would take 16 x 2 x 16 Ki x 40 bytes = 20 MiB for 64 entries.
+    // would take 16 x 2 x 16 Ki x 40 bytes = 20 MiB for 32 entries.
     let small_limit = peak_bytes_of_sixteen_thin_epochs(64);
     assert!(
         small_limit < 256 * 1024,
-        "64 entries at a backlog limit of 64 took {small_limit} bytes at the peak"
+        "32 entries at a backlog limit of 64 took {small_limit} bytes at the peak"
     );
     // The same messages under a limit that allows the dense layout: the counter sees it.
     let large_limit = peak_bytes_of_sixteen_thin_epochs(1 << 20);

@@ -61,8 +61,9 @@ use crate::{
 };
 
 /// Most epochs of a run (`--epochs`, 2^24): the run keeps two 8-byte timestamps per epoch
-/// (256 MiB at this bound), and a third with `--durability group|every`, allocated up front. Also the largest `--window`: a window of
-/// every epoch of the run is the largest that changes anything.
+/// (256 MiB at this bound), three with `--durability group|every` (384 MiB), allocated up
+/// front. Also the largest `--window`: a window of every epoch of the run is the largest that
+/// changes anything.
 const MAX_EPOCHS: i64 = 1 << 24;
 /// Most producer threads: the coordinator's inbox has a shard per producer plus one for the
 /// driver, and the bus allows at most [`MAX_INBOX_SHARDS`].
@@ -357,7 +358,10 @@ impl Query for LoadQuery {
             slot.store(now_ns, Ordering::Relaxed);
         }
         if let Some(status) = shared.durable_status.get() {
-            shared.stamp_durable(status.durable_committed(), now_ns);
+            // Stamped after the read: a sync that ends between the two clock reads is not
+            // stamped before it ended.
+            let durable = status.durable_committed();
+            shared.stamp_durable(durable, shared.now_ns());
         }
         shared.on_commit(epoch.0);
         Ok(())

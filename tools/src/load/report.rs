@@ -10,10 +10,10 @@
 //! What the baselines and latencies are, where that is easy to misread:
 //! * `epoch`: `p50_ns`.. are from an epoch's last message handed to the bus to its commit, not
 //!   to its commit being durable (the run's end waits for that); `--durability group|every`
-//!   runs add `durable_p50_ns`.. up to the commit record being seen durable. The `reference (direct)`
-//!   baseline runs the reference model in memory on this thread, on a prefix of the stream,
-//!   also for `--durability group|every` runs: compare a durable run with the in-memory run
-//!   of the same sitting, not with that baseline.
+//!   runs add `durable_p50_ns`.. up to the commit record being seen durable. The
+//!   `reference (direct)` baseline runs the reference model in memory on this thread, on a
+//!   prefix of the stream, also for `--durability group|every` runs: compare a durable run
+//!   with the in-memory run of the same sitting, not with that baseline.
 //! * `wal`: the every-record baseline is one thread's fdatasync rate, whatever `--threads`
 //!   says; the group-commit baseline syncs 4 MiB batches, larger than the log's own groups.
 //! * `blocks`: no baseline runs; the `spark_*` keys are Spark's published rates
