@@ -75,6 +75,9 @@ struct Recorder {
     count: Cell<u64>,
     in_handler: Cell<bool>,
     overlap_detected: Arc<AtomicBool>,
+    /// Yield between reading and writing `count` on every message (BUS-02's deliberate yield);
+    /// otherwise on one message in 1000.
+    yield_on_every_message: bool,
     /// If set, `on_start` waits for it: messages sent meanwhile are really queued.
     start_gate: Option<crossbeam_channel::Receiver<()>>,
     /// Where `SilentRequest`'s replier goes (without it, the request is failed).
@@ -197,7 +200,7 @@ impl Endpoint for Recorder {
             self.overlap_detected.store(true, Ordering::SeqCst);
         }
         let before = self.count.get();
-        if note.sequence % 1000 == 999 {
+        if self.yield_on_every_message || note.sequence % 1000 == 999 {
             std::thread::yield_now(); // widen the window for a concurrent entry
         }
         self.count.set(before + 1);
@@ -272,7 +275,11 @@ fn bus_01_names_are_unique_until_stopped() {
 fn bus_02_one_message_at_a_time_and_no_lost_updates() {
     let bus = small_bus();
     let overlap = Arc::new(AtomicBool::new(false));
-    let recorder = Recorder { overlap_detected: Arc::clone(&overlap), ..Default::default() };
+    let recorder = Recorder {
+        overlap_detected: Arc::clone(&overlap),
+        yield_on_every_message: true,
+        ..Default::default()
+    };
     let endpoint = bus.register("counter", recorder).unwrap();
     let senders: Vec<_> = (0..8)
         .map(|sender| {
