@@ -232,7 +232,8 @@ struct Shared {
     last_sent_ns: Vec<AtomicU64>,
     /// Per epoch: nanoseconds since `start` when it was committed.
     committed_ns: Vec<AtomicU64>,
-    /// Durable runs: the query's status, asked at every commit which commits are durable.
+    /// Durable runs: the query's status, asked at every commit which commits are durable, and
+    /// by the main thread for the final wait and the WAL's counters.
     durable_status: OnceLock<DurableQueryStatus>,
     /// Durable runs, per epoch: nanoseconds since `start` when its commit record was seen
     /// durable (empty for in-memory runs).
@@ -629,7 +630,6 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
     let load_query = LoadQuery(Arc::clone(&shared));
     // The WAL directory lives until the end of this function (removed on drop).
     let mut wal_dir = None;
-    let mut durable_status = None;
     let query: Box<dyn Query + Send> = match args.durability {
         Durability::None => Box::new(load_query),
         Durability::Group | Durability::Every => {
@@ -644,7 +644,6 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
             };
             let wal = Wal::open(dir.path(), WalConfig { durability, ..WalConfig::default() })?;
             let query = DurableQuery::from_wal(wal, load_query)?;
-            durable_status = Some(query.status());
             let _ = shared.durable_status.set(query.status());
             wal_dir = Some(dir);
             Box::new(query)
@@ -774,7 +773,7 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
         .get((committed.max(1) - 1) as usize)
         .map_or(0, |ns| ns.load(Ordering::Relaxed));
     let mut not_durable = None;
-    if let Some(status) = &durable_status {
+    if let Some(status) = shared.durable_status.get() {
         // The run ends when the last commit record is durable.
         if status.wait_durable_committed(Epoch(committed), Duration::from_secs(60)) {
             finished_ns = shared.now_ns();
@@ -789,7 +788,7 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
     driver.join().map_err(|_| anyhow::anyhow!("driver panicked"))??;
     let stats = coordinator.ask(GetEpochStats).wait()?;
     let endpoint_stats = coordinator.stats();
-    let wal_stats = durable_status.as_ref().and_then(|status| status.wal_stats());
+    let wal_stats = shared.durable_status.get().and_then(DurableQueryStatus::wal_stats);
     bus.shutdown()?;
     drop(wal_dir);
     if committed < epochs {
