@@ -404,9 +404,13 @@ fn take_block(
     extra: Option<&ArchivedBlockExtra>,
 ) -> Result<ReceivedBlockInfo, BlockTrackerError> {
     let flags = u32::from(cursor.byte()?);
-    let stream = i64::from(previous.stream) + unzigzag(cursor.varint()?);
-    let stream = i32::try_from(stream)
-        .map_err(|_| bad(format!("coded stream id {stream} is out of range")))?;
+    let delta = unzigzag(cursor.varint()?);
+    let stream = i64::from(previous.stream)
+        .checked_add(delta)
+        .and_then(|stream| i32::try_from(stream).ok())
+        .ok_or_else(|| {
+            bad(format!("coded stream id {} + {delta} is out of range", previous.stream))
+        })?;
     let unique_id = previous.unique_id.wrapping_add(unzigzag(cursor.varint()?) as u64);
     let num_records = if flags & FLAG_COUNT != 0 {
         let count = cursor.varint()?;
@@ -660,6 +664,14 @@ mod tests {
         assert!(is_decode_error(coded(1, overflow)), "a count varint past 64 bits");
         let huge_stream = [vec![0u8], vec![0xff, 0xff, 0xff, 0xff, 0x7f], vec![0]].concat();
         assert!(is_decode_error(coded(1, huge_stream)), "a stream id out of i32 range");
+        // After a block of stream 1 (flags 0, stream delta +1, id delta 0), a stream delta of
+        // i64::MAX (zigzag u64::MAX - 1) or, after stream -1, i64::MIN (zigzag u64::MAX): the
+        // sum overflows i64 (a panic where overflow is checked).
+        for (first_stream, delta) in [(0x02u8, 0xfeu8), (0x01, 0xff)] {
+            let overflowing =
+                [vec![0, first_stream, 0, 0, delta], vec![0xff; 8], vec![0x01, 0]].concat();
+            assert!(is_decode_error(coded(2, overflowing)), "a stream delta overflowing i64");
+        }
         assert!(is_decode_error(coded(u32::MAX, vec![0; 30])), "no allocation from a count");
     }
 
