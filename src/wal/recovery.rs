@@ -35,6 +35,7 @@
 //! is allocated from them: frames are parsed in place in the memory map.
 
 use std::{
+    collections::HashMap,
     path::{Path, PathBuf},
     sync::{atomic::Ordering, Arc},
     time::{Duration, Instant},
@@ -269,14 +270,25 @@ fn list_spares(dir: &Path) -> Result<Vec<PathBuf>, WalError> {
     Ok(found.into_iter().map(|((), path)| path).collect())
 }
 
-/// The first valid frame at or after `from` (16-byte steps) whose LSN is at least `min_lsn`.
-fn find_frame(bytes: &[u8], from: u64, min_lsn: u64) -> Option<(u64, frame::FrameHeader)> {
+/// The first valid frame at or after `from` (16-byte steps) that this log can have written
+/// there, if the record of LSN `min_lsn` would start at `origin` (at most `from`): its LSN is
+/// at least `min_lsn`, and at most one more per smallest frame (a bare header) between
+/// `origin` and it. A frame claiming a larger LSN was not written there by this log (crafted
+/// or foreign bytes with a valid CRC): taking it as proof, or resuming at its LSN, would let
+/// LSNs jump towards their end (and wrap).
+fn find_frame(
+    bytes: &[u8],
+    origin: u64,
+    from: u64,
+    min_lsn: u64,
+) -> Option<(u64, frame::FrameHeader)> {
     let mut at = (from as usize).next_multiple_of(frame::ALIGN);
     while at + frame::HEADER_LEN <= bytes.len() {
         let candidate = &bytes[at..];
         if frame::looks_like_header(candidate) {
             if let Ok((header, _)) = frame::parse(candidate) {
-                if header.lsn >= min_lsn {
+                let most_records = (at as u64).saturating_sub(origin) / frame::HEADER_LEN as u64;
+                if header.lsn >= min_lsn && header.lsn - min_lsn <= most_records {
                     return Some((at as u64, header));
                 }
             }
@@ -286,16 +298,34 @@ fn find_frame(bytes: &[u8], from: u64, min_lsn: u64) -> Option<(u64, frame::Fram
     None
 }
 
-/// The last frame of the run of frames that starts with `first` (each found by
-/// [`find_frame`] past the one before, with a higher LSN).
-fn last_frame(bytes: &[u8], first: (u64, frame::FrameHeader)) -> (u64, frame::FrameHeader) {
+/// The last frames of runs found so far in one segment, by the offset of a frame on the run:
+/// the run that follows a frame (each next one found by [`find_frame`] past the one before,
+/// with a higher LSN) depends only on that frame, so a later search that reaches a frame seen
+/// before stops there. Without it a damaged stretch at every other frame (tolerant recovery
+/// goes on after each) would walk the rest of the segment once per stretch.
+type LastFrames = HashMap<u64, (u64, frame::FrameHeader)>;
+
+/// The last frame of the run of frames that starts with `first`.
+fn last_frame(
+    bytes: &[u8],
+    first: (u64, frame::FrameHeader),
+    known: &mut LastFrames,
+) -> (u64, frame::FrameHeader) {
+    let mut walked = Vec::new();
     let mut last = first;
-    while let Some(next) =
-        find_frame(bytes, last.0 + last.1.frame_len(), last.1.lsn.saturating_add(1))
-    {
-        last = next;
-    }
-    last
+    let end = loop {
+        if let Some(&end) = known.get(&last.0) {
+            break end;
+        }
+        walked.push(last.0);
+        let after = last.0 + last.1.frame_len();
+        match find_frame(bytes, after, after, last.1.lsn.saturating_add(1)) {
+            Some(next) => last = next,
+            None => break last,
+        }
+    };
+    known.extend(walked.into_iter().map(|offset| (offset, end)));
+    end
 }
 
 /// True if every byte of `bytes` is zero (word-wise, so the compiler vectorizes it).
@@ -494,6 +524,7 @@ fn scan_segment(
     let mut ranges = Vec::new();
     let mut max_time = i64::MIN;
     let mut min_time = i64::MAX;
+    let mut last_frames = LastFrames::new();
     loop {
         let rest = &bytes[at as usize..];
         let parsed = frame::parse(rest);
@@ -534,7 +565,7 @@ fn scan_segment(
         let search_end = (garbage_end as usize).next_multiple_of(frame::ALIGN).min(bytes.len());
         let region = &bytes[..search_end];
         let later = if garbage_end > at {
-            find_frame(region, at + frame::ALIGN as u64, expected)
+            find_frame(region, at, at + frame::ALIGN as u64, expected)
         } else {
             None
         };
@@ -544,7 +575,7 @@ fn scan_segment(
         // (the synced LSN a record carries only grows with its LSN).
         let proof = if is_last {
             later
-                .map(|first| last_frame(region, first))
+                .map(|first| last_frame(region, first, &mut last_frames))
                 .filter(|(_, last)| last.synced_lsn_at_append() >= expected)
         } else {
             later
@@ -621,7 +652,7 @@ fn scan_segment(
                     let mut records_discarded = 0;
                     let mut new_end = at;
                     let mut from = at + frame::ALIGN as u64;
-                    while let Some((found_at, found)) = find_frame(region, from, expected) {
+                    while let Some((found_at, found)) = find_frame(region, at, from, expected) {
                         records_discarded += 1;
                         from = found_at + found.frame_len();
                         new_end = from;
