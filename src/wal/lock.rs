@@ -65,7 +65,7 @@ impl DirLock {
         grace: std::time::Duration,
         busy_tries: &AtomicU32,
     ) -> Result<Option<DirLock>, WalError> {
-        let file = match File::open(dir) {
+        let file = match open_directory(dir) {
             Ok(file) => file,
             Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(None),
             Err(error) => return Err(WalError::from_io("open directory to lock", dir, 0, &error)),
@@ -113,6 +113,17 @@ impl Drop for DirLock {
     }
 }
 
+/// Opens `dir` read-only to lock it, failing with `ENOTDIR` if it is not a directory: a plain
+/// `File::open` of a named pipe would block until a writer opened it (`O_NONBLOCK` as well,
+/// should the kernel ever check the type later).
+fn open_directory(dir: &Path) -> io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_NONBLOCK)
+        .open(dir)
+}
+
 /// Whether a writer (in this or another process) holds the lock on `dir`. A missing directory
 /// is not locked. The answer may be stale by the time it is read; tools use it to explain what
 /// they see (a live writer's tail may be in flight), not to synchronize.
@@ -121,7 +132,7 @@ impl Drop for DirLock {
 /// [`WalError::Io`] if the directory cannot be opened or the lock state cannot be read.
 pub fn is_locked(dir: impl AsRef<Path>) -> Result<bool, WalError> {
     let dir = dir.as_ref();
-    let file = match File::open(dir) {
+    let file = match open_directory(dir) {
         Ok(file) => file,
         Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(false),
         Err(error) => return Err(WalError::from_io("open directory", dir, 0, &error)),
@@ -138,6 +149,26 @@ pub fn is_locked(dir: impl AsRef<Path>) -> Result<bool, WalError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A named pipe is not a directory: probing or locking it fails at once instead of
+    /// blocking in `open` until a writer opens the pipe.
+    #[test]
+    fn a_named_pipe_is_refused_without_blocking() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo");
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status().unwrap();
+        assert!(made.success(), "mkfifo: {made}");
+        let (sender, receiver) = std::sync::mpsc::channel();
+        let probed = fifo.clone();
+        std::thread::spawn(move || {
+            let _ =
+                sender.send((is_locked(&probed).is_err(), DirLock::try_acquire(&probed).is_err()));
+        });
+        let refused = receiver
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("the probe and the lock returned instead of blocking");
+        assert_eq!(refused, (true, true), "both refuse a named pipe");
+    }
 
     #[test]
     fn a_directory_is_locked_once_and_free_after_release() {

@@ -108,6 +108,11 @@ fn flags_whose_product_is_too_much_memory_are_refused_naming_them() {
             &["blocks", "--receivers", "1024", "--batch", "1048576", "--batch-in-flight", "16"],
             &["--receivers 1024", "--batch-in-flight 16", "--batch 1048576"],
         ),
+        // Single additions keep `--in-flight` blocks per receiver (the check once left it out).
+        (
+            &["blocks", "--receivers", "1024", "--in-flight", "1048576"],
+            &["--receivers 1024", "--in-flight 1048576"],
+        ),
         (
             &["wal", "--threads", "1024", "--record-bytes", "16777216", "--records", "2048"],
             &["--threads 1024", "--record-bytes 16777216"],
@@ -201,6 +206,11 @@ fn the_wal_tool_does_not_take_a_wrong_directory_for_a_healthy_log() {
     std::fs::create_dir_all(odd.join("seg-0000000001.wal")).unwrap();
     assert_verify_refuses(&odd, "not a regular file");
     assert!(!wal_tool(&["verify", odd.to_str().unwrap()]).1.contains("writer lock"));
+    // A named pipe: refused as no directory, at once (opening it to probe a writer's lock
+    // blocked until someone wrote to the pipe).
+    let fifo = parent.path().join("fifo");
+    assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success(), "mkfifo");
+    assert_verify_refuses(&fifo, "is not a directory");
 }
 
 /// A usage error of `coordbus-wal` exits 3, as its help says, not clap's 2 (which `verify`

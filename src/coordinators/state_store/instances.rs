@@ -63,6 +63,9 @@ struct PartitionSlots {
     dense_len: usize,
     /// Partitions at or above `dense.len()` (huge, negative, or far ahead of the others).
     sparse: FxHashMap<i32, ExecutorCacheTaskLocation>,
+    /// Sparse entries and newly covered slots [`Self::grow_to`] looked at (tests).
+    #[cfg(test)]
+    growth_visits: usize,
 }
 
 impl PartitionSlots {
@@ -91,16 +94,34 @@ impl PartitionSlots {
     }
 
     /// Resizes the dense vector to `new_len` slots and moves the sparse entries it now covers
-    /// into it.
+    /// into it. Those are the sparse entries in `old len..new_len` (none is below the old
+    /// length), found by looking up each new slot or by one pass over the sparse entries,
+    /// whichever is fewer: a growth costs at most its new slots, so however the vector grows
+    /// (by doubling, or by a few slots where its room is short), the growths of an operator
+    /// cost O(1) per entry. (Scanning every sparse entry at each growth cost a whole pass per
+    /// report when many partitions above the dense limit wait there for good.)
     #[cold]
     fn grow_to(&mut self, new_len: usize) {
+        let old_len = self.dense.len();
         self.dense.resize(new_len, None);
-        let covered: Vec<i32> = self
-            .sparse
-            .keys()
-            .copied()
-            .filter(|partition| usize::try_from(*partition).is_ok_and(|p| p < new_len))
-            .collect();
+        let by_slot = new_len - old_len <= self.sparse.len();
+        #[cfg(test)]
+        {
+            self.growth_visits += if by_slot { new_len - old_len } else { self.sparse.len() };
+        }
+        let covered: Vec<i32> = if by_slot {
+            // New slots are below DENSE_PARTITION_LIMIT, so their indexes fit an i32.
+            (old_len..new_len)
+                .filter_map(|slot| i32::try_from(slot).ok())
+                .filter(|partition| self.sparse.contains_key(partition))
+                .collect()
+        } else {
+            self.sparse
+                .keys()
+                .copied()
+                .filter(|partition| usize::try_from(*partition).is_ok_and(|p| p < new_len))
+                .collect()
+        };
         for partition in covered {
             if let Some(location) = self.sparse.remove(&partition) {
                 self.dense[partition as usize] = Some(location);
@@ -191,6 +212,36 @@ mod tests {
         /// Dense slots allocated for `store_id`'s operator (tests).
         fn dense_slots(&self, store_id: &StateStoreId) -> usize {
             self.operators.get(&OperatorKey::of(store_id)).map_or(0, |slots| slots.dense.len())
+        }
+
+        /// Sparse entries and new slots the growths of `store_id`'s operator looked at.
+        fn growth_visits(&self, store_id: &StateStoreId) -> usize {
+            self.operators.get(&OperatorKey::of(store_id)).map_or(0, |slots| slots.growth_visits)
+        }
+    }
+
+    /// Many partitions above the dense limit wait in the map for good; reports of partitions
+    /// below it that grow the vector a few slots at a time (its room is short of doubling) cost
+    /// their new slots, not a pass over all those waiting entries each.
+    #[test]
+    fn growing_the_vector_costs_its_new_slots_not_a_pass_over_every_sparse_entry() {
+        let mut table = InstanceTable::default();
+        let at = ExecutorCacheTaskLocation::new("h", "e");
+        let store = |partition| StateStoreId::new("/many", 1, partition);
+        const ABOVE: i32 = 20_000;
+        for index in 0..ABOVE {
+            table.insert(store(1_000_000 + index), at);
+        }
+        // Odd partitions: each is just past the vector's room, which grows by two slots.
+        let reports = 2_000;
+        for partition in (63..).step_by(2).take(reports) {
+            table.insert(store(partition), at);
+        }
+        assert_eq!(table.len(), ABOVE as usize + reports);
+        let visits = table.growth_visits(&store(0));
+        assert!(visits <= 20 * reports, "{visits} visits for {reports} reports");
+        for partition in (63..).step_by(2).take(reports) {
+            assert_eq!(table.get(&store(partition)), Some(at), "partition {partition}");
         }
     }
 

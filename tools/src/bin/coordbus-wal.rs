@@ -342,9 +342,11 @@ fn torn_creation_detail(scan: &coordbus::wal::DirScan) -> String {
 }
 
 fn verify(dir: &PathBuf, as_json: bool) -> ExitCode {
-    // A probe failure (e.g. no permission to open the directory) shows up in the scan below.
-    let locked = is_locked(dir).unwrap_or(false);
-    let (code, verdict, detail) = match check_log_dir(dir) {
+    let checked = check_log_dir(dir);
+    // Probed only for a directory. A probe failure (e.g. no permission to open the directory)
+    // shows up in the scan below.
+    let locked = checked.is_ok() && is_locked(dir).unwrap_or(false);
+    let (code, verdict, detail) = match checked {
         Err(error) => (3, "error", format!("{error:#}")),
         Ok(()) => match scan_dir(dir, RecoveryMode::Strict) {
             Ok(scan) if cuts_unsynced(&scan) => (2, "failed-log", scan.report.to_string()),

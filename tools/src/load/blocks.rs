@@ -231,14 +231,16 @@ fn validate(args: &BlocksArgs) -> anyhow::Result<()> {
     if args.receivers == 0 || args.in_flight == 0 || args.batch_in_flight == 0 || args.batch == 0 {
         bail!("--receivers, --in-flight, --batch-in-flight and --batch must be at least 1");
     }
-    // Each receiver keeps its additions in flight, `--batch` blocks per record.
+    // Each receiver keeps a window of blocks in flight: `--in-flight` single additions, or
+    // `--batch-in-flight` blocks in records of `--batch` (at least one whole record).
     let block = std::mem::size_of::<ReceivedBlockInfo>() as u128;
+    let window = args.in_flight.max(args.batch_in_flight).max(args.batch);
     crate::limits::check_planned_bytes(
         &format!(
-            "--receivers {} x --batch-in-flight {} x --batch {}",
-            args.receivers, args.batch_in_flight, args.batch
+            "--receivers {} x the largest of --in-flight {}, --batch-in-flight {} and --batch {}",
+            args.receivers, args.in_flight, args.batch_in_flight, args.batch
         ),
-        args.receivers as u128 * args.batch_in_flight as u128 * args.batch as u128 * block,
+        args.receivers as u128 * window as u128 * block,
     )?;
     if args.blocks < args.receivers as u64 {
         bail!(
@@ -664,4 +666,21 @@ fn run_recover_and_allocate(
             .with("allocation_event_bytes", allocation_bytes)
             .with("bytes_per_event", allocation_bytes as f64 / allocated.max(1) as f64),
     ])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The memory check counts the blocks a run keeps in flight: a window per receiver, not a
+    /// window of whole batches. (It once multiplied `--batch-in-flight` by `--batch`, refusing
+    /// runs of a few MB, and left out `--in-flight`.)
+    #[test]
+    fn the_memory_check_counts_the_blocks_in_flight() {
+        let batches = BlocksArgs { receivers: 2, batch: 1024, batch_in_flight: 131_072, ..quick() };
+        validate(&batches).unwrap();
+        let singles = BlocksArgs { receivers: 1024, in_flight: 1 << 20, ..quick() };
+        let refused = validate(&singles).unwrap_err().to_string();
+        assert!(refused.contains("--in-flight 1048576"), "{refused}");
+    }
 }

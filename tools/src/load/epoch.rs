@@ -621,6 +621,10 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
         epochs,
         main: std::thread::current(),
     });
+    // The WAL directory lives until the end of this function (removed on drop). Declared
+    // before the bus, so that on an early return the bus (and the log it holds open) goes
+    // first.
+    let mut wal_dir = None;
     let bus = Bus::builder()
         .inbox_lanes(args.inbox_lanes)
         .inbox_shards(args.producers + 1)
@@ -628,8 +632,6 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
         .build()?;
     let config = EpochConfig::new(1).with_backlog_limit(args.backlog_limit);
     let load_query = LoadQuery(Arc::clone(&shared));
-    // The WAL directory lives until the end of this function (removed on drop).
-    let mut wal_dir = None;
     let query: Box<dyn Query + Send> = match args.durability {
         Durability::None => Box::new(load_query),
         Durability::Group | Durability::Every => {
