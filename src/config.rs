@@ -124,9 +124,14 @@ impl Default for BusConfig {
 /// 2^24 slots would abort the process on allocation.
 pub(crate) const MAX_INBOX_SLOTS: u64 = 1 << 27;
 
+/// Most bytes the slots of one endpoint's inbox may take: [`MAX_INBOX_SLOTS`] bounds the count
+/// whatever the message type, this bounds the memory, checked when an endpoint of a given
+/// message type is registered (2^27 slots of a 1 KiB message would be 128 GiB).
+pub(crate) const MAX_INBOX_BYTES: u64 = 8 << 30;
+
 /// Slots of an inbox of `shards` rings and `lanes` lanes of `capacity` slots each, as the queue
 /// rounds them (counts and capacity up to powers of two).
-fn inbox_slots(shards: usize, lanes: usize, capacity: usize) -> u64 {
+pub(crate) fn inbox_slots(shards: usize, lanes: usize, capacity: usize) -> u64 {
     let rings = shards.max(1).next_power_of_two() as u64;
     (rings + lanes as u64).saturating_mul(capacity.max(2).next_power_of_two() as u64)
 }

@@ -156,6 +156,26 @@ pub enum BusError {
         /// What is wrong with it.
         reason: &'static str,
     },
+    /// The endpoint's inbox would take more memory than the bus allows for one inbox: its
+    /// slots (the bus's shards, lanes and capacity) times the size of a slot for this
+    /// endpoint's messages.
+    #[error(
+        "the inbox of endpoint {name:?} would take {bytes} bytes ({slots} slots of {slot_bytes} \
+         bytes), more than {limit}: lower inbox_capacity, inbox_shards or inbox_lanes, or box \
+         large messages"
+    )]
+    InboxTooLarge {
+        /// The endpoint's name.
+        name: String,
+        /// Slots of the inbox (rings and lanes, as the queue rounds them).
+        slots: u64,
+        /// Bytes of one slot for this endpoint's messages.
+        slot_bytes: u64,
+        /// `slots` x `slot_bytes`.
+        bytes: u64,
+        /// The most bytes one inbox may take.
+        limit: u64,
+    },
     /// Endpoint threads still running when `shutdown` gave up waiting: their endpoints are
     /// stopped and finish on their own (left detached), but what was queued may not be
     /// handled yet.

@@ -125,6 +125,42 @@ fn a_name_holding_a_nul_is_refused_and_leaves_nothing_registered() {
     bus.shutdown().unwrap();
 }
 
+/// An endpoint of large messages, kept inline in the inbox's slots.
+struct LargeMessages;
+
+impl Endpoint for LargeMessages {
+    type Message = [u8; 4096];
+    type Request = ();
+    fn handle(&mut self, _: [u8; 4096], _: &Context<Self>) -> Result<(), HandlerError> {
+        Ok(())
+    }
+    fn handle_request(&mut self, (): (), _: &Context<Self>) -> Result<(), HandlerError> {
+        Ok(())
+    }
+}
+
+/// The slot count of an inbox is validated with the bus, its memory with the message type:
+/// the most slots a bus allows, of 4 KiB messages, would be 512 GiB allocated up front (an
+/// abort or the OOM killer), so registering such an endpoint is a typed error that names the
+/// sizes, and nothing is registered or allocated.
+#[test]
+fn an_inbox_too_large_for_its_message_type_is_refused_before_allocating() {
+    let bus = Bus::builder().inbox_shards(1024).inbox_lanes(0).inbox_capacity(1 << 17).build();
+    let bus = bus.expect("2^27 slots in all is within the bus's slot limit");
+    match bus.register("large", LargeMessages) {
+        Err(BusError::InboxTooLarge { name, slots, slot_bytes, bytes, limit }) => {
+            assert_eq!(name, "large");
+            assert_eq!(slots, 1 << 27);
+            assert!(slot_bytes >= 4096, "{slot_bytes}");
+            assert_eq!(bytes, slots * slot_bytes);
+            assert!(bytes > limit, "{bytes} against {limit}");
+        }
+        other => panic!("expected InboxTooLarge, got {:?}", other.map(|_| ())),
+    }
+    assert!(matches!(bus.lookup::<LargeMessages>("large"), Err(BusError::NotFound { .. })));
+    bus.shutdown().unwrap();
+}
+
 /// A gate a handler waits at (bounded) until the test opens it.
 #[derive(Default)]
 struct Gate {

@@ -31,11 +31,14 @@ use std::{
 
 use dashmap::{mapref::entry::Entry, DashMap};
 
-use self::{endpoint::Inbox, pin::CorePlanner};
 pub use self::{
     endpoint::{Ask, Context, Endpoint, EndpointRef, EndpointStats},
     reply::{Replier, Reply},
     stats::{DroppedCount, TimeSummary, OTHER_DROP_REASONS},
+};
+use self::{
+    endpoint::{Envelope, Inbox},
+    pin::CorePlanner,
 };
 use crate::{
     config::{BusBuilder, BusConfig},
@@ -149,6 +152,7 @@ impl Bus {
         if self.shared.shut_down.load(Ordering::SeqCst) {
             return Err(BusError::ShutDown);
         }
+        self.check_inbox_bytes::<E>(&name)?;
         let inbox = match self.shared.registry.entry(name.clone()) {
             Entry::Occupied(_) => return Err(BusError::DuplicateName { name }),
             Entry::Vacant(vacant) => {
@@ -214,6 +218,32 @@ impl Bus {
             },
             Err(error) => Err(error),
         }
+    }
+
+    /// Refuses an inbox whose slots for `E`'s messages would exceed
+    /// [`MAX_INBOX_BYTES`](crate::config::MAX_INBOX_BYTES): the slot count alone is validated
+    /// with the bus, but the memory depends on the message type.
+    fn check_inbox_bytes<E: Endpoint>(&self, name: &str) -> Result<(), BusError> {
+        let config = &self.config;
+        let slots = crate::config::inbox_slots(
+            config.inbox_shards,
+            config.inbox_lanes,
+            config.inbox_capacity,
+        );
+        // A slot is its stamp and the envelope.
+        let slot_bytes = (std::mem::size_of::<usize>() + std::mem::size_of::<Envelope<E>>()) as u64;
+        let bytes = slots.saturating_mul(slot_bytes);
+        let limit = crate::config::MAX_INBOX_BYTES;
+        if bytes > limit {
+            return Err(BusError::InboxTooLarge {
+                name: name.to_owned(),
+                slots,
+                slot_bytes,
+                bytes,
+                limit,
+            });
+        }
+        Ok(())
     }
 
     fn spawn_worker<E: Endpoint>(&self, endpoint: E, inbox: Arc<Inbox<E>>) -> Result<(), BusError> {
