@@ -14,7 +14,7 @@ mod epoch_support;
 
 use coordbus::coordinators::epoch::{
     reference::ReferenceEpochCoordinator, BacklogQueue, Epoch, EpochConfig, EpochCoordinator,
-    PartitionId, Payload,
+    EpochStats, PartitionId, Payload,
 };
 use epoch_support::{recorders, CallLog, RecordingQuery, RecordingSink};
 use proptest::{prelude::*, test_runner::RngSeed};
@@ -117,7 +117,9 @@ fn payload(index: usize) -> Payload {
     }
 }
 
-fn check(case: &Case) -> Result<(), TestCaseError> {
+/// Runs `case` on both machines, comparing them after every operation; returns the fast one's
+/// final statistics.
+fn check(case: &Case) -> Result<EpochStats, TestCaseError> {
     let mut config = EpochConfig::new(case.start_epoch);
     config.partition_offset_limit = case.offset_limit;
     config.partition_commit_limit = case.commit_limit;
@@ -172,7 +174,7 @@ fn check(case: &Case) -> Result<(), TestCaseError> {
         prop_assert_eq!(fast.stats(), model.stats(), "stats after op {} {:?}", index, op);
         prop_assert_eq!(fast.get_current_epoch(), model.get_current_epoch());
     }
-    Ok(())
+    Ok(fast.stats())
 }
 
 proptest! {
@@ -186,6 +188,66 @@ proptest! {
     #[test]
     fn fast_coordinator_matches_the_reference_model(case in case()) {
         check(&case)?;
+    }
+}
+
+/// Wide runs: 65-100 partitions (more than one word of a dense side's bitmap), every message of
+/// more than 32 epochs (more buckets than are laid out densely or recycled) in one shuffled
+/// order, and sometimes a count lowered or raised midway, which turns prepared dense sides
+/// sparse. The small cases above reach none of these.
+fn wide_case() -> impl Strategy<Value = Case> {
+    (
+        65..=100i32,
+        65..=100i32,
+        33..=36i64,
+        proptest::option::weighted(0.3, (0..4000usize, 60..=110i32)),
+    )
+        .prop_flat_map(|(readers, writers, epochs, count_change)| {
+            let mut messages = Vec::new();
+            for epoch in 1..=epochs {
+                messages.extend((0..readers).map(|partition| Op::Report(partition, epoch)));
+                messages.extend((0..writers).map(|partition| Op::Commit(partition, epoch)));
+            }
+            (Just((readers, writers, count_change)), Just(messages).prop_shuffle())
+        })
+        .prop_map(|((readers, writers, count_change), messages)| {
+            let mut ops = vec![Op::SetReaders(readers), Op::SetWriters(writers)];
+            ops.extend(messages);
+            if let Some((at, count)) = count_change {
+                ops.insert(2 + at.min(ops.len() - 2), Op::SetReaders(count));
+            }
+            Case {
+                start_epoch: 1,
+                offset_limit: 100_000,
+                commit_limit: 100_000,
+                waiting_limit: 100_000,
+                fail_sink_at: None,
+                fail_commit_at: None,
+                fail_add_offsets_at: None,
+                ops,
+            }
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: 8,
+        rng_seed: RngSeed::Fixed(0x00C0_0DB0_5EEE),
+        max_shrink_iters: 64,
+        ..ProptestConfig::default()
+    })]
+
+    #[test]
+    fn fast_coordinator_matches_the_reference_model_on_wide_runs(case in wide_case()) {
+        let stats = check(&case)?;
+        // Without a count change every epoch completes: the comparison covered their commits.
+        let changed = case.ops.iter().filter(|op| matches!(op, Op::SetReaders(_))).count() > 1;
+        let epochs = case.ops.iter().filter_map(|op| match op {
+            Op::Report(_, epoch) => Some(*epoch),
+            _ => None,
+        });
+        let last = epochs.max().unwrap_or(0);
+        prop_assert!(changed || stats.last_committed == Epoch(last), "{:?}", stats);
     }
 }
 
