@@ -2179,12 +2179,17 @@ impl Wal {
             // would leave a gap in the LSNs, which recovery reads as corruption. Never the
             // newest: a reopened log continues its LSNs and segment ids from it (with none
             // left they would start again at 1, and a stale handle could read a new record).
+            // Nor one whose next segment has no file yet (mapped once its header and name are
+            // durable): until then it is the newest file on disk, from which a reopened log
+            // continues (the sync thread seals it before creating the next file, and a log
+            // that failed to create that file never will).
             let prefix = segments
                 .iter()
-                .take(segments.len().saturating_sub(1))
-                .take_while(|segment| {
+                .zip(segments.iter().skip(1))
+                .take_while(|(segment, next)| {
                     Some(segment.header.id) != active
                         && segment.sealed.load(Ordering::Acquire)
+                        && next.map.get().is_some()
                         && select(segment)
                 })
                 .count();
