@@ -26,8 +26,8 @@ use std::{
 };
 
 use coordbus::wal::{
-    Durability, FileStorage, IoMode, IoPath, Lsn, RingFault, RingOp, Storage, StorageFile,
-    UnsyncedCut, Wal, WalConfig, WalError, WalOptions, UNSYNCED_MARKER,
+    Durability, FileStorage, IoMode, IoPath, Lsn, RingFault, RingOp, SegmentId, Storage,
+    StorageFile, UnsyncedCut, Wal, WalConfig, WalError, WalOptions, UNSYNCED_MARKER,
 };
 use wal_support::{bounded, kernel_allows_io_uring, wait_durable_bounded};
 
@@ -672,4 +672,92 @@ fn a_ring_write_that_would_block_is_finished_with_pwrite_on_both_ring_paths() {
     assert_path_used(&wal, &faults);
     drop(wal);
     assert_eq!(records(dir.path()), expected);
+}
+
+/// The file layer of [`cleans_delete_in_lsn_order_so_a_failed_deletion_leaves_no_gap`]: the
+/// removal of segment 1 announces itself, waits for the test's gate, then fails.
+#[derive(Debug)]
+struct StuckRemoval {
+    entered: std::sync::Mutex<Option<std::sync::mpsc::Sender<()>>>,
+    gate: std::sync::Mutex<std::sync::mpsc::Receiver<()>>,
+}
+
+impl Storage for StuckRemoval {
+    fn create_dir_all(&self, dir: &Path) -> io::Result<()> {
+        FileStorage.create_dir_all(dir)
+    }
+    fn create(&self, path: &Path) -> io::Result<Arc<dyn StorageFile>> {
+        FileStorage.create(path)
+    }
+    fn open_existing(&self, path: &Path) -> io::Result<Arc<dyn StorageFile>> {
+        FileStorage.open_existing(path)
+    }
+    fn remove(&self, path: &Path) -> io::Result<()> {
+        if path.file_name() == Some(coordbus::wal::segment::file_name(SegmentId(1)).as_ref()) {
+            if let Some(entered) = self.entered.lock().unwrap().take() {
+                let _ = entered.send(());
+            }
+            let _ = self.gate.lock().unwrap().recv_timeout(WAIT_BOUND);
+            return Err(io::Error::from(io::ErrorKind::PermissionDenied));
+        }
+        FileStorage.remove(path)
+    }
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        FileStorage.rename(from, to)
+    }
+    fn sync_dir(&self, dir: &Path) -> io::Result<()> {
+        FileStorage.sync_dir(dir)
+    }
+}
+
+/// A `clean` that deletes at once (`wait`) while an earlier one's segments are still being
+/// deleted by the sync thread waits for them: deletions run in LSN order, so when the earlier
+/// segment cannot be deleted, the later one is kept too and the log still opens. (Before, the
+/// later segment was deleted first, and the failed deletion left a gap in the LSNs on disk,
+/// which a strict open reports as corruption.)
+#[test]
+fn cleans_delete_in_lsn_order_so_a_failed_deletion_leaves_no_gap() {
+    let dir = tempfile::tempdir().unwrap();
+    let (entered, entered_rx) = std::sync::mpsc::channel();
+    let (open_gate, gate) = std::sync::mpsc::channel();
+    let storage = StuckRemoval { entered: Some(entered).into(), gate: std::sync::Mutex::new(gate) };
+    let wal = Arc::new(
+        Wal::open_with_options(
+            dir.path(),
+            WalConfig { segment_size_bytes: 4096, ..WalConfig::default() },
+            WalOptions { storage: Arc::new(storage), spare_segments: 0, ..WalOptions::default() },
+        )
+        .unwrap(),
+    );
+    // The first LSN of each segment, for four segments and the start of a fifth.
+    let mut first_lsn = std::collections::BTreeMap::new();
+    while first_lsn.len() < 5 {
+        let (lsn, handle) = wal.append_bytes(&[7u8; 200], 0).unwrap();
+        wait_durable_bounded(&wal, lsn).unwrap();
+        first_lsn.entry(handle.segment.0).or_insert(lsn);
+    }
+    // Segment 1 for the sync thread, which gets stuck deleting it.
+    let queued = wal.clean_below_lsn(first_lsn[&2], false).unwrap();
+    assert_eq!(queued.queued, vec![SegmentId(1)]);
+    entered_rx.recv_timeout(WAIT_BOUND).expect("the sync thread deletes segment 1");
+    // Segment 2, to be deleted at once, from another thread.
+    let (done, done_rx) = std::sync::mpsc::channel();
+    let cleaner = Arc::clone(&wal);
+    let below = first_lsn[&3];
+    std::thread::spawn(move || {
+        let _ = done.send(cleaner.clean_below_lsn(below, true));
+    });
+    // It must wait for segment 1's deletion: it may not finish while that is stuck.
+    let early = done_rx.recv_timeout(Duration::from_millis(500));
+    assert!(early.is_err(), "segment 2 was cleaned while segment 1 was not: {early:?}");
+    open_gate.send(()).unwrap();
+    let later = done_rx.recv_timeout(WAIT_BOUND).expect("the clean finished").unwrap();
+    assert!(later.deleted.is_empty(), "{later:?}");
+    assert!(later.failed.iter().any(|(id, _)| *id == SegmentId(2)), "{later:?}");
+    let wal = Arc::into_inner(wal).expect("the only reference");
+    wal.close().unwrap();
+    drop(wal);
+    // Both segments are still there, so the LSNs on disk have no gap.
+    Wal::open(dir.path(), WalConfig { segment_size_bytes: 4096, ..WalConfig::default() })
+        .expect("a strict open finds no gap");
 }

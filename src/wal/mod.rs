@@ -837,6 +837,12 @@ pub(crate) struct Shared {
     /// Segments `clean` untracked without waiting, for the sync thread to delete (SPEC E.4:
     /// deletion runs on the log's thread).
     pub(crate) doomed: Mutex<Doomed>,
+    /// Held while `clean` selects segments and while anyone deletes cleaned segments: the
+    /// deletions then run one at a time, in the order the segments were selected (LSN order).
+    /// Without it, an immediate `clean` could delete its (later) segments while older ones
+    /// were still queued for the sync thread, and a failed or interrupted deletion of those
+    /// would leave a gap in the LSNs on disk.
+    pub(crate) deleting: Mutex<()>,
     /// Files of cleaned segments kept for reuse, at most `spare_limit`.
     pub(crate) spares: Mutex<Spares>,
     /// [`WalOptions::spare_segments`].
@@ -1232,6 +1238,7 @@ impl Shared {
     /// Runs while the thread unwinds, so a storage layer that panics again while deleting is
     /// caught (a panic during an unwind would abort the process); the files then stay.
     pub(crate) fn writer_gone(&self) {
+        let _order = lock(&self.deleting);
         let leftover_doomed = {
             let mut doomed = lock(&self.doomed);
             doomed.writer_exited = true;
@@ -1595,6 +1602,7 @@ impl Wal {
                 written_waiters: 0,
             }),
             doomed: Mutex::new(Doomed { segments: Vec::new(), writer_exited: options.read_only }),
+            deleting: Mutex::new(()),
             spares: Mutex::new(Spares::default()),
             spare_limit: options.spare_segments,
             recycled_segments: AtomicU64::new(0),
@@ -2171,6 +2179,8 @@ impl Wal {
         if shared.read_only {
             return Err(WalError::ReadOnly);
         }
+        // Selections and deletions in one order (`Shared::deleting`).
+        let _order = lock(&shared.deleting);
         let active = lock(&shared.append).active.as_ref().map(|segment| segment.header.id);
         let selected: Vec<Arc<Segment>> = {
             let mut segments =
@@ -2203,7 +2213,11 @@ impl Wal {
             return Ok(report);
         }
         if wait {
-            shared.delete_segments(selected, &mut report);
+            // Segments an earlier `clean` queued for the sync thread are older: they go first
+            // (and are reported here).
+            let mut queued = std::mem::take(&mut lock(&shared.doomed).segments);
+            queued.extend(selected);
+            shared.delete_segments(queued, &mut report);
             if !report.deleted.is_empty() {
                 shared.storage.sync_dir(&shared.dir).map_err(|error| {
                     WalError::from_io("sync directory", shared.dir.clone(), 0, &error)

@@ -365,12 +365,14 @@ impl Writer {
         // leftover segments below, which are then deleted, not kept.
         self.shared.delete_spares();
         // From now on `clean` deletes by itself; what it queued before is deleted here.
+        let order = lock(&self.shared.deleting);
         let leftover_doomed = {
             let mut doomed = lock(&self.shared.doomed);
             doomed.writer_exited = true;
             std::mem::take(&mut doomed.segments)
         };
         self.shared.delete_segments(leftover_doomed, &mut CleanReport::default());
+        drop(order);
         // Everything is written and synced (or the log failed): another writer may take over.
         self.shared.holds_dir_lock.store(false, Ordering::Release);
         self.dir_lock = None;
@@ -773,6 +775,13 @@ impl Writer {
     /// Deletes the files of the segments `clean` queued (SPEC E.4: on the log's thread;
     /// failures are logged and not retried).
     fn delete_doomed(&self) {
+        // A `clean` that holds the order is selecting (microseconds) or deleting; one that
+        // deletes takes the queued segments too. Either way this turn does not wait for it.
+        let _order = match self.shared.deleting.try_lock() {
+            Ok(order) => order,
+            Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return,
+        };
         let doomed = std::mem::take(&mut lock(&self.shared.doomed).segments);
         if !doomed.is_empty() {
             self.shared.delete_segments(doomed, &mut CleanReport::default());
