@@ -2126,7 +2126,9 @@ impl Wal {
     }
 
     /// Every record with an LSN of at least `from`, in LSN order across segments, up to what
-    /// was written when each segment is reached.
+    /// was written when each segment is reached. The iteration stops (`None`) at the end of
+    /// the first segment still being written; a later `next` on the same iterator goes on from
+    /// there with what was written since, never skipping a record.
     ///
     /// # Errors
     /// Opening the iterator does not fail today; items fail with [`WalError::Corruption`] if
@@ -2425,6 +2427,47 @@ mod tests {
         let bytes = crate::record::to_bytes(&handle).unwrap();
         let archived = crate::record::access::<RecordHandle>(&bytes).unwrap();
         assert_eq!(archived.to_native(), handle);
+    }
+
+    /// An iterator that reaches the end of what a segment had written while the segment is not
+    /// sealed stops there instead of moving on to the next one: the sync thread may write the
+    /// segment's tail and the next segment's first records between the iterator's two reads,
+    /// and moving on would skip that tail. Simulated on a closed log of three segments by
+    /// putting the first one back in its state before its tail was written.
+    #[test]
+    fn an_iterator_never_skips_the_tail_of_a_segment_still_being_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = WalConfig { segment_size_bytes: 4096, ..WalConfig::default() };
+        let wal = Wal::open(dir.path(), config).unwrap();
+        let mut last = Lsn::ZERO;
+        while wal.shared.segments_snapshot().len() < 3 {
+            last = wal.append_bytes(&[9u8; 300], 0).unwrap().0;
+        }
+        wal.wait_durable_timeout(last, WAIT).unwrap();
+        let all: Vec<Lsn> = wal.iter_from(Lsn::ZERO).unwrap().map(|r| r.unwrap().lsn).collect();
+        assert_eq!(all, (1..=last.0).map(Lsn).collect::<Vec<_>>());
+        let first = Arc::clone(&wal.shared.segments_snapshot()[0]);
+        let written_end = first.end_offset.load(Ordering::Acquire);
+        let tail_start = {
+            let mut records = wal.iter_from(Lsn::ZERO).unwrap();
+            let in_first = records
+                .by_ref()
+                .take_while(|r| r.as_ref().unwrap().handle.segment == first.header.id);
+            let handles: Vec<RecordHandle> = in_first.map(|r| r.unwrap().handle).collect();
+            handles.last().unwrap().offset
+        };
+        // The first segment as the sync thread left it before writing its last record.
+        first.sealed.store(false, Ordering::Release);
+        first.end_offset.store(tail_start, Ordering::Release);
+        let mut iter = wal.iter_from(Lsn::ZERO).unwrap();
+        let before: Vec<Lsn> = iter.by_ref().map(|r| r.unwrap().lsn).collect();
+        let tail_lsn = before.len() as u64 + 1;
+        assert_eq!(before, (1..tail_lsn).map(Lsn).collect::<Vec<_>>(), "stops at the tail");
+        // The tail is written and the segment sealed: the same iterator goes on, in order.
+        first.end_offset.store(written_end, Ordering::Release);
+        first.sealed.store(true, Ordering::Release);
+        let after: Vec<Lsn> = iter.map(|r| r.unwrap().lsn).collect();
+        assert_eq!(after, (tail_lsn..=last.0).map(Lsn).collect::<Vec<_>>());
     }
 
     #[test]

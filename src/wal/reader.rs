@@ -468,6 +468,16 @@ impl Iterator for WalIter {
                 if segment.valid_ranges.is_some() {
                     self.range_index += 1;
                     self.offset = 0;
+                } else if !segment.sealed.load(Ordering::Acquire) {
+                    // Still being written, so nothing after it is written yet either (the sync
+                    // thread writes in LSN order and seals a segment once its last record is
+                    // written, before the next segment's first): stop here for now. Moving on
+                    // could skip this segment's tail, written between reading its end and
+                    // reading the next segment's records.
+                    return None;
+                } else if segment.end_offset.load(Ordering::Acquire) > range_end {
+                    // Sealed since `range_end` was read: its final end is further on.
+                    continue;
                 } else {
                     self.next_segment();
                 }
