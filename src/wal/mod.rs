@@ -1239,11 +1239,7 @@ impl Shared {
     /// caught (a panic during an unwind would abort the process); the files then stay.
     pub(crate) fn writer_gone(&self) {
         let _order = lock(&self.deleting);
-        let leftover_doomed = {
-            let mut doomed = lock(&self.doomed);
-            doomed.writer_exited = true;
-            std::mem::take(&mut doomed.segments)
-        };
+        let leftover_doomed = self.take_doomed(true);
         let deleted = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             self.delete_segments(leftover_doomed, &mut CleanReport::default());
         }));
@@ -1402,6 +1398,14 @@ impl Shared {
 
     pub(crate) fn has_doomed(&self) -> bool {
         !lock(&self.doomed).segments.is_empty()
+    }
+
+    /// Takes the segments queued for deletion (the caller deletes them, holding `deleting`);
+    /// with `writer_exits`, every later `clean` deletes its segments itself.
+    pub(crate) fn take_doomed(&self, writer_exits: bool) -> Vec<Arc<Segment>> {
+        let mut doomed = lock(&self.doomed);
+        doomed.writer_exited |= writer_exits;
+        std::mem::take(&mut doomed.segments)
     }
 
     pub(crate) fn record_sync_latency(&self, elapsed: Duration) {
@@ -2217,7 +2221,7 @@ impl Wal {
         if wait {
             // Segments an earlier `clean` queued for the sync thread are older: they go first
             // (and are reported here).
-            let mut queued = std::mem::take(&mut lock(&shared.doomed).segments);
+            let mut queued = shared.take_doomed(false);
             queued.extend(selected);
             shared.delete_segments(queued, &mut report);
             if !report.deleted.is_empty() {

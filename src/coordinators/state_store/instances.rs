@@ -109,24 +109,26 @@ impl PartitionSlots {
         {
             self.growth_visits += if by_slot { new_len - old_len } else { self.sparse.len() };
         }
-        let covered: Vec<i32> = if by_slot {
-            // New slots are below DENSE_PARTITION_LIMIT, so their indexes fit an i32.
-            (old_len..new_len)
-                .filter_map(|slot| i32::try_from(slot).ok())
-                .filter(|partition| self.sparse.contains_key(partition))
-                .collect()
-        } else {
-            self.sparse
-                .keys()
-                .copied()
-                .filter(|partition| usize::try_from(*partition).is_ok_and(|p| p < new_len))
-                .collect()
+        let (dense, dense_len) = (&mut self.dense, &mut self.dense_len);
+        let mut place = |slot: usize, location| {
+            dense[slot] = Some(location);
+            *dense_len += 1;
         };
-        for partition in covered {
-            if let Some(location) = self.sparse.remove(&partition) {
-                self.dense[partition as usize] = Some(location);
-                self.dense_len += 1;
+        if by_slot {
+            for slot in old_len..new_len {
+                // New slots are below DENSE_PARTITION_LIMIT, so their indexes fit an i32.
+                if let Some(location) = self.sparse.remove(&(slot as i32)) {
+                    place(slot, location);
+                }
             }
+        } else {
+            self.sparse.retain(|&partition, location| match usize::try_from(partition) {
+                Ok(slot) if slot < new_len => {
+                    place(slot, *location);
+                    false
+                }
+                _ => true,
+            });
         }
     }
 }

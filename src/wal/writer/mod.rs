@@ -366,11 +366,7 @@ impl Writer {
         self.shared.delete_spares();
         // From now on `clean` deletes by itself; what it queued before is deleted here.
         let order = lock(&self.shared.deleting);
-        let leftover_doomed = {
-            let mut doomed = lock(&self.shared.doomed);
-            doomed.writer_exited = true;
-            std::mem::take(&mut doomed.segments)
-        };
+        let leftover_doomed = self.shared.take_doomed(true);
         self.shared.delete_segments(leftover_doomed, &mut CleanReport::default());
         drop(order);
         // Everything is written and synced (or the log failed): another writer may take over.
@@ -782,7 +778,7 @@ impl Writer {
             Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
             Err(std::sync::TryLockError::WouldBlock) => return,
         };
-        let doomed = std::mem::take(&mut lock(&self.shared.doomed).segments);
+        let doomed = self.shared.take_doomed(false);
         if !doomed.is_empty() {
             self.shared.delete_segments(doomed, &mut CleanReport::default());
         }
