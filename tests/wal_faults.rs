@@ -745,7 +745,10 @@ fn cleans_delete_in_lsn_order_so_a_failed_deletion_leaves_no_gap() {
     let cleaner = Arc::clone(&wal);
     let below = first_lsn[&3];
     std::thread::spawn(move || {
-        let _ = done.send(cleaner.clean_below_lsn(below, true));
+        let cleaned = cleaner.clean_below_lsn(below, true);
+        // Before answering: the test takes the log back as its only owner next.
+        drop(cleaner);
+        let _ = done.send(cleaned);
     });
     // It must wait for segment 1's deletion: it may not finish while that is stuck.
     let early = done_rx.recv_timeout(Duration::from_millis(500));
