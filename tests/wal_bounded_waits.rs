@@ -6,6 +6,11 @@
 //! - `Wal::append_bytes_timeout`: an append that finds the staging buffer full waits at most
 //!   its timeout for room, then fails with a typed error and appends nothing.
 //!
+//! - `Wal::read_bytes` of a handle this log never returned (stale, or of another log): while
+//!   appends wait for the disk, a frame past what was appended to the active segment, or past
+//!   the end of a sealed segment, fails at once with `NotFound`, instead of waiting up to the
+//!   read's 60 s bound for writes that can never reach it.
+//!
 //! Method: a storage whose syncs wait at a gate the test opens (`wal_support`), on the pwrite
 //! path with group commit, so the sync thread does every write and sync.
 
@@ -16,10 +21,27 @@ use std::{
     time::{Duration, Instant},
 };
 
-use coordbus::wal::{Lsn, Wal, WalError};
+use coordbus::wal::{Lsn, RecordHandle, Wal, WalError};
 use wal_support::{
     gated_config, hold_and_fill_staging, open_gated, AfterGate, Gate, OpenOnDrop, RUN_BOUND,
 };
+
+/// How long a read of a handle that cannot be answered may take: far below the read's 60 s
+/// bound, which is what it took before (the gate keeps what was appended unwritten).
+const AT_ONCE: Duration = Duration::from_secs(10);
+
+/// Reads `handle` and returns the reason of its `NotFound`, checking that it came at once.
+fn not_found_reason(wal: &Wal, handle: RecordHandle) -> &'static str {
+    let started = Instant::now();
+    let result = wal.read_bytes(handle);
+    let waited = started.elapsed();
+    assert!(waited < AT_ONCE, "the read of {handle:?} waited {waited:?}");
+    match result {
+        Err(WalError::NotFound { reason, .. }) => reason,
+        Err(other) => panic!("expected NotFound for {handle:?}, got {other}"),
+        Ok(record) => panic!("read {:?} at {handle:?}", &record[..]),
+    }
+}
 
 fn payloads(wal: &Wal) -> Vec<Vec<u8>> {
     wal.iter_from(Lsn::ZERO).unwrap().map(|record| record.unwrap().bytes.to_vec()).collect()
@@ -170,4 +192,44 @@ fn the_epoch_logs_append_on_a_stalled_disk_fails_after_its_write_timeout() {
         other => panic!("expected the append's timeout, got {other:?} ({error})"),
     }
     assert_eq!(query.wal().appended_lsn(), appended, "nothing was appended");
+}
+
+#[test]
+fn a_read_past_what_was_appended_fails_at_once_while_the_disk_holds_the_appends() {
+    let dir = tempfile::tempdir().unwrap();
+    let gate = Arc::new(Gate::default());
+    let wal = open_gated(dir.path(), &gate, AfterGate::Sync);
+    let _open_gate_on_exit = OpenOnDrop(Arc::clone(&gate));
+    let (_, appended) = wal.append_bytes(b"appended", 1).unwrap();
+    // The sync thread is held in the record's sync: it is appended, not yet written.
+    gate.wait_until_reached(1);
+    let never_appended = RecordHandle { offset: appended.offset + 4096, ..appended };
+    assert_eq!(not_found_reason(&wal, never_appended), "offset past the end of what was appended");
+
+    gate.open();
+    assert_eq!(&wal.read_bytes(appended).unwrap()[..], b"appended");
+}
+
+#[test]
+fn a_read_past_the_end_of_a_sealed_segment_fails_at_once_while_the_disk_holds_the_appends() {
+    let dir = tempfile::tempdir().unwrap();
+    let earlier = {
+        let wal = Wal::open(dir.path(), gated_config()).unwrap();
+        let (_, handle) = wal.append_bytes(b"earlier", 1).unwrap();
+        wal.close().unwrap();
+        handle
+    };
+    let gate = Arc::new(Gate::default());
+    let wal = open_gated(dir.path(), &gate, AfterGate::Sync);
+    let _open_gate_on_exit = OpenOnDrop(Arc::clone(&gate));
+    // The first append of a reopened log starts a new segment; the recovered one is sealed.
+    let (_, appended) = wal.append_bytes(b"appended", 2).unwrap();
+    assert_ne!(appended.segment, earlier.segment);
+    gate.wait_until_reached(1);
+    let past_the_end = RecordHandle { offset: earlier.offset + 4096, ..earlier };
+    assert_eq!(not_found_reason(&wal, past_the_end), "offset past the end of its sealed segment");
+    assert_eq!(&wal.read_bytes(earlier).unwrap()[..], b"earlier");
+
+    gate.open();
+    assert_eq!(&wal.read_bytes(appended).unwrap()[..], b"appended");
 }

@@ -2106,7 +2106,9 @@ impl Wal {
 
     /// The record at `handle` as raw payload bytes, checked (frame CRC, length) and borrowed
     /// from the memory map. If the record is appended but not yet written, waits until the sync
-    /// thread has written it (at most 60 s).
+    /// thread has written it (at most 60 s). A handle this log never returned (stale, or of
+    /// another log) does not wait for appends: past what was appended to the active segment,
+    /// or past the end of a sealed one, it fails at once.
     ///
     /// # Errors
     /// [`WalError::NotFound`] (cleaned, never appended, past the end, or not written within

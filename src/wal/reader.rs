@@ -380,14 +380,23 @@ fn wait_written(
     needed: u64,
     not_found: impl Fn(&'static str) -> WalError,
 ) -> Result<(), WalError> {
+    if !within_appended(shared, segment, needed) {
+        return Err(not_found("offset past the end of what was appended"));
+    }
     let deadline = Instant::now() + READ_WAIT_LIMIT;
     // Leaders write only for themselves, and pacing holds groups nobody waits for: the sync
     // thread must see a record still staged (which one is not known here: all of them).
     shared.wake_writer_for_waiter(shared.appended_lsn.load(Ordering::Acquire));
     let mut sync = lock(&shared.sync);
     loop {
+        // Sealed first, end second: a sealed segment's end is final (the sync thread stores
+        // it with its last write, before it seals; recovery before it seals).
+        let sealed = segment.sealed.load(Ordering::Acquire);
         if segment.end_offset.load(Ordering::Acquire) >= needed {
             return Ok(());
+        }
+        if sealed {
+            return Err(not_found("offset past the end of its sealed segment"));
         }
         if shared.failed_flag.load(Ordering::Acquire) {
             return Err(shared.failed_error());
@@ -408,6 +417,18 @@ fn wait_written(
         sync = SyncState::wait_counted(sync, &shared.durable_cv, Some(timeout), |sync| {
             &mut sync.written_waiters
         });
+    }
+}
+
+/// Whether a frame ending at `needed` in `segment` can have been appended. Only the active
+/// segment's appended end is known: a handle beyond it was not returned by this log (stale, or
+/// of another log), and waiting for it would last as long as appends keep coming. For other
+/// segments, the answer is yes here, and `wait_written` settles it once they are sealed.
+fn within_appended(shared: &Shared, segment: &Segment, needed: u64) -> bool {
+    let state = lock(&shared.append);
+    match &state.active {
+        Some(active) if active.header.id == segment.header.id => needed <= state.offset,
+        _ => true,
     }
 }
 
