@@ -589,14 +589,23 @@ impl<T> Consumer<'_, T> {
     }
 
     /// Parks for at most `timeout`, unless something is (or becomes) queued or the queue is
-    /// closed.
-    pub fn park_until_work(&mut self, timeout: Duration) {
+    /// closed. Returns whether it parked: `false` when work was announced, which a drain
+    /// round may still not be able to take (a ring slot claimed and not yet filled, or a
+    /// close whose pushes are still in flight).
+    pub fn park_until_work(&mut self, timeout: Duration) -> bool {
         let queue = self.queue;
         queue.doorbell.park_unless(timeout, || {
             queue.is_closed()
                 || queue.lanes.allocated().any(|lane| !lane.is_empty_for_consumer())
                 || queue.shards.iter().any(|shard| !shard.is_empty_for_consumer())
-        });
+        })
+    }
+
+    /// Parks for at most `timeout` whatever is announced: for work [`Self::park_until_work`]
+    /// announced that drain rounds could not take, whose producer may be waiting for this
+    /// core. A producer that rings meanwhile ends it early.
+    pub fn doze(&mut self, timeout: Duration) {
+        self.queue.doorbell.doze(timeout);
     }
 
     /// Closed and every accepted message consumed.

@@ -66,14 +66,28 @@ impl Doorbell {
     }
 
     /// Consumer: parks for at most `timeout` unless `has_work` (re-checked after announcing the
-    /// intent to park) says there is something to do.
-    pub(crate) fn park_unless(&self, timeout: Duration, has_work: impl FnOnce() -> bool) {
+    /// intent to park) says there is something to do. Returns whether it parked.
+    pub(crate) fn park_unless(&self, timeout: Duration, has_work: impl FnOnce() -> bool) -> bool {
         debug_assert!(self.consumer.get().is_some(), "bind_consumer before parking");
         self.sleeping.store(true, Ordering::SeqCst);
         self.barrier.heavy();
-        if !has_work() {
+        let parks = !has_work();
+        if parks {
             park_timeout(timeout);
         }
+        self.sleeping.store(false, Ordering::Relaxed);
+        parks
+    }
+
+    /// Consumer: parks for at most `timeout` whatever is queued, for work that is announced
+    /// but cannot be taken yet (a claimed slot not yet filled). A producer that reads
+    /// `sleeping` meanwhile unparks it early; one that does not (a shared ring's producer
+    /// reads it right after its claim, not after its fill) leaves it to the timeout, which is
+    /// what bounds this wait.
+    pub(crate) fn doze(&self, timeout: Duration) {
+        debug_assert!(self.consumer.get().is_some(), "bind_consumer before parking");
+        self.sleeping.store(true, Ordering::SeqCst);
+        park_timeout(timeout);
         self.sleeping.store(false, Ordering::Relaxed);
     }
 

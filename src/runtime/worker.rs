@@ -5,6 +5,11 @@
 //! its asker and is logged, and the next message is handled as usual. When a round finds nothing, the thread
 //! follows the configured [`Idle`] strategy: spin (with the CPU's spin hint) for a while after
 //! the last message, then yield a few times, then park until a producer rings the doorbell.
+//! Work can be announced that no round can take yet: a producer claimed a ring slot and was
+//! preempted before filling it, or the inbox is closing while a push is in flight. The
+//! thread that would end that may be waiting for this very core (2 cores, more busy threads),
+//! so the endpoint does not spin on it: it yields, then dozes for growing times up to
+//! [`DOZE_MAX`] ([`Stall`]).
 //! With [`Idle::Adaptive`] the spin is long only while recent idle gaps were short
 //! ([`SpinBudget`]): on a 2-core machine an endpoint that receives a large message every
 //! 60 us spent a third of a core spinning through gaps it could not bridge, taken from the
@@ -33,6 +38,13 @@ const IDLE_PAUSES_PER_POLL: u32 = 4;
 const YIELDS_BEFORE_PARK: u32 = 8;
 /// Longest single park; the doorbell makes wake-ups prompt, this only bounds a lost one.
 const PARK_MAX: Duration = Duration::from_millis(50);
+/// Yields, once work is announced that no round could take, before dozing.
+const STALLED_YIELDS: u32 = 4;
+/// The first doze of a stall; each next one doubles, up to [`DOZE_MAX`].
+const DOZE_MIN: Duration = Duration::from_micros(20);
+/// The longest doze of a stall: the most a message filled meanwhile waits, if its producer
+/// does not ring.
+const DOZE_MAX: Duration = Duration::from_millis(1);
 
 /// Runs an endpoint until its inbox is closed and drained.
 pub(crate) fn run_endpoint<E: Endpoint>(
@@ -51,6 +63,7 @@ pub(crate) fn run_endpoint<E: Endpoint>(
     let mut idle_since: Option<Instant> = None;
     let mut spin_budget = SpinBudget::new(idle_strategy);
     let mut idle = IdlePhase::default();
+    let mut stall = Stall::default();
     let mut rounds = 0u32;
     loop {
         // One `catch_unwind` per round, not per message: the ring publishes its head before
@@ -97,6 +110,7 @@ pub(crate) fn run_endpoint<E: Endpoint>(
         };
         if handled > 0 {
             idle = IdlePhase::default();
+            stall = Stall::default();
             continue;
         }
         // Idle. Touch only read-mostly state here: polling the rings' tails would steal the
@@ -118,7 +132,14 @@ pub(crate) fn run_endpoint<E: Endpoint>(
                 if has_orphaned_replies() {
                     fail_replies_orphaned_by_panic("a panic caught inside the handler");
                 }
-                consumer.park_until_work(PARK_MAX);
+                if consumer.park_until_work(PARK_MAX) {
+                    stall = Stall::default();
+                } else {
+                    match stall.next_step() {
+                        StallStep::Yield => std::thread::yield_now(),
+                        StallStep::Doze(timeout) => consumer.doze(timeout),
+                    }
+                }
             }
         }
     }
@@ -163,6 +184,32 @@ impl IdlePhase {
             return IdleStep::Yield;
         }
         IdleStep::Park
+    }
+}
+
+/// What a parking endpoint does when work was announced but its last round took nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum StallStep {
+    Yield,
+    Doze(Duration),
+}
+
+/// Announced work that rounds could not take, in a row (module doc): yields first (a
+/// message that arrived just before the announcement is taken by the next round), then
+/// dozes that double from [`DOZE_MIN`] to [`DOZE_MAX`].
+#[derive(Debug, Default, Clone, Copy)]
+struct Stall {
+    rounds: u32,
+}
+
+impl Stall {
+    fn next_step(&mut self) -> StallStep {
+        self.rounds = self.rounds.saturating_add(1);
+        if self.rounds <= STALLED_YIELDS {
+            return StallStep::Yield;
+        }
+        let doublings = (self.rounds - STALLED_YIELDS - 1).min(16);
+        StallStep::Doze((DOZE_MIN * (1 << doublings)).min(DOZE_MAX))
     }
 }
 
@@ -409,6 +456,136 @@ mod tests {
         }
         for _ in 0..3 * POLLS_PER_CLOCK_READ {
             assert_eq!(phase.next_step(since, spin), IdleStep::Park, "parks from now on");
+        }
+    }
+
+    /// Counts its messages; tells the test its thread's id when it starts.
+    struct Counting {
+        thread_id: std::sync::mpsc::Sender<String>,
+        handled: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    impl Endpoint for Counting {
+        type Message = u64;
+        type Request = ();
+
+        fn on_start(&mut self, _: &crate::runtime::Context<Self>) {
+            let link = std::fs::read_link("/proc/thread-self").unwrap();
+            let _ = self.thread_id.send(link.file_name().unwrap().to_string_lossy().into_owned());
+        }
+
+        fn handle(
+            &mut self,
+            _: u64,
+            _: &crate::runtime::Context<Self>,
+        ) -> Result<(), HandlerError> {
+            self.handled.fetch_add(1, Ordering::Release);
+            Ok(())
+        }
+
+        fn handle_request(
+            &mut self,
+            (): (),
+            _: &crate::runtime::Context<Self>,
+        ) -> Result<(), HandlerError> {
+            Ok(())
+        }
+    }
+
+    /// Nanoseconds thread `tid` of this process has run (`schedstat`'s first field).
+    fn thread_cpu_ns(tid: &str) -> u64 {
+        let stat = std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat")).unwrap();
+        stat.split_whitespace().next().unwrap().parse().unwrap()
+    }
+
+    /// Yields `first`, then waits (bounded) for the test's word before yielding `second`: a
+    /// ring slot claimed for `second` stays unfilled meanwhile.
+    struct HeldBatch {
+        values: std::vec::IntoIter<u64>,
+        reached: std::sync::mpsc::Sender<()>,
+        release: std::sync::mpsc::Receiver<()>,
+    }
+
+    impl Iterator for HeldBatch {
+        type Item = Envelope<Counting>;
+
+        fn next(&mut self) -> Option<Self::Item> {
+            if self.values.len() == 1 {
+                let _ = self.reached.send(());
+                self.release.recv_timeout(Duration::from_secs(60)).unwrap();
+            }
+            self.values.next().map(Envelope::Message)
+        }
+
+        fn size_hint(&self) -> (usize, Option<usize>) {
+            self.values.size_hint()
+        }
+    }
+
+    impl ExactSizeIterator for HeldBatch {}
+
+    #[test]
+    fn an_endpoint_whose_producer_stalls_mid_claim_dozes_instead_of_spinning() {
+        // No lanes: the batch goes to a shared ring, whose claim is visible before its fill.
+        let bus = crate::Bus::builder().inbox_lanes(0).build().unwrap();
+        let (thread_id, started) = std::sync::mpsc::channel();
+        let handled = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let endpoint =
+            bus.register("stalled", Counting { thread_id, handled: Arc::clone(&handled) }).unwrap();
+        let tid = started.recv_timeout(Duration::from_secs(60)).unwrap();
+
+        let (reached, at_second) = std::sync::mpsc::channel();
+        let (release, released) = std::sync::mpsc::channel();
+        let inbox = Arc::clone(&endpoint.inbox);
+        let producer = std::thread::spawn(move || {
+            let batch = HeldBatch { values: vec![1, 2].into_iter(), reached, release: released };
+            inbox.queue.push_batch_from(batch, None).map_err(|_| "the push failed")
+        });
+        at_second.recv_timeout(Duration::from_secs(60)).unwrap();
+        // Both slots are claimed and only the first is filled: the endpoint takes it, then
+        // sees work announced that it cannot take, for as long as this window lasts. Spinning
+        // on it would take most of a core.
+        let window = Duration::from_millis(300);
+        let cpu_before = thread_cpu_ns(&tid);
+        let window_started = Instant::now();
+        std::thread::sleep(window);
+        let cpu = Duration::from_nanos(thread_cpu_ns(&tid) - cpu_before);
+        let elapsed = window_started.elapsed();
+        assert_eq!(
+            handled.load(Ordering::Acquire),
+            1,
+            "taken: the filled slot, not the claimed one"
+        );
+        assert!(cpu < elapsed / 10, "the endpoint ran {cpu:?} of {elapsed:?} waiting on a claim");
+
+        release.send(()).unwrap();
+        producer.join().unwrap().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while handled.load(Ordering::Acquire) < 2 {
+            assert!(Instant::now() < deadline, "the filled batch was not handled");
+            std::thread::yield_now();
+        }
+        bus.shutdown().unwrap();
+    }
+
+    #[test]
+    fn a_stall_yields_then_dozes_for_doubling_times_up_to_the_cap() {
+        let mut stall = Stall::default();
+        let steps: Vec<StallStep> = (0..STALLED_YIELDS + 12).map(|_| stall.next_step()).collect();
+        assert!(steps[..STALLED_YIELDS as usize].iter().all(|step| *step == StallStep::Yield));
+        let dozes: Vec<Duration> = steps[STALLED_YIELDS as usize..]
+            .iter()
+            .map(|step| match step {
+                StallStep::Doze(timeout) => *timeout,
+                StallStep::Yield => panic!("yielded after dozing began: {steps:?}"),
+            })
+            .collect();
+        assert_eq!(dozes[0], DOZE_MIN);
+        assert_eq!(dozes[1], DOZE_MIN * 2);
+        assert!(dozes.windows(2).all(|pair| pair[1] >= pair[0]), "{dozes:?}");
+        assert_eq!(*dozes.last().unwrap(), DOZE_MAX);
+        for _ in 0..100 {
+            assert_eq!(stall.next_step(), StallStep::Doze(DOZE_MAX));
         }
     }
 
