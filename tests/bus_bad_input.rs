@@ -1,6 +1,6 @@
 //! The bus facing calls that used to hang or panic: a handler sending into its own full inbox,
 //! a name the bus cannot give a thread, a shutdown whose endpoints outlive its timeout, and a
-//! shutdown called from a handler.
+//! shutdown called from a handler (also by two handlers at once).
 //!
 //! Goal: each gets a typed error or finishes promptly; nothing waits forever. Method: public
 //! API only, with a small inbox so it fills at once; every wait of the test is bounded, so a
@@ -358,4 +358,49 @@ fn a_handler_shutting_down_while_the_bus_is_being_shut_down_lets_both_finish_pro
     main_shut.unwrap();
     assert!(handler_took < Duration::from_secs(5), "the handler's shutdown took {handler_took:?}");
     assert!(main_took < Duration::from_secs(5), "the test's shutdown took {main_took:?}");
+}
+
+#[test]
+fn two_handlers_shutting_the_bus_down_at_once_both_finish_promptly() {
+    // A long timeout: each used to wait for the other's thread, which was waiting for its own,
+    // until one ran it out.
+    let bus = Arc::new(Bus::builder().shutdown_timeout(BOUND).build().unwrap());
+    let cell = Arc::new(OnceLock::new());
+    let (result, results) = mpsc::channel();
+    let (entered, handling) = mpsc::channel();
+    let gates = [Arc::new(Gate::default()), Arc::new(Gate::default())];
+    for (name, gate) in ["stopper-a", "stopper-b"].into_iter().zip(&gates) {
+        let stopper = GatedStopper {
+            bus: Arc::clone(&cell),
+            gate: Arc::clone(gate),
+            entered: entered.clone(),
+            result: result.clone(),
+        };
+        bus.register(name, stopper).unwrap();
+    }
+    assert!(cell.set(Arc::clone(&bus)).is_ok());
+    for name in ["stopper-a", "stopper-b"] {
+        bus.lookup::<GatedStopper>(name).unwrap().send(()).unwrap();
+    }
+    for _ in 0..2 {
+        handling.recv_timeout(BOUND).expect("a handler never ran");
+    }
+    // The first handler's shutdown stops both endpoints, then (before) took the other's thread
+    // to wait for it.
+    gates[0].open();
+    let deadline = Instant::now() + BOUND;
+    while bus.lookup::<GatedStopper>("stopper-b").is_ok() {
+        assert!(Instant::now() < deadline, "the first handler's shutdown stopped nothing");
+        std::thread::yield_now();
+    }
+    gates[1].open();
+    for _ in 0..2 {
+        let (shut, took) = results.recv_timeout(BOUND * 2).expect("a handler's shutdown hung");
+        shut.unwrap();
+        assert!(took < Duration::from_secs(5), "a handler's shutdown took {took:?}");
+    }
+    // A shutdown from outside joins both threads.
+    let started = Instant::now();
+    bus.shutdown().unwrap();
+    assert!(started.elapsed() < Duration::from_secs(5), "joining took {:?}", started.elapsed());
 }

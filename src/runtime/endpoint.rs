@@ -159,6 +159,13 @@ pub(crate) struct Inbox<E: Endpoint> {
 thread_local! {
     /// Address of the inbox whose handler runs on this thread (0: none).
     static CURRENT_INBOX: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    /// Address of the shared state of the bus whose endpoint runs on this thread (0: none).
+    static CURRENT_BUS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Whether this thread runs an endpoint of the bus whose shared state is `bus`.
+pub(crate) fn on_endpoint_thread_of(bus: &BusShared) -> bool {
+    CURRENT_BUS.with(std::cell::Cell::get) == std::ptr::from_ref(bus) as usize
 }
 
 /// Whether this thread runs an endpoint (its drain loop catches panics and fails the replies
@@ -181,6 +188,7 @@ impl<E: Endpoint> Inbox<E> {
     /// Marks this thread as the endpoint's thread (for self-ask detection).
     pub(crate) fn enter_thread(&self) {
         CURRENT_INBOX.with(|current| current.set(self.address()));
+        CURRENT_BUS.with(|current| current.set(self.bus.as_ptr() as usize));
     }
 
     /// Deregisters the name at once and closes the inbox; queued messages are still handled.

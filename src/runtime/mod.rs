@@ -347,9 +347,11 @@ impl Bus {
 
     /// Stops every endpoint (each drains what was queued, then runs `on_stop`) and joins every
     /// endpoint thread this bus started, waiting at most `shutdown_timeout` in all. Later
-    /// registrations fail. Idempotent. Called from an endpoint's handler (or a bus dropped
-    /// there), it does not wait for that endpoint's own thread, which finishes once the
-    /// handler returns (a later shutdown, or dropping the bus, joins it).
+    /// registrations fail. Idempotent. Called from a handler of one of this bus's endpoints
+    /// (or a bus dropped there), it stops every endpoint but waits for no thread: its own
+    /// finishes only once the handler returns, and another may be waiting for this handler
+    /// (in its own shutdown, or an ask), so waiting could only run out the timeout. A later
+    /// shutdown, or dropping the bus, joins them.
     ///
     /// # Errors
     /// [`BusError::ThreadPanicked`] if an endpoint thread died outside a handler (the first
@@ -364,11 +366,15 @@ impl Bus {
         for name in names {
             let _already_gone = self.stop(&name);
         }
-        let threads = self.take_threads_but_mine();
+        let threads = if endpoint::on_endpoint_thread_of(&self.shared) {
+            Vec::new()
+        } else {
+            std::mem::take(&mut *self.threads.lock().unwrap_or_else(PoisonError::into_inner))
+        };
         let panicked_earlier =
             self.panicked_earlier.lock().unwrap_or_else(PoisonError::into_inner).take();
         if threads.is_empty() {
-            // Nothing to wait for (another shutdown took them, or this is the handler's own):
+            // Nothing to wait for (another shutdown took them, or this runs in a handler):
             // return before taking the signals, which that other shutdown may be waiting on.
             return panicked_earlier.map_or(Ok(()), |name| Err(BusError::ThreadPanicked { name }));
         }
@@ -397,18 +403,6 @@ impl Bus {
             }),
             (None, true) => Ok(()),
         }
-    }
-
-    /// Takes the endpoint threads to join, leaving the calling thread's own (a shutdown from a
-    /// handler: it ends only after the handler returns) for a later shutdown.
-    fn take_threads_but_mine(&self) -> Vec<(String, JoinHandle<()>)> {
-        let mut held = self.threads.lock().unwrap_or_else(PoisonError::into_inner);
-        let me = std::thread::current().id();
-        let (mine, others) = std::mem::take(&mut *held)
-            .into_iter()
-            .partition(|(_, handle)| handle.thread().id() == me);
-        *held = mine;
-        others
     }
 
     /// Waits for `count` end signals, until `deadline`; whether all came.
