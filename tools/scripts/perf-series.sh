@@ -8,10 +8,15 @@ set -u
 L="$(dirname "$0")/../../target/release/coordbus-load"
 OUT=${1:-perf-series.jsonl}
 : > "$OUT"
+# A run that fails adds no line: say so, or the summary's medians quietly take fewer runs.
+failed() {
+    [ "$1" -eq 0 ] || echo "# FAILED (exit $1): $2" >&2
+}
 run() {
     echo "# $*" >&2
     for i in 1 2 3; do
         "$L" --json "$@" 2>/dev/null | sed "s|^{|{\"cmd\":\"$*\",\"run\":$i,|" >> "$OUT"
+        failed "${PIPESTATUS[0]}" "$* (run $i)"
     done
 }
 run bus --messages 30000000
@@ -36,10 +41,12 @@ for i in 1 2 3 4 5 6; do
     for durability in none group; do
         "$L" --json epoch --partitions 1000 --epochs 100000 --durability "$durability" 2>/dev/null |
             sed "s|^{|{\"cmd\":\"epoch durability $durability\",\"run\":$i,|" >> "$OUT"
+        failed "${PIPESTATUS[0]}" "epoch durability $durability (run $i)"
     done
     [ "$i" -gt 3 ] && continue
     "$L" --json epoch --partitions 1000 --epochs 100000 --durability group --group-delay-us 2000 \
         2>/dev/null | sed "s|^{|{\"cmd\":\"epoch durability group 2ms\",\"run\":$i,|" >> "$OUT"
+    failed "${PIPESTATUS[0]}" "epoch durability group 2ms (run $i)"
 done
 run wal
 run wal-recover

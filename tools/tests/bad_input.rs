@@ -85,6 +85,11 @@ fn out_of_range_load_options_are_refused_naming_the_flag_and_value() {
         (&["epoch", "--partitions", "4000000"], &["--partitions", "4000000"]),
         (&["epoch", "--partitions=-5"], &["--partitions", "-5"]),
         (&["epoch", "--backlog-limit", "0"], &["--backlog-limit", "0"]),
+        (&["blocks", "--batch-only", "--batch", "1"], &["--batch-only", "--batch 1"]),
+        (
+            &["wal", "--durability", "group", "--records", "1000000", "--max-bytes", "64"],
+            &["--max-bytes 64", "--records 1000000", "--baseline none"],
+        ),
         (
             &["epoch", "--partitions", "1000", "--backlog-limit", "1000"],
             &["--backlog-limit", "1000"],
@@ -328,4 +333,73 @@ fn the_wal_tool_stops_quietly_when_its_reader_goes_away() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert_eq!(output.status.code(), Some(0), "{stderr}");
+}
+
+/// `dump` of a damaged log prints the records it can read, names each damaged range it
+/// skipped on stderr, and exits 1; a torn segment creation (not damage) leaves the exit code 0.
+#[test]
+fn the_wal_tool_dump_names_the_damage_it_skipped_and_fails() {
+    let parent = tempfile::tempdir().unwrap();
+    let log = parent.path().join("log");
+    let damaged = {
+        let wal = coordbus::wal::Wal::open(&log, coordbus::wal::WalConfig::default()).unwrap();
+        // Each durable before the next is appended: the next frame then proves it durable,
+        // so damage to it is corruption, not a torn tail.
+        let handles: Vec<_> = [b"first", b"hurt!", b"third"]
+            .iter()
+            .map(|payload| {
+                let (lsn, handle) = wal.append_bytes(*payload, 1).unwrap();
+                wal.wait_durable_timeout(lsn, BOUND).unwrap();
+                handle
+            })
+            .collect();
+        wal.close().unwrap();
+        handles
+    };
+    let path = log.to_str().unwrap();
+    let (code, output) = wal_tool(&["dump", path]);
+    assert_eq!(code, Some(0), "{output}");
+    assert_eq!(output.lines().filter(|line| line.starts_with("lsn")).count(), 3, "{output}");
+
+    // A torn creation of the next segment is what a crash leaves, not damage.
+    let next = log.join(coordbus::wal::segment::file_name(coordbus::wal::SegmentId(2)));
+    std::fs::write(&next, vec![0u8; 1 << 16]).unwrap();
+    let (code, output) = wal_tool(&["dump", path]);
+    assert_eq!(code, Some(0), "{output}");
+    std::fs::remove_file(&next).unwrap();
+
+    // The last record's payload damaged: nothing after it proves it was synced, so it reads
+    // as a torn tail (what a crash leaves): not shown, named, exit code 2 (as verify's).
+    let segment = log.join(coordbus::wal::segment::file_name(damaged[2].segment));
+    let clean = std::fs::read(&segment).unwrap();
+    let damage = |handle: &coordbus::wal::RecordHandle| {
+        let mut bytes = clean.clone();
+        let payload = handle.offset as usize + coordbus::record::frame::HEADER_LEN;
+        bytes[payload..payload + 4].copy_from_slice(b"XXXX");
+        std::fs::write(&segment, &bytes).unwrap();
+    };
+    damage(&damaged[2]);
+    let (code, output) = wal_tool(&["dump", path]);
+    assert_eq!(code, Some(2), "{output}");
+    assert_eq!(output.lines().filter(|line| line.starts_with("lsn")).count(), 2, "{output}");
+    assert!(output.contains("coordbus-wal dump: torn tail"), "{output}");
+
+    // The middle record's payload damaged: its checksum no longer holds, and the record after
+    // it proves it was synced.
+    let damaged = damaged[1];
+    damage(&damaged);
+    let (code, output) = wal_tool(&["dump", path]);
+    assert_eq!(code, Some(1), "{output}");
+    let records: Vec<&str> = output.lines().filter(|line| line.starts_with("lsn")).collect();
+    assert_eq!(records.len(), 2, "{output}");
+    assert!(records[0].trim_end().ends_with(&hex(b"first")), "{output}");
+    assert!(records[1].trim_end().ends_with(&hex(b"third")), "{output}");
+    assert!(output.contains("coordbus-wal dump: skipped"), "{output}");
+    assert!(output.contains(&format!("of segment {} at offset", damaged.segment.0)), "{output}");
+    let (code, output) = wal_tool(&["--json", "dump", path]);
+    assert_eq!(code, Some(1), "{output}");
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
 }

@@ -3,7 +3,8 @@
 //! * `inspect DIR`: one line per segment (records, LSN range, times, window, state) and the
 //!   first corruption, if any.
 //! * `dump DIR`: every record (LSN, time, place, length, payload preview), as text or JSON
-//!   lines.
+//!   lines; damage skipped and a torn tail not shown are named on stderr, and set the exit
+//!   code (as `verify`'s).
 //! * `verify DIR`: a strict scan; the exit code says whether the log is healthy.
 //!
 //! Nothing is written: the scans are read-only (a torn tail is reported, not cut), so they
@@ -44,7 +45,7 @@ macro_rules! outln {
 
 /// Inspect, dump and verify a coordbus write-ahead log (read-only).
 #[derive(Debug, Parser)]
-#[command(version, about)]
+#[command(name = "coordbus-wal", version)]
 struct Cli {
     /// Print JSON lines instead of text.
     #[arg(long, global = true)]
@@ -60,7 +61,9 @@ enum Command {
         /// The log directory.
         dir: PathBuf,
     },
-    /// Every record, in LSN order.
+    /// Every record, in LSN order. Damage is skipped (as a log opened tolerating corruption
+    /// would) and a torn tail is not shown, each named on stderr. Exit code 0: everything
+    /// shown; 1: damage skipped; 2: a torn tail not shown; 3: I/O or usage error (as verify's).
     Dump {
         /// The log directory.
         dir: PathBuf,
@@ -321,7 +324,39 @@ fn dump(
             )?;
         }
     }
-    Ok(ExitCode::SUCCESS)
+    let report = wal.recovery_report();
+    let skipped = damage_skipped(report);
+    for note in &skipped {
+        eprintln!("coordbus-wal dump: skipped {note}");
+    }
+    if let Some(tail) = &report.torn_tail {
+        eprintln!(
+            "coordbus-wal dump: torn tail not shown: {} bytes ({} records) of segment {} from \
+             offset {} (records written after the last sync: what a crash leaves, or a live \
+             writer's records in flight)",
+            tail.bytes_discarded, tail.records_discarded, tail.segment.0, tail.offset
+        );
+    }
+    Ok(match (skipped.is_empty(), report.torn_tail.is_some()) {
+        (false, _) => ExitCode::from(1),
+        (true, true) => ExitCode::from(2),
+        (true, false) => ExitCode::SUCCESS,
+    })
+}
+
+/// The damage a tolerant open skipped, one line each (a segment skipped as a whole is one
+/// of them; a torn creation is not damage).
+fn damage_skipped(report: &RecoveryReport) -> Vec<String> {
+    report
+        .corruption_skipped
+        .iter()
+        .map(|note| {
+            format!(
+                "{} bytes ({} records known lost) of segment {} at offset {}: {}",
+                note.bytes_skipped, note.records_skipped, note.segment.0, note.offset, note.reason
+            )
+        })
+        .collect()
 }
 
 /// The report of a scan whose last segment is a torn creation (its header never reached the
@@ -396,6 +431,7 @@ fn main() -> ExitCode {
             return ExitCode::from(code);
         }
     };
+    coordbus_tools::logging::init();
     let result = match &cli.command {
         Command::Inspect { dir } => inspect(dir, cli.json),
         Command::Dump { dir, from, limit, preview_bytes } => {

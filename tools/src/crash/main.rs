@@ -50,6 +50,7 @@ use std::{
 
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand, ValueEnum};
+use coordbus_tools::scratch::ScratchDir;
 use serde_json::json;
 
 use coordbus::wal::{IoMode, IoPath};
@@ -80,7 +81,7 @@ const MAX_RUN_MS: u64 = 60_000;
 /// Exit code 0: no loss; 1: loss, duplication, corruption or disorder detected (the directory
 /// is kept and its path printed); 2: the tool itself failed (bad flag, child cannot start).
 #[derive(Debug, Parser)]
-#[command(version, subcommand_negates_reqs = true)]
+#[command(name = "coordbus-crash", version, subcommand_negates_reqs = true)]
 struct Cli {
     /// What to crash: `wal` (self-checking records with EveryRecord and GroupCommit, on the
     /// io_uring and pwrite paths), `epoch` (epochs committed through the EpochEndpoint with
@@ -248,6 +249,7 @@ pub trait Checker {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    coordbus_tools::logging::init();
     if let Some(ChildCommand::Child(args)) = &cli.child {
         let result = match args.target {
             Target::Wal => wal::child(&args.dir, args.seed, args.iteration),
@@ -263,6 +265,7 @@ fn main() -> ExitCode {
             }
         };
     }
+    coordbus_tools::scratch::remove_on_interrupt();
     match run(&cli) {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::from(1),
@@ -284,10 +287,11 @@ fn run(cli: &Cli) -> anyhow::Result<bool> {
         }
         None => std::env::temp_dir(),
     };
-    let work = tempfile::Builder::new()
-        .prefix(&format!("coordbus-crash-{}-", target.name()))
-        .tempdir_in(&parent)
+    let work = ScratchDir::new_in(&parent, &format!("coordbus-crash-{}-", target.name()))
         .with_context(|| format!("creating a work directory in {}", parent.display()))?;
+    if cli.keep {
+        work.keep_on_interrupt();
+    }
     let work_dir = work.path().to_path_buf();
     let mut checker: Box<dyn Checker> = match target {
         Target::Wal => Box::new(wal::WalChecker::new(&work_dir, cli.seed)),

@@ -242,6 +242,9 @@ fn validate(args: &BlocksArgs) -> anyhow::Result<()> {
         ),
         args.receivers as u128 * window as u128 * block,
     )?;
+    if args.batch_only && args.batch == 1 {
+        bail!("--batch-only with --batch 1: there is no batched run (--batch 1 is the single-block run)");
+    }
     if args.blocks < args.receivers as u64 {
         bail!(
             "--blocks {} is less than --receivers {}: every receiver adds at least one block",
@@ -272,7 +275,7 @@ pub fn run(args: &BlocksArgs) -> anyhow::Result<Vec<Figure>> {
     let mut figures = Vec::new();
     let mut receiver_counts = vec![1, args.receivers];
     receiver_counts.dedup();
-    let mut runs: Vec<(usize, usize)> = if args.batch_only && args.batch > 1 {
+    let mut runs: Vec<(usize, usize)> = if args.batch_only {
         Vec::new()
     } else {
         receiver_counts.into_iter().map(|r| (r, 1)).collect()

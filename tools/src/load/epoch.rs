@@ -53,6 +53,7 @@ use coordbus::{
     wal::{self, Wal, WalConfig},
     Bus,
 };
+use coordbus_tools::scratch::ScratchDir;
 use hdrhistogram::Histogram;
 
 use crate::{
@@ -578,6 +579,9 @@ fn check_free_disk(args: &EpochArgs, dir: &std::path::Path) -> anyhow::Result<()
     )
 }
 
+/// The longest a run may go without a commit before it ends as stalled.
+const STALL_LIMIT: Duration = Duration::from_secs(60);
+
 /// Runs the workload.
 pub fn run(args: &EpochArgs) -> anyhow::Result<Vec<Figure>> {
     validate(args)?;
@@ -635,7 +639,8 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
     let query: Box<dyn Query + Send> = match args.durability {
         Durability::None => Box::new(load_query),
         Durability::Group | Durability::Every => {
-            let dir = tempfile::TempDir::new().context("temporary WAL directory")?;
+            let dir =
+                ScratchDir::new(crate::wal::SCRATCH_PREFIX).context("temporary WAL directory")?;
             check_free_disk(args, dir.path())?;
             let durability = match args.durability {
                 Durability::Every => wal::Durability::EveryRecord,
@@ -752,22 +757,27 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
     waiters.push(driver.thread().clone());
     let _ = shared.waiters.set(waiters);
     barrier.wait();
-    let started = Instant::now();
     let started_ns = shared.now_ns();
     // Parked until the last commit or a failure unparks it (a timed poll would take the
-    // endpoint's core a thousand times a second), with a bound: a stall (lost commit, stopped
-    // query) ends the run with an error.
-    let deadline = started + Duration::from_secs(60) + Duration::from_micros(epochs as u64 * 50);
+    // endpoint's core a thousand times a second), looking once a second for progress: a stall
+    // (no commit for `STALL_LIMIT`: a lost commit, a stopped query) ends the run with an
+    // error, however long a run that makes progress takes.
+    let mut progress = (shared.committed.load(Ordering::Acquire), Instant::now());
+    let mut stalled = false;
     while shared.committed.load(Ordering::Acquire) < epochs {
-        let now = Instant::now();
-        if now > deadline
+        let committed = shared.committed.load(Ordering::Acquire);
+        if committed > progress.0 {
+            progress = (committed, Instant::now());
+        }
+        stalled = progress.1.elapsed() > STALL_LIMIT;
+        if stalled
             || shared.failed.load(Ordering::Relaxed)
             || shared.stopped.load(Ordering::Relaxed)
         {
             shared.stop_run();
             break;
         }
-        std::thread::park_timeout(deadline - now);
+        std::thread::park_timeout(Duration::from_secs(1));
     }
     let committed = shared.committed.load(Ordering::Acquire);
     let mut finished_ns = shared
@@ -794,11 +804,12 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
     bus.shutdown()?;
     drop(wal_dir);
     if committed < epochs {
-        bail!(
-            "only {committed} of {epochs} epochs committed (stats: {stats:?}); the query was \
-             stopped: {}",
-            shared.failed.load(Ordering::Relaxed)
-        );
+        let why = if stalled {
+            format!("no epoch committed for {STALL_LIMIT:?}")
+        } else {
+            "the query was stopped".to_owned()
+        };
+        bail!("only {committed} of {epochs} epochs committed: {why} (stats: {stats:?})");
     }
     if let Some(failure) = not_durable {
         bail!("the commit record of epoch {committed} did not become durable (WAL: {failure:?})");

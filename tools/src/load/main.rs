@@ -22,7 +22,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 /// Load generator for coordbus: measures each workload, against a baseline in the same run
 /// where one exists (the `blocks` workload reports Spark's published rates instead).
 #[derive(Debug, Parser)]
-#[command(version, about)]
+#[command(name = "coordbus-load", version)]
 struct Cli {
     /// Print one JSON object per measured figure, one per line, instead of a table.
     #[arg(long, global = true)]
@@ -41,7 +41,7 @@ enum Workload {
     Bus(bus::BusArgs),
     /// Request-reply round trips, K in flight.
     Ask(bus::AskArgs),
-    /// WAL append: durable 64-byte records/s per durability mode and thread count.
+    /// WAL append: records/s (of --record-bytes) per durability mode and thread count.
     Wal(wal::WalArgs),
     /// WAL recovery scan speed.
     WalRecover(wal::WalRecoverArgs),
@@ -112,6 +112,8 @@ pub fn stats_enabled() -> bool {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    coordbus_tools::logging::init();
+    coordbus_tools::scratch::remove_on_interrupt();
     STATS.store(cli.stats, std::sync::atomic::Ordering::Relaxed);
     let figures = match cli.workload {
         None => run_all()?,

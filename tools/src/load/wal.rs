@@ -34,6 +34,7 @@ use coordbus::{
     record::frame,
     wal::{segment, Durability, IoMode, Lsn, Wal, WalConfig, WalOptions},
 };
+use coordbus_tools::scratch::ScratchDir;
 use hdrhistogram::Histogram;
 
 use crate::{
@@ -161,16 +162,19 @@ pub fn quick_recover() -> WalRecoverArgs {
     WalRecoverArgs { records: 1_000_000, record_bytes: 64, segment_mib: 64, repeats: 3, dir: None }
 }
 
-/// A fresh temporary directory inside `dir` (default: the system temp dir), removed on drop:
-/// runs never reuse (or replay) what an earlier run left.
-pub fn temp_in(dir: &Option<PathBuf>) -> anyhow::Result<tempfile::TempDir> {
+/// A fresh scratch directory inside `dir` (default: the system temp dir), removed on drop or
+/// interruption: runs never reuse (or replay) what an earlier run left.
+pub fn temp_in(dir: &Option<PathBuf>) -> anyhow::Result<ScratchDir> {
     Ok(match dir {
-        Some(dir) => tempfile::tempdir_in(dir).with_context(|| {
+        Some(dir) => ScratchDir::new_in(dir, SCRATCH_PREFIX).with_context(|| {
             format!("creating a temporary directory in --dir {}", dir.display())
         })?,
-        None => tempfile::tempdir().context("creating a temporary directory")?,
+        None => ScratchDir::new(SCRATCH_PREFIX).context("creating a temporary directory")?,
     })
 }
+
+/// The start of the load generator's scratch directories' names.
+pub const SCRATCH_PREFIX: &str = "coordbus-load-";
 
 /// The durability modes `--durability` accepts.
 const DURABILITY_NAMES: [&str; 3] = ["group", "every", "none"];
@@ -237,6 +241,41 @@ fn validate(args: &WalArgs) -> anyhow::Result<()> {
     baseline_enabled(&args.baseline)?;
     check_record_fits(args.record_bytes, args.segment_mib)?;
     check_total_bytes(args.records, args.record_bytes, &format!("--records {}", args.records))
+}
+
+/// Most `fdatasync`s the group-commit figure's pwrite baseline may make (one per
+/// `--max-bytes` written): at a millisecond or more each here, more would make the baseline
+/// take longer than most runs, without a word.
+const MAX_BASELINE_SYNCS: u64 = 100_000;
+
+/// Refuses a `--max-bytes` so small against `--records` that the group-commit figure's pwrite
+/// baseline would sync more than [`MAX_BASELINE_SYNCS`] times (checked after the free disk:
+/// a run that cannot fit says so first).
+fn check_baseline_syncs(args: &WalArgs) -> anyhow::Result<()> {
+    if !baseline_enabled(&args.baseline)? || !args.durability.iter().any(|name| name == "group") {
+        return Ok(());
+    }
+    let bytes = args.records.saturating_mul(frame::frame_len(args.record_bytes) as u64);
+    let syncs = bytes.div_ceil(args.max_bytes as u64);
+    anyhow::ensure!(
+        syncs <= MAX_BASELINE_SYNCS,
+        "--max-bytes {} makes the pwrite baseline sync {syncs} times (once per --max-bytes of \
+         the {bytes} bytes that --records {} of --record-bytes {} write; at most \
+         {MAX_BASELINE_SYNCS}): raise --max-bytes, lower --records, or pass --baseline none",
+        args.max_bytes,
+        args.records,
+        args.record_bytes
+    );
+    Ok(())
+}
+
+/// A byte count as KiB when it is whole KiB, else as bytes (a baseline's label).
+fn byte_size_label(bytes: usize) -> String {
+    if bytes >= 1024 && bytes.is_multiple_of(1024) {
+        format!("{} KiB", bytes >> 10)
+    } else {
+        format!("{bytes} B")
+    }
 }
 
 /// Checks what the flags' ranges cannot for `coordbus-load wal-recover`, before anything is
@@ -471,6 +510,7 @@ pub fn run(args: &WalArgs) -> anyhow::Result<Vec<Figure>> {
     validate(args)?;
     let root = temp_in(&args.dir)?;
     check_free_disk(args, root.path())?;
+    check_baseline_syncs(args)?;
     let with_baseline = baseline_enabled(&args.baseline)?;
     let frame_bytes = frame::frame_len(args.record_bytes);
     let mut figures = Vec::new();
@@ -494,7 +534,7 @@ pub fn run(args: &WalArgs) -> anyhow::Result<Vec<Figure>> {
                         let records = bytes / frame_bytes as u64;
                         figure
                             .with_baseline(
-                                format!("pwrite+fdatasync/{} KiB", args.max_bytes >> 10),
+                                format!("pwrite+fdatasync/{}", byte_size_label(args.max_bytes)),
                                 records as f64 / seconds,
                             )
                             .with("baseline_bytes_per_sec", bytes as f64 / seconds)
