@@ -80,10 +80,11 @@ impl Doorbell {
     }
 
     /// Consumer: parks for at most `timeout` whatever is queued, for work that is announced
-    /// but cannot be taken yet (a claimed slot not yet filled). A producer that reads
-    /// `sleeping` meanwhile unparks it early; one that does not (a shared ring's producer
-    /// reads it right after its claim, not after its fill) leaves it to the timeout, which is
-    /// what bounds this wait.
+    /// but cannot be taken yet (a claimed slot not yet filled). It does not look for work
+    /// after raising `sleeping` (work is announced already: that is the spin it avoids), so
+    /// a producer that reads `sleeping` raised unparks it early, and one that rang just
+    /// before (or, in asymmetric mode, whose read is not ordered by a heavy barrier here) is
+    /// slept through until the timeout, which is what bounds this wait.
     pub(crate) fn doze(&self, timeout: Duration) {
         debug_assert!(self.consumer.get().is_some(), "bind_consumer before parking");
         self.sleeping.store(true, Ordering::SeqCst);

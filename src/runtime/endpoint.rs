@@ -159,13 +159,14 @@ pub(crate) struct Inbox<E: Endpoint> {
 thread_local! {
     /// Address of the inbox whose handler runs on this thread (0: none).
     static CURRENT_INBOX: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
-    /// Address of the shared state of the bus whose endpoint runs on this thread (0: none).
-    static CURRENT_BUS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    /// Id of the bus whose endpoint runs on this thread (0: none). Kept until the thread
+    /// ends: `on_stop` and the endpoint's drop run on it too.
+    static CURRENT_BUS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
-/// Whether this thread runs an endpoint of the bus whose shared state is `bus`.
+/// Whether this thread runs an endpoint of `bus`.
 pub(crate) fn on_endpoint_thread_of(bus: &BusShared) -> bool {
-    CURRENT_BUS.with(std::cell::Cell::get) == std::ptr::from_ref(bus) as usize
+    CURRENT_BUS.with(std::cell::Cell::get) == bus.id
 }
 
 /// Whether this thread runs an endpoint (its drain loop catches panics and fails the replies
@@ -188,7 +189,8 @@ impl<E: Endpoint> Inbox<E> {
     /// Marks this thread as the endpoint's thread (for self-ask detection).
     pub(crate) fn enter_thread(&self) {
         CURRENT_INBOX.with(|current| current.set(self.address()));
-        CURRENT_BUS.with(|current| current.set(self.bus.as_ptr() as usize));
+        let bus = self.bus.upgrade().map_or(0, |bus| bus.id);
+        CURRENT_BUS.with(|current| current.set(bus));
     }
 
     /// Deregisters the name at once and closes the inbox; queued messages are still handled.

@@ -10,8 +10,8 @@
 //! `stop`; sending goes straight from an [`EndpointRef`] to the endpoint's inbox, with no lookup
 //! and no lock. Stopping removes the name at once (it can be registered again immediately)
 //! and closes the inbox; the endpoint thread drains what was queued, runs `on_stop`, and ends
-//! (SPEC A.5). Shutting the bus down stops every endpoint that way and joins every thread (but
-//! the caller's own, when a handler shuts the bus down), all within `shutdown_timeout`.
+//! (SPEC A.5). Shutting the bus down stops every endpoint that way and joins every thread, all
+//! within `shutdown_timeout`; from a handler it only stops them (see [`Bus::shutdown`]).
 
 mod endpoint;
 mod pin;
@@ -57,6 +57,9 @@ struct Registration {
 
 /// State shared by the bus and (weakly) by every inbox, for deregistration.
 pub(crate) struct BusShared {
+    /// Unique in the process (not an address, which a later bus could reuse): what an
+    /// endpoint thread's mark of its bus holds.
+    pub(crate) id: u64,
     registry: DashMap<String, Registration>,
     next_id: AtomicU64,
     shut_down: AtomicBool,
@@ -68,6 +71,9 @@ impl BusShared {
         self.registry.remove_if(name, |_, registration| registration.id == id);
     }
 }
+
+/// The id the next bus gets (0 marks a thread that runs no endpoint).
+static NEXT_BUS_ID: AtomicU64 = AtomicU64::new(1);
 
 /// A message bus hosting named endpoints. See the crate docs for an example.
 pub struct Bus {
@@ -113,6 +119,7 @@ impl Bus {
             cores: CorePlanner::new(config.pinning.clone()),
             config,
             shared: Arc::new(BusShared {
+                id: NEXT_BUS_ID.fetch_add(1, Ordering::Relaxed),
                 registry: DashMap::new(),
                 next_id: AtomicU64::new(1),
                 shut_down: AtomicBool::new(false),
@@ -351,7 +358,9 @@ impl Bus {
     /// (or a bus dropped there), it stops every endpoint but waits for no thread: its own
     /// finishes only once the handler returns, and another may be waiting for this handler
     /// (in its own shutdown, or an ask), so waiting could only run out the timeout. A later
-    /// shutdown, or dropping the bus, joins them.
+    /// shutdown, or dropping the bus elsewhere, joins them; dropping its last handle on one of
+    /// its endpoint threads (a handler, `on_stop`, the endpoint's drop) leaves them detached:
+    /// stopped, they finish on their own.
     ///
     /// # Errors
     /// [`BusError::ThreadPanicked`] if an endpoint thread died outside a handler (the first

@@ -184,7 +184,8 @@ pub(crate) struct Segment {
     pub max_time_ms: AtomicI64,
     /// LSN of the last record placed in the segment (0 while empty).
     pub last_lsn: AtomicU64,
-    /// Byte offset just past the last record placed (appenders) or recovered.
+    /// Byte offset just past the last record written (by the sync thread, or a leading
+    /// appender) or recovered.
     pub end_offset: AtomicU64,
     /// Every record of the segment is written and synced and no more will be added (set by
     /// recovery, and by the sync thread when it moves on to the next segment). Only sealed
