@@ -8,6 +8,12 @@
 //! listed directories and exits with status 130. The names start with the tool's name
 //! (`coordbus-load-...`), not tempfile's hidden `.tmp...`, so one left by `kill -9` is easy to
 //! find.
+//!
+//! The handler runs on its own thread while the tool goes on, so it holds the list's lock to
+//! the end (a directory made meanwhile waits for it, and the process exits first), first kills
+//! the child processes listed with [`ChildGuard`] (a crash tester's child would otherwise go
+//! on writing into the directory), and removes until nothing is left: a WAL's sync thread can
+//! still create a file, or the directory itself again, while it is being removed.
 
 use std::{
     io,
@@ -15,7 +21,8 @@ use std::{
     sync::{Mutex, MutexGuard, PoisonError},
 };
 
-/// The exit status after an interruption (128 + SIGINT, as shells report Ctrl-C).
+/// The exit status after an interruption: 128 + SIGINT, as shells report Ctrl-C, whichever
+/// of the three signals came (the handler is not told which).
 pub const INTERRUPTED_STATUS: i32 = 130;
 
 /// How many times a removal is tried when files appear meanwhile (a WAL's sync thread can
@@ -25,9 +32,16 @@ const REMOVAL_ATTEMPTS: usize = 10;
 /// The scratch directories alive now.
 static LIVE: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
 
-fn live() -> MutexGuard<'static, Vec<PathBuf>> {
+/// The child processes to kill before the directories are removed.
+static CHILDREN: Mutex<Vec<u32>> = Mutex::new(Vec::new());
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     // A panic while listing leaves a consistent list (single pushes and removals).
-    LIVE.lock().unwrap_or_else(PoisonError::into_inner)
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn live() -> MutexGuard<'static, Vec<PathBuf>> {
+    lock(&LIVE)
 }
 
 /// Installs the handler that removes the scratch directories on SIGINT, SIGTERM or SIGHUP
@@ -40,27 +54,78 @@ pub fn remove_on_interrupt() {
 }
 
 fn on_interrupt() {
-    let dirs = std::mem::take(&mut *live());
-    for dir in &dirs {
-        if let Err(error) = remove_all(dir) {
-            eprintln!("interrupted; could not remove {}: {error}", dir.display());
+    // Held until the exit: no directory is listed, nor unlisted, behind the handler's back.
+    let dirs = live();
+    kill_children();
+    let mut removed = 0;
+    for dir in dirs.iter() {
+        match remove_all(dir) {
+            Ok(()) => removed += 1,
+            Err(error) => eprintln!("interrupted; could not remove {}: {error}", dir.display()),
         }
     }
-    eprintln!("interrupted; removed {} scratch directories", dirs.len());
+    eprintln!("interrupted; removed {removed} of {} scratch directories", dirs.len());
     std::process::exit(INTERRUPTED_STATUS);
 }
 
-/// Removes `dir` and everything in it, trying again while files appear meanwhile; a directory
-/// already gone is removed.
+/// Kills the listed child processes and waits for each to end, so that none writes into a
+/// directory being removed.
+fn kill_children() {
+    for &pid in lock(&CHILDREN).iter() {
+        let Some(pid) = i32::try_from(pid).ok().and_then(rustix::process::Pid::from_raw) else {
+            continue;
+        };
+        if rustix::process::kill_process(pid, rustix::process::Signal::KILL).is_ok() {
+            let _ = rustix::process::waitpid(Some(pid), rustix::process::WaitOptions::empty());
+        }
+    }
+}
+
+/// Removes `dir` and everything in it, again while it (or a file in it) reappears: a writer
+/// still running can create a file, or the directory itself, meanwhile. A directory already
+/// gone counts as removed.
 fn remove_all(dir: &Path) -> io::Result<()> {
     let mut attempt = 1;
     loop {
-        match std::fs::remove_dir_all(dir) {
-            Ok(()) => return Ok(()),
-            Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(()),
+        let removed = match std::fs::remove_dir_all(dir) {
+            Ok(()) => Ok(()),
+            Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(error) => Err(error),
+        };
+        match removed {
+            Ok(()) if !dir.exists() => return Ok(()),
             Err(error) if attempt >= REMOVAL_ATTEMPTS => return Err(error),
-            Err(_) => attempt += 1,
+            Ok(()) if attempt >= REMOVAL_ATTEMPTS => {
+                return Err(io::Error::other("it was created again while being removed"))
+            }
+            _ => {
+                attempt += 1;
+                std::thread::sleep(REMOVAL_PAUSE);
+            }
         }
+    }
+}
+
+/// Between two removals of a directory that reappeared: long enough for a writer's file
+/// creation in flight to land.
+const REMOVAL_PAUSE: std::time::Duration = std::time::Duration::from_millis(1);
+
+/// A child process listed for [`remove_on_interrupt`]'s handler to kill (and wait for) before
+/// it removes the directories; unlisted when dropped.
+#[derive(Debug)]
+pub struct ChildGuard(u32);
+
+impl ChildGuard {
+    /// Lists the child process `pid`.
+    pub fn new(pid: u32) -> Self {
+        lock(&CHILDREN).push(pid);
+        Self(pid)
+    }
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        lock(&CHILDREN).retain(|&listed| listed != self.0);
     }
 }
 
@@ -125,7 +190,11 @@ impl ScratchDir {
 impl Drop for ScratchDir {
     fn drop(&mut self) {
         if let Some(dir) = self.dir.take() {
-            forget(dir.path());
+            // Removed, then unlisted: an interruption in between still finds it listed, and
+            // finishes the removal.
+            let path = dir.path().to_path_buf();
+            drop(dir);
+            forget(&path);
         }
     }
 }

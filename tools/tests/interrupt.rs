@@ -5,8 +5,9 @@
 //!
 //! Method: run the built binaries on a run far longer than the test, in a directory of the
 //! test's own (`TMPDIR` for the load generator, `--dir` for the crash tester); wait (bounded)
-//! until the run has written a file in its scratch directory; send the signal with `kill`;
-//! wait (bounded) for the exit; check the status, the message, and that the directory is empty.
+//! until the run has written a WAL segment in its scratch directory (the crash tester's child
+//! is then running, writing into it); send the signal with `kill`; wait (bounded) for the
+//! exit; check the status, the message, and that the directory is empty.
 
 use std::{
     path::Path,
@@ -17,23 +18,23 @@ use std::{
 /// Longer than any step below takes; reaching it is a failure, not a wait.
 const BOUND: Duration = Duration::from_secs(60);
 
-/// Whether any regular file lies under `dir`.
-fn holds_a_file(dir: &Path) -> bool {
+/// Whether a WAL segment file (`*.wal`) lies under `dir`.
+fn holds_a_segment(dir: &Path) -> bool {
     std::fs::read_dir(dir).into_iter().flatten().flatten().any(|entry| {
         let path = entry.path();
         if path.is_dir() {
-            holds_a_file(&path)
+            holds_a_segment(&path)
         } else {
-            true
+            path.extension().is_some_and(|extension| extension == "wal")
         }
     })
 }
 
-/// Waits until the run wrote a file under `dir`, signals it, and returns its exit code and
+/// Waits until the run wrote a segment under `dir`, signals it, and returns its exit code and
 /// stderr.
 fn interrupt(mut child: Child, dir: &Path, signal: &str) -> (Option<i32>, String) {
     let deadline = Instant::now() + BOUND;
-    while !holds_a_file(dir) {
+    while !holds_a_segment(dir) {
         if let Some(status) = child.try_wait().unwrap() {
             panic!("the run ended ({status}) before writing anything");
         }
@@ -81,7 +82,7 @@ fn an_interrupted_durable_load_run_removes_its_temporary_wal() {
         .unwrap();
     let (code, stderr) = interrupt(child, tmp.path(), "INT");
     assert_eq!(code, Some(130), "{stderr}");
-    assert!(stderr.contains("interrupted; removed 1 scratch directories"), "{stderr}");
+    assert!(stderr.contains("interrupted; removed 1 of 1 scratch directories"), "{stderr}");
     assert_eq!(entries(tmp.path()), Vec::<String>::new(), "left behind");
 }
 
@@ -98,6 +99,6 @@ fn a_terminated_crash_run_removes_its_work_directory() {
         .unwrap();
     let (code, stderr) = interrupt(child, parent.path(), "TERM");
     assert_eq!(code, Some(130), "{stderr}");
-    assert!(stderr.contains("interrupted; removed 1 scratch directories"), "{stderr}");
+    assert!(stderr.contains("interrupted; removed 1 of 1 scratch directories"), "{stderr}");
     assert_eq!(entries(parent.path()), Vec::<String>::new(), "left behind");
 }

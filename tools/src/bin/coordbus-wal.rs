@@ -62,8 +62,9 @@ enum Command {
         dir: PathBuf,
     },
     /// Every record, in LSN order. Damage is skipped (as a log opened tolerating corruption
-    /// would) and a torn tail is not shown, each named on stderr. Exit code 0: everything
-    /// shown; 1: damage skipped; 2: a torn tail not shown; 3: I/O or usage error (as verify's).
+    /// would) and a torn tail is not shown, each named on stderr. The exit code is about the
+    /// whole log, whatever part --from and --limit show: 0: no damage nor torn tail; 1: damage
+    /// skipped; 2: a torn tail left out; 3: I/O or usage error (the codes of verify).
     Dump {
         /// The log directory.
         dir: PathBuf,

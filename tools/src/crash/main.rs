@@ -50,7 +50,7 @@ use std::{
 
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand, ValueEnum};
-use coordbus_tools::scratch::ScratchDir;
+use coordbus_tools::scratch::{ChildGuard, ScratchDir};
 use serde_json::json;
 
 use coordbus::wal::{IoMode, IoPath};
@@ -79,7 +79,8 @@ const MAX_RUN_MS: u64 = 60_000;
 /// be lost, duplicated or corrupted.
 ///
 /// Exit code 0: no loss; 1: loss, duplication, corruption or disorder detected (the directory
-/// is kept and its path printed); 2: the tool itself failed (bad flag, child cannot start).
+/// is kept and its path printed); 2: the tool itself failed (bad flag, child cannot start);
+/// 130: interrupted (SIGINT, SIGTERM or SIGHUP; the work directory is removed unless --keep).
 #[derive(Debug, Parser)]
 #[command(name = "coordbus-crash", version, subcommand_negates_reqs = true)]
 struct Cli {
@@ -459,6 +460,9 @@ fn one_iteration(
         .stderr(stderr)
         .spawn()
         .with_context(|| format!("starting the child {}", exe.display()))?;
+    // Listed for the interrupt handler until just before it is reaped (after that its pid
+    // may belong to another process).
+    let mut listed = Some(ChildGuard::new(child.id()));
     let stdout = child.stdout.take().context("the child's stdout")?;
     let (sender, receiver) = mpsc::channel::<String>();
     // Only complete lines are passed on: the kill may cut the last one.
@@ -493,6 +497,7 @@ fn one_iteration(
             }
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 let _ = child.kill();
+                drop(listed.take());
                 let _ = child.wait();
                 let _ = reader.join();
                 bail!(
@@ -503,6 +508,7 @@ fn one_iteration(
                 );
             }
             Err(mpsc::RecvTimeoutError::Disconnected) => {
+                drop(listed.take());
                 let status = child.wait().context("waiting for the child")?;
                 let _ = reader.join();
                 bail!(
@@ -518,6 +524,7 @@ fn one_iteration(
     std::thread::sleep(delay);
     // `Child::kill` sends SIGKILL on Unix.
     child.kill().context("killing the child")?;
+    drop(listed.take());
     let status = child.wait().context("waiting for the killed child")?;
     reader.join().map_err(|_| anyhow::anyhow!("the stdout reader panicked"))?;
     lines.extend(receiver.try_iter());
