@@ -7,9 +7,10 @@
 //!   its timeout for room, then fails with a typed error and appends nothing.
 //!
 //! - `Wal::read_bytes` of a handle this log never returned (stale, or of another log): while
-//!   appends wait for the disk, a frame past what was appended to the active segment, or past
-//!   the end of a sealed segment, fails at once with `NotFound`, instead of waiting up to the
-//!   read's 60 s bound for writes that can never reach it.
+//!   appends wait for the disk, a frame past what was appended to the active segment (or to an
+//!   earlier one, once appends moved on), or past the end of a sealed segment, fails at once
+//!   with `NotFound`, instead of waiting up to the read's 60 s bound for writes that can never
+//!   reach it.
 //!
 //! Method: a storage whose syncs wait at a gate the test opens (`wal_support`), on the pwrite
 //! path with group commit, so the sync thread does every write and sync.
@@ -232,4 +233,30 @@ fn a_read_past_the_end_of_a_sealed_segment_fails_at_once_while_the_disk_holds_th
 
     gate.open();
     assert_eq!(&wal.read_bytes(appended).unwrap()[..], b"appended");
+}
+
+#[test]
+fn a_read_past_where_appends_to_a_rolled_segment_ended_fails_at_once_while_the_disk_holds_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let gate = Arc::new(Gate::default());
+    let wal = open_gated(dir.path(), &gate, AfterGate::Sync);
+    let _open_gate_on_exit = OpenOnDrop(Arc::clone(&gate));
+    // Three records of 300 KiB fill most of a 1 MiB segment; the fourth rolls to the next.
+    let payload = vec![0x5a; 300 << 10];
+    let (_, first) = wal.append_bytes(&payload, 1).unwrap();
+    // The sync thread is held in the first record's sync: the rest stay staged, unwritten,
+    // and the first segment is not sealed.
+    gate.wait_until_reached(1);
+    let (_, third) = (0..2).map(|_| wal.append_bytes(&payload, 1).unwrap()).last().unwrap();
+    let (_, rolled) = wal.append_bytes(&payload, 1).unwrap();
+    assert_eq!(third.segment, first.segment);
+    assert_ne!(rolled.segment, first.segment, "the fourth record rolled");
+    let appended_end = third.offset + (300 << 10) + 32;
+    let never_appended =
+        RecordHandle { offset: appended_end.next_multiple_of(4096) + 4096, ..third };
+    assert_eq!(not_found_reason(&wal, never_appended), "offset past the end of what was appended");
+
+    gate.open();
+    assert_eq!(wal.read_bytes(third).unwrap().len(), 300 << 10);
+    assert_eq!(wal.read_bytes(rolled).unwrap().len(), 300 << 10);
 }

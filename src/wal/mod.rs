@@ -1933,7 +1933,9 @@ impl Wal {
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .push(Arc::clone(&segment));
-        state.active = Some(segment);
+        if let Some(previous) = state.active.replace(segment) {
+            previous.appended_end.store(state.offset, Ordering::Release);
+        }
         state.offset = SEGMENT_HEADER_LEN;
         Ok(())
     }

@@ -420,15 +420,19 @@ fn wait_written(
     }
 }
 
-/// Whether a frame ending at `needed` in `segment` can have been appended. Only the active
-/// segment's appended end is known: a handle beyond it was not returned by this log (stale, or
-/// of another log), and waiting for it would last as long as appends keep coming. For other
-/// segments, the answer is yes here, and `wait_written` settles it once they are sealed.
+/// Whether a frame ending at `needed` in `segment` can have been appended: within the active
+/// segment's appended end, or the end appends to an earlier segment of this log stopped at. A
+/// handle beyond it was not returned by this log (stale, or of another log), and waiting for
+/// it would last as long as appends keep coming. A recovered segment never had appends here:
+/// `wait_written` settles it by its final end (it is sealed).
 fn within_appended(shared: &Shared, segment: &Segment, needed: u64) -> bool {
     let state = lock(&shared.append);
     match &state.active {
         Some(active) if active.header.id == segment.header.id => needed <= state.offset,
-        _ => true,
+        _ => match segment.appended_end.load(Ordering::Acquire) {
+            0 => true,
+            appended_end => needed <= appended_end,
+        },
     }
 }
 

@@ -191,6 +191,9 @@ pub(crate) struct Segment {
     /// recovery, and by the sync thread when it moves on to the next segment). Only sealed
     /// segments may be cleaned.
     pub sealed: AtomicBool,
+    /// Byte offset where appends to the segment ended, set (under the append lock) when the
+    /// next segment became the active one; 0 while it is active, and for recovered segments.
+    pub appended_end: AtomicU64,
     /// Byte ranges holding records, for segments where tolerant recovery skipped damage
     /// (`None`: one range from the header to `end_offset`).
     pub valid_ranges: Option<Vec<(u64, u64)>>,
@@ -211,6 +214,7 @@ impl Segment {
             last_lsn: AtomicU64::new(0),
             end_offset: AtomicU64::new(HEADER_LEN),
             sealed: AtomicBool::new(false),
+            appended_end: AtomicU64::new(0),
             valid_ranges: None,
             recovered: false,
         }
