@@ -644,8 +644,16 @@ impl BlockTrackerEndpoint {
             && self.pending_answer_bytes < self.answer_byte_limit
     }
 
+    /// Answers a request that logged nothing (a stale allocation, a cleanup whose record
+    /// failed) as a query: once everything before it is durable, refused past the bound.
+    fn answer_nothing_logged(&mut self, replier: Replier<()>) {
+        if let Some(replier) = self.admit_query(replier) {
+            self.answer((), replier);
+        }
+    }
+
     /// Answers `replier` with `value` once everything applied so far is durable (now if it
-    /// is). Never refused: also the answer of an allocation or cleanup that logged nothing.
+    /// is). Never refused: callers that must be bounded are let in by [`Self::admit_query`].
     fn answer<T: HeldBytes + Send + 'static>(&mut self, value: T, replier: Replier<T>) {
         if !self.must_wait() {
             replier.reply(value);
@@ -812,8 +820,10 @@ impl Endpoint for BlockTrackerEndpoint {
                     }
                     // A stale time or a failed write is not reported (SPEC D.3); but the
                     // answer still waits for earlier events, so that it never runs ahead of
-                    // the state the caller may query next.
-                    Ok(_) => self.answer((), replier),
+                    // the state the caller may query next. It logged nothing, so it waits as a
+                    // query does, and past the bound it is refused as one: a client repeating
+                    // it while the disk is behind cannot pile answers up.
+                    Ok(_) => self.answer_nothing_logged(replier),
                     Err(error) => replier.fail(error),
                 }
             }
@@ -845,7 +855,7 @@ impl Endpoint for BlockTrackerEndpoint {
                     },
                     Ok(Logged::Failed | Logged::Skipped) => {
                         tracing::warn!(threshold = threshold.0, "failed to log batch cleanup");
-                        self.answer((), replier);
+                        self.answer_nothing_logged(replier);
                     }
                     Err(error) => replier.fail(error),
                 }

@@ -496,7 +496,16 @@ pub(super) fn decode(bytes: &[u8]) -> Result<TrackerEvent, BlockTrackerError> {
                     )));
                 }
                 previous = Some(stream);
-                streams.push((StreamId(stream), unpack_blocks(&entry.blocks)?));
+                let blocks = unpack_blocks(&entry.blocks)?;
+                // Replay takes a stream's listed blocks off that stream's queue: a block of
+                // another stream would stay queued there, and be allocated twice.
+                if let Some(stray) = blocks.iter().find(|block| block.stream_id().0 != stream) {
+                    return Err(bad(format!(
+                        "an allocation lists a block of stream {} under stream {stream}",
+                        stray.stream_id().0
+                    )));
+                }
+                streams.push((StreamId(stream), blocks));
             }
             TrackerEvent::BatchAllocation(BatchAllocationEvent {
                 time: BatchTime(allocation.time.to_native()),
@@ -640,6 +649,21 @@ mod tests {
         damaged[20] = 0xff; // unknown flags
         assert!(matches!(decode(&damaged), Err(BlockTrackerError::Decode { .. })));
         assert!(decode(&bytes[..8]).is_err());
+    }
+
+    #[test]
+    fn an_allocation_listing_a_block_under_another_stream_is_an_error() {
+        let misfiled = TrackerEvent::BatchAllocation(BatchAllocationEvent {
+            time: BatchTime(5),
+            blocks: AllocatedBlocks::new([(StreamId(1), vec![plain(1, 1), plain(2, 2)])]),
+        });
+        let bytes = encode_into(&misfiled, AlignedVec::new()).unwrap();
+        match decode(&bytes) {
+            Err(BlockTrackerError::Decode { message }) => {
+                assert!(message.contains("a block of stream 2 under stream 1"), "{message}");
+            }
+            other => panic!("expected a decode error, got {other:?}"),
+        }
     }
 
     #[test]
