@@ -115,6 +115,10 @@ pub struct UringEngine {
     sync_in_flight: Option<SyncInFlight>,
     /// The first failure of a pipelined write or sync (reported once by `take_events`).
     error: Option<WalError>,
+    /// Test hook: a linked pair goes in as two submissions, the sync only once its write
+    /// completed, as when the kernel takes only a prefix of the queue.
+    #[cfg(test)]
+    split_links: bool,
 }
 
 /// The pipelined `fdatasync` on the ring.
@@ -124,6 +128,10 @@ struct SyncInFlight {
     /// Linked behind that group's only write (`IO_LINK`): the kernel starts it when the write
     /// completed in full, and cancels it if the write fails or comes up short.
     linked: bool,
+    /// Linked, but it did not go into the kernel in the same submission as its write (the
+    /// kernel took only a prefix of the queue, stopping at a request it could not allocate):
+    /// a link does not span submissions, so it ran unordered and proves nothing.
+    cut_from_write: bool,
     /// Result injected by the fault plan.
     injected: Option<i32>,
     /// Keeps the descriptor open until the completion is reaped.
@@ -243,6 +251,8 @@ impl UringEngine {
             reaped: Vec::new(),
             sync_in_flight: None,
             error: None,
+            #[cfg(test)]
+            split_links: false,
         })
     }
 
@@ -376,9 +386,40 @@ impl UringEngine {
             unsafe { self.push(&entry, if link_sync { 2 } else { 1 }) };
         }
         if link_sync {
+            self.split_link_for_test();
             self.push_sync(index, true);
         }
         self.enter(0, None);
+        if link_sync && (self.sync_left_behind() || self.links_split_for_test()) {
+            let sync = self.sync_in_flight.as_mut().expect("pushed above");
+            sync.cut_from_write = true;
+        }
+    }
+
+    /// Whether the last enter left entries in the submission queue: the kernel took a prefix
+    /// only, and the last entry pushed (a linked pair's sync) went in apart from its write.
+    fn sync_left_behind(&mut self) -> bool {
+        !self.ring.submission().is_empty()
+    }
+
+    /// The test hook `split_links`: submits the write alone and waits for its completion, so
+    /// the sync pushed next runs after it, but in a submission of its own.
+    fn split_link_for_test(&mut self) {
+        #[cfg(test)]
+        if self.split_links {
+            let entries = self.entries_in_flight;
+            while self.entries_in_flight == entries {
+                self.enter(1, Some(Duration::from_secs(10)));
+                self.reap();
+            }
+        }
+    }
+
+    fn links_split_for_test(&self) -> bool {
+        #[cfg(test)]
+        return self.split_links;
+        #[cfg(not(test))]
+        false
     }
 
     /// Submits one `fdatasync` covering every group up to the one at `last` (all written).
@@ -397,6 +438,7 @@ impl UringEngine {
         self.sync_in_flight = Some(SyncInFlight {
             seq: group.seq,
             linked,
+            cut_from_write: false,
             injected,
             file: Arc::clone(&group.file),
             path: group.path.clone(),
@@ -456,7 +498,8 @@ impl UringEngine {
                 // not: Linux reports a writeback error once, so the sync issued in its place
                 // could succeed over lost bytes.
                 let failed = result < 0 && result != -libc::ECANCELED;
-                if sync.linked && !failed && self.linked_sync_void(seq, result) {
+                if sync.linked && !failed && self.linked_sync_void(seq, result, sync.cut_from_write)
+                {
                     continue;
                 }
                 if result < 0 {
@@ -505,16 +548,20 @@ impl UringEngine {
 
     /// Whether the completion (`result`) of the sync linked behind group `seq`'s write proves
     /// nothing: the kernel cancelled it (the write failed or came up short: `ECANCELED`), it
-    /// ran before bytes the ring left unwritten were finished with `pwrite`, or the write's
-    /// own completion was not reaped yet. The group then
-    /// waits for a sync submitted the usual way, after its writes (`take_events`); a failed
-    /// write has already failed the log.
-    fn linked_sync_void(&mut self, seq: u64, result: i32) -> bool {
+    /// ran before bytes the ring left unwritten were finished with `pwrite`, the write's own
+    /// completion was not reaped yet, or it was `cut_from_write` (submitted apart from the
+    /// write, so not ordered after it). The group then waits for a sync submitted the usual
+    /// way, after its writes (`take_events`); a failed write has already failed the log.
+    fn linked_sync_void(&mut self, seq: u64, result: i32, cut_from_write: bool) -> bool {
         let group = self.groups.iter_mut().find(|group| group.seq == seq);
         let group = group.expect("a linked sync's group stays until it is durable");
         // Its write's completion not reaped yet (completions may be reaped in any order):
         // nothing is known about it, so the sync counts for nothing (one sync more at worst).
-        if result != -libc::ECANCELED && !group.rewritten && group.writes_pending == 0 {
+        if !cut_from_write
+            && result != -libc::ECANCELED
+            && !group.rewritten
+            && group.writes_pending == 0
+        {
             return false;
         }
         group.sync_submitted = false;
@@ -700,6 +747,8 @@ impl IoEngine for UringEngine {
         let mut leftovers: Vec<Piece> = Vec::new();
         let mut first_error: Option<WalError> = None;
         let mut synced = false;
+        // The sync completed but proves nothing (cut from its write): sync again at the end.
+        let mut resync = false;
         let room = RING_ENTRIES as usize - 1;
         let batches: Vec<&[Piece]> =
             if pieces.is_empty() { vec![&[]] } else { pieces.chunks(room).collect() };
@@ -760,6 +809,9 @@ impl IoEngine for UringEngine {
                 }
             }
             let mut completed = 0usize;
+            // A linked sync left in the queue by the first enter (the kernel took a prefix
+            // only) goes in later, apart from its write and unordered: it proves nothing.
+            let mut sync_cut_from_write = None;
             while completed < expected {
                 match self.ring.submit_and_wait(expected - completed) {
                     Ok(_) => {}
@@ -773,6 +825,8 @@ impl IoEngine for UringEngine {
                         panic!("io_uring_enter failed with entries in flight: {error}");
                     }
                 }
+                let cut =
+                    *sync_cut_from_write.get_or_insert_with(|| linked && self.sync_left_behind());
                 let mut woke = None;
                 for entry in self.ring.completion() {
                     if entry.user_data() == WAKE_USER_DATA {
@@ -797,6 +851,8 @@ impl IoEngine for UringEngine {
                                 0,
                                 &error,
                             ));
+                        } else if cut {
+                            resync = true;
                         } else {
                             synced = true;
                         }
@@ -841,14 +897,14 @@ impl IoEngine for UringEngine {
         if let Some(error) = first_error {
             return Err(error);
         }
-        if leftovers.is_empty() {
+        if leftovers.is_empty() && !resync {
             if sync.is_some() && !synced {
                 unreachable!("the sync completed, or its linked write failed or came up short");
             }
             return Ok(());
         }
         // Finish short writes, then sync again: the drained sync may have run before them (a
-        // linked one was cancelled).
+        // linked one was cancelled, or cut from its write).
         for piece in leftovers {
             let op = &ops[piece.op];
             write_all_at(&WriteOp {
@@ -1180,6 +1236,23 @@ pub(crate) mod tests {
         assert!(log[rewrite..].contains(&"sync"), "no sync after the rewrite: {log:?}");
         let bytes = std::fs::read(&short.path).unwrap();
         assert!(bytes.len() == 1000 && bytes.iter().all(|byte| *byte == 2));
+    }
+
+    #[test]
+    fn a_linked_sync_that_went_in_apart_from_its_write_counts_for_nothing() {
+        let Some(mut engine) = engine_if_available() else {
+            return;
+        };
+        // The kernel took the write alone: the sync went in later, in a submission of its own
+        // (here only once the write completed, so it even ran after it). Unlinked, it is not
+        // ordered after the write, so only a sync submitted the usual way makes it durable.
+        engine.split_links = true;
+        let fixture = fixture(0, 0);
+        engine.submit_group(group(&fixture, 1, 0, 1000));
+        assert_eq!(drive(&mut engine, false), [("written", 1), ("done", 1)]);
+        assert_eq!(*fixture.planned.log.lock().unwrap(), ["ring write", "sync", "sync"]);
+        let bytes = std::fs::read(&fixture.path).unwrap();
+        assert!(bytes.len() == 1000 && bytes.iter().all(|byte| *byte == 1));
     }
 
     #[test]
