@@ -29,7 +29,7 @@ use coordbus::{
     coordinators::block_tracker::{
         AllocateBlocksToBatch, BatchTime, BlockAdditionEvent, BlockAdditionsEvent, BlockLog,
         BlockReceiver, BlockStoreResult, BlockTrackerConfig, BlockTrackerEndpoint,
-        GetBlocksOfBatch, GetUnallocatedBlocks, HasUnallocatedBlocks, ReceivedBlockInfo,
+        ConnectReceiver, GetBlocksOfBatch, GetUnallocatedBlocks, HasUnallocatedBlocks, ReceivedBlockInfo,
         ReceivedBlockTracker, StopTracker, StreamBlockId, StreamId, TrackerEvent, WalBlockLog,
         COMBINE_MAX_BLOCKS, RECEIVED_BLOCK_METADATA_DIR,
     },
@@ -402,8 +402,11 @@ fn a_receipt_resolves_only_after_the_sync_and_queries_wait_for_it() {
     assert!(receipt.lsn().is_some());
     assert_eq!(receipt.try_result(), None, "the sync is held: not durable yet");
     // The query sees the handed-over block, but is answered only once it is durable.
-    let query = endpoint.ask(GetUnallocatedBlocks(StreamId(1)));
-    assert!(query.wait_timeout(Duration::from_millis(50)).is_err(), "answered before the sync");
+    let mut query = endpoint.ask(GetUnallocatedBlocks(StreamId(1)));
+    // Answered at once whatever is durable, and after the query (one sender's requests keep
+    // their order): once it is back, the query was handled, and waits.
+    endpoint.ask(ConnectReceiver).wait().unwrap();
+    assert!(query.try_take().is_none(), "answered before the sync");
     gate.set_held(false);
     assert!(receipt.wait());
     assert_eq!(endpoint.ask(GetUnallocatedBlocks(StreamId(1))).wait().unwrap(), [info(1, 1)]);
