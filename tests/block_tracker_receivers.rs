@@ -28,8 +28,8 @@ use coordbus::{
     clock::{ManualClock, SystemClock},
     coordinators::block_tracker::{
         AllocateBlocksToBatch, BatchTime, BlockAdditionEvent, BlockAdditionsEvent, BlockLog,
-        BlockReceiver, BlockStoreResult, BlockTrackerConfig, BlockTrackerEndpoint,
-        ConnectReceiver, GetBlocksOfBatch, GetUnallocatedBlocks, HasUnallocatedBlocks, ReceivedBlockInfo,
+        BlockReceiver, BlockStoreResult, BlockTrackerConfig, BlockTrackerEndpoint, ConnectReceiver,
+        GetBlocksOfBatch, GetUnallocatedBlocks, HasUnallocatedBlocks, ReceivedBlockInfo,
         ReceivedBlockTracker, StopTracker, StreamBlockId, StreamId, TrackerEvent, WalBlockLog,
         COMBINE_MAX_BLOCKS, RECEIVED_BLOCK_METADATA_DIR,
     },
