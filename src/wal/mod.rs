@@ -2110,7 +2110,8 @@ impl Wal {
     /// from the memory map. If the record is appended but not yet written, waits until the sync
     /// thread has written it (at most 60 s). A handle this log never returned (stale, or of
     /// another log) does not wait for appends: past what was appended to the active segment,
-    /// or past the end of a sealed one, it fails at once.
+    /// past where appends to an earlier segment ended, or past the end of a sealed one, it
+    /// fails at once.
     ///
     /// # Errors
     /// [`WalError::NotFound`] (cleaned, never appended, past the end, or not written within

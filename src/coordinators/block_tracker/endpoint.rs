@@ -94,7 +94,8 @@ const STOP_DURABILITY_TIMEOUT: Duration = Duration::from_secs(5);
 /// answer (a copy of a queue or a batch), so a stalled disk must not let askers queue them
 /// without bound; additions and allocations are bounded by the WAL's staging back-pressure
 /// instead. The answers of allocations and cleanups that logged nothing (a stale batch time,
-/// a failed write) wait the same way and count here too, but are never refused.
+/// a failed write) wait the same way, count here too, and past the bound are refused as
+/// queries are (they report no state, so nothing is lost; repeating them must not pile up).
 pub const MAX_PENDING_QUERIES: usize = 4096;
 
 /// Most bytes the answers of waiting queries may hold, by default, before the endpoint
@@ -158,7 +159,9 @@ pub struct AddBlocks(pub Vec<ReceivedBlockInfo>);
 
 /// Allocates the unallocated blocks to a batch; answers once the allocation is durable (or
 /// was a no-op: a time not newer than the last, or a failed write, SPEC D.3).
-/// Fails only if the log step raised.
+/// Fails if the log step raised, or, for a no-op that must wait for earlier events while
+/// [`MAX_PENDING_QUERIES`] answers wait already, with [`BlockTrackerError::DurabilityBacklog`]
+/// (or [`BlockTrackerError::AnswerBacklog`]).
 #[derive(Debug, Clone, Copy)]
 pub struct AllocateBlocksToBatch(pub BatchTime);
 
@@ -185,7 +188,8 @@ pub struct GetUnconfiguredStreams;
 
 /// Forgets batches older than `threshold` and deletes old WAL files (waiting for the deletion
 /// if `wait`). Fails with [`BlockTrackerError::ThresholdNotInPast`] unless the threshold is in
-/// the past.
+/// the past; a cleanup whose record failed answers as a no-op allocation does (see
+/// [`AllocateBlocksToBatch`]).
 #[derive(Debug, Clone, Copy)]
 pub struct CleanupOldBatches {
     /// Batches strictly older are forgotten.
@@ -618,6 +622,15 @@ impl BlockTrackerEndpoint {
             replier.fail(BlockTrackerError::StateLost { reason: reason.clone() });
             return None;
         }
+        self.admit_within_bounds(replier)
+    }
+
+    /// [`Self::admit_query`]'s bounds: lets in an answer that need not wait, or one within
+    /// them (after dropping abandoned queries); else fails it at once.
+    fn admit_within_bounds<T: Send + 'static>(
+        &mut self,
+        replier: Replier<T>,
+    ) -> Option<Replier<T>> {
         if self.below_query_limits() || !self.must_wait() {
             return Some(replier);
         }
@@ -645,9 +658,11 @@ impl BlockTrackerEndpoint {
     }
 
     /// Answers a request that logged nothing (a stale allocation, a cleanup whose record
-    /// failed) as a query: once everything before it is durable, refused past the bound.
+    /// failed) as a query: once everything before it is durable, refused past the bound. Not
+    /// with [`BlockTrackerError::StateLost`]: it reports no state (SPEC D.3 does not report a
+    /// failed write).
     fn answer_nothing_logged(&mut self, replier: Replier<()>) {
-        if let Some(replier) = self.admit_query(replier) {
+        if let Some(replier) = self.admit_within_bounds(replier) {
             self.answer((), replier);
         }
     }

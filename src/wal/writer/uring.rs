@@ -23,6 +23,11 @@
 //! flagged `IO_DRAIN`, so the kernel starts the sync only after every earlier write
 //! completed, and one `io_uring_enter` submits the lot and waits for all completions.
 //!
+//! The kernel may take only a prefix of the queue in one `io_uring_enter` (it stops at a
+//! request it cannot allocate), and a link does not span submissions. So a linked sync still
+//! in the queue after its enter counts for nothing (`SyncInFlight::cut_from_write`): the
+//! pipelined path voids it, and `write_and_sync` syncs again.
+//!
 //! On both, a short write (or one that was interrupted or would block: `EINTR`, `EAGAIN`) is
 //! finished with `pwrite` afterwards and synced again (or before the covering sync is
 //! submitted), so the durability claim never rests on a sync that ran before all bytes were
@@ -128,9 +133,10 @@ struct SyncInFlight {
     /// Linked behind that group's only write (`IO_LINK`): the kernel starts it when the write
     /// completed in full, and cancels it if the write fails or comes up short.
     linked: bool,
-    /// Linked, but it did not go into the kernel in the same submission as its write (the
-    /// kernel took only a prefix of the queue, stopping at a request it could not allocate):
-    /// a link does not span submissions, so it ran unordered and proves nothing.
+    /// Linked, but maybe not taken by the kernel in the same submission as its write: it was
+    /// still queued after that enter (the kernel took a prefix only, or asked to retry before
+    /// taking anything). A link does not span submissions, so it may have run unordered, and
+    /// it proves nothing (one sync more at worst).
     cut_from_write: bool,
     /// Result injected by the fault plan.
     injected: Option<i32>,
@@ -273,8 +279,8 @@ impl UringEngine {
     }
 
     /// Pushes `entry`, first submitting (and if need be waiting for completions) until the
-    /// submission queue has `room` free slots, so a linked pair is never split across two
-    /// submissions.
+    /// submission queue has `room` free slots, so the engine never splits a linked pair across
+    /// two submissions (the kernel still may: `SyncInFlight::cut_from_write`).
     ///
     /// # Safety
     /// The buffer and descriptor `entry` refers to must stay valid until its completion is
@@ -397,7 +403,8 @@ impl UringEngine {
     }
 
     /// Whether the last enter left entries in the submission queue: the kernel took a prefix
-    /// only, and the last entry pushed (a linked pair's sync) went in apart from its write.
+    /// only, or nothing, so the last entry pushed (a linked pair's sync) may go in apart from
+    /// its write.
     fn sync_left_behind(&mut self) -> bool {
         !self.ring.submission().is_empty()
     }
@@ -493,7 +500,8 @@ impl UringEngine {
                 let sync = self.sync_in_flight.take().expect("a sync completion has its sync");
                 debug_assert_eq!(sync.seq, seq);
                 let result = sync.injected.unwrap_or(result);
-                sync.file.ring_completed(RingOp::SyncData { ordered: sync.linked }, result);
+                let ordered = sync.linked && !sync.cut_from_write;
+                sync.file.ring_completed(RingOp::SyncData { ordered }, result);
                 // A sync that failed (not one the kernel cancelled) fails the log, voided or
                 // not: Linux reports a writeback error once, so the sync issued in its place
                 // could succeed over lost bytes.
@@ -838,7 +846,7 @@ impl IoEngine for UringEngine {
                     if entry.user_data() == SYNC_USER_DATA {
                         let result = sync_injected.unwrap_or(entry.result());
                         let target = with_sync.expect("a sync was submitted");
-                        target.file.ring_completed(RingOp::SyncData { ordered: true }, result);
+                        target.file.ring_completed(RingOp::SyncData { ordered: !cut }, result);
                         if linked && result == -libc::ECANCELED {
                             // The linked write failed or came up short: handled with it.
                             continue;
