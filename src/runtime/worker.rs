@@ -8,8 +8,8 @@
 //! Work can be announced that no round can take yet: a producer claimed a ring slot and was
 //! preempted before filling it, or the inbox is closing while a push is in flight. The
 //! thread that would end that may be waiting for this very core (2 cores, more busy threads),
-//! so the endpoint does not spin on it: it yields, then dozes for growing times up to
-//! [`DOZE_MAX`] ([`Stall`]).
+//! so the endpoint does not spin on it: it retries once, yields, then dozes for growing times
+//! up to [`DOZE_MAX`] ([`Stall`]).
 //! With [`Idle::Adaptive`] the spin is long only while recent idle gaps were short
 //! ([`SpinBudget`]): on a 2-core machine an endpoint that receives a large message every
 //! 60 us spent a third of a core spinning through gaps it could not bridge, taken from the
