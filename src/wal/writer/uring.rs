@@ -391,12 +391,12 @@ impl UringEngine {
             // so the pair goes in one submission.
             unsafe { self.push(&entry, if link_sync { 2 } else { 1 }) };
         }
+        let split_for_test = link_sync && self.split_link_for_test();
         if link_sync {
-            self.split_link_for_test();
             self.push_sync(index, true);
         }
         self.enter(0, None);
-        if link_sync && (self.sync_left_behind() || self.links_split_for_test()) {
+        if link_sync && (split_for_test || self.sync_left_behind()) {
             let sync = self.sync_in_flight.as_mut().expect("pushed above");
             sync.cut_from_write = true;
         }
@@ -410,8 +410,9 @@ impl UringEngine {
     }
 
     /// The test hook `split_links`: submits the write alone and waits for its completion, so
-    /// the sync pushed next runs after it, but in a submission of its own.
-    fn split_link_for_test(&mut self) {
+    /// the sync pushed next runs after it, but in a submission of its own. Returns whether it
+    /// did (never outside the unit tests).
+    fn split_link_for_test(&mut self) -> bool {
         #[cfg(test)]
         if self.split_links {
             let entries = self.entries_in_flight;
@@ -419,13 +420,8 @@ impl UringEngine {
                 self.enter(1, Some(Duration::from_secs(10)));
                 self.reap();
             }
+            return true;
         }
-    }
-
-    fn links_split_for_test(&self) -> bool {
-        #[cfg(test)]
-        return self.split_links;
-        #[cfg(not(test))]
         false
     }
 

@@ -460,8 +460,8 @@ fn one_iteration(
         .stderr(stderr)
         .spawn()
         .with_context(|| format!("starting the child {}", exe.display()))?;
-    // Listed for the interrupt handler until just before it is reaped (after that its pid
-    // may belong to another process).
+    // Listed for the interrupt handler until just before it is reaped (`reap`: after that
+    // its pid may belong to another process).
     let mut listed = Some(ChildGuard::new(child.id()));
     let stdout = child.stdout.take().context("the child's stdout")?;
     let (sender, receiver) = mpsc::channel::<String>();
@@ -497,8 +497,7 @@ fn one_iteration(
             }
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 let _ = child.kill();
-                drop(listed.take());
-                let _ = child.wait();
+                let _ = reap(&mut child, &mut listed);
                 let _ = reader.join();
                 bail!(
                     "iteration {iteration}: the child acknowledged nothing within {:?}; its \
@@ -508,8 +507,7 @@ fn one_iteration(
                 );
             }
             Err(mpsc::RecvTimeoutError::Disconnected) => {
-                drop(listed.take());
-                let status = child.wait().context("waiting for the child")?;
+                let status = reap(&mut child, &mut listed).context("waiting for the child")?;
                 let _ = reader.join();
                 bail!(
                     "iteration {iteration}: the child ended ({status}) before acknowledging \
@@ -524,8 +522,7 @@ fn one_iteration(
     std::thread::sleep(delay);
     // `Child::kill` sends SIGKILL on Unix.
     child.kill().context("killing the child")?;
-    drop(listed.take());
-    let status = child.wait().context("waiting for the killed child")?;
+    let status = reap(&mut child, &mut listed).context("waiting for the killed child")?;
     reader.join().map_err(|_| anyhow::anyhow!("the stdout reader panicked"))?;
     lines.extend(receiver.try_iter());
     count_io_path(&lines, counts);
@@ -544,6 +541,16 @@ fn one_iteration(
         counts.note(iteration, format!("child stderr: {}", tail_of(&stderr_path)));
     }
     Ok(recovery)
+}
+
+/// Waits for `child` to end, after taking it off the interrupt handler's list (`listed`):
+/// once reaped, its pid may be another process's.
+fn reap(
+    child: &mut std::process::Child,
+    listed: &mut Option<ChildGuard>,
+) -> std::io::Result<std::process::ExitStatus> {
+    drop(listed.take());
+    child.wait()
 }
 
 /// A child's first line: the I/O path its log writes through (`Auto` picks io_uring where
