@@ -3026,6 +3026,52 @@ mod tests {
         assert!(lsns.windows(2).all(|pair| pair[1] == pair[0] + 1), "no gap: {lsns:?}");
     }
 
+    /// A ring that breaks under load (`io_uring_enter` fails with `EBADR`, as when the kernel
+    /// lost a completion) fails the log with that error, on the sync thread's pipelined path
+    /// (group commit) and on a waiting appender's serial one (every record): no panic and no
+    /// hang, and every record acknowledged durable before it is there on reopening.
+    #[cfg(not(loom))]
+    #[test]
+    fn a_broken_ring_fails_the_log_with_its_error_and_keeps_what_was_acknowledged() {
+        if writer::uring::tests::engine_if_available().is_none() {
+            return;
+        }
+        let group_commit =
+            Durability::GroupCommit { max_delay: Duration::from_micros(200), max_bytes: 4096 };
+        for durability in [group_commit, Durability::EveryRecord] {
+            let dir = tempfile::tempdir().unwrap();
+            let config = WalConfig { durability, ..WalConfig::default() };
+            writer::uring::BREAK_RING.with(|at| at.set(Some((10, libc::EBADR))));
+            let wal = Wal::open(dir.path(), config.clone()).unwrap();
+            assert_eq!(wal.io_path(), IoPath::IoUring);
+            let mut acknowledged = Vec::new();
+            let failure = (0..1000i64).find_map(|time| {
+                let appended = wal.append_bytes(&time.to_le_bytes(), time);
+                let result = appended.and_then(|(lsn, _)| {
+                    wal.wait_durable_timeout(lsn, WAIT).map(|()| acknowledged.push(lsn))
+                });
+                result.err()
+            });
+            let failure = failure.expect("the ring broke within 1000 appends");
+            match failure.root_cause() {
+                WalError::Io { op: "io_uring_enter", message, .. } => {
+                    let ebadr = std::io::Error::from_raw_os_error(libc::EBADR).to_string();
+                    assert!(message.contains(&ebadr), "{message}");
+                }
+                other => panic!("{durability:?}: expected the ring's error, got {other}"),
+            }
+            assert!(wal.append_bytes(b"after", 0).is_err(), "the log is failed for good");
+            assert!(wal.close_timeout(WAIT).is_err(), "close reports the failure");
+            drop(wal);
+
+            let reopened = Wal::open(dir.path(), config).unwrap();
+            let lsns: std::collections::BTreeSet<Lsn> =
+                reopened.iter_from(Lsn::ZERO).unwrap().map(|r| r.unwrap().lsn).collect();
+            let lost: Vec<&Lsn> = acknowledged.iter().filter(|lsn| !lsns.contains(lsn)).collect();
+            assert!(lost.is_empty(), "{durability:?}: acknowledged and lost: {lost:?}");
+        }
+    }
+
     /// A kernel that sets up a ring but lacks something the engine uses: `IoMode::Auto`
     /// writes with pwrite (and works), `IoMode::IoUring` is a typed setup error naming what is
     /// missing. (Skipped where the kernel refuses io_uring outright.)

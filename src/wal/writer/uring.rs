@@ -11,11 +11,18 @@
 //! them (or, for a group alone on the ring with one write, linked behind that write); while
 //! it runs, later groups' writes proceed. See the `wal` module doc, "Pipelined
 //! group commit". Every buffer the kernel reads stays owned by the engine until its write's
-//! completion was reaped, and `Drop` waits for every entry in flight. One exception: if
-//! `io_uring_enter` itself fails with entries in flight (a broken ring), the engine panics
-//! and the unwind frees buffers the kernel may still read. The kernel only reads them, so at
-//! worst stray bytes reach a log that the panic has failed (recovery cuts an unsynced tail);
-//! no memory of this process is written.
+//! completion was reaped, and `Drop` waits for every entry in flight.
+//!
+//! A broken ring: `io_uring_enter` itself fails with an error other than a timeout, a signal
+//! or "busy, retry" (`EBADR` when the kernel lost a completion, `ENOMEM`, ...). The engine then
+//! never enters that ring again, since a lost completion would leave an entry counted in flight
+//! for good and any wait for it would hang. It fails the log with that error
+//! (`WalError::Io { op: "io_uring_enter" }`, reported like a failed write) and leaks the
+//! buffers of the pipelined groups still on the ring instead of freeing them, since the kernel
+//! may still read them. A serial write (`write_and_sync`) returns the error; the buffers it
+//! borrowed go back to the caller, so the kernel may still read them after that. It only reads
+//! them, so at worst stray bytes reach the unsynced tail of a log that is failed already
+//! (recovery cuts such a tail); no memory of this process is written.
 //!
 //! One group at a time (`write_and_sync`: the first group of a segment, rolls, seals at
 //! close, a leader's groups, and the unit tests): the writes are followed by one `fdatasync`,
@@ -120,10 +127,18 @@ pub struct UringEngine {
     sync_in_flight: Option<SyncInFlight>,
     /// The first failure of a pipelined write or sync (reported once by `take_events`).
     error: Option<WalError>,
+    /// Why the ring broke (module doc, "A broken ring"): once set, the engine never enters the
+    /// ring or reads its completions again, every wait returns at once, and every serial write
+    /// fails with this error.
+    broken: Option<WalError>,
     /// Test hook: a linked pair goes in as two submissions, the sync only once its write
     /// completed, as when the kernel takes only a prefix of the queue.
     #[cfg(test)]
     split_links: bool,
+    /// Test hook: the n-th `io_uring_enter` from now (1-based) fails with this errno instead
+    /// of entering the kernel (see [`BREAK_RING`]).
+    #[cfg(test)]
+    break_at_enter: Option<(u32, i32)>,
 }
 
 /// The pipelined `fdatasync` on the ring.
@@ -223,6 +238,14 @@ thread_local! {
     pub(crate) static PRETEND_MISSING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
+#[cfg(all(test, not(loom)))]
+thread_local! {
+    /// Unit tests: the next ring set up on this thread fails its n-th `io_uring_enter`
+    /// (1-based) with the errno given, as a broken ring would.
+    pub(crate) static BREAK_RING: std::cell::Cell<Option<(u32, i32)>> =
+        const { std::cell::Cell::new(None) };
+}
+
 fn pretend_missing() -> bool {
     #[cfg(all(test, not(loom)))]
     return PRETEND_MISSING.with(std::cell::Cell::take);
@@ -257,8 +280,13 @@ impl UringEngine {
             reaped: Vec::new(),
             sync_in_flight: None,
             error: None,
+            broken: None,
             #[cfg(test)]
             split_links: false,
+            #[cfg(all(test, not(loom)))]
+            break_at_enter: BREAK_RING.with(std::cell::Cell::take),
+            #[cfg(all(test, loom))]
+            break_at_enter: None,
         })
     }
 
@@ -280,13 +308,17 @@ impl UringEngine {
 
     /// Pushes `entry`, first submitting (and if need be waiting for completions) until the
     /// submission queue has `room` free slots, so the engine never splits a linked pair across
-    /// two submissions (the kernel still may: `SyncInFlight::cut_from_write`).
+    /// two submissions (the kernel still may: `SyncInFlight::cut_from_write`). On a broken
+    /// ring, pushes nothing (the entry's group is failed with the ring).
     ///
     /// # Safety
     /// The buffer and descriptor `entry` refers to must stay valid until its completion is
     /// reaped.
     unsafe fn push(&mut self, entry: &squeue::Entry, room: usize) {
         loop {
+            if self.broken.is_some() {
+                return;
+            }
             let free = {
                 let submission = self.ring.submission();
                 submission.capacity() - submission.len()
@@ -307,8 +339,22 @@ impl UringEngine {
 
     /// Enters the kernel: submits what is queued and waits for `want` completions, at most
     /// `timeout`. Returns false if the kernel asked to retry (EAGAIN/EBUSY) before taking the
-    /// queued entries; a timeout or a signal counts as done (the caller looks again).
+    /// queued entries; a timeout or a signal counts as done (the caller looks again). Any other
+    /// error breaks the ring (module doc); a broken ring is not entered (true: done).
     fn enter(&mut self, want: usize, timeout: Option<Duration>) -> bool {
+        if self.broken.is_some() {
+            return true;
+        }
+        #[cfg(test)]
+        if let Some((countdown, errno)) = self.break_at_enter.as_mut() {
+            *countdown -= 1;
+            if *countdown == 0 {
+                let errno = *errno;
+                self.break_at_enter = None;
+                self.break_ring(&std::io::Error::from_raw_os_error(errno));
+                return true;
+            }
+        }
         let result = match timeout {
             None if want == 0 => self.ring.submit(),
             None => self.ring.submit_and_wait(want),
@@ -323,10 +369,21 @@ impl UringEngine {
             Ok(_) => true,
             Err(error) if matches!(error.raw_os_error(), Some(libc::ETIME | libc::EINTR)) => true,
             Err(error) if matches!(error.raw_os_error(), Some(libc::EAGAIN | libc::EBUSY)) => false,
-            // The ring itself failed with entries in flight whose buffers must not be released:
-            // a broken invariant.
-            Err(error) => panic!("io_uring_enter failed with entries in flight: {error}"),
+            Err(error) => {
+                self.break_ring(&error);
+                true
+            }
         }
+    }
+
+    /// Marks the ring broken by `error` (module doc, "A broken ring") and fails the pipelined
+    /// groups with it (reported by `take_events`).
+    fn break_ring(&mut self, error: &std::io::Error) {
+        tracing::error!(%error, "io_uring_enter failed: the ring is not used again and the log fails");
+        let path = self.groups.front().map(|group| group.path.clone()).unwrap_or_default();
+        let failure = WalError::from_io("io_uring_enter", path, 0, error);
+        self.error.get_or_insert_with(|| failure.clone());
+        self.broken = Some(failure);
     }
 
     /// Submits a group's writes without waiting. Its sync is submitted by
@@ -416,7 +473,7 @@ impl UringEngine {
         #[cfg(test)]
         if self.split_links {
             let entries = self.entries_in_flight;
-            while self.entries_in_flight == entries {
+            while self.entries_in_flight == entries && self.broken.is_none() {
                 self.enter(1, Some(Duration::from_secs(10)));
                 self.reap();
             }
@@ -463,6 +520,9 @@ impl UringEngine {
     /// Waits until at least one completion arrives (or `deadline` passes), then reaps. With
     /// `wake`, a byte written to the wake pipe also ends the wait.
     pub(crate) fn wait(&mut self, deadline: Option<Instant>, wake: bool) {
+        if self.broken.is_some() {
+            return;
+        }
         if wake && !self.wake_armed {
             let entry =
                 opcode::PollAdd::new(types::Fd(self.wake_reader.as_raw_fd()), libc::POLLIN as u32)
@@ -480,8 +540,12 @@ impl UringEngine {
         self.reap();
     }
 
-    /// Reads every available completion into the state of its group (or of the sync).
+    /// Reads every available completion into the state of its group (or of the sync); on a
+    /// broken ring, none (its entries are no longer counted).
     fn reap(&mut self) {
+        if self.broken.is_some() {
+            return;
+        }
         let mut reaped = std::mem::take(&mut self.reaped);
         reaped.extend(self.ring.completion().map(|entry| (entry.user_data(), entry.result())));
         for &(user_data, result) in &reaped {
@@ -579,7 +643,7 @@ impl UringEngine {
         if self.wake_armed {
             use std::io::Write;
             let _ = (&self.wake_writer).write(&[1]);
-            while self.wake_armed {
+            while self.wake_armed && self.broken.is_none() {
                 self.enter(1, None);
                 self.reap();
             }
@@ -656,15 +720,22 @@ impl UringEngine {
     }
 
     /// After a failure: waits until the kernel is done with every entry in flight, then drops
-    /// the groups (nothing more is reported) and hands their buffers back.
+    /// the groups (nothing more is reported) and hands their buffers back. On a broken ring it
+    /// waits for nothing and leaks the buffers the kernel may still read.
     pub(crate) fn abandon(&mut self) -> Vec<Vec<u8>> {
-        while self.entries_in_flight > 0 {
+        while self.entries_in_flight > 0 && self.broken.is_none() {
             self.enter(1, None);
             self.reap();
         }
         self.sync_in_flight = None;
         // The log is failed already; what the drained entries reported changes nothing.
         self.error = None;
+        if self.broken.is_some() {
+            for group in self.groups.drain(..) {
+                std::mem::forget(group.buf);
+            }
+            return Vec::new();
+        }
         self.groups.drain(..).map(|group| group.buf).filter(|buf| buf.capacity() > 0).collect()
     }
 }
@@ -672,7 +743,7 @@ impl UringEngine {
 impl Drop for UringEngine {
     fn drop(&mut self) {
         // The kernel may still read buffers of groups in flight (a panic unwinding the sync
-        // thread): wait for it before they are freed.
+        // thread): wait for it before they are freed (or leak them, on a broken ring).
         let _ = self.abandon();
     }
 }
@@ -727,6 +798,9 @@ impl IoEngine for UringEngine {
         // Files without a descriptor go through their storage methods. A group that is one
         // small write has nothing to overlap: io_uring would only add the hop to the kernel
         // worker that runs the fdatasync, so it is written and synced directly.
+        if let Some(broken) = &self.broken {
+            return Err(broken.clone());
+        }
         assert_eq!(self.entries_in_flight, 0, "the pipeline is drained before a serial write");
         let total: usize = ops.iter().map(|op| op.buf.len()).sum();
         if ops.iter().any(|op| op.file.raw_fd().is_none())
@@ -789,10 +863,10 @@ impl IoEngine for UringEngine {
                     let entry = entry.flags(write_flags);
                     // SAFETY: the buffer `op.buf[piece.start..piece.start + len]` is borrowed
                     // from `ops` for this whole call, and this function does not return before
-                    // every submitted entry completed (submit_and_wait below waits for all), so
-                    // the kernel never reads freed memory; only the panic on a broken ring
-                    // unwinds with entries in flight (module doc: the kernel only reads the
-                    // buffer, so no memory of this process is written). The descriptor belongs
+                    // every submitted entry completed (the loop below waits for all), so the
+                    // kernel never reads freed memory; only a broken ring returns with entries
+                    // in flight (module doc: the kernel only reads the buffer, so no memory of
+                    // this process is written). The descriptor belongs
                     // to a file the caller keeps open for the call. The queue has room: at
                     // most RING_ENTRIES - 1 writes plus one sync are pushed per round.
                     unsafe { submission.push(&entry) }.expect("ring has room for the batch");
@@ -817,17 +891,10 @@ impl IoEngine for UringEngine {
             // only) goes in later, apart from its write and unordered: it proves nothing.
             let mut sync_cut_from_write = None;
             while completed < expected {
-                match self.ring.submit_and_wait(expected - completed) {
-                    Ok(_) => {}
-                    Err(error)
-                        if error.kind() == std::io::ErrorKind::Interrupted
-                            || matches!(error.raw_os_error(), Some(libc::EAGAIN | libc::EBUSY)) => {
-                    }
-                    Err(error) => {
-                        // The ring itself failed; entries may still be in flight, so the
-                        // buffers must not be released: this is a broken invariant.
-                        panic!("io_uring_enter failed with entries in flight: {error}");
-                    }
+                // Retried after a signal or a busy kernel.
+                self.enter(expected - completed, None);
+                if let Some(broken) = &self.broken {
+                    return Err(broken.clone());
                 }
                 let cut =
                     *sync_cut_from_write.get_or_insert_with(|| linked && self.sync_left_behind());
@@ -1257,6 +1324,99 @@ pub(crate) mod tests {
         assert_eq!(*fixture.planned.log.lock().unwrap(), ["ring write", "sync", "sync"]);
         let bytes = std::fs::read(&fixture.path).unwrap();
         assert!(bytes.len() == 1000 && bytes.iter().all(|byte| *byte == 1));
+    }
+
+    /// Runs `body` on a thread of its own and fails the test if it takes longer than 10 s,
+    /// instead of hanging it (the thread is left behind then).
+    fn within_bound(body: impl FnOnce() + Send + 'static) {
+        let (done, finished) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            body();
+            let _ = done.send(());
+        });
+        match finished.recv_timeout(Duration::from_secs(10)) {
+            Ok(()) => {}
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => panic!("hung on a broken ring"),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => panic!("the body panicked"),
+        }
+    }
+
+    fn is_broken_ring_error(error: &WalError) -> bool {
+        matches!(error, WalError::Io { op: "io_uring_enter", message, .. }
+            if message.contains(&std::io::Error::from_raw_os_error(libc::EBADR).to_string()))
+    }
+
+    #[test]
+    fn a_ring_that_breaks_with_a_group_in_flight_fails_it_and_never_waits_on_the_ring_again() {
+        let Some(mut engine) = engine_if_available() else {
+            return;
+        };
+        within_bound(move || {
+            let fixture = fixture(0, 0);
+            // The first enter submits the group's linked write and sync; the second (a wait)
+            // fails as when the kernel lost a completion.
+            engine.break_at_enter = Some((2, libc::EBADR));
+            engine.submit_group(group(&fixture, 1, 0, 4096));
+            engine.wait(None, false);
+            let mut events = Vec::new();
+            engine.take_events(&mut events);
+            match events.as_slice() {
+                [RingEvent::Failed(error)] => {
+                    assert!(is_broken_ring_error(error), "{error}");
+                    assert!(matches!(error, WalError::Io { path, .. } if *path == fixture.path));
+                }
+                _ => panic!("expected the ring's failure alone"),
+            }
+            // The group is dropped without waiting for its entries, and nothing waits on the
+            // ring any more: a wait returns at once, with or without the wake poll.
+            assert!(engine.abandon().is_empty(), "the kernel may still read those buffers");
+            assert_eq!(engine.groups_in_flight(), 0);
+            engine.wait(None, true);
+            engine.wait(None, false);
+            engine.poll();
+            events.clear();
+            engine.take_events(&mut events);
+            assert!(events.is_empty());
+            // A serial write after the break fails with the same error.
+            let op = WriteOp {
+                file: fixture.file.as_ref(),
+                path: &fixture.path,
+                buf: &[1; 8],
+                offset: 0,
+            };
+            let target = SyncTarget { file: fixture.file.as_ref(), path: &fixture.path };
+            let error = engine.write_and_sync(&[op], Some(&target)).unwrap_err();
+            assert!(is_broken_ring_error(&error), "{error}");
+            drop(engine);
+        });
+    }
+
+    #[test]
+    fn a_ring_that_breaks_in_a_serial_write_fails_that_write_with_its_error() {
+        let Some(mut engine) = engine_if_available() else {
+            return;
+        };
+        within_bound(move || {
+            let fixture = fixture(0, 0);
+            engine.break_at_enter = Some((1, libc::EBADR));
+            let bufs = [vec![7u8; 5000], vec![8u8; 5000]];
+            let ops: Vec<WriteOp<'_>> = bufs
+                .iter()
+                .enumerate()
+                .map(|(index, buf)| WriteOp {
+                    file: fixture.file.as_ref(),
+                    path: &fixture.path,
+                    buf,
+                    offset: index as u64 * 5000,
+                })
+                .collect();
+            let target = SyncTarget { file: fixture.file.as_ref(), path: &fixture.path };
+            for _ in 0..2 {
+                let error = engine.write_and_sync(&ops, Some(&target)).unwrap_err();
+                assert!(is_broken_ring_error(&error), "{error}");
+            }
+            drop(engine);
+        });
     }
 
     #[test]
