@@ -657,6 +657,52 @@ fn an_allocation_too_large_for_one_record_takes_what_fits_and_the_rest_follows()
     assert!(!recovered.has_unallocated_blocks());
 }
 
+/// Three streams, each with one block whose metadata fills more than half a log record
+/// (64 KiB segments, 40 KiB of metadata): no two fit one allocation record, and taking fewer
+/// blocks per stream cannot help. Each allocation takes the stream whose oldest block is
+/// oldest; the others follow in the next batches, and a recovery replays the same batches.
+/// (Before, such an allocation failed as too large every time: allocation stopped for good.)
+#[test]
+fn single_blocks_too_large_to_share_a_record_are_allocated_one_stream_per_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(0));
+    let streams = [StreamId(3), StreamId(1), StreamId(2)];
+    let mut config = config(Some(dir.path()), Duration::from_secs(60));
+    config.stream_ids = streams.to_vec();
+    config.wal.segment_size_bytes = 64 << 10;
+    let mut tracker = ReceivedBlockTracker::open(config.clone(), clock.clone()).unwrap();
+    // Added in the order 3, 1, 2: the batches follow it, not the stream ids.
+    let infos: Vec<ReceivedBlockInfo> = streams
+        .iter()
+        .map(|stream| {
+            let block_id = StreamBlockId { stream: *stream, unique_id: stream.0 as u64 };
+            let metadata = Some(vec![stream.0 as u8; 40 << 10]);
+            let result = BlockStoreResult::BlockManager { block_id };
+            ReceivedBlockInfo::new(*stream, Some(1), metadata, result).unwrap()
+        })
+        .collect();
+    for info in &infos {
+        assert!(tracker.add_block(info.clone()), "one block fits a record");
+    }
+    for (time, info) in (1..=3).zip(&infos) {
+        tracker.allocate_blocks_to_batch(BatchTime(time)).unwrap();
+        for stream in streams {
+            let batch = tracker.blocks_of_batch_and_stream(BatchTime(time), stream);
+            let expected = if stream == info.stream_id() { vec![info.clone()] } else { vec![] };
+            assert_eq!(batch, expected, "batch {time}, stream {stream:?}");
+        }
+    }
+    assert!(!tracker.has_unallocated_blocks());
+    tracker.stop().unwrap();
+
+    let recovered = ReceivedBlockTracker::open(config.recover(true), clock).unwrap();
+    for (time, info) in (1..=3).zip(&infos) {
+        let batch = recovered.blocks_of_batch_and_stream(BatchTime(time), info.stream_id());
+        assert_eq!(batch, vec![info.clone()], "batch {time} after recovery");
+    }
+    assert!(!recovered.has_unallocated_blocks());
+}
+
 /// A tracker opened without recovery starts empty, and its rebuild after a WAL failure (the
 /// durable prefix of the log) does too: what earlier runs logged, which it never had, stays
 /// out. (Before, the rebuild replayed the whole log: an earlier run's blocks reappeared.)

@@ -273,6 +273,16 @@ enum Append {
     TooLarge,
 }
 
+/// How much of the unallocated blocks one allocation takes: all of them, unless the record
+/// was too large for the log (`append_allocation`).
+#[derive(Debug, Clone, Copy)]
+struct AllocationLimit {
+    /// The oldest blocks of each stream taken.
+    blocks_per_stream: usize,
+    /// How many streams' blocks are taken (those whose oldest block is oldest).
+    streams: usize,
+}
+
 /// Splits `bounds` (a queue's chunks, as `(lsn, blocks)`) after its first `at` blocks:
 /// `bounds` keeps those, the rest is returned.
 fn split_bounds(bounds: &mut Bounds, at: usize) -> Bounds {
@@ -727,21 +737,29 @@ impl ReceivedBlockTracker {
         self.queue_of(stream).push(lsn, smallvec::smallvec![info]);
     }
 
-    /// Takes every configured stream's queue into an allocation event for `time`; the chunk
-    /// bounds are kept aside in case the allocation is not written.
-    /// Takes the unallocated blocks of every configured stream for batch `time`, at most
-    /// `limit` (the oldest) of each: the rest stay queued.
-    fn take_allocation(&mut self, time: BatchTime, limit: usize) -> (TrackerEvent, Vec<Bounds>) {
+    /// Takes the unallocated blocks of the configured streams into an allocation event for
+    /// batch `time`, within `limit` (the oldest blocks of each stream, of the streams whose
+    /// oldest block is oldest): the rest stay queued. The chunk bounds are kept aside in case
+    /// the allocation is not written.
+    fn take_allocation(
+        &mut self,
+        time: BatchTime,
+        limit: AllocationLimit,
+    ) -> (TrackerEvent, Vec<Bounds>) {
+        let taken_streams = self.oldest_streams(limit.streams);
         let mut bounds = Vec::with_capacity(self.stream_ids.len());
         let mut largest = 0;
         let blocks = AllocatedBlocks::new(self.stream_ids.iter().map(|stream| {
+            let taken = taken_streams.as_ref().is_none_or(|taken| taken.contains(stream));
             let (mut infos, mut stream_bounds) = match self.unallocated.get_mut(stream) {
-                Some(queue) if !queue.is_empty() => queue.take(&mut self.spare, &self.recycled),
+                Some(queue) if taken && !queue.is_empty() => {
+                    queue.take(&mut self.spare, &self.recycled)
+                }
                 _ => Default::default(),
             };
-            if infos.len() > limit {
-                let rest = infos.split_off(limit);
-                let rest_bounds = split_bounds(&mut stream_bounds, limit);
+            if infos.len() > limit.blocks_per_stream {
+                let rest = infos.split_off(limit.blocks_per_stream);
+                let rest_bounds = split_bounds(&mut stream_bounds, limit.blocks_per_stream);
                 self.unallocated.get_mut(stream).expect("taken from").restore(rest, rest_bounds);
             }
             largest = largest.max(infos.len());
@@ -751,6 +769,25 @@ impl ReceivedBlockTracker {
         self.recent_allocation_max =
             largest.max(self.recent_allocation_max - self.recent_allocation_max / 128);
         (TrackerEvent::BatchAllocation(BatchAllocationEvent { time, blocks }), bounds)
+    }
+
+    /// The `count` configured streams with unallocated blocks whose oldest block is oldest
+    /// (in log order), or `None` (every stream) if no more than `count` have any.
+    fn oldest_streams(&mut self, count: usize) -> Option<Vec<StreamId>> {
+        if count >= self.stream_ids.len() {
+            return None;
+        }
+        let mut oldest: Vec<(Lsn, StreamId)> = Vec::new();
+        for stream in &self.stream_ids {
+            if let Some(lsn) = self.unallocated.get_mut(stream).and_then(StreamQueue::oldest) {
+                oldest.push((lsn, *stream));
+            }
+        }
+        if oldest.len() <= count {
+            return None;
+        }
+        oldest.sort_unstable();
+        Some(oldest.into_iter().take(count).map(|(_, stream)| stream).collect())
     }
 
     /// The largest spare worth keeping: twice what the largest recent allocation took, with
@@ -800,8 +837,9 @@ impl ReceivedBlockTracker {
     /// journaling the allocation durably (SPEC D.3). A time not newer than the last allocated
     /// one does nothing. If the write fails, nothing changes and the caller is not told (the
     /// same time can be retried). An allocation too large for one log record takes the oldest
-    /// blocks of each stream that fit (halving the count until the record fits); the rest stay
-    /// queued for the next batch. (Taking everything, as SPEC D.3 says, would fail the same way
+    /// blocks of each stream that fit (halving the count until the record fits, then, at one
+    /// block per stream, halving the streams taken, those with the oldest blocks first); the
+    /// rest stay queued for the next batch. (Taking everything, as SPEC D.3 says, would fail the same way
     /// for every later batch, each larger still: allocation would stop for good.)
     ///
     /// # Errors
@@ -851,9 +889,9 @@ impl ReceivedBlockTracker {
     }
 
     /// Takes batch `time`'s allocation and appends it; one too large for a log record is put
-    /// back and taken again with at most half as many blocks per stream, until it fits (or a
-    /// single block does not: then `TooLarge`). Returns the event taken, its bounds and the
-    /// append's outcome.
+    /// back and taken again with at most half as many blocks per stream, then, at one block
+    /// per stream, from half as many streams, until it fits (or a single block does not: then
+    /// `TooLarge`). Returns the event taken, its bounds and the append's outcome.
     ///
     /// # Errors
     /// An error of the log step ([`BlockTrackerError::LogRaised`]); the blocks are put back.
@@ -861,7 +899,7 @@ impl ReceivedBlockTracker {
         &mut self,
         time: BatchTime,
     ) -> Result<(TrackerEvent, Vec<Bounds>, Append), BlockTrackerError> {
-        let mut limit = usize::MAX;
+        let mut limit = AllocationLimit { blocks_per_stream: usize::MAX, streams: usize::MAX };
         loop {
             let (event, bounds) = self.take_allocation(time, limit);
             let appended = match self.append(&event) {
@@ -871,20 +909,24 @@ impl ReceivedBlockTracker {
                     return Err(error);
                 }
             };
-            let largest =
-                bounds.iter().map(|stream| stream.iter().map(|(_, n)| n).sum::<usize>()).max();
-            match (appended, largest) {
-                (Append::TooLarge, Some(largest)) if largest > 1 => {
-                    self.restore_allocation(event, bounds);
-                    limit = largest / 2;
-                    tracing::warn!(
-                        batch = time.0,
-                        limit,
-                        "allocation too large for one log record: taking fewer blocks per stream"
-                    );
-                }
-                (appended, _) => return Ok((event, bounds, appended)),
+            let taken = bounds.iter().map(|stream| stream.iter().map(|(_, n)| n).sum::<usize>());
+            let largest = taken.clone().max().unwrap_or(0);
+            let streams = taken.filter(|blocks| *blocks > 0).count();
+            if !matches!(appended, Append::TooLarge) || (largest <= 1 && streams <= 1) {
+                return Ok((event, bounds, appended));
             }
+            self.restore_allocation(event, bounds);
+            if largest > 1 {
+                limit.blocks_per_stream = largest / 2;
+            } else {
+                limit.streams = streams / 2;
+            }
+            tracing::warn!(
+                batch = time.0,
+                blocks_per_stream = limit.blocks_per_stream,
+                streams = limit.streams,
+                "allocation too large for one log record: taking fewer blocks"
+            );
         }
     }
 

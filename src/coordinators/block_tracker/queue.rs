@@ -58,6 +58,12 @@ impl StreamQueue {
         self.len == 0
     }
 
+    /// The LSN of the oldest block queued (in log order).
+    pub(super) fn oldest(&mut self) -> Option<Lsn> {
+        self.sort();
+        self.chunks.front().map(|chunk| chunk.lsn)
+    }
+
     fn sort(&mut self) {
         if !self.sorted {
             self.chunks.make_contiguous().sort_by_key(|chunk| chunk.lsn);
