@@ -23,10 +23,10 @@ use coordbus::{
     coordinators::block_tracker::{
         AddBlock, AddBlocks, AllocateBlocksToBatch, BatchTime, BlockLog, BlockLogError,
         BlockStoreResult, BlockTrackerConfig, BlockTrackerEndpoint, BlockTrackerError,
-        CleanupOldBatches, GetBlocksOfBatch, GetBlocksOfBatchAndStream, GetUnallocatedBlocks,
-        GetUnconfiguredStreams, HasUnallocatedBlocks, ReceivedBlockInfo, ReceivedBlockTracker,
-        StopTracker, StreamBlockId, StreamId, TrackerEvent, WalBlockLog, DEFAULT_ANSWER_BYTE_LIMIT,
-        MAX_PENDING_QUERIES, RECEIVED_BLOCK_METADATA_DIR,
+        CleanupOldBatches, ConnectReceiver, GetBlocksOfBatch, GetBlocksOfBatchAndStream,
+        GetUnallocatedBlocks, GetUnconfiguredStreams, HasUnallocatedBlocks, ReceivedBlockInfo,
+        ReceivedBlockTracker, StopTracker, StreamBlockId, StreamId, TrackerEvent, WalBlockLog,
+        DEFAULT_ANSWER_BYTE_LIMIT, MAX_PENDING_QUERIES, RECEIVED_BLOCK_METADATA_DIR,
     },
     wal::{
         storage::{FileStorage, Storage, StorageFile},
@@ -236,6 +236,30 @@ fn the_answers_waiting_for_a_stalled_log_are_bounded_in_bytes() {
         other => panic!("expected the query to wait until the stop, got {other:?}"),
     }
     assert_eq!(additions.wait_timeout(BOUND).unwrap(), vec![false; 100]);
+}
+
+/// A request that logged nothing (here a stale allocation: the same batch time again) waits
+/// behind the undurable requests before it, and if the WAL fails meanwhile it is answered
+/// normally, as the logged allocation before it is (SPEC D.5): it reports no state. (It failed
+/// with the WAL's error before.)
+#[test]
+fn a_stale_allocation_waiting_when_the_wal_fails_is_answered_normally() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = StalledLog::new(dir.path(), false);
+    let (bus, endpoint) = host_stalled(&log, DEFAULT_ANSWER_BYTE_LIMIT);
+    let mut addition = endpoint.ask(AddBlock(info(1, 1)));
+    let mut allocation = endpoint.ask(AllocateBlocksToBatch(BatchTime(1)));
+    let mut stale = endpoint.ask(AllocateBlocksToBatch(BatchTime(1)));
+    // A barrier: answered at once, after the requests above (one sender's order).
+    endpoint.ask(ConnectReceiver).wait_timeout(BOUND).unwrap();
+    assert!(addition.try_take().is_none(), "answered before durable");
+    assert!(allocation.try_take().is_none(), "answered before durable");
+    assert!(stale.try_take().is_none(), "answered before what precedes it was durable");
+    log.report(&Err(WalError::Closed));
+    assert!(!addition.wait_timeout(BOUND).unwrap(), "the WAL failed");
+    allocation.wait_timeout(BOUND).unwrap();
+    stale.wait_timeout(BOUND).unwrap();
+    let _ = bus.shutdown();
 }
 
 /// A `StopTracker` whose bounded wait ends with requests still waiting fails them (the

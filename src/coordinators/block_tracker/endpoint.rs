@@ -322,6 +322,11 @@ struct Answer<T: Send + 'static> {
     replier: Replier<T>,
 }
 
+/// The answer of a request that logged nothing ([`BlockTrackerEndpoint::answer_nothing_logged`]):
+/// it reports no state, so it is given even if the WAL fails meanwhile, as the answers of
+/// logged allocations and cleanups are (SPEC D.5).
+struct NothingLoggedAnswer(Replier<()>);
+
 impl<T: Send + 'static> WaitingAnswer for Answer<T> {
     fn complete(self: Box<Self>, outcome: Result<(), WalError>) {
         match outcome {
@@ -332,6 +337,16 @@ impl<T: Send + 'static> WaitingAnswer for Answer<T> {
 
     fn is_abandoned(&self) -> bool {
         self.replier.is_abandoned()
+    }
+}
+
+impl WaitingAnswer for NothingLoggedAnswer {
+    fn complete(self: Box<Self>, _: Result<(), WalError>) {
+        self.0.reply(());
+    }
+
+    fn is_abandoned(&self) -> bool {
+        self.0.is_abandoned()
     }
 }
 
@@ -659,11 +674,16 @@ impl BlockTrackerEndpoint {
 
     /// Answers a request that logged nothing (a stale allocation, a cleanup whose record
     /// failed) as a query: once everything before it is durable, refused past the bound. Not
-    /// with [`BlockTrackerError::StateLost`]: it reports no state (SPEC D.3 does not report a
-    /// failed write).
+    /// with [`BlockTrackerError::StateLost`], nor with the WAL's failure if one comes while it
+    /// waits: it reports no state (SPEC D.3 does not report a failed write; D.5 answers
+    /// allocations and cleanups normally).
     fn answer_nothing_logged(&mut self, replier: Replier<()>) {
         if let Some(replier) = self.admit_within_bounds(replier) {
-            self.answer((), replier);
+            if self.must_wait() {
+                self.wait_to_answer(0, Box::new(NothingLoggedAnswer(replier)));
+            } else {
+                replier.reply(());
+            }
         }
     }
 
@@ -674,11 +694,15 @@ impl BlockTrackerEndpoint {
             replier.reply(value);
             return;
         }
-        let lsn = self.awaited_lsn();
         let held_bytes = value.held_bytes();
+        self.wait_to_answer(held_bytes, Box::new(Answer { value, replier }));
+    }
+
+    /// Queues `answer` (holding `held_bytes`) until everything applied so far is durable.
+    fn wait_to_answer(&mut self, held_bytes: usize, answer: Box<dyn WaitingAnswer>) {
+        let lsn = self.awaited_lsn();
         self.pending_queries += 1;
         self.pending_answer_bytes += held_bytes;
-        let answer = Box::new(Answer { value, replier });
         self.pending.push_back(Pending::Query { lsn, held_bytes, answer });
     }
 
