@@ -381,6 +381,37 @@ fn queries_behind_a_stalled_log_are_refused_past_the_bound() {
     let _ = bus.shutdown();
 }
 
+/// Refused queries do not each rescan every waiting request for askers that gave up: after a
+/// scan that freed nothing, the next scan comes after a sixteenth of the waiting requests'
+/// count in refusals. So once the waiting askers give up, a query is let in again within that
+/// many refusals, not at once, and not never.
+#[test]
+fn places_freed_by_askers_that_gave_up_are_found_within_a_bounded_number_of_refusals() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = StalledLog::new(dir.path(), false);
+    let (bus, endpoint) = host_stalled(&log, DEFAULT_ANSWER_BYTE_LIMIT);
+    let _addition = endpoint.ask(AddBlock(info(1, 1)));
+    let waiting: Vec<_> =
+        (0..MAX_PENDING_QUERIES).map(|_| endpoint.ask(HasUnallocatedBlocks)).collect();
+    assert!(endpoint.ask(HasUnallocatedBlocks).wait_timeout(BOUND).is_err(), "refused: full");
+    drop(waiting);
+    let skipped_scans = (MAX_PENDING_QUERIES + 1) / 16;
+    let mut refusals = 0;
+    let mut admitted = endpoint.ask(HasUnallocatedBlocks);
+    // A barrier after each ask: a refusal has come back by then, an admitted query has not.
+    while {
+        endpoint.ask(ConnectReceiver).wait_timeout(BOUND).unwrap();
+        admitted.try_take().is_some()
+    } {
+        refusals += 1;
+        assert!(refusals <= skipped_scans, "still refused after {refusals} refusals");
+        admitted = endpoint.ask(HasUnallocatedBlocks);
+    }
+    assert_eq!(refusals, skipped_scans, "each refusal rescanned the waiting requests");
+    drop(admitted);
+    let _ = bus.shutdown();
+}
+
 #[test]
 fn concurrent_receivers_are_acknowledged_only_once_durable_and_share_syncs() {
     const RECEIVERS: u64 = 6;

@@ -98,6 +98,10 @@ const STOP_DURABILITY_TIMEOUT: Duration = Duration::from_secs(5);
 /// queries are (they report no state, so nothing is lost; repeating them must not pile up).
 pub const MAX_PENDING_QUERIES: usize = 4096;
 
+/// A refused query's scan for abandoned ones covers the next `pending / RESCAN_DIVISOR`
+/// refusals ([`BlockTrackerEndpoint::admit_within_bounds`]).
+const RESCAN_DIVISOR: usize = 16;
+
 /// Most bytes the answers of waiting queries may hold, by default, before the endpoint
 /// refuses more queries ([`BlockTrackerError::AnswerBacklog`];
 /// [`BlockTrackerEndpoint::with_answer_byte_limit`]). The query count alone does not bound
@@ -433,6 +437,8 @@ pub struct BlockTrackerEndpoint {
     /// Why the state cannot be trusted (a failed rebuild, a stop before durability): queries
     /// fail with [`BlockTrackerError::StateLost`].
     state_lost: Option<String>,
+    /// Refusals left before the next scan for abandoned queries ([`Self::admit_within_bounds`]).
+    refusals_before_rescan: usize,
 }
 
 impl std::fmt::Debug for BlockTrackerEndpoint {
@@ -458,6 +464,7 @@ impl BlockTrackerEndpoint {
             applied_lsn: Lsn::ZERO,
             requests_failed: false,
             state_lost: None,
+            refusals_before_rescan: 0,
         }
     }
 
@@ -642,6 +649,11 @@ impl BlockTrackerEndpoint {
 
     /// [`Self::admit_query`]'s bounds: lets in an answer that need not wait, or one within
     /// them (after dropping abandoned queries); else fails it at once.
+    ///
+    /// Looking for abandoned queries scans every waiting request, so a refusal that found
+    /// none lets the next `pending / RESCAN_DIVISOR` refusals go without a scan: a flood of
+    /// refused queries costs the endpoint O(1) amortized each, not O(pending). An asker that
+    /// gives up meanwhile frees its place at the next scan.
     fn admit_within_bounds<T: Send + 'static>(
         &mut self,
         replier: Replier<T>,
@@ -649,9 +661,14 @@ impl BlockTrackerEndpoint {
         if self.below_query_limits() || !self.must_wait() {
             return Some(replier);
         }
-        self.drop_abandoned_queries();
-        if self.below_query_limits() {
-            return Some(replier);
+        if self.refusals_before_rescan > 0 {
+            self.refusals_before_rescan -= 1;
+        } else {
+            self.drop_abandoned_queries();
+            if self.below_query_limits() {
+                return Some(replier);
+            }
+            self.refusals_before_rescan = self.pending.len() / RESCAN_DIVISOR;
         }
         if self.pending_queries >= MAX_PENDING_QUERIES {
             replier.fail(BlockTrackerError::DurabilityBacklog {
