@@ -537,7 +537,8 @@ pub struct WalOptions {
     /// opt-in value measured to lower `EveryRecord` latency here).
     pub uring_direct_max_bytes: usize,
     /// Open without changing anything on disk (default false): a torn tail is hidden, not
-    /// cut, no sync thread runs, and appends fail with [`WalError::ReadOnly`]. For tools.
+    /// cut, no sync thread runs, no io_uring is set up (`io` is ignored), and appends fail
+    /// with [`WalError::ReadOnly`]. For tools.
     pub read_only: bool,
     /// The clock of [`Wal::append_now`] and [`Wal::append_bytes_now`] (default
     /// [`SystemClock`]).
@@ -1539,6 +1540,9 @@ impl Wal {
         }
         let dir = dir.as_ref().to_path_buf();
         let engine: Box<dyn writer::IoEngine> = match options.io {
+            // A read-only log writes nothing: no ring (its memory, its wake pipe), whatever the
+            // mode asked.
+            _ if options.read_only => Box::new(writer::pwrite::PwriteEngine),
             IoMode::Pwrite => Box::new(writer::pwrite::PwriteEngine),
             IoMode::IoUring => Box::new(
                 writer::uring::UringEngine::new(options.uring_direct_max_bytes)
@@ -2252,7 +2256,7 @@ impl Wal {
         &self.report
     }
 
-    /// The live I/O path.
+    /// The live I/O path ([`IoPath::Pwrite`] for a read-only log, which sets up no ring).
     pub fn io_path(&self) -> IoPath {
         self.io_path
     }
@@ -3070,6 +3074,26 @@ mod tests {
             let lost: Vec<&Lsn> = acknowledged.iter().filter(|lsn| !lsns.contains(lsn)).collect();
             assert!(lost.is_empty(), "{durability:?}: acknowledged and lost: {lost:?}");
         }
+    }
+
+    /// A read-only log writes nothing, so it sets up no ring, whatever `io` asks: it opens
+    /// with `IoMode::IoUring` even where the kernel lacks what the engine needs (pretended),
+    /// and the pretence is left for the next ring set up on this thread.
+    #[cfg(not(loom))]
+    #[test]
+    fn a_read_only_log_sets_up_no_ring() {
+        let dir = tempfile::tempdir().unwrap();
+        let wal = Wal::open(dir.path(), WalConfig::default()).unwrap();
+        let (lsn, _) = wal.append_bytes(b"one", 1).unwrap();
+        wal.wait_durable_timeout(lsn, WAIT).unwrap();
+        drop(wal);
+        writer::uring::PRETEND_MISSING.with(|pretend| pretend.set(true));
+        let options = WalOptions { io: IoMode::IoUring, read_only: true, ..WalOptions::default() };
+        let read_only = Wal::open_with_options(dir.path(), WalConfig::default(), options).unwrap();
+        assert_eq!(read_only.io_path(), IoPath::Pwrite);
+        assert_eq!(read_only.iter_from(Lsn::ZERO).unwrap().count(), 1);
+        let untouched = writer::uring::PRETEND_MISSING.with(std::cell::Cell::take);
+        assert!(untouched, "a ring was set up");
     }
 
     /// A kernel that sets up a ring but lacks something the engine uses: `IoMode::Auto`
