@@ -3032,8 +3032,9 @@ mod tests {
 
     /// A ring that breaks under load (`io_uring_enter` fails with `EBADR`, as when the kernel
     /// lost a completion) fails the log with that error, on the sync thread's pipelined path
-    /// (group commit) and on a waiting appender's serial one (every record): no panic and no
-    /// hang, and every record acknowledged durable before it is there on reopening.
+    /// (group commit) and on a waiting appender's serial one (every record, where an
+    /// appender's `wait_durable` leads): no panic and no hang, and every record acknowledged
+    /// durable before it is there on reopening.
     #[cfg(not(loom))]
     #[test]
     fn a_broken_ring_fails_the_log_with_its_error_and_keeps_what_was_acknowledged() {
@@ -3048,14 +3049,25 @@ mod tests {
             writer::uring::BREAK_RING.with(|at| at.set(Some((10, libc::EBADR))));
             let wal = Wal::open(dir.path(), config.clone()).unwrap();
             assert_eq!(wal.io_path(), IoPath::IoUring);
-            let mut acknowledged = Vec::new();
-            let failure = (0..1000i64).find_map(|time| {
-                let appended = wal.append_bytes(&time.to_le_bytes(), time);
-                let result = appended.and_then(|(lsn, _)| {
-                    wal.wait_durable_timeout(lsn, WAIT).map(|()| acknowledged.push(lsn))
+            // `wait_durable` has no bound of its own (a bound would keep it from leading): the
+            // appender runs on a thread of its own, and the test waits for it at most `WAIT`.
+            let (done, finished) = std::sync::mpsc::channel();
+            std::thread::spawn(move || {
+                let mut acknowledged = Vec::new();
+                let failure = (0..1000i64).find_map(|time| {
+                    let appended = wal.append_bytes(&time.to_le_bytes(), time);
+                    let result = appended.and_then(|(lsn, _)| {
+                        wal.wait_durable(lsn).map(|()| acknowledged.push(lsn))
+                    });
+                    result.err()
                 });
-                result.err()
+                let _ = done.send((wal, acknowledged, failure));
             });
+            let (wal, acknowledged, failure) =
+                finished.recv_timeout(WAIT).expect("the appender finished (no hang, no panic)");
+            if durability == Durability::EveryRecord {
+                assert!(wal.stats().led_groups > 0, "the appender's waits led");
+            }
             let failure = failure.expect("the ring broke within 1000 appends");
             match failure.root_cause() {
                 WalError::Io { op: "io_uring_enter", message, .. } => {

@@ -659,6 +659,8 @@ impl BlockTrackerEndpoint {
         replier: Replier<T>,
     ) -> Option<Replier<T>> {
         if self.below_query_limits() || !self.must_wait() {
+            // A backlog, if any, is over: the next one starts with a scan.
+            self.refusals_before_rescan = 0;
             return Some(replier);
         }
         if self.refusals_before_rescan > 0 {

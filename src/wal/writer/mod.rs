@@ -86,6 +86,12 @@ pub(crate) trait IoEngine: Send {
     fn as_uring(&mut self) -> Option<&mut uring::UringEngine> {
         None
     }
+    /// Whether the engine broke (module `uring`, "A broken ring"): a failed `write_and_sync`
+    /// may have left writes in flight, so the caller must never free or reuse the buffers it
+    /// passed, nor close their files.
+    fn is_broken(&self) -> bool {
+        false
+    }
     /// A handle appenders write to to wake the sync thread while it waits for I/O (pipelining
     /// engines only).
     fn waker(&self) -> Option<PipeWriter> {
@@ -401,7 +407,7 @@ impl Writer {
             }
             return Turn::Again;
         }
-        self.write_group_serial(&buffers.buf, &buffers.chunks);
+        self.write_group_serial(&mut buffers.buf, &buffers.chunks);
         buffers.buf.clear();
         buffers.chunks.clear();
         Turn::Again
@@ -440,7 +446,7 @@ impl Writer {
             self.shared.led_since_poll.store(true, Ordering::Relaxed);
             swap_out_group(&self.shared, state, &mut buf, &mut chunks);
             led = true;
-            if self.write_group_serial(&buf, &chunks) {
+            if self.write_group_serial(&mut buf, &chunks) {
                 self.shared.led_groups.fetch_add(1, Ordering::Relaxed);
             }
             buf.clear();
@@ -453,8 +459,9 @@ impl Writer {
     }
 
     /// Writes one group synchronously (unless the log failed) and counts it. Returns whether
-    /// it was written (and synced, in the durable modes).
-    fn write_group_serial(&mut self, buf: &[u8], chunks: &[Chunk]) -> bool {
+    /// it was written (and synced, in the durable modes). If the engine broke, `buf` and the
+    /// segment file being written are leaked ([`IoEngine::is_broken`]; `buf` is left empty).
+    fn write_group_serial(&mut self, buf: &mut Vec<u8>, chunks: &[Chunk]) -> bool {
         if self.shared.failure().is_some() {
             return false;
         }
@@ -469,6 +476,12 @@ impl Writer {
             }
             Err(error) => {
                 self.fail(error);
+                if self.engine.is_broken() {
+                    std::mem::forget(std::mem::take(buf));
+                    if let Some(current) = &self.current {
+                        std::mem::forget(Arc::clone(&current.file));
+                    }
+                }
                 false
             }
         }
@@ -528,7 +541,7 @@ impl Writer {
                 // A roll, the first group of a segment, the opt-in direct path, or a file
                 // without a descriptor: one group at a time, after the ring is empty.
                 self.drain(&mut buffers.events, &mut buffers.pool);
-                self.write_group_serial(&buffers.buf, &buffers.chunks);
+                self.write_group_serial(&mut buffers.buf, &buffers.chunks);
             }
         }
         buffers.buf.clear();

@@ -17,12 +17,11 @@
 //! or "busy, retry" (`EBADR` when the kernel lost a completion, `ENOMEM`, ...). The engine then
 //! never enters that ring again, since a lost completion would leave an entry counted in flight
 //! for good and any wait for it would hang. It fails the log with that error
-//! (`WalError::Io { op: "io_uring_enter" }`, reported like a failed write) and leaks the
-//! buffers of the pipelined groups still on the ring instead of freeing them, since the kernel
-//! may still read them. A serial write (`write_and_sync`) returns the error; the buffers it
-//! borrowed go back to the caller, so the kernel may still read them after that. It only reads
-//! them, so at worst stray bytes reach the unsynced tail of a log that is failed already
-//! (recovery cuts such a tail); no memory of this process is written.
+//! (`WalError::Io { op: "io_uring_enter" }`, reported like a failed write) and leaks what the
+//! kernel may still use: the buffers of the pipelined groups still on the ring, and their files
+//! (a request may look its descriptor up only when it runs, so the descriptor must not be
+//! closed and its number reused). A serial write (`write_and_sync`) returns the error, and its
+//! caller leaks the buffer and the file it passed ([`IoEngine::is_broken`]).
 //!
 //! One group at a time (`write_and_sync`: the first group of a segment, rolls, seals at
 //! close, a leader's groups, and the unit tests): the writes are followed by one `fdatasync`,
@@ -377,13 +376,26 @@ impl UringEngine {
     }
 
     /// Marks the ring broken by `error` (module doc, "A broken ring") and fails the pipelined
-    /// groups with it (reported by `take_events`).
+    /// groups with it (reported by `take_events`). The error names the file of the oldest
+    /// group on the ring, if any (a serial write names its own: [`Self::broken_error`]).
     fn break_ring(&mut self, error: &std::io::Error) {
         tracing::error!(%error, "io_uring_enter failed: the ring is not used again and the log fails");
         let path = self.groups.front().map(|group| group.path.clone()).unwrap_or_default();
         let failure = WalError::from_io("io_uring_enter", path, 0, error);
         self.error.get_or_insert_with(|| failure.clone());
         self.broken = Some(failure);
+    }
+
+    /// The error that broke the ring, naming `path` if it names no file yet (a serial write's
+    /// break, with no group on the ring).
+    fn broken_error(&mut self, path: &std::path::Path) -> Option<WalError> {
+        let broken = self.broken.as_mut()?;
+        if let WalError::Io { path: named, .. } = broken {
+            if named.as_os_str().is_empty() {
+                *named = path.to_path_buf();
+            }
+        }
+        Some(broken.clone())
     }
 
     /// Submits a group's writes without waiting. Its sync is submitted by
@@ -442,9 +454,10 @@ impl UringEngine {
             // SAFETY: the entry reads `buf[piece.buf_start..][..len]` of the group's buffer,
             // which `self.groups` owns and releases only after this write's completion was
             // reaped (`take_events` hands it back when `writes_pending` is zero; `abandon` and
-            // `Drop` first wait for every entry in flight). Moving the group inside the deque
-            // does not move the heap buffer. The descriptor belongs to `group.file`, kept
-            // alive by the same group. With `link_sync` there is room for the linked sync too,
+            // `Drop` first wait for every entry in flight, or on a broken ring leak the
+            // buffer). Moving the group inside the deque does not move the heap buffer. The
+            // descriptor belongs to `group.file`, kept alive by the same group (and leaked
+            // with it on a broken ring). With `link_sync` there is room for the linked sync too,
             // so the pair goes in one submission.
             unsafe { self.push(&entry, if link_sync { 2 } else { 1 }) };
         }
@@ -727,16 +740,28 @@ impl UringEngine {
             self.enter(1, None);
             self.reap();
         }
-        self.sync_in_flight = None;
         // The log is failed already; what the drained entries reported changes nothing.
         self.error = None;
         if self.broken.is_some() {
-            for group in self.groups.drain(..) {
-                std::mem::forget(group.buf);
-            }
+            self.leak_in_flight();
             return Vec::new();
         }
+        self.sync_in_flight = None;
         self.groups.drain(..).map(|group| group.buf).filter(|buf| buf.capacity() > 0).collect()
+    }
+
+    /// On a broken ring: leaks the buffers and files of the groups and of the sync still on
+    /// it. The kernel may still read those buffers, and look those descriptors up (a request
+    /// may do so only when it runs): they are never freed, nor closed for their numbers to be
+    /// reused.
+    fn leak_in_flight(&mut self) {
+        for group in self.groups.drain(..) {
+            std::mem::forget(group.buf);
+            std::mem::forget(group.file);
+        }
+        if let Some(sync) = self.sync_in_flight.take() {
+            std::mem::forget(sync.file);
+        }
     }
 }
 
@@ -780,6 +805,10 @@ impl IoEngine for UringEngine {
         Some(self)
     }
 
+    fn is_broken(&self) -> bool {
+        self.broken.is_some()
+    }
+
     fn waker(&self) -> Option<PipeWriter> {
         match UringEngine::waker(self) {
             Ok(waker) => Some(waker),
@@ -798,8 +827,10 @@ impl IoEngine for UringEngine {
         // Files without a descriptor go through their storage methods. A group that is one
         // small write has nothing to overlap: io_uring would only add the hop to the kernel
         // worker that runs the fdatasync, so it is written and synced directly.
-        if let Some(broken) = &self.broken {
-            return Err(broken.clone());
+        let path = ops.first().map_or_else(|| sync.map(|target| target.path), |op| Some(op.path));
+        let path = path.unwrap_or(std::path::Path::new(""));
+        if let Some(broken) = self.broken_error(path) {
+            return Err(broken);
         }
         assert_eq!(self.entries_in_flight, 0, "the pipeline is drained before a serial write");
         let total: usize = ops.iter().map(|op| op.buf.len()).sum();
@@ -812,6 +843,9 @@ impl IoEngine for UringEngine {
         // A drained sync below would wait for every earlier entry, the armed wake poll
         // included; the poll is reaped first.
         self.disarm_wake();
+        if let Some(broken) = self.broken_error(path) {
+            return Err(broken);
+        }
         let mut pieces = Vec::new();
         for (index, op) in ops.iter().enumerate() {
             let mut start = 0;
@@ -865,10 +899,11 @@ impl IoEngine for UringEngine {
                     // from `ops` for this whole call, and this function does not return before
                     // every submitted entry completed (the loop below waits for all), so the
                     // kernel never reads freed memory; only a broken ring returns with entries
-                    // in flight (module doc: the kernel only reads the buffer, so no memory of
-                    // this process is written). The descriptor belongs
-                    // to a file the caller keeps open for the call. The queue has room: at
-                    // most RING_ENTRIES - 1 writes plus one sync are pushed per round.
+                    // in flight, and the caller then leaks the buffer and the file (module
+                    // doc, "A broken ring"). The descriptor belongs to a file the caller keeps
+                    // open for the call. The queue has room: at most RING_ENTRIES - 1 writes
+                    // plus one sync are pushed per round, onto a queue the wake poll left
+                    // empty (`disarm_wake`).
                     unsafe { submission.push(&entry) }.expect("ring has room for the batch");
                     expected += 1;
                 }
@@ -893,8 +928,8 @@ impl IoEngine for UringEngine {
             while completed < expected {
                 // Retried after a signal or a busy kernel.
                 self.enter(expected - completed, None);
-                if let Some(broken) = &self.broken {
-                    return Err(broken.clone());
+                if let Some(broken) = self.broken_error(path) {
+                    return Err(broken);
                 }
                 let cut =
                     *sync_cut_from_write.get_or_insert_with(|| linked && self.sync_left_behind());
@@ -1414,6 +1449,8 @@ pub(crate) mod tests {
             for _ in 0..2 {
                 let error = engine.write_and_sync(&ops, Some(&target)).unwrap_err();
                 assert!(is_broken_ring_error(&error), "{error}");
+                // With no group on the ring, the error names the file written.
+                assert!(matches!(&error, WalError::Io { path, .. } if *path == fixture.path));
             }
             drop(engine);
         });
