@@ -480,6 +480,11 @@ pub const MAX_GROUP_COMMIT_DELAY: Duration = Duration::from_secs(60);
 pub const DEFAULT_SPARE_SEGMENTS: usize = 2;
 /// The largest [`WalOptions::spare_segments`] accepted.
 pub const MAX_SPARE_SEGMENTS: usize = 1024;
+/// The default of [`WalOptions::sync_thread_nice`].
+pub const DEFAULT_SYNC_THREAD_NICE: u8 = 5;
+/// The largest [`WalOptions::sync_thread_nice`] accepted (Linux's nice values span 40 steps,
+/// -20 to 19).
+pub const MAX_SYNC_THREAD_NICE: u8 = 39;
 
 impl WalConfig {
     /// Checks every setting.
@@ -549,6 +554,19 @@ pub struct WalOptions {
     /// preallocated ones (module doc, "Recycled segments"). Spares take disk space while the log
     /// is open: up to this many segment sizes. Closing the log deletes them.
     pub spare_segments: usize,
+    /// How much lower the sync thread's CPU priority is than that of the thread that opened
+    /// the log: the sync thread adds this to its nice value (capped at 19) when it starts
+    /// (default [`DEFAULT_SYNC_THREAD_NICE`]; 0 leaves it; at most
+    /// [`MAX_SYNC_THREAD_NICE`]). The io_uring kernel workers that run its writes and syncs
+    /// are started by it and inherit the value. On a machine whose cores are busy, the
+    /// threads that append (a coordinator, say) then preempt the log's background I/O rather
+    /// than wait behind it; the sync thread still gets a share of the CPU (nice weighs, it does
+    /// not starve). A thread that waits for durability in [`Durability::EveryRecord`] may
+    /// write and sync on its own thread instead ("leading"), at its own priority. Like
+    /// RocksDB's lowered priority of its background threads; measured in PERF.md
+    /// (EpochCoordinator, "Twenty-fifth session"). If the system refuses the change, the
+    /// thread runs at its inherited priority (logged).
+    pub sync_thread_nice: u8,
 }
 
 impl std::fmt::Debug for WalOptions {
@@ -559,6 +577,7 @@ impl std::fmt::Debug for WalOptions {
             .field("uring_direct_max_bytes", &self.uring_direct_max_bytes)
             .field("read_only", &self.read_only)
             .field("spare_segments", &self.spare_segments)
+            .field("sync_thread_nice", &self.sync_thread_nice)
             .finish_non_exhaustive()
     }
 }
@@ -572,6 +591,7 @@ impl Default for WalOptions {
             read_only: false,
             clock: Arc::new(SystemClock),
             spare_segments: DEFAULT_SPARE_SEGMENTS,
+            sync_thread_nice: DEFAULT_SYNC_THREAD_NICE,
         }
     }
 }
@@ -1538,6 +1558,13 @@ impl Wal {
                 reason: "must be at most 1024",
             });
         }
+        if options.sync_thread_nice > MAX_SYNC_THREAD_NICE {
+            return Err(WalError::InvalidConfig {
+                setting: "sync_thread_nice",
+                value: options.sync_thread_nice.to_string(),
+                reason: "must be at most 39 (nice values span -20 to 19)",
+            });
+        }
         let dir = dir.as_ref().to_path_buf();
         let engine: Box<dyn writer::IoEngine> = match options.io {
             // A read-only log writes nothing: no ring (its memory, its wake pipe), whatever the
@@ -1643,7 +1670,7 @@ impl Wal {
                 Some(
                     std::thread::Builder::new()
                         .name("coordbus-wal-sync".into())
-                        .spawn(move || writer::run(thread_writer))
+                        .spawn(move || writer::run(thread_writer, options.sync_thread_nice))
                         .map_err(|error| {
                             WalError::from_io("spawn sync thread", dir.clone(), 0, &error)
                         })?,
@@ -3086,6 +3113,62 @@ mod tests {
             let lost: Vec<&Lsn> = acknowledged.iter().filter(|lsn| !lsns.contains(lsn)).collect();
             assert!(lost.is_empty(), "{durability:?}: acknowledged and lost: {lost:?}");
         }
+    }
+
+    /// The nice values of this process's threads named `name` (`/proc`, field 19 of `stat`).
+    fn nice_of_threads(name: &str) -> Vec<i32> {
+        let mut nices = Vec::new();
+        for task in std::fs::read_dir("/proc/self/task").unwrap() {
+            let task = task.unwrap().path();
+            let Ok(comm) = std::fs::read_to_string(task.join("comm")) else {
+                continue; // the thread ended meanwhile
+            };
+            if comm.trim_end() != name {
+                continue;
+            }
+            let stat = std::fs::read_to_string(task.join("stat")).unwrap();
+            let after_name = &stat[stat.rfind(')').unwrap() + 2..];
+            // Fields from the third (state) on: the nice value is the 19th field.
+            nices.push(after_name.split(' ').nth(19 - 3).unwrap().parse().unwrap());
+        }
+        nices
+    }
+
+    /// The sync thread lowers its own CPU priority by `sync_thread_nice` (from the opener's,
+    /// capped at 19) before its first turn: once a record is durable it has. 0 leaves it; a
+    /// value past the range is a typed error.
+    #[cfg(not(loom))]
+    #[test]
+    fn the_sync_thread_runs_at_a_lower_priority_by_the_nice_asked() {
+        let opener = rustix::process::getpriority_process(None).unwrap();
+        for (nice, expected) in [(0u8, opener), (3, (opener + 3).min(19)), (39, 19)] {
+            // A thread of its own: no other log's sync thread is named in its lifetime.
+            let found = std::thread::spawn(move || {
+                let dir = tempfile::tempdir().unwrap();
+                let options = WalOptions { sync_thread_nice: nice, ..WalOptions::default() };
+                let wal =
+                    Wal::open_with_options(dir.path(), WalConfig::default(), options).unwrap();
+                let (lsn, _) = wal.append_bytes(b"one", 1).unwrap();
+                wal.wait_durable_timeout(lsn, WAIT).unwrap();
+                let sync_thread = wal.shared.sync_thread.get().copied();
+                let nices = nice_of_threads("coordbus-wal-sy");
+                drop(wal);
+                (sync_thread.is_some(), nices)
+            })
+            .join()
+            .unwrap();
+            assert!(found.0, "the sync thread ran");
+            assert!(found.1.contains(&expected), "nice {nice}: sync threads at {:?}", found.1);
+        }
+        let options = WalOptions { sync_thread_nice: 40, ..WalOptions::default() };
+        let dir = tempfile::tempdir().unwrap();
+        match Wal::open_with_options(dir.path(), WalConfig::default(), options) {
+            Err(WalError::InvalidConfig { setting: "sync_thread_nice", value, .. }) => {
+                assert_eq!(value, "40");
+            }
+            other => panic!("expected a typed error, got {:?}", other.map(|_| ())),
+        }
+        assert_eq!(WalOptions::default().sync_thread_nice, DEFAULT_SYNC_THREAD_NICE);
     }
 
     /// A read-only log writes nothing, so it sets up no ring, whatever `io` asks: it opens

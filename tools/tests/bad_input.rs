@@ -71,6 +71,7 @@ fn out_of_range_load_options_are_refused_naming_the_flag_and_value() {
         (&["wal", "--every-records", "0"], &["--every-records", "0"]),
         (&["blocks", "--streams", "2147483648"], &["--streams", "2147483648"]),
         (&["epoch", "--window", "9223372036854775807"], &["--window", "9223372036854775807"]),
+        (&["epoch", "--sync-nice", "40"], &["--sync-nice", "40"]),
         (&["epoch", "--baseline-seconds", "nan"], &["--baseline-seconds", "nan"]),
         (&["epoch", "--baseline-seconds", "inf"], &["--baseline-seconds", "inf"]),
         (&["epoch", "--baseline-seconds=-1"], &["--baseline-seconds", "-1"]),

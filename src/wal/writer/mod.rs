@@ -289,7 +289,8 @@ fn missing_ancestors(dir: &Path) -> Vec<PathBuf> {
 /// panic then goes on, for [`crate::wal::Wal::close`] to report. The
 /// callbacks run after the unwind was caught, not during it: one that panicked there would
 /// abort the process.
-pub(crate) fn run(writer: Arc<Mutex<Writer>>) {
+pub(crate) fn run(writer: Arc<Mutex<Writer>>, nice: u8) {
+    lower_priority(nice);
     let shared = Arc::clone(&lock(&writer).shared);
     let _ = shared.sync_thread.set(std::thread::current().id());
     let turns = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_turns(&writer)));
@@ -307,6 +308,21 @@ pub(crate) fn run(writer: Arc<Mutex<Writer>>) {
             true,
         );
         std::panic::resume_unwind(panic);
+    }
+}
+
+/// Adds `nice` to the calling thread's nice value, capped at 19 (`WalOptions::sync_thread_nice`;
+/// on Linux a nice value is per thread). A refusal is logged, not an error: the thread then
+/// runs at the priority it inherited.
+fn lower_priority(nice: u8) {
+    if nice == 0 {
+        return;
+    }
+    let lowered = rustix::process::getpriority_process(None).and_then(|current| {
+        rustix::process::setpriority_process(None, (current + i32::from(nice)).min(19))
+    });
+    if let Err(error) = lowered {
+        tracing::warn!(%error, nice, "the WAL's sync thread could not lower its CPU priority");
     }
 }
 

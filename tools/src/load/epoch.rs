@@ -50,7 +50,7 @@ use coordbus::{
         IncrementAndGetEpoch, PartitionId, Payload, Query, ReportPartitionOffset,
         SetReaderPartitions, SetWriterPartitions, Sink,
     },
-    wal::{self, Wal, WalConfig},
+    wal::{self, Wal, WalConfig, WalOptions},
     Bus,
 };
 use coordbus_tools::scratch::ScratchDir;
@@ -198,6 +198,14 @@ pub struct EpochArgs {
         value_parser = RangedU64ValueParser::<usize>::new().range(0..=MAX_INBOX_LANES)
     )]
     pub inbox_lanes: usize,
+    /// With a WAL: how much lower the WAL's sync thread's CPU priority is (added to its nice
+    /// value, capped at 19; 0 leaves it; at most 39). Its io_uring workers inherit it.
+    #[arg(
+        long,
+        default_value_t = wal::DEFAULT_SYNC_THREAD_NICE,
+        value_parser = clap::value_parser!(u8).range(0..=i64::from(wal::MAX_SYNC_THREAD_NICE))
+    )]
+    pub sync_nice: u8,
 }
 
 /// A run of a few seconds for the no-argument invocation.
@@ -215,6 +223,7 @@ pub fn quick() -> EpochArgs {
         backlog_limit: 1_000_000,
         inbox_capacity: 1 << 16,
         inbox_lanes: coordbus::queue::DEFAULT_LANES,
+        sync_nice: wal::DEFAULT_SYNC_THREAD_NICE,
     }
 }
 
@@ -649,7 +658,12 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
                     max_bytes: 4 << 20,
                 },
             };
-            let wal = Wal::open(dir.path(), WalConfig { durability, ..WalConfig::default() })?;
+            let options = WalOptions { sync_thread_nice: args.sync_nice, ..WalOptions::default() };
+            let wal = Wal::open_with_options(
+                dir.path(),
+                WalConfig { durability, ..WalConfig::default() },
+                options,
+            )?;
             let query = DurableQuery::from_wal(wal, load_query)?;
             let _ = shared.durable_status.set(query.status());
             wal_dir = Some(dir);
@@ -829,6 +843,7 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
         .with_latency(Percentiles::from_histogram(&latency))
         .with("partitions", args.partitions)
         .with("durability", args.durability.name())
+        .with("sync_nice", args.sync_nice)
         .with("producers", args.producers as u64)
         .with("epochs", epochs)
         .with("window", window)
