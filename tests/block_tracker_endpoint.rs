@@ -82,6 +82,9 @@ impl BlockLog for RecordingLog {
     fn close(&self) -> Result<(), WalError> {
         self.inner.close()
     }
+    fn max_event_bytes(&self) -> Option<usize> {
+        self.inner.max_event_bytes()
+    }
     fn wal(&self) -> Option<&Arc<Wal>> {
         self.inner.wal()
     }
@@ -157,6 +160,9 @@ impl BlockLog for StalledLog {
     }
     fn close(&self) -> Result<(), WalError> {
         self.inner.close()
+    }
+    fn max_event_bytes(&self) -> Option<usize> {
+        self.inner.max_event_bytes()
     }
     fn wal(&self) -> Option<&Arc<Wal>> {
         self.inner.wal()

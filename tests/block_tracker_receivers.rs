@@ -27,11 +27,11 @@ use std::{
 use coordbus::{
     clock::{ManualClock, SystemClock},
     coordinators::block_tracker::{
-        AllocateBlocksToBatch, BatchTime, BlockAdditionEvent, BlockAdditionsEvent, BlockLog,
-        BlockReceiver, BlockStoreResult, BlockTrackerConfig, BlockTrackerEndpoint, ConnectReceiver,
-        GetBlocksOfBatch, GetUnallocatedBlocks, HasUnallocatedBlocks, ReceivedBlockInfo,
-        ReceivedBlockTracker, StopTracker, StreamBlockId, StreamId, TrackerEvent, WalBlockLog,
-        COMBINE_MAX_BLOCKS, RECEIVED_BLOCK_METADATA_DIR,
+        AddBlock, AllocateBlocksToBatch, BatchTime, BlockAdditionEvent, BlockAdditionsEvent,
+        BlockLog, BlockReceiver, BlockStoreResult, BlockTrackerConfig, BlockTrackerEndpoint,
+        ConnectReceiver, GetBlocksOfBatch, GetUnallocatedBlocks, HasUnallocatedBlocks,
+        ReceivedBlockInfo, ReceivedBlockTracker, StopTracker, StreamBlockId, StreamId,
+        TrackerEvent, WalBlockLog, COMBINE_MAX_BLOCKS, RECEIVED_BLOCK_METADATA_DIR,
     },
     wal::{
         storage::{FileStorage, Storage, StorageFile},
@@ -510,5 +510,46 @@ fn pending_blocks_are_logged_when_their_receipt_or_their_receiver_is_dropped() {
     drop(receiver);
     let blocks = endpoint.ask(GetUnallocatedBlocks(StreamId(1))).wait().unwrap();
     assert_eq!(blocks, [info(1, 1), info(1, 2), info(1, 3), info(1, 4)]);
+    stop(&endpoint, bus);
+}
+
+/// A receiver refuses a block too large to be allocated (its metadata longer than
+/// `block_metadata_bytes_max`) before logging anything: its receipt is false at once, and an
+/// `add_blocks` holding it is refused whole, and so is an `AddBlock` ask. A block at the limit
+/// is logged and queued.
+#[test]
+fn a_receiver_refuses_a_block_too_large_to_be_allocated_without_logging_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = BlockTrackerConfig::new(STREAMS).checkpoint_dir(dir.path());
+    config.wal.segment_size_bytes = 64 << 10;
+    let tracker = ReceivedBlockTracker::open(config, Arc::new(SystemClock)).unwrap();
+    let limit = tracker.block_metadata_bytes_max().expect("a WAL limits its records");
+    let wal = Arc::clone(tracker.log().unwrap().wal().unwrap());
+    let bus = Bus::builder().build().unwrap();
+    let endpoint = bus.register("tracker", BlockTrackerEndpoint::new(tracker)).unwrap();
+    let receiver = BlockReceiver::connect(&endpoint).unwrap();
+    let with_metadata = |stream: i32, unique_id: u64, metadata_bytes: usize| {
+        let block_id = StreamBlockId { stream: StreamId(stream), unique_id };
+        let metadata = Some(vec![1; metadata_bytes]);
+        let result = BlockStoreResult::BlockManager { block_id };
+        ReceivedBlockInfo::new(StreamId(stream), None, metadata, result).unwrap()
+    };
+    let appended_before = wal.appended_lsn();
+
+    let refused = receiver.add_block(with_metadata(1, 1, limit + 1));
+    assert_eq!(refused.lsn(), None, "nothing logged");
+    assert_eq!(refused.try_result(), Some(false), "answered at once");
+    let mixed = receiver.add_blocks(vec![info(2, 2), with_metadata(1, 3, limit + 1)]);
+    assert!(!mixed.wait(), "all or nothing");
+    let asked = endpoint.ask(AddBlock(with_metadata(2, 5, limit + 1))).wait().unwrap();
+    assert!(!asked, "the endpoint's own additions refuse it too");
+    assert_eq!(wal.appended_lsn(), appended_before, "no record appended");
+    for stream in STREAMS {
+        assert!(endpoint.ask(GetUnallocatedBlocks(stream)).wait().unwrap().is_empty());
+    }
+
+    let at_limit = with_metadata(1, 4, limit);
+    assert!(receiver.add_block(at_limit.clone()).wait());
+    assert_eq!(endpoint.ask(GetUnallocatedBlocks(StreamId(1))).wait().unwrap(), [at_limit]);
     stop(&endpoint, bus);
 }

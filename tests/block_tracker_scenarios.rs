@@ -255,6 +255,9 @@ impl BlockLog for FailingLog {
     fn close(&self) -> Result<(), WalError> {
         self.inner.close()
     }
+    fn max_event_bytes(&self) -> Option<usize> {
+        self.inner.max_event_bytes()
+    }
 }
 
 fn assert_nothing_allocated(tracker: &ReceivedBlockTracker, b: &[ReceivedBlockInfo]) {
@@ -701,6 +704,109 @@ fn single_blocks_too_large_to_share_a_record_are_allocated_one_stream_per_batch(
         assert_eq!(batch, vec![info.clone()], "batch {time} after recovery");
     }
     assert!(!recovered.has_unallocated_blocks());
+}
+
+/// A block whose addition record fits the log but whose allocation record would not (the
+/// allocation lists every configured stream and its time besides the block) is refused when
+/// added: `false`, nothing queued. Before, it was acknowledged and then never allocated, and
+/// as the oldest block it held up every later allocation. A block at the limit is taken and
+/// allocated, with a block of another stream, and both survive a recovery.
+#[test]
+fn a_block_too_large_to_be_allocated_is_refused_when_added_and_allocation_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(0));
+    let streams = [StreamId(1), StreamId(2), StreamId(3)];
+    let mut config = config(Some(dir.path()), Duration::from_secs(60));
+    config.stream_ids = streams.to_vec();
+    config.wal.segment_size_bytes = 64 << 10;
+    let mut tracker = ReceivedBlockTracker::open(config.clone(), clock.clone()).unwrap();
+    let limit = tracker.block_metadata_bytes_max().expect("a WAL limits its records");
+    let max_event = tracker.log().unwrap().wal().unwrap().max_payload_len();
+    assert!(limit < max_event && limit > max_event - 1024, "limit {limit}, record {max_event}");
+    let block = |stream: StreamId, unique_id: u64, metadata_bytes: usize| {
+        let block_id = StreamBlockId { stream, unique_id };
+        let metadata = Some(vec![unique_id as u8; metadata_bytes]);
+        let result = BlockStoreResult::BlockManager { block_id };
+        ReceivedBlockInfo::new(stream, Some(1), metadata, result).unwrap()
+    };
+    let encoded_bytes = |event: TrackerEvent| event.encode_into(Default::default()).unwrap().len();
+    let allocated_alone_bytes = |info: &ReceivedBlockInfo| {
+        let blocks = AllocatedBlocks::new(streams.map(|stream| {
+            (stream, if stream == info.stream_id() { vec![info.clone()] } else { vec![] })
+        }));
+        encoded_bytes(TrackerEvent::BatchAllocation(BatchAllocationEvent {
+            time: BatchTime(1),
+            blocks,
+        }))
+    };
+    // The smallest metadata that no allocation record can hold: the limit errs on the safe
+    // side by at most the padding.
+    let unallocatable = (limit + 1..limit + 64)
+        .find(|bytes| allocated_alone_bytes(&block(StreamId(3), 3, *bytes)) > max_event)
+        .expect("within the padding of the limit");
+    let over = block(StreamId(3), 3, unallocatable);
+    let addition_bytes =
+        encoded_bytes(TrackerEvent::BlockAddition(BlockAdditionEvent { info: over.clone() }));
+    assert!(addition_bytes <= max_event, "the log would take its addition: the case that stalled");
+    let small = block(StreamId(2), 1, 16);
+    let at_limit = block(StreamId(1), 2, limit);
+    assert!(allocated_alone_bytes(&at_limit) <= max_event);
+
+    assert!(tracker.add_block(small.clone()));
+    assert!(!tracker.add_block(over), "too large to be allocated");
+    assert!(!tracker.add_block(block(StreamId(3), 4, limit + 1)), "one byte over the limit");
+    assert!(tracker.unallocated_blocks(StreamId(3)).is_empty(), "nothing queued");
+    assert!(tracker.add_block(at_limit.clone()), "at the limit");
+    let mut time = 0;
+    while tracker.has_unallocated_blocks() {
+        time += 1;
+        assert!(time <= 2, "two blocks take at most two batches");
+        tracker.allocate_blocks_to_batch(BatchTime(time)).unwrap();
+    }
+    let allocated = |tracker: &ReceivedBlockTracker| {
+        (1..=time)
+            .flat_map(|time| {
+                streams.map(|stream| tracker.blocks_of_batch_and_stream(BatchTime(time), stream))
+            })
+            .flatten()
+            .collect::<Vec<_>>()
+    };
+    let mut expected = vec![small.clone(), at_limit.clone()];
+    expected.sort_by_key(|info| info.block_id().unique_id);
+    let mut got = allocated(&tracker);
+    got.sort_by_key(|info| info.block_id().unique_id);
+    assert_eq!(got, expected);
+    tracker.stop().unwrap();
+
+    let recovered = ReceivedBlockTracker::open(config.recover(true), clock).unwrap();
+    let mut got = allocated(&recovered);
+    got.sort_by_key(|info| info.block_id().unique_id);
+    assert_eq!(got, expected, "after recovery");
+    assert!(!recovered.has_unallocated_blocks());
+}
+
+/// A log whose records cannot hold an allocation of one block (too many streams for its
+/// segments) is refused when the tracker opens, with a typed error naming the stream count and
+/// both sizes, rather than taking blocks it could never allocate. With a few streams the same
+/// log opens.
+#[test]
+fn a_log_too_small_for_an_allocation_of_the_configured_streams_is_refused_at_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(0));
+    let mut config = config(Some(dir.path()), Duration::from_secs(60));
+    config.wal.segment_size_bytes = 4096;
+    config.stream_ids = (0..1000).map(StreamId).collect();
+    match ReceivedBlockTracker::open(config.clone(), clock.clone()) {
+        Err(BlockTrackerError::StreamsExceedLog { streams, allocation_bytes, max_event_bytes }) => {
+            assert_eq!(streams, 1000);
+            assert!(allocation_bytes > max_event_bytes, "{allocation_bytes} > {max_event_bytes}");
+            assert!(max_event_bytes < 4096, "the segment bounds a record: {max_event_bytes}");
+        }
+        other => panic!("expected StreamsExceedLog, got {other:?}"),
+    }
+    config.stream_ids = (0..3).map(StreamId).collect();
+    let tracker = ReceivedBlockTracker::open(config, clock).unwrap();
+    assert!(tracker.block_metadata_bytes_max().is_some_and(|max| max > 0 && max < 4096));
 }
 
 /// A tracker opened without recovery starts empty, and its rebuild after a WAL failure (the

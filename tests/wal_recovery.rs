@@ -423,6 +423,25 @@ fn a_record_larger_than_a_segment_is_rejected() {
     assert!(!dir.path().join(segment::file_name(coordbus::SegmentId(1))).exists());
 }
 
+/// `max_payload_len` is exactly the boundary: a segment's room after its 64-byte header and
+/// the frame's 32-byte header, rounded down to the 16-byte alignment.
+#[test]
+fn the_largest_payload_a_log_takes_is_what_one_segment_holds() {
+    let dir = tempfile::tempdir().unwrap();
+    let wal = open(dir.path(), Durability::default(), IoMode::Auto, 4096);
+    let largest = wal.max_payload_len();
+    assert_eq!(largest, 4096 - 64 - 32);
+    let (_, handle) = wal.append_bytes(&vec![7; largest], 0).unwrap();
+    match wal.append_bytes(&vec![7; largest + 1], 0) {
+        Err(WalError::RecordTooLarge { len, segment_size_bytes: 4096 }) => {
+            assert_eq!(len, 4096 - 64 + 16, "the frame's length");
+        }
+        other => panic!("one byte more must be too large: {other:?}"),
+    }
+    wal.close().unwrap();
+    assert_eq!(wal.read_bytes(handle).unwrap().len(), largest);
+}
+
 proptest! {
     #![proptest_config(ProptestConfig {
         cases: 12,

@@ -287,6 +287,16 @@ fn staging_limit(durability: Durability) -> usize {
     }
 }
 
+/// The largest payload a record may carry in segments of `segment_size_bytes`: its frame
+/// (header, payload, padding) must fit a segment after the segment's header.
+fn max_payload_len(segment_size_bytes: u64) -> usize {
+    let frame_room = segment_size_bytes.saturating_sub(SEGMENT_HEADER_LEN);
+    let payload_room =
+        usize::try_from(frame_room).unwrap_or(usize::MAX).saturating_sub(frame::HEADER_LEN);
+    // The padding rounds a payload up to the alignment: the largest that fits is aligned.
+    (payload_room & !(frame::ALIGN - 1)).min(frame::MAX_PAYLOAD_LEN as usize)
+}
+
 /// Log sequence number: 1 for the first record ever appended, then +1 per record.
 #[derive(
     Debug,
@@ -1698,6 +1708,13 @@ impl Wal {
         &self.shared.config
     }
 
+    /// The largest payload one record may carry: what a segment holds after its header and
+    /// the record's frame header (and at most [`frame::MAX_PAYLOAD_LEN`]). A longer one is
+    /// refused with [`WalError::RecordTooLarge`].
+    pub fn max_payload_len(&self) -> usize {
+        max_payload_len(self.shared.config.segment_size_bytes)
+    }
+
     /// Serializes `value` (rkyv) and appends it with time `time_ms`. Never waits for a sync:
     /// the record is durable once [`Wal::durable_lsn`] reaches the returned LSN. It returns at
     /// once unless the staging buffer is full (the disk is behind the appenders); then it
@@ -1770,8 +1787,7 @@ impl Wal {
     ) -> Result<(Lsn, RecordHandle), WalError> {
         let shared = &*self.shared;
         let frame_len = frame::frame_len(payload.len()) as u64;
-        let capacity = shared.config.segment_size_bytes - SEGMENT_HEADER_LEN;
-        if payload.len() > frame::MAX_PAYLOAD_LEN as usize || frame_len > capacity {
+        if payload.len() > max_payload_len(shared.config.segment_size_bytes) {
             return Err(WalError::RecordTooLarge {
                 len: frame_len,
                 segment_size_bytes: shared.config.segment_size_bytes,

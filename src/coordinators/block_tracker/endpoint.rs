@@ -925,6 +925,7 @@ impl Endpoint for BlockTrackerEndpoint {
                     Arc::clone(self.tracker.clock()),
                     self.tracker.write_timeout(),
                     self.tracker.recycled_vectors(),
+                    self.tracker.block_size_limit(),
                 )),
                 None => replier.fail("the block tracker endpoint has not started"),
             },

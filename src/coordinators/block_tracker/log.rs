@@ -98,6 +98,12 @@ pub trait BlockLog: Send + Sync + 'static {
     /// The log's failure, or (a bounded close) that it did not finish in time.
     fn close(&self) -> Result<(), WalError>;
 
+    /// The largest encoded event the log takes in one record (`None`: no limit). The tracker
+    /// refuses a block too large to be allocated alone from it (`BlockSizeLimit`).
+    fn max_event_bytes(&self) -> Option<usize> {
+        None
+    }
+
     /// The underlying WAL, if there is one (for statistics and tests).
     fn wal(&self) -> Option<&Arc<Wal>> {
         None
@@ -238,6 +244,10 @@ impl BlockLog for WalBlockLog {
     /// finishes in the background).
     fn close(&self) -> Result<(), WalError> {
         self.wal.close_timeout(WAL_CLOSE_TIMEOUT)
+    }
+
+    fn max_event_bytes(&self) -> Option<usize> {
+        Some(self.wal.max_payload_len())
     }
 
     fn wal(&self) -> Option<&Arc<Wal>> {

@@ -70,6 +70,7 @@
 mod data;
 mod endpoint;
 mod journal;
+mod limit;
 mod log;
 mod queue;
 mod receiver;
@@ -95,6 +96,7 @@ pub use self::{
     },
 };
 use self::{
+    limit::BlockSizeLimit,
     queue::{Bounds, ChunkBlocks, StreamQueue},
     recycle::BlockVecPool,
 };
@@ -192,6 +194,22 @@ pub enum BlockTrackerError {
     StateLost {
         /// What happened.
         reason: String,
+    },
+    /// The log's records are too small for an allocation of even one block: one listing
+    /// all `streams` configured streams takes `allocation_bytes`, more than the log's
+    /// largest record, `max_event_bytes`. Configure fewer streams or larger WAL segments.
+    #[error(
+        "an allocation record of the {streams} configured streams takes {allocation_bytes} \
+         bytes, more than the log's largest record of {max_event_bytes} bytes; configure \
+         fewer streams or larger write-ahead log segments"
+    )]
+    StreamsExceedLog {
+        /// Configured streams.
+        streams: usize,
+        /// Encoded bytes of an allocation of one block with empty metadata.
+        allocation_bytes: usize,
+        /// The log's largest record.
+        max_event_bytes: usize,
     },
 }
 
@@ -362,6 +380,8 @@ pub struct ReceivedBlockTracker {
     recycled: Arc<BlockVecPool>,
     /// Events the WAL refused (see `append` for which are logged).
     failed_writes: std::sync::atomic::AtomicU64,
+    /// Blocks too large to be allocated are refused (module `limit`).
+    block_size_limit: BlockSizeLimit,
 }
 
 /// Most spare block vectors kept.
@@ -404,7 +424,9 @@ impl ReceivedBlockTracker {
     /// and `config.wal` are ignored.
     ///
     /// # Errors
-    /// A damaged journal during recovery.
+    /// A damaged journal during recovery;
+    /// [`BlockTrackerError::StreamsExceedLog`] if the log's records cannot hold an
+    /// allocation of one block.
     pub fn with_log(
         config: BlockTrackerConfig,
         clock: Arc<dyn Clock>,
@@ -413,7 +435,9 @@ impl ReceivedBlockTracker {
         let mut stream_ids = config.stream_ids;
         stream_ids.sort_unstable();
         stream_ids.dedup();
+        let block_size_limit = BlockSizeLimit::of(log.as_deref(), &stream_ids)?;
         let mut tracker = Self {
+            block_size_limit,
             stream_ids,
             clock,
             log,
@@ -493,6 +517,17 @@ impl ReceivedBlockTracker {
         &self.clock
     }
 
+    /// The longest metadata a block may carry, if the log limits it: a block with more could
+    /// not be allocated (an allocation record listing it alone would not fit the log), so its
+    /// addition is refused (answered false, nothing changed).
+    pub fn block_metadata_bytes_max(&self) -> Option<usize> {
+        self.block_size_limit.metadata_bytes_max()
+    }
+
+    fn block_size_limit(&self) -> BlockSizeLimit {
+        self.block_size_limit
+    }
+
     // ----- the log step -------------------------------------------------------------------
 
     fn append(&self, event: &TrackerEvent) -> Result<Append, BlockTrackerError> {
@@ -562,8 +597,12 @@ impl ReceivedBlockTracker {
 
     /// Journals the addition of `info` (durably) and then queues it as unallocated. Returns
     /// whether it was journaled; on false nothing changed (SPEC D.3). Never fails otherwise:
-    /// an error of the log step is logged and answered false.
+    /// an error of the log step is logged and answered false, and so is a block whose
+    /// metadata is too long to be allocated ([`Self::block_metadata_bytes_max`]).
     pub fn add_block(&mut self, info: ReceivedBlockInfo) -> bool {
+        if self.block_size_limit.refuses(&info) {
+            return false;
+        }
         let event = TrackerEvent::BlockAddition(BlockAdditionEvent { info });
         let (logged, lsn) = match self.append(&event) {
             Ok(Append::Disabled) => (true, Lsn::ZERO),
@@ -586,6 +625,9 @@ impl ReceivedBlockTracker {
     /// [`Self::add_block`] without waiting: appends the event and queues the block at once.
     /// See [`Logged`] for what the caller must do.
     pub fn add_block_deferred(&mut self, info: ReceivedBlockInfo) -> Logged {
+        if self.block_size_limit.refuses(&info) {
+            return Logged::Failed;
+        }
         let event = TrackerEvent::BlockAddition(BlockAdditionEvent { info });
         let outcome = match self.append(&event) {
             Ok(Append::Disabled) => Logged::Done,

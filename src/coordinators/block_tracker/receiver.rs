@@ -71,8 +71,9 @@ use std::{
 use smallvec::SmallVec;
 
 use super::{
-    recycle::BlockVecPool, BlockAdditionEvent, BlockAdditionsEvent, BlockLog, BlockLogError,
-    BlockTrackerEndpoint, BlockTrackerMessage, ReceivedBlockInfo, StreamId, TrackerEvent,
+    limit::BlockSizeLimit, recycle::BlockVecPool, BlockAdditionEvent, BlockAdditionsEvent,
+    BlockLog, BlockLogError, BlockTrackerEndpoint, BlockTrackerMessage, ReceivedBlockInfo,
+    StreamId, TrackerEvent,
 };
 use crate::{
     clock::Clock,
@@ -179,6 +180,8 @@ pub struct BlockReceiver {
     pending: Mutex<PendingBatch>,
     /// Where batch vectors come from (module `recycle`).
     recycled: Arc<BlockVecPool>,
+    /// Blocks too large to be allocated are refused (module `limit`).
+    block_size_limit: BlockSizeLimit,
 }
 
 /// Most blocks a pending batch holds before it is logged.
@@ -230,6 +233,7 @@ impl Clone for BlockReceiver {
             Arc::clone(&self.clock),
             self.write_timeout,
             Arc::clone(&self.recycled),
+            self.block_size_limit,
         )
     }
 }
@@ -259,9 +263,10 @@ impl BlockReceiver {
         clock: Arc<dyn Clock>,
         write_timeout: Duration,
         recycled: Arc<BlockVecPool>,
+        block_size_limit: BlockSizeLimit,
     ) -> Self {
         let pending = Mutex::new(PendingBatch::default());
-        Self { endpoint, log, clock, write_timeout, pending, recycled }
+        Self { endpoint, log, clock, write_timeout, pending, recycled, block_size_limit }
     }
 
     fn lock_pending(&self) -> MutexGuard<'_, PendingBatch> {
@@ -284,8 +289,13 @@ impl BlockReceiver {
     /// a sync; it waits only while the WAL's staging buffer or the endpoint's inbox is full
     /// (back-pressure: at most the journal's append timeout for each record this call logs,
     /// the pending batch's and its own, and the tracker's `write_timeout` for the inbox).
+    /// A block whose metadata is too long to be allocated is answered `false` at once
+    /// ([`super::ReceivedBlockTracker::block_metadata_bytes_max`]).
     #[inline]
     pub fn add_block(&self, info: ReceivedBlockInfo) -> AddReceipt<'_> {
+        if self.block_size_limit.refuses(&info) {
+            return AddReceipt { receiver: self, outcome: Outcome::Done(false), blocks: 1 };
+        }
         let mut pending = self.lock_pending();
         let nothing_in_flight = pending.blocks == 0
             && self.log.as_ref().is_none_or(|log| log.durable_lsn() >= pending.last_lsn);
@@ -304,9 +314,13 @@ impl BlockReceiver {
     /// Logs the additions of `infos` in one record (one LSN, one frame: what makes many
     /// additions per second cheap) and hands them to the endpoint in order, after the pending
     /// batch. All or nothing: the receipt resolves to one answer for every block (`true` at
-    /// once for no block).
+    /// once for no block; `false` at once, nothing logged, if one block's metadata is too long
+    /// to be allocated: [`super::ReceivedBlockTracker::block_metadata_bytes_max`]).
     pub fn add_blocks(&self, infos: Vec<ReceivedBlockInfo>) -> AddReceipt<'_> {
         let blocks = infos.len();
+        if infos.iter().any(|info| self.block_size_limit.refuses(info)) {
+            return AddReceipt { receiver: self, outcome: Outcome::Done(false), blocks };
+        }
         let mut pending = self.lock_pending();
         self.flush_locked(&mut pending);
         let outcome = self.log_and_hand_over(LoggedPayload::Many(infos), &mut pending);

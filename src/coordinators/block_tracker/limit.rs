@@ -1,0 +1,95 @@
+//! The largest block the tracker takes: one whose allocation record, listing it alone, fits
+//! the log.
+//!
+//! # Why
+//! A block's metadata is the receiver's opaque bytes, of any length. Its addition record may
+//! fit the log while an allocation record listing it does not: the allocation lists every
+//! configured stream and its batch time besides the block. Such a block could be acknowledged
+//! and then never allocated: as the oldest unallocated block it would hold up every later
+//! allocation (which takes the streams with the oldest blocks first when a record is too
+//! large). So an addition of a block whose metadata is longer than [`BlockSizeLimit`] allows
+//! is refused up front, like any addition the log refuses: `false`, nothing changed, and a
+//! warning naming the block, its length and the limit.
+
+use super::{
+    AllocatedBlocks, BatchAllocationEvent, BatchTime, BlockLog, BlockStoreResult,
+    BlockTrackerError, ReceivedBlockInfo, StreamBlockId, StreamId, TrackerEvent,
+};
+use crate::wal::{RecordHandle, SegmentId};
+
+/// Bytes of slack for the padding of metadata in the encoded record: the limit errs by at
+/// most this much on the safe side.
+const PADDING_SLACK: usize = 16;
+
+/// The longest metadata a block may carry (`None`: any, the log has no limit).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct BlockSizeLimit {
+    metadata_bytes_max: Option<usize>,
+}
+
+impl BlockSizeLimit {
+    /// The limit for a tracker over `log` allocating `stream_ids`: the log's largest record
+    /// less an allocation record of every stream holding one block with empty metadata and a
+    /// receiver-log handle (the largest fixed part a block has).
+    ///
+    /// # Errors
+    /// [`BlockTrackerError::StreamsExceedLog`] if that allocation alone exceeds the log's
+    /// largest record: no block could ever be allocated.
+    pub(super) fn of(
+        log: Option<&dyn BlockLog>,
+        stream_ids: &[StreamId],
+    ) -> Result<Self, BlockTrackerError> {
+        let Some(max_event_bytes) = log.and_then(BlockLog::max_event_bytes) else {
+            return Ok(Self { metadata_bytes_max: None });
+        };
+        let allocation_bytes = allocation_of_one_block_bytes(stream_ids) + PADDING_SLACK;
+        match max_event_bytes.checked_sub(allocation_bytes) {
+            Some(metadata_bytes_max) => Ok(Self { metadata_bytes_max: Some(metadata_bytes_max) }),
+            None => Err(BlockTrackerError::StreamsExceedLog {
+                streams: stream_ids.len(),
+                allocation_bytes,
+                max_event_bytes,
+            }),
+        }
+    }
+
+    /// The longest metadata a block may carry, if limited.
+    pub(super) fn metadata_bytes_max(self) -> Option<usize> {
+        self.metadata_bytes_max
+    }
+
+    /// Whether `info` is too large to be allocated (module doc); a refusal is logged.
+    #[inline]
+    pub(super) fn refuses(self, info: &ReceivedBlockInfo) -> bool {
+        let (Some(max), Some(metadata)) = (self.metadata_bytes_max, info.metadata()) else {
+            return false;
+        };
+        let refused = metadata.len() > max;
+        if refused {
+            tracing::warn!(
+                block = %info.block_id(),
+                metadata_bytes = metadata.len(),
+                metadata_bytes_max = max,
+                "a block whose metadata is too large to be allocated from the log is refused"
+            );
+        }
+        refused
+    }
+}
+
+/// The encoded size of an allocation of every stream of `stream_ids` (or of one stream, if
+/// there is none) in which one stream holds one block with empty metadata and a handle.
+fn allocation_of_one_block_bytes(stream_ids: &[StreamId]) -> usize {
+    let stream = stream_ids.first().copied().unwrap_or(StreamId(0));
+    let block_id = StreamBlockId { stream, unique_id: u64::MAX };
+    let handle = RecordHandle { segment: SegmentId(u32::MAX), offset: u64::MAX, len: u32::MAX };
+    let store_result = BlockStoreResult::ReceiverWal { block_id, handle };
+    let block = ReceivedBlockInfo::new(stream, Some(i64::MAX), Some(Vec::new()), store_result)
+        .expect("a non-negative record count");
+    let others = stream_ids.iter().skip(1).map(|other| (*other, Vec::new()));
+    let blocks = AllocatedBlocks::new(std::iter::once((stream, vec![block])).chain(others));
+    let event =
+        TrackerEvent::BatchAllocation(BatchAllocationEvent { time: BatchTime(i64::MAX), blocks });
+    // Encoding into memory does not fail; were it to, the limit would be the log's.
+    event.encode_into(rkyv::util::AlignedVec::new()).map_or(0, |bytes| bytes.len())
+}
