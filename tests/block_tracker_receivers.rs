@@ -27,11 +27,11 @@ use std::{
 use coordbus::{
     clock::{ManualClock, SystemClock},
     coordinators::block_tracker::{
-        AddBlock, AllocateBlocksToBatch, BatchTime, BlockAdditionEvent, BlockAdditionsEvent,
-        BlockLog, BlockReceiver, BlockStoreResult, BlockTrackerConfig, BlockTrackerEndpoint,
-        ConnectReceiver, GetBlocksOfBatch, GetUnallocatedBlocks, HasUnallocatedBlocks,
-        ReceivedBlockInfo, ReceivedBlockTracker, StopTracker, StreamBlockId, StreamId,
-        TrackerEvent, WalBlockLog, COMBINE_MAX_BLOCKS, RECEIVED_BLOCK_METADATA_DIR,
+        AddBlock, AddBlocks, AllocateBlocksToBatch, BatchTime, BlockAdditionEvent,
+        BlockAdditionsEvent, BlockLog, BlockReceiver, BlockStoreResult, BlockTrackerConfig,
+        BlockTrackerEndpoint, ConnectReceiver, GetBlocksOfBatch, GetUnallocatedBlocks,
+        HasUnallocatedBlocks, ReceivedBlockInfo, ReceivedBlockTracker, StopTracker, StreamBlockId,
+        StreamId, TrackerEvent, WalBlockLog, COMBINE_MAX_BLOCKS, RECEIVED_BLOCK_METADATA_DIR,
     },
     wal::{
         storage::{FileStorage, Storage, StorageFile},
@@ -515,8 +515,8 @@ fn pending_blocks_are_logged_when_their_receipt_or_their_receiver_is_dropped() {
 
 /// A receiver refuses a block too large to be allocated (its metadata longer than
 /// `block_metadata_bytes_max`) before logging anything: its receipt is false at once, and an
-/// `add_blocks` holding it is refused whole, and so is an `AddBlock` ask. A block at the limit
-/// is logged and queued.
+/// `add_blocks` holding it is refused whole, and so is an `AddBlock` ask; an `AddBlocks` ask
+/// refuses that block alone. A block at the limit is logged and queued.
 #[test]
 fn a_receiver_refuses_a_block_too_large_to_be_allocated_without_logging_it() {
     let dir = tempfile::tempdir().unwrap();
@@ -547,6 +547,17 @@ fn a_receiver_refuses_a_block_too_large_to_be_allocated_without_logging_it() {
     for stream in STREAMS {
         assert!(endpoint.ask(GetUnallocatedBlocks(stream)).wait().unwrap().is_empty());
     }
+    // An `AddBlocks` ask answers per block: only the oversized one is refused, the blocks
+    // after it are still logged (a refused write, by contrast, refuses the rest).
+    let answers = endpoint
+        .ask(AddBlocks(vec![info(2, 6), with_metadata(2, 7, limit + 1), info(2, 8)]))
+        .wait()
+        .unwrap();
+    assert_eq!(answers, [true, false, true]);
+    assert_eq!(
+        endpoint.ask(GetUnallocatedBlocks(StreamId(2))).wait().unwrap(),
+        [info(2, 6), info(2, 8)]
+    );
 
     let at_limit = with_metadata(1, 4, limit);
     assert!(receiver.add_block(at_limit.clone()).wait());

@@ -14,9 +14,11 @@
 //!
 //! ## What a reply means
 //! * `AddBlock` answers `true` only once the addition's record is durable; `false` if the WAL
-//!   refused or failed it (then the block is not queued). `AddBlocks` does the same for
-//!   several blocks (one record each) and answers once the last is durable, per block; after
-//!   a refused block, the rest of the request is refused without being tried.
+//!   refused or failed it (then the block is not queued), or at once if the block's metadata
+//!   is too long to be allocated ([`ReceivedBlockTracker::block_metadata_bytes_max`]).
+//!   `AddBlocks` does the same for several blocks (one record each) and answers once the last
+//!   is durable, per block; after a block the WAL refused, the rest of the request is refused
+//!   without being tried (a block too large is refused alone).
 //! * `AllocateBlocksToBatch` and `CleanupOldBatches` answer once their event is durable (a
 //!   cleanup also deletes the old WAL files first). A cleanup with `wait` deletes them on the
 //!   endpoint thread and syncs the directory before answering, so requests behind it wait
@@ -843,12 +845,14 @@ impl Endpoint for BlockTrackerEndpoint {
                 let mut all_done = true;
                 // After the first refused write, the rest of the request is refused without
                 // trying: on a stuck disk each try would wait out the journal's append
-                // timeout, and the request would hold the endpoint that many times over.
+                // timeout, and the request would hold the endpoint that many times over. A
+                // block too large to be allocated is refused alone: the log did not refuse.
                 let mut refused = false;
+                let block_size_limit = self.tracker.block_size_limit();
                 let lsns: Vec<Option<Lsn>> = infos
                     .into_iter()
                     .map(|info| {
-                        if refused {
+                        if refused || block_size_limit.refuses(&info) {
                             return None;
                         }
                         match self.tracker.add_block_deferred(info) {
