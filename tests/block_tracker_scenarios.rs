@@ -809,6 +809,51 @@ fn a_log_too_small_for_an_allocation_of_the_configured_streams_is_refused_at_ope
     assert!(tracker.block_metadata_bytes_max().is_some_and(|max| max > 0 && max < 4096));
 }
 
+/// A block logged under one configuration and reopened under one whose allocation records
+/// cannot hold it (here: many more streams) fails the recovery with a typed error naming the
+/// block and both lengths, instead of stalling every later allocation behind it. Nothing is
+/// changed: reopened as it was logged, the block is recovered and allocated.
+#[test]
+fn recovering_a_block_too_large_for_the_reopened_configuration_is_a_typed_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(0));
+    let mut config = config(Some(dir.path()), Duration::from_secs(60));
+    config.stream_ids = vec![StreamId(1), StreamId(2), StreamId(3)];
+    config.wal.segment_size_bytes = 64 << 10;
+    let mut tracker = ReceivedBlockTracker::open(config.clone(), clock.clone()).unwrap();
+    let limit = tracker.block_metadata_bytes_max().unwrap();
+    let block_id = StreamBlockId { stream: StreamId(2), unique_id: 7 };
+    let large = ReceivedBlockInfo::new(
+        StreamId(2),
+        Some(1),
+        Some(vec![7; limit]),
+        BlockStoreResult::BlockManager { block_id },
+    )
+    .unwrap();
+    assert!(tracker.add_block(large.clone()));
+    tracker.stop().unwrap();
+
+    let mut more_streams = config.clone().recover(true);
+    more_streams.stream_ids = (0..400).map(StreamId).collect();
+    match ReceivedBlockTracker::open(more_streams, clock.clone()) {
+        Err(BlockTrackerError::UnallocatableBlock {
+            block_id: refused,
+            metadata_bytes,
+            metadata_bytes_max,
+        }) => {
+            assert_eq!(refused, block_id);
+            assert_eq!(metadata_bytes, limit);
+            assert!(metadata_bytes_max < limit, "{metadata_bytes_max} < {limit}");
+        }
+        other => panic!("expected UnallocatableBlock, got {other:?}"),
+    }
+
+    let mut tracker = ReceivedBlockTracker::open(config.recover(true), clock).unwrap();
+    assert_eq!(tracker.unallocated_blocks(StreamId(2)), std::slice::from_ref(&large));
+    tracker.allocate_blocks_to_batch(BatchTime(1)).unwrap();
+    assert_eq!(tracker.blocks_of_batch_and_stream(BatchTime(1), StreamId(2)), [large]);
+}
+
 /// A tracker opened without recovery starts empty, and its rebuild after a WAL failure (the
 /// durable prefix of the log) does too: what earlier runs logged, which it never had, stays
 /// out. (Before, the rebuild replayed the whole log: an earlier run's blocks reappeared.)

@@ -211,6 +211,23 @@ pub enum BlockTrackerError {
         /// The log's largest record.
         max_event_bytes: usize,
     },
+    /// Recovery found an unallocated block too large to be allocated with this configuration
+    /// (logged by an earlier version, or with fewer streams or larger segments): it would
+    /// hold up every later allocation. Nothing was changed; reopen with larger write-ahead
+    /// log segments or the streams it was logged with.
+    #[error(
+        "recovered block {block_id} has {metadata_bytes} bytes of metadata, more than an \
+         allocation record of the configured streams holds ({metadata_bytes_max}); reopen with \
+         larger write-ahead log segments or fewer streams"
+    )]
+    UnallocatableBlock {
+        /// The block.
+        block_id: StreamBlockId,
+        /// Its metadata's length.
+        metadata_bytes: usize,
+        /// The longest metadata a block may carry here.
+        metadata_bytes_max: usize,
+    },
 }
 
 /// Settings of a [`ReceivedBlockTracker`].
@@ -426,7 +443,8 @@ impl ReceivedBlockTracker {
     /// # Errors
     /// A damaged journal during recovery;
     /// [`BlockTrackerError::StreamsExceedLog`] if the log's records cannot hold an
-    /// allocation of one block.
+    /// allocation of one block; [`BlockTrackerError::UnallocatableBlock`] if recovery found
+    /// an unallocated block they cannot hold.
     pub fn with_log(
         config: BlockTrackerConfig,
         clock: Arc<dyn Clock>,
@@ -469,6 +487,7 @@ impl ReceivedBlockTracker {
                 allocated_batches = tracker.allocated.len(),
                 "received-block tracker recovered from its write-ahead log"
             );
+            tracker.check_recovered_blocks_allocatable()?;
             let unconfigured = tracker.unconfigured_streams();
             if !unconfigured.is_empty() {
                 tracing::warn!(
@@ -526,6 +545,25 @@ impl ReceivedBlockTracker {
 
     fn block_size_limit(&self) -> BlockSizeLimit {
         self.block_size_limit
+    }
+
+    /// Fails if a recovered unallocated block is longer than [`Self::block_metadata_bytes_max`]
+    /// allows: it could never be allocated and, as the oldest, would stall allocation.
+    fn check_recovered_blocks_allocatable(&self) -> Result<(), BlockTrackerError> {
+        let Some(metadata_bytes_max) = self.block_size_limit.metadata_bytes_max() else {
+            return Ok(());
+        };
+        let too_large = self.unallocated.values().flat_map(StreamQueue::blocks).find(|info| {
+            info.metadata().is_some_and(|metadata| metadata.len() > metadata_bytes_max)
+        });
+        match too_large {
+            None => Ok(()),
+            Some(info) => Err(BlockTrackerError::UnallocatableBlock {
+                block_id: info.block_id(),
+                metadata_bytes: info.metadata().map_or(0, <[u8]>::len),
+                metadata_bytes_max,
+            }),
+        }
     }
 
     // ----- the log step -------------------------------------------------------------------

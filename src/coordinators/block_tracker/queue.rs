@@ -71,6 +71,11 @@ impl StreamQueue {
         }
     }
 
+    /// The blocks, in no particular order.
+    pub(super) fn blocks(&self) -> impl Iterator<Item = &ReceivedBlockInfo> {
+        self.chunks.iter().flat_map(|chunk| chunk.blocks.iter())
+    }
+
     /// The blocks in log order (copies).
     pub(super) fn to_vec(&self) -> Vec<ReceivedBlockInfo> {
         let mut chunks: Vec<&Chunk> = self.chunks.iter().collect();
