@@ -356,9 +356,17 @@ fn gated_endpoint(
     dir: &Path,
     gate: &Arc<Gate>,
 ) -> (Bus, coordbus::EndpointRef<BlockTrackerEndpoint>) {
+    gated_endpoint_with(dir, gate, WalConfig::default())
+}
+
+fn gated_endpoint_with(
+    dir: &Path,
+    gate: &Arc<Gate>,
+    config: WalConfig,
+) -> (Bus, coordbus::EndpointRef<BlockTrackerEndpoint>) {
     let wal = Wal::open_with_options(
         dir.join(RECEIVED_BLOCK_METADATA_DIR),
-        WalConfig::default(),
+        config,
         WalOptions {
             io: IoMode::Pwrite,
             storage: Arc::new(GatedStorage(gate.clone())),
@@ -562,5 +570,54 @@ fn a_receiver_refuses_a_block_too_large_to_be_allocated_without_logging_it() {
     let at_limit = with_metadata(1, 4, limit);
     assert!(receiver.add_block(at_limit.clone()).wait());
     assert_eq!(endpoint.ask(GetUnallocatedBlocks(StreamId(1))).wait().unwrap(), [at_limit]);
+    stop(&endpoint, bus);
+}
+
+/// A receiver's pending batch is logged before a block whose metadata would take the batch's
+/// over half the limit: blocks each within the limit never combine into a record the log
+/// refuses (before, a large block and the blocks after it made one record too large for the
+/// log, and every one of them was answered false).
+#[test]
+fn large_blocks_pending_while_a_record_syncs_are_not_combined_past_the_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let gate = Arc::new(Gate::default());
+    let config = WalConfig { segment_size_bytes: 64 << 10, ..WalConfig::default() };
+    let config_copy = config.clone();
+    let (bus, endpoint) = gated_endpoint_with(dir.path(), &gate, config);
+    let receiver = BlockReceiver::connect(&endpoint).unwrap();
+    // The limit depends only on the streams and the segment size.
+    let twin = tempfile::tempdir().unwrap();
+    let mut twin_config = BlockTrackerConfig::new(STREAMS).checkpoint_dir(twin.path());
+    twin_config.wal = config_copy;
+    let limit = ReceivedBlockTracker::open(twin_config, Arc::new(SystemClock))
+        .unwrap()
+        .block_metadata_bytes_max()
+        .expect("a WAL limits it");
+    gate.set_held(true);
+    let with_metadata = |stream: i32, unique_id: u64, metadata_bytes: usize| {
+        let block_id = StreamBlockId { stream: StreamId(stream), unique_id };
+        let metadata = Some(vec![unique_id as u8; metadata_bytes]);
+        let result = BlockStoreResult::BlockManager { block_id };
+        ReceivedBlockInfo::new(StreamId(stream), None, metadata, result).unwrap()
+    };
+    let first = receiver.add_block(info(1, 1));
+    let first_lsn = first.lsn().expect("nothing in flight: logged at once");
+    let blocks = [
+        with_metadata(1, 2, limit * 3 / 5),
+        with_metadata(2, 3, 16),
+        with_metadata(1, 4, limit * 3 / 5),
+        with_metadata(2, 5, 16),
+    ];
+    let receipts: Vec<_> = blocks.iter().map(|block| receiver.add_block(block.clone())).collect();
+    receiver.flush();
+    let lsns: Vec<_> = receipts.iter().map(|receipt| receipt.lsn().expect("flushed")).collect();
+    // Each large block alone, and each small one after it in a record of its own.
+    assert_eq!(lsns, [1, 2, 3, 4].map(|step| coordbus::wal::Lsn(first_lsn.0 + step)));
+    gate.set_held(false);
+    assert!(first.wait());
+    assert!(receipts.into_iter().all(|receipt| receipt.wait()), "every block logged");
+    let stream = |id: i32| endpoint.ask(GetUnallocatedBlocks(StreamId(id))).wait().unwrap();
+    assert_eq!(stream(1), [info(1, 1), blocks[0].clone(), blocks[2].clone()]);
+    assert_eq!(stream(2), [blocks[1].clone(), blocks[3].clone()]);
     stop(&endpoint, bus);
 }

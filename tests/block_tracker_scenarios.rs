@@ -18,11 +18,11 @@ use coordbus::{
     clock::ManualClock,
     coordinators::block_tracker::{
         AllocatedBlocks, BatchAllocationEvent, BatchCleanupEvent, BatchTime, BlockAdditionEvent,
-        BlockLog, BlockLogError, BlockStoreResult, BlockTrackerConfig, BlockTrackerError,
-        ReceivedBlockInfo, ReceivedBlockTracker, ReceiverBlockStore, StreamBlockId, StreamId,
-        TrackerEvent, WalBlockLog, RECEIVED_BLOCK_METADATA_DIR,
+        BlockAdditionsEvent, BlockLog, BlockLogError, BlockStoreResult, BlockTrackerConfig,
+        BlockTrackerError, ReceivedBlockInfo, ReceivedBlockTracker, ReceiverBlockStore,
+        StreamBlockId, StreamId, TrackerEvent, WalBlockLog, RECEIVED_BLOCK_METADATA_DIR,
     },
-    wal::{Durability, DurableCallback, Lsn, Wal, WalConfig, WalError},
+    wal::{Durability, DurableCallback, Lsn, RecordHandle, SegmentId, Wal, WalConfig, WalError},
 };
 
 const STREAM: StreamId = StreamId(1);
@@ -625,11 +625,7 @@ fn an_allocation_too_large_for_one_record_takes_what_fits_and_the_rest_follows()
     {
         let mut tracker = ReceivedBlockTracker::open(config.clone(), clock.clone()).unwrap();
         for chunk in infos.chunks(100) {
-            let event = TrackerEvent::BlockAdditions(
-                coordbus::coordinators::block_tracker::BlockAdditionsEvent {
-                    infos: chunk.to_vec(),
-                },
-            );
+            let event = TrackerEvent::BlockAdditions(BlockAdditionsEvent { infos: chunk.to_vec() });
             assert!(tracker.write_to_log(&event).unwrap());
         }
         tracker.stop().unwrap();
@@ -852,6 +848,122 @@ fn recovering_a_block_too_large_for_the_reopened_configuration_is_a_typed_error(
     assert_eq!(tracker.unallocated_blocks(StreamId(2)), std::slice::from_ref(&large));
     tracker.allocate_blocks_to_batch(BatchTime(1)).unwrap();
     assert_eq!(tracker.blocks_of_batch_and_stream(BatchTime(1), StreamId(2)), [large]);
+}
+
+/// The limit holds for blocks whose every field codes as long as it can (the journal codes
+/// ids and counts as varints: a block with a large unique id, count and stream id is the
+/// largest of its metadata length), at every metadata length up to the limit (the padding
+/// after the metadata depends on its length modulo 8), and for extreme configured streams.
+#[test]
+fn a_block_at_the_limit_fits_an_allocation_alone_whatever_its_other_fields() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(0));
+    let streams = [StreamId(i32::MIN), StreamId(0), StreamId(i32::MAX)];
+    let mut config = config(Some(dir.path()), Duration::from_secs(60));
+    config.stream_ids = streams.to_vec();
+    config.wal.segment_size_bytes = 64 << 10;
+    let tracker = ReceivedBlockTracker::open(config, clock).unwrap();
+    let limit = tracker.block_metadata_bytes_max().unwrap();
+    let max_event = tracker.log().unwrap().wal().unwrap().max_payload_len();
+    let handle = RecordHandle { segment: SegmentId(u32::MAX), offset: u64::MAX, len: u32::MAX };
+    for stream in streams {
+        for unique_id in [0, 1 << 63, u64::MAX] {
+            for metadata_bytes in limit - 16..=limit {
+                let block_id = StreamBlockId { stream: StreamId(stream.0 ^ 1), unique_id };
+                let store_result = BlockStoreResult::ReceiverWal { block_id, handle };
+                let metadata = Some(vec![0xff; metadata_bytes]);
+                let info =
+                    ReceivedBlockInfo::new(stream, Some(i64::MAX), metadata, store_result).unwrap();
+                let blocks = AllocatedBlocks::new(streams.map(|other| {
+                    (other, if other == stream { vec![info.clone()] } else { vec![] })
+                }));
+                let event = TrackerEvent::BatchAllocation(BatchAllocationEvent {
+                    time: BatchTime(i64::MIN),
+                    blocks,
+                });
+                let bytes = event.encode_into(Default::default()).unwrap().len();
+                assert!(
+                    bytes <= max_event,
+                    "stream {stream:?}, id {unique_id}, metadata {metadata_bytes}: {bytes} bytes \
+                     > {max_event}"
+                );
+            }
+        }
+    }
+}
+
+/// `write_to_log` (Spark's `writeToLog`, for a caller that logs additions itself and then
+/// applies them) refuses an addition of a block too large to be allocated, alone or among
+/// others, without writing it; a block at the limit is written.
+#[test]
+fn write_to_log_refuses_additions_of_blocks_too_large_to_be_allocated() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(0));
+    let mut config = config(Some(dir.path()), Duration::from_secs(60));
+    config.wal.segment_size_bytes = 64 << 10;
+    let tracker = ReceivedBlockTracker::open(config, clock).unwrap();
+    let limit = tracker.block_metadata_bytes_max().unwrap();
+    let wal = Arc::clone(tracker.log().unwrap().wal().unwrap());
+    let with_metadata = |unique_id: u64, metadata_bytes: usize| {
+        let block_id = StreamBlockId { stream: STREAM, unique_id };
+        let result = BlockStoreResult::BlockManager { block_id };
+        ReceivedBlockInfo::new(STREAM, None, Some(vec![1; metadata_bytes]), result).unwrap()
+    };
+    let appended_before = wal.appended_lsn();
+    let alone =
+        TrackerEvent::BlockAddition(BlockAdditionEvent { info: with_metadata(1, limit + 1) });
+    assert!(!tracker.write_to_log(&alone).unwrap());
+    let among_others = TrackerEvent::BlockAdditions(BlockAdditionsEvent {
+        infos: vec![with_metadata(2, 8), with_metadata(3, limit + 1)],
+    });
+    assert!(!tracker.write_to_log(&among_others).unwrap());
+    assert_eq!(wal.appended_lsn(), appended_before, "nothing written");
+    let at_limit =
+        TrackerEvent::BlockAddition(BlockAdditionEvent { info: with_metadata(4, limit) });
+    assert!(tracker.write_to_log(&at_limit).unwrap());
+    assert!(wal.appended_lsn() > appended_before);
+}
+
+/// When a large block keeps an allocation from taking a block of every stream, the streams
+/// with the oldest blocks are taken with all their blocks, not one block each: older small
+/// blocks behind a large one of another stream are allocated a stream per batch, not a block
+/// per batch (which, with thousands of them, stalled allocation).
+#[test]
+fn small_blocks_beside_a_large_one_are_allocated_a_whole_stream_per_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(0));
+    let streams = [StreamId(1), StreamId(2), StreamId(3)];
+    let mut config = config(Some(dir.path()), Duration::from_secs(60));
+    config.stream_ids = streams.to_vec();
+    config.wal.segment_size_bytes = 64 << 10;
+    let mut tracker = ReceivedBlockTracker::open(config.clone(), clock.clone()).unwrap();
+    let limit = tracker.block_metadata_bytes_max().unwrap();
+    let block = |stream: StreamId, unique_id: u64, metadata_bytes: usize| {
+        let block_id = StreamBlockId { stream, unique_id };
+        let result = BlockStoreResult::BlockManager { block_id };
+        let metadata = Some(vec![unique_id as u8; metadata_bytes]);
+        ReceivedBlockInfo::new(stream, Some(1), metadata, result).unwrap()
+    };
+    let mut unique_id = 0;
+    let mut small = |stream: StreamId| {
+        unique_id += 1;
+        block(stream, unique_id, 64)
+    };
+    let stream2: Vec<_> = (0..40).map(|_| small(StreamId(2))).collect();
+    let stream3: Vec<_> = (0..40).map(|_| small(StreamId(3))).collect();
+    for info in stream2.iter().chain(&stream3) {
+        assert!(tracker.add_block(info.clone()));
+    }
+    let large = block(StreamId(1), 1000, limit);
+    assert!(tracker.add_block(large.clone()));
+
+    for time in 1..=3 {
+        tracker.allocate_blocks_to_batch(BatchTime(time)).unwrap();
+    }
+    assert_eq!(tracker.blocks_of_batch_and_stream(BatchTime(1), StreamId(2)), stream2);
+    assert_eq!(tracker.blocks_of_batch_and_stream(BatchTime(2), StreamId(3)), stream3);
+    assert_eq!(tracker.blocks_of_batch_and_stream(BatchTime(3), StreamId(1)), [large]);
+    assert!(!tracker.has_unallocated_blocks());
 }
 
 /// A tracker opened without recovery starts empty, and its rebuild after a WAL failure (the

@@ -9,7 +9,10 @@
 //! allocation (which takes the streams with the oldest blocks first when a record is too
 //! large). So an addition of a block whose metadata is longer than [`BlockSizeLimit`] allows
 //! is refused up front, like any addition the log refuses: `false`, nothing changed, and a
-//! warning naming the block, its length and the limit.
+//! warning naming the block, its length and the limit (for the first refusal and then at each
+//! power of two).
+
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::{
     AllocatedBlocks, BatchAllocationEvent, BatchTime, BlockLog, BlockStoreResult,
@@ -17,9 +20,14 @@ use super::{
 };
 use crate::wal::{RecordHandle, SegmentId};
 
-/// Bytes of slack for the padding of metadata in the encoded record: the limit errs by at
-/// most this much on the safe side.
+/// Bytes of slack for the padding after metadata in the encoded record (at most 7: what
+/// follows is 8-aligned), with room to spare: the limit errs by at most this much on the safe
+/// side for a block whose fields code longest, and more for others (small ids code shorter).
 const PADDING_SLACK: usize = 16;
+
+/// Blocks refused for their size, by every tracker of the process: a warning is logged for
+/// the first and then at each power of two, not for each (a receiver could send thousands).
+static REFUSED_BLOCKS: AtomicU64 = AtomicU64::new(0);
 
 /// The longest metadata a block may carry (`None`: any, the log has no limit).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -29,8 +37,9 @@ pub(super) struct BlockSizeLimit {
 
 impl BlockSizeLimit {
     /// The limit for a tracker over `log` allocating `stream_ids`: the log's largest record
-    /// less an allocation record of every stream holding one block with empty metadata and a
-    /// receiver-log handle (the largest fixed part a block has).
+    /// less an allocation record of every stream in which one holds one block with empty
+    /// metadata and every other field as long as it codes (`allocation_of_one_block_bytes`),
+    /// less the slack.
     ///
     /// # Errors
     /// [`BlockTrackerError::StreamsExceedLog`] if that allocation alone exceeds the log's
@@ -42,7 +51,7 @@ impl BlockSizeLimit {
         let Some(max_event_bytes) = log.and_then(BlockLog::max_event_bytes) else {
             return Ok(Self { metadata_bytes_max: None });
         };
-        let allocation_bytes = allocation_of_one_block_bytes(stream_ids) + PADDING_SLACK;
+        let allocation_bytes = allocation_of_one_block_bytes(stream_ids)? + PADDING_SLACK;
         match max_event_bytes.checked_sub(allocation_bytes) {
             Some(metadata_bytes_max) => Ok(Self { metadata_bytes_max: Some(metadata_bytes_max) }),
             None => Err(BlockTrackerError::StreamsExceedLog {
@@ -66,30 +75,55 @@ impl BlockSizeLimit {
         };
         let refused = metadata.len() > max;
         if refused {
-            tracing::warn!(
-                block = %info.block_id(),
-                metadata_bytes = metadata.len(),
-                metadata_bytes_max = max,
-                "a block whose metadata is too large to be allocated from the log is refused"
-            );
+            let count = REFUSED_BLOCKS.fetch_add(1, Ordering::Relaxed) + 1;
+            if count.is_power_of_two() {
+                tracing::warn!(
+                    block = %info.block_id(),
+                    metadata_bytes = metadata.len(),
+                    metadata_bytes_max = max,
+                    refused_so_far = count,
+                    "a block whose metadata is too large to be allocated from the log is refused"
+                );
+            }
         }
         refused
+    }
+
+    /// Whether a receiver's pending batch holding `pending_bytes` of metadata may take a block
+    /// with `more_bytes` more and still make a record the log takes: the batch's metadata stays
+    /// within half the limit (the other half is room for the blocks' fixed parts).
+    #[inline]
+    pub(super) fn combines(self, pending_bytes: usize, more_bytes: usize) -> bool {
+        self.metadata_bytes_max.is_none_or(|max| pending_bytes + more_bytes <= max / 2)
+    }
+
+    /// Whether `event` adds a block [`Self::refuses`].
+    pub(super) fn refuses_event(self, event: &TrackerEvent) -> bool {
+        match event {
+            TrackerEvent::BlockAddition(addition) => self.refuses(&addition.info),
+            TrackerEvent::BlockAdditions(additions) => {
+                additions.infos.iter().any(|info| self.refuses(info))
+            }
+            TrackerEvent::BatchAllocation(_) | TrackerEvent::BatchCleanup(_) => false,
+        }
     }
 }
 
 /// The encoded size of an allocation of every stream of `stream_ids` (or of one stream, if
-/// there is none) in which one stream holds one block with empty metadata and a handle.
-fn allocation_of_one_block_bytes(stream_ids: &[StreamId]) -> usize {
+/// there is none) in which one stream holds one block with empty metadata whose every other
+/// field codes as long as it can: stream and unique ids whose zigzag deltas take the longest
+/// varints, the largest record count, a receiver-log handle and another stream in its id.
+fn allocation_of_one_block_bytes(stream_ids: &[StreamId]) -> Result<usize, BlockTrackerError> {
     let stream = stream_ids.first().copied().unwrap_or(StreamId(0));
-    let block_id = StreamBlockId { stream, unique_id: u64::MAX };
+    let longest_stream = StreamId(i32::MIN);
+    let block_id = StreamBlockId { stream: longest_stream, unique_id: 1 << 63 };
     let handle = RecordHandle { segment: SegmentId(u32::MAX), offset: u64::MAX, len: u32::MAX };
     let store_result = BlockStoreResult::ReceiverWal { block_id, handle };
-    let block = ReceivedBlockInfo::new(stream, Some(i64::MAX), Some(Vec::new()), store_result)
-        .expect("a non-negative record count");
+    let block =
+        ReceivedBlockInfo::new(longest_stream, Some(i64::MAX), Some(Vec::new()), store_result)?;
     let others = stream_ids.iter().skip(1).map(|other| (*other, Vec::new()));
     let blocks = AllocatedBlocks::new(std::iter::once((stream, vec![block])).chain(others));
     let event =
         TrackerEvent::BatchAllocation(BatchAllocationEvent { time: BatchTime(i64::MAX), blocks });
-    // Encoding into memory does not fail; were it to, the limit would be the log's.
-    event.encode_into(rkyv::util::AlignedVec::new()).map_or(0, |bytes| bytes.len())
+    Ok(event.encode_into(rkyv::util::AlignedVec::new())?.len())
 }

@@ -561,7 +561,9 @@ impl ReceivedBlockTracker {
         if longest_metadata_bytes <= metadata_bytes_max {
             return Ok(());
         }
-        let too_large = self.unallocated.values().flat_map(StreamQueue::blocks).find(|info| {
+        // Only configured streams are allocated: blocks of others never hold anything up.
+        let configured = self.stream_ids.iter().filter_map(|stream| self.unallocated.get(stream));
+        let too_large = configured.flat_map(StreamQueue::blocks).find(|info| {
             info.metadata().is_some_and(|metadata| metadata.len() > metadata_bytes_max)
         });
         match too_large {
@@ -627,11 +629,15 @@ impl ReceivedBlockTracker {
 
     /// Spark's `writeToLog`: writes `event` and waits until it is durable. True if the WAL is
     /// disabled or the write is durable; false if the write failed or was not confirmed in
-    /// time (it may still become durable: module doc).
+    /// time (it may still become durable: module doc), and, without writing, if it adds a
+    /// block whose metadata is too long to be allocated ([`Self::block_metadata_bytes_max`]).
     ///
     /// # Errors
     /// [`BlockTrackerError::LogRaised`] if the log step raised.
     pub fn write_to_log(&self, event: &TrackerEvent) -> Result<bool, BlockTrackerError> {
+        if self.block_size_limit.refuses_event(event) {
+            return Ok(false);
+        }
         Ok(match self.append(event)? {
             Append::Disabled => true,
             Append::Appended(lsn) => self.wait(event.kind(), lsn),
@@ -703,7 +709,10 @@ impl ReceivedBlockTracker {
     ///
     /// The caller must not report the additions before `lsn` is durable, and must pass the
     /// LSN the record really got: an allocation logged after this call may list these blocks,
-    /// which is only sound if their record precedes it in the log.
+    /// which is only sound if their record precedes it in the log. It must also have refused
+    /// blocks whose metadata is longer than [`Self::block_metadata_bytes_max`] before logging
+    /// them ([`Self::write_to_log`] does): such a block could never be allocated, and
+    /// recovering it fails with [`BlockTrackerError::UnallocatableBlock`].
     pub fn apply_logged_additions(
         &mut self,
         lsn: Lsn,
@@ -926,9 +935,10 @@ impl ReceivedBlockTracker {
     /// one does nothing. If the write fails, nothing changes and the caller is not told (the
     /// same time can be retried). An allocation too large for one log record takes the oldest
     /// blocks of each stream that fit (halving the count until the record fits, then, at one
-    /// block per stream, halving the streams taken, those with the oldest blocks first); the
-    /// rest stay queued for the next batch. (Taking everything, as SPEC D.3 says, would fail the same way
-    /// for every later batch, each larger still: allocation would stop for good.)
+    /// block per stream, halving the streams taken, those with the oldest blocks first, and
+    /// halving their counts again); the rest stay queued for the next batch. (Taking
+    /// everything, as SPEC D.3 says, would fail the same way for every later batch, each
+    /// larger still: allocation would stop for good.)
     ///
     /// # Errors
     /// Only [`BlockTrackerError::LogRaised`] (an injected log step raised); nothing changed.
@@ -978,8 +988,9 @@ impl ReceivedBlockTracker {
 
     /// Takes batch `time`'s allocation and appends it; one too large for a log record is put
     /// back and taken again with at most half as many blocks per stream, then, at one block
-    /// per stream, from half as many streams, until it fits (or a single block does not: then
-    /// `TooLarge`). Returns the event taken, its bounds and the append's outcome.
+    /// per stream, from half as many streams (all their blocks, then halving again), until it
+    /// fits (or a single block does not: then `TooLarge`). Returns the event taken, its bounds
+    /// and the append's outcome.
     ///
     /// # Errors
     /// An error of the log step ([`BlockTrackerError::LogRaised`]); the blocks are put back.
@@ -1007,7 +1018,10 @@ impl ReceivedBlockTracker {
             if largest > 1 {
                 limit.blocks_per_stream = largest / 2;
             } else {
+                // Half the streams, and all their blocks again: kept at one block per stream,
+                // every batch would take one block per stream while a large block waits.
                 limit.streams = streams / 2;
+                limit.blocks_per_stream = usize::MAX;
             }
             tracing::warn!(
                 batch = time.0,

@@ -39,7 +39,9 @@
 //! next sync. So [`BlockReceiver::add_block`] logs at once only when the receiver has nothing
 //! in flight (its last record is durable: a lone addition pays no delay); otherwise the block
 //! joins the receiver's pending batch, logged as one record (one frame, one hand-over, one
-//! apply on the endpoint) when the batch holds [`COMBINE_MAX_BLOCKS`] blocks, when a receipt
+//! apply on the endpoint) when the batch holds [`COMBINE_MAX_BLOCKS`] blocks, before a block
+//! whose metadata would take the batch's over half of the longest a block may carry (so that
+//! large blocks, each within the limit, do not make a record the log refuses), when a receipt
 //! of the batch is waited on, polled or dropped, on [`BlockReceiver::flush`], on
 //! [`BlockReceiver::add_blocks`] (which keeps the receiver's order), or when the receiver is
 //! dropped. Spark's driver WAL batches concurrent `addBlock` writes the same way
@@ -195,6 +197,8 @@ struct PendingBatch {
     groups: StreamGroups,
     /// Blocks over all groups.
     blocks: usize,
+    /// Metadata bytes over all groups.
+    metadata_bytes: usize,
     /// Shared with the receipts of the blocks in `groups`.
     outcome: Arc<BatchOutcome>,
     /// The LSN of the receiver's last record (`Lsn::ZERO`: none yet).
@@ -207,6 +211,7 @@ impl PendingBatch {
     #[inline]
     fn push(&mut self, info: ReceivedBlockInfo, pool: &BlockVecPool) {
         let stream = info.stream_id();
+        self.metadata_bytes += metadata_len(&info);
         match self.groups.iter_mut().find(|(known, _)| *known == stream) {
             Some((_, blocks)) => blocks.push(info),
             None => {
@@ -217,6 +222,10 @@ impl PendingBatch {
         }
         self.blocks += 1;
     }
+}
+
+fn metadata_len(info: &ReceivedBlockInfo) -> usize {
+    info.metadata().map_or(0, <[u8]>::len)
 }
 
 /// What happened to a batch once it was flushed: `Some(lsn)` logged in record `lsn` and
@@ -303,6 +312,9 @@ impl BlockReceiver {
             let outcome = self.log_and_hand_over(LoggedPayload::One(info), &mut pending);
             return AddReceipt { receiver: self, outcome, blocks: 1 };
         }
+        if !self.block_size_limit.combines(pending.metadata_bytes, metadata_len(&info)) {
+            self.flush_locked(&mut pending);
+        }
         pending.push(info, &self.recycled);
         let batch = Arc::clone(&pending.outcome);
         if pending.blocks >= COMBINE_MAX_BLOCKS {
@@ -347,6 +359,7 @@ impl BlockReceiver {
         }
         let mut groups = std::mem::take(&mut pending.groups);
         let blocks = std::mem::replace(&mut pending.blocks, 0);
+        pending.metadata_bytes = 0;
         let batch = std::mem::take(&mut pending.outcome);
         let payload = if blocks == 1 {
             let (_, mut vector) = groups.pop().expect("one block");
