@@ -35,7 +35,7 @@ use coordbus::{
     },
     wal::{
         storage::{FileStorage, Storage, StorageFile},
-        IoMode, Wal, WalConfig, WalOptions,
+        IoMode, RecordHandle, SegmentId, Wal, WalConfig, WalOptions,
     },
     Bus,
 };
@@ -573,10 +573,11 @@ fn a_receiver_refuses_a_block_too_large_to_be_allocated_without_logging_it() {
     stop(&endpoint, bus);
 }
 
-/// A receiver's pending batch is logged before a block whose metadata would take the batch's
-/// over half the limit: blocks each within the limit never combine into a record the log
-/// refuses (before, a large block and the blocks after it made one record too large for the
-/// log, and every one of them was answered false).
+/// A receiver's pending batch is logged before a block that would take it past the limit
+/// (metadata and the most the blocks' fixed parts take): blocks each within the limit never
+/// combine into a record the log refuses (before, a large block and the blocks after it made
+/// one record too large for the log, and every one of them was answered false), and blocks
+/// that fit together still combine.
 #[test]
 fn large_blocks_pending_while_a_record_syncs_are_not_combined_past_the_log() {
     let dir = tempfile::tempdir().unwrap();
@@ -611,13 +612,43 @@ fn large_blocks_pending_while_a_record_syncs_are_not_combined_past_the_log() {
     let receipts: Vec<_> = blocks.iter().map(|block| receiver.add_block(block.clone())).collect();
     receiver.flush();
     let lsns: Vec<_> = receipts.iter().map(|receipt| receipt.lsn().expect("flushed")).collect();
-    // Each large block alone, and each small one after it in a record of its own.
-    assert_eq!(lsns, [1, 2, 3, 4].map(|step| coordbus::wal::Lsn(first_lsn.0 + step)));
+    // A small block joins the large one before it; the second large one would take the
+    // batch past the limit, so the batch is logged first.
+    assert_eq!(lsns, [1, 1, 2, 2].map(|step| coordbus::wal::Lsn(first_lsn.0 + step)));
     gate.set_held(false);
     assert!(first.wait());
     assert!(receipts.into_iter().all(|receipt| receipt.wait()), "every block logged");
     let stream = |id: i32| endpoint.ask(GetUnallocatedBlocks(StreamId(id))).wait().unwrap();
     assert_eq!(stream(1), [info(1, 1), blocks[0].clone(), blocks[2].clone()]);
     assert_eq!(stream(2), [blocks[1].clone(), blocks[3].clone()]);
+    stop(&endpoint, bus);
+}
+
+/// With small segments, the fixed parts of a full batch alone would make a record the log
+/// refuses (a block stored in a receiver log carries a handle: about 80 bytes in a record);
+/// the batch is logged in as many records as it takes, and every block is acknowledged.
+#[test]
+fn a_batch_of_blocks_with_handles_fits_small_segments_in_several_records() {
+    let dir = tempfile::tempdir().unwrap();
+    let gate = Arc::new(Gate::default());
+    let config = WalConfig { segment_size_bytes: 4096, ..WalConfig::default() };
+    let (bus, endpoint) = gated_endpoint_with(dir.path(), &gate, config);
+    let receiver = BlockReceiver::connect(&endpoint).unwrap();
+    gate.set_held(true);
+    let with_handle = |unique_id: u64| {
+        let block_id = StreamBlockId { stream: StreamId(1), unique_id };
+        let handle = RecordHandle { segment: SegmentId(7), offset: unique_id * 4096, len: 4000 };
+        let result = BlockStoreResult::ReceiverWal { block_id, handle };
+        ReceivedBlockInfo::new(StreamId(1), Some(100), None, result).unwrap()
+    };
+    let blocks: Vec<_> = (1..=100).map(with_handle).collect();
+    let receipts: Vec<_> = blocks.iter().map(|block| receiver.add_block(block.clone())).collect();
+    receiver.flush();
+    let records: std::collections::BTreeSet<_> =
+        receipts.iter().map(|receipt| receipt.lsn().expect("flushed")).collect();
+    assert!(records.len() > 2, "100 blocks with handles take several 4 KiB records");
+    gate.set_held(false);
+    assert!(receipts.into_iter().all(|receipt| receipt.wait()), "every block logged");
+    assert_eq!(endpoint.ask(GetUnallocatedBlocks(StreamId(1))).wait().unwrap(), blocks);
     stop(&endpoint, bus);
 }

@@ -89,12 +89,12 @@ impl BlockSizeLimit {
         refused
     }
 
-    /// Whether a receiver's pending batch holding `pending_bytes` of metadata may take a block
-    /// with `more_bytes` more and still make a record the log takes: the batch's metadata stays
-    /// within half the limit (the other half is room for the blocks' fixed parts).
+    /// Whether a receiver's pending batch counted at `pending_bytes` ([`batch_bytes`] of its
+    /// blocks) may take a block counted at `more_bytes` and still make a record the log takes:
+    /// the count stays within the limit, which is less than the log's largest record.
     #[inline]
     pub(super) fn combines(self, pending_bytes: usize, more_bytes: usize) -> bool {
-        self.metadata_bytes_max.is_none_or(|max| pending_bytes + more_bytes <= max / 2)
+        self.metadata_bytes_max.is_none_or(|max| pending_bytes + more_bytes <= max)
     }
 
     /// Whether `event` adds a block [`Self::refuses`].
@@ -107,6 +107,18 @@ impl BlockSizeLimit {
             TrackerEvent::BatchAllocation(_) | TrackerEvent::BatchCleanup(_) => false,
         }
     }
+}
+
+/// The most bytes a block's fixed part takes in an additions record: its coded fields (at most
+/// 25 bytes of flags and varints) and its extra (index, block stream, the metadata's and the
+/// handle's options), rounded up to the extras' alignment (`tests` measures it).
+const BLOCK_FIXED_BYTES_MAX: usize = 96;
+
+/// What a block counts for in a receiver's pending batch ([`BlockSizeLimit::combines`]): its
+/// metadata and the most its fixed part takes.
+#[inline]
+pub(super) fn batch_bytes(info: &ReceivedBlockInfo) -> usize {
+    info.metadata().map_or(0, <[u8]>::len) + BLOCK_FIXED_BYTES_MAX
 }
 
 /// The encoded size of an allocation of every stream of `stream_ids` (or of one stream, if
@@ -126,4 +138,38 @@ fn allocation_of_one_block_bytes(stream_ids: &[StreamId]) -> Result<usize, Block
     let event =
         TrackerEvent::BatchAllocation(BatchAllocationEvent { time: BatchTime(i64::MAX), blocks });
     Ok(event.encode_into(rkyv::util::AlignedVec::new())?.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::coordinators::block_tracker::BlockAdditionsEvent;
+
+    fn longest_block(unique_id: u64) -> ReceivedBlockInfo {
+        let block_id = StreamBlockId { stream: StreamId(i32::MAX), unique_id };
+        let handle = RecordHandle { segment: SegmentId(u32::MAX), offset: u64::MAX, len: u32::MAX };
+        let store_result = BlockStoreResult::ReceiverWal { block_id, handle };
+        ReceivedBlockInfo::new(StreamId(i32::MIN), Some(i64::MAX), Some(Vec::new()), store_result)
+            .unwrap()
+    }
+
+    fn additions_bytes(blocks: usize) -> usize {
+        // Unique ids alternating between the extremes: every delta codes in 10 bytes.
+        let infos = (0..blocks)
+            .map(|index| longest_block(if index % 2 == 0 { 1 << 63 } else { 0 }))
+            .collect();
+        let event = TrackerEvent::BlockAdditions(BlockAdditionsEvent { infos });
+        event.encode_into(rkyv::util::AlignedVec::new()).unwrap().len()
+    }
+
+    /// A block whose every field codes longest adds at most `BLOCK_FIXED_BYTES_MAX` bytes to
+    /// an additions record besides its metadata.
+    #[test]
+    fn a_block_s_fixed_part_in_an_additions_record_is_within_its_bound() {
+        let one = additions_bytes(1);
+        let many = additions_bytes(257);
+        let per_block = (many - one).div_ceil(256);
+        assert!(per_block <= BLOCK_FIXED_BYTES_MAX, "{per_block} bytes per block");
+        assert!(one <= 2 * BLOCK_FIXED_BYTES_MAX, "{one} bytes for one block");
+    }
 }

@@ -711,8 +711,8 @@ impl ReceivedBlockTracker {
     /// LSN the record really got: an allocation logged after this call may list these blocks,
     /// which is only sound if their record precedes it in the log. It must also have refused
     /// blocks whose metadata is longer than [`Self::block_metadata_bytes_max`] before logging
-    /// them ([`Self::write_to_log`] does): such a block could never be allocated, and
-    /// recovering it fails with [`BlockTrackerError::UnallocatableBlock`].
+    /// them ([`BlockReceiver`] does): such a block could never be allocated, and recovering
+    /// it fails with [`BlockTrackerError::UnallocatableBlock`].
     pub fn apply_logged_additions(
         &mut self,
         lsn: Lsn,

@@ -40,8 +40,9 @@
 //! in flight (its last record is durable: a lone addition pays no delay); otherwise the block
 //! joins the receiver's pending batch, logged as one record (one frame, one hand-over, one
 //! apply on the endpoint) when the batch holds [`COMBINE_MAX_BLOCKS`] blocks, before a block
-//! whose metadata would take the batch's over half of the longest a block may carry (so that
-//! large blocks, each within the limit, do not make a record the log refuses), when a receipt
+//! that would take the batch's metadata and the most its blocks' fixed parts take past the
+//! longest metadata a block may carry (so that blocks each within that limit never make a
+//! record the log refuses, whatever the segment size), when a receipt
 //! of the batch is waited on, polled or dropped, on [`BlockReceiver::flush`], on
 //! [`BlockReceiver::add_blocks`] (which keeps the receiver's order), or when the receiver is
 //! dropped. Spark's driver WAL batches concurrent `addBlock` writes the same way
@@ -73,9 +74,10 @@ use std::{
 use smallvec::SmallVec;
 
 use super::{
-    limit::BlockSizeLimit, recycle::BlockVecPool, BlockAdditionEvent, BlockAdditionsEvent,
-    BlockLog, BlockLogError, BlockTrackerEndpoint, BlockTrackerMessage, ReceivedBlockInfo,
-    StreamId, TrackerEvent,
+    limit::{batch_bytes, BlockSizeLimit},
+    recycle::BlockVecPool,
+    BlockAdditionEvent, BlockAdditionsEvent, BlockLog, BlockLogError, BlockTrackerEndpoint,
+    BlockTrackerMessage, ReceivedBlockInfo, StreamId, TrackerEvent,
 };
 use crate::{
     clock::Clock,
@@ -197,8 +199,8 @@ struct PendingBatch {
     groups: StreamGroups,
     /// Blocks over all groups.
     blocks: usize,
-    /// Metadata bytes over all groups.
-    metadata_bytes: usize,
+    /// What the blocks count for in the record (`limit::batch_bytes`).
+    record_bytes: usize,
     /// Shared with the receipts of the blocks in `groups`.
     outcome: Arc<BatchOutcome>,
     /// The LSN of the receiver's last record (`Lsn::ZERO`: none yet).
@@ -211,7 +213,7 @@ impl PendingBatch {
     #[inline]
     fn push(&mut self, info: ReceivedBlockInfo, pool: &BlockVecPool) {
         let stream = info.stream_id();
-        self.metadata_bytes += metadata_len(&info);
+        self.record_bytes += batch_bytes(&info);
         match self.groups.iter_mut().find(|(known, _)| *known == stream) {
             Some((_, blocks)) => blocks.push(info),
             None => {
@@ -222,10 +224,6 @@ impl PendingBatch {
         }
         self.blocks += 1;
     }
-}
-
-fn metadata_len(info: &ReceivedBlockInfo) -> usize {
-    info.metadata().map_or(0, <[u8]>::len)
 }
 
 /// What happened to a batch once it was flushed: `Some(lsn)` logged in record `lsn` and
@@ -312,7 +310,7 @@ impl BlockReceiver {
             let outcome = self.log_and_hand_over(LoggedPayload::One(info), &mut pending);
             return AddReceipt { receiver: self, outcome, blocks: 1 };
         }
-        if !self.block_size_limit.combines(pending.metadata_bytes, metadata_len(&info)) {
+        if !self.block_size_limit.combines(pending.record_bytes, batch_bytes(&info)) {
             self.flush_locked(&mut pending);
         }
         pending.push(info, &self.recycled);
@@ -327,7 +325,9 @@ impl BlockReceiver {
     /// additions per second cheap) and hands them to the endpoint in order, after the pending
     /// batch. All or nothing: the receipt resolves to one answer for every block (`true` at
     /// once for no block; `false` at once, nothing logged, if one block's metadata is too long
-    /// to be allocated: [`super::ReceivedBlockTracker::block_metadata_bytes_max`]).
+    /// to be allocated: [`super::ReceivedBlockTracker::block_metadata_bytes_max`]; `false`
+    /// also if the log refuses the record, e.g. blocks each within that limit but together
+    /// too large for one record).
     pub fn add_blocks(&self, infos: Vec<ReceivedBlockInfo>) -> AddReceipt<'_> {
         let blocks = infos.len();
         if infos.iter().any(|info| self.block_size_limit.refuses(info)) {
@@ -359,7 +359,7 @@ impl BlockReceiver {
         }
         let mut groups = std::mem::take(&mut pending.groups);
         let blocks = std::mem::replace(&mut pending.blocks, 0);
-        pending.metadata_bytes = 0;
+        pending.record_bytes = 0;
         let batch = std::mem::take(&mut pending.outcome);
         let payload = if blocks == 1 {
             let (_, mut vector) = groups.pop().expect("one block");
