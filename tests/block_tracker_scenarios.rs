@@ -807,47 +807,66 @@ fn a_log_too_small_for_an_allocation_of_the_configured_streams_is_refused_at_ope
 
 /// A block logged under one configuration and reopened under one whose allocation records
 /// cannot hold it (here: many more streams) fails the recovery with a typed error naming the
-/// block and both lengths, instead of stalling every later allocation behind it. Nothing is
-/// changed: reopened as it was logged, the block is recovered and allocated.
+/// block and both lengths, instead of stalling every later allocation behind it, whether it
+/// was logged alone or in a record of several additions (a receiver's). Its stream left
+/// unconfigured, the same log opens (such blocks are never allocated). Nothing is changed:
+/// reopened as it was logged, the block is recovered and allocated.
 #[test]
 fn recovering_a_block_too_large_for_the_reopened_configuration_is_a_typed_error() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::new(0));
-    let mut config = config(Some(dir.path()), Duration::from_secs(60));
-    config.stream_ids = vec![StreamId(1), StreamId(2), StreamId(3)];
-    config.wal.segment_size_bytes = 64 << 10;
-    let mut tracker = ReceivedBlockTracker::open(config.clone(), clock.clone()).unwrap();
-    let limit = tracker.block_metadata_bytes_max().unwrap();
-    let block_id = StreamBlockId { stream: StreamId(2), unique_id: 7 };
-    let large = ReceivedBlockInfo::new(
-        StreamId(2),
-        Some(1),
-        Some(vec![7; limit]),
-        BlockStoreResult::BlockManager { block_id },
-    )
-    .unwrap();
-    assert!(tracker.add_block(large.clone()));
-    tracker.stop().unwrap();
-
-    let mut more_streams = config.clone().recover(true);
-    more_streams.stream_ids = (0..400).map(StreamId).collect();
-    match ReceivedBlockTracker::open(more_streams, clock.clone()) {
-        Err(BlockTrackerError::UnallocatableBlock {
-            block_id: refused,
-            metadata_bytes,
-            metadata_bytes_max,
-        }) => {
-            assert_eq!(refused, block_id);
-            assert_eq!(metadata_bytes, limit);
-            assert!(metadata_bytes_max < limit, "{metadata_bytes_max} < {limit}");
+    for in_a_record_of_several in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let clock = Arc::new(ManualClock::new(0));
+        let mut config = config(Some(dir.path()), Duration::from_secs(60));
+        config.stream_ids = vec![StreamId(1), StreamId(2), StreamId(3)];
+        config.wal.segment_size_bytes = 64 << 10;
+        let mut tracker = ReceivedBlockTracker::open(config.clone(), clock.clone()).unwrap();
+        let limit = tracker.block_metadata_bytes_max().unwrap();
+        let block = |unique_id: u64, metadata_bytes: usize| {
+            let block_id = StreamBlockId { stream: StreamId(2), unique_id };
+            let result = BlockStoreResult::BlockManager { block_id };
+            ReceivedBlockInfo::new(StreamId(2), Some(1), Some(vec![7; metadata_bytes]), result)
+                .unwrap()
+        };
+        let large = block(7, limit);
+        let mut logged = vec![large.clone()];
+        if in_a_record_of_several {
+            logged.insert(0, block(6, 8));
+            let event = TrackerEvent::BlockAdditions(BlockAdditionsEvent { infos: logged.clone() });
+            assert!(tracker.write_to_log(&event).unwrap());
+        } else {
+            assert!(tracker.add_block(large.clone()));
         }
-        other => panic!("expected UnallocatableBlock, got {other:?}"),
-    }
+        tracker.stop().unwrap();
 
-    let mut tracker = ReceivedBlockTracker::open(config.recover(true), clock).unwrap();
-    assert_eq!(tracker.unallocated_blocks(StreamId(2)), std::slice::from_ref(&large));
-    tracker.allocate_blocks_to_batch(BatchTime(1)).unwrap();
-    assert_eq!(tracker.blocks_of_batch_and_stream(BatchTime(1), StreamId(2)), [large]);
+        let mut more_streams = config.clone().recover(true);
+        more_streams.stream_ids = (0..400).map(StreamId).collect();
+        match ReceivedBlockTracker::open(more_streams.clone(), clock.clone()) {
+            Err(BlockTrackerError::UnallocatableBlock {
+                block_id,
+                metadata_bytes,
+                metadata_bytes_max,
+            }) => {
+                assert_eq!(block_id, large.block_id());
+                assert_eq!(metadata_bytes, limit);
+                assert!(metadata_bytes_max < limit, "{metadata_bytes_max} < {limit}");
+            }
+            other => panic!("expected UnallocatableBlock, got {other:?}"),
+        }
+        more_streams.stream_ids.retain(|stream| *stream != StreamId(2));
+        let mut unconfigured = ReceivedBlockTracker::open(more_streams, clock.clone()).unwrap();
+        assert_eq!(unconfigured.unconfigured_streams(), [StreamId(2)]);
+        unconfigured.stop().unwrap();
+
+        let mut tracker = ReceivedBlockTracker::open(config.recover(true), clock).unwrap();
+        assert_eq!(tracker.unallocated_blocks(StreamId(2)), logged);
+        // The large block fills an allocation record alone: one batch per block.
+        for (time, block) in (1..).zip(&logged) {
+            tracker.allocate_blocks_to_batch(BatchTime(time)).unwrap();
+            let batch = tracker.blocks_of_batch_and_stream(BatchTime(time), StreamId(2));
+            assert_eq!(batch, std::slice::from_ref(block));
+        }
+        assert!(!tracker.has_unallocated_blocks());
+    }
 }
 
 /// The limit holds, with at least 8 bytes to spare, for blocks whose every field codes as long

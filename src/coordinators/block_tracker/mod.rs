@@ -585,7 +585,10 @@ impl ReceivedBlockTracker {
         match log.append(event, self.clock.now_ms()) {
             Ok(lsn) => Ok(Append::Appended(lsn)),
             Err(BlockLogError::Wal(error @ WalError::RecordTooLarge { .. })) => {
-                tracing::warn!(event = event.kind(), %error, "a record too large for the log");
+                // An allocation is retried smaller, and reported once (`append_allocation`).
+                if !matches!(event, TrackerEvent::BatchAllocation(_)) {
+                    tracing::warn!(event = event.kind(), %error, "a record too large for the log");
+                }
                 Ok(Append::TooLarge)
             }
             Err(BlockLogError::Wal(error)) => {
@@ -999,7 +1002,9 @@ impl ReceivedBlockTracker {
         time: BatchTime,
     ) -> Result<(TrackerEvent, Vec<Bounds>, Append), BlockTrackerError> {
         let mut limit = AllocationLimit { blocks_per_stream: usize::MAX, streams: usize::MAX };
+        let mut tries = 0_u32;
         loop {
+            tries += 1;
             let (event, bounds) = self.take_allocation(time, limit);
             let appended = match self.append(&event) {
                 Ok(appended) => appended,
@@ -1011,7 +1016,18 @@ impl ReceivedBlockTracker {
             let taken = bounds.iter().map(|stream| stream.iter().map(|(_, n)| n).sum::<usize>());
             let largest = taken.clone().max().unwrap_or(0);
             let streams = taken.filter(|blocks| *blocks > 0).count();
-            if !matches!(appended, Append::TooLarge) || (largest <= 1 && streams <= 1) {
+            let too_large = matches!(appended, Append::TooLarge);
+            if !too_large || (largest <= 1 && streams <= 1) {
+                if tries > 1 || too_large {
+                    tracing::warn!(
+                        batch = time.0,
+                        tries,
+                        blocks_per_stream = largest,
+                        streams,
+                        fits = !too_large,
+                        "allocation too large for one log record: retried with fewer blocks"
+                    );
+                }
                 return Ok((event, bounds, appended));
             }
             self.restore_allocation(event, bounds);
@@ -1023,12 +1039,6 @@ impl ReceivedBlockTracker {
                 limit.streams = streams / 2;
                 limit.blocks_per_stream = usize::MAX;
             }
-            tracing::warn!(
-                batch = time.0,
-                blocks_per_stream = limit.blocks_per_stream,
-                streams = limit.streams,
-                "allocation too large for one log record: taking fewer blocks"
-            );
         }
     }
 
