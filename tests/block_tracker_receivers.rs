@@ -49,6 +49,14 @@ const RUN_BOUND: Duration = Duration::from_secs(120);
 /// log's drop joins it, which would hang the failing test).
 const GATE_BOUND: Duration = Duration::from_secs(30);
 
+/// A block in a block manager with `metadata_bytes` of metadata (each byte `unique_id`).
+fn with_metadata(stream: i32, unique_id: u64, metadata_bytes: usize) -> ReceivedBlockInfo {
+    let block_id = StreamBlockId { stream: StreamId(stream), unique_id };
+    let metadata = Some(vec![unique_id as u8; metadata_bytes]);
+    let result = BlockStoreResult::BlockManager { block_id };
+    ReceivedBlockInfo::new(StreamId(stream), None, metadata, result).unwrap()
+}
+
 fn info(stream: i32, unique_id: u64) -> ReceivedBlockInfo {
     let block_id = StreamBlockId { stream: StreamId(stream), unique_id };
     ReceivedBlockInfo::new(
@@ -536,12 +544,6 @@ fn a_receiver_refuses_a_block_too_large_to_be_allocated_without_logging_it() {
     let bus = Bus::builder().build().unwrap();
     let endpoint = bus.register("tracker", BlockTrackerEndpoint::new(tracker)).unwrap();
     let receiver = BlockReceiver::connect(&endpoint).unwrap();
-    let with_metadata = |stream: i32, unique_id: u64, metadata_bytes: usize| {
-        let block_id = StreamBlockId { stream: StreamId(stream), unique_id };
-        let metadata = Some(vec![1; metadata_bytes]);
-        let result = BlockStoreResult::BlockManager { block_id };
-        ReceivedBlockInfo::new(StreamId(stream), None, metadata, result).unwrap()
-    };
     let appended_before = wal.appended_lsn();
 
     let refused = receiver.add_block(with_metadata(1, 1, limit + 1));
@@ -595,12 +597,6 @@ fn large_blocks_pending_while_a_record_syncs_are_not_combined_past_the_log() {
         .block_metadata_bytes_max()
         .expect("a WAL limits it");
     gate.set_held(true);
-    let with_metadata = |stream: i32, unique_id: u64, metadata_bytes: usize| {
-        let block_id = StreamBlockId { stream: StreamId(stream), unique_id };
-        let metadata = Some(vec![unique_id as u8; metadata_bytes]);
-        let result = BlockStoreResult::BlockManager { block_id };
-        ReceivedBlockInfo::new(StreamId(stream), None, metadata, result).unwrap()
-    };
     let first = receiver.add_block(info(1, 1));
     let first_lsn = first.lsn().expect("nothing in flight: logged at once");
     let blocks = [

@@ -71,6 +71,33 @@ fn config(checkpoint: Option<&Path>, rolling: Duration) -> BlockTrackerConfig {
     config
 }
 
+/// [`config`] with `streams` and 64 KiB segments: records small enough that a few blocks with
+/// metadata reach the log's largest.
+fn small_records_config(checkpoint: &Path, streams: &[StreamId]) -> BlockTrackerConfig {
+    let mut config = config(Some(checkpoint), Duration::from_secs(60));
+    config.stream_ids = streams.to_vec();
+    config.wal.segment_size_bytes = 64 << 10;
+    config
+}
+
+/// A block in a block manager with `metadata_bytes` of metadata (each byte `unique_id`).
+fn with_metadata(
+    stream: StreamId,
+    unique_id: u64,
+    num_records: Option<i64>,
+    metadata_bytes: usize,
+) -> ReceivedBlockInfo {
+    let block_id = StreamBlockId { stream, unique_id };
+    let metadata = Some(vec![unique_id as u8; metadata_bytes]);
+    ReceivedBlockInfo::new(
+        stream,
+        num_records,
+        metadata,
+        BlockStoreResult::BlockManager { block_id },
+    )
+    .unwrap()
+}
+
 fn wal_dir(checkpoint: &Path) -> PathBuf {
     checkpoint.join(RECEIVED_BLOCK_METADATA_DIR)
 }
@@ -666,19 +693,12 @@ fn single_blocks_too_large_to_share_a_record_are_allocated_one_stream_per_batch(
     let dir = tempfile::tempdir().unwrap();
     let clock = Arc::new(ManualClock::new(0));
     let streams = [StreamId(3), StreamId(1), StreamId(2)];
-    let mut config = config(Some(dir.path()), Duration::from_secs(60));
-    config.stream_ids = streams.to_vec();
-    config.wal.segment_size_bytes = 64 << 10;
+    let config = small_records_config(dir.path(), &streams);
     let mut tracker = ReceivedBlockTracker::open(config.clone(), clock.clone()).unwrap();
     // Added in the order 3, 1, 2: the batches follow it, not the stream ids.
     let infos: Vec<ReceivedBlockInfo> = streams
         .iter()
-        .map(|stream| {
-            let block_id = StreamBlockId { stream: *stream, unique_id: stream.0 as u64 };
-            let metadata = Some(vec![stream.0 as u8; 40 << 10]);
-            let result = BlockStoreResult::BlockManager { block_id };
-            ReceivedBlockInfo::new(*stream, Some(1), metadata, result).unwrap()
-        })
+        .map(|stream| with_metadata(*stream, stream.0 as u64, Some(1), 40 << 10))
         .collect();
     for info in &infos {
         assert!(tracker.add_block(info.clone()), "one block fits a record");
@@ -712,18 +732,13 @@ fn a_block_too_large_to_be_allocated_is_refused_when_added_and_allocation_goes_o
     let dir = tempfile::tempdir().unwrap();
     let clock = Arc::new(ManualClock::new(0));
     let streams = [StreamId(1), StreamId(2), StreamId(3)];
-    let mut config = config(Some(dir.path()), Duration::from_secs(60));
-    config.stream_ids = streams.to_vec();
-    config.wal.segment_size_bytes = 64 << 10;
+    let config = small_records_config(dir.path(), &streams);
     let mut tracker = ReceivedBlockTracker::open(config.clone(), clock.clone()).unwrap();
     let limit = tracker.block_metadata_bytes_max().expect("a WAL limits its records");
     let max_event = tracker.log().unwrap().wal().unwrap().max_payload_len();
     assert!(limit < max_event && limit > max_event - 1024, "limit {limit}, record {max_event}");
-    let block = |stream: StreamId, unique_id: u64, metadata_bytes: usize| {
-        let block_id = StreamBlockId { stream, unique_id };
-        let metadata = Some(vec![unique_id as u8; metadata_bytes]);
-        let result = BlockStoreResult::BlockManager { block_id };
-        ReceivedBlockInfo::new(stream, Some(1), metadata, result).unwrap()
+    let block = |stream, unique_id, metadata_bytes| {
+        with_metadata(stream, unique_id, Some(1), metadata_bytes)
     };
     let encoded_bytes = |event: TrackerEvent| event.encode_into(Default::default()).unwrap().len();
     let allocated_alone_bytes = |info: &ReceivedBlockInfo| {
@@ -816,16 +831,12 @@ fn recovering_a_block_too_large_for_the_reopened_configuration_is_a_typed_error(
     for in_a_record_of_several in [false, true] {
         let dir = tempfile::tempdir().unwrap();
         let clock = Arc::new(ManualClock::new(0));
-        let mut config = config(Some(dir.path()), Duration::from_secs(60));
-        config.stream_ids = vec![StreamId(1), StreamId(2), StreamId(3)];
-        config.wal.segment_size_bytes = 64 << 10;
+        let streams = [StreamId(1), StreamId(2), StreamId(3)];
+        let config = small_records_config(dir.path(), &streams);
         let mut tracker = ReceivedBlockTracker::open(config.clone(), clock.clone()).unwrap();
         let limit = tracker.block_metadata_bytes_max().unwrap();
-        let block = |unique_id: u64, metadata_bytes: usize| {
-            let block_id = StreamBlockId { stream: StreamId(2), unique_id };
-            let result = BlockStoreResult::BlockManager { block_id };
-            ReceivedBlockInfo::new(StreamId(2), Some(1), Some(vec![7; metadata_bytes]), result)
-                .unwrap()
+        let block = |unique_id, metadata_bytes| {
+            with_metadata(StreamId(2), unique_id, Some(1), metadata_bytes)
         };
         let large = block(7, limit);
         let mut logged = vec![large.clone()];
@@ -879,9 +890,7 @@ fn a_block_at_the_limit_fits_an_allocation_alone_whatever_its_other_fields() {
     let dir = tempfile::tempdir().unwrap();
     let clock = Arc::new(ManualClock::new(0));
     let streams = [StreamId(i32::MIN), StreamId(0), StreamId(i32::MAX)];
-    let mut config = config(Some(dir.path()), Duration::from_secs(60));
-    config.stream_ids = streams.to_vec();
-    config.wal.segment_size_bytes = 64 << 10;
+    let config = small_records_config(dir.path(), &streams);
     let tracker = ReceivedBlockTracker::open(config, clock).unwrap();
     let limit = tracker.block_metadata_bytes_max().unwrap();
     let max_event = tracker.log().unwrap().wal().unwrap().max_payload_len();
@@ -920,16 +929,12 @@ fn a_block_at_the_limit_fits_an_allocation_alone_whatever_its_other_fields() {
 fn write_to_log_refuses_additions_of_blocks_too_large_to_be_allocated() {
     let dir = tempfile::tempdir().unwrap();
     let clock = Arc::new(ManualClock::new(0));
-    let mut config = config(Some(dir.path()), Duration::from_secs(60));
-    config.wal.segment_size_bytes = 64 << 10;
+    let config = small_records_config(dir.path(), &[STREAM]);
     let tracker = ReceivedBlockTracker::open(config, clock).unwrap();
     let limit = tracker.block_metadata_bytes_max().unwrap();
     let wal = Arc::clone(tracker.log().unwrap().wal().unwrap());
-    let with_metadata = |unique_id: u64, metadata_bytes: usize| {
-        let block_id = StreamBlockId { stream: STREAM, unique_id };
-        let result = BlockStoreResult::BlockManager { block_id };
-        ReceivedBlockInfo::new(STREAM, None, Some(vec![1; metadata_bytes]), result).unwrap()
-    };
+    let with_metadata =
+        |unique_id, metadata_bytes| with_metadata(STREAM, unique_id, None, metadata_bytes);
     let appended_before = wal.appended_lsn();
     let alone =
         TrackerEvent::BlockAddition(BlockAdditionEvent { info: with_metadata(1, limit + 1) });
@@ -954,16 +959,11 @@ fn small_blocks_beside_a_large_one_are_allocated_a_whole_stream_per_batch() {
     let dir = tempfile::tempdir().unwrap();
     let clock = Arc::new(ManualClock::new(0));
     let streams = [StreamId(1), StreamId(2), StreamId(3)];
-    let mut config = config(Some(dir.path()), Duration::from_secs(60));
-    config.stream_ids = streams.to_vec();
-    config.wal.segment_size_bytes = 64 << 10;
+    let config = small_records_config(dir.path(), &streams);
     let mut tracker = ReceivedBlockTracker::open(config.clone(), clock.clone()).unwrap();
     let limit = tracker.block_metadata_bytes_max().unwrap();
-    let block = |stream: StreamId, unique_id: u64, metadata_bytes: usize| {
-        let block_id = StreamBlockId { stream, unique_id };
-        let result = BlockStoreResult::BlockManager { block_id };
-        let metadata = Some(vec![unique_id as u8; metadata_bytes]);
-        ReceivedBlockInfo::new(stream, Some(1), metadata, result).unwrap()
+    let block = |stream, unique_id, metadata_bytes| {
+        with_metadata(stream, unique_id, Some(1), metadata_bytes)
     };
     let mut unique_id = 0;
     let mut small = |stream: StreamId| {

@@ -97,13 +97,16 @@ impl BlockSizeLimit {
         self.metadata_bytes_max.is_none_or(|max| pending_bytes + more_bytes <= max)
     }
 
+    /// Whether one of `infos` is one [`Self::refuses`].
+    pub(super) fn refuses_any(self, infos: &[ReceivedBlockInfo]) -> bool {
+        infos.iter().any(|info| self.refuses(info))
+    }
+
     /// Whether `event` adds a block [`Self::refuses`].
     pub(super) fn refuses_event(self, event: &TrackerEvent) -> bool {
         match event {
             TrackerEvent::BlockAddition(addition) => self.refuses(&addition.info),
-            TrackerEvent::BlockAdditions(additions) => {
-                additions.infos.iter().any(|info| self.refuses(info))
-            }
+            TrackerEvent::BlockAdditions(additions) => self.refuses_any(&additions.infos),
             TrackerEvent::BatchAllocation(_) | TrackerEvent::BatchCleanup(_) => false,
         }
     }
@@ -118,7 +121,13 @@ const BLOCK_FIXED_BYTES_MAX: usize = 96;
 /// metadata and the most its fixed part takes.
 #[inline]
 pub(super) fn batch_bytes(info: &ReceivedBlockInfo) -> usize {
-    info.metadata().map_or(0, <[u8]>::len) + BLOCK_FIXED_BYTES_MAX
+    metadata_bytes(info) + BLOCK_FIXED_BYTES_MAX
+}
+
+/// The length of `info`'s metadata (0 without any).
+#[inline]
+pub(super) fn metadata_bytes(info: &ReceivedBlockInfo) -> usize {
+    info.metadata().map_or(0, <[u8]>::len)
 }
 
 /// The encoded size of an allocation of every stream of `stream_ids` (or of one stream, if

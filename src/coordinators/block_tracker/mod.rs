@@ -563,14 +563,14 @@ impl ReceivedBlockTracker {
         }
         // Only configured streams are allocated: blocks of others never hold anything up.
         let configured = self.stream_ids.iter().filter_map(|stream| self.unallocated.get(stream));
-        let too_large = configured.flat_map(StreamQueue::blocks).find(|info| {
-            info.metadata().is_some_and(|metadata| metadata.len() > metadata_bytes_max)
-        });
+        let too_large = configured
+            .flat_map(StreamQueue::blocks)
+            .find(|info| limit::metadata_bytes(info) > metadata_bytes_max);
         match too_large {
             None => Ok(()),
             Some(info) => Err(BlockTrackerError::UnallocatableBlock {
                 block_id: info.block_id(),
-                metadata_bytes: info.metadata().map_or(0, <[u8]>::len),
+                metadata_bytes: limit::metadata_bytes(info),
                 metadata_bytes_max,
             }),
         }
@@ -1276,14 +1276,14 @@ impl ReceivedBlockTracker {
             return Ok(replayed);
         };
         let Replayed { events, through, longest_metadata_bytes } = &mut replayed;
-        let metadata_bytes = |info: &ReceivedBlockInfo| info.metadata().map_or(0, <[u8]>::len);
         self.replaying = true;
         let mut apply = |lsn: Lsn, event: TrackerEvent| match event {
             _ if lsn <= skip_through => {}
             TrackerEvent::BlockAddition(BlockAdditionEvent { mut info }) => {
                 *through = lsn;
                 *events += 1;
-                *longest_metadata_bytes = (*longest_metadata_bytes).max(metadata_bytes(&info));
+                *longest_metadata_bytes =
+                    (*longest_metadata_bytes).max(limit::metadata_bytes(&info));
                 if lsn <= invalid_through {
                     info.set_block_id_valid(false);
                 }
@@ -1292,7 +1292,7 @@ impl ReceivedBlockTracker {
             TrackerEvent::BlockAdditions(BlockAdditionsEvent { mut infos }) => {
                 *through = lsn;
                 *events += infos.len() as u64;
-                let longest = infos.iter().map(metadata_bytes).max().unwrap_or(0);
+                let longest = infos.iter().map(limit::metadata_bytes).max().unwrap_or(0);
                 *longest_metadata_bytes = (*longest_metadata_bytes).max(longest);
                 if lsn <= invalid_through {
                     for info in &mut infos {

@@ -330,7 +330,7 @@ impl BlockReceiver {
     /// too large for one record).
     pub fn add_blocks(&self, infos: Vec<ReceivedBlockInfo>) -> AddReceipt<'_> {
         let blocks = infos.len();
-        if infos.iter().any(|info| self.block_size_limit.refuses(info)) {
+        if self.block_size_limit.refuses_any(&infos) {
             return AddReceipt { receiver: self, outcome: Outcome::Done(false), blocks };
         }
         let mut pending = self.lock_pending();
