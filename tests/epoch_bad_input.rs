@@ -149,6 +149,70 @@ fn messages_kept_before_counts_count_once_counts_are_set() {
     assert_eq!(harness.calls(), [add_offsets(1, 1), sink_commit(1, 1), Call::QueryCommit(1)]);
 }
 
+/// Spark would commit this epoch to the sink with no offset log entry (its restart then fails
+/// with "Batch 1 was committed without end epoch offsets!"); here its offsets are added first.
+#[test]
+fn offsets_reported_before_the_counts_are_added_before_the_sink_commit() {
+    let (query, sink, log) = recorders();
+    let harness = BusHarness::start(EpochConfig::new(1), query, sink, log);
+    harness.report(0, 1);
+    harness.report(1, 1);
+    harness.set_counts(1, 2);
+    harness.commit(0, 1); // completes epoch 1: no report completed its offsets
+    harness.barrier();
+    assert_eq!(harness.calls(), [add_offsets(1, 2), sink_commit(1, 1), Call::QueryCommit(1)]);
+    let counters = harness.stats().counters;
+    assert_eq!((counters.offsets_added, counters.offsets_added_at_commit), (1, 1));
+
+    // The next epoch, in the usual order, is added once, by its completing report.
+    harness.report(0, 2);
+    harness.report(1, 2);
+    harness.commit(0, 2);
+    harness.barrier();
+    assert_eq!(harness.calls()[3..], [add_offsets(2, 2), sink_commit(2, 1), Call::QueryCommit(2)]);
+    let counters = harness.stats().counters;
+    assert_eq!((counters.offsets_added, counters.offsets_added_at_commit), (2, 1));
+}
+
+/// A lowered reader count lets a writer commit complete epochs whose offsets were never
+/// added: each gets them just before its sink commit, also an epoch that waited and commits in
+/// the chain of the one before it.
+#[test]
+fn a_lowered_reader_count_adds_offsets_before_each_commit_also_in_a_chain() {
+    let harness = BusHarness::scenario(1, 3);
+    for epoch in [2, 3] {
+        harness.report(0, epoch);
+        harness.report(1, epoch); // 2 of 3: not added
+    }
+    harness.set_counts(1, 2);
+    harness.commit(0, 3); // epoch 3 is ready and waits for epoch 2
+    harness.barrier();
+    assert_eq!(harness.calls(), []);
+    assert_eq!(harness.stats().waiting_epochs, 1);
+    for partition in 0..2 {
+        harness.report(partition, 1); // completes epoch 1's offsets: added
+    }
+    harness.commit(0, 1);
+    harness.commit(0, 2); // commits epoch 2, then epoch 3 in its chain
+    harness.barrier();
+    assert_eq!(
+        harness.calls(),
+        [
+            add_offsets(1, 2),
+            sink_commit(1, 1),
+            Call::QueryCommit(1),
+            add_offsets(2, 2),
+            sink_commit(2, 1),
+            Call::QueryCommit(2),
+            add_offsets(3, 2),
+            sink_commit(3, 1),
+            Call::QueryCommit(3),
+        ]
+    );
+    let counters = harness.stats().counters;
+    assert_eq!((counters.offsets_added, counters.offsets_added_at_commit), (3, 2));
+}
+
 #[test]
 fn duplicate_commit_is_dropped_first_commit_wins() {
     let harness = BusHarness::scenario(2, 1);

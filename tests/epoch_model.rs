@@ -2,8 +2,9 @@
 //! from the spec (`coordinators::epoch::reference`), on any interleaving of messages.
 //!
 //! Method: proptest (fixed seed, a few hundred cases) generates a configuration (start epoch,
-//! backlog limits, injected sink/query failures) and a sequence of operations: partition-count
-//! requests (including negative counts), commits and reports over a small range of epochs and
+//! backlog limits, injected sink/query failures) and a sequence of operations: the partition
+//! counts (set first, as the protocol requires, or after some messages, or never), rare later
+//! count requests (including negative counts), commits and reports over a small range of epochs and
 //! partitions (including stale epochs, negative and out-of-range partitions, duplicates, long
 //! payloads that spill to the heap), epoch increments and a possible stop of writes. Both
 //! machines get the same operations, each with its own recorders; after every operation the
@@ -75,16 +76,20 @@ fn case() -> impl Strategy<Value = Case> {
         (1..4i32, 1..4i32),
         proptest::collection::vec(op(), 0..200),
         proptest::collection::vec(tail_op(), 0..30),
-        proptest::bool::weighted(0.9),
+        // Where the counts are set: first (as the protocol requires), after that many operations
+        // (messages arrive before them: SPEC B.4 note), or not at all.
+        prop_oneof![6 => Just(Some(0usize)), 3 => (1..80usize).prop_map(Some), 1 => Just(None)],
     )
         .prop_map(
-            |(start_epoch, limits, failures, (readers, writers), body, tail, counts_first)| {
-                // Most runs set the counts first, as the protocol requires; some do not.
-                let mut ops = Vec::new();
-                if counts_first {
-                    ops.extend([Op::SetReaders(readers), Op::SetWriters(writers)]);
+            |(start_epoch, limits, failures, (readers, writers), body, tail, counts_after)| {
+                let mut ops = body;
+                if let Some(position) = counts_after {
+                    let position = position.min(ops.len());
+                    ops.splice(
+                        position..position,
+                        [Op::SetReaders(readers), Op::SetWriters(writers)],
+                    );
                 }
-                ops.extend(body);
                 ops.extend(tail);
                 Case {
                     start_epoch,
@@ -263,6 +268,7 @@ fn generated_cases_cover_commits_waits_overflows_and_failures() {
     let mut runner = TestRunner::new(Config { rng_seed: RngSeed::Fixed(7), ..Config::default() });
     let (mut commits, mut chained, mut stops, mut failures) = (0u64, 0u64, 0u64, 0u64);
     let mut backlog_full_runs = 0u64;
+    let mut added_at_commit_runs = 0u64;
     // Runs stopped by an overflow of each queue (offsets, commits, waiting epochs): the model
     // comparison covers "stop on the same overflow" only if each kind happens.
     let mut overflow_runs = [0u64; 3];
@@ -315,11 +321,12 @@ fn generated_cases_cover_commits_waits_overflows_and_failures() {
         }
         failures += u64::from(stats.failed_epoch.is_some());
         backlog_full_runs += u64::from(stats.counters.dropped_backlog_full > 0);
+        added_at_commit_runs += u64::from(stats.counters.offsets_added_at_commit > 0);
     }
     eprintln!(
         "coverage: commits {commits} chained {chained} stops {stops} failures {failures} \
          backlog_full_runs {backlog_full_runs} overflow runs (offsets, commits, waiting) \
-         {overflow_runs:?}"
+         {overflow_runs:?} runs adding offsets at a commit {added_at_commit_runs}"
     );
     assert!(
         overflow_runs.iter().all(|&runs| runs > 0),
@@ -333,5 +340,9 @@ fn generated_cases_cover_commits_waits_overflows_and_failures() {
     assert!(
         backlog_full_runs > 10,
         "runs that dropped messages for a full queue {backlog_full_runs}"
+    );
+    assert!(
+        added_at_commit_runs > 0,
+        "runs that added an epoch's offsets just before its commit {added_at_commit_runs}"
     );
 }

@@ -1003,6 +1003,34 @@ mod tests {
         assert_eq!(query.status().ignored_offsets(), 1);
     }
 
+    /// Offsets reported before the partition counts were set, then a writer commit completing
+    /// the epoch: the coordinator adds them before the sink commit, so the durable query logs
+    /// them and the commit, and a restart resumes from them (it used to fail-stop with
+    /// `CommittedWithoutOffsets` after the sink had committed).
+    #[test]
+    fn an_epoch_whose_offsets_came_before_the_counts_commits_and_restarts_from_them() {
+        use crate::coordinators::epoch::{EpochConfig, EpochCoordinator, NoopSink};
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let query = DurableQuery::open(dir.path(), config()).unwrap();
+            let status = query.status();
+            let mut coordinator =
+                EpochCoordinator::new(EpochConfig::new(query.start_epoch().0), query, NoopSink)
+                    .unwrap();
+            for (partition, offset) in offsets(0, 0) {
+                coordinator.report_partition_offset(partition, Epoch(0), offset).unwrap();
+            }
+            coordinator.set_reader_partitions(3).unwrap();
+            coordinator.set_writer_partitions(1).unwrap();
+            coordinator.commit_partition_epoch(PartitionId(0), Epoch(0), Payload::new()).unwrap();
+            assert_eq!(coordinator.last_committed(), Epoch(0));
+            assert_eq!(status.stop_error(), None);
+            assert_eq!(status.last_committed(), Some(Epoch(0)));
+        }
+        let query = DurableQuery::open(dir.path(), config()).unwrap();
+        assert_eq!(query.restart_point(), Some(&(Epoch(0), offsets(0, 0))));
+    }
+
     #[test]
     fn a_commit_record_without_offsets_fails_recovery_with_sparks_message() {
         let dir = tempfile::tempdir().unwrap();

@@ -71,6 +71,13 @@
 //!   is kept (as in Spark), and no epoch completes until both counts are set (B.5 read literally
 //!   would complete an epoch with no offsets when the reader count is 0). Setting a count
 //!   resolves nothing by itself (Spark); the next message of an epoch does.
+//! * An epoch that becomes ready without a report completing its offsets (every offset arrived
+//!   while the reader count was unset, then a writer commit completed the epoch; or the count
+//!   changed after the offsets arrived) gets its `add_offsets` call just before its sink
+//!   commit, counted ([`EpochCounters::offsets_added_at_commit`]) and logged as a warning.
+//!   Spark commits such an epoch with no offset log entry, which its next restart rejects
+//!   ("Batch E was committed without end epoch offsets!"), after the sink already committed
+//!   it; [`DurableQuery`] would likewise refuse the commit.
 //! * A duplicate `CommitPartitionEpoch` is dropped and counted (first commit wins, no backlog
 //!   check). A repeated `ReportPartitionOffset` overwrites the offset (Spark) and, if the epoch's
 //!   offsets are complete, calls `add_offsets` again.
@@ -648,6 +655,10 @@ pub struct EpochCounters {
     pub commits_accepted: u64,
     /// Calls of [`Query::add_offsets`].
     pub offsets_added: u64,
+    /// Of those, calls made just before an epoch's sink commit because no report had
+    /// completed the epoch's offsets (they all arrived before the reader partition count was
+    /// set, or the count changed after they arrived).
+    pub offsets_added_at_commit: u64,
     /// Epochs committed (sink and query both succeeded).
     pub epochs_committed: u64,
     /// Messages dropped because writes were stopped.

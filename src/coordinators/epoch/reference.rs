@@ -35,6 +35,9 @@ pub struct ReferenceEpochCoordinator<Q, S> {
     partition_commits: HashMap<(i64, i32), Payload>,
     partition_offsets: HashMap<(i64, i32), Payload>,
     epochs_waiting_to_be_committed: HashSet<i64>,
+    /// Epochs whose offsets were passed to `add_offsets` (the parent module's decision: an
+    /// epoch that commits without one gets it just before its sink commit).
+    epochs_with_offsets_added: HashSet<i64>,
     query_writes_stopped: bool,
     failed_epoch: Option<i64>,
     counters: EpochCounters,
@@ -58,6 +61,7 @@ impl<Q: Query, S: Sink> ReferenceEpochCoordinator<Q, S> {
             partition_commits: HashMap::new(),
             partition_offsets: HashMap::new(),
             epochs_waiting_to_be_committed: HashSet::new(),
+            epochs_with_offsets_added: HashSet::new(),
             query_writes_stopped: false,
             failed_epoch: None,
             counters: EpochCounters::default(),
@@ -122,6 +126,7 @@ impl<Q: Query, S: Sink> ReferenceEpochCoordinator<Q, S> {
         let this_epoch_offsets = Self::entries_of(&self.partition_offsets, epoch.0);
         if this_epoch_offsets.len() as i64 == i64::from(self.num_reader_partitions) {
             self.counters.offsets_added += 1;
+            self.epochs_with_offsets_added.insert(epoch.0);
             if let Err(source) = self.query.add_offsets(epoch, &this_epoch_offsets) {
                 self.fail(EpochError::AddOffsets { epoch, source }, epoch.0);
             }
@@ -343,6 +348,7 @@ impl<Q: Query, S: Sink> ReferenceEpochCoordinator<Q, S> {
         let last = self.last_committed_epoch;
         self.partition_commits.retain(|(entry_epoch, _), _| *entry_epoch >= last);
         self.partition_offsets.retain(|(entry_epoch, _), _| *entry_epoch >= last);
+        self.epochs_with_offsets_added.retain(|entry_epoch| *entry_epoch > last);
     }
 
     fn commit_epoch(
@@ -350,6 +356,14 @@ impl<Q: Query, S: Sink> ReferenceEpochCoordinator<Q, S> {
         epoch: i64,
         messages: &[(PartitionId, Payload)],
     ) -> Result<(), EpochError> {
+        if self.epochs_with_offsets_added.insert(epoch) {
+            let offsets = Self::entries_of(&self.partition_offsets, epoch);
+            self.counters.offsets_added += 1;
+            self.counters.offsets_added_at_commit += 1;
+            self.query
+                .add_offsets(Epoch(epoch), &offsets)
+                .map_err(|source| EpochError::AddOffsets { epoch: Epoch(epoch), source })?;
+        }
         let epoch = Epoch(epoch);
         self.sink
             .commit(epoch, messages)

@@ -390,11 +390,20 @@ struct Bucket {
     commits: Slots,
     /// Ready, and waiting for an earlier epoch to commit (Spark's `epochsWaitingToBeCommitted`).
     waiting: bool,
+    /// [`Query::add_offsets`] was called for this epoch (by a report that completed its
+    /// offsets). If not when it commits, [`EpochCoordinator::commit_epoch`] calls it first.
+    offsets_added: bool,
 }
 
 impl Bucket {
     fn new(epoch: Epoch) -> Self {
-        Self { epoch, offsets: Slots::new(), commits: Slots::new(), waiting: false }
+        Self {
+            epoch,
+            offsets: Slots::new(),
+            commits: Slots::new(),
+            waiting: false,
+            offsets_added: false,
+        }
     }
 }
 
@@ -611,7 +620,9 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
     #[inline(never)]
     fn offsets_complete(&mut self, slot: u32, epoch: Epoch) {
         self.counters.offsets_added += 1;
-        let offsets = self.buckets[slot as usize].offsets.sorted();
+        let bucket = &mut self.buckets[slot as usize];
+        bucket.offsets_added = true;
+        let offsets = bucket.offsets.sorted();
         if let Err(source) = self.query.add_offsets(epoch, offsets) {
             self.fail(EpochError::AddOffsets { epoch, source }, epoch);
         }
@@ -876,6 +887,7 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
         bucket.offsets.clear();
         bucket.commits.clear();
         bucket.waiting = false;
+        bucket.offsets_added = false;
         if !keep_allocations {
             bucket.offsets.shrink();
             bucket.commits.shrink();
@@ -954,10 +966,28 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
         }
     }
 
-    /// Sink commit, then query commit (SPEC B.5 a; the order is mandatory).
+    /// Sink commit, then query commit (SPEC B.5 a; the order is mandatory), after the epoch's
+    /// offsets if no report added them (module doc of [`super`], "Behaviour decisions").
     fn commit_epoch(&mut self, slot: u32) -> Result<(), EpochError> {
         let bucket = &mut self.buckets[slot as usize];
         let epoch = bucket.epoch;
+        if !bucket.offsets_added {
+            self.counters.offsets_added += 1;
+            self.counters.offsets_added_at_commit += 1;
+            if worth_a_warning(self.counters.offsets_added_at_commit) {
+                tracing::warn!(
+                    %epoch,
+                    added_at_commit = self.counters.offsets_added_at_commit,
+                    "no report completed this epoch's offsets (they arrived before the reader \
+                     partition count was set, or the count changed): adding them before the \
+                     sink commit"
+                );
+            }
+            bucket.offsets_added = true;
+            self.query
+                .add_offsets(epoch, bucket.offsets.sorted())
+                .map_err(|source| EpochError::AddOffsets { epoch, source })?;
+        }
         self.sink
             .commit(epoch, bucket.commits.sorted())
             .map_err(|source| EpochError::SinkCommit { epoch, source })?;
