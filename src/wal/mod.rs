@@ -838,6 +838,15 @@ pub(crate) struct Doomed {
     pub(crate) writer_exited: bool,
 }
 
+/// The ids of a log's sync thread: Rust's, and the kernel's (its `/proc/self/task` entry).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SyncThreadIds {
+    pub(crate) thread: std::thread::ThreadId,
+    /// Read by a test only (the sync thread's nice value).
+    #[cfg_attr(any(not(test), loom), allow(dead_code))]
+    pub(crate) kernel_tid: i32,
+}
+
 /// Everything the appenders, readers and the sync thread share.
 pub(crate) struct Shared {
     pub(crate) dir: PathBuf,
@@ -851,7 +860,7 @@ pub(crate) struct Shared {
     pub(crate) ring_waker: Option<std::io::PipeWriter>,
     /// The sync thread, once it runs (`Wal::close_timeout` called from it must not wait for
     /// itself).
-    pub(crate) sync_thread: OnceLock<std::thread::ThreadId>,
+    pub(crate) sync_thread: OnceLock<SyncThreadIds>,
     /// Wakes appenders waiting for staging space (with `append`).
     pub(crate) space_cv: Condvar,
     /// Tracked segments in id order (the active one last).
@@ -2398,7 +2407,7 @@ impl Wal {
 
     /// Whether the calling thread is this log's sync thread.
     fn on_sync_thread(&self) -> bool {
-        self.shared.sync_thread.get() == Some(&std::thread::current().id())
+        self.shared.sync_thread.get().is_some_and(|ids| ids.thread == std::thread::current().id())
     }
 
     /// Marks the log closing (appends are refused from now on) and wakes the sync thread and
@@ -3131,23 +3140,12 @@ mod tests {
         }
     }
 
-    /// The nice values of this process's threads named `name` (`/proc`, field 19 of `stat`).
-    fn nice_of_threads(name: &str) -> Vec<i32> {
-        let mut nices = Vec::new();
-        for task in std::fs::read_dir("/proc/self/task").unwrap() {
-            let task = task.unwrap().path();
-            let Ok(comm) = std::fs::read_to_string(task.join("comm")) else {
-                continue; // the thread ended meanwhile
-            };
-            if comm.trim_end() != name {
-                continue;
-            }
-            let stat = std::fs::read_to_string(task.join("stat")).unwrap();
-            let after_name = &stat[stat.rfind(')').unwrap() + 2..];
-            // Fields from the third (state) on: the nice value is the 19th field.
-            nices.push(after_name.split(' ').nth(19 - 3).unwrap().parse().unwrap());
-        }
-        nices
+    /// The nice value of this process's thread `tid` (`/proc`, field 19 of `stat`).
+    fn nice_of_thread(tid: i32) -> i32 {
+        let stat = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")).unwrap();
+        let after_name = &stat[stat.rfind(')').unwrap() + 2..];
+        // Fields from the third (state) on: the nice value is the 19th field.
+        after_name.split(' ').nth(19 - 3).unwrap().parse().unwrap()
     }
 
     /// The sync thread lowers its own CPU priority by `sync_thread_nice` (from the opener's,
@@ -3158,23 +3156,13 @@ mod tests {
     fn the_sync_thread_runs_at_a_lower_priority_by_the_nice_asked() {
         let opener = rustix::process::getpriority_process(None).unwrap();
         for (nice, expected) in [(0u8, opener), (3, (opener + 3).min(19)), (39, 19)] {
-            // A thread of its own: no other log's sync thread is named in its lifetime.
-            let found = std::thread::spawn(move || {
-                let dir = tempfile::tempdir().unwrap();
-                let options = WalOptions { sync_thread_nice: nice, ..WalOptions::default() };
-                let wal =
-                    Wal::open_with_options(dir.path(), WalConfig::default(), options).unwrap();
-                let (lsn, _) = wal.append_bytes(b"one", 1).unwrap();
-                wal.wait_durable_timeout(lsn, WAIT).unwrap();
-                let sync_thread = wal.shared.sync_thread.get().copied();
-                let nices = nice_of_threads("coordbus-wal-sy");
-                drop(wal);
-                (sync_thread.is_some(), nices)
-            })
-            .join()
-            .unwrap();
-            assert!(found.0, "the sync thread ran");
-            assert!(found.1.contains(&expected), "nice {nice}: sync threads at {:?}", found.1);
+            let dir = tempfile::tempdir().unwrap();
+            let options = WalOptions { sync_thread_nice: nice, ..WalOptions::default() };
+            let wal = Wal::open_with_options(dir.path(), WalConfig::default(), options).unwrap();
+            let (lsn, _) = wal.append_bytes(b"one", 1).unwrap();
+            wal.wait_durable_timeout(lsn, WAIT).unwrap();
+            let sync_thread = wal.shared.sync_thread.get().copied().expect("the sync thread ran");
+            assert_eq!(nice_of_thread(sync_thread.kernel_tid), expected, "nice {nice}");
         }
         let options = WalOptions { sync_thread_nice: 40, ..WalOptions::default() };
         let dir = tempfile::tempdir().unwrap();

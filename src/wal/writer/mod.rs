@@ -51,7 +51,7 @@ use crate::{
         reader::SegmentMap,
         segment::{Segment, SegmentHeader},
         storage::StorageFile,
-        Chunk, CleanReport, Durability, IoPath, Shared, WriterWait,
+        Chunk, CleanReport, Durability, IoPath, Shared, SyncThreadIds, WriterWait,
     },
 };
 
@@ -292,7 +292,10 @@ fn missing_ancestors(dir: &Path) -> Vec<PathBuf> {
 pub(crate) fn run(writer: Arc<Mutex<Writer>>, nice: u8) {
     lower_priority(nice);
     let shared = Arc::clone(&lock(&writer).shared);
-    let _ = shared.sync_thread.set(std::thread::current().id());
+    let _ = shared.sync_thread.set(SyncThreadIds {
+        thread: std::thread::current().id(),
+        kernel_tid: rustix::thread::gettid().as_raw_nonzero().get(),
+    });
     let turns = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_turns(&writer)));
     if let Err(panic) = turns {
         // Marked gone after the failure is published, also if a callback run by `fail`
