@@ -80,7 +80,8 @@ pub struct BusConfig {
     /// gets a lane of its own in each inbox it sends to, allocated on its first send; other
     /// threads share the inbox's rings. 0: every producer uses the rings.
     pub inbox_lanes: usize,
-    /// Shared multi-producer rings per endpoint inbox, rounded up to a power of two (default 4; 1 ..= 1024).
+    /// Shared multi-producer rings per endpoint inbox, rounded up to a power of two (default 4;
+    /// `1 ..= 1024`).
     pub inbox_shards: usize,
     /// Messages per lane and per ring, rounded up to a power of two (default 16384;
     /// 2 ..= 2^24). A full lane or ring makes `send` wait: with the lane and ring counts this

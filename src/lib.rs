@@ -39,7 +39,9 @@
 //! }
 //! impl Ask<Counter> for Total {
 //!     type Reply = u64;
-//!     fn into_request(self, reply: Replier<u64>) -> CounterRequest { CounterRequest::Total(reply) }
+//!     fn into_request(self, reply: Replier<u64>) -> CounterRequest {
+//!         CounterRequest::Total(reply)
+//!     }
 //! }
 //!
 //! let bus = Bus::builder().inbox_shards(2).build()?;

@@ -5,8 +5,8 @@
 //! observable state equals a plain model's, and recovery rebuilds exactly the state before the
 //! restart (SPEC D.3, D.4).
 //!
-//! Method: proptest generates the operations (fixed seed, few cases, short sequences); each case runs against a real WAL in a temporary directory
-//! with a manual clock.
+//! Method: proptest generates the operations (fixed seed, few cases, short sequences); each case
+//! runs against a real WAL in a temporary directory with a manual clock.
 
 use std::{collections::BTreeMap, sync::Arc, time::Duration};
 

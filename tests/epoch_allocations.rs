@@ -5,8 +5,9 @@
 //!
 //! Method: `allocation_counter` (the global allocator of this test binary) counts the
 //! allocations and live bytes of the test's own thread while it drives the state machine with
-//! a query and sink that keep nothing (`NoopQuery`, `NoopSink`). Each count is checked against a run that must allocate
-//! (payloads too large to be inline), so a counter that saw nothing would fail the test.
+//! a query and sink that keep nothing (`NoopQuery`, `NoopSink`). Each count is checked against a
+//! run that must allocate (payloads too large to be inline), so a counter that saw nothing would
+//! fail the test.
 
 use coordbus::coordinators::epoch::{
     Epoch, EpochConfig, EpochCoordinator, NoopQuery, NoopSink, PartitionId, Payload,

@@ -413,10 +413,9 @@ fn a_queue_over_its_limit_takes_only_the_next_epoch_until_commits_free_it() {
     );
     let flood_calls = harness.calls().split_off(calls_before_flood);
     assert_eq!(flood_calls.len(), 2000, "one stop per dropped report, nothing else");
+    let overflow = "Size of the partition offset queue has exceeded its maximum";
     assert!(
-        stop_messages(&flood_calls)
-            .iter()
-            .all(|message| message == "Size of the partition offset queue has exceeded its maximum"),
+        stop_messages(&flood_calls).iter().all(|message| message == overflow),
         "{flood_calls:?}"
     );
 

@@ -8,14 +8,14 @@
 //! Method: each run opens the log in a temp dir, starts a coordinator on the bus at the
 //! recovered start epoch, sends whole epochs plus a partial one (sizes from a fixed-seed
 //! generator), in some runs also the next epoch whole (complete, waiting behind the partial
-//! one, its offsets logged but never committed), then stops cleanly (stop writes, shut the bus down: the query and its WAL are
-//! dropped and closed). The sink's calls, recorded across runs, must be `0..=last` once each.
-//! The crash variant re-executes this test binary as a child (env var) that prints the epochs
-//! its sink commits and those whose commit record is durable; the parent kills it at random
-//! points, a dozen times, and checks the printed history against the next run's start. The
-//! parent reads the child's output on a thread and gives each child 60 s to reach its kill
-//! point (then kills it and fails with what it printed); a child runs at most 100 000 epochs
-//! and fails if it gets there without being killed.
+//! one, its offsets logged but never committed), then stops cleanly (stop writes, shut the bus
+//! down: the query and its WAL are dropped and closed). The sink's calls, recorded across runs,
+//! must be `0..=last` once each. The crash variant re-executes this test binary as a child (env
+//! var) that prints the epochs its sink commits and those whose commit record is durable; the
+//! parent kills it at random points, a dozen times, and checks the printed history against the next
+//! run's start. The parent reads the child's output on a thread and gives each child 60 s to reach
+//! its kill point (then kills it and fails with what it printed); a child runs at most 100 000
+//! epochs and fails if it gets there without being killed.
 
 mod epoch_support;
 

@@ -479,9 +479,9 @@ fn a_failed_fsync_amid_concurrent_groups_never_reports_a_later_group_durable() {
 }
 
 /// Two appenders and small groups, so several groups are on the ring when the eighth sync
-/// fails (io_uring path). Every record is watched with a durability callback: exactly the LSNs up to
-/// the final durable watermark are acknowledged, they are contiguous from 1, and all of them
-/// are intact after reopening; everything later is reported failed.
+/// fails (io_uring path). Every record is watched with a durability callback: exactly the LSNs up
+/// to the final durable watermark are acknowledged, they are contiguous from 1, and all of them are
+/// intact after reopening; everything later is reported failed.
 fn a_failed_fsync_amid_concurrent_groups_on(path: IoVariant) {
     let dir = tempfile::tempdir().unwrap();
     let durability =

@@ -87,8 +87,10 @@ pub trait Endpoint: Send + Sized + 'static {
 /// }
 /// # impl coordbus::Endpoint for Counter {
 /// #   type Message = (); type Request = CounterRequest;
-/// #   fn handle(&mut self, _: (), _: &coordbus::Context<Self>) -> Result<(), coordbus::HandlerError> { Ok(()) }
-/// #   fn handle_request(&mut self, r: CounterRequest, _: &coordbus::Context<Self>) -> Result<(), coordbus::HandlerError> {
+/// #   fn handle(&mut self, _: (), _: &coordbus::Context<Self>)
+/// #       -> Result<(), coordbus::HandlerError> { Ok(()) }
+/// #   fn handle_request(&mut self, r: CounterRequest, _: &coordbus::Context<Self>)
+/// #       -> Result<(), coordbus::HandlerError> {
 /// #       match r { CounterRequest::Get(reply) => reply.reply(0) } Ok(()) }
 /// # }
 /// ```

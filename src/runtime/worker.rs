@@ -2,19 +2,18 @@
 //!
 //! The loop takes up to `drain_batch` messages from each inbox shard in turn and hands each to
 //! the endpoint, one at a time; each round runs inside `catch_unwind`: a panicking handler fails
-//! its asker and is logged, and the next message is handled as usual. When a round finds nothing, the thread
-//! follows the configured [`Idle`] strategy: spin (with the CPU's spin hint) for a while after
-//! the last message, then yield a few times, then park until a producer rings the doorbell.
+//! its asker and is logged, and the next message is handled as usual. When a round finds nothing,
+//! the thread follows the configured [`Idle`] strategy: spin (with the CPU's spin hint) for a while
+//! after the last message, then yield a few times, then park until a producer rings the doorbell.
 //! Work can be announced that no round can take yet: a producer claimed a ring slot and was
-//! preempted before filling it, or the inbox is closing while a push is in flight. The
-//! thread that would end that may be waiting for this very core (2 cores, more busy threads),
-//! so the endpoint does not spin on it: it retries once, yields, then dozes for growing times
-//! up to [`DOZE_MAX`] ([`Stall`]).
-//! With [`Idle::Adaptive`] the spin is long only while recent idle gaps were short
-//! ([`SpinBudget`]): on a 2-core machine an endpoint that receives a large message every
-//! 60 us spent a third of a core spinning through gaps it could not bridge, taken from the
-//! threads producing its messages.
-//! Once the inbox is closed and drained, `on_stop` runs and the thread ends.
+//! preempted before filling it, or the inbox is closing while a push is in flight. The thread that
+//! would end that may be waiting for this very core (2 cores, more busy threads), so the endpoint
+//! does not spin on it: it retries once, yields, then dozes for growing times up to [`DOZE_MAX`]
+//! ([`Stall`]). With [`Idle::Adaptive`] the spin is long only while recent idle gaps were short
+//! ([`SpinBudget`]): on a 2-core machine an endpoint that receives a large message every 60 us
+//! spent a third of a core spinning through gaps it could not bridge, taken from the threads
+//! producing its messages. Once the inbox is closed and drained, `on_stop` runs and the thread
+//! ends.
 
 use std::{
     panic::{catch_unwind, AssertUnwindSafe},

@@ -196,12 +196,14 @@
 //!   every file older than the threshold; here a segment left behind a deleted one would be an
 //!   LSN gap, which recovery reads as corruption). It never deletes the newest segment (the
 //!   active one, or the recovered last one before the first append: the LSNs and segment ids
-//!   of a reopened log continue from it), nor a segment whose bytes are not all written yet. The unlinks of one clean are made durable
-//!   together (one directory sync, or none without `wait`): a file system that reordered
-//!   them in a crash could leave such a gap; ext4, XFS and btrfs commit them in order. With `wait = true` it unlinks the files (or keeps them as spares) itself and syncs
-//!   the directory, so the deletion is durable on return; without, the sync thread does (SPEC E.4's
-//!   asynchronous deletion: dropping a segment's cached pages costs milliseconds that a
-//!   coordinator's thread should not pay). A log closed before that deletes them at close.
+//!   of a reopened log continue from it), nor a segment whose bytes are not all written yet.
+//!   The unlinks of one clean are made durable together (one directory sync, or none without
+//!   `wait`): a file system that reordered them in a crash could leave such a gap; ext4, XFS
+//!   and btrfs commit them in order. With `wait = true` it unlinks the files (or keeps them as
+//!   spares) itself and syncs the directory, so the deletion is durable on return; without,
+//!   the sync thread does (SPEC E.4's asynchronous deletion: dropping a segment's cached pages
+//!   costs milliseconds that a coordinator's thread should not pay). A log closed before that
+//!   deletes them at close.
 //! * Close flushes and syncs everything appended before it (the rule), then rejects
 //!   appends with [`WalError::Closed`].
 //! * Two `Wal` objects never write the same directory at once: a writer holds an exclusive
@@ -1388,7 +1390,11 @@ impl Shared {
                 true
             }
             Err(error) => {
-                tracing::warn!(path = ?segment.path, %error, "could not keep a WAL segment as a spare");
+                tracing::warn!(
+                    path = ?segment.path,
+                    %error,
+                    "could not keep a WAL segment as a spare"
+                );
                 false
             }
         }
@@ -2208,9 +2214,10 @@ impl Wal {
     /// continue from it), nor one not yet completely written, nor one behind a kept segment
     /// (when record times are not in LSN order, as after a restart that logs lower times
     /// again), since a gap in the LSNs would read as corruption on the next open. The
-    /// segments leave the log at once. With `wait`, their files are deleted here and the directory is synced, so
-    /// the deletions are durable on return; without, the sync thread deletes the files
-    /// ([`CleanReport::queued`]), and the caller pays nothing for dropping their cached pages.
+    /// segments leave the log at once. With `wait`, their files are deleted here and the directory
+    /// is synced, so the deletions are durable on return; without, the sync thread deletes the
+    /// files ([`CleanReport::queued`]), and the caller pays nothing for dropping their cached
+    /// pages.
     ///
     /// # Errors
     /// [`WalError::Io`] only if syncing the directory fails (failed deletions are reported in

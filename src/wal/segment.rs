@@ -57,9 +57,9 @@ pub struct SegmentHeader {
     pub segment_size_bytes: u64,
     /// The file held an earlier segment of the log (a spare, module `wal`, "Recycled
     /// segments"; format version [`RECYCLED_VERSION`]): past this segment's records it may
-    /// still hold that segment's frames, all of LSNs below `first_lsn`. The sync thread sets it in the file when it creates the
-    /// segment from a spare; the header a running log keeps for a segment it is writing leaves
-    /// it false (only recovery reads it, from the file).
+    /// still hold that segment's frames, all of LSNs below `first_lsn`. The sync thread sets it in
+    /// the file when it creates the segment from a spare; the header a running log keeps for a
+    /// segment it is writing leaves it false (only recovery reads it, from the file).
     pub recycled: bool,
 }
 

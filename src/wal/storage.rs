@@ -2,8 +2,8 @@
 //!
 //! The sync thread creates, writes, preallocates, syncs, renames and deletes segment files only
 //! through [`Storage`] and [`StorageFile`]. [`FileStorage`] is the real implementation (std
-//! files plus `fallocate`). A test wraps it to fail an `fdatasync` with EIO, shorten writes, or report
-//! ENOSPC, and checks the log's reaction (SPEC 0.6: a failed sync fails the log for good).
+//! files plus `fallocate`). A test wraps it to fail an `fdatasync` with EIO, shorten writes, or
+//! report ENOSPC, and checks the log's reaction (SPEC 0.6: a failed sync fails the log for good).
 //!
 //! Reading does not go through this layer: readers map the files read-only (`reader`).
 //! The io_uring engine writes through the file descriptor from [`StorageFile::raw_fd`]; a

@@ -49,7 +49,10 @@ fn live() -> MutexGuard<'static, Vec<PathBuf>> {
 /// which is logged), an interrupted run leaves its directories behind.
 pub fn remove_on_interrupt() {
     if let Err(error) = ctrlc::set_handler(on_interrupt) {
-        tracing::warn!(%error, "no interrupt handler: an interrupted run leaves its scratch directories");
+        tracing::warn!(
+            %error,
+            "no interrupt handler: an interrupted run leaves its scratch directories"
+        );
     }
 }
 

@@ -355,7 +355,8 @@ fn split_bounds(bounds: &mut Bounds, at: usize) -> Bounds {
 ///     StreamId(1), Some(10), None, BlockStoreResult::BlockManager { block_id: block })?;
 /// assert!(tracker.add_block(info.clone()));            // durable when it returns
 /// tracker.allocate_blocks_to_batch(BatchTime(1_000))?;
-/// assert_eq!(tracker.blocks_of_batch_and_stream(BatchTime(1_000), StreamId(1)), vec![info.clone()]);
+/// let allocated = tracker.blocks_of_batch_and_stream(BatchTime(1_000), StreamId(1));
+/// assert_eq!(allocated, vec![info.clone()]);
 /// tracker.stop()?;
 ///
 /// let recovered = ReceivedBlockTracker::open(config.recover(true), clock)?;

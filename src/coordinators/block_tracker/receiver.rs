@@ -554,8 +554,12 @@ impl AddReceipt<'_> {
                 match log.wait_durable(lsn, timeout) {
                     Ok(()) => true,
                     Err(error) => {
-                        tracing::warn!(%lsn, %error,
-                            "a block addition was not confirmed durable; it may still be (SPEC D.5)");
+                        tracing::warn!(
+                            %lsn,
+                            %error,
+                            "a block addition was not confirmed durable; it may still be \
+                             (SPEC D.5)"
+                        );
                         false
                     }
                 }

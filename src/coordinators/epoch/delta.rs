@@ -27,10 +27,11 @@
 //! A run's first offsets record is full, and so is every record that cannot be a delta: the
 //! layout is not compact (ids `0..count`, one payload width), the count or width differs from
 //! the base's, or the epoch is not after the chain's full record (its keyframe) by fewer than
-//! [`KEYFRAME_INTERVAL`] epochs (an epoch's offsets can complete before an earlier epoch's). Each full compact record starts a new chain; a full record that is not
-//! compact starts none. Reading a delta back decodes its chain from the keyframe on, at most
-//! [`KEYFRAME_INTERVAL`] records. Recovery follows `base_epoch` from record to record, so logs
-//! whose deltas all name their keyframe (the first version) decode the same way.
+//! [`KEYFRAME_INTERVAL`] epochs (an epoch's offsets can complete before an earlier epoch's). Each
+//! full compact record starts a new chain; a full record that is not compact starts none. Reading a
+//! delta back decodes its chain from the keyframe on, at most [`KEYFRAME_INTERVAL`] records.
+//! Recovery follows `base_epoch` from record to record, so logs whose deltas all name their
+//! keyframe (the first version) decode the same way.
 //!
 //! # Why a keyframe survives cleaning
 //! The log keeps every segment holding an epoch at or above `D + 1 - retained_epochs`, with `D`
@@ -262,7 +263,8 @@ impl ChainDecoder {
             || count.checked_mul(width) != Some(data.len())
         {
             return Err(format!(
-                "the full record of epoch {} is the base of a delta, but it is not compact                  ({count} offsets of {width} bytes in {} bytes{})",
+                "the full record of epoch {} is the base of a delta, but it is not compact \
+                 ({count} offsets of {width} bytes in {} bytes{})",
                 keyframe.epoch.to_native(),
                 data.len(),
                 if keyframe.partitions.is_empty() { "" } else { ", with partition ids" }
@@ -557,6 +559,10 @@ mod tests {
     fn a_full_record_that_is_not_compact_is_no_base() {
         let sparse = vec![(PartitionId(0), Payload::from(1)), (PartitionId(5), Payload::from(2))];
         let error = ChainDecoder::new(archived_full(&full(4, &sparse))).unwrap_err();
-        assert!(error.contains("epoch 4") && error.contains("not compact"), "{error}");
+        assert_eq!(
+            error,
+            "the full record of epoch 4 is the base of a delta, but it is not compact \
+             (2 offsets of 8 bytes in 16 bytes, with partition ids)"
+        );
     }
 }

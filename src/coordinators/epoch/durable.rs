@@ -269,8 +269,8 @@ pub type RestartPoint = (Epoch, Vec<(PartitionId, Payload)>);
 ///   when they wait for the disk to catch up: back-pressure, at most the write timeout,
 ///   [`DEFAULT_WRITE_TIMEOUT`], after which the record is refused with
 ///   [`WalError::AppendTimedOut`] and the coordinator stops the query); the WAL's sync thread
-///   makes them durable (group commit). [`DurableQueryStatus`] says which commits are durable. A crash
-///   before a commit record is durable makes the next run commit that epoch again
+///   makes them durable (group commit). [`DurableQueryStatus`] says which commits are durable.
+///   A crash before a commit record is durable makes the next run commit that epoch again
 ///   (at-least-once, SPEC B.5).
 /// * Bounded: with `D` the last commit known durable, WAL segments holding only epochs below
 ///   `D + 1 - retained_epochs` are deleted (time-based `clean`, at most every

@@ -478,12 +478,14 @@ impl Writer {
     }
 
     /// Writes one group synchronously (unless the log failed) and counts it. Returns whether
-    /// it was written (and synced, in the durable modes). If the engine broke, `buf` and the
-    /// segment file being written are leaked ([`IoEngine::is_broken`]; `buf` is left empty).
+    /// it was written (and synced, in the durable modes). If the engine broke during this
+    /// write, `buf` and the segment file being written are leaked ([`IoEngine::is_broken`];
+    /// `buf` is left empty). An engine that was broken before got none of them.
     fn write_group_serial(&mut self, buf: &mut Vec<u8>, chunks: &[Chunk]) -> bool {
         if self.shared.failure().is_some() {
             return false;
         }
+        let broken_before = self.engine.is_broken();
         let started = Instant::now();
         match self.write_group(buf, chunks) {
             Ok(synced_at) => {
@@ -495,7 +497,7 @@ impl Writer {
             }
             Err(error) => {
                 self.fail(error);
-                if self.engine.is_broken() {
+                if !broken_before && self.engine.is_broken() {
                     std::mem::forget(std::mem::take(buf));
                     if let Some(current) = &self.current {
                         std::mem::forget(Arc::clone(&current.file));

@@ -234,7 +234,8 @@ fn check_support(ring: &IoUring) -> std::io::Result<()> {
 #[cfg(all(test, not(loom)))]
 thread_local! {
     /// Unit tests: the next ring set up on this thread reports a missing feature.
-    pub(crate) static PRETEND_MISSING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    pub(crate) static PRETEND_MISSING: std::cell::Cell<bool> =
+        const { std::cell::Cell::new(false) };
 }
 
 #[cfg(all(test, not(loom)))]
@@ -379,7 +380,10 @@ impl UringEngine {
     /// groups with it (reported by `take_events`). The error names the file of the oldest
     /// group on the ring, if any (a serial write names its own: [`Self::broken_error`]).
     fn break_ring(&mut self, error: &std::io::Error) {
-        tracing::error!(%error, "io_uring_enter failed: the ring is not used again and the log fails");
+        tracing::error!(
+            %error,
+            "io_uring_enter failed: the ring is not used again and the log fails"
+        );
         let path = self.groups.front().map(|group| group.path.clone()).unwrap_or_default();
         let failure = WalError::from_io("io_uring_enter", path, 0, error);
         self.error.get_or_insert_with(|| failure.clone());
@@ -813,7 +817,10 @@ impl IoEngine for UringEngine {
         match UringEngine::waker(self) {
             Ok(waker) => Some(waker),
             Err(error) => {
-                tracing::warn!(%error, "no wake pipe for the io_uring writer; groups go one at a time");
+                tracing::warn!(
+                    %error,
+                    "no wake pipe for the io_uring writer; groups go one at a time"
+                );
                 None
             }
         }

@@ -6,10 +6,10 @@
 //! that prints `sink E` for each epoch it commits, and sends whole epochs (3 reader partitions
 //! reporting offsets `E * 1000 + p`, 2 writer partitions committing), with an
 //! `IncrementAndGetEpoch` ask after each as the epoch thread would. It first re-delivers the
-//! whole last committed epoch, as stale tasks do after a restart (it must be dropped). After each ask it prints
-//! `durable D` when the last commit record known durable has advanced to `D`. Iterations
-//! alternate group commit and `EveryRecord`; the log keeps the last 20 epochs, so `clean`
-//! also runs under the kill.
+//! whole last committed epoch, as stale tasks do after a restart (it must be dropped). After each
+//! ask it prints `durable D` when the last commit record known durable has advanced to `D`.
+//! Iterations alternate group commit and `EveryRecord`; the log keeps the last 20 epochs, so
+//! `clean` also runs under the kill.
 //!
 //! Parent: reopens the log (the recovery time) and checks that the recovered last committed
 //! epoch `R` is at least every epoch ever printed durable (else `lost`), at most the last epoch

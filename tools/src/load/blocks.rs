@@ -243,7 +243,10 @@ fn validate(args: &BlocksArgs) -> anyhow::Result<()> {
         args.receivers as u128 * window as u128 * block,
     )?;
     if args.batch_only && args.batch == 1 {
-        bail!("--batch-only with --batch 1: there is no batched run (--batch 1 is the single-block run)");
+        bail!(
+            "--batch-only with --batch 1: there is no batched run \
+             (--batch 1 is the single-block run)"
+        );
     }
     if args.blocks < args.receivers as u64 {
         bail!(
