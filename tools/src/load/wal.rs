@@ -99,6 +99,14 @@ pub struct WalArgs {
     /// I/O path: auto, io_uring or pwrite.
     #[arg(long, default_value = "auto")]
     pub io: String,
+    /// How much lower the WAL's sync thread's CPU priority is (added to its nice value, capped
+    /// at 19; 0 leaves it; at most 39). Its io_uring workers inherit it.
+    #[arg(
+        long,
+        default_value_t = coordbus::wal::DEFAULT_SYNC_THREAD_NICE,
+        value_parser = clap::value_parser!(u8).range(0..=i64::from(coordbus::wal::MAX_SYNC_THREAD_NICE))
+    )]
+    pub sync_nice: u8,
     /// Baseline measured in the same run: pwrite or none.
     #[arg(long, default_value = "pwrite")]
     pub baseline: String,
@@ -152,6 +160,7 @@ pub fn quick() -> WalArgs {
         max_bytes: 4 << 20,
         segment_mib: 64,
         io: "auto".into(),
+        sync_nice: coordbus::wal::DEFAULT_SYNC_THREAD_NICE,
         baseline: "pwrite".into(),
         dir: None,
     }
@@ -313,7 +322,11 @@ fn open(dir: &Path, args: &WalArgs, durability: Durability) -> anyhow::Result<Wa
             durability,
             ..WalConfig::default()
         },
-        WalOptions { io: io_mode(&args.io)?, ..WalOptions::default() },
+        WalOptions {
+            io: io_mode(&args.io)?,
+            sync_thread_nice: args.sync_nice,
+            ..WalOptions::default()
+        },
     )?)
 }
 
@@ -429,6 +442,7 @@ fn throughput_figure(
         .with("frame_bytes", frame_bytes)
         .with("bytes_per_sec", (messages * frame_bytes) as f64 / seconds)
         .with("io_path", wal.io_path().as_str())
+        .with("sync_nice", args.sync_nice)
         .with("latency", "append call (sampled 1/1024)")
         .with("groups", stats.groups)
         .with("syncs", stats.syncs)
@@ -484,6 +498,7 @@ fn every_record_figure(
         .with("record_bytes", args.record_bytes)
         .with("bytes_per_sec", (messages * frame_bytes) as f64 / seconds)
         .with("io_path", wal.io_path().as_str())
+        .with("sync_nice", args.sync_nice)
         .with("latency", "append to durable")
         .with_wal_stats("wal_stats", &wal.stats());
     if let Some((baseline, appending)) = baselines {
