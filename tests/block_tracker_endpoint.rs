@@ -12,7 +12,7 @@ use std::{
     os::fd::RawFd,
     path::Path,
     sync::{
-        atomic::{AtomicBool, AtomicUsize, Ordering},
+        atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
         Arc, Condvar, Mutex,
     },
     time::Duration,
@@ -93,8 +93,9 @@ impl BlockLog for RecordingLog {
 /// Far longer than any answer takes; a wait that reaches it is a hang.
 const BOUND: Duration = Duration::from_secs(30);
 
-/// The real log, but nothing ever becomes durable: a disk that stopped answering. It counts
-/// the replays of the log (rebuilds of the state), and fails them if `unreadable`.
+/// The real log, but nothing becomes durable unless the test says so ([`StalledLog::catch_up`]):
+/// a disk that stopped answering. It counts the replays of the log (rebuilds of the state),
+/// and fails them if `unreadable`.
 struct StalledLog {
     inner: WalBlockLog,
     callbacks: Mutex<Vec<DurableCallback>>,
@@ -102,6 +103,10 @@ struct StalledLog {
     armed: Condvar,
     replays: AtomicUsize,
     unreadable: bool,
+    /// The LSN the log reports durable: 0 until `catch_up`.
+    durable: AtomicU64,
+    /// The last LSN appended.
+    appended: AtomicU64,
 }
 
 impl StalledLog {
@@ -112,7 +117,16 @@ impl StalledLog {
             armed: Condvar::new(),
             replays: AtomicUsize::new(0),
             unreadable,
+            durable: AtomicU64::new(0),
+            appended: AtomicU64::new(0),
         })
+    }
+
+    /// The disk answers once: everything appended so far becomes durable, and the armed
+    /// callbacks say so. Later appends stall again.
+    fn catch_up(&self) {
+        self.durable.store(self.appended.load(Ordering::SeqCst), Ordering::SeqCst);
+        self.report(&Ok(()));
     }
 
     /// Waits (bounded) until a durability callback is armed, then runs the ones armed so far
@@ -132,13 +146,19 @@ impl StalledLog {
 
 impl BlockLog for StalledLog {
     fn append(&self, event: &TrackerEvent, time_ms: i64) -> Result<Lsn, BlockLogError> {
-        self.inner.append(event, time_ms)
+        let lsn = self.inner.append(event, time_ms)?;
+        self.appended.fetch_max(lsn.0, Ordering::SeqCst);
+        Ok(lsn)
     }
     fn wait_durable(&self, lsn: Lsn, timeout: Duration) -> Result<(), WalError> {
-        Err(WalError::Timeout { lsn: lsn.0, durable: 0, timeout })
+        if lsn <= self.durable_lsn() {
+            return Ok(());
+        }
+        let durable = self.durable.load(Ordering::SeqCst);
+        Err(WalError::Timeout { lsn: lsn.0, durable, timeout })
     }
     fn durable_lsn(&self) -> Lsn {
-        Lsn::ZERO
+        Lsn(self.durable.load(Ordering::SeqCst))
     }
     fn notify_when_durable(&self, _: Lsn, callback: DurableCallback) {
         self.callbacks.lock().unwrap().push(callback);
@@ -415,6 +435,38 @@ fn places_freed_by_askers_that_gave_up_are_found_within_a_bounded_number_of_refu
     }
     assert_eq!(refusals, skipped_scans, "each refusal rescanned the waiting requests");
     drop(admitted);
+    let _ = bus.shutdown();
+}
+
+/// The refusals a scan lets go without scanning belong to one backlog: once a query is let in
+/// below the bounds, the count is reset, so the first refusal of the next backlog scans for
+/// askers that gave up (and lets the query in at once if they freed its place).
+#[test]
+fn the_first_refusal_of_a_new_backlog_scans_for_askers_that_gave_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = StalledLog::new(dir.path(), false);
+    let (bus, endpoint) = host_stalled(&log, DEFAULT_ANSWER_BYTE_LIMIT);
+    // The first backlog: a refusal whose scan freed nothing lets the next 256 refusals skip it.
+    let addition = endpoint.ask(AddBlock(info(1, 1)));
+    let waiting: Vec<_> =
+        (0..MAX_PENDING_QUERIES).map(|_| endpoint.ask(HasUnallocatedBlocks)).collect();
+    assert!(endpoint.ask(HasUnallocatedBlocks).wait_timeout(BOUND).is_err(), "refused: full");
+    // The disk catches up: everything waiting is answered, the backlog is over.
+    log.catch_up();
+    assert!(addition.wait_timeout(BOUND).unwrap(), "the addition is durable");
+    for query in waiting {
+        assert!(query.wait_timeout(BOUND).unwrap(), "the block is unallocated");
+    }
+    // The second backlog: the queries let in below the bounds, then all of them given up.
+    let _stalled = endpoint.ask(AddBlock(info(1, 2)));
+    let given_up: Vec<_> =
+        (0..MAX_PENDING_QUERIES).map(|_| endpoint.ask(HasUnallocatedBlocks)).collect();
+    drop(given_up);
+    let mut admitted = endpoint.ask(HasUnallocatedBlocks);
+    // A barrier: a refusal has come back by then, an admitted query (waiting for the stalled
+    // addition) has not.
+    endpoint.ask(ConnectReceiver).wait_timeout(BOUND).unwrap();
+    assert!(admitted.try_take().is_none(), "refused: the new backlog did not scan at once");
     let _ = bus.shutdown();
 }
 
