@@ -22,7 +22,10 @@ use coordbus::{
         BlockTrackerError, ReceivedBlockInfo, ReceivedBlockTracker, ReceiverBlockStore,
         StreamBlockId, StreamId, TrackerEvent, WalBlockLog, RECEIVED_BLOCK_METADATA_DIR,
     },
-    wal::{Durability, DurableCallback, Lsn, RecordHandle, SegmentId, Wal, WalConfig, WalError},
+    wal::{
+        Durability, DurableCallback, IoMode, IoPath, Lsn, RecordHandle, SegmentId, Wal, WalConfig,
+        WalError, WalOptions,
+    },
 };
 
 const STREAM: StreamId = StreamId(1);
@@ -1015,4 +1018,31 @@ fn a_rebuild_of_a_tracker_opened_without_recovery_skips_earlier_runs() {
     // A recovering tracker still has both runs' blocks.
     let recovered = ReceivedBlockTracker::open(config.recover(true), clock).unwrap();
     assert_eq!(recovered.unallocated_blocks(STREAM).len(), earlier.len() + later.len());
+}
+
+/// The tracker's own log is opened with the configured WAL options (here the `pwrite` path,
+/// no spare segments); options the WAL refuses fail the open with the WAL's typed error.
+#[test]
+fn the_tracker_opens_its_log_with_the_configured_wal_options() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = WalOptions { io: IoMode::Pwrite, spare_segments: 0, ..WalOptions::default() };
+    let tracker = ReceivedBlockTracker::open(
+        config(Some(dir.path()), Duration::from_secs(60)).wal_options(options),
+        Arc::new(ManualClock::new(1_000)),
+    )
+    .unwrap();
+    let wal = tracker.log().and_then(|log| log.wal()).expect("the tracker's own WAL");
+    assert_eq!(wal.io_path(), IoPath::Pwrite);
+    drop(tracker);
+
+    let refused = WalOptions { sync_thread_nice: 40, ..WalOptions::default() };
+    match ReceivedBlockTracker::open(
+        config(Some(dir.path()), Duration::from_secs(60)).wal_options(refused),
+        Arc::new(ManualClock::new(1_000)),
+    ) {
+        Err(BlockTrackerError::Wal(WalError::InvalidConfig { setting, value, .. })) => {
+            assert_eq!((setting, value.as_str()), ("sync_thread_nice", "40"));
+        }
+        other => panic!("expected the WAL's refusal, got {:?}", other.map(drop)),
+    }
 }

@@ -12,7 +12,7 @@ use super::{
     types::{BlockAdditionsEvent, TrackerEvent},
     BlockTrackerError, ReceivedBlockInfo,
 };
-use crate::wal::{DurableCallback, Lsn, Wal, WalConfig, WalError};
+use crate::wal::{DurableCallback, Lsn, Wal, WalConfig, WalError, WalOptions};
 
 /// Why the log step did not write an event.
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
@@ -144,7 +144,19 @@ impl WalBlockLog {
     /// # Errors
     /// The WAL's opening errors (configuration, corruption in strict mode, I/O).
     pub fn open(dir: impl AsRef<Path>, config: WalConfig) -> Result<Self, WalError> {
-        Ok(Self::from_wal(Arc::new(Wal::open(dir, config)?)))
+        Self::open_with_options(dir, config, WalOptions::default())
+    }
+
+    /// [`Self::open`] with the WAL's `options`.
+    ///
+    /// # Errors
+    /// As [`Self::open`].
+    pub fn open_with_options(
+        dir: impl AsRef<Path>,
+        config: WalConfig,
+        options: WalOptions,
+    ) -> Result<Self, WalError> {
+        Ok(Self::from_wal(Arc::new(Wal::open_with_options(dir, config, options)?)))
     }
 
     /// Wraps an open WAL.

@@ -102,7 +102,7 @@ use self::{
 };
 use crate::{
     clock::Clock,
-    wal::{Lsn, Wal, WalConfig, WalError},
+    wal::{Lsn, Wal, WalConfig, WalError, WalOptions},
 };
 
 /// Name of the WAL directory inside the checkpoint directory (Spark's).
@@ -241,6 +241,10 @@ pub struct BlockTrackerConfig {
     pub recover_from_wal: bool,
     /// The WAL's settings (default [`BlockTrackerConfig::driver_wal_config`]).
     pub wal: WalConfig,
+    /// The WAL's options: its I/O path, the sync thread's priority, spare segments, ... (default
+    /// [`WalOptions::default`]). Their `clock` does not matter: the tracker stamps its records
+    /// with its own clock.
+    pub wal_options: WalOptions,
     /// Longest a synchronous write waits for durability before it counts as failed (Spark's
     /// `batchingTimeout`, 5 s). A tracker that opens its own log also bounds each append's
     /// wait for room in the WAL's staging buffer by it.
@@ -255,6 +259,7 @@ impl BlockTrackerConfig {
             checkpoint_dir: None,
             recover_from_wal: false,
             wal: Self::driver_wal_config(),
+            wal_options: WalOptions::default(),
             write_timeout: Duration::from_millis(5000),
         }
     }
@@ -274,6 +279,12 @@ impl BlockTrackerConfig {
     /// Sets the WAL's settings.
     pub fn wal_config(mut self, wal: WalConfig) -> Self {
         self.wal = wal;
+        self
+    }
+
+    /// Sets the WAL's options.
+    pub fn wal_options(mut self, options: WalOptions) -> Self {
+        self.wal_options = options;
         self
     }
 
@@ -431,15 +442,19 @@ impl ReceivedBlockTracker {
         let log: Option<Arc<dyn BlockLog>> = match &config.checkpoint_dir {
             None => None,
             Some(dir) => Some(Arc::new(
-                WalBlockLog::open(dir.join(RECEIVED_BLOCK_METADATA_DIR), config.wal.clone())?
-                    .with_append_timeout(config.write_timeout),
+                WalBlockLog::open_with_options(
+                    dir.join(RECEIVED_BLOCK_METADATA_DIR),
+                    config.wal.clone(),
+                    config.wal_options.clone(),
+                )?
+                .with_append_timeout(config.write_timeout),
             )),
         };
         Self::with_log(config, clock, log)
     }
 
-    /// Builds a tracker over an explicit log (`None`: WAL disabled); `config.checkpoint_dir`
-    /// and `config.wal` are ignored.
+    /// Builds a tracker over an explicit log (`None`: WAL disabled); `config.checkpoint_dir`,
+    /// `config.wal` and `config.wal_options` are ignored.
     ///
     /// # Errors
     /// A damaged journal during recovery;

@@ -172,6 +172,14 @@ pub struct BlocksArgs {
         value_parser = clap::value_parser!(u64).range(SEGMENT_MIB)
     )]
     pub segment_mib: u64,
+    /// How much lower the WAL's sync thread's CPU priority is (added to its nice value, capped
+    /// at 19; 0 leaves it; at most 39). Its io_uring workers inherit it.
+    #[arg(
+        long,
+        default_value_t = coordbus::wal::DEFAULT_SYNC_THREAD_NICE,
+        value_parser = clap::value_parser!(u8).range(0..=i64::from(coordbus::wal::MAX_SYNC_THREAD_NICE))
+    )]
+    pub sync_nice: u8,
     /// Directory for the logs: a fresh temporary directory is made inside it (default: inside
     /// the system temp dir) and removed at the end, so a run never replays an earlier run's
     /// log.
@@ -195,6 +203,7 @@ pub fn quick() -> BlocksArgs {
         max_delay_us: 200,
         max_group_bytes: 1 << 20,
         segment_mib: 64,
+        sync_nice: coordbus::wal::DEFAULT_SYNC_THREAD_NICE,
         dir: None,
     }
 }
@@ -214,6 +223,14 @@ fn wal_config(args: &BlocksArgs) -> WalConfig {
         segment_size_bytes: segment_bytes(args.segment_mib),
         ..BlockTrackerConfig::driver_wal_config()
     }
+}
+
+/// The tracker's settings for a log in `dir`.
+fn tracker_config(args: &BlocksArgs, dir: &std::path::Path) -> BlockTrackerConfig {
+    BlockTrackerConfig::new(streams(args))
+        .checkpoint_dir(dir)
+        .wal_config(wal_config(args))
+        .wal_options(WalOptions { sync_thread_nice: args.sync_nice, ..WalOptions::default() })
 }
 
 /// The stream ids `0..--streams` (`validate` keeps `--streams` within [`MAX_STREAMS`], so
@@ -334,8 +351,7 @@ fn run_add(
     dir: &std::path::Path,
 ) -> anyhow::Result<Figure> {
     let streams = streams(args);
-    let config =
-        BlockTrackerConfig::new(streams.clone()).checkpoint_dir(dir).wal_config(wal_config(args));
+    let config = tracker_config(args, dir);
     let tracker = ReceivedBlockTracker::open(config, Arc::new(SystemClock))?;
     let wal = Arc::clone(tracker.wal().context("the WAL is enabled")?);
     let bus = Bus::builder().inbox_shards(receivers.max(2)).inbox_capacity(1 << 16).build()?;
@@ -420,6 +436,7 @@ fn run_add(
         .with_latency(Percentiles::from_histogram(&histogram))
         .with("receivers", receivers)
         .with("streams", streams.len())
+        .with("sync_nice", args.sync_nice)
         .with("in_flight", if batch == 1 { args.in_flight } else { args.batch_in_flight })
         .with("blocks_per_ask", batch)
         .with(
@@ -600,8 +617,7 @@ fn run_recover_and_allocate(
     dir: &std::path::Path,
 ) -> anyhow::Result<Vec<Figure>> {
     let streams = streams(args);
-    let config =
-        BlockTrackerConfig::new(streams.clone()).checkpoint_dir(dir).wal_config(wal_config(args));
+    let config = tracker_config(args, dir);
     let clock = Arc::new(SystemClock);
 
     // Log the additions (appended without waiting, then made durable once).
@@ -658,6 +674,7 @@ fn run_recover_and_allocate(
         Figure::new("blocks/recover", recovered, recover_seconds)
             .with("streams", streams.len())
             .with("segment_mib", args.segment_mib)
+            .with("sync_nice", args.sync_nice)
             .with("bytes_per_event", bytes_per_event)
             .with("wal_scan_again_seconds", wal_open_seconds)
             .with("spark_seconds", SPARK_RECOVER_1M_SECONDS * recovered as f64 / 1e6)
@@ -668,6 +685,7 @@ fn run_recover_and_allocate(
             ),
         Figure::new("blocks/allocate", allocated, allocate_seconds)
             .with("streams", streams.len())
+            .with("sync_nice", args.sync_nice)
             .with("durable", "synced")
             .with("allocation_event_bytes", allocation_bytes)
             .with("bytes_per_event", allocation_bytes as f64 / allocated.max(1) as f64),
