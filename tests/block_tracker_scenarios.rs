@@ -1021,7 +1021,8 @@ fn a_rebuild_of_a_tracker_opened_without_recovery_skips_earlier_runs() {
 }
 
 /// The tracker's own log is opened with the configured WAL options (here the `pwrite` path,
-/// no spare segments); options the WAL refuses fail the open with the WAL's typed error.
+/// no spare segments); options the WAL refuses, and a read-only log (the tracker writes),
+/// fail the open with the WAL's typed error.
 #[test]
 fn the_tracker_opens_its_log_with_the_configured_wal_options() {
     let dir = tempfile::tempdir().unwrap();
@@ -1044,5 +1045,16 @@ fn the_tracker_opens_its_log_with_the_configured_wal_options() {
             assert_eq!((setting, value.as_str()), ("sync_thread_nice", "40"));
         }
         other => panic!("expected the WAL's refusal, got {:?}", other.map(drop)),
+    }
+
+    let read_only = WalOptions { read_only: true, ..WalOptions::default() };
+    match ReceivedBlockTracker::open(
+        config(Some(dir.path()), Duration::from_secs(60)).wal_options(read_only),
+        Arc::new(ManualClock::new(1_000)),
+    ) {
+        Err(BlockTrackerError::Wal(WalError::InvalidConfig { setting, value, .. })) => {
+            assert_eq!((setting, value.as_str()), ("read_only", "true"));
+        }
+        other => panic!("expected a read-only log refused, got {:?}", other.map(drop)),
     }
 }

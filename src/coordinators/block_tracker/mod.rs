@@ -243,7 +243,7 @@ pub struct BlockTrackerConfig {
     pub wal: WalConfig,
     /// The WAL's options: its I/O path, the sync thread's priority, spare segments, ... (default
     /// [`WalOptions::default`]). Their `clock` does not matter: the tracker stamps its records
-    /// with its own clock.
+    /// with its own clock. `read_only` is refused: the tracker writes its log.
     pub wal_options: WalOptions,
     /// Longest a synchronous write waits for durability before it counts as failed (Spark's
     /// `batchingTimeout`, 5 s). A tracker that opens its own log also bounds each append's
@@ -434,11 +434,19 @@ impl ReceivedBlockTracker {
     /// checkpoint directory is given, and replays it when `recover_from_wal` is set.
     ///
     /// # Errors
-    /// The WAL's opening errors, or a damaged journal during recovery.
+    /// The WAL's opening errors (also [`WalError::InvalidConfig`] for read-only WAL options),
+    /// or a damaged journal during recovery.
     pub fn open(
         config: BlockTrackerConfig,
         clock: Arc<dyn Clock>,
     ) -> Result<Self, BlockTrackerError> {
+        if config.checkpoint_dir.is_some() && config.wal_options.read_only {
+            return Err(BlockTrackerError::Wal(WalError::InvalidConfig {
+                setting: "read_only",
+                value: "true".into(),
+                reason: "the block tracker writes its log",
+            }));
+        }
         let log: Option<Arc<dyn BlockLog>> = match &config.checkpoint_dir {
             None => None,
             Some(dir) => Some(Arc::new(

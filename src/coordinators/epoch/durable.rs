@@ -1059,6 +1059,20 @@ mod tests {
     /// Adds the offsets of each epoch of `epochs` and commits it, waiting (bounded) until the
     /// commit is durable: only written (sealed) segments can be cleaned, so the disk keeps up,
     /// as it does in a steady run.
+    /// Waits (at most 10 s) until the query's log has deleted `at_least` cleaned segments: a
+    /// commit queues the clean, and the sync thread deletes the files at its next turn.
+    fn wait_for_cleaned_segments(query: &DurableQuery, at_least: u64) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while query.wal().stats().cleaned_segments < at_least {
+            let stats = query.wal().stats();
+            assert!(
+                std::time::Instant::now() < deadline,
+                "fewer than {at_least} cleaned: {stats:?}"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
     fn commit_each_durably(
         query: &mut DurableQuery,
         epochs: std::ops::Range<i64>,
@@ -1085,10 +1099,10 @@ mod tests {
             let config = WalConfig { durability: Durability::None, ..config() };
             let mut query = DurableQuery::open(dir.path(), config).unwrap().with_retained_epochs(4);
             commit_each_durably(&mut query, 0..200, many);
-            let stats = query.wal().stats();
             // About 3.5 KiB per epoch in 64 KiB segments: ~20 segments written, all but the
             // newest (holding the last few epochs) deleted.
-            assert!(stats.cleaned_segments >= 18, "{stats:?}");
+            wait_for_cleaned_segments(&query, 18);
+            let stats = query.wal().stats();
             assert!(stats.segments <= 3, "{stats:?}");
         }
         let query = DurableQuery::open(dir.path(), config()).unwrap();
@@ -1141,7 +1155,7 @@ mod tests {
             let mut query =
                 DurableQuery::open(dir.path(), config.clone()).unwrap().with_retained_epochs(2);
             commit_each_durably(&mut query, 150..151, offsets);
-            assert!(query.wal().stats().cleaned_segments > 0, "the second run cleaned");
+            wait_for_cleaned_segments(&query, 1);
         }
         let crashed = tempfile::tempdir().unwrap();
         for entry in std::fs::read_dir(dir.path()).unwrap() {
@@ -1173,8 +1187,8 @@ mod tests {
                 WalConfig { durability: Durability::None, segment_size_bytes: 4096, ..config() };
             let mut query = DurableQuery::open(dir.path(), config).unwrap().with_retained_epochs(3);
             commit_each_durably(&mut query, 0..epochs, offsets);
+            wait_for_cleaned_segments(&query, 100);
             let stats = query.wal().stats();
-            assert!(stats.cleaned_segments >= 100, "{stats:?}");
             // One full record and two deltas per three epochs, plus the commits: about 900
             // bytes an epoch, against 1.7 KiB with full records only.
             assert!(stats.bytes < epochs as u64 * 1100, "{stats:?}");

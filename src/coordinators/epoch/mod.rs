@@ -71,13 +71,17 @@
 //!   is kept (as in Spark), and no epoch completes until both counts are set (B.5 read literally
 //!   would complete an epoch with no offsets when the reader count is 0). Setting a count
 //!   resolves nothing by itself (Spark); the next message of an epoch does.
-//! * An epoch that becomes ready without a report completing its offsets (every offset arrived
-//!   while the reader count was unset, then a writer commit completed the epoch; or the count
-//!   changed after the offsets arrived) gets its `add_offsets` call just before its sink
-//!   commit, counted ([`EpochCounters::offsets_added_at_commit`]) and logged as a warning.
-//!   Spark commits such an epoch with no offset log entry, which its next restart rejects
-//!   ("Batch E was committed without end epoch offsets!"), after the sink already committed
-//!   it; [`DurableQuery`] would likewise refuse the commit.
+//! * An epoch that becomes ready although `add_offsets` was never called for it (every offset
+//!   arrived while the reader count was unset and a writer commit then completed the epoch, or
+//!   the count was lowered to what had arrived) gets its `add_offsets` call just before its
+//!   sink commit, counted ([`EpochCounters::offsets_added_at_commit`]) and logged as a
+//!   warning. Spark commits such an epoch with no offset log entry, which its next restart
+//!   rejects ("Batch E was committed without end epoch offsets!"), after the sink already
+//!   committed it; [`DurableQuery`] would likewise refuse the commit. An epoch whose offsets
+//!   were added once is not added again at its commit, even if a count change let its
+//!   offsets change without a completing report (the offset log keeps an epoch's first record
+//!   anyway). As in Spark, completeness counts entries: offsets kept from before the count was
+//!   set may include ids at or above it.
 //! * A duplicate `CommitPartitionEpoch` is dropped and counted (first commit wins, no backlog
 //!   check). A repeated `ReportPartitionOffset` overwrites the offset (Spark) and, if the epoch's
 //!   offsets are complete, calls `add_offsets` again.

@@ -499,9 +499,7 @@ impl Writer {
                 self.fail(error);
                 if !broken_before && self.engine.is_broken() {
                     std::mem::forget(std::mem::take(buf));
-                    if let Some(current) = &self.current {
-                        std::mem::forget(Arc::clone(&current.file));
-                    }
+                    self.leak_current_file();
                 }
                 false
             }
@@ -1031,12 +1029,26 @@ impl Writer {
     }
 
     /// At close: syncs what is unsynced (also in `Durability::None`: close makes it durable).
+    /// If the engine broke during that sync, the segment file is leaked (its descriptor may
+    /// still be looked up by the sync in flight: [`IoEngine::is_broken`]).
     fn finish(&mut self) {
         if self.shared.failure().is_some() {
             return;
         }
+        let broken_before = self.engine.is_broken();
         if let Err(error) = self.seal_current() {
             self.fail(error);
+            if !broken_before && self.engine.is_broken() {
+                self.leak_current_file();
+            }
+        }
+    }
+
+    /// Keeps the current segment's file open for good: after the engine broke, a request in
+    /// flight may still look its descriptor up, so the number must never be reused.
+    fn leak_current_file(&self) {
+        if let Some(current) = &self.current {
+            std::mem::forget(Arc::clone(&current.file));
         }
     }
 }
