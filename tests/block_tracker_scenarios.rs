@@ -1026,35 +1026,28 @@ fn a_rebuild_of_a_tracker_opened_without_recovery_skips_earlier_runs() {
 #[test]
 fn the_tracker_opens_its_log_with_the_configured_wal_options() {
     let dir = tempfile::tempdir().unwrap();
+    let open = |options: WalOptions| {
+        ReceivedBlockTracker::open(
+            config(Some(dir.path()), Duration::from_secs(60)).wal_options(options),
+            Arc::new(ManualClock::new(1_000)),
+        )
+    };
     let options = WalOptions { io: IoMode::Pwrite, spare_segments: 0, ..WalOptions::default() };
-    let tracker = ReceivedBlockTracker::open(
-        config(Some(dir.path()), Duration::from_secs(60)).wal_options(options),
-        Arc::new(ManualClock::new(1_000)),
-    )
-    .unwrap();
+    let tracker = open(options).unwrap();
     let wal = tracker.log().and_then(|log| log.wal()).expect("the tracker's own WAL");
     assert_eq!(wal.io_path(), IoPath::Pwrite);
     drop(tracker);
 
-    let refused = WalOptions { sync_thread_nice: 40, ..WalOptions::default() };
-    match ReceivedBlockTracker::open(
-        config(Some(dir.path()), Duration::from_secs(60)).wal_options(refused),
-        Arc::new(ManualClock::new(1_000)),
-    ) {
-        Err(BlockTrackerError::Wal(WalError::InvalidConfig { setting, value, .. })) => {
-            assert_eq!((setting, value.as_str()), ("sync_thread_nice", "40"));
+    let refused = [
+        (WalOptions { sync_thread_nice: 40, ..WalOptions::default() }, ("sync_thread_nice", "40")),
+        (WalOptions { read_only: true, ..WalOptions::default() }, ("read_only", "true")),
+    ];
+    for (options, expected) in refused {
+        match open(options) {
+            Err(BlockTrackerError::Wal(WalError::InvalidConfig { setting, value, .. })) => {
+                assert_eq!((setting, value.as_str()), expected);
+            }
+            other => panic!("expected {expected:?} refused, got {:?}", other.map(drop)),
         }
-        other => panic!("expected the WAL's refusal, got {:?}", other.map(drop)),
-    }
-
-    let read_only = WalOptions { read_only: true, ..WalOptions::default() };
-    match ReceivedBlockTracker::open(
-        config(Some(dir.path()), Duration::from_secs(60)).wal_options(read_only),
-        Arc::new(ManualClock::new(1_000)),
-    ) {
-        Err(BlockTrackerError::Wal(WalError::InvalidConfig { setting, value, .. })) => {
-            assert_eq!((setting, value.as_str()), ("read_only", "true"));
-        }
-        other => panic!("expected a read-only log refused, got {:?}", other.map(drop)),
     }
 }

@@ -1063,8 +1063,11 @@ mod tests {
     /// commit queues the clean, and the sync thread deletes the files at its next turn.
     fn wait_for_cleaned_segments(query: &DurableQuery, at_least: u64) {
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while query.wal().stats().cleaned_segments < at_least {
+        loop {
             let stats = query.wal().stats();
+            if stats.cleaned_segments >= at_least {
+                return;
+            }
             assert!(
                 std::time::Instant::now() < deadline,
                 "fewer than {at_least} cleaned: {stats:?}"
