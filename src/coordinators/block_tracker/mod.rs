@@ -230,8 +230,20 @@ pub enum BlockTrackerError {
     },
 }
 
-/// Settings of a [`ReceivedBlockTracker`].
+/// Settings of a [`ReceivedBlockTracker`]: [`BlockTrackerConfig::new`] and the setters below
+/// (or assignments to the public fields). Not built field by field outside the crate, so that
+/// a new setting is not a breaking change.
+///
+/// ```
+/// use std::time::Duration;
+/// use coordbus::coordinators::block_tracker::{BlockTrackerConfig, StreamId};
+/// let config = BlockTrackerConfig::new([StreamId(0)])
+///     .checkpoint_dir("/tmp/checkpoint")
+///     .write_timeout(Duration::from_secs(2));
+/// assert_eq!(config.write_timeout, Duration::from_secs(2));
+/// ```
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct BlockTrackerConfig {
     /// The input streams whose blocks are allocated to batches.
     pub stream_ids: Vec<StreamId>,
@@ -285,6 +297,12 @@ impl BlockTrackerConfig {
     /// Sets the WAL's options.
     pub fn wal_options(mut self, options: WalOptions) -> Self {
         self.wal_options = options;
+        self
+    }
+
+    /// Sets how long a synchronous write waits for durability (default 5 s).
+    pub fn write_timeout(mut self, timeout: Duration) -> Self {
+        self.write_timeout = timeout;
         self
     }
 
