@@ -454,6 +454,26 @@ pub enum WalError {
         /// What the setting requires.
         reason: &'static str,
     },
+    /// A failed log's marker ([`UNSYNCED_MARKER`](crate::wal::UNSYNCED_MARKER)) does not hold
+    /// an LSN. The log writes it whole (a temporary file renamed over it), so it was damaged,
+    /// or the failing disk did not keep it (its sync failed, then the machine rebooted). Which
+    /// records after the failure reached the disk is then unknown, so the log is not opened,
+    /// nor scanned, until the marker is looked at. Removing it opens the log with every record
+    /// the scan finds.
+    #[error(
+        "the failed-log marker {path:?} does not hold an LSN ({len} bytes, starting \
+         {preview:?}): records after the failure may never have reached the disk; remove the \
+         marker to open the log with every record found"
+    )]
+    BadUnsyncedMarker {
+        /// The marker file.
+        path: std::path::PathBuf,
+        /// Its length in bytes.
+        len: u64,
+        /// Its first bytes, invalid UTF-8 replaced (at most
+        /// [`UNSYNCED_MARKER_MAX_BYTES`](crate::wal::UNSYNCED_MARKER_MAX_BYTES)).
+        preview: String,
+    },
 }
 
 impl WalError {

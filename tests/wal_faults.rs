@@ -28,6 +28,7 @@ use std::{
 use coordbus::wal::{
     Durability, FileStorage, IoMode, IoPath, Lsn, RingFault, RingOp, SegmentId, Storage,
     StorageFile, UnsyncedCut, Wal, WalConfig, WalError, WalOptions, UNSYNCED_MARKER,
+    UNSYNCED_MARKER_TEMP,
 };
 use wal_support::{bounded, kernel_allows_io_uring, wait_durable_bounded};
 
@@ -268,6 +269,10 @@ fn a_failed_fsync_fails_the_log_for_good_on(path: IoVariant) {
         // it may never have been written (module `wal`, "Durability order").
         let marker = dir.path().join(UNSYNCED_MARKER);
         assert_eq!(std::fs::read_to_string(&marker).unwrap(), format!("{}\n", acked.0));
+        assert!(
+            !dir.path().join(UNSYNCED_MARKER_TEMP).exists(),
+            "the marker is written to a temporary file, then renamed into place"
+        );
         let wal =
             Wal::open(dir.path(), WalConfig { segment_size_bytes: 4096, ..WalConfig::default() })
                 .unwrap();

@@ -627,6 +627,86 @@ fn a_failed_logs_marker_cuts_every_record_after_its_durable_lsn() {
     assert_eq!(reopened.recovery_report().unsynced_cut, None);
 }
 
+/// A marker that holds no LSN was not written by the log (it writes its marker whole): the
+/// scan and the open refuse the log with an error naming the file, its length and its first
+/// bytes, read no further than the marker's longest valid length, and change nothing; once the
+/// marker is removed, the log opens with every record.
+#[test]
+fn a_marker_that_holds_no_lsn_fails_the_scan_and_the_open_and_changes_nothing() {
+    let huge = vec![b'7'; 1 << 20];
+    let damaged: [(&str, &[u8]); 6] = [
+        ("empty", b""),
+        ("text", b"garbage\n"),
+        ("negative", b"-5\n"),
+        ("not UTF-8", b"\xff\xfe5\n"),
+        ("past u64", b"18446744073709551616\n"),
+        ("1 MiB of digits", &huge),
+    ];
+    for (what, bytes) in damaged {
+        let dir = tempfile::tempdir().unwrap();
+        let last = {
+            let wal = open(dir.path(), Durability::default(), IoMode::Auto, 4096);
+            let last = (0..50u8).map(|index| wal.append_bytes(&[index; 100], 1).unwrap().0).last();
+            wal.wait_durable_timeout(last.unwrap(), WAIT).unwrap();
+            last.unwrap()
+        };
+        let marker = dir.path().join(coordbus::wal::UNSYNCED_MARKER);
+        std::fs::write(&marker, bytes).unwrap();
+        let shown = &bytes[..bytes.len().min(coordbus::wal::UNSYNCED_MARKER_MAX_BYTES)];
+        let expected = WalError::BadUnsyncedMarker {
+            path: marker.clone(),
+            len: bytes.len() as u64,
+            preview: String::from_utf8_lossy(shown).into_owned(),
+        };
+        assert_eq!(
+            scan_dir(dir.path(), RecoveryMode::Strict).err(),
+            Some(expected.clone()),
+            "{what}"
+        );
+        let opened =
+            Wal::open(dir.path(), WalConfig { segment_size_bytes: 4096, ..WalConfig::default() });
+        assert_eq!(opened.err(), Some(expected.clone()), "{what}");
+        assert_eq!(
+            expected.to_string(),
+            format!(
+                "the failed-log marker {marker:?} does not hold an LSN ({} bytes, starting {:?}): \
+                 records after the failure may never have reached the disk; remove the marker \
+                 to open the log with every record found",
+                bytes.len(),
+                String::from_utf8_lossy(shown)
+            )
+        );
+        assert_eq!(std::fs::read(&marker).unwrap(), bytes, "{what}: the marker is left as found");
+
+        std::fs::remove_file(&marker).unwrap();
+        let wal = open(dir.path(), Durability::default(), IoMode::Auto, 4096);
+        assert_eq!(wal.recovery_report().unsynced_cut, None, "{what}");
+        assert_eq!(all_records(&wal).len() as u64, last.0, "{what}: every record kept");
+    }
+}
+
+/// A temporary marker left by a process that died before renaming it never became the marker:
+/// a scan ignores it, and a writer's open keeps every record and deletes it.
+#[test]
+fn a_temporary_marker_left_behind_cuts_nothing_and_a_writers_open_deletes_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let last = {
+        let wal = open(dir.path(), Durability::default(), IoMode::Auto, 4096);
+        let last = (0..50u8).map(|index| wal.append_bytes(&[index; 100], 1).unwrap().0).last();
+        wal.wait_durable_timeout(last.unwrap(), WAIT).unwrap();
+        last.unwrap()
+    };
+    let temp = dir.path().join(coordbus::wal::UNSYNCED_MARKER_TEMP);
+    std::fs::write(&temp, b"3\n").unwrap();
+    let scan = scan_dir(dir.path(), RecoveryMode::Strict).unwrap();
+    assert_eq!((scan.report.unsynced_cut, scan.report.last_lsn), (None, last));
+    assert!(temp.exists(), "a read-only scan changes nothing");
+    let wal = open(dir.path(), Durability::default(), IoMode::Auto, 4096);
+    assert_eq!(wal.recovery_report().unsynced_cut, None);
+    assert_eq!(all_records(&wal).len() as u64, last.0, "every record kept");
+    assert!(!temp.exists(), "the writer's open deletes it");
+}
+
 #[test]
 fn a_callback_may_drop_the_last_reference_to_the_log() {
     let dir = tempfile::tempdir().unwrap();

@@ -182,12 +182,16 @@
 //!   writer's directory is not its to mark): opening the log cuts every record after it
 //!   (never acknowledged), then deletes the marker once the cut is durable; a read-only open
 //!   or [`scan_dir`] cuts in what it reports only. The marker is written before waiters are
-//!   woken, on the failing thread, so on a failing disk they wait for its sync too. Without
-//!   it a process that opens the log
-//!   later in the same boot could read those records back from the page cache and sync them
-//!   without an error, although the kernel may never have written them: Linux reports a
-//!   failed writeback to one `fsync` only and may drop the dirty pages ("fsyncgate"), so the
-//!   records would vanish at the next reboot under state built on them.
+//!   woken, on the failing thread, so on a failing disk they wait for its sync too. It is
+//!   written whole (a temporary file, synced, renamed into place). A marker that holds no LSN
+//!   was damaged, or its own sync failed on the failing disk before a reboot: opening or
+//!   scanning the log then fails with [`WalError::BadUnsyncedMarker`] rather than guess which
+//!   records to keep. Without the
+//!   marker, a process that opens the log later in the same boot could read those records
+//!   back from the page cache and sync them without an error, although the kernel may never
+//!   have written them: Linux reports a failed writeback to one `fsync` only and may drop the
+//!   dirty pages ("fsyncgate"), so the records would vanish at the next reboot under state
+//!   built on them.
 //!
 //! ## Choices where SPEC is silent
 //! * After opening, the first append starts a new segment (like Spark's new writer), so the
@@ -249,6 +253,14 @@ pub use crate::error::WalError;
 /// opening the log cuts every record after that LSN, then deletes the file (module doc,
 /// "Durability order").
 pub const UNSYNCED_MARKER: &str = "unsynced-after.lsn";
+
+/// Longest valid [`UNSYNCED_MARKER`]: the 20 digits of `u64::MAX` and a newline, with room for
+/// surrounding whitespace. Recovery reads no more than this of it.
+pub const UNSYNCED_MARKER_MAX_BYTES: usize = 32;
+
+/// Where a failing log writes its [`UNSYNCED_MARKER`] before renaming it into place, so that
+/// the marker is either whole or absent. A writer's open deletes one left behind.
+pub const UNSYNCED_MARKER_TEMP: &str = "unsynced-after.lsn.tmp";
 
 use crate::{
     clock::{Clock, SystemClock},
@@ -999,35 +1011,42 @@ impl Shared {
     }
 
     /// Writes [`UNSYNCED_MARKER`] naming `durable`, the failed log's last durable LSN (module
-    /// doc, "Durability order"). Best effort: the disk may be failing. A marker whose sync
-    /// failed is still kept, since it is read back from the same page cache as the records it
-    /// guards against.
+    /// doc, "Durability order"): into [`UNSYNCED_MARKER_TEMP`] first, synced, then renamed over
+    /// the marker, so that a crash leaves the marker whole or absent, never half written.
+    /// Best effort: the disk may be failing. A marker whose sync failed is still renamed into
+    /// place, since it is read back from the same page cache as the records it guards against
+    /// (after a reboot it may then be found empty: opening refuses such a log, module doc).
     ///
     /// Runs inside `fail`, before the waiting threads are woken and the callbacks run, so a
     /// storage layer that panics here is caught: the failure must still reach them.
     fn leave_unsynced_marker(&self, durable: u64) {
         let path = self.dir.join(UNSYNCED_MARKER);
+        let temp = self.dir.join(UNSYNCED_MARKER_TEMP);
         let failed = |op, at: &Path, error: std::io::Error| WalError::from_io(op, at, 0, &error);
         let written = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            match self.storage.remove(&path) {
+            match self.storage.remove(&temp) {
                 Err(error) if error.kind() != std::io::ErrorKind::NotFound => {
-                    return Err(failed("remove", &path, error));
+                    return Err(failed("remove", &temp, error));
                 }
                 _ => {}
             }
             let file =
-                self.storage.create(&path).map_err(|error| failed("create", &path, error))?;
+                self.storage.create(&temp).map_err(|error| failed("create", &temp, error))?;
             let text = format!("{durable}\n");
             writer::pwrite::write_all_at(&writer::WriteOp {
                 file: file.as_ref(),
-                path: &path,
+                path: &temp,
                 buf: text.as_bytes(),
                 offset: 0,
             })?;
-            file.sync_data().map_err(|error| failed("fdatasync", &path, error))?;
-            self.storage
+            // Renamed even if its sync failed (see above); the first error is reported.
+            let synced = file.sync_data().map_err(|error| failed("fdatasync", &temp, error));
+            self.storage.rename(&temp, &path).map_err(|error| failed("rename", &temp, error))?;
+            let dir_synced = self
+                .storage
                 .sync_dir(&self.dir)
-                .map_err(|error| failed("sync directory", &self.dir, error))
+                .map_err(|error| failed("sync directory", &self.dir, error));
+            synced.and(dir_synced)
         }))
         .unwrap_or_else(|_| {
             let panicked = std::io::Error::other("the storage layer panicked");

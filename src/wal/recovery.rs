@@ -756,27 +756,55 @@ fn scan_all(
     Ok((scanned, report, next_id))
 }
 
-/// The last durable LSN a failed log's marker names, if it left one. A marker that cannot be
-/// read as one (its writing was cut short) is ignored with a warning: the failure's durable
-/// LSN is unknown then.
+/// The last durable LSN a failed log's marker names, if it left one. The log writes its marker
+/// whole (module `wal`, "Durability order"), so one that does not hold an LSN was damaged, or
+/// lost by the failing disk: [`WalError::BadUnsyncedMarker`]. Read no further than
+/// [`super::UNSYNCED_MARKER_MAX_BYTES`].
 fn unsynced_after(dir: &Path) -> Result<Option<u64>, WalError> {
+    use std::io::Read;
     let path = dir.join(super::UNSYNCED_MARKER);
-    match std::fs::read_to_string(&path) {
-        Ok(text) => match text.trim().parse::<u64>() {
-            Ok(durable) => Ok(Some(durable)),
-            Err(_) => {
-                tracing::warn!(?path, text, "ignoring an unreadable failed-log marker");
-                Ok(None)
-            }
-        },
-        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(error) => Err(WalError::from_io("read the failed-log marker", &path, 0, &error)),
+    let read_failed =
+        |error: std::io::Error| WalError::from_io("read the failed-log marker", &path, 0, &error);
+    let file = match std::fs::File::open(&path) {
+        Ok(file) => file,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(error) => return Err(read_failed(error)),
+    };
+    let len = file.metadata().map_err(read_failed)?.len();
+    let mut bytes = Vec::with_capacity(super::UNSYNCED_MARKER_MAX_BYTES);
+    file.take(super::UNSYNCED_MARKER_MAX_BYTES as u64)
+        .read_to_end(&mut bytes)
+        .map_err(read_failed)?;
+    let durable = (len <= super::UNSYNCED_MARKER_MAX_BYTES as u64)
+        .then(|| std::str::from_utf8(&bytes).ok()?.trim().parse::<u64>().ok())
+        .flatten();
+    match durable {
+        Some(durable) => Ok(Some(durable)),
+        None => Err(WalError::BadUnsyncedMarker {
+            path,
+            len,
+            preview: String::from_utf8_lossy(&bytes).into_owned(),
+        }),
     }
 }
 
 /// Deletes a failed log's marker once its cut is durable (the cut segment synced, the
-/// dropped ones' removal with the directory), and makes the deletion durable.
+/// dropped ones' removal with the directory), and makes the deletion durable. Also deletes a
+/// temporary marker a failing process left unrenamed (it never was the marker).
 fn remove_unsynced_marker(dir: &Path, storage: &dyn Storage) -> Result<(), WalError> {
+    let temp = dir.join(super::UNSYNCED_MARKER_TEMP);
+    match storage.remove(&temp) {
+        Ok(()) => tracing::warn!(?temp, "removed a failed-log marker that was never completed"),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+        Err(error) => {
+            return Err(WalError::from_io(
+                "remove the temporary failed-log marker",
+                &temp,
+                0,
+                &error,
+            ))
+        }
+    }
     let path = dir.join(super::UNSYNCED_MARKER);
     match storage.remove(&path) {
         Ok(()) => {

@@ -266,6 +266,20 @@ fn the_wal_tool_reports_a_failed_logs_records_after_its_durable_lsn() {
     std::fs::write(only_marker.join(coordbus::wal::UNSYNCED_MARKER), b"0\n").unwrap();
     let (code, output) = wal_tool(&["verify", only_marker.to_str().unwrap()]);
     assert_ne!(code, Some(3), "a failed log's directory taken for a wrong one: {output}");
+
+    // A marker that holds no LSN: the log cannot be opened, so it is not healthy; the
+    // message names the marker and what it holds.
+    std::fs::write(log.join(coordbus::wal::UNSYNCED_MARKER), b"\xff\xfe5\n").unwrap();
+    let (code, output) = wal_tool(&["verify", path]);
+    assert_eq!(code, Some(1), "{output}");
+    assert!(output.starts_with("corrupt:"), "{output}");
+    assert!(
+        output.contains("unsynced-after.lsn") && output.contains("does not hold an LSN (4 bytes"),
+        "{output}"
+    );
+    let (code, output) = wal_tool(&["inspect", path]);
+    assert_eq!(code, Some(3), "{output}");
+    assert!(output.contains("does not hold an LSN"), "{output}");
 }
 
 /// `verify` tells a torn segment creation (exit 2: opening removes a file that never held a

@@ -78,11 +78,12 @@ enum Command {
         #[arg(long, default_value_t = 32)]
         preview_bytes: usize,
     },
-    /// Strict scan. Exit code 0: healthy; 1: corruption (opening would fail in strict mode);
-    /// 2: a torn tail or a torn segment creation, or records (or a segment) a failed log wrote
-    /// after its last durable LSN (opening cuts or removes them; nothing acknowledged is
-    /// affected); 3: I/O or usage error (also: DIR does not exist, or holds files but no WAL
-    /// segment nor failed-log marker).
+    /// Strict scan. Exit code 0: healthy; 1: corruption (opening would fail in strict mode),
+    /// or a failed-log marker that holds no LSN (opening fails in any mode); 2: a torn tail or
+    /// a torn segment creation, or records (or a segment) a failed log wrote after its last
+    /// durable LSN (opening cuts or removes them; nothing acknowledged is affected); 3: I/O or
+    /// usage error (also: DIR does not exist, or holds files but no WAL segment nor failed-log
+    /// marker).
     Verify {
         /// The log directory.
         dir: PathBuf,
@@ -394,7 +395,8 @@ fn verify(dir: &PathBuf, as_json: bool) -> ExitCode {
             }
             Ok(scan) => (0, "healthy", scan.report.to_string()),
             Err(error @ coordbus::WalError::Corruption { .. })
-            | Err(error @ coordbus::WalError::UnsupportedVersion { .. }) => {
+            | Err(error @ coordbus::WalError::UnsupportedVersion { .. })
+            | Err(error @ coordbus::WalError::BadUnsyncedMarker { .. }) => {
                 (1, "corrupt", error.to_string())
             }
             Err(error) => (3, "error", error.to_string()),
