@@ -9,6 +9,20 @@ use std::time::Duration;
 /// A failure reported by an endpoint's handler, boxed so that any error type can travel.
 pub type HandlerError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
+/// `error`'s message followed by each of its causes', joined by ": ". The enums here leave a
+/// cause out of their own message (it is their `source`), so a message kept as text, which
+/// has no `source` to follow, needs the whole chain.
+pub(crate) fn message_with_causes(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(error) = cause {
+        text.push_str(": ");
+        text.push_str(&error.to_string());
+        cause = error.source();
+    }
+    text
+}
+
 /// Why a one-way send did not deliver; the message(s) not delivered are handed back.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[non_exhaustive]

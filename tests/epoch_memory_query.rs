@@ -123,11 +123,12 @@ fn memory_query_keeps_the_first_offsets_and_the_first_stop_error() {
     query.commit(Epoch(1)).unwrap();
     assert_eq!(query.restart_point().unwrap().map(|(epoch, _)| epoch), Some(Epoch(1)));
 
-    query.stop(EpochError::EpochOverflow { epoch: Epoch(5) });
+    query.stop(EpochError::QueryCommit { epoch: Epoch(5), source: "the disk is gone".into() });
     query.stop(EpochError::EpochOverflow { epoch: Epoch(6) });
     assert_eq!(
         query.stop_error().as_deref(),
-        Some("the driver epoch 5 cannot be incremented past i64::MAX")
+        Some("recording the commit of epoch 5 failed: the disk is gone"),
+        "the first stop error, with its cause"
     );
 }
 

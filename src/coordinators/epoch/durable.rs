@@ -230,7 +230,7 @@ impl DurableQueryStatus {
         self.0.wal_failure.get().cloned()
     }
 
-    /// The first error the query was stopped with, as text.
+    /// The first error the query was stopped with, as text, with its causes.
     pub fn stop_error(&self) -> Option<String> {
         self.0.stop_error.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
     }
@@ -601,15 +601,16 @@ impl<Q: Query> Query for DurableQuery<Q> {
         self.inner.commit(epoch)
     }
 
-    /// Keeps the first error (as text, for [`DurableQueryStatus::stop_error`]) and passes the
-    /// error to the inner query.
+    /// Keeps the first error (as text with its causes, for [`DurableQueryStatus::stop_error`])
+    /// and passes the error to the inner query.
     fn stop(&mut self, error: EpochError) {
         {
             let mut first =
                 self.status.stop_error.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             if first.is_none() {
-                tracing::warn!(%error, "query stopped by the epoch coordinator");
-                *first = Some(error.to_string());
+                let error_text = crate::error::message_with_causes(&error);
+                tracing::warn!(error = %error_text, "query stopped by the epoch coordinator");
+                *first = Some(error_text);
             }
         }
         self.inner.stop(error);
@@ -663,6 +664,15 @@ fn recover(wal: &Wal) -> Result<Recovered, EpochError> {
             // Runs count the openings of the log from 1: only a forged record gets here, and
             // it would leave no number for the next run.
             return Err(bad_record(lsn, "run number u64::MAX leaves none for the next run"));
+        }
+        let epoch = match archived {
+            ArchivedLogRecord::Offsets(entry) => entry.epoch.to_native(),
+            ArchivedLogRecord::OffsetsDelta(entry) => entry.epoch.to_native(),
+            ArchivedLogRecord::Commit { epoch, .. } => epoch.to_native(),
+        };
+        if epoch < 0 {
+            // A run starts at epoch 0 or later (`EpochConfig::start_epoch`): a forged record.
+            return Err(bad_record(lsn, format!("epoch {epoch} is negative")));
         }
         let (run, epoch, place) = match archived {
             ArchivedLogRecord::Offsets(entry) => {
@@ -1389,6 +1399,19 @@ mod tests {
     }
 
     #[test]
+    fn a_record_of_a_negative_epoch_fails_the_open_naming_it() {
+        for (records, commits) in
+            [(vec![], vec![-5]), (vec![(full_bytes(-5, &offsets(-5, 0)), 0)], vec![])]
+        {
+            let dir = tempfile::tempdir().unwrap();
+            write_log(dir.path(), &records, &commits);
+            let error = DurableQuery::open(dir.path(), config()).unwrap_err();
+            let EpochError::BadLogRecord { lsn, reason } = &error else { panic!("{error}") };
+            assert_eq!((*lsn, reason.as_str()), (1, "epoch -5 is negative"));
+        }
+    }
+
+    #[test]
     fn durable_commits_are_reported_and_a_closed_log_fails_the_query() {
         let dir = tempfile::tempdir().unwrap();
         let mut query = DurableQuery::open(dir.path(), config()).unwrap();
@@ -1400,11 +1423,14 @@ mod tests {
         query.wal().close().unwrap();
         let error = query.add_offsets(Epoch(1), &offsets(1, 0)).unwrap_err();
         assert!(error.to_string().contains("epoch log"), "{error}");
-        query.stop(EpochError::EpochOverflow { epoch: Epoch(1) });
+        query.stop(EpochError::QueryCommit { epoch: Epoch(1), source: error });
         query.stop(EpochError::EpochOverflow { epoch: Epoch(2) });
-        assert_eq!(
-            status.stop_error().as_deref(),
-            Some("the driver epoch 1 cannot be incremented past i64::MAX")
+        let stop_error = status.stop_error().unwrap();
+        assert!(
+            stop_error.starts_with("recording the commit of epoch 1 failed: ")
+                && stop_error.contains("epoch log")
+                && stop_error.contains("closed"),
+            "the first stop error, with its causes: {stop_error}"
         );
     }
 }

@@ -302,9 +302,9 @@ impl MemoryQuery {
         self.state().offsets.get(&epoch).cloned()
     }
 
-    /// The first error the query was stopped with, as text.
+    /// The first error the query was stopped with, as text, with its causes.
     pub fn stop_error(&self) -> Option<String> {
-        self.state().stop_error.as_ref().map(ToString::to_string)
+        self.state().stop_error.as_ref().map(|error| crate::error::message_with_causes(error))
     }
 
     /// Whether the query was asked to stop.
@@ -355,7 +355,8 @@ impl Query for MemoryQuery {
     fn stop(&mut self, error: EpochError) {
         let mut state = self.state();
         if state.stop_error.is_none() {
-            tracing::warn!(%error, "query stopped by the epoch coordinator");
+            let error_text = crate::error::message_with_causes(&error);
+            tracing::warn!(error = %error_text, "query stopped by the epoch coordinator");
             state.stop_error = Some(error);
         }
     }
