@@ -22,8 +22,9 @@ use std::{path::Path, sync::Arc, time::Duration};
 use coordbus::{
     clock::ManualClock,
     coordinators::block_tracker::{
-        BatchTime, BlockLog, BlockStoreResult, BlockTrackerConfig, Logged, ReceivedBlockInfo,
-        ReceivedBlockTracker, StreamBlockId, StreamId, WalBlockLog, RECEIVED_BLOCK_METADATA_DIR,
+        BatchCleanupEvent, BatchTime, BlockLog, BlockStoreResult, BlockTrackerConfig, Logged,
+        ReceivedBlockInfo, ReceivedBlockTracker, StreamBlockId, StreamId, TrackerEvent,
+        WalBlockLog, RECEIVED_BLOCK_METADATA_DIR,
     },
     wal::{IoMode, IoPath, Lsn, Wal, WalOptions},
 };
@@ -163,4 +164,33 @@ fn durable_state_on_io_uring_survives_a_power_loss_that_keeps_every_unlink() {
     if wal_support::kernel_allows_io_uring() {
         durable_state_survives_a_power_loss(IoMode::IoUring, Directory::Eager, 0x5eed_6004);
     }
+}
+
+/// After a failed sync, records past the durable LSN may read back damaged (pages the kernel
+/// dropped). Replaying up to the durable LSN, which a tracker does to rebuild after its log
+/// failed, reads none of them: the durable prefix is replayed whatever follows it.
+#[test]
+fn a_replay_up_to_an_lsn_reads_nothing_after_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let wal = Arc::new(Wal::open(dir.path(), coordbus::wal::WalConfig::default()).unwrap());
+    let log = WalBlockLog::from_wal(Arc::clone(&wal));
+    for time in 1..=4 {
+        let cleanup = BatchCleanupEvent { times: vec![BatchTime(time)] };
+        let lsn = log.append(&TrackerEvent::BatchCleanup(cleanup), time).unwrap();
+        log.wait_durable(lsn, DURABLE_WAIT).unwrap();
+    }
+    let fourth = wal.iter_from(Lsn(4)).unwrap().next().unwrap().unwrap().handle;
+    let segment = dir.path().join(coordbus::wal::segment::file_name(fourth.segment));
+    let file = std::fs::OpenOptions::new().write(true).open(segment).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&file, &[0xa5; 16], fourth.offset).unwrap();
+
+    let mut replayed = Vec::new();
+    let mut record = |lsn: Lsn, _: TrackerEvent| replayed.push(lsn);
+    assert!(log.replay(None, &mut record).is_err(), "a whole replay reads the damage");
+    replayed.clear();
+    let mut record = |lsn: Lsn, _: TrackerEvent| replayed.push(lsn);
+    assert_eq!(log.replay(Some(Lsn(3)), &mut record).unwrap(), 3);
+    assert_eq!(replayed, [Lsn(1), Lsn(2), Lsn(3)]);
+    let mut record = |_: Lsn, _: TrackerEvent| panic!("nothing is durable");
+    assert_eq!(log.replay(Some(Lsn::ZERO), &mut record).unwrap(), 0);
 }

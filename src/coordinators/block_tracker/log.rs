@@ -75,7 +75,7 @@ pub trait BlockLog: Send + Sync + 'static {
     fn notify_when_durable(&self, lsn: Lsn, callback: DurableCallback);
 
     /// Calls `apply` with every event in the log, in order, up to and including `last` (all
-    /// if `None`). Returns the number of events read.
+    /// if `None`), reading nothing after `last`. Returns the number of events read.
     ///
     /// # Errors
     /// [`BlockTrackerError::Wal`] for a damaged log, [`BlockTrackerError::Decode`] for a
@@ -227,6 +227,9 @@ impl BlockLog for WalBlockLog {
         apply: &mut dyn FnMut(Lsn, TrackerEvent),
     ) -> Result<u64, BlockTrackerError> {
         let mut count = 0;
+        if last == Some(Lsn::ZERO) {
+            return Ok(0);
+        }
         for record in self.wal.iter_from(Lsn::ZERO)? {
             let record = record?;
             if last.is_some_and(|last| record.lsn > last) {
@@ -243,6 +246,11 @@ impl BlockLog for WalBlockLog {
             })?;
             apply(record.lsn, event);
             count += 1;
+            if last == Some(record.lsn) {
+                // Not even read past `last`: after a failed sync, the records there may be
+                // damaged (pages the kernel dropped), and the durable prefix is what counts.
+                break;
+            }
         }
         Ok(count)
     }
