@@ -357,6 +357,19 @@ fn a_rebuild_that_fails_makes_every_query_fail_with_state_lost() {
     bus.shutdown().unwrap();
 }
 
+/// `reply` is the refusal of a query past the bound, with `pending` queries waiting.
+fn assert_refused(reply: Result<bool, AskError>, pending: usize) {
+    match reply {
+        Err(AskError::Handler(cause)) => {
+            assert_eq!(
+                cause.downcast_ref::<BlockTrackerError>(),
+                Some(&BlockTrackerError::DurabilityBacklog { pending, limit: MAX_PENDING_QUERIES })
+            );
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
 /// While nothing becomes durable, queries wait (holding their answers) up to a bound; past it
 /// they fail at once with a typed error instead of piling up. Queries whose askers gave up do
 /// not count. An allocation that logs its record is never refused; a stale one (a no-op)
@@ -366,15 +379,6 @@ fn queries_behind_a_stalled_log_are_refused_past_the_bound() {
     let dir = tempfile::tempdir().unwrap();
     let log = StalledLog::new(dir.path(), false);
     let (bus, endpoint) = host_stalled(&log, DEFAULT_ANSWER_BYTE_LIMIT);
-    let refused = |reply: Result<bool, AskError>, pending: usize| match reply {
-        Err(AskError::Handler(cause)) => {
-            assert_eq!(
-                cause.downcast_ref::<BlockTrackerError>(),
-                Some(&BlockTrackerError::DurabilityBacklog { pending, limit: MAX_PENDING_QUERIES })
-            );
-        }
-        other => panic!("expected a refusal, got {other:?}"),
-    };
     let mut addition = endpoint.ask(AddBlock(info(1, 1)));
     // Given up at once: these do not hold the bound.
     for _ in 0..MAX_PENDING_QUERIES {
@@ -382,7 +386,7 @@ fn queries_behind_a_stalled_log_are_refused_past_the_bound() {
     }
     let mut waiting: Vec<_> =
         (0..MAX_PENDING_QUERIES).map(|_| endpoint.ask(HasUnallocatedBlocks)).collect();
-    refused(endpoint.ask(HasUnallocatedBlocks).wait_timeout(BOUND), MAX_PENDING_QUERIES);
+    assert_refused(endpoint.ask(HasUnallocatedBlocks).wait_timeout(BOUND), MAX_PENDING_QUERIES);
     // A logged allocation is not a query: it waits for its record, past the bound too. A
     // stale one (the same time again: a no-op) is answered as a query: refused here.
     let mut allocation = endpoint.ask(AllocateBlocksToBatch(BatchTime(1)));
@@ -397,7 +401,7 @@ fn queries_behind_a_stalled_log_are_refused_past_the_bound() {
         ),
         other => panic!("expected the stale allocation refused, got {other:?}"),
     }
-    refused(endpoint.ask(HasUnallocatedBlocks).wait_timeout(BOUND), MAX_PENDING_QUERIES);
+    assert_refused(endpoint.ask(HasUnallocatedBlocks).wait_timeout(BOUND), MAX_PENDING_QUERIES);
     // Everything within the bound still waits (one sender's requests keep their order, so
     // they were all handled before the refusals came back).
     assert!(addition.try_take().is_none(), "the addition was answered before durable");
@@ -419,7 +423,7 @@ fn places_freed_by_askers_that_gave_up_are_found_within_a_bounded_number_of_refu
     let _addition = endpoint.ask(AddBlock(info(1, 1)));
     let waiting: Vec<_> =
         (0..MAX_PENDING_QUERIES).map(|_| endpoint.ask(HasUnallocatedBlocks)).collect();
-    assert!(endpoint.ask(HasUnallocatedBlocks).wait_timeout(BOUND).is_err(), "refused: full");
+    assert_refused(endpoint.ask(HasUnallocatedBlocks).wait_timeout(BOUND), MAX_PENDING_QUERIES);
     drop(waiting);
     let skipped_scans = (MAX_PENDING_QUERIES + 1) / 16;
     let mut refusals = 0;
@@ -450,7 +454,7 @@ fn the_first_refusal_of_a_new_backlog_scans_for_askers_that_gave_up() {
     let addition = endpoint.ask(AddBlock(info(1, 1)));
     let waiting: Vec<_> =
         (0..MAX_PENDING_QUERIES).map(|_| endpoint.ask(HasUnallocatedBlocks)).collect();
-    assert!(endpoint.ask(HasUnallocatedBlocks).wait_timeout(BOUND).is_err(), "refused: full");
+    assert_refused(endpoint.ask(HasUnallocatedBlocks).wait_timeout(BOUND), MAX_PENDING_QUERIES);
     // The disk catches up: everything waiting is answered, the backlog is over.
     log.catch_up();
     assert!(addition.wait_timeout(BOUND).unwrap(), "the addition is durable");

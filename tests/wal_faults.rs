@@ -586,7 +586,11 @@ fn a_failure_amid_a_group_that_spans_segments_on(path: IoVariant) {
             Err(_) => break,
         }
     }
-    assert!(wal.wait_durable_timeout(last, WAIT_BOUND).is_err());
+    let error = wal.wait_durable_timeout(last, WAIT_BOUND).unwrap_err();
+    assert!(
+        matches!(error.root_cause(), WalError::Io { op: "fdatasync", .. }),
+        "the injected sync failure, not a timeout: {error:?}"
+    );
     let durable = wal.durable_lsn();
     assert!(durable >= acked && durable < last, "durable {durable:?}, last {last:?}");
     drop(wal);

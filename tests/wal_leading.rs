@@ -27,13 +27,16 @@ fn io_modes() -> [IoMode; 2] {
     [IoMode::Auto, IoMode::Pwrite]
 }
 
+/// Opens the log; the `Auto` variants are io_uring runs wherever the kernel allows it.
 fn open(dir: &std::path::Path, durability: Durability, io: IoMode) -> Wal {
-    Wal::open_with_options(
+    let wal = Wal::open_with_options(
         dir,
         WalConfig { segment_size_bytes: 1 << 20, durability, ..WalConfig::default() },
         WalOptions { io, ..WalOptions::default() },
     )
-    .unwrap()
+    .unwrap();
+    assert_eq!(wal.io_path(), wal_support::path_of(io));
+    wal
 }
 
 fn payload(index: u32) -> Vec<u8> {

@@ -44,13 +44,16 @@ fn config(durability: Durability, recovery: RecoveryMode) -> WalConfig {
     }
 }
 
+/// Opens the log; the `Auto` variants are io_uring runs wherever the kernel allows it.
 fn open(dir: &Path, durability: Durability, io: IoMode, recovery: RecoveryMode) -> Wal {
-    Wal::open_with_options(
+    let wal = Wal::open_with_options(
         dir,
         config(durability, recovery),
         WalOptions { io, uring_direct_max_bytes: 0, ..WalOptions::default() },
     )
-    .unwrap()
+    .unwrap();
+    assert_eq!(wal.io_path(), wal_support::path_of(io));
+    wal
 }
 
 fn data(range: std::ops::RangeInclusive<u32>) -> Vec<String> {

@@ -30,7 +30,7 @@ use coordbus::{
     record::frame,
     wal::{Durability, IoMode, IoPath, Lsn, Wal, WalConfig, WalError, WalOptions},
 };
-use wal_support::wait_durable_bounded;
+use wal_support::bounded;
 
 fn config(durability: Durability, segment_size_bytes: u64) -> WalConfig {
     WalConfig { segment_size_bytes, durability, ..WalConfig::default() }
@@ -121,24 +121,35 @@ fn refused_write(case: Case) {
     let wal = Arc::new(Wal::open_with_options(dir.path(), config, uring_options()).unwrap());
     assert_eq!(wal.io_path(), IoPath::IoUring, "the test needs the live io_uring path");
     // Under no limit: the first record creates and preallocates the segment. In the led case,
-    // records go until one was led: appends then leave their group to the next leader.
-    let mut acknowledged = Vec::new();
-    let (last_lsn, last_handle) = loop {
-        let (lsn, handle) = wal.append_bytes(&first, 1).unwrap();
-        wait_durable_bounded(&wal, lsn).unwrap();
-        acknowledged.push(first.clone());
-        if case != Case::Led || wal.stats().led_groups > 0 || acknowledged.len() == 100 {
-            break (lsn, handle);
+    // records go until one was led: appends then leave their group to the next leader. Each
+    // is appended and waited for on one thread, as a real waiter does, so that the wait may
+    // lead (`bounded`).
+    let record = first.clone();
+    let (acknowledged, last_lsn, last_handle) = bounded(&wal, move |wal| {
+        let mut acknowledged = Vec::new();
+        loop {
+            let (lsn, handle) = wal.append_bytes(&record, 1).unwrap();
+            wal.wait_durable(lsn).unwrap();
+            acknowledged.push(record.clone());
+            if case != Case::Led || wal.stats().led_groups > 0 || acknowledged.len() == 100 {
+                break (acknowledged, lsn, handle);
+            }
         }
-    };
+    });
+    if case == Case::Led {
+        assert!(wal.stats().led_groups > 0, "a waiter led a group before the refused one");
+    }
     let last_end = last_handle.offset + frame::frame_len(first.len()) as u64;
     let next_offset = if case == Case::NewSegment { SEGMENT_HEADER_LEN } else { last_end };
     let limit = FileSizeLimit::set(next_offset);
-    let (lsn, handle) = wal.append_bytes(REFUSED, 2).unwrap();
+    // Appended and waited for on one thread too: in the led case, its waiter leads it.
+    let (handle, waited) = bounded(&wal, |wal| {
+        let (lsn, handle) = wal.append_bytes(REFUSED, 2).unwrap();
+        (handle, wal.wait_durable(lsn))
+    });
     assert_eq!(handle.offset, next_offset, "the new frame starts at the limit");
     assert_eq!(handle.segment != last_handle.segment, case == Case::NewSegment);
-    let error = wait_durable_bounded(&wal, lsn)
-        .expect_err("a record whose write failed must not be reported durable");
+    let error = waited.expect_err("a record whose write failed must not be reported durable");
     // The failure is the refused operation, with the kernel's EFBIG; never the cancelled sync.
     let expected_op = if case == Case::NewSegment { "preallocate segment" } else { "write" };
     match error.root_cause() {

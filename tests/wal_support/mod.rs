@@ -234,6 +234,22 @@ pub fn io_uring_refusal() -> Option<String> {
     }
 }
 
+/// The I/O path a log opened with `io` must get on this machine: [`IoMode::Auto`] is io_uring
+/// unless the kernel refuses it (checked once per test binary). A test of the `Auto` variant
+/// asserts it, so that a silent fallback cannot pass as an io_uring run.
+pub fn path_of(io: coordbus::wal::IoMode) -> coordbus::wal::IoPath {
+    use coordbus::wal::{IoMode, IoPath};
+    static KERNEL_ALLOWS_IO_URING: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    match io {
+        IoMode::Pwrite => IoPath::Pwrite,
+        IoMode::IoUring => IoPath::IoUring,
+        IoMode::Auto if *KERNEL_ALLOWS_IO_URING.get_or_init(|| io_uring_refusal().is_none()) => {
+            IoPath::IoUring
+        }
+        IoMode::Auto => IoPath::Pwrite,
+    }
+}
+
 /// Whether a test's io_uring variant runs: only a kernel refusal skips it (printed).
 pub fn kernel_allows_io_uring() -> bool {
     match io_uring_refusal() {

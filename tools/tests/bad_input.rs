@@ -6,12 +6,9 @@
 //! timeout (a hang fails the test instead of CI), and check the exit code and the message. A
 //! panic would show as exit code 101 and "panicked" on stderr.
 
-use std::{
-    path::Path,
-    process::{Command, Stdio},
-    sync::mpsc,
-    time::Duration,
-};
+mod support;
+
+use std::{path::Path, process::Command, time::Duration};
 
 /// Longer than any refusal takes (they come before any run); a run that starts instead is
 /// killed by the deadline and fails the test.
@@ -20,25 +17,7 @@ const BOUND: Duration = Duration::from_secs(60);
 /// Exit code and output (stdout, then stderr) of `binary args`, killing it if it outlives
 /// [`BOUND`].
 fn run(binary: &str, args: &[&str]) -> (Option<i32>, String) {
-    let child = Command::new(binary)
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("the tool starts");
-    let pid = child.id();
-    let (sender, receiver) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = sender.send(child.wait_with_output());
-    });
-    let output = match receiver.recv_timeout(BOUND) {
-        Ok(output) => output.expect("the tool's output"),
-        Err(_) => {
-            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
-            panic!("{binary} {args:?} ran past {BOUND:?} instead of refusing its input");
-        }
-    };
+    let output = support::output_within(Command::new(binary).args(args), BOUND);
     let text = String::from_utf8_lossy(&output.stdout).into_owned()
         + &String::from_utf8_lossy(&output.stderr);
     assert!(!text.contains("panicked"), "{binary} {args:?} panicked: {text}");
@@ -331,16 +310,16 @@ fn the_wal_tool_stops_quietly_when_its_reader_goes_away() {
     }
     let mut child = Command::new(env!("CARGO_BIN_EXE_coordbus-wal"))
         .args(["dump", dir.path().to_str().unwrap()])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
     let mut first = String::new();
     BufReader::new(child.stdout.take().unwrap()).read_line(&mut first).unwrap();
     assert!(first.starts_with("lsn"), "{first}");
     // The reader is dropped here: the rest of the dump meets a closed pipe.
-    let (sender, receiver) = mpsc::channel();
+    let (sender, receiver) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let _ = sender.send(child.wait_with_output());
     });

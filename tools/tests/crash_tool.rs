@@ -8,17 +8,24 @@
 //! The loss case uses the hidden `--inject-loss` flag, which cuts the log just before the last
 //! acknowledged record before the parent checks it.
 
-use std::{path::Path, process::Command};
+mod support;
+
+use std::{path::Path, process::Command, time::Duration};
 
 use serde_json::Value;
 
+/// Far longer than the small runs below take (a few seconds); a run past it has hung, and
+/// fails the test instead of hanging CI.
+const BOUND: Duration = Duration::from_secs(300);
+
 fn crash(args: &[&str], parent: &Path) -> (Option<i32>, Value, String) {
-    let output = Command::new(env!("CARGO_BIN_EXE_coordbus-crash"))
-        .args(args)
-        .args(["--json", "--seed", "7", "--dir"])
-        .arg(parent)
-        .output()
-        .expect("the tool runs");
+    let output = support::output_within(
+        Command::new(env!("CARGO_BIN_EXE_coordbus-crash"))
+            .args(args)
+            .args(["--json", "--seed", "7", "--dir"])
+            .arg(parent),
+        BOUND,
+    );
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
     let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
     let summary: Value = serde_json::from_str(stdout.trim())
