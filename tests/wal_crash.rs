@@ -3,12 +3,14 @@
 //! Goal: a record the log reported durable survives a crash intact; after recovery the log
 //! holds a contiguous run of LSNs from 1, every record intact, and no garbage after the tail.
 //! Method: the test re-executes its own binary (`current_exe`) filtered to the `crash_child`
-//! test (ignored in a plain run: `--ignored`) with `COORDBUS_WAL_CRASH_DIR` set. The child appends self-checking records (the first 4
-//! bytes are the CRC32C of the rest), alternately with `EveryRecord` (one thread) and
-//! `GroupCommit` (two threads), on both I/O paths, and prints `durable <lsn> <crc>` for each
-//! record once `wait_durable` returned. The child's workload (record sizes, batches, bytes)
-//! comes from a seed the parent passes in `COORDBUS_WAL_CRASH_SEED`, derived from the parent's
-//! fixed-seed generator and the kill index; a failure names it. The parent waits for the first
+//! test (ignored in a plain run: `--ignored`) with `COORDBUS_WAL_CRASH_DIR` set. The child
+//! appends self-checking records (the first 4 bytes are the CRC32C of the rest), alternately
+//! with `EveryRecord` (one thread) and `GroupCommit` (two threads), on both I/O paths (it
+//! prints its path, which the parent checks: io_uring wherever the kernel allows it), and
+//! prints `durable <lsn> <crc>` for each record once `wait_durable` returned. The child's
+//! workload (record sizes, batches, bytes) comes from a seed the parent passes in
+//! `COORDBUS_WAL_CRASH_SEED`, derived from the parent's fixed-seed generator and the kill
+//! index; a failure names it. The parent waits for the first
 //! printed record, lets the child run for a random 0-20 ms (fixed seed), sends SIGKILL, reopens
 //! the log in strict mode and checks. 56 kills in all; a few seconds on 2 cores.
 //!
@@ -27,6 +29,8 @@ use std::{
 };
 
 use coordbus::wal::{scan_dir, Durability, IoMode, Lsn, RecoveryMode, Wal, WalConfig, WalOptions};
+
+mod wal_support;
 
 const DIR_VAR: &str = "COORDBUS_WAL_CRASH_DIR";
 const MODE_VAR: &str = "COORDBUS_WAL_CRASH_MODE";
@@ -129,6 +133,8 @@ fn crash_child() {
         )
         .unwrap(),
     );
+    // The parent checks the path: an `Auto` mode must run on io_uring where the kernel allows.
+    println!("path {:?}", wal.io_path());
     let workers: Vec<_> = (0..threads)
         .map(|thread| {
             let wal = Arc::clone(&wal);
@@ -258,7 +264,13 @@ fn run_and_kill(
         Some(end) => &output[..end],
         None => &output[..0],
     };
-    String::from_utf8_lossy(complete).lines().map(str::to_owned).collect()
+    let lines: Vec<String> = String::from_utf8_lossy(complete).lines().map(str::to_owned).collect();
+    // It shares its line with the harness's "test crash_child ... ".
+    let path = lines.iter().find_map(|line| line.split("path ").nth(1));
+    let io = if mode.ends_with("uring") { IoMode::Auto } else { IoMode::Pwrite };
+    let expected = format!("{:?}", wal_support::path_of(io));
+    assert_eq!(path, Some(expected.as_str()), "the child's ({mode}, seed {seed}) I/O path");
+    lines
 }
 
 /// The `durable <lsn> <crc>` lines of a child's output.
