@@ -470,7 +470,7 @@ pub enum WalError {
     },
     /// A failed log's marker ([`UNSYNCED_MARKER`](crate::wal::UNSYNCED_MARKER)) does not hold
     /// an LSN. The log writes it whole (a temporary file renamed over it), so it was damaged,
-    /// or the failing disk did not keep it (its sync failed, then the machine rebooted). Which
+    /// or the failing disk did not keep it (its sync failed, then the power was lost). Which
     /// records after the failure reached the disk is then unknown, so the log is not opened,
     /// nor scanned, until the marker is looked at. Removing it opens the log with every record
     /// the scan finds.

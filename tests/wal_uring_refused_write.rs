@@ -89,8 +89,8 @@ enum Case {
     /// A later group of a segment, written by the sync thread on its pipelined path.
     Pipelined,
     /// `EveryRecord`, with a waiting thread that writes the group itself ("leading", the
-    /// serial path) once the records before it were led (if none of 100 was, the sync thread
-    /// writes it, as in the pipelined case).
+    /// serial path) once the records before it were led (one of the first 100 must be, or the
+    /// test fails).
     Led,
     /// The first record of a new segment: the kernel refuses the segment's preallocation.
     NewSegment,

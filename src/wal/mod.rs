@@ -183,10 +183,10 @@
 //!   (never acknowledged), then deletes the marker once the cut is durable; a read-only open
 //!   or [`scan_dir`] cuts in what it reports only. The marker is written before waiters are
 //!   woken, on the failing thread, so on a failing disk they wait for its sync too. It is
-//!   written whole (a temporary file, synced, renamed into place). A marker that holds no LSN
-//!   was damaged, or its own sync failed on the failing disk before a reboot: opening or
-//!   scanning the log then fails with [`WalError::BadUnsyncedMarker`] rather than guess which
-//!   records to keep. Without the
+//!   written whole (a temporary file renamed into place, then synced). A marker that holds no
+//!   LSN was damaged, or its own sync failed on the failing disk before a power loss: opening
+//!   or scanning the log then fails with [`WalError::BadUnsyncedMarker`] rather than guess
+//!   which records to keep. Without the
 //!   marker, a process that opens the log later in the same boot could read those records
 //!   back from the page cache and sync them without an error, although the kernel may never
 //!   have written them: Linux reports a failed writeback to one `fsync` only and may drop the
@@ -1011,11 +1011,12 @@ impl Shared {
     }
 
     /// Writes [`UNSYNCED_MARKER`] naming `durable`, the failed log's last durable LSN (module
-    /// doc, "Durability order"): into [`UNSYNCED_MARKER_TEMP`] first, synced, then renamed over
-    /// the marker, so that a crash leaves the marker whole or absent, never half written.
-    /// Best effort: the disk may be failing. A marker whose sync failed is still renamed into
-    /// place, since it is read back from the same page cache as the records it guards against
-    /// (after a reboot it may then be found empty: opening refuses such a log, module doc).
+    /// doc, "Durability order"): into [`UNSYNCED_MARKER_TEMP`] first, renamed over the marker,
+    /// then synced with the directory. A process killed at any point leaves the marker whole
+    /// (in the page cache, which is what a later open in the same boot reads) or absent, never
+    /// half written. Best effort: the disk may be failing. A marker whose sync failed is kept,
+    /// since it is read back from the same page cache as the records it guards against (after
+    /// a power loss it may then be found empty: opening refuses such a log, module doc).
     ///
     /// Runs inside `fail`, before the waiting threads are woken and the callbacks run, so a
     /// storage layer that panics here is caught: the failure must still reach them.
@@ -1039,9 +1040,10 @@ impl Shared {
                 buf: text.as_bytes(),
                 offset: 0,
             })?;
-            // Renamed even if its sync failed (see above); the first error is reported.
-            let synced = file.sync_data().map_err(|error| failed("fdatasync", &temp, error));
+            // Renamed before its sync: a sync on a failing disk may hang until the process is
+            // killed, and the marker must already be in place then (whole, in the page cache).
             self.storage.rename(&temp, &path).map_err(|error| failed("rename", &temp, error))?;
+            let synced = file.sync_data().map_err(|error| failed("fdatasync", &path, error));
             let dir_synced = self
                 .storage
                 .sync_dir(&self.dir)

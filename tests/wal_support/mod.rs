@@ -216,22 +216,29 @@ pub fn hold_and_fill_staging(
 /// variant; any other setup error is a failure, not a silent skip.
 pub fn io_uring_refusal() -> Option<String> {
     use coordbus::wal::{IoMode, WalOptions};
-    use std::io::ErrorKind;
     let dir = tempfile::tempdir().unwrap();
     let options = WalOptions { io: IoMode::IoUring, ..WalOptions::default() };
     match Wal::open_with_options(dir.path(), coordbus::wal::WalConfig::default(), options) {
         Ok(_) => None,
-        Err(
-            error @ WalError::Io {
-                op: "io_uring setup",
-                kind: ErrorKind::Unsupported | ErrorKind::PermissionDenied | ErrorKind::OutOfMemory,
-                ..
-            },
-        ) => Some(error.to_string()),
+        Err(error) if is_kernel_refusal(&error) => Some(error.to_string()),
         Err(other) => {
             panic!("io_uring setup failed, and not because the kernel refuses it: {other:?}")
         }
     }
+}
+
+/// Whether `error` is the kernel refusing io_uring: no io_uring, not allowed, or no locked
+/// memory left.
+pub fn is_kernel_refusal(error: &WalError) -> bool {
+    use std::io::ErrorKind;
+    matches!(
+        error,
+        WalError::Io {
+            op: "io_uring setup",
+            kind: ErrorKind::Unsupported | ErrorKind::PermissionDenied | ErrorKind::OutOfMemory,
+            ..
+        }
+    )
 }
 
 /// The I/O path a log opened with `io` must get on this machine: [`IoMode::Auto`] is io_uring

@@ -245,6 +245,11 @@ fn the_wal_tool_reports_a_failed_logs_records_after_its_durable_lsn() {
     std::fs::write(only_marker.join(coordbus::wal::UNSYNCED_MARKER), b"0\n").unwrap();
     let (code, output) = wal_tool(&["verify", only_marker.to_str().unwrap()]);
     assert_ne!(code, Some(3), "a failed log's directory taken for a wrong one: {output}");
+    let only_temporary_marker = parent.path().join("killed-while-marking");
+    std::fs::create_dir(&only_temporary_marker).unwrap();
+    std::fs::write(only_temporary_marker.join(coordbus::wal::UNSYNCED_MARKER_TEMP), b"0").unwrap();
+    let (code, output) = wal_tool(&["verify", only_temporary_marker.to_str().unwrap()]);
+    assert_ne!(code, Some(3), "a failed log's directory taken for a wrong one: {output}");
 
     // A marker that holds no LSN: the log cannot be opened, so it is not healthy; the
     // message names the marker and what it holds.
@@ -319,11 +324,7 @@ fn the_wal_tool_stops_quietly_when_its_reader_goes_away() {
     BufReader::new(child.stdout.take().unwrap()).read_line(&mut first).unwrap();
     assert!(first.starts_with("lsn"), "{first}");
     // The reader is dropped here: the rest of the dump meets a closed pipe.
-    let (sender, receiver) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = sender.send(child.wait_with_output());
-    });
-    let output = receiver.recv_timeout(BOUND).expect("dump ended").unwrap();
+    let output = support::wait_within(child, BOUND);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert_eq!(output.status.code(), Some(0), "{stderr}");

@@ -129,7 +129,10 @@ fn keep_leaves_the_work_directory() {
 
 #[test]
 fn help_explains_every_flag_with_its_default() {
-    let output = Command::new(env!("CARGO_BIN_EXE_coordbus-crash")).arg("--help").output().unwrap();
+    let output = support::output_within(
+        Command::new(env!("CARGO_BIN_EXE_coordbus-crash")).arg("--help"),
+        BOUND,
+    );
     assert!(output.status.success());
     let help = String::from_utf8(output.stdout).unwrap();
     for flag in ["--target", "--iterations", "--dir", "--keep", "--seed", "--json", "--max-run-ms"]
@@ -141,10 +144,15 @@ fn help_explains_every_flag_with_its_default() {
         assert!(help.contains(default), "{default} in {help}");
     }
     // A bad target is a clear clap error, not a crash.
-    let bad = Command::new(env!("CARGO_BIN_EXE_coordbus-crash"))
-        .args(["--target", "disk", "--iterations", "1"])
-        .output()
-        .unwrap();
+    let bad = support::output_within(
+        Command::new(env!("CARGO_BIN_EXE_coordbus-crash")).args([
+            "--target",
+            "disk",
+            "--iterations",
+            "1",
+        ]),
+        BOUND,
+    );
     assert_eq!(bad.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("disk"));
 }

@@ -655,47 +655,40 @@ fn recover(wal: &Wal) -> Result<Recovered, EpochError> {
         let lsn = record.lsn;
         let archived = record.access::<LogRecord>().map_err(|error| bad_record(lsn, error))?;
         let link = |epoch, base_epoch| Link { epoch, base_epoch, handle: record.handle, lsn };
-        let run = match archived {
-            ArchivedLogRecord::Offsets(entry) => entry.run.to_native(),
-            ArchivedLogRecord::OffsetsDelta(entry) => entry.run.to_native(),
-            ArchivedLogRecord::Commit { run, .. } => run.to_native(),
+        let (run, epoch) = match archived {
+            ArchivedLogRecord::Offsets(entry) => (entry.run.to_native(), entry.epoch.to_native()),
+            ArchivedLogRecord::OffsetsDelta(entry) => {
+                (entry.run.to_native(), entry.epoch.to_native())
+            }
+            ArchivedLogRecord::Commit { run, epoch } => (run.to_native(), epoch.to_native()),
         };
         if run == u64::MAX {
             // Runs count the openings of the log from 1: only a forged record gets here, and
             // it would leave no number for the next run.
             return Err(bad_record(lsn, "run number u64::MAX leaves none for the next run"));
         }
-        let epoch = match archived {
-            ArchivedLogRecord::Offsets(entry) => entry.epoch.to_native(),
-            ArchivedLogRecord::OffsetsDelta(entry) => entry.epoch.to_native(),
-            ArchivedLogRecord::Commit { epoch, .. } => epoch.to_native(),
-        };
         if epoch < 0 {
             // A run starts at epoch 0 or later (`EpochConfig::start_epoch`): a forged record.
             return Err(bad_record(lsn, format!("epoch {epoch} is negative")));
         }
-        let (run, epoch, place) = match archived {
-            ArchivedLogRecord::Offsets(entry) => {
-                let (run, epoch) = (entry.run.to_native(), entry.epoch.to_native());
+        let place = match archived {
+            ArchivedLogRecord::Offsets(_) => {
                 let started = Rc::new(RefCell::new(Chain { run, links: vec![link(epoch, None)] }));
                 chain = Some(Rc::clone(&started));
-                (run, epoch, Ok((started, 0)))
+                Ok((started, 0))
             }
             ArchivedLogRecord::OffsetsDelta(entry) => {
-                let (run, epoch) = (entry.run.to_native(), entry.epoch.to_native());
                 let base_epoch = entry.base_epoch.to_native();
-                let place = match chain.as_ref().filter(|chain| chain.borrow().run == run) {
+                match chain.as_ref().filter(|chain| chain.borrow().run == run) {
                     Some(chain) => {
                         let mut links = RefCell::borrow_mut(chain);
                         links.links.push(link(epoch, Some(base_epoch)));
                         Ok((Rc::clone(chain), links.links.len() - 1))
                     }
                     None => Err(base_epoch),
-                };
-                (run, epoch, place)
+                }
             }
-            ArchivedLogRecord::Commit { run, epoch } => {
-                let (run, epoch) = (run.to_native(), epoch.to_native());
+            ArchivedLogRecord::Commit { .. } => {
                 max_run = max_run.max(run);
                 match last_committed {
                     Some(last) if epoch <= last => {

@@ -13,9 +13,9 @@
 //!
 //! `DIR` must be a log directory: a path that does not exist, or a directory holding files but
 //! no segment file (`seg-NNNNNNNNNN.wal`; spare files `spare-NNNNNNNNNN.wal` are not
-//! segments) nor a failed log's marker (`unsynced-after.lsn`), is an error (exit code 3),
-//! never an empty, healthy log: the wrong directory (the parent of the log, a typo) must not
-//! pass for one. An empty directory is an empty log.
+//! segments) nor a failed log's marker (`unsynced-after.lsn`, or its `.tmp`), is an error
+//! (exit code 3), never an empty, healthy log: the wrong directory (the parent of the log, a
+//! typo) must not pass for one. An empty directory is an empty log.
 
 use std::{
     io::Write,
@@ -29,6 +29,7 @@ use coordbus::wal::{
     is_locked, scan_dir,
     segment::{is_spare_file_name, parse_file_name},
     Lsn, RecoveryMode, RecoveryReport, SegmentSummary, Wal, WalConfig, WalOptions, UNSYNCED_MARKER,
+    UNSYNCED_MARKER_TEMP,
 };
 use serde_json::json;
 
@@ -168,8 +169,13 @@ fn check_log_dir(dir: &Path) -> anyhow::Result<()> {
         let entry = entry.with_context(|| format!("listing {}", dir.display()))?;
         let name = entry.file_name();
         match name.to_str() {
-            // A log that failed before its first segment leaves only its marker.
-            Some(name) if parse_file_name(name).is_some() || name == UNSYNCED_MARKER => {
+            // A log that failed before its first segment leaves only its marker (or, killed
+            // while writing it, the marker's temporary file).
+            Some(name)
+                if parse_file_name(name).is_some()
+                    || name == UNSYNCED_MARKER
+                    || name == UNSYNCED_MARKER_TEMP =>
+            {
                 segments += 1
             }
             Some(name) if is_spare_file_name(name) => spares += 1,

@@ -2,7 +2,7 @@
 //! hanging CI.
 
 use std::{
-    process::{Command, Output, Stdio},
+    process::{Child, Command, Output, Stdio},
     sync::mpsc,
     time::Duration,
 };
@@ -16,6 +16,12 @@ pub fn output_within(command: &mut Command, bound: Duration) -> Output {
         .stderr(Stdio::piped())
         .spawn()
         .expect("the tool starts");
+    wait_within(child, bound)
+}
+
+/// Waits for `child` and returns its output (what its captured pipes still hold), killing it
+/// and failing the test if it outlives `bound`.
+pub fn wait_within(child: Child, bound: Duration) -> Output {
     let pid = child.id();
     let (sender, receiver) = mpsc::channel();
     std::thread::spawn(move || {
@@ -25,7 +31,7 @@ pub fn output_within(command: &mut Command, bound: Duration) -> Output {
         Ok(output) => output.expect("the tool's output"),
         Err(_) => {
             let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
-            panic!("{command:?} ran past {bound:?}");
+            panic!("process {pid} ran past {bound:?}");
         }
     }
 }
