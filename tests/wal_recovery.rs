@@ -625,6 +625,15 @@ fn a_failed_logs_marker_cuts_every_record_after_its_durable_lsn() {
     assert_eq!(reopened.recovery_report().unsynced_cut, None);
 }
 
+/// Writes 50 records of 100 bytes in `dir` (4 KiB segments), waits until they are durable and
+/// closes the log; returns the last LSN.
+fn durable_log_of_50_records(dir: &Path) -> Lsn {
+    let wal = open(dir, Durability::default(), IoMode::Auto, 4096);
+    let last = (0..50u8).map(|index| wal.append_bytes(&[index; 100], 1).unwrap().0).last();
+    wal.wait_durable_timeout(last.unwrap(), WAIT).unwrap();
+    last.unwrap()
+}
+
 /// A marker that holds no LSN was not written by the log (it writes its marker whole): the
 /// scan and the open refuse the log with an error naming the file, its length and its first
 /// bytes, read no further than the marker's longest valid length, and change nothing; once the
@@ -642,12 +651,7 @@ fn a_marker_that_holds_no_lsn_fails_the_scan_and_the_open_and_changes_nothing() 
     ];
     for (what, bytes) in damaged {
         let dir = tempfile::tempdir().unwrap();
-        let last = {
-            let wal = open(dir.path(), Durability::default(), IoMode::Auto, 4096);
-            let last = (0..50u8).map(|index| wal.append_bytes(&[index; 100], 1).unwrap().0).last();
-            wal.wait_durable_timeout(last.unwrap(), WAIT).unwrap();
-            last.unwrap()
-        };
+        let last = durable_log_of_50_records(dir.path());
         let marker = dir.path().join(coordbus::wal::UNSYNCED_MARKER);
         std::fs::write(&marker, bytes).unwrap();
         let shown = &bytes[..bytes.len().min(coordbus::wal::UNSYNCED_MARKER_MAX_BYTES)];
@@ -688,12 +692,7 @@ fn a_marker_that_holds_no_lsn_fails_the_scan_and_the_open_and_changes_nothing() 
 #[test]
 fn a_temporary_marker_left_behind_cuts_nothing_and_a_writers_open_deletes_it() {
     let dir = tempfile::tempdir().unwrap();
-    let last = {
-        let wal = open(dir.path(), Durability::default(), IoMode::Auto, 4096);
-        let last = (0..50u8).map(|index| wal.append_bytes(&[index; 100], 1).unwrap().0).last();
-        wal.wait_durable_timeout(last.unwrap(), WAIT).unwrap();
-        last.unwrap()
-    };
+    let last = durable_log_of_50_records(dir.path());
     let temp = dir.path().join(coordbus::wal::UNSYNCED_MARKER_TEMP);
     std::fs::write(&temp, b"3\n").unwrap();
     let scan = scan_dir(dir.path(), RecoveryMode::Strict).unwrap();
