@@ -1003,6 +1003,12 @@ impl Shared {
             self.leave_unsynced_marker(durable);
         }
         self.durable_cv.notify_all();
+        // An appender waiting for room checks `failed_flag` and then waits on `space_cv`, both
+        // under the append lock. Taking that lock once here means the appender has either seen
+        // the flag or is already waiting when the notification comes; without it, the
+        // notification could fall between its check and its wait and be lost. No caller holds
+        // the append lock here (the lock order is writer, then append).
+        drop(lock(&self.append));
         self.space_cv.notify_all();
         let failed = self.failed_error();
         for callback in callbacks.into_values().flatten() {
