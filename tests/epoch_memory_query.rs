@@ -12,8 +12,8 @@ mod epoch_support;
 
 use coordbus::{
     coordinators::epoch::{
-        coordinator_name, CommitPartitionEpoch, Epoch, EpochConfig, EpochEndpoint, EpochError,
-        GetCurrentEpoch, GetEpochStats, MemoryQuery, PartitionId, Payload, Query,
+        coordinator_name, BacklogQueue, CommitPartitionEpoch, Epoch, EpochConfig, EpochEndpoint,
+        EpochError, GetCurrentEpoch, GetEpochStats, MemoryQuery, PartitionId, Payload, Query,
         ReportPartitionOffset, SetReaderPartitions, SetWriterPartitions,
     },
     Bus, EndpointRef,
@@ -129,6 +129,22 @@ fn memory_query_keeps_the_first_offsets_and_the_first_stop_error() {
         query.stop_error().as_deref(),
         Some("recording the commit of epoch 5 failed: the disk is gone"),
         "the first stop error, with its cause"
+    );
+}
+
+/// An overflow's message is Spark's, verbatim, and names neither the size nor the limit: the
+/// stop error the query keeps adds both.
+#[test]
+fn an_overflow_stop_error_names_the_queue_size_and_limit() {
+    let query = MemoryQuery::default();
+    query.clone().stop(EpochError::BacklogExceeded {
+        queue: BacklogQueue::PartitionOffsets,
+        size: 11,
+        limit: 10,
+    });
+    assert_eq!(
+        query.stop_error().as_deref(),
+        Some("Size of the partition offset queue has exceeded its maximum (size 11, limit 10)")
     );
 }
 

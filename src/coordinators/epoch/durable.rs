@@ -230,7 +230,8 @@ impl DurableQueryStatus {
         self.0.wal_failure.get().cloned()
     }
 
-    /// The first error the query was stopped with, as text, with its causes.
+    /// The first error the query was stopped with, as text, with its causes (an overflow's
+    /// also with the queue's size and limit).
     pub fn stop_error(&self) -> Option<String> {
         self.0.stop_error.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
     }
@@ -608,7 +609,7 @@ impl<Q: Query> Query for DurableQuery<Q> {
             let mut first =
                 self.status.stop_error.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             if first.is_none() {
-                let error_text = crate::error::message_with_causes(&error);
+                let error_text = error.stop_text();
                 tracing::warn!(error = %error_text, "query stopped by the epoch coordinator");
                 *first = Some(error_text);
             }

@@ -99,7 +99,8 @@
 //!   in the waiting set, where it counts towards the epoch backlog.
 //! * The backlog counts include the retained entries of the last committed epoch, exactly as
 //!   Spark's maps do (they are kept until the next commit), so the checks fire on the same
-//!   message as in Spark.
+//!   message as in Spark, apart from the messages dropped above (stale or out of range: Spark
+//!   stores and counts them) and the fail-stop cleanup above (SPEC B.5 skips it).
 //!
 //! # Durability (SPEC 0.3, B.9, B.10)
 //! The coordinator persists nothing itself: what must survive a restart goes through the
@@ -302,9 +303,10 @@ impl MemoryQuery {
         self.state().offsets.get(&epoch).cloned()
     }
 
-    /// The first error the query was stopped with, as text, with its causes.
+    /// The first error the query was stopped with, as text, with its causes (an overflow's
+    /// also with the queue's size and limit).
     pub fn stop_error(&self) -> Option<String> {
-        self.state().stop_error.as_ref().map(|error| crate::error::message_with_causes(error))
+        self.state().stop_error.as_ref().map(EpochError::stop_text)
     }
 
     /// Whether the query was asked to stop.
@@ -355,8 +357,7 @@ impl Query for MemoryQuery {
     fn stop(&mut self, error: EpochError) {
         let mut state = self.state();
         if state.stop_error.is_none() {
-            let error_text = crate::error::message_with_causes(&error);
-            tracing::warn!(error = %error_text, "query stopped by the epoch coordinator");
+            tracing::warn!(error = %error.stop_text(), "query stopped by the epoch coordinator");
             state.stop_error = Some(error);
         }
     }
@@ -389,6 +390,21 @@ impl BacklogQueue {
             Self::PartitionOffsets => "partition offset queue",
             Self::PartitionCommits => "partition commit queue",
             Self::WaitingEpochs => "epoch queue",
+        }
+    }
+}
+
+impl EpochError {
+    /// This error as a stopped query keeps and logs it: its message with its causes, and for
+    /// an overflow the queue's size and limit too (the message itself is Spark's, verbatim,
+    /// and names neither).
+    pub(crate) fn stop_text(&self) -> String {
+        let text = crate::error::message_with_causes(self);
+        match self {
+            Self::BacklogExceeded { size, limit, .. } => {
+                format!("{text} (size {size}, limit {limit})")
+            }
+            _ => text,
         }
     }
 }
