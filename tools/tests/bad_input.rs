@@ -239,6 +239,18 @@ fn the_wal_tool_reports_a_failed_logs_records_after_its_durable_lsn() {
         output.contains(r#""unsynced_cut":{"durable_lsn":6,"records_discarded":4}"#),
         "{output}"
     );
+    // `dump` shows the 6 records opening keeps, names the 4 it leaves out, and exits as
+    // `verify` does.
+    let (code, output) = wal_tool(&["dump", path]);
+    assert_eq!(code, Some(2), "{output}");
+    assert_eq!(output.lines().filter(|line| line.starts_with("lsn")).count(), 6, "{output}");
+    assert!(
+        output.contains(
+            "not shown: 4 records a failed log wrote after its last durable LSN 6 (never \
+             acknowledged; opening cuts them)"
+        ),
+        "{output}"
+    );
 
     let only_marker = parent.path().join("failed-early");
     std::fs::create_dir(&only_marker).unwrap();
@@ -264,6 +276,9 @@ fn the_wal_tool_reports_a_failed_logs_records_after_its_durable_lsn() {
     let (code, output) = wal_tool(&["inspect", path]);
     assert_eq!(code, Some(3), "{output}");
     assert!(output.contains("does not hold an LSN"), "{output}");
+    let (code, output) = wal_tool(&["dump", path]);
+    assert_eq!(code, Some(1), "dump must exit as verify does: {output}");
+    assert!(output.contains("corrupt:") && output.contains("does not hold an LSN"), "{output}");
 }
 
 /// `verify` tells a torn segment creation (exit 2: opening removes a file that never held a
@@ -331,7 +346,8 @@ fn the_wal_tool_stops_quietly_when_its_reader_goes_away() {
 }
 
 /// `dump` of a damaged log prints the records it can read, names each damaged range it
-/// skipped on stderr, and exits 1; a torn segment creation (not damage) leaves the exit code 0.
+/// skipped on stderr, and exits 1; a torn segment creation (not damage, but removed on open)
+/// is named and exits 2, as `verify` does.
 #[test]
 fn the_wal_tool_dump_names_the_damage_it_skipped_and_fails() {
     let parent = tempfile::tempdir().unwrap();
@@ -360,7 +376,18 @@ fn the_wal_tool_dump_names_the_damage_it_skipped_and_fails() {
     let next = log.join(coordbus::wal::segment::file_name(coordbus::wal::SegmentId(2)));
     std::fs::write(&next, vec![0u8; 1 << 16]).unwrap();
     let (code, output) = wal_tool(&["dump", path]);
+    assert_eq!(code, Some(2), "{output}");
+    assert_eq!(output.lines().filter(|line| line.starts_with("lsn")).count(), 3, "{output}");
+    assert!(output.contains("a torn segment creation, removed on open"), "{output}");
+    assert!(output.contains("seg-0000000002.wal"), "{output}");
+    assert_eq!(wal_tool(&["verify", path]).0, Some(2), "dump and verify differ");
+    // `inspect --json` counts the segments the log keeps, and every file apart.
+    let (code, output) = wal_tool(&["--json", "inspect", path]);
     assert_eq!(code, Some(0), "{output}");
+    let summary = output.lines().last().unwrap();
+    assert!(summary.contains(r#""segments":1,"#), "{summary}");
+    assert!(summary.contains(r#""segment_files":2,"#), "{summary}");
+    assert!(summary.contains(r#""segments_skipped":[2]"#), "{summary}");
     std::fs::remove_file(&next).unwrap();
 
     // The last record's payload damaged: nothing after it proves it was synced, so it reads
@@ -397,4 +424,28 @@ fn the_wal_tool_dump_names_the_damage_it_skipped_and_fails() {
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|byte| format!("{byte:02x}")).collect()
+}
+
+/// `dump --json` says on stderr that a writer holds the log (its torn tail may be records in
+/// flight), as the text output does; stdout keeps only the records.
+#[test]
+fn the_wal_tool_dump_names_a_live_writer_also_in_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let wal = coordbus::wal::Wal::open(dir.path(), coordbus::wal::WalConfig::default()).unwrap();
+    let (lsn, _) = wal.append_bytes(b"record", 1).unwrap();
+    wal.wait_durable_timeout(lsn, BOUND).unwrap();
+    let output = support::output_within(
+        Command::new(env!("CARGO_BIN_EXE_coordbus-wal")).args([
+            "--json",
+            "dump",
+            dir.path().to_str().unwrap(),
+        ]),
+        BOUND,
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("writer lock: held by a live writer"), "{stderr}");
+    assert_eq!(stdout.lines().count(), 1, "{stdout}");
+    assert!(stdout.starts_with(r#"{"#), "{stdout}");
+    wal.close().unwrap();
 }

@@ -3,8 +3,9 @@
 //! * `inspect DIR`: one line per segment (records, LSN range, times, window, state) and the
 //!   first corruption, if any.
 //! * `dump DIR`: every record (LSN, time, place, length, payload preview), as text or JSON
-//!   lines; damage skipped and a torn tail not shown are named on stderr, and set the exit
-//!   code (as `verify`'s).
+//!   lines; damage skipped and what opening cuts (a torn tail, a torn segment creation, a
+//!   failed log's records past its durable LSN) are named on stderr, and set the exit code:
+//!   the same as `verify`'s for the same log.
 //! * `verify DIR`: a strict scan; the exit code says whether the log is healthy.
 //!
 //! Nothing is written: the scans are read-only (a torn tail is reported, not cut), so they
@@ -27,7 +28,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use coordbus::wal::{
     is_locked, scan_dir,
-    segment::{is_spare_file_name, parse_file_name},
+    segment::{self, is_spare_file_name, parse_file_name},
     Lsn, RecoveryMode, RecoveryReport, SegmentSummary, Wal, WalConfig, WalOptions, UNSYNCED_MARKER,
     UNSYNCED_MARKER_TEMP,
 };
@@ -63,9 +64,12 @@ enum Command {
         dir: PathBuf,
     },
     /// Every record, in LSN order. Damage is skipped (as a log opened tolerating corruption
-    /// would) and a torn tail is not shown, each named on stderr. The exit code is about the
-    /// whole log, whatever part --from and --limit show: 0: no damage nor torn tail; 1: damage
-    /// skipped; 2: a torn tail left out; 3: I/O or usage error (the codes of verify).
+    /// would); a torn tail, a torn segment creation, and the records a failed log wrote after
+    /// its last durable LSN are not shown. Each is named on stderr. The exit code is about the
+    /// whole log, whatever part --from and --limit show, and is verify's: 0: nothing left out;
+    /// 1: damage skipped, or a failed-log marker that holds no LSN; 2: a torn tail, a torn
+    /// segment creation or a failed log's records past its durable LSN left out; 3: I/O or
+    /// usage error.
     Dump {
         /// The log directory.
         dir: PathBuf,
@@ -118,17 +122,65 @@ fn summary_json(segment: &SegmentSummary) -> serde_json::Value {
     })
 }
 
-/// Whether opening would cut records or remove a segment for a failed log's marker (a marker
-/// with nothing after its LSN only goes).
-fn cuts_unsynced(scan: &coordbus::wal::DirScan) -> bool {
-    // A dropped segment with a header is one the cut removed; one without is a torn creation.
-    scan.report.unsynced_cut.is_some_and(|cut| {
-        cut.records_discarded > 0
-            || scan
-                .segments
-                .iter()
-                .any(|segment| segment.dropped && segment.first_lsn_in_header.is_some())
-    })
+/// What a scan found, in the terms of `verify`'s exit code. `dump` reads its own open's
+/// report with it too, so the two commands give one log the same code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Finding {
+    Healthy,
+    /// Damage (a tolerant scan skipped it; a strict open fails on it).
+    Corrupt,
+    /// Records, or a segment, that a failed log wrote after its last durable LSN: opening
+    /// cuts or removes them (never acknowledged). A marker with nothing after its LSN only
+    /// goes.
+    FailedLog,
+    /// Records written after the last sync, cut on open (what a crash leaves).
+    TornTail,
+    /// A last segment whose header never reached the disk, removed on open.
+    TornCreation,
+}
+
+impl Finding {
+    fn of(report: &RecoveryReport) -> Self {
+        let removes_segments = !report.segments_skipped.is_empty();
+        if !report.corruption_skipped.is_empty() {
+            Self::Corrupt
+        } else if report
+            .unsynced_cut
+            .is_some_and(|cut| cut.records_discarded > 0 || removes_segments)
+        {
+            Self::FailedLog
+        } else if report.torn_tail.is_some() {
+            Self::TornTail
+        } else if removes_segments {
+            Self::TornCreation
+        } else {
+            Self::Healthy
+        }
+    }
+
+    fn exit_code(self) -> u8 {
+        match self {
+            Self::Healthy => 0,
+            Self::Corrupt => 1,
+            Self::FailedLog | Self::TornTail | Self::TornCreation => 2,
+        }
+    }
+
+    fn verdict(self) -> &'static str {
+        match self {
+            Self::Healthy => "healthy",
+            Self::Corrupt => "corrupt",
+            Self::FailedLog => "failed-log",
+            Self::TornTail | Self::TornCreation => "torn-tail",
+        }
+    }
+}
+
+/// The segment files a report's open removes or skips, by name.
+fn skipped_segment_names(report: &RecoveryReport) -> String {
+    let names: Vec<String> =
+        report.segments_skipped.iter().map(|&id| segment::file_name(id)).collect();
+    names.join(", ")
 }
 
 /// What a failed log's marker cuts, as JSON (`null` without a marker).
@@ -209,10 +261,13 @@ fn inspect(dir: &PathBuf, as_json: bool) -> anyhow::Result<ExitCode> {
             "{}",
             json!({
                 "summary": scan.report.to_string(),
-                "segments": scan.segments.len(),
+                "segments": scan.report.segments,
+                "segment_files": scan.segments.len(),
+                "segments_skipped": scan.report.segments_skipped.iter().map(|id| id.0)
+                    .collect::<Vec<_>>(),
                 "records": scan.report.records,
-                "first_lsn": scan.report.first_lsn.0,
-                "last_lsn": scan.report.last_lsn.0,
+                "first_lsn": (scan.report.records > 0).then_some(scan.report.first_lsn.0),
+                "last_lsn": (scan.report.records > 0).then_some(scan.report.last_lsn.0),
                 "locked_by_writer": locked,
                 "unsynced_cut": unsynced_cut_json(&scan.report),
                 "first_corruption": first_corruption.map(|note| json!({
@@ -294,13 +349,21 @@ fn dump(
     as_json: bool,
 ) -> anyhow::Result<ExitCode> {
     check_log_dir(dir)?;
-    let wal = Wal::open_with_options(
+    let opened = Wal::open_with_options(
         dir,
         WalConfig { recovery: RecoveryMode::TolerateCorruption, ..WalConfig::default() },
         WalOptions { read_only: true, ..WalOptions::default() },
-    )
-    .with_context(|| format!("opening {} read-only", dir.display()))?;
-    if !as_json && is_locked(dir).unwrap_or(false) {
+    );
+    let wal = match opened {
+        // No open reads past a marker that names no LSN: corrupt, as `verify` says.
+        Err(error @ coordbus::WalError::BadUnsyncedMarker { .. }) => {
+            eprintln!("coordbus-wal dump: corrupt: {error}");
+            return Ok(ExitCode::from(Finding::Corrupt.exit_code()));
+        }
+        opened => opened.with_context(|| format!("opening {} read-only", dir.display()))?,
+    };
+    // On stderr also with --json: stdout holds only the records.
+    if is_locked(dir).unwrap_or(false) {
         eprintln!("{}", lock_note(true));
     }
     for record in wal.iter_from(Lsn(from))?.take(limit.unwrap_or(usize::MAX)) {
@@ -333,23 +396,38 @@ fn dump(
         }
     }
     let report = wal.recovery_report();
-    let skipped = damage_skipped(report);
-    for note in &skipped {
-        eprintln!("coordbus-wal dump: skipped {note}");
+    let finding = Finding::of(report);
+    for note in left_out_notes(report, finding) {
+        eprintln!("coordbus-wal dump: {note}");
     }
-    if let Some(tail) = &report.torn_tail {
-        eprintln!(
-            "coordbus-wal dump: torn tail not shown: {} bytes ({} records) of segment {} from \
-             offset {} (records written after the last sync: what a crash leaves, or a live \
-             writer's records in flight)",
+    Ok(ExitCode::from(finding.exit_code()))
+}
+
+/// What `dump` did not show, one line each: the damage skipped, or else what opening cuts or
+/// removes.
+fn left_out_notes(report: &RecoveryReport, finding: Finding) -> Vec<String> {
+    match (finding, report.unsynced_cut, &report.torn_tail) {
+        (Finding::Healthy, ..) => Vec::new(),
+        (Finding::Corrupt, ..) => damage_skipped(report),
+        (Finding::FailedLog, Some(cut), _) => {
+            let mut note = format!(
+                "not shown: {} records a failed log wrote after its last durable LSN {} (never \
+                 acknowledged; opening cuts them)",
+                cut.records_discarded, cut.durable_lsn
+            );
+            if !report.segments_skipped.is_empty() {
+                note += &format!("; segments removed on open: {}", skipped_segment_names(report));
+            }
+            vec![note]
+        }
+        (Finding::TornTail, _, Some(tail)) => vec![format!(
+            "torn tail not shown: {} bytes ({} records) of segment {} from offset {} (records \
+             written after the last sync: what a crash leaves, or a live writer's records in \
+             flight)",
             tail.bytes_discarded, tail.records_discarded, tail.segment.0, tail.offset
-        );
+        )],
+        _ => vec![torn_creation_detail(report)],
     }
-    Ok(match (skipped.is_empty(), report.torn_tail.is_some()) {
-        (false, _) => ExitCode::from(1),
-        (true, true) => ExitCode::from(2),
-        (true, false) => ExitCode::SUCCESS,
-    })
 }
 
 /// The damage a tolerant open skipped, one line each (a segment skipped as a whole is one
@@ -360,7 +438,7 @@ fn damage_skipped(report: &RecoveryReport) -> Vec<String> {
         .iter()
         .map(|note| {
             format!(
-                "{} bytes ({} records known lost) of segment {} at offset {}: {}",
+                "skipped {} bytes ({} records known lost) of segment {} at offset {}: {}",
                 note.bytes_skipped, note.records_skipped, note.segment.0, note.offset, note.reason
             )
         })
@@ -369,18 +447,11 @@ fn damage_skipped(report: &RecoveryReport) -> Vec<String> {
 
 /// The report of a scan whose last segment is a torn creation (its header never reached the
 /// disk, nothing follows it), which opening removes.
-fn torn_creation_detail(scan: &coordbus::wal::DirScan) -> String {
-    let dropped: Vec<String> = scan
-        .segments
-        .iter()
-        .filter(|segment| segment.dropped)
-        .map(|segment| format!("segment {} ({})", segment.id.0, segment.path.display()))
-        .collect();
+fn torn_creation_detail(report: &RecoveryReport) -> String {
     format!(
-        "{}; a torn segment creation, removed on open (its header never reached the disk, \
+        "{report}; a torn segment creation, removed on open (its header never reached the disk, \
          nothing follows it): {}",
-        scan.report,
-        dropped.join(", ")
+        skipped_segment_names(report)
     )
 }
 
@@ -392,14 +463,14 @@ fn verify(dir: &PathBuf, as_json: bool) -> ExitCode {
     let (code, verdict, detail) = match checked {
         Err(error) => (3, "error", format!("{error:#}")),
         Ok(()) => match scan_dir(dir, RecoveryMode::Strict) {
-            Ok(scan) if cuts_unsynced(&scan) => (2, "failed-log", scan.report.to_string()),
-            Ok(scan) if scan.report.torn_tail.is_some() => {
-                (2, "torn-tail", scan.report.to_string())
+            Ok(scan) => {
+                let finding = Finding::of(&scan.report);
+                let detail = match finding {
+                    Finding::TornCreation => torn_creation_detail(&scan.report),
+                    _ => scan.report.to_string(),
+                };
+                (finding.exit_code(), finding.verdict(), detail)
             }
-            Ok(scan) if scan.segments.iter().any(|segment| segment.dropped) => {
-                (2, "torn-tail", torn_creation_detail(&scan))
-            }
-            Ok(scan) => (0, "healthy", scan.report.to_string()),
             Err(error @ coordbus::WalError::Corruption { .. })
             | Err(error @ coordbus::WalError::UnsupportedVersion { .. })
             | Err(error @ coordbus::WalError::BadUnsyncedMarker { .. }) => {
