@@ -57,6 +57,15 @@ use coordbus::wal::{IoMode, IoPath};
 
 use crate::rng::Rng;
 
+/// `println!` for the run's summary that ignores a closed stdout (`| head`) instead of
+/// panicking: the exit code is the run's answer, and output nobody reads does not change it.
+macro_rules! summary {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout().lock(), $($arg)*);
+    }};
+}
+
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -387,9 +396,9 @@ fn run(cli: &Cli) -> anyhow::Result<bool> {
         if let Err(error) = &outcome {
             object["error"] = json!(format!("{error:#}"));
         }
-        println!("{object}");
+        summary!("{object}");
     } else {
-        println!(
+        summary!(
             "coordbus-crash --target {}: {done} of {} iterations in {seconds:.1} s (seed {}, \
              kills within {} ms of the first acknowledgement)",
             target.name(),
@@ -397,7 +406,7 @@ fn run(cli: &Cli) -> anyhow::Result<bool> {
             cli.seed,
             cli.max_run_ms
         );
-        println!(
+        summary!(
             "  acked {}  lost {}  duplicated {}  corrupt_accepted {}  out_of_order {}  \
              open_failures {}",
             counts.acked,
@@ -407,16 +416,16 @@ fn run(cli: &Cli) -> anyhow::Result<bool> {
             counts.out_of_order,
             counts.open_failures
         );
-        println!("  recovery: p50 {p50:.2} ms, mean {mean:.2} ms, max {max:.2} ms");
+        summary!("  recovery: p50 {p50:.2} ms, mean {mean:.2} ms, max {max:.2} ms");
         if !counts.extra.is_empty() {
             let extra: Vec<String> =
                 counts.extra.iter().map(|(key, value)| format!("{key} {value}")).collect();
-            println!("  {}", extra.join("  "));
+            summary!("  {}", extra.join("  "));
         }
         for note in &counts.notes {
-            println!("  ! {note}");
+            summary!("  ! {note}");
         }
-        println!("  {}", if passed { "PASS: nothing acknowledged was lost" } else { "FAIL" });
+        summary!("  {}", if passed { "PASS: nothing acknowledged was lost" } else { "FAIL" });
     }
     if let Some(dir) = &kept {
         if failed {

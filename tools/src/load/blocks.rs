@@ -57,6 +57,7 @@ use crate::{
         SEGMENT_MIB,
     },
     report::{Figure, Percentiles},
+    shares::{share, start_of_share},
 };
 
 /// Most input streams (`--streams`): stream ids are `i32` (the tracker's `StreamId`), and
@@ -356,7 +357,6 @@ fn run_add(
     let wal = Arc::clone(tracker.wal().context("the WAL is enabled")?);
     let bus = Bus::builder().inbox_shards(receivers.max(2)).inbox_capacity(1 << 16).build()?;
     let endpoint = bus.register("ReceivedBlockTracker", BlockTrackerEndpoint::new(tracker))?;
-    let per_receiver = args.blocks / receivers as u64;
     let barrier = Arc::new(Barrier::new(receivers + 1));
     let mut threads = Vec::new();
     for receiver in 0..receivers {
@@ -365,9 +365,10 @@ fn run_add(
         let window = if batch == 1 { args.in_flight } else { args.batch_in_flight };
         let in_flight = (window / batch).max(1);
         let asks = args.asks;
+        let per_receiver = share(args.blocks, receivers, receiver);
+        let base = start_of_share(args.blocks, receivers, receiver);
         threads.push(std::thread::spawn(move || -> anyhow::Result<Histogram<u64>> {
             let mut histogram = Histogram::<u64>::new(3)?;
-            let base = receiver as u64 * per_receiver;
             // Single additions rotate over the streams block by block; a batch holds blocks of
             // one stream (a receiver serves one stream, as in Spark) and batches rotate.
             let make = |seq: u64| {
@@ -429,7 +430,7 @@ fn run_add(
     let endpoint_stats = endpoint.stats();
     endpoint.ask(StopTracker).wait()?;
     bus.shutdown()?;
-    let additions = per_receiver * receivers as u64;
+    let additions = args.blocks;
     let spark = if receivers == 1 { SPARK_ADD_1_THREAD } else { SPARK_ADD_2_THREADS };
     let rate = additions as f64 / seconds;
     Ok(Figure::new("blocks/add", additions, seconds)

@@ -28,6 +28,7 @@ use crate::{
         INBOX_CAPACITY, MAX_BATCH, MAX_INBOX_LANES, MAX_INBOX_SHARDS, MAX_IN_FLIGHT, MAX_THREADS,
     },
     report::{Figure, Percentiles},
+    shares::share,
 };
 
 /// A 16-byte message.
@@ -191,9 +192,8 @@ pub fn run_bus(args: &BusArgs) -> anyhow::Result<Vec<Figure>> {
             args.producers as u128 * args.capacity as u128 * slot,
         )?;
     }
-    let per_producer = args.messages / args.producers as u64;
-    let total = per_producer * args.producers as u64;
-    let (ours, stats) = measure_bus(args, per_producer)?;
+    let total = args.messages;
+    let (ours, stats) = measure_bus(args)?;
     let mut figure = Figure::new("bus", total, ours.as_secs_f64())
         .with_endpoint_stats("endpoint_stats", &stats)
         .with("producers", args.producers)
@@ -201,8 +201,8 @@ pub fn run_bus(args: &BusArgs) -> anyhow::Result<Vec<Figure>> {
         .with("message_bytes", std::mem::size_of::<Payload>());
     let baseline = match args.baseline {
         BusBaseline::None => None,
-        BusBaseline::Crossbeam => Some(("crossbeam", measure_crossbeam(args, per_producer))),
-        BusBaseline::Ring => Some(("ring", measure_ring(args, per_producer))),
+        BusBaseline::Crossbeam => Some(("crossbeam", measure_crossbeam(args))),
+        BusBaseline::Ring => Some(("ring", measure_ring(args))),
     };
     if let Some((name, elapsed)) = baseline {
         figure = figure.with_baseline(name, total as f64 / elapsed.as_secs_f64());
@@ -210,10 +210,7 @@ pub fn run_bus(args: &BusArgs) -> anyhow::Result<Vec<Figure>> {
     Ok(vec![figure])
 }
 
-fn measure_bus(
-    args: &BusArgs,
-    per_producer: u64,
-) -> anyhow::Result<(Duration, coordbus::EndpointStats)> {
+fn measure_bus(args: &BusArgs) -> anyhow::Result<(Duration, coordbus::EndpointStats)> {
     let bus = bus_for(
         args.lanes,
         args.shards,
@@ -224,10 +221,11 @@ fn measure_bus(
     let endpoint = bus.register("load-bus", NoOp::default())?;
     let start = Arc::new(Barrier::new(args.producers + 1));
     let producers: Vec<_> = (0..args.producers)
-        .map(|_| {
+        .map(|producer| {
             let endpoint = endpoint.clone();
             let start = Arc::clone(&start);
             let batch = args.batch;
+            let per_producer = share(args.messages, args.producers, producer);
             std::thread::spawn(move || -> anyhow::Result<()> {
                 start.wait();
                 produce(&endpoint, per_producer, batch)?;
@@ -264,9 +262,9 @@ fn produce(endpoint: &EndpointRef<NoOp>, messages: u64, batch: usize) -> anyhow:
     Ok(())
 }
 
-fn measure_crossbeam(args: &BusArgs, per_producer: u64) -> Duration {
+fn measure_crossbeam(args: &BusArgs) -> Duration {
     let (sender, receiver) = crossbeam_channel::bounded::<Payload>(args.capacity);
-    let total = per_producer * args.producers as u64;
+    let total = args.messages;
     let start = Arc::new(Barrier::new(args.producers + 2));
     let consumer = {
         let start = Arc::clone(&start);
@@ -281,9 +279,10 @@ fn measure_crossbeam(args: &BusArgs, per_producer: u64) -> Duration {
         })
     };
     let producers: Vec<_> = (0..args.producers)
-        .map(|_| {
+        .map(|producer| {
             let sender = sender.clone();
             let start = Arc::clone(&start);
+            let per_producer = share(total, args.producers, producer);
             std::thread::spawn(move || {
                 start.wait();
                 for index in 0..per_producer {
@@ -301,11 +300,11 @@ fn measure_crossbeam(args: &BusArgs, per_producer: u64) -> Duration {
     began.elapsed()
 }
 
-fn measure_ring(args: &BusArgs, per_producer: u64) -> Duration {
+fn measure_ring(args: &BusArgs) -> Duration {
     let batch = args.batch.min(args.capacity);
     let (producers, mut consumers): (Vec<_>, Vec<_>) =
         (0..args.producers).map(|_| rtrb::RingBuffer::<Payload>::new(args.capacity)).unzip();
-    let total = per_producer * args.producers as u64;
+    let total = args.messages;
     let start = Arc::new(Barrier::new(args.producers + 2));
     let consumer = {
         let start = Arc::clone(&start);
@@ -332,8 +331,10 @@ fn measure_ring(args: &BusArgs, per_producer: u64) -> Duration {
     };
     let threads: Vec<_> = producers
         .into_iter()
-        .map(|mut producer| {
+        .enumerate()
+        .map(|(index, mut producer)| {
             let start = Arc::clone(&start);
+            let per_producer = share(total, args.producers, index);
             std::thread::spawn(move || {
                 start.wait();
                 let mut sent = 0u64;

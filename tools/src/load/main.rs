@@ -11,6 +11,7 @@ mod limits;
 mod machine;
 mod progress;
 mod report;
+mod shares;
 mod state_store;
 mod wal;
 
@@ -127,6 +128,9 @@ fn main() -> anyhow::Result<()> {
             Workload::Blocks(args) => blocks::run(args),
         })?,
     };
-    report::print(&figures, cli.json);
-    Ok(())
+    match report::print(&figures, cli.json) {
+        // The reader went away (`| head`): it has what it wanted.
+        Err(error) if error.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        printed => Ok(printed?),
+    }
 }

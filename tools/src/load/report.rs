@@ -204,18 +204,22 @@ fn human_ns(ns: Option<u64>) -> String {
     }
 }
 
-/// Prints figures: JSON lines, or one human table.
-pub fn print(figures: &[Figure], as_json: bool) {
+/// Prints figures: JSON lines, or one human table. Returns the write's error instead of
+/// panicking (a reader that went away: `main` ends quietly then).
+pub fn print(figures: &[Figure], as_json: bool) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
     if as_json {
         for figure in figures {
-            println!("{}", figure.to_json());
+            writeln!(out, "{}", figure.to_json())?;
         }
-        return;
+        return Ok(());
     }
-    println!(
+    writeln!(
+        out,
         "{:<28} {:>12} {:>10} {:>10} {:>10} {:>18} {:>8}  details",
         "workload", "ours", "p50", "p99", "p99.9", "baseline", "ratio"
-    );
+    )?;
     for figure in figures {
         let baseline = figure.baseline.as_ref().map_or("-".to_owned(), |baseline| {
             format!("{} {}", baseline.name, human_rate(baseline.msgs_per_sec))
@@ -223,7 +227,8 @@ pub fn print(figures: &[Figure], as_json: bool) {
         let ratio = figure.ratio().map_or("-".to_owned(), |ratio| format!("{ratio:.2}x"));
         let details: Vec<String> =
             figure.extra.iter().map(|(key, value)| format!("{key}={value}")).collect();
-        println!(
+        writeln!(
+            out,
             "{:<28} {:>12} {:>10} {:>10} {:>10} {:>18} {:>8}  {}",
             figure.workload,
             human_rate(figure.msgs_per_sec()),
@@ -233,8 +238,9 @@ pub fn print(figures: &[Figure], as_json: bool) {
             baseline,
             ratio,
             details.join(" ")
-        );
+        )?;
     }
+    Ok(())
 }
 
 #[cfg(test)]

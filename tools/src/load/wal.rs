@@ -43,6 +43,7 @@ use crate::{
         SEGMENT_MIB,
     },
     report::{Figure, Percentiles},
+    shares::share,
 };
 
 /// Flags of `coordbus-load wal`.
@@ -219,10 +220,12 @@ fn check_total_bytes(records: u64, record_bytes: usize, what: &str) -> anyhow::R
 /// segment.
 fn validate(args: &WalArgs) -> anyhow::Result<()> {
     anyhow::ensure!(!args.threads.is_empty(), "--threads lists no thread count");
+    // `--records` is the throughput modes' total; `every` counts `--every-records` per thread.
+    let splits_records = args.durability.iter().any(|name| name != "every");
     for &threads in &args.threads {
         anyhow::ensure!(threads > 0, "--threads lists 0: every thread count is at least 1");
         anyhow::ensure!(
-            args.records >= threads as u64,
+            !splits_records || args.records >= threads as u64,
             "--records {} is less than --threads {threads}: every thread appends at least one \
              record",
             args.records
@@ -395,12 +398,12 @@ fn throughput_figure(
 ) -> anyhow::Result<(Figure, u64)> {
     let dir = root.join(format!("{name}-{threads}"));
     let wal = Arc::new(open(&dir, args, durability)?);
-    let per_thread = args.records / threads as u64;
     let barrier = Arc::new(Barrier::new(threads + 1));
     let workers: Vec<_> = (0..threads)
         .map(|thread| {
             let wal = Arc::clone(&wal);
             let barrier = Arc::clone(&barrier);
+            let per_thread = share(args.records, threads, thread);
             let payload = vec![thread as u8; args.record_bytes];
             std::thread::spawn(move || -> anyhow::Result<(Lsn, Histogram<u64>)> {
                 let mut histogram = Histogram::<u64>::new(3)?;
@@ -432,7 +435,7 @@ fn throughput_figure(
     wal.wait_durable(last)?;
     let seconds = started.elapsed().as_secs_f64();
     let stats = wal.stats();
-    let messages = per_thread * threads as u64;
+    let messages = args.records;
     let frame_bytes = frame::frame_len(args.record_bytes) as u64;
     let figure = Figure::new("wal", messages, seconds)
         .with_latency(Percentiles::from_histogram(&histogram))

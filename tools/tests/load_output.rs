@@ -1,0 +1,96 @@
+//! Goal: `coordbus-load` does exactly the work its flags ask for and reports it, and ends
+//! quietly when its reader goes away.
+//!
+//! Method: small runs of the built binary (`CARGO_BIN_EXE_coordbus-load`), bounded by a
+//! timeout, checking the JSON figures' counts and the exit code.
+
+mod support;
+
+use std::{
+    process::{Command, Stdio},
+    time::Duration,
+};
+
+/// Far longer than these tiny runs take; a hang fails the test instead of CI.
+const BOUND: Duration = Duration::from_secs(120);
+
+/// The JSON figures of `coordbus-load --json args`, which must succeed.
+fn figures(args: &[&str]) -> Vec<serde_json::Value> {
+    let output = support::output_within(
+        Command::new(env!("CARGO_BIN_EXE_coordbus-load")).arg("--json").args(args),
+        BOUND,
+    );
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{args:?} failed: {stderr}");
+    String::from_utf8(output.stdout)
+        .unwrap()
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap_or_else(|error| panic!("{line}: {error}")))
+        .collect()
+}
+
+/// A total that does not divide among the threads is done in full: the first threads take
+/// one more (it used to be rounded down to a multiple of the thread count, without a word).
+#[test]
+fn totals_that_do_not_divide_among_the_threads_are_done_in_full() {
+    let bus = figures(&["bus", "--messages", "5", "--producers", "2", "--baseline", "none"]);
+    assert_eq!(bus.len(), 1, "{bus:?}");
+    assert_eq!(bus[0]["messages"], 5, "{bus:?}");
+    let wal = figures(&[
+        "wal",
+        "--records",
+        "3",
+        "--threads",
+        "2",
+        "--durability",
+        "none",
+        "--baseline",
+        "none",
+        "--segment-mib",
+        "1",
+    ]);
+    assert_eq!(wal.len(), 1, "{wal:?}");
+    assert_eq!(wal[0]["messages"], 3, "{wal:?}");
+}
+
+/// `--records` is the throughput modes' total: with only `--durability every` (which counts
+/// `--every-records` per thread) it is not checked against the thread count.
+#[test]
+fn the_every_record_mode_does_not_check_the_throughput_total() {
+    let every = figures(&[
+        "wal",
+        "--durability",
+        "every",
+        "--threads",
+        "4",
+        "--records",
+        "2",
+        "--every-records",
+        "1",
+        "--baseline",
+        "none",
+        "--segment-mib",
+        "1",
+    ]);
+    assert_eq!(every.len(), 1, "{every:?}");
+    assert_eq!(every[0]["threads"], 4, "{every:?}");
+}
+
+/// Output into a reader that went away (`| head`) ends the run quietly: exit code 0, no panic
+/// on the closed pipe.
+#[test]
+fn the_load_tool_ends_quietly_when_its_reader_goes_away() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_coordbus-load"))
+        .args(["bus", "--messages", "2", "--producers", "1", "--baseline", "none"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Closed before the run prints anything.
+    drop(child.stdout.take());
+    let output = support::wait_within(child, BOUND);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(output.status.code(), Some(0), "{stderr}");
+}
