@@ -145,7 +145,9 @@ impl Bus {
     /// [`BusError::DuplicateName`] if a live endpoint has the name; [`BusError::InvalidName`]
     /// for a name holding a NUL character; [`BusError::ShutDown`] after [`Bus::shutdown`] (a
     /// registration overlapping a shutdown either fails so, or returns an endpoint that the
-    /// shutdown stops and joins); [`BusError::Spawn`] if the thread cannot be started.
+    /// shutdown stops and joins); [`BusError::Spawn`] if the thread cannot be started;
+    /// [`BusError::InboxTooLarge`] if the inbox's slots for `E`'s messages would take more
+    /// than 8 GiB.
     pub fn register<E: Endpoint>(
         &self,
         name: impl Into<String>,

@@ -2210,7 +2210,8 @@ impl Wal {
         reader::read_bytes(&self.shared, handle)
     }
 
-    /// The record at `handle` as a validated, zero-copy reference to the archived `T`.
+    /// The record at `handle` as a validated, zero-copy view of the archived `T`: a guard
+    /// that dereferences to `T::Archived` (`&*wal.read::<T>(handle)?` for a reference).
     ///
     /// # Errors
     /// As [`Wal::read_bytes`], plus [`WalError::Record`] if the bytes are not a valid `T`.

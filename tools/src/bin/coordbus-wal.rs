@@ -355,8 +355,13 @@ fn dump(
         WalOptions { read_only: true, ..WalOptions::default() },
     );
     let wal = match opened {
-        // No open reads past a marker that names no LSN: corrupt, as `verify` says.
-        Err(error @ coordbus::WalError::BadUnsyncedMarker { .. }) => {
+        // What a tolerant open still refuses: corrupt, as `verify` says (a marker that names no
+        // LSN, a segment of an unknown format version).
+        Err(
+            error @ (coordbus::WalError::BadUnsyncedMarker { .. }
+            | coordbus::WalError::UnsupportedVersion { .. }
+            | coordbus::WalError::Corruption { .. }),
+        ) => {
             eprintln!("coordbus-wal dump: corrupt: {error}");
             return Ok(ExitCode::from(Finding::Corrupt.exit_code()));
         }
