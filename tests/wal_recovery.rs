@@ -289,6 +289,36 @@ fn damage_in_a_sealed_segment_is_corruption_naming_segment_and_offset() {
 /// ran): a later record, appended once it was durable, proves it. Judged by the next record
 /// alone, the damage read as a torn tail, and the damaged record and every acknowledged one
 /// after it were cut without an error.
+/// A tail of forged frame headers, each claiming the next LSN and a long payload but failing
+/// its checksum, is refused as corruption in both modes, at once. Checking every one in full
+/// would take time quadratic in the segment's size (hours for a 64 MiB segment): the search
+/// past damage checksums at most a few times the segment's bytes.
+#[test]
+fn a_tail_of_forged_frame_headers_is_corruption_not_an_endless_search() {
+    let dir = tempfile::tempdir().unwrap();
+    let (file, _, handles) = small_log(dir.path(), 3);
+    let last = *handles.last().unwrap();
+    let tail = last.offset as usize + frame::frame_len(last.len as usize);
+    let mut forged = Vec::new();
+    frame::encode_into(&mut forged, &[0u8; 8 << 10], 4, 4, 3).unwrap();
+    forged[4] ^= 0xFF; // the checksum no longer holds
+    let header = &forged[..frame::HEADER_LEN];
+    let mut bytes = std::fs::read(&file).unwrap();
+    for at in (tail..bytes.len() - frame::HEADER_LEN).step_by(frame::HEADER_LEN) {
+        bytes[at..at + frame::HEADER_LEN].copy_from_slice(header);
+    }
+    std::fs::write(&file, &bytes).unwrap();
+    for mode in [RecoveryMode::Strict, RecoveryMode::TolerateCorruption] {
+        match scan_dir(dir.path(), mode) {
+            Err(WalError::Corruption { segment, reason, .. }) => {
+                assert_eq!(segment, last.segment.0, "{mode:?}");
+                assert!(reason.contains("forged or repeated frame headers"), "{mode:?}: {reason}");
+            }
+            other => panic!("{mode:?}: expected corruption, got {other:?}"),
+        }
+    }
+}
+
 #[test]
 fn damage_proved_only_by_a_later_record_is_corruption_not_a_torn_tail() {
     let dir = tempfile::tempdir().unwrap();

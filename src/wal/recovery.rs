@@ -270,32 +270,91 @@ fn list_spares(dir: &Path) -> Result<Vec<PathBuf>, WalError> {
     Ok(found.into_iter().map(|((), path)| path).collect())
 }
 
+/// Bytes a scan of one segment may checksum while it searches for frames past damage or a
+/// torn tail ([`find_frame`]), per byte of the segment. A segment this crate wrote needs about
+/// one pass per search: a candidate is checksummed only if it claims an LSN this log can have
+/// written there, and each frame of a run is found once ([`LastFrames`]). A segment of forged
+/// headers that all claim such an LSN and a long payload would otherwise cost time quadratic
+/// in its size (hours for one of 64 MiB).
+const SEARCH_CHECKSUM_BYTES_PER_BYTE: u64 = 4;
+
+/// What a segment's searches may still checksum ([`SEARCH_CHECKSUM_BYTES_PER_BYTE`]).
+struct SearchBudget {
+    left: u64,
+    limit: u64,
+}
+
+impl SearchBudget {
+    fn for_segment(segment_len: u64) -> Self {
+        let limit = segment_len.saturating_mul(SEARCH_CHECKSUM_BYTES_PER_BYTE);
+        Self { left: limit, limit }
+    }
+
+    fn spend(&mut self, bytes: u64) -> Result<(), SearchBudgetSpent> {
+        self.left = self.left.checked_sub(bytes).ok_or(SearchBudgetSpent { limit: self.limit })?;
+        Ok(())
+    }
+}
+
+/// A search for frames checksummed more than its segment's budget allows.
+#[derive(Debug, Clone, Copy)]
+struct SearchBudgetSpent {
+    limit: u64,
+}
+
+impl SearchBudgetSpent {
+    /// The corruption it is: segment `id` holds forged (or repeated) frame headers.
+    fn into_error(self, id: SegmentId, offset: u64) -> WalError {
+        WalError::Corruption {
+            segment: id.0,
+            offset,
+            reason: format!(
+                "searching past the damage at this offset checksummed more than {} bytes of \
+                 frames that claim an LSN this log can have written there: forged or repeated \
+                 frame headers",
+                self.limit
+            ),
+        }
+    }
+}
+
 /// The first valid frame at or after `from` (16-byte steps) that this log can have written
 /// there, if the record of LSN `min_lsn` would start at `origin` (at most `from`): its LSN is
 /// at least `min_lsn`, and at most one more per smallest frame (a bare header) between
 /// `origin` and it. A frame claiming a larger LSN was not written there by this log (crafted
 /// or foreign bytes with a valid CRC): taking it as proof, or resuming at its LSN, would let
-/// LSNs jump towards their end (and wrap).
+/// LSNs jump towards their end (and wrap). The claimed LSN is checked before the checksum,
+/// which `budget` bounds.
 fn find_frame(
     bytes: &[u8],
     origin: u64,
     from: u64,
     min_lsn: u64,
-) -> Option<(u64, frame::FrameHeader)> {
+    budget: &mut SearchBudget,
+) -> Result<Option<(u64, frame::FrameHeader)>, SearchBudgetSpent> {
     let mut at = (from as usize).next_multiple_of(frame::ALIGN);
     while at + frame::HEADER_LEN <= bytes.len() {
         let candidate = &bytes[at..];
-        if frame::looks_like_header(candidate) {
-            if let Ok((header, _)) = frame::parse(candidate) {
-                let most_records = (at as u64).saturating_sub(origin) / frame::HEADER_LEN as u64;
-                if header.lsn >= min_lsn && header.lsn - min_lsn <= most_records {
-                    return Some((at as u64, header));
+        if let Some(lsn) = frame::claimed_lsn(candidate) {
+            let most_records = (at as u64).saturating_sub(origin) / frame::HEADER_LEN as u64;
+            if lsn >= min_lsn && lsn - min_lsn <= most_records {
+                budget.spend(claimed_checksum_bytes(candidate))?;
+                if let Ok((header, _)) = frame::parse(candidate) {
+                    return Ok(Some((at as u64, header)));
                 }
             }
         }
         at += frame::ALIGN;
     }
-    None
+    Ok(None)
+}
+
+/// At most how many bytes [`frame::parse`] checksums for the frame header at the start of
+/// `candidate` (its claimed length, within what `candidate` holds).
+fn claimed_checksum_bytes(candidate: &[u8]) -> u64 {
+    let claimed = u32::from_le_bytes(candidate[0..4].try_into().expect("a header's 4 bytes"));
+    let payload = claimed.min(frame::MAX_PAYLOAD_LEN) as usize;
+    frame::frame_len(payload).min(candidate.len()) as u64
 }
 
 /// The last frames of runs found so far in one segment, by the offset of a frame on the run:
@@ -310,7 +369,8 @@ fn last_frame(
     bytes: &[u8],
     first: (u64, frame::FrameHeader),
     known: &mut LastFrames,
-) -> (u64, frame::FrameHeader) {
+    budget: &mut SearchBudget,
+) -> Result<(u64, frame::FrameHeader), SearchBudgetSpent> {
     let mut walked = Vec::new();
     let mut last = first;
     let end = loop {
@@ -319,13 +379,13 @@ fn last_frame(
         }
         walked.push(last.0);
         let after = last.0 + last.1.frame_len();
-        match find_frame(bytes, after, after, last.1.lsn.saturating_add(1)) {
+        match find_frame(bytes, after, after, last.1.lsn.saturating_add(1), budget)? {
             Some(next) => last = next,
             None => break last,
         }
     };
     known.extend(walked.into_iter().map(|offset| (offset, end)));
-    end
+    Ok(end)
 }
 
 /// True if every byte of `bytes` is zero (word-wise, so the compiler vectorizes it).
@@ -525,6 +585,7 @@ fn scan_segment(
     let mut max_time = i64::MIN;
     let mut min_time = i64::MAX;
     let mut last_frames = LastFrames::new();
+    let mut budget = SearchBudget::for_segment(len);
     loop {
         let rest = &bytes[at as usize..];
         let parsed = frame::parse(rest);
@@ -564,8 +625,10 @@ fn scan_segment(
         // bytes are padding ends past `garbage_end`.
         let search_end = (garbage_end as usize).next_multiple_of(frame::ALIGN).min(bytes.len());
         let region = &bytes[..search_end];
+        let spent = move |spent: SearchBudgetSpent| spent.into_error(id, at);
         let later = if garbage_end > at {
-            find_frame(region, at, at + frame::ALIGN as u64, expected)
+            find_frame(region, at, at + frame::ALIGN as u64, expected, &mut budget)
+                .map_err(spent)?
         } else {
             None
         };
@@ -575,7 +638,9 @@ fn scan_segment(
         // (the synced LSN a record carries only grows with its LSN).
         let proof = if is_last {
             later
-                .map(|first| last_frame(region, first, &mut last_frames))
+                .map(|first| last_frame(region, first, &mut last_frames, &mut budget))
+                .transpose()
+                .map_err(spent)?
                 .filter(|(_, last)| last.synced_lsn_at_append() >= expected)
         } else {
             later
@@ -652,7 +717,9 @@ fn scan_segment(
                     let mut records_discarded = 0;
                     let mut new_end = at;
                     let mut from = at + frame::ALIGN as u64;
-                    while let Some((found_at, found)) = find_frame(region, at, from, expected) {
+                    while let Some((found_at, found)) =
+                        find_frame(region, at, from, expected, &mut budget).map_err(spent)?
+                    {
                         records_discarded += 1;
                         from = found_at + found.frame_len();
                         new_end = from;
