@@ -655,6 +655,38 @@ fn a_failed_logs_marker_cuts_every_record_after_its_durable_lsn() {
     assert_eq!(reopened.recovery_report().unsynced_cut, None);
 }
 
+/// A log cleaned up to its last segment that then failed before any record of that segment
+/// was durable: opening drops that segment and finds no other, but LSNs still continue after
+/// the durable one the marker names, never again from 1.
+#[test]
+fn lsns_continue_after_a_failed_logs_durable_lsn_when_no_segment_is_left() {
+    let dir = tempfile::tempdir().unwrap();
+    let last = durable_log_of_50_records(dir.path());
+    let scan = scan_dir(dir.path(), RecoveryMode::Strict).unwrap();
+    let newest = scan.segments.last().unwrap();
+    let first_of_newest = newest.first_lsn_in_header.unwrap();
+    assert!(first_of_newest.0 > 1 && first_of_newest.0 <= last.0 + 1, "{first_of_newest}");
+    // The older segments cleaned; the marker names the LSN before the newest segment.
+    for segment in &scan.segments[..scan.segments.len() - 1] {
+        std::fs::remove_file(&segment.path).unwrap();
+    }
+    let durable = Lsn(first_of_newest.0 - 1);
+    std::fs::write(dir.path().join(coordbus::wal::UNSYNCED_MARKER), format!("{}\n", durable.0))
+        .unwrap();
+
+    let wal = open(dir.path(), Durability::default(), IoMode::Auto, 4096);
+    assert_eq!(wal.recovery_report().records, 0);
+    assert_eq!(wal.recovery_report().segments_skipped, [newest.id]);
+    assert_eq!(wal.durable_lsn(), durable);
+    let (next, _) = wal.append_bytes(b"next", 2).unwrap();
+    assert_eq!(next.0, durable.0 + 1, "LSNs continue after the durable one");
+    wal.wait_durable_timeout(next, WAIT).unwrap();
+    drop(wal);
+    let reopened = open(dir.path(), Durability::default(), IoMode::Auto, 4096);
+    let kept: Vec<u64> = all_records(&reopened).iter().map(|(lsn, _, _)| lsn.0).collect();
+    assert_eq!(kept, [durable.0 + 1]);
+}
+
 /// Writes 50 records of 100 bytes in `dir` (4 KiB segments), waits until they are durable and
 /// closes the log; returns the last LSN.
 fn durable_log_of_50_records(dir: &Path) -> Lsn {

@@ -819,6 +819,13 @@ fn scan_all(
             report.last_lsn = Lsn(first.saturating_sub(1));
         }
     }
+    // A failed log's durable LSN fixes where LSNs continue, also when the segments holding
+    // the records up to it were cleaned before the failure and every segment after it is
+    // dropped now: with none left, LSNs would start again at 1, and LSNs a caller kept from
+    // before (to clean below, say) would name the new records.
+    if let Some(cut) = &report.unsynced_cut {
+        report.last_lsn = report.last_lsn.max(cut.durable_lsn);
+    }
     report.elapsed = started.elapsed();
     Ok((scanned, report, next_id))
 }
