@@ -120,23 +120,6 @@ impl Default for BusConfig {
     }
 }
 
-/// The most slots one endpoint's inbox may have, rings and lanes together (2^27: a few GiB for
-/// small messages). Each setting alone may be in range and their product not: 1024 shards of
-/// 2^24 slots would abort the process on allocation.
-pub(crate) const MAX_INBOX_SLOTS: u64 = 1 << 27;
-
-/// Most bytes the slots of one endpoint's inbox may take: [`MAX_INBOX_SLOTS`] bounds the count
-/// whatever the message type, this bounds the memory, checked when an endpoint of a given
-/// message type is registered (2^27 slots of a 1 KiB message would be 128 GiB).
-pub(crate) const MAX_INBOX_BYTES: u64 = 8 << 30;
-
-/// Slots of an inbox of `shards` rings and `lanes` lanes of `capacity` slots each, as the queue
-/// rounds them (counts and capacity up to powers of two).
-pub(crate) fn inbox_slots(shards: usize, lanes: usize, capacity: usize) -> u64 {
-    let rings = shards.max(1).next_power_of_two() as u64;
-    (rings + lanes as u64).saturating_mul(capacity.max(2).next_power_of_two() as u64)
-}
-
 impl BusConfig {
     /// Checks every setting.
     ///
@@ -160,8 +143,9 @@ impl BusConfig {
         if !(2..=crate::queue::MAX_CAPACITY).contains(&self.inbox_capacity) {
             return Err(invalid("inbox_capacity", self.inbox_capacity, "must be 2 ..= 2^24"));
         }
-        let slots = inbox_slots(self.inbox_shards, self.inbox_lanes, self.inbox_capacity);
-        if slots > MAX_INBOX_SLOTS {
+        let slots =
+            crate::queue::total_slots(self.inbox_lanes, self.inbox_shards, self.inbox_capacity);
+        if slots > crate::queue::MAX_TOTAL_SLOTS {
             return Err(ConfigError::Invalid {
                 setting: "inbox_capacity",
                 value: format!(

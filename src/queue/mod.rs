@@ -79,6 +79,28 @@ pub const MAX_CAPACITY: usize = 1 << 24;
 /// Most shared rings of one inbox (`shard_count`, before rounding up to a power of two).
 pub const MAX_SHARDS: usize = 1024;
 
+/// Most slots of one queue in all, its rings' and its lanes' (as rounded up, [`total_slots`]).
+/// Each setting alone may be in range and their product not: 1024 shards of 2^24 slots would
+/// abort the process on allocation.
+pub const MAX_TOTAL_SLOTS: u64 = 1 << 27;
+
+/// Most bytes the slots of one queue may take ([`total_slots`] x [`slot_bytes`]): 2^27 slots of
+/// a 1 KiB message would be 128 GiB.
+pub const MAX_TOTAL_BYTES: u64 = 8 << 30;
+
+/// Slots of a queue of `shard_count` rings and `lane_count` lanes of `capacity_per_shard` slots
+/// each, as the queue rounds them (counts and capacity up to powers of two). The rings are
+/// allocated up front, the lanes on first use.
+pub fn total_slots(lane_count: usize, shard_count: usize, capacity_per_shard: usize) -> u64 {
+    let rings = shard_count.max(1).next_power_of_two() as u64;
+    (rings + lane_count as u64).saturating_mul(capacity_per_shard.max(2).next_power_of_two() as u64)
+}
+
+/// Bytes of one slot holding a `T`: its stamp and the value.
+pub fn slot_bytes<T>() -> u64 {
+    (std::mem::size_of::<usize>() + std::mem::size_of::<T>()) as u64
+}
+
 /// A [`ShardedQueue`] asked for more than it can be: the setting and its value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -100,6 +122,25 @@ pub enum QueueConfigError {
     Lanes {
         /// The lane count asked for.
         value: usize,
+    },
+    /// The settings together ask for more than [`MAX_TOTAL_SLOTS`] slots or
+    /// [`MAX_TOTAL_BYTES`] bytes.
+    #[error(
+        "{lanes} lanes and {shards} shards of {capacity} slots make {slots} slots of \
+         {slot_bytes} bytes, more than a queue's {MAX_TOTAL_SLOTS} slots or {MAX_TOTAL_BYTES} \
+         bytes"
+    )]
+    TooLarge {
+        /// The lane count asked for.
+        lanes: usize,
+        /// The shard count asked for.
+        shards: usize,
+        /// The capacity per shard or lane asked for.
+        capacity: usize,
+        /// The slots that makes, as rounded ([`total_slots`]).
+        slots: u64,
+        /// Bytes of one slot ([`slot_bytes`]).
+        slot_bytes: u64,
     },
 }
 
@@ -157,8 +198,9 @@ impl<T> ShardedQueue<T> {
     /// Lanes are allocated on their owner's first push.
     ///
     /// # Errors
-    /// [`QueueConfigError`] for a shard count above [`MAX_SHARDS`] or a capacity above
-    /// [`MAX_CAPACITY`].
+    /// [`QueueConfigError`] for a shard count above [`MAX_SHARDS`], a capacity above
+    /// [`MAX_CAPACITY`], or settings that together take more than [`MAX_TOTAL_SLOTS`] slots or
+    /// [`MAX_TOTAL_BYTES`] bytes.
     pub fn new(shard_count: usize, capacity_per_shard: usize) -> Result<Self, QueueConfigError> {
         Self::with_lanes(DEFAULT_LANES, shard_count, capacity_per_shard)
     }
@@ -194,6 +236,17 @@ impl<T> ShardedQueue<T> {
         }
         if lane_count > MAX_LANES {
             return Err(QueueConfigError::Lanes { value: lane_count });
+        }
+        let slots = total_slots(lane_count, shard_count, capacity_per_shard);
+        let slot_bytes = slot_bytes::<T>();
+        if slots > MAX_TOTAL_SLOTS || slots.saturating_mul(slot_bytes) > MAX_TOTAL_BYTES {
+            return Err(QueueConfigError::TooLarge {
+                lanes: lane_count,
+                shards: shard_count,
+                capacity: capacity_per_shard,
+                slots,
+                slot_bytes,
+            });
         }
         let shard_count = shard_count.max(1).next_power_of_two();
         Ok(Self {
@@ -796,11 +849,35 @@ mod tests {
                 QueueConfigError::Capacity { value }
                 | QueueConfigError::Shards { value }
                 | QueueConfigError::Lanes { value } => value,
+                QueueConfigError::TooLarge { .. } => unreachable!("not among the cases"),
             };
             assert!(text.contains(&value.to_string()), "{text}");
         }
         let queue = ShardedQueue::<u32>::with_lanes(MAX_LANES, MAX_SHARDS, 2).unwrap();
         assert_eq!(queue.shard_count(), MAX_SHARDS);
+    }
+
+    /// Settings each in range whose product is not (the most shards of the largest rings: 2^34
+    /// slots, which would abort the process on allocation), or whose slots for a large `T` take
+    /// too many bytes, are a typed error naming the settings and the slots, and allocate
+    /// nothing.
+    #[test]
+    fn settings_too_large_together_are_a_typed_error() {
+        let error = ShardedQueue::<u64>::new(MAX_SHARDS, MAX_CAPACITY).unwrap_err();
+        assert_eq!(
+            error,
+            QueueConfigError::TooLarge {
+                lanes: DEFAULT_LANES,
+                shards: MAX_SHARDS,
+                capacity: MAX_CAPACITY,
+                slots: (MAX_SHARDS + DEFAULT_LANES) as u64 * MAX_CAPACITY as u64,
+                slot_bytes: 16,
+            }
+        );
+        assert!(error.to_string().contains(&format!("{MAX_SHARDS} shards")), "{error}");
+        // 2^24 slots fit the count, not the bytes: 2^24 x 1032 bytes is over 8 GiB.
+        let error = ShardedQueue::<[u8; 1024]>::with_lanes(0, 1, MAX_CAPACITY).unwrap_err();
+        assert!(matches!(error, QueueConfigError::TooLarge { slot_bytes: 1032, .. }), "{error}");
     }
 
     #[test]

@@ -230,19 +230,19 @@ impl Bus {
     }
 
     /// Refuses an inbox whose slots for `E`'s messages would exceed
-    /// [`MAX_INBOX_BYTES`](crate::config::MAX_INBOX_BYTES): the slot count alone is validated
-    /// with the bus, but the memory depends on the message type.
+    /// [`MAX_TOTAL_BYTES`](crate::queue::MAX_TOTAL_BYTES): the slot count alone is validated
+    /// with the bus, but the memory depends on the message type. (The queue checks the same
+    /// when it is made; this says which endpoint, before its name is taken.)
     fn check_inbox_bytes<E: Endpoint>(&self, name: &str) -> Result<(), BusError> {
         let config = &self.config;
-        let slots = crate::config::inbox_slots(
-            config.inbox_shards,
+        let slots = crate::queue::total_slots(
             config.inbox_lanes,
+            config.inbox_shards,
             config.inbox_capacity,
         );
-        // A slot is its stamp and the envelope.
-        let slot_bytes = (std::mem::size_of::<usize>() + std::mem::size_of::<Envelope<E>>()) as u64;
+        let slot_bytes = crate::queue::slot_bytes::<Envelope<E>>();
         let bytes = slots.saturating_mul(slot_bytes);
-        let limit = crate::config::MAX_INBOX_BYTES;
+        let limit = crate::queue::MAX_TOTAL_BYTES;
         if bytes > limit {
             return Err(BusError::InboxTooLarge {
                 name: name.to_owned(),
