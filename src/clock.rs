@@ -44,9 +44,14 @@ impl ManualClock {
         self.now_ms.store(now_ms, Ordering::SeqCst);
     }
 
-    /// Moves the time forward by `delta_ms` and returns the new time.
+    /// Moves the time by `delta_ms` (saturating at the ends of `i64`, never wrapping to the
+    /// other end) and returns the new time.
     pub fn advance_ms(&self, delta_ms: i64) -> i64 {
-        self.now_ms.fetch_add(delta_ms, Ordering::SeqCst) + delta_ms
+        let advance = |now: i64| Some(now.saturating_add(delta_ms));
+        // `advance` never declines, so the update never fails.
+        let (Ok(before) | Err(before)) =
+            self.now_ms.fetch_update(Ordering::SeqCst, Ordering::SeqCst, advance);
+        before.saturating_add(delta_ms)
     }
 }
 
@@ -75,6 +80,17 @@ mod tests {
         assert_eq!(other.now_ms(), 10_500);
         other.set_ms(3);
         assert_eq!(clock.now_ms(), 3);
+        assert_eq!(clock.advance_ms(-20_000), -19_997, "backwards too");
+    }
+
+    #[test]
+    fn manual_clock_stops_at_the_ends_of_time_instead_of_wrapping() {
+        let clock = ManualClock::new(i64::MAX - 1);
+        assert_eq!(clock.advance_ms(10), i64::MAX);
+        assert_eq!(clock.now_ms(), i64::MAX);
+        clock.set_ms(i64::MIN + 1);
+        assert_eq!(clock.advance_ms(-10), i64::MIN);
+        assert_eq!(clock.now_ms(), i64::MIN);
     }
 
     #[test]

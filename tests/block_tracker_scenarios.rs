@@ -1050,4 +1050,12 @@ fn the_tracker_opens_its_log_with_the_configured_wal_options() {
             other => panic!("expected {expected:?} refused, got {:?}", other.map(drop)),
         }
     }
+    // A zero write timeout: every synchronous write would answer false before its sync.
+    let zero = config(Some(dir.path()), Duration::from_secs(60)).write_timeout(Duration::ZERO);
+    match ReceivedBlockTracker::open(zero, Arc::new(ManualClock::new(1_000))) {
+        Err(BlockTrackerError::Wal(WalError::InvalidConfig { setting, value, .. })) => {
+            assert_eq!((setting, value.as_str()), ("write_timeout", "0ns"));
+        }
+        other => panic!("expected a zero write_timeout refused, got {:?}", other.map(drop)),
+    }
 }

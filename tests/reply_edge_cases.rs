@@ -29,6 +29,8 @@ struct Keeper {
     kept: Arc<Mutex<Vec<Replier<u32>>>>,
     /// What `ReplyAfterGiveUp` found: 1 if its own pair's reply said `NoReply` at once.
     late_pair: Arc<std::sync::atomic::AtomicU32>,
+    /// The text of every error `on_error` got.
+    errors: Arc<Mutex<Vec<String>>>,
 }
 
 enum Request {
@@ -58,7 +60,23 @@ impl std::fmt::Display for Raised {
     }
 }
 
-impl std::error::Error for Raised {}
+/// What `Raised` says caused it.
+#[derive(Debug)]
+struct RaisedCause;
+
+impl std::fmt::Display for RaisedCause {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.write_str("its cause")
+    }
+}
+
+impl std::error::Error for RaisedCause {}
+
+impl std::error::Error for Raised {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&RaisedCause)
+    }
+}
 
 struct RaiseDroppingAll;
 impl Ask<Keeper> for RaiseDroppingAll {
@@ -131,6 +149,10 @@ impl Endpoint for Keeper {
 
     fn handle(&mut self, _: u32, _: &Context<Self>) -> Result<(), HandlerError> {
         Ok(())
+    }
+
+    fn on_error(&mut self, error: &HandlerError) {
+        self.errors.lock().unwrap().push(error.to_string());
     }
 
     fn handle_request(&mut self, request: Request, _: &Context<Self>) -> Result<(), HandlerError> {
@@ -330,7 +352,12 @@ fn a_raising_handler_fails_its_own_asker_with_its_error_and_others_with_no_reply
     let bus = Bus::builder().build().unwrap();
     let kept = Arc::new(Mutex::new(Vec::new()));
     let late_pair = Arc::new(std::sync::atomic::AtomicU32::new(0));
-    let keeper = Keeper { kept: Arc::clone(&kept), late_pair: Arc::clone(&late_pair) };
+    let errors = Arc::new(Mutex::new(Vec::new()));
+    let keeper = Keeper {
+        kept: Arc::clone(&kept),
+        late_pair: Arc::clone(&late_pair),
+        errors: Arc::clone(&errors),
+    };
     let endpoint = bus.register("keeper", keeper).unwrap();
     let first = endpoint.ask(KeepIt);
     let second = endpoint.ask(KeepIt);
@@ -345,6 +372,14 @@ fn a_raising_handler_fails_its_own_asker_with_its_error_and_others_with_no_reply
         }
         other => panic!("expected the raised error, got {other:?}"),
     }
+    // `on_error` gets it as text (the asker took the error itself), with its cause; it runs
+    // after the asker was answered.
+    let deadline = std::time::Instant::now() + WAIT;
+    while errors.lock().unwrap().is_empty() {
+        assert!(std::time::Instant::now() < deadline, "on_error never ran");
+        std::thread::yield_now();
+    }
+    assert_eq!(errors.lock().unwrap()[0], "raised 5: its cause");
 
     let third = endpoint.ask(KeepIt);
     wait_kept(&kept, 1);

@@ -67,8 +67,9 @@ pub trait Endpoint: Send + Sized + 'static {
     fn on_stop(&mut self) {}
 
     /// Called with every error a handler returns, and with [`AskError::HandlerPanicked`] for a
-    /// handler that panicked (SPEC A.6). Default: a `tracing` warning.
+    /// handler that panicked (SPEC A.6). Default: a `tracing` warning, with the error's causes.
     fn on_error(&mut self, error: &HandlerError) {
+        let error = crate::error::message_with_causes(&**error);
         tracing::warn!(endpoint = std::any::type_name::<Self>(), %error, "handler failed");
     }
 }

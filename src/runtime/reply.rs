@@ -142,7 +142,7 @@ fn fail_dropped_own_replier(outcome: Result<(), HandlerError>) -> Result<(), Han
     // The text first: `Display` is the endpoint's code, and should it panic, the replier is
     // still held and the endpoint loop fails it with the panic's message.
     let failed = outcome.map_err(|error| {
-        let text = error.to_string();
+        let text = crate::error::message_with_causes(&*error);
         (error, text)
     });
     let Some(fail) = DROPPED_OWN_REPLIER.with(|held| held.borrow_mut().take()) else {

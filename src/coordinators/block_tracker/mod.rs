@@ -300,7 +300,8 @@ impl BlockTrackerConfig {
         self
     }
 
-    /// Sets how long a synchronous write waits for durability (default 5 s).
+    /// Sets how long a synchronous write waits for durability (default 5 s; more than zero
+    /// when there is a log: [`ReceivedBlockTracker::open`] refuses zero).
     pub fn write_timeout(mut self, timeout: Duration) -> Self {
         self.write_timeout = timeout;
         self
@@ -452,8 +453,8 @@ impl ReceivedBlockTracker {
     /// checkpoint directory is given, and replays it when `recover_from_wal` is set.
     ///
     /// # Errors
-    /// The WAL's opening errors (also [`WalError::InvalidConfig`] for read-only WAL options),
-    /// or a damaged journal during recovery.
+    /// The WAL's opening errors (also [`WalError::InvalidConfig`] for read-only WAL options,
+    /// and for a zero `write_timeout` with a log), or a damaged journal during recovery.
     pub fn open(
         config: BlockTrackerConfig,
         clock: Arc<dyn Clock>,
@@ -463,6 +464,15 @@ impl ReceivedBlockTracker {
                 setting: "read_only",
                 value: "true".into(),
                 reason: "the block tracker writes its log",
+            }));
+        }
+        if config.checkpoint_dir.is_some() && config.write_timeout.is_zero() {
+            // Every synchronous write would answer false before a sync could make it durable,
+            // while its record may still become durable and come back after a restart.
+            return Err(BlockTrackerError::Wal(WalError::InvalidConfig {
+                setting: "write_timeout",
+                value: format!("{:?}", config.write_timeout),
+                reason: "a synchronous write must be able to wait for its sync",
             }));
         }
         let log: Option<Arc<dyn BlockLog>> = match &config.checkpoint_dir {

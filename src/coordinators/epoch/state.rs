@@ -1009,7 +1009,8 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
     /// Enters the fail-stop state and stops the query with `error`.
     #[cold]
     fn fail(&mut self, error: EpochError, epoch: Epoch) {
-        tracing::error!(%epoch, %error, "epoch coordinator failed; nothing commits from now on");
+        tracing::error!(%epoch, error = %error.stop_text(),
+            "epoch coordinator failed; nothing commits from now on");
         if self.failed_epoch.is_none() {
             self.failed_epoch = Some(epoch);
         }
