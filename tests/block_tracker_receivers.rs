@@ -29,15 +29,16 @@ use coordbus::{
     coordinators::block_tracker::{
         AddBlock, AddBlocks, AllocateBlocksToBatch, BatchTime, BlockAdditionEvent,
         BlockAdditionsEvent, BlockLog, BlockReceiver, BlockStoreResult, BlockTrackerConfig,
-        BlockTrackerEndpoint, ConnectReceiver, GetBlocksOfBatch, GetUnallocatedBlocks,
-        HasUnallocatedBlocks, ReceivedBlockInfo, ReceivedBlockTracker, StopTracker, StreamBlockId,
-        StreamId, TrackerEvent, WalBlockLog, COMBINE_MAX_BLOCKS, RECEIVED_BLOCK_METADATA_DIR,
+        BlockTrackerEndpoint, BlockTrackerError, ConnectReceiver, GetBlocksOfBatch,
+        GetUnallocatedBlocks, HasUnallocatedBlocks, ReceivedBlockInfo, ReceivedBlockTracker,
+        StopTracker, StreamBlockId, StreamId, TrackerEvent, WalBlockLog, COMBINE_MAX_BLOCKS,
+        RECEIVED_BLOCK_METADATA_DIR,
     },
     wal::{
         storage::{FileStorage, Storage, StorageFile},
         IoMode, RecordHandle, SegmentId, Wal, WalConfig, WalOptions,
     },
-    Bus,
+    AskError, Bus,
 };
 
 const STREAMS: [StreamId; 2] = [StreamId(1), StreamId(2)];
@@ -447,7 +448,14 @@ fn a_failed_sync_answers_false_and_rolls_handed_over_blocks_back() {
     gate.fail.store(true, Ordering::SeqCst);
     gate.set_held(false);
     assert!(!lost.wait(), "the sync failed");
-    assert!(query.wait().is_err(), "the state it saw was not durable");
+    // The state it saw was not durable: it fails with the WAL's error, at once.
+    match query.wait_timeout(GATE_BOUND) {
+        Err(AskError::Handler(cause)) => assert!(
+            matches!(cause.downcast_ref::<BlockTrackerError>(), Some(BlockTrackerError::Wal(_))),
+            "{cause}"
+        ),
+        other => panic!("expected the WAL's failure, got {other:?}"),
+    }
     assert_eq!(endpoint.ask(GetUnallocatedBlocks(StreamId(1))).wait().unwrap(), [info(1, 1)]);
     assert!(endpoint.ask(GetUnallocatedBlocks(StreamId(2))).wait().unwrap().is_empty());
     // The failed log takes nothing more.

@@ -85,7 +85,7 @@ fn durable_commits_survive_a_power_loss(io: IoMode, directory: Directory, seed: 
     coordinator.set_reader_partitions(PARTITIONS).unwrap();
     coordinator.set_writer_partitions(PARTITIONS).unwrap();
     let mut rng = XorShiftRng::seed_from_u64(seed);
-    let mut images = 0;
+    let (mut images, mut images_after_a_durable_commit) = (0, 0);
     for epoch in 0..EPOCHS {
         for (partition, offset) in offsets(epoch) {
             coordinator.report_partition_offset(partition, Epoch(epoch), offset).unwrap();
@@ -100,9 +100,12 @@ fn durable_commits_survive_a_power_loss(io: IoMode, directory: Directory, seed: 
             storage.image(image.path());
             check_image(image.path(), durable, Epoch(epoch));
             images += 1;
+            images_after_a_durable_commit += usize::from(durable.is_some());
         }
     }
     assert!(images >= 10, "only {images} images");
+    // Else no image checked that a commit reported durable survived.
+    assert!(images_after_a_durable_commit > 0, "no commit was reported durable before an image");
     let stats = status.wal_stats().unwrap();
     assert!(stats.cleaned_segments > 0, "no segment was cleaned: {stats:?}");
     assert!(stats.recycled_segments > 0, "no spare was reused: {stats:?}");

@@ -368,7 +368,7 @@ fn each_reporter_reads_its_own_one_way_report_immediately() {
 }
 
 #[test]
-fn batched_one_way_reports_are_applied_in_order() {
+fn batched_one_way_reports_are_all_applied_and_the_last_one_wins() {
     let bus = bus();
     let coordinator = StateStoreCoordinatorRef::for_driver(&bus).unwrap();
     let id = p("batch", 0, 0, Uuid::from_u128(0x55_000b));
@@ -380,5 +380,7 @@ fn batched_one_way_reports_are_applied_in_order() {
         .collect();
     coordinator.endpoint().send_batch(reports).unwrap();
     assert_eq!(coordinator.get_location(id).unwrap().as_deref(), Some("executor_host_exec99"));
+    let counters = coordinator.counters().unwrap();
+    assert_eq!((counters.reports, counters.new_instances), (100, 1), "{counters:?}");
     bus.shutdown().unwrap();
 }

@@ -375,4 +375,6 @@ fn wal_crash_kill9_with_recycled_segments_keeps_every_durable_record() {
         "{RECYCLING_KILLS} kills, {total_printed} durable records checked, {recycled_seen} \
          recycled segments seen after the kills"
     );
+    // Each child was killed after it reused a spare: recovery must have read recycled files.
+    assert!(recycled_seen > 0, "no recycled segment was left for recovery to read");
 }

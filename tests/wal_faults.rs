@@ -530,7 +530,7 @@ fn a_failed_fsync_amid_concurrent_groups_on(path: IoVariant) {
         })
         .collect();
     let mut appended: Vec<(u64, Vec<u8>)> =
-        appenders.into_iter().flat_map(|appender| appender.join().unwrap()).collect();
+        wal_support::join_all_within(appenders).into_iter().flatten().collect();
     appended.sort();
     // Close runs every pending callback (durable, failed or closed) before it returns.
     let error = wal.close().unwrap_err();

@@ -147,7 +147,9 @@ fn acknowledged_records_survive_the_loss_of_unsynced_bytes(
         })
         .collect();
     let mut rng = XorShiftRng::seed_from_u64(seed);
+    let deadline = std::time::Instant::now() + wal_support::RUN_BOUND;
     while !appenders.iter().all(|appender| appender.is_finished()) {
+        assert!(std::time::Instant::now() < deadline, "appenders still running");
         std::thread::sleep(Duration::from_micros(rng.random_range(200..3000)));
         // Acknowledged before the image is taken: each one's sync came before.
         let acknowledged_now = acknowledged.lock().unwrap().clone();

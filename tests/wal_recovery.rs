@@ -388,8 +388,7 @@ fn concurrent_appenders_share_groups_and_keep_their_order() {
             })
         })
         .collect();
-    let results: Vec<Vec<(Lsn, RecordHandle)>> =
-        threads.into_iter().map(|thread| thread.join().unwrap()).collect();
+    let results: Vec<Vec<(Lsn, RecordHandle)>> = wal_support::join_all_within(threads);
     wal.wait_durable_timeout(wal.appended_lsn(), WAIT).unwrap();
     let stats = wal.stats();
     assert!(stats.syncs < u64::from(2 * per_thread), "groups shared syncs: {stats:?}");

@@ -12,6 +12,8 @@
 //! time with `wait`, on both I/O paths; damage written into the files by hand, then reopened
 //! or scanned read-only.
 
+mod wal_support;
+
 use std::{
     path::{Path, PathBuf},
     time::Duration,
@@ -351,7 +353,11 @@ fn a_segment_another_program_locks_exclusively_fails_the_open_after_a_bounded_wa
     held.try_lock().unwrap();
     let started = std::time::Instant::now();
     let options = WalOptions { read_only: true, ..WalOptions::default() };
-    let error = Wal::open_with_options(dir.path(), config(), options).unwrap_err();
+    // On a thread of its own: were the wait unbounded, the test fails instead of hanging.
+    let path = dir.path().to_path_buf();
+    let error = wal_support::within(move || {
+        Wal::open_with_options(&path, config(), options).map(drop).unwrap_err()
+    });
     let waited = started.elapsed();
     assert!(matches!(&error, WalError::Io { op: "lock segment", .. }), "{error}");
     assert!(error.to_string().contains("exclusive lock"), "{error}");

@@ -2635,7 +2635,9 @@ mod tests {
         let started = Instant::now();
         let (last, _) = wal.append_bytes_now(&vec![4u8; 2 << 20]).unwrap();
         let waited = started.elapsed();
-        assert!(waited < max_delay / 10, "the appender waited {waited:?} for room");
+        // Waiting out the delay would take all of it; writing 64 MiB takes well under half of
+        // it even on a slow, shared disk.
+        assert!(waited < max_delay / 2, "the appender waited {waited:?} for room");
         wal.close().unwrap();
         assert_eq!(wal.durable_lsn(), last);
     }

@@ -41,6 +41,32 @@ pub fn bounded<T: Send + 'static>(
     }
 }
 
+/// Runs `work` on a thread of its own and returns its result, failing the test if it has none
+/// within [`RUN_BOUND`] (the thread is then left behind): for a call that would hang the test
+/// if the bound it is meant to keep regressed.
+pub fn within<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> T {
+    let (sender, receiver) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = sender.send(work());
+    });
+    match receiver.recv_timeout(RUN_BOUND) {
+        Ok(result) => result,
+        Err(mpsc::RecvTimeoutError::Timeout) => panic!("the call hung (nothing in {RUN_BOUND:?})"),
+        Err(mpsc::RecvTimeoutError::Disconnected) => panic!("the calling thread panicked"),
+    }
+}
+
+/// Joins `threads`, failing the test if any is still running after [`RUN_BOUND`] (an appender
+/// stuck in a wait that should have ended).
+pub fn join_all_within<T>(threads: Vec<std::thread::JoinHandle<T>>) -> Vec<T> {
+    let deadline = std::time::Instant::now() + RUN_BOUND;
+    while !threads.iter().all(std::thread::JoinHandle::is_finished) {
+        assert!(std::time::Instant::now() < deadline, "threads still running after {RUN_BOUND:?}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    threads.into_iter().map(|thread| thread.join().expect("the thread panicked")).collect()
+}
+
 /// `wal.wait_durable(lsn)` through [`bounded`]. The wait starts a thread's start-up after the
 /// append, so the sync thread may write the group first: use [`bounded`] around the appends
 /// too where leading matters.
