@@ -157,10 +157,12 @@ pub enum BusError {
         reason: String,
     },
     /// An endpoint thread panicked outside a handler (in a start or stop hook).
-    #[error("endpoint thread {name:?} panicked outside a handler")]
+    #[error("endpoint thread {name:?} panicked outside a handler: {message}")]
     ThreadPanicked {
         /// The endpoint's name.
         name: String,
+        /// The panic's message.
+        message: String,
     },
     /// An endpoint name the bus cannot take (it names the endpoint's thread).
     #[error("invalid endpoint name {name:?}: {reason}")]

@@ -85,8 +85,8 @@ pub struct Bus {
     /// wait for threads with a deadline instead of polling.
     thread_ended: (mpsc::Sender<()>, Mutex<mpsc::Receiver<()>>),
     /// The first endpoint thread found panicked (outside a handler) when a registration
-    /// joined it, for `shutdown` to report.
-    panicked_earlier: Mutex<Option<String>>,
+    /// joined it, for `shutdown` to report: its name and the panic's message.
+    panicked_earlier: Mutex<Option<(String, String)>>,
 }
 
 /// Sends on drop: tells the bus an endpoint thread ended, however it ended.
@@ -341,12 +341,14 @@ impl Bus {
                 continue;
             }
             let (name, handle) = threads.swap_remove(index);
-            if handle.join().is_err() {
-                tracing::error!(endpoint = %name, "endpoint thread panicked outside a handler");
+            if let Err(payload) = handle.join() {
+                let message = worker::panic_message(&*payload);
+                tracing::error!(endpoint = %name, %message,
+                    "endpoint thread panicked outside a handler");
                 self.panicked_earlier
                     .lock()
                     .unwrap_or_else(PoisonError::into_inner)
-                    .get_or_insert(name);
+                    .get_or_insert((name, message));
             }
             // Its one signal was sent before it finished.
             let ended = self.thread_ended.1.lock().unwrap_or_else(PoisonError::into_inner);
@@ -387,7 +389,8 @@ impl Bus {
         if threads.is_empty() {
             // Nothing to wait for (another shutdown took them, or this runs in a handler):
             // return before taking the signals, which that other shutdown may be waiting on.
-            return panicked_earlier.map_or(Ok(()), |name| Err(BusError::ThreadPanicked { name }));
+            return panicked_earlier
+                .map_or(Ok(()), |(name, message)| Err(BusError::ThreadPanicked { name, message }));
         }
         // `None`: a timeout too large for the clock, no deadline.
         let deadline = Instant::now().checked_add(self.config.shutdown_timeout);
@@ -402,12 +405,14 @@ impl Bus {
             if !finished {
                 tracing::error!(endpoint = %name, "endpoint thread did not finish; detached");
                 unfinished.push(name);
-            } else if handle.join().is_err() && panicked.is_none() {
-                panicked = Some(name);
+            } else if let Err(payload) = handle.join() {
+                if panicked.is_none() {
+                    panicked = Some((name, worker::panic_message(&*payload)));
+                }
             }
         }
         match (panicked, unfinished.is_empty()) {
-            (Some(name), _) => Err(BusError::ThreadPanicked { name }),
+            (Some((name, message)), _) => Err(BusError::ThreadPanicked { name, message }),
             (None, false) => Err(BusError::ShutdownTimedOut {
                 endpoints: unfinished,
                 timeout: self.config.shutdown_timeout,
@@ -537,7 +542,10 @@ mod tests {
         bus.register("lives", IDLE).unwrap();
         assert_eq!(held_threads(&bus), 1);
         match bus.shutdown() {
-            Err(BusError::ThreadPanicked { name }) => assert_eq!(name, "dies"),
+            Err(BusError::ThreadPanicked { name, message }) => {
+                assert_eq!(name, "dies");
+                assert_eq!(message, "injected: an endpoint that panics when dropped");
+            }
             other => panic!("expected ThreadPanicked, got {other:?}"),
         }
     }

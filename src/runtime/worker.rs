@@ -376,7 +376,8 @@ fn drop_caught(payload: Box<dyn std::any::Any + Send>) {
     }
 }
 
-fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+/// A panic payload's message (the text of `panic!`), or a placeholder for other payloads.
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     if let Some(text) = payload.downcast_ref::<&str>() {
         (*text).to_owned()
     } else if let Some(text) = payload.downcast_ref::<String>() {
