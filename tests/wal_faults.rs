@@ -278,7 +278,7 @@ fn a_failed_fsync_fails_the_log_for_good_on(path: IoVariant) {
                 .unwrap();
         assert_eq!(
             wal.recovery_report().unsynced_cut,
-            Some(UnsyncedCut { durable_lsn: acked, records_discarded: 1 })
+            Some(UnsyncedCut { durable_lsn: acked, records_discarded: 1, segments_removed: 0 })
         );
         assert!(!marker.exists(), "the marker goes once the cut is durable");
         let (next, _) = wal.append_bytes(b"next", 4).unwrap();

@@ -284,15 +284,11 @@ fn damage_in_a_sealed_segment_is_corruption_naming_segment_and_offset() {
     assert!(error.contains(&format!("segment {}", victim.segment)), "{error}");
 }
 
-/// A damaged record in the last segment that was durable is corruption, also when the record
-/// right after it was appended before it was durable (in the same group, or while its sync
-/// ran): a later record, appended once it was durable, proves it. Judged by the next record
-/// alone, the damage read as a torn tail, and the damaged record and every acknowledged one
-/// after it were cut without an error.
 /// A tail of forged frame headers, each claiming the next LSN and a long payload but failing
-/// its checksum, is refused as corruption in both modes, at once. Checking every one in full
-/// would take time quadratic in the segment's size (hours for a 64 MiB segment): the search
-/// past damage checksums at most a few times the segment's bytes.
+/// its checksum, is corruption at once: a strict scan refuses it, a tolerant one keeps every
+/// record before it and skips the rest of the segment as damage. Checking every header in
+/// full would take time quadratic in the segment's size (hours for a 64 MiB segment): the
+/// search past damage checksums at most a few times the segment's bytes.
 #[test]
 fn a_tail_of_forged_frame_headers_is_corruption_not_an_endless_search() {
     let dir = tempfile::tempdir().unwrap();
@@ -308,17 +304,29 @@ fn a_tail_of_forged_frame_headers_is_corruption_not_an_endless_search() {
         bytes[at..at + frame::HEADER_LEN].copy_from_slice(header);
     }
     std::fs::write(&file, &bytes).unwrap();
-    for mode in [RecoveryMode::Strict, RecoveryMode::TolerateCorruption] {
-        match scan_dir(dir.path(), mode) {
-            Err(WalError::Corruption { segment, reason, .. }) => {
-                assert_eq!(segment, last.segment.0, "{mode:?}");
-                assert!(reason.contains("forged or repeated frame headers"), "{mode:?}: {reason}");
-            }
-            other => panic!("{mode:?}: expected corruption, got {other:?}"),
+    let forged = "forged or repeated frame headers";
+    match scan_dir(dir.path(), RecoveryMode::Strict) {
+        Err(WalError::Corruption { segment, offset, reason }) => {
+            assert_eq!((segment, offset), (last.segment.0, tail as u64));
+            assert!(reason.contains(forged), "{reason}");
         }
+        other => panic!("expected corruption, got {other:?}"),
     }
+    let scan = scan_dir(dir.path(), RecoveryMode::TolerateCorruption).unwrap();
+    assert_eq!(scan.report.records, 3);
+    assert_eq!(scan.report.torn_tail, None);
+    let [skipped] = &scan.report.corruption_skipped[..] else {
+        panic!("one stretch skipped: {:?}", scan.report.corruption_skipped);
+    };
+    assert_eq!((skipped.segment, skipped.offset), (last.segment, tail as u64));
+    assert!(skipped.reason.contains(forged), "{}", skipped.reason);
 }
 
+/// A damaged record in the last segment that was durable is corruption, also when the record
+/// right after it was appended before it was durable (in the same group, or while its sync
+/// ran): a later record, appended once it was durable, proves it. Judged by the next record
+/// alone, the damage read as a torn tail, and the damaged record and every acknowledged one
+/// after it were cut without an error.
 #[test]
 fn damage_proved_only_by_a_later_record_is_corruption_not_a_torn_tail() {
     let dir = tempfile::tempdir().unwrap();
@@ -631,8 +639,11 @@ fn a_failed_logs_marker_cuts_every_record_after_its_durable_lsn() {
     std::fs::write(&marker, format!("{}\n", durable.0)).unwrap();
 
     let scan = scan_dir(dir.path(), RecoveryMode::Strict).unwrap();
-    let expected_cut =
-        coordbus::wal::UnsyncedCut { durable_lsn: durable, records_discarded: 100 - durable.0 };
+    let expected_cut = coordbus::wal::UnsyncedCut {
+        durable_lsn: durable,
+        records_discarded: 100 - durable.0,
+        segments_removed: later_segments.len() as u64,
+    };
     assert_eq!(scan.report.unsynced_cut, Some(expected_cut));
     assert_eq!((scan.report.records, scan.report.last_lsn), (durable.0, durable));
     assert_eq!(scan.report.segments_skipped, later_segments);
@@ -684,6 +695,26 @@ fn lsns_continue_after_a_failed_logs_durable_lsn_when_no_segment_is_left() {
     let reopened = open(dir.path(), Durability::default(), IoMode::Auto, 4096);
     let kept: Vec<u64> = all_records(&reopened).iter().map(|(lsn, _, _)| lsn.0).collect();
     assert_eq!(kept, [durable.0 + 1]);
+}
+
+/// A failed log whose records end below its marker's LSN (with `Durability::None` a record
+/// counts as durable once written, and a power loss may take the page cache with it): LSNs
+/// continue after the last record kept, so the log has no gap and a second open finds it
+/// whole.
+#[test]
+fn lsns_continue_after_the_last_record_kept_when_it_is_below_the_markers_lsn() {
+    let dir = tempfile::tempdir().unwrap();
+    let last = durable_log_of_50_records(dir.path());
+    std::fs::write(dir.path().join(coordbus::wal::UNSYNCED_MARKER), format!("{}\n", last.0 + 10))
+        .unwrap();
+    let wal = open(dir.path(), Durability::default(), IoMode::Auto, 4096);
+    assert_eq!(wal.recovery_report().records, last.0);
+    let (next, _) = wal.append_bytes(b"next", 2).unwrap();
+    assert_eq!(next.0, last.0 + 1, "no gap after the records kept");
+    wal.wait_durable_timeout(next, WAIT).unwrap();
+    drop(wal);
+    let reopened = open(dir.path(), Durability::default(), IoMode::Auto, 4096);
+    assert_eq!(all_records(&reopened).len() as u64, last.0 + 1, "a strict reopen finds no gap");
 }
 
 /// Writes 50 records of 100 bytes in `dir` (4 KiB segments), waits until they are durable and

@@ -74,6 +74,9 @@ pub struct UnsyncedCut {
     pub durable_lsn: Lsn,
     /// Complete records cut after it (never acknowledged).
     pub records_discarded: u64,
+    /// Segments removed because every record of theirs came after it (also one created with
+    /// its header, before any of its records was durable).
+    pub segments_removed: u64,
 }
 
 /// Damage skipped in tolerant mode.
@@ -142,7 +145,9 @@ pub struct RecoveryReport {
     pub bytes: u64,
     /// The first LSN kept (`Lsn::ZERO` if none).
     pub first_lsn: Lsn,
-    /// The last LSN kept (`Lsn::ZERO` if none).
+    /// The last LSN kept; without records, the LSN before the first one a kept segment's
+    /// header names, or else a failed log's durable LSN ([`Self::unsynced_cut`]); `Lsn::ZERO`
+    /// if none of these. LSNs continue after it.
     pub last_lsn: Lsn,
     /// The torn tail cut off, if any.
     pub torn_tail: Option<TornTail>,
@@ -303,20 +308,18 @@ struct SearchBudgetSpent {
 }
 
 impl SearchBudgetSpent {
-    /// The corruption it is: segment `id` holds forged (or repeated) frame headers.
-    fn into_error(self, id: SegmentId, offset: u64) -> WalError {
-        WalError::Corruption {
-            segment: id.0,
-            offset,
-            reason: format!(
-                "searching past the damage at this offset checksummed more than {} bytes of \
-                 frames that claim an LSN this log can have written there: forged or repeated \
-                 frame headers",
-                self.limit
-            ),
-        }
+    /// Why the search stopped: the segment holds forged (or repeated) frame headers.
+    fn reason(self) -> String {
+        format!(
+            "searching past the damage at this offset checksummed more than {} bytes of frames \
+             that claim an LSN this log can have written there: forged or repeated frame headers",
+            self.limit
+        )
     }
 }
+
+/// A frame found by a search: its offset and its header.
+type FoundFrame = (u64, frame::FrameHeader);
 
 /// The first valid frame at or after `from` (16-byte steps) that this log can have written
 /// there, if the record of LSN `min_lsn` would start at `origin` (at most `from`): its LSN is
@@ -331,7 +334,7 @@ fn find_frame(
     from: u64,
     min_lsn: u64,
     budget: &mut SearchBudget,
-) -> Result<Option<(u64, frame::FrameHeader)>, SearchBudgetSpent> {
+) -> Result<Option<FoundFrame>, SearchBudgetSpent> {
     let mut at = (from as usize).next_multiple_of(frame::ALIGN);
     while at + frame::HEADER_LEN <= bytes.len() {
         let candidate = &bytes[at..];
@@ -362,15 +365,15 @@ fn claimed_checksum_bytes(candidate: &[u8]) -> u64 {
 /// with a higher LSN) depends only on that frame, so a later search that reaches a frame seen
 /// before stops there. Without it a damaged stretch at every other frame (tolerant recovery
 /// goes on after each) would walk the rest of the segment once per stretch.
-type LastFrames = HashMap<u64, (u64, frame::FrameHeader)>;
+type LastFrames = HashMap<u64, FoundFrame>;
 
 /// The last frame of the run of frames that starts with `first`.
 fn last_frame(
     bytes: &[u8],
-    first: (u64, frame::FrameHeader),
+    first: FoundFrame,
     known: &mut LastFrames,
     budget: &mut SearchBudget,
-) -> Result<(u64, frame::FrameHeader), SearchBudgetSpent> {
+) -> Result<FoundFrame, SearchBudgetSpent> {
     let mut walked = Vec::new();
     let mut last = first;
     let end = loop {
@@ -481,6 +484,71 @@ impl Next {
             Next::Nothing | Next::Unreadable(_) => false,
         }
     }
+}
+
+/// Searches past the damage (or the end of the records) at `at`: the first frame this log can
+/// have written after it, and the proof that the records before it were lost to damage, not
+/// cut by a crash. In a sealed segment any later record proves damage. In the last one, a
+/// later record appended after LSN `expected` was durable does: the first one found may have
+/// been appended in the same group, before that sync, so the proof is the last record (the
+/// synced LSN a record carries only grows with its LSN).
+fn search_past(
+    region: &[u8],
+    at: u64,
+    expected: u64,
+    is_last: bool,
+    budget: &mut SearchBudget,
+    last_frames: &mut LastFrames,
+) -> Result<(Option<FoundFrame>, Option<FoundFrame>), SearchBudgetSpent> {
+    let later = find_frame(region, at, at + frame::ALIGN as u64, expected, budget)?;
+    let proof = match later {
+        Some(first) if is_last => Some(last_frame(region, first, last_frames, budget)?)
+            .filter(|(_, last)| last.synced_lsn_at_append() >= expected),
+        _ => later,
+    };
+    Ok((later, proof))
+}
+
+/// The frames after a torn tail at `at`, from `first` (the first one [`search_past`] found)
+/// on: how many, and where the last ends (`at` if none).
+fn frames_after_torn(
+    region: &[u8],
+    at: u64,
+    first: Option<FoundFrame>,
+    expected: u64,
+    budget: &mut SearchBudget,
+) -> Result<(u64, u64), SearchBudgetSpent> {
+    let (mut count, mut end, mut next) = (0, at, first);
+    while let Some((found_at, found)) = next {
+        count += 1;
+        end = found_at + found.frame_len();
+        next = find_frame(region, at, end, expected, budget)?;
+    }
+    Ok((count, end))
+}
+
+/// After a search past `at` spent its budget ([`SearchBudgetSpent`]): corruption in strict
+/// mode; in tolerant mode the rest of the segment, from `at` to `garbage_end`, is skipped as
+/// damage and the segment's records end at `at`.
+fn give_up_search(
+    spent: SearchBudgetSpent,
+    at: u64,
+    garbage_end: u64,
+    tolerant: bool,
+    summary: &mut SegmentSummary,
+) -> Result<(), WalError> {
+    let reason = spent.reason();
+    if !tolerant {
+        return Err(WalError::Corruption { segment: summary.id.0, offset: at, reason });
+    }
+    summary.corruption.push(CorruptionNote {
+        segment: summary.id,
+        offset: at,
+        reason,
+        bytes_skipped: garbage_end - at,
+        records_skipped: 0,
+    });
+    Ok(())
 }
 
 /// Scans one segment. `expected_first` is the LSN the previous segment says comes next;
@@ -625,25 +693,17 @@ fn scan_segment(
         // bytes are padding ends past `garbage_end`.
         let search_end = (garbage_end as usize).next_multiple_of(frame::ALIGN).min(bytes.len());
         let region = &bytes[..search_end];
-        let spent = move |spent: SearchBudgetSpent| spent.into_error(id, at);
-        let later = if garbage_end > at {
-            find_frame(region, at, at + frame::ALIGN as u64, expected, &mut budget)
-                .map_err(spent)?
+        let searched = if garbage_end > at {
+            search_past(region, at, expected, is_last, &mut budget, &mut last_frames)
         } else {
-            None
+            Ok((None, None))
         };
-        // In a sealed segment any later record proves damage. In the last one, a later record
-        // appended after LSN `expected` was durable does: the first one found may have been
-        // appended in the same group, before that sync, so the proof is the last record
-        // (the synced LSN a record carries only grows with its LSN).
-        let proof = if is_last {
-            later
-                .map(|first| last_frame(region, first, &mut last_frames, &mut budget))
-                .transpose()
-                .map_err(spent)?
-                .filter(|(_, last)| last.synced_lsn_at_append() >= expected)
-        } else {
-            later
+        let (later, proof) = match searched {
+            Ok(found) => found,
+            Err(spent) => {
+                give_up_search(spent, at, garbage_end, tolerant, &mut summary)?;
+                break;
+            }
         };
         if let (Some((later_at, later_header)), Some((proof_at, proof_header))) = (later, proof) {
             let what = problem.clone().unwrap_or_else(|| "records missing (zeroed)".into());
@@ -712,36 +772,33 @@ fn scan_segment(
                     records_skipped: 0,
                 });
             }
-            _ => {
-                if garbage_end > at {
-                    let mut records_discarded = 0;
-                    let mut new_end = at;
-                    let mut from = at + frame::ALIGN as u64;
-                    while let Some((found_at, found)) =
-                        find_frame(region, at, from, expected, &mut budget).map_err(spent)?
-                    {
-                        records_discarded += 1;
-                        from = found_at + found.frame_len();
-                        new_end = from;
-                    }
-                    // In a recycled segment only frames of this use (LSN `expected` or more,
-                    // complete or not) are a torn tail; the rest is the earlier use's.
-                    let partial = frame::claimed_lsn(rest).is_some_and(|lsn| lsn >= expected);
-                    if !header.recycled {
-                        new_end = garbage_end;
-                    } else if partial {
-                        new_end = new_end.max(at + frame::HEADER_LEN as u64);
-                    }
-                    if new_end > at {
-                        summary.torn_tail = Some(TornTail {
-                            segment: id,
-                            offset: at,
-                            bytes_discarded: new_end - at,
-                            records_discarded,
-                        });
+            _ if garbage_end > at => {
+                match frames_after_torn(region, at, later, expected, &mut budget) {
+                    Err(spent) => give_up_search(spent, at, garbage_end, tolerant, &mut summary)?,
+                    Ok((records_discarded, frames_end)) => {
+                        // In a recycled segment only frames of this use (LSN `expected` or
+                        // more, complete or not) are a torn tail; the rest is the earlier
+                        // use's.
+                        let partial = frame::claimed_lsn(rest).is_some_and(|lsn| lsn >= expected);
+                        let new_end = if !header.recycled {
+                            garbage_end
+                        } else if partial {
+                            frames_end.max(at + frame::HEADER_LEN as u64)
+                        } else {
+                            frames_end
+                        };
+                        if new_end > at {
+                            summary.torn_tail = Some(TornTail {
+                                segment: id,
+                                offset: at,
+                                bytes_discarded: new_end - at,
+                                records_discarded,
+                            });
+                        }
                     }
                 }
             }
+            _ => {}
         }
         break;
     }
@@ -819,11 +876,14 @@ fn scan_all(
             report.last_lsn = Lsn(first.saturating_sub(1));
         }
     }
-    // A failed log's durable LSN fixes where LSNs continue, also when the segments holding
-    // the records up to it were cleaned before the failure and every segment after it is
-    // dropped now: with none left, LSNs would start again at 1, and LSNs a caller kept from
-    // before (to clean below, say) would name the new records.
-    if let Some(cut) = &report.unsynced_cut {
+    // With no segment left (the ones holding the records up to a failed log's durable LSN
+    // cleaned before the failure, every later one dropped now), that LSN fixes where LSNs
+    // continue: else they would start again at 1, and LSNs a caller kept from before (to clean
+    // below, say) would name the new records. A kept segment fixes it itself, also where its
+    // records end below the marker's LSN (lost pages of `Durability::None`): continuing past
+    // them would leave a gap that the next open refuses.
+    let segment_kept = scanned.iter().any(|scan| !scan.summary.dropped && scan.header.is_some());
+    if let (Some(cut), false) = (&report.unsynced_cut, segment_kept) {
         report.last_lsn = report.last_lsn.max(cut.durable_lsn);
     }
     report.elapsed = started.elapsed();
@@ -897,7 +957,7 @@ fn remove_unsynced_marker(dir: &Path, storage: &dyn Storage) -> Result<(), WalEr
 /// cut like one on opening). Returns what was cut (possibly nothing: the failure may have
 /// come before any record after `durable` was written).
 fn cut_unsynced(scanned: &mut [Scanned], durable: u64) -> UnsyncedCut {
-    let mut records_discarded = 0;
+    let (mut records_discarded, mut segments_removed) = (0, 0);
     for scan in scanned.iter_mut() {
         let Some(header) = &scan.header else {
             continue;
@@ -908,6 +968,7 @@ fn cut_unsynced(scanned: &mut [Scanned], durable: u64) -> UnsyncedCut {
         if header.first_lsn > durable {
             // All its records are after `durable`; kept empty, it would leave an LSN gap.
             records_discarded += scan.summary.records;
+            segments_removed += 1;
             scan.summary.dropped = true;
             continue;
         }
@@ -915,7 +976,7 @@ fn cut_unsynced(scanned: &mut [Scanned], durable: u64) -> UnsyncedCut {
             records_discarded += cut_segment_after(scan, durable);
         }
     }
-    UnsyncedCut { durable_lsn: Lsn(durable), records_discarded }
+    UnsyncedCut { durable_lsn: Lsn(durable), records_discarded, segments_removed }
 }
 
 /// Ends `scan`'s segment before its first record after `durable` (walking its valid ranges);

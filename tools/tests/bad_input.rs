@@ -236,7 +236,9 @@ fn the_wal_tool_reports_a_failed_logs_records_after_its_durable_lsn() {
     let (code, output) = wal_tool(&["--json", "inspect", path]);
     assert_eq!(code, Some(0), "{output}");
     assert!(
-        output.contains(r#""unsynced_cut":{"durable_lsn":6,"records_discarded":4}"#),
+        output.contains(
+            r#""unsynced_cut":{"durable_lsn":6,"records_discarded":4,"segments_removed":0}"#
+        ),
         "{output}"
     );
     // `dump` shows the 6 records opening keeps, names the 4 it leaves out, and exits as

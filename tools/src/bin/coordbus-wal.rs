@@ -141,17 +141,16 @@ enum Finding {
 
 impl Finding {
     fn of(report: &RecoveryReport) -> Self {
-        let removes_segments = !report.segments_skipped.is_empty();
         if !report.corruption_skipped.is_empty() {
             Self::Corrupt
         } else if report
             .unsynced_cut
-            .is_some_and(|cut| cut.records_discarded > 0 || removes_segments)
+            .is_some_and(|cut| cut.records_discarded > 0 || cut.segments_removed > 0)
         {
             Self::FailedLog
         } else if report.torn_tail.is_some() {
             Self::TornTail
-        } else if removes_segments {
+        } else if !report.segments_skipped.is_empty() {
             Self::TornCreation
         } else {
             Self::Healthy
@@ -185,10 +184,13 @@ fn skipped_segment_names(report: &RecoveryReport) -> String {
 
 /// What a failed log's marker cuts, as JSON (`null` without a marker).
 fn unsynced_cut_json(report: &RecoveryReport) -> serde_json::Value {
-    report.unsynced_cut.map_or(
-        serde_json::Value::Null,
-        |cut| json!({"durable_lsn": cut.durable_lsn.0, "records_discarded": cut.records_discarded}),
-    )
+    report.unsynced_cut.map_or(serde_json::Value::Null, |cut| {
+        json!({
+            "durable_lsn": cut.durable_lsn.0,
+            "records_discarded": cut.records_discarded,
+            "segments_removed": cut.segments_removed,
+        })
+    })
 }
 
 /// One line on the writer lock, for text output.
