@@ -96,9 +96,10 @@ pub fn total_slots(lane_count: usize, shard_count: usize, capacity_per_shard: us
     (rings + lane_count as u64).saturating_mul(capacity_per_shard.max(2).next_power_of_two() as u64)
 }
 
-/// Bytes of one slot holding a `T`: its stamp and the value.
+/// Bytes of one slot holding a `T`: its stamp and the value, with the padding `T`'s alignment
+/// adds.
 pub fn slot_bytes<T>() -> u64 {
-    (std::mem::size_of::<usize>() + std::mem::size_of::<T>()) as u64
+    ring::slot_size::<T>() as u64
 }
 
 /// A [`ShardedQueue`] asked for more than it can be: the setting and its value.

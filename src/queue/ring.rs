@@ -58,6 +58,11 @@ struct Slot<T> {
     value: UnsafeCell<MaybeUninit<T>>,
 }
 
+/// Bytes of one slot of a ring (or a lane, whose slots have the same fields) holding a `T`.
+pub(crate) const fn slot_size<T>() -> usize {
+    std::mem::size_of::<Slot<T>>()
+}
+
 /// A bounded MPSC ring. Any number of threads may push; exactly one thread (the owner of the
 /// endpoint's inbox) may call the consumer methods (`pop_batch`, `is_empty_for_consumer`,
 /// `is_drained`).
