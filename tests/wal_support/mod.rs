@@ -26,19 +26,13 @@ pub fn bounded<T: Send + 'static>(
     wal: &Arc<Wal>,
     work: impl FnOnce(&Wal) -> T + Send + 'static,
 ) -> T {
-    let (sender, receiver) = mpsc::channel();
     let wal = Arc::clone(wal);
-    std::thread::spawn(move || {
+    within(move || {
         let result = work(&wal);
         // Before answering: the caller may close, drop and reopen the log next.
         drop(wal);
-        let _ = sender.send(result);
-    });
-    match receiver.recv_timeout(RUN_BOUND) {
-        Ok(result) => result,
-        Err(mpsc::RecvTimeoutError::Timeout) => panic!("the waits hung (nothing in {RUN_BOUND:?})"),
-        Err(mpsc::RecvTimeoutError::Disconnected) => panic!("the waiting thread panicked"),
-    }
+        result
+    })
 }
 
 /// Runs `work` on a thread of its own and returns its result, failing the test if it has none
@@ -64,7 +58,10 @@ pub fn join_all_within<T>(threads: Vec<std::thread::JoinHandle<T>>) -> Vec<T> {
         assert!(std::time::Instant::now() < deadline, "threads still running after {RUN_BOUND:?}");
         std::thread::sleep(Duration::from_millis(1));
     }
-    threads.into_iter().map(|thread| thread.join().expect("the thread panicked")).collect()
+    threads
+        .into_iter()
+        .map(|thread| thread.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)))
+        .collect()
 }
 
 /// `wal.wait_durable(lsn)` through [`bounded`]. The wait starts a thread's start-up after the

@@ -31,12 +31,18 @@ fn figures(args: &[&str]) -> Vec<serde_json::Value> {
 
 /// A total that does not divide among the threads is done in full: the first threads take
 /// one more (it used to be rounded down to a multiple of the thread count, without a word).
+/// The counts come from the work (`--stats`: what the endpoint handled, what the log took),
+/// and the figure reports the same.
 #[test]
 fn totals_that_do_not_divide_among_the_threads_are_done_in_full() {
-    let bus = figures(&["bus", "--messages", "5", "--producers", "2", "--baseline", "none"]);
+    let bus =
+        figures(&["--stats", "bus", "--messages", "5", "--producers", "2", "--baseline", "none"]);
     assert_eq!(bus.len(), 1, "{bus:?}");
     assert_eq!(bus[0]["messages"], 5, "{bus:?}");
+    // Each producer also asks once, after its messages, to learn they were handled.
+    assert_eq!(bus[0]["endpoint_stats"]["handled"], 5 + 2, "{bus:?}");
     let wal = figures(&[
+        "--stats",
         "wal",
         "--records",
         "3",
@@ -51,6 +57,7 @@ fn totals_that_do_not_divide_among_the_threads_are_done_in_full() {
     ]);
     assert_eq!(wal.len(), 1, "{wal:?}");
     assert_eq!(wal[0]["messages"], 3, "{wal:?}");
+    assert_eq!(wal[0]["wal_stats"]["appends"], 3, "{wal:?}");
 }
 
 /// `--records` is the throughput modes' total: with only `--durability every` (which counts
