@@ -314,12 +314,29 @@ fn a_tail_of_forged_frame_headers_is_corruption_not_an_endless_search() {
     }
     let scan = scan_dir(dir.path(), RecoveryMode::TolerateCorruption).unwrap();
     assert_eq!(scan.report.records, 3);
-    assert_eq!(scan.report.torn_tail, None);
+    assert_eq!(scan.report.torn_tail.map(|torn| torn.offset), Some(tail as u64), "cut on open");
     let [skipped] = &scan.report.corruption_skipped[..] else {
         panic!("one stretch skipped: {:?}", scan.report.corruption_skipped);
     };
     assert_eq!((skipped.segment, skipped.offset), (last.segment, tail as u64));
     assert!(skipped.reason.contains(forged), "{}", skipped.reason);
+    // A tolerant open cuts the forged tail off the last segment, as a torn tail: nothing of it
+    // is left to be read as a record by a later open, when the segment is no longer the last.
+    let config = WalConfig {
+        segment_size_bytes: 64 << 10,
+        recovery: RecoveryMode::TolerateCorruption,
+        ..WalConfig::default()
+    };
+    let wal = Wal::open(dir.path(), config).unwrap();
+    assert_eq!(wal.recovery_report().torn_tail.as_ref().map(|torn| torn.offset), Some(tail as u64));
+    let (next, _) = wal.append_bytes(b"next", 9).unwrap();
+    assert_eq!(next.0, 4);
+    wal.wait_durable_timeout(next, WAIT).unwrap();
+    drop(wal);
+    assert_eq!(std::fs::metadata(&file).unwrap().len(), tail as u64, "the forged tail is cut");
+    let reopened = open(dir.path(), Durability::default(), IoMode::Auto, 64 << 10);
+    let kept: Vec<u64> = all_records(&reopened).iter().map(|(lsn, _, _)| lsn.0).collect();
+    assert_eq!(kept, [1, 2, 3, 4], "a strict reopen finds the log whole");
 }
 
 /// A damaged record in the last segment that was durable is corruption, also when the record

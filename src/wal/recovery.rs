@@ -529,12 +529,16 @@ fn frames_after_torn(
 
 /// After a search past `at` spent its budget ([`SearchBudgetSpent`]): corruption in strict
 /// mode; in tolerant mode the rest of the segment, from `at` to `garbage_end`, is skipped as
-/// damage and the segment's records end at `at`.
+/// damage and the segment's records end at `at`. In the last segment those bytes are also cut
+/// on open, as a torn tail is: the next open would find the segment sealed, search past `at`
+/// for less, and could take a frame there (never acknowledged) for a record, under an LSN the
+/// log has given to a new one since.
 fn give_up_search(
     spent: SearchBudgetSpent,
     at: u64,
     garbage_end: u64,
     tolerant: bool,
+    is_last: bool,
     summary: &mut SegmentSummary,
 ) -> Result<(), WalError> {
     let reason = spent.reason();
@@ -548,6 +552,14 @@ fn give_up_search(
         bytes_skipped: garbage_end - at,
         records_skipped: 0,
     });
+    if is_last {
+        summary.torn_tail = Some(TornTail {
+            segment: summary.id,
+            offset: at,
+            bytes_discarded: garbage_end - at,
+            records_discarded: 0,
+        });
+    }
     Ok(())
 }
 
@@ -701,7 +713,7 @@ fn scan_segment(
         let (later, proof) = match searched {
             Ok(found) => found,
             Err(spent) => {
-                give_up_search(spent, at, garbage_end, tolerant, &mut summary)?;
+                give_up_search(spent, at, garbage_end, tolerant, is_last, &mut summary)?;
                 break;
             }
         };
@@ -774,7 +786,9 @@ fn scan_segment(
             }
             _ if garbage_end > at => {
                 match frames_after_torn(region, at, later, expected, &mut budget) {
-                    Err(spent) => give_up_search(spent, at, garbage_end, tolerant, &mut summary)?,
+                    Err(spent) => {
+                        give_up_search(spent, at, garbage_end, tolerant, is_last, &mut summary)?
+                    }
                     Ok((records_discarded, frames_end)) => {
                         // In a recycled segment only frames of this use (LSN `expected` or
                         // more, complete or not) are a torn tail; the rest is the earlier
