@@ -22,11 +22,12 @@ use coordbus::{
     clock::{ManualClock, SystemClock},
     coordinators::block_tracker::{
         AddBlock, AddBlocks, AllocateBlocksToBatch, BatchTime, BlockLog, BlockLogError,
-        BlockStoreResult, BlockTrackerConfig, BlockTrackerEndpoint, BlockTrackerError,
-        CleanupOldBatches, ConnectReceiver, GetBlocksOfBatch, GetBlocksOfBatchAndStream,
-        GetUnallocatedBlocks, GetUnconfiguredStreams, HasUnallocatedBlocks, ReceivedBlockInfo,
-        ReceivedBlockTracker, StopTracker, StreamBlockId, StreamId, TrackerEvent, WalBlockLog,
-        DEFAULT_ANSWER_BYTE_LIMIT, MAX_PENDING_QUERIES, RECEIVED_BLOCK_METADATA_DIR,
+        BlockReceiver, BlockStoreResult, BlockTrackerConfig, BlockTrackerEndpoint,
+        BlockTrackerError, CleanupOldBatches, ConnectReceiver, GetBlocksOfBatch,
+        GetBlocksOfBatchAndStream, GetUnallocatedBlocks, GetUnconfiguredStreams,
+        HasUnallocatedBlocks, ReceivedBlockInfo, ReceivedBlockTracker, StopTracker, StreamBlockId,
+        StreamId, TrackerEvent, WalBlockLog, DEFAULT_ANSWER_BYTE_LIMIT, MAX_PENDING_QUERIES,
+        RECEIVED_BLOCK_METADATA_DIR,
     },
     wal::{
         storage::{FileStorage, Storage, StorageFile},
@@ -314,6 +315,37 @@ fn a_stop_that_times_out_fails_what_waits_without_a_rebuild() {
         other => panic!("a query behind the stop saw undurable state: {other:?}"),
     }
     assert_eq!(log.replays.load(Ordering::SeqCst), 0, "the stop rebuilt the state");
+    bus.shutdown().unwrap();
+}
+
+/// The same when nothing waits at the endpoint but a receiver's hand-over is not durable (the
+/// receiver waits for its own receipt): a query behind the stop is refused, never answered
+/// from that addition, nor from a log read back after the stop.
+#[test]
+fn a_stop_that_times_out_with_a_handed_over_addition_refuses_the_queries_behind_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = StalledLog::new(dir.path(), false);
+    let (bus, endpoint) = host_stalled(&log, DEFAULT_ANSWER_BYTE_LIMIT);
+    let receiver = BlockReceiver::connect(&endpoint).unwrap();
+    let receipt = receiver.add_block(info(1, 1));
+    // A barrier: this thread's hand-over is applied before the asks below (one sender's order).
+    endpoint.ask(ConnectReceiver).wait_timeout(BOUND).unwrap();
+    let stop = endpoint.ask(StopTracker);
+    let behind = endpoint.ask(GetUnallocatedBlocks(StreamId(1)));
+    stop.wait_timeout(BOUND).unwrap();
+    match behind.wait_timeout(BOUND) {
+        Err(AskError::Handler(cause)) => assert!(
+            matches!(
+                cause.downcast_ref::<BlockTrackerError>(),
+                Some(BlockTrackerError::StateLost { reason })
+                    if reason.contains("stopped before its events were durable")
+            ),
+            "{cause}"
+        ),
+        other => panic!("a query behind the stop saw undurable state: {other:?}"),
+    }
+    assert_eq!(log.replays.load(Ordering::SeqCst), 0, "the stop rebuilt the state");
+    drop(receipt);
     bus.shutdown().unwrap();
 }
 

@@ -15,7 +15,12 @@
 //! ## What a reply means
 //! * `AddBlock` answers `true` only once the addition's record is durable; `false` if the WAL
 //!   refused or failed it (then the block is not queued), or at once if the block's metadata
-//!   is too long to be allocated ([`ReceivedBlockTracker::block_metadata_bytes_max`]).
+//!   is too long to be allocated ([`ReceivedBlockTracker::block_metadata_bytes_max`]). A slow
+//!   sync is not a failure here: the answer waits for it (up to the ask's own timeout). SPEC
+//!   D.5 counts a wait past the batching timeout as a failed write; an asker that must answer
+//!   by then waits with `wait_timeout(write_timeout)` and takes the timeout for `false`, as
+//!   [`BlockReceiver`]'s receipts do. The block stays queued either way, and is allocated
+//!   once durable (D.5: a write reported failed may still be durable).
 //!   `AddBlocks` does the same for several blocks (one record each) and answers once the last
 //!   is durable, per block; after a block the WAL refused, the rest of the request is refused
 //!   without being tried (a block too large is refused alone).
@@ -766,7 +771,9 @@ impl BlockTrackerEndpoint {
                 let pending = self.pending.pop_front().expect("checked");
                 self.finish(pending, Ok(()));
             }
-            if !self.pending.is_empty() {
+            // Also with nothing waiting here: a receiver's hand-over may be in the state and
+            // not durable (the receiver waits for its own receipt).
+            if !self.pending.is_empty() || awaited > durable {
                 // No rebuild: the tracker stops, and reading the log back would take this
                 // thread past the stop's bound. But the state holds what was not made
                 // durable, so the queries still queued behind the stop are refused.
@@ -800,13 +807,16 @@ impl Endpoint for BlockTrackerEndpoint {
     fn handle(
         &mut self,
         message: BlockTrackerMessage,
-        _context: &Context<Self>,
+        context: &Context<Self>,
     ) -> Result<(), HandlerError> {
         match message {
             BlockTrackerMessage::Durable => self.complete_durable(),
             BlockTrackerMessage::Logged(LoggedBlocks { lsn, blocks }) => {
                 if self.requests_failed {
+                    // A durable record of them is in the rebuilt state already; a later one
+                    // can never become durable.
                     tracing::debug!(%lsn, "dropping blocks handed over after the WAL failed");
+                    context.record_dropped("blocks handed over after the WAL failed");
                     return Ok(());
                 }
                 match blocks {
