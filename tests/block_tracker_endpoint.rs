@@ -289,6 +289,22 @@ fn a_stale_allocation_waiting_when_the_wal_fails_is_answered_normally() {
     let _ = bus.shutdown();
 }
 
+/// `reply`, of a query behind a stop that timed out before the state was durable, is the
+/// refusal that says so.
+fn assert_refused_after_an_undurable_stop<T: std::fmt::Debug>(reply: Result<T, AskError>) {
+    match reply {
+        Err(AskError::Handler(cause)) => assert!(
+            matches!(
+                cause.downcast_ref::<BlockTrackerError>(),
+                Some(BlockTrackerError::StateLost { reason })
+                    if reason.contains("stopped before its events were durable")
+            ),
+            "{cause}"
+        ),
+        other => panic!("a query behind the stop saw undurable state: {other:?}"),
+    }
+}
+
 /// A `StopTracker` whose bounded wait ends with requests still waiting fails them (the
 /// addition answers false) without reading the log back: the tracker is stopping, and a
 /// rebuild would hold the endpoint thread past the stop's documented bound. A query queued
@@ -303,17 +319,7 @@ fn a_stop_that_times_out_fails_what_waits_without_a_rebuild() {
     let behind = endpoint.ask(GetUnallocatedBlocks(StreamId(1)));
     stop.wait_timeout(BOUND).unwrap();
     assert!(!addition.wait_timeout(BOUND).unwrap(), "never durable");
-    match behind.wait_timeout(BOUND) {
-        Err(AskError::Handler(cause)) => assert!(
-            matches!(
-                cause.downcast_ref::<BlockTrackerError>(),
-                Some(BlockTrackerError::StateLost { reason })
-                    if reason.contains("stopped before its events were durable")
-            ),
-            "{cause}"
-        ),
-        other => panic!("a query behind the stop saw undurable state: {other:?}"),
-    }
+    assert_refused_after_an_undurable_stop(behind.wait_timeout(BOUND));
     assert_eq!(log.replays.load(Ordering::SeqCst), 0, "the stop rebuilt the state");
     bus.shutdown().unwrap();
 }
@@ -333,17 +339,7 @@ fn a_stop_that_times_out_with_a_handed_over_addition_refuses_the_queries_behind_
     let stop = endpoint.ask(StopTracker);
     let behind = endpoint.ask(GetUnallocatedBlocks(StreamId(1)));
     stop.wait_timeout(BOUND).unwrap();
-    match behind.wait_timeout(BOUND) {
-        Err(AskError::Handler(cause)) => assert!(
-            matches!(
-                cause.downcast_ref::<BlockTrackerError>(),
-                Some(BlockTrackerError::StateLost { reason })
-                    if reason.contains("stopped before its events were durable")
-            ),
-            "{cause}"
-        ),
-        other => panic!("a query behind the stop saw undurable state: {other:?}"),
-    }
+    assert_refused_after_an_undurable_stop(behind.wait_timeout(BOUND));
     assert_eq!(log.replays.load(Ordering::SeqCst), 0, "the stop rebuilt the state");
     drop(receipt);
     bus.shutdown().unwrap();
