@@ -734,6 +734,37 @@ fn lsns_continue_after_the_last_record_kept_when_it_is_below_the_markers_lsn() {
     assert_eq!(all_records(&reopened).len() as u64, last.0 + 1, "a strict reopen finds no gap");
 }
 
+/// A failed log whose last segment's header is damaged: a tolerant open skips that segment
+/// whole, so its records are gone, but LSNs still continue after the marker's LSN, never
+/// with the LSNs the skipped segment held (the last record kept would put them there).
+#[test]
+fn tolerant_lsns_continue_after_the_markers_lsn_past_a_skipped_last_segment() {
+    let dir = tempfile::tempdir().unwrap();
+    let last = durable_log_of_50_records(dir.path());
+    let scan = scan_dir(dir.path(), RecoveryMode::Strict).unwrap();
+    let newest = scan.segments.last().unwrap();
+    let first_of_newest = newest.first_lsn_in_header.unwrap();
+    assert!(first_of_newest.0 > 1 && first_of_newest.0 <= last.0, "{first_of_newest}");
+    // Records follow the damaged header, so this is no torn creation: the segment is skipped.
+    let mut bytes = std::fs::read(&newest.path).unwrap();
+    bytes[..16].fill(0xab);
+    std::fs::write(&newest.path, &bytes).unwrap();
+    std::fs::write(dir.path().join(coordbus::wal::UNSYNCED_MARKER), format!("{}\n", last.0))
+        .unwrap();
+
+    let config = WalConfig {
+        segment_size_bytes: 4096,
+        recovery: RecoveryMode::TolerateCorruption,
+        ..WalConfig::default()
+    };
+    let wal = Wal::open(dir.path(), config).unwrap();
+    let report = wal.recovery_report();
+    assert_eq!(report.segments_skipped, [newest.id]);
+    assert_eq!(report.records, first_of_newest.0 - 1, "the skipped segment's records are gone");
+    let (next, _) = wal.append_bytes(b"next", 2).unwrap();
+    assert_eq!(next.0, last.0 + 1, "LSNs continue after the marker's, not at {first_of_newest}");
+}
+
 /// Writes 50 records of 100 bytes in `dir` (4 KiB segments), waits until they are durable and
 /// closes the log; returns the last LSN.
 fn durable_log_of_50_records(dir: &Path) -> Lsn {

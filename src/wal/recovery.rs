@@ -29,7 +29,11 @@
 //!
 //! "Corruption" fails the open with [`WalError::Corruption`] naming segment and offset in
 //! [`RecoveryMode::Strict`]; in [`RecoveryMode::TolerateCorruption`] the damaged stretch (or
-//! segment) is skipped, every valid record kept, and the skip reported.
+//! segment) is skipped, every valid record kept, and the skip reported. A segment skipped
+//! whole after the last one kept takes its LSNs with it: with a failed log's marker, LSNs
+//! continue after the marker's LSN; without one, nothing says how far the skipped records
+//! went, and LSNs continue after the last record kept (new records may then take LSNs the
+//! damaged segment held).
 //!
 //! Length fields are checked against the bytes of the file before they are used, and nothing
 //! is allocated from them: frames are parsed in place in the memory map.
@@ -893,15 +897,28 @@ fn scan_all(
     // With no segment left (the ones holding the records up to a failed log's durable LSN
     // cleaned before the failure, every later one dropped now), that LSN fixes where LSNs
     // continue: else they would start again at 1, and LSNs a caller kept from before (to clean
-    // below, say) would name the new records. A kept segment fixes it itself, also where its
-    // records end below the marker's LSN (lost pages of `Durability::None`): continuing past
-    // them would leave a gap that the next open refuses.
-    let segment_kept = scanned.iter().any(|scan| !scan.summary.dropped && scan.header.is_some());
-    if let (Some(cut), false) = (&report.unsynced_cut, segment_kept) {
-        report.last_lsn = report.last_lsn.max(cut.durable_lsn);
+    // below, say) would name the new records. The same when a segment after the last one kept
+    // was skipped as damaged (tolerant mode): its records may reach the marker's LSN, and the
+    // new records must not take their LSNs. Otherwise the last kept segment fixes it itself,
+    // also where its records end below the marker's LSN (lost pages of `Durability::None`):
+    // continuing past them would leave a gap that the next open refuses.
+    if let Some(cut) = &report.unsynced_cut {
+        if !lsns_fixed_by_a_kept_segment(&scanned) {
+            report.last_lsn = report.last_lsn.max(cut.durable_lsn);
+        }
     }
     report.elapsed = started.elapsed();
     Ok((scanned, report, next_id))
+}
+
+/// Whether the last segment kept (with a header, not dropped) fixes where LSNs continue: there
+/// is one, and no segment after it was skipped as damaged (whose LSNs are unknown).
+fn lsns_fixed_by_a_kept_segment(scanned: &[Scanned]) -> bool {
+    let is_kept = |scan: &Scanned| !scan.summary.dropped && scan.header.is_some();
+    scanned
+        .iter()
+        .rposition(is_kept)
+        .is_some_and(|last_kept| !scanned[last_kept + 1..].iter().any(|scan| scan.summary.skipped))
 }
 
 /// The last durable LSN a failed log's marker names, if it left one. The log writes its marker
