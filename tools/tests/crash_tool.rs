@@ -117,6 +117,24 @@ fn injected_block_loss_fails_the_run_and_keeps_the_image() {
     assert_injected_loss_detected("blocks", "blocks");
 }
 
+/// A child that cannot open its directory says so with its own exit code (3), which the
+/// parent counts in `open_failures`, instead of the tool error's 2.
+#[test]
+fn a_child_that_cannot_open_its_directory_exits_with_the_open_failure_code() {
+    let work = tempfile::tempdir().unwrap();
+    // The log's directory is a regular file.
+    std::fs::write(work.path().join("wal"), b"not a directory").unwrap();
+    let output = support::output_within(
+        Command::new(env!("CARGO_BIN_EXE_coordbus-crash"))
+            .args(["child", "--target", "wal", "--seed", "7", "--iteration", "0", "--dir"])
+            .arg(work.path()),
+        BOUND,
+    );
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(3), "{stderr}");
+    assert!(stderr.contains("opening the log in"), "{stderr}");
+}
+
 #[test]
 fn keep_leaves_the_work_directory() {
     let parent = tempfile::tempdir().unwrap();

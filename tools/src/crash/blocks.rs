@@ -128,11 +128,14 @@ pub fn child(work: &Path, _seed: u64, iteration: u64) -> anyhow::Result<()> {
     let config = config(work);
     let dir = checkpoint_dir(work).join(RECEIVED_BLOCK_METADATA_DIR);
     let options = WalOptions { io: crate::io_mode(iteration), ..WalOptions::default() };
-    let wal = Wal::open_with_options(&dir, config.wal.clone(), options)
-        .with_context(|| format!("opening the tracker's log in {}", dir.display()))?;
+    let wal = Wal::open_with_options(&dir, config.wal.clone(), options).with_context(|| {
+        crate::OpenFailed(format!("opening the tracker's log in {}", dir.display()))
+    })?;
     let log = WalBlockLog::from_wal(Arc::new(wal)).with_append_timeout(config.write_timeout);
     let tracker = ReceivedBlockTracker::with_log(config, clock.clone(), Some(Arc::new(log)))
-        .with_context(|| format!("recovering the tracker in {}", work.display()))?;
+        .with_context(|| {
+            crate::OpenFailed(format!("recovering the tracker in {}", work.display()))
+        })?;
     if let Some(wal) = tracker.log().and_then(|log| log.wal()) {
         crate::print_io_path(wal.io_path())?;
     }

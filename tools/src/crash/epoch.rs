@@ -81,10 +81,13 @@ impl Sink for PrintingSink {
 pub fn child(work: &Path, _seed: u64, iteration: u64) -> anyhow::Result<()> {
     let dir = log_dir(work);
     let options = WalOptions { io: crate::io_mode(iteration), ..WalOptions::default() };
-    let wal = Wal::open_with_options(&dir, config(iteration), options)
-        .with_context(|| format!("opening the epoch log in {}", dir.display()))?;
+    let wal = Wal::open_with_options(&dir, config(iteration), options).with_context(|| {
+        crate::OpenFailed(format!("opening the epoch log in {}", dir.display()))
+    })?;
     let durable = DurableQuery::from_wal(wal, NoopQuery)
-        .with_context(|| format!("recovering the epoch log in {}", dir.display()))?
+        .with_context(|| {
+            crate::OpenFailed(format!("recovering the epoch log in {}", dir.display()))
+        })?
         .with_retained_epochs(RETAINED_EPOCHS);
     crate::print_io_path(durable.wal().io_path())?;
     let status = durable.status();

@@ -24,7 +24,8 @@
 //! Counts: `acked` (items the children acknowledged), `lost` (acknowledged but missing after
 //! recovery), `duplicated` (present more than once), `corrupt_accepted` (recovered but not
 //! intact, or different from what was acknowledged), `out_of_order` (order rules broken) and
-//! `open_failures` (the directory could not be reopened). Any of the last five non-zero fails
+//! `open_failures` (the directory could not be reopened, by the parent's check or by a child:
+//! a child whose open fails exits with code 3). Any of the last five non-zero fails
 //! the run (exit code 1); a tool error (the child cannot start, a bad flag) exits with 2.
 //! `iterations_io_uring` and `iterations_pwrite` count the children whose log wrote through
 //! each I/O path (each child prints its path first).
@@ -77,6 +78,9 @@ const SIGKILL: i32 = 9;
 const IO_PATH_LINE: &str = "io_path ";
 /// How often a long run prints a progress line on stderr.
 const PROGRESS_INTERVAL: Duration = Duration::from_secs(5);
+/// A child's exit code when it could not open or recover the directory ([`OpenFailed`]): the
+/// parent counts it in `open_failures`. Any other error of a child is the tool's (exit 2).
+const CHILD_OPEN_FAILED: u8 = 3;
 /// Failure notes printed at most (the counts hold the rest).
 const NOTES_MAX: usize = 20;
 /// Largest `--max-run-ms`: one minute. The parent keeps every line a child prints until its
@@ -271,7 +275,7 @@ fn main() -> ExitCode {
             Ok(()) => ExitCode::SUCCESS,
             Err(error) => {
                 eprintln!("coordbus-crash child: {error:#}");
-                ExitCode::from(2)
+                ExitCode::from(child_exit_code(&error))
             }
         };
     }
@@ -442,6 +446,43 @@ fn round3(value: f64) -> f64 {
     (value * 1000.0).round() / 1000.0
 }
 
+/// The context of a child's error when opening or recovering its directory failed: what
+/// `open_failures` counts, whichever process's open it was.
+#[derive(Debug)]
+struct OpenFailed(String);
+
+impl std::fmt::Display for OpenFailed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// The exit code of a child that ended with `error`.
+fn child_exit_code(error: &anyhow::Error) -> u8 {
+    if error.downcast_ref::<OpenFailed>().is_some() {
+        CHILD_OPEN_FAILED
+    } else {
+        2
+    }
+}
+
+/// A child that ended before acknowledging anything: if its open failed, that is counted (in
+/// `open_failures`, with a note) and the iteration ends without a check; otherwise the tool
+/// failed.
+fn ended_before_acknowledging(
+    iteration: u64,
+    status: std::process::ExitStatus,
+    stderr: &str,
+    counts: &mut Counts,
+) -> anyhow::Result<Option<Duration>> {
+    if status.code() == Some(i32::from(CHILD_OPEN_FAILED)) {
+        counts.open_failures += 1;
+        counts.note(iteration, format!("the child could not open the directory: {stderr}"));
+        return Ok(None);
+    }
+    bail!("iteration {iteration}: the child ended ({status}) before acknowledging anything; its stderr: {stderr}")
+}
+
 /// One child run and its check. Returns the recovery time of the check.
 #[allow(clippy::too_many_arguments)]
 fn one_iteration(
@@ -518,10 +559,11 @@ fn one_iteration(
             Err(mpsc::RecvTimeoutError::Disconnected) => {
                 let status = reap(&mut child, &mut listed).context("waiting for the child")?;
                 let _ = reader.join();
-                bail!(
-                    "iteration {iteration}: the child ended ({status}) before acknowledging \
-                     anything; its stderr: {}",
-                    tail_of(&stderr_path)
+                return ended_before_acknowledging(
+                    iteration,
+                    status,
+                    &tail_of(&stderr_path),
+                    counts,
                 );
             }
         }
@@ -677,5 +719,34 @@ mod tests {
         assert_eq!(counts.notes.len(), super::NOTES_MAX);
         counts.duplicated = 1;
         assert!(counts.failed());
+    }
+
+    /// A child whose open failed exits with its own code, and the parent counts that as an
+    /// open failure (failing the run), not as a tool error.
+    #[test]
+    fn a_childs_failed_open_is_counted_not_a_tool_error() {
+        use std::os::unix::process::ExitStatusExt as _;
+
+        use anyhow::Context as _;
+
+        let failed_open: anyhow::Result<()> = Err(std::io::Error::other("locked"))
+            .with_context(|| super::OpenFailed("opening the log in /x".into()));
+        let code = super::child_exit_code(&failed_open.unwrap_err());
+        assert_eq!(code, super::CHILD_OPEN_FAILED);
+        assert_eq!(super::child_exit_code(&anyhow::anyhow!("a bad flag")), 2);
+
+        let mut counts = Counts::default();
+        let status = std::process::ExitStatus::from_raw(i32::from(code) << 8);
+        let outcome = super::ended_before_acknowledging(4, status, "locked", &mut counts);
+        assert!(matches!(outcome, Ok(None)), "{outcome:?}");
+        assert_eq!(counts.open_failures, 1);
+        assert!(counts.failed());
+        assert!(counts.notes[0].contains("locked"), "{:?}", counts.notes);
+
+        let mut counts = Counts::default();
+        let status = std::process::ExitStatus::from_raw(2 << 8);
+        let outcome = super::ended_before_acknowledging(4, status, "a bad flag", &mut counts);
+        assert!(outcome.is_err());
+        assert_eq!(counts.open_failures, 0);
     }
 }

@@ -185,7 +185,7 @@ pub fn child(work: &Path, seed: u64, iteration: u64) -> anyhow::Result<()> {
             // io_uring engine are crashed.
             WalOptions { io, uring_direct_max_bytes: 0, ..WalOptions::default() },
         )
-        .with_context(|| format!("opening the log in {}", dir.display()))?,
+        .with_context(|| crate::OpenFailed(format!("opening the log in {}", dir.display())))?,
     );
     crate::print_io_path(wal.io_path())?;
     let workers: Vec<_> = (0..threads)
