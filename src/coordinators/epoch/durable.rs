@@ -588,18 +588,25 @@ impl<Q: Query> Query for DurableQuery<Q> {
             epoch,
         )?;
         let lsn = self.append_serialized(epoch, "append the commit of an epoch")?;
+        // Track durability without a callback per commit (a callback costs the sync thread a
+        // lock and this thread a wake-up): the queue is drained here and by status readers.
+        // Queued before the epoch shows as committed, so that a reader who sees it committed
+        // finds its record to wait for (`wait_durable_committed`).
+        self.status.pending().push_back((lsn.0, epoch.0));
         self.status.last_committed.store(epoch.0, Ordering::Release);
         // Drop the epochs up to this one in place (`split_off` would build a new set: an
         // allocation per commit).
         while self.logged.first().is_some_and(|&logged| logged <= epoch.0) {
             self.logged.pop_first();
         }
-        // Track durability without a callback per commit (a callback costs the sync thread a
-        // lock and this thread a wake-up): the queue is drained here and by status readers.
-        self.status.pending().push_back((lsn.0, epoch.0));
         self.status.advance(self.wal.durable_lsn());
         self.maybe_clean();
         self.inner.commit(epoch)
+    }
+
+    /// The recovered last committed epoch's successor ([`DurableQuery::start_epoch`]).
+    fn first_uncommitted_epoch(&self) -> Option<Epoch> {
+        Some(self.start_epoch())
     }
 
     /// Keeps the first error (as text with its causes, for [`DurableQueryStatus::stop_error`])
@@ -646,7 +653,8 @@ fn bad_record(lsn: Lsn, reason: impl std::fmt::Display) -> EpochError {
 fn recover(wal: &Wal) -> Result<Recovered, EpochError> {
     let read_error = |source| EpochError::Wal { op: "read the epoch log", source };
     let mut max_run = 0u64;
-    let mut last_committed: Option<i64> = None;
+    // The last commit record's epoch and run.
+    let mut last_committed: Option<(i64, u64)> = None;
     // Epoch -> its winning offsets record; only epochs >= the last commit kept.
     let mut offsets: BTreeMap<i64, Winner> = BTreeMap::new();
     // The records since the last full offsets record read: the bases of the deltas after it.
@@ -692,7 +700,7 @@ fn recover(wal: &Wal) -> Result<Recovered, EpochError> {
             ArchivedLogRecord::Commit { .. } => {
                 max_run = max_run.max(run);
                 match last_committed {
-                    Some(last) if epoch <= last => {
+                    Some((last, _)) if epoch <= last => {
                         tracing::warn!(
                             epoch,
                             last,
@@ -701,7 +709,7 @@ fn recover(wal: &Wal) -> Result<Recovered, EpochError> {
                         );
                     }
                     _ => {
-                        last_committed = Some(epoch);
+                        last_committed = Some((epoch, run));
                         offsets = offsets.split_off(&epoch);
                     }
                 }
@@ -709,7 +717,7 @@ fn recover(wal: &Wal) -> Result<Recovered, EpochError> {
             }
         };
         max_run = max_run.max(run);
-        if last_committed.is_some_and(|last| epoch < last) {
+        if last_committed.is_some_and(|(last, _)| epoch < last) {
             continue;
         }
         match offsets.get(&epoch) {
@@ -720,10 +728,22 @@ fn recover(wal: &Wal) -> Result<Recovered, EpochError> {
             }
         }
     }
-    let Some(last) = last_committed else {
+    let Some((last, committing_run)) = last_committed else {
         return Ok(Recovered { restart_point: None, max_run });
     };
-    let Some(winner) = offsets.get(&last) else {
+    // Only the committing run's own offsets are where its sink's data ends: a run commits
+    // only an epoch it logged offsets for, and no later run logs a committed epoch. Another
+    // run's offsets here mean the committing run's record is gone (a damaged record skipped
+    // by a tolerant open), and resuming from them could skip or repeat data.
+    let Some(winner) = offsets.get(&last).filter(|winner| winner.run == committing_run) else {
+        if let Some(winner) = offsets.get(&last) {
+            tracing::warn!(
+                epoch = last,
+                committing_run,
+                offsets_run = winner.run,
+                "the last committed epoch's offsets were logged by another run"
+            );
+        }
         return Err(EpochError::CommittedWithoutOffsets { epoch: Epoch(last) });
     };
     let restart_offsets = winner.decode(wal, last)?;
@@ -1046,6 +1066,42 @@ mod tests {
         let error = DurableQuery::open(dir.path(), config()).unwrap_err();
         assert!(matches!(error, EpochError::CommittedWithoutOffsets { epoch: Epoch(7) }));
         assert_eq!(error.to_string(), "Batch 7 was committed without end epoch offsets!");
+    }
+
+    /// The last committed epoch's offsets logged by another run than the one that committed
+    /// it (the committing run's own record lost, say skipped as damaged by a tolerant open):
+    /// they are not where that run's sink data ends, so recovery fails as with no offsets,
+    /// instead of resuming from them.
+    #[test]
+    fn offsets_of_another_run_than_the_committing_one_fail_recovery() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let wal = Wal::open(dir.path(), config()).unwrap();
+            // Run 1 logged epoch 5 and stopped; run 2 committed epoch 5, its offsets lost.
+            wal.append_bytes(&full_bytes(5, &offsets(5, 0)), 5).unwrap();
+            wal.append(&LogRecord::Commit { run: 2, epoch: 5 }, 5).unwrap();
+            wal.close().unwrap();
+        }
+        let error = DurableQuery::open(dir.path(), config()).unwrap_err();
+        assert!(
+            matches!(error, EpochError::CommittedWithoutOffsets { epoch: Epoch(5) }),
+            "{error}"
+        );
+    }
+
+    /// A coordinator started below the recovered query's first uncommitted epoch would have
+    /// its sink commit those epochs again: it is refused, naming both epochs.
+    #[test]
+    fn a_coordinator_starting_below_the_recovered_epoch_is_refused() {
+        use crate::coordinators::epoch::{EpochConfig, EpochCoordinator, NoopSink};
+        let dir = tempfile::tempdir().unwrap();
+        write_log(dir.path(), &[(full_bytes(3, &offsets(3, 0)), 3)], &[3]);
+        let query = || DurableQuery::open(dir.path(), config()).unwrap();
+        assert_eq!(query().start_epoch(), Epoch(4));
+        let refused = EpochCoordinator::new(EpochConfig::new(3), query(), NoopSink).unwrap_err();
+        let text = refused.to_string();
+        assert!(text.starts_with("start_epoch = 3 (the query has committed up to 3)"), "{text}");
+        assert!(EpochCoordinator::new(EpochConfig::new(4), query(), NoopSink).is_ok());
     }
 
     #[test]

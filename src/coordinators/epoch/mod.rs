@@ -187,6 +187,14 @@ pub trait Query {
     /// called many times (every failing backlog check calls it); keeping only the **first**
     /// error is the query's job. Must not block on the coordinator.
     fn stop(&mut self, error: EpochError);
+
+    /// The first epoch this query has not committed, if it knows its history (a restarted
+    /// query: the epoch after the last one it recorded committed). The coordinator refuses to
+    /// start below it ([`EpochCoordinator::new`]): the sink would commit those epochs again.
+    /// `None` (the default): no history to check against.
+    fn first_uncommitted_epoch(&self) -> Option<Epoch> {
+        None
+    }
 }
 
 /// The data sink's global commit, implemented by the engine.
@@ -228,6 +236,9 @@ impl<T: Query + ?Sized> Query for Box<T> {
     }
     fn stop(&mut self, error: EpochError) {
         (**self).stop(error);
+    }
+    fn first_uncommitted_epoch(&self) -> Option<Epoch> {
+        (**self).first_uncommitted_epoch()
     }
 }
 

@@ -513,6 +513,14 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
     pub fn new(config: EpochConfig, query: Q, sink: S) -> Result<Self, ConfigError> {
         config.validate()?;
         let start = config.start_epoch;
+        if let Some(first) = query.first_uncommitted_epoch().filter(|first| start < *first) {
+            return Err(ConfigError::Invalid {
+                setting: "start_epoch",
+                value: format!("{start} (the query has committed up to {})", first.0 - 1),
+                reason: "must not be below the first epoch the query has not committed: the \
+                         sink would commit the epochs in between again",
+            });
+        }
         Ok(Self {
             query,
             sink,
