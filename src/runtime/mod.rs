@@ -145,8 +145,9 @@ impl Bus {
     /// [`BusError::DuplicateName`] if a live endpoint has the name; [`BusError::InvalidName`]
     /// for a name holding a NUL character; [`BusError::ShutDown`] after [`Bus::shutdown`] (a
     /// registration overlapping a shutdown either fails so, or returns an endpoint that the
-    /// shutdown stops and joins); [`BusError::Spawn`] if the thread cannot be started;
-    /// [`BusError::InboxTooLarge`] if the inbox's slots for `E`'s messages would take more
+    /// shutdown stops and joins); [`BusError::Spawn`] if the thread cannot be started (the
+    /// endpoint is stopped, and an ask that reached its name meanwhile fails at once with
+    /// [`AskError::NoReply`](crate::AskError::NoReply)); [`BusError::InboxTooLarge`] if the inbox's slots for `E`'s messages would take more
     /// than 8 GiB.
     pub fn register<E: Endpoint>(
         &self,
@@ -192,6 +193,7 @@ impl Bus {
         };
         if let Err(error) = self.spawn_worker(endpoint, Arc::clone(&inbox)) {
             inbox.stop();
+            drop_queued(&inbox);
             return Err(error);
         }
         // A shutdown that began meanwhile may have listed the names, or taken the threads to
@@ -262,22 +264,25 @@ impl Bus {
         let drain_batch = self.config.drain_batch;
         let thread_name: String = format!("cb-{name}").chars().take(15).collect();
         let ended = EndedSignal(self.thread_ended.0.clone());
-        let handle = std::thread::Builder::new()
-            .name(thread_name)
-            .spawn(move || {
-                let _ended = ended;
-                if let Some(core) = core {
-                    pin::pin_current_thread(core, &inbox.name);
-                }
-                worker::run_endpoint(endpoint, inbox, idle, drain_batch);
-            })
-            .map_err(|error| {
-                // The closure, and with it its end signal, was dropped: take that signal back
-                // so the count of signals keeps matching the count of threads.
-                let ended = self.thread_ended.1.lock().unwrap_or_else(PoisonError::into_inner);
-                let _ = ended.try_recv();
-                BusError::Spawn { name: name.clone(), reason: error.to_string() }
-            })?;
+        let body = move || {
+            let _ended = ended;
+            if let Some(core) = core {
+                pin::pin_current_thread(core, &inbox.name);
+            }
+            worker::run_endpoint(endpoint, inbox, idle, drain_batch);
+        };
+        let builder = std::thread::Builder::new().name(thread_name);
+        #[cfg(all(test, not(loom)))]
+        let spawned = tests::spawn_or_fail(builder, body);
+        #[cfg(not(all(test, not(loom))))]
+        let spawned = builder.spawn(body);
+        let handle = spawned.map_err(|error| {
+            // The closure, and with it its end signal, was dropped: take that signal back so
+            // the count of signals keeps matching the count of threads.
+            let ended = self.thread_ended.1.lock().unwrap_or_else(PoisonError::into_inner);
+            let _ = ended.try_recv();
+            BusError::Spawn { name: name.clone(), reason: error.to_string() }
+        })?;
         let mut threads = self.threads.lock().unwrap_or_else(PoisonError::into_inner);
         self.join_finished(&mut threads);
         threads.push((name, handle));
@@ -447,6 +452,25 @@ impl Bus {
     }
 }
 
+/// Drops what was queued for an endpoint whose thread never started (the inbox closed): a
+/// lookup may have reached the name between its registration and the failed spawn. Its asks
+/// then fail at once ([`AskError::NoReply`](crate::AskError::NoReply)) instead of waiting out
+/// their timeout, and nothing stays queued for nobody. Bounded: once the inbox is closed, only
+/// pushes already under way can still land.
+fn drop_queued<E: Endpoint>(inbox: &Inbox<E>) {
+    let Some(mut consumer) = inbox.queue.consumer() else {
+        return;
+    };
+    while !consumer.is_drained() {
+        if consumer.drain_round(DROP_QUEUED_BATCH, drop) == 0 {
+            std::thread::yield_now();
+        }
+    }
+}
+
+/// Messages taken per lane and ring in one round of [`drop_queued`].
+const DROP_QUEUED_BATCH: usize = 1024;
+
 impl Drop for Bus {
     fn drop(&mut self) {
         let _ = self.shutdown();
@@ -485,6 +509,110 @@ mod tests {
         fn handle_request(&mut self, (): (), _: &Context<Self>) -> Result<(), HandlerError> {
             Ok(())
         }
+    }
+
+    std::thread_local! {
+        /// Set by a test: the next endpoint thread this thread starts fails to start, after
+        /// running the hook (in the window where the name is registered and no thread runs).
+        static SPAWN_FAILS_AFTER: std::cell::RefCell<Option<Box<dyn FnOnce()>>> =
+            const { std::cell::RefCell::new(None) };
+    }
+
+    /// `builder.spawn(body)`, unless a test asked this thread's next spawn to fail.
+    pub(super) fn spawn_or_fail<F: FnOnce() + Send + 'static>(
+        builder: std::thread::Builder,
+        body: F,
+    ) -> std::io::Result<std::thread::JoinHandle<()>> {
+        match SPAWN_FAILS_AFTER.with(|hook| hook.borrow_mut().take()) {
+            Some(hook) => {
+                hook();
+                drop(body);
+                Err(std::io::Error::other("injected: no thread to start"))
+            }
+            None => builder.spawn(body),
+        }
+    }
+
+    /// Answers every ask with `()`.
+    struct Pinger;
+
+    struct Ping;
+
+    impl Endpoint for Pinger {
+        type Message = ();
+        type Request = crate::Replier<()>;
+
+        fn handle(&mut self, (): (), _: &Context<Self>) -> Result<(), HandlerError> {
+            Ok(())
+        }
+
+        fn handle_request(
+            &mut self,
+            replier: crate::Replier<()>,
+            _: &Context<Self>,
+        ) -> Result<(), HandlerError> {
+            replier.reply(());
+            Ok(())
+        }
+    }
+
+    impl crate::runtime::Ask<Pinger> for Ping {
+        type Reply = ();
+        fn into_request(self, replier: crate::Replier<()>) -> crate::Replier<()> {
+            replier
+        }
+    }
+
+    /// An endpoint whose thread fails to start: a message and an ask that reached its name
+    /// in the meantime are dropped at once (the ask fails with `NoReply` instead of waiting
+    /// out its timeout), the name is free again, and later calls see it stopped.
+    #[test]
+    fn a_failed_start_drops_what_was_queued_and_frees_the_name() {
+        use std::sync::{mpsc, Barrier};
+
+        let bus = Bus::builder().ask_timeout(std::time::Duration::from_secs(60)).build().unwrap();
+        let asked = Arc::new(Barrier::new(2));
+        let hook_asked = Arc::clone(&asked);
+        SPAWN_FAILS_AFTER.with(|hook| {
+            *hook.borrow_mut() = Some(Box::new(move || {
+                hook_asked.wait();
+            }));
+        });
+        let (reply_sender, reply_receiver) = mpsc::channel();
+        std::thread::scope(|scope| {
+            let racer = scope.spawn(|| {
+                let deadline = Instant::now() + std::time::Duration::from_secs(30);
+                let endpoint = loop {
+                    if let Ok(endpoint) = bus.lookup::<Pinger>("never") {
+                        break endpoint;
+                    }
+                    assert!(Instant::now() < deadline, "the name was never registered");
+                    std::thread::yield_now();
+                };
+                endpoint.send(()).unwrap();
+                let reply = endpoint.ask(Ping);
+                asked.wait();
+                let started = Instant::now();
+                reply_sender.send(reply.wait_timeout(std::time::Duration::from_secs(30))).unwrap();
+                assert!(started.elapsed() < std::time::Duration::from_secs(10));
+                endpoint
+            });
+            match bus.register("never", Pinger) {
+                Err(BusError::Spawn { name, reason }) => {
+                    assert_eq!(name, "never");
+                    assert_eq!(reason, "injected: no thread to start");
+                }
+                other => panic!("expected a spawn failure, got {other:?}"),
+            }
+            let endpoint = racer.join().unwrap();
+            assert!(matches!(reply_receiver.recv().unwrap(), Err(crate::AskError::NoReply)));
+            assert!(endpoint.is_stopped());
+            assert!(endpoint.send(()).is_err(), "a stopped endpoint refuses sends");
+        });
+        assert!(!bus.contains("never"));
+        let again = bus.register("never", Pinger).expect("the name is free again");
+        again.ask(Ping).wait_timeout(std::time::Duration::from_secs(30)).unwrap();
+        bus.shutdown().unwrap();
     }
 
     fn held_threads(bus: &Bus) -> usize {
