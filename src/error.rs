@@ -349,6 +349,19 @@ pub enum WalError {
         /// The log's directory.
         dir: std::path::PathBuf,
     },
+    /// The log's directory was missing when this log was opened, and another writer has made
+    /// a log there since: this log's recovered state (empty) no longer describes the directory,
+    /// so it writes nothing there (its LSNs and segment ids would collide with that log's).
+    #[error(
+        "another writer made a log in {dir:?} after this one was opened (found {found:?}); \
+         reopen the log to write there"
+    )]
+    ChangedSinceOpen {
+        /// The log's directory.
+        dir: std::path::PathBuf,
+        /// A file of the other writer's log.
+        found: std::path::PathBuf,
+    },
     /// The log was closed.
     #[error("the write-ahead log is closed")]
     Closed,

@@ -133,6 +133,37 @@ fn a_missing_directory_created_by_another_writer_fails_the_late_writer_at_its_fi
     assert_eq!(records(&reopened), vec![b"early".to_vec(), b"early two".to_vec()]);
 }
 
+/// The same, but the early writer closes (letting go of the lock) before the late one first
+/// writes: the late writer's empty recovered state is stale, so it fails and writes nothing
+/// (before, it took the free lock, failed creating a segment file of the same name, and left a
+/// marker naming LSN 0, which cut every record of the early writer at the next open).
+#[test]
+fn a_late_writer_finding_a_log_made_since_its_open_writes_nothing_there() {
+    let parent = tempfile::tempdir().unwrap();
+    let dir = parent.path().join("wal");
+    let early = Wal::open(&dir, config()).unwrap();
+    let late = Wal::open(&dir, config()).unwrap();
+    let (lsn, _) = early.append_bytes(b"early", 1).unwrap();
+    early.wait_durable_timeout(lsn, WAIT).unwrap();
+    early.close().unwrap();
+    drop(early);
+    let (lsn, _) = late.append_bytes(b"late", 2).unwrap();
+    let error = late.wait_durable_timeout(lsn, Duration::from_secs(10)).unwrap_err();
+    match error.root_cause() {
+        WalError::ChangedSinceOpen { dir: changed, found } => {
+            assert_eq!(changed, &dir);
+            assert!(found.starts_with(&dir), "{found:?}");
+        }
+        other => panic!("expected ChangedSinceOpen as the cause, got {other:?}"),
+    }
+    drop(late);
+    assert!(!dir.join(UNSYNCED_MARKER).exists());
+    let reopened = Wal::open(&dir, config()).unwrap();
+    let records: Vec<Vec<u8>> =
+        reopened.iter_from(Lsn::ZERO).unwrap().map(|r| r.unwrap().bytes.to_vec()).collect();
+    assert_eq!(records, vec![b"early".to_vec()]);
+}
+
 /// The other process: holds the log open until killed. Ignored in a plain run (it is not a
 /// test of its own); the parent starts it with `--ignored`.
 #[test]

@@ -19,7 +19,9 @@
 //!   touches anything, and fails with [`WalError::Locked`] if another writer holds it.
 //! * On a missing directory there is nothing to lock yet: the sync thread takes the lock right
 //!   after creating the directory, before writing any segment. If another writer got there
-//!   first, the log fails with [`WalError::Locked`] as its cause and writes nothing.
+//!   first, the log fails with [`WalError::Locked`] as its cause and writes nothing; if another
+//!   writer got there first and has let go since, leaving its log, the log fails with
+//!   [`WalError::ChangedSinceOpen`] and writes nothing either (its recovered state is stale).
 //!
 //! It is released when the sync thread exits (at close or drop, after the last sync), so after
 //! `close` returns another writer can open the directory. Read-only opens (tools) take no lock

@@ -254,6 +254,20 @@ fn files_named<K>(
     Ok(found)
 }
 
+/// The first file of a log found in `dir` (a segment, a spare, a failed log's marker or its
+/// temporary), if any. A writer that found `dir` missing when it opened checks, once it holds
+/// the lock, that no other writer made a log there since.
+pub(crate) fn first_log_file(dir: &Path) -> Result<Option<PathBuf>, WalError> {
+    let is_log_file = |name: &str| {
+        (segment::parse_file_name(name).is_some()
+            || segment::is_spare_file_name(name)
+            || name == super::UNSYNCED_MARKER
+            || name == super::UNSYNCED_MARKER_TEMP)
+            .then_some(())
+    };
+    Ok(files_named(dir, is_log_file)?.into_iter().next().map(|((), path)| path))
+}
+
 /// Lists segment files of `dir` in id order. A segment's name on something that is not a
 /// regular file (a directory, say) is an error naming it, not a file to map.
 fn list(dir: &Path) -> Result<Vec<(SegmentId, PathBuf)>, WalError> {

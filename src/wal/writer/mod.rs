@@ -49,6 +49,7 @@ use crate::{
         lock,
         lock::DirLock,
         reader::SegmentMap,
+        recovery,
         segment::{Segment, SegmentHeader},
         storage::StorageFile,
         Chunk, CleanReport, Durability, IoPath, Shared, SyncThreadIds, WriterWait,
@@ -937,9 +938,16 @@ impl Writer {
                     .map_err(|error| WalError::from_io("sync directory", parent, 0, &error))?;
             }
             if self.dir_lock.is_none() {
-                // The directory did not exist at open; another writer may have created and
-                // locked it since. Nothing is written before the lock is held.
-                self.dir_lock = Some(DirLock::acquire_existing(&shared.dir)?);
+                // The directory did not exist at open. Another writer may have created and
+                // locked it since (`Locked`), or created it, written its log and let go: this
+                // log's recovered state (empty) is then stale (`ChangedSinceOpen`). Nothing is
+                // written, not even a failed log's marker, before the lock is held and the
+                // directory found free of logs.
+                let dir_lock = DirLock::acquire_existing(&shared.dir)?;
+                if let Some(found) = recovery::first_log_file(&shared.dir)? {
+                    return Err(WalError::ChangedSinceOpen { dir: shared.dir.clone(), found });
+                }
+                self.dir_lock = Some(dir_lock);
                 shared.holds_dir_lock.store(true, Ordering::Release);
             }
             self.dir_ready = true;
