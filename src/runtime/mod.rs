@@ -19,6 +19,8 @@ mod reply;
 mod stats;
 mod worker;
 
+pub(crate) use worker::panic_message;
+
 use std::{
     any::Any,
     sync::{

@@ -61,7 +61,8 @@ pub trait StorageFile: Send + Sync + Debug {
     fn raw_fd(&self) -> Option<RawFd>;
     /// Fault injection on the io_uring path: called by the io_uring engine for each `op` it is
     /// about to submit for this file. `None` (the default, and what real files answer)
-    /// submits it unchanged.
+    /// submits it unchanged. A panic here is caught: the operation fails with `EIO` (the log
+    /// fails), since unwinding with writes in flight would free buffers the kernel reads.
     fn ring_fault(&self, op: RingOp) -> Option<RingFault> {
         let _ = op;
         None
@@ -72,7 +73,8 @@ pub trait StorageFile: Send + Sync + Debug {
     /// one included. `op` is the one [`StorageFile::ring_fault`] was given (a write's full
     /// length, even where an injected short write submitted fewer bytes). The default ignores
     /// it; a storage layer that models what a power loss keeps uses it to learn when the
-    /// kernel finished a write or a sync.
+    /// kernel finished a write or a sync. A panic here is caught, as in
+    /// [`StorageFile::ring_fault`]: the operation then counts as failed with `EIO`.
     fn ring_completed(&self, op: RingOp, result: i32) {
         let _ = (op, result);
     }

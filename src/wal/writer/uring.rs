@@ -43,7 +43,11 @@
 //! asked; an injected errno replaces the entry with a no-op whose completion carries it, an
 //! injected short write submits fewer bytes. The completion handling is the live code. Each
 //! reaped completion is reported to `StorageFile::ring_completed` (with the injected result,
-//! if any), so a test can model what a power loss keeps.
+//! if any), so a test can model what a power loss keeps. Neither hook may unwind through the
+//! engine: entries in flight borrow buffers that an unwind would free while the kernel still
+//! reads them, and completions taken off the ring but not yet counted would be lost (a later
+//! drain would wait for them forever). So a hook that panics counts as its operation failing
+//! with `EIO` (the log fails), and the panic is logged ([`hook_or_eio`]).
 //!
 //! By default every group goes through the ring. As an opt-in tuning, a group that is a single
 //! write of at most `WalOptions::uring_direct_max_bytes` (typical of `EveryRecord` and of light
@@ -578,7 +582,8 @@ impl UringEngine {
                 debug_assert_eq!(sync.seq, seq);
                 let result = sync.injected.unwrap_or(result);
                 let ordered = sync.linked && !sync.cut_from_write;
-                sync.file.ring_completed(RingOp::SyncData { ordered }, result);
+                let result =
+                    report_completion(sync.file.as_ref(), RingOp::SyncData { ordered }, result);
                 // A sync that failed (not one the kernel cancelled) fails the log, voided or
                 // not: Linux reports a writeback error once, so the sync issued in its place
                 // could succeed over lost bytes.
@@ -607,7 +612,7 @@ impl UringEngine {
             let piece = group.pieces[slot];
             let result = group.injected[slot].unwrap_or(result);
             let op = RingOp::Write { offset: piece.file_offset, len: piece.len };
-            group.file.ring_completed(op, result);
+            let result = report_completion(group.file.as_ref(), op, result);
             if result < 0 {
                 if matches!(-result, libc::EINTR | libc::EAGAIN) {
                     group.rewritten = true;
@@ -951,7 +956,8 @@ impl IoEngine for UringEngine {
                     if entry.user_data() == SYNC_USER_DATA {
                         let result = sync_injected.unwrap_or(entry.result());
                         let target = with_sync.expect("a sync was submitted");
-                        target.file.ring_completed(RingOp::SyncData { ordered: !cut }, result);
+                        let op = RingOp::SyncData { ordered: !cut };
+                        let result = report_completion(target.file, op, result);
                         if linked && result == -libc::ECANCELED {
                             // The linked write failed or came up short: handled with it.
                             continue;
@@ -976,7 +982,8 @@ impl IoEngine for UringEngine {
                     let result = injected[slot].unwrap_or(entry.result());
                     let op = &ops[piece.op];
                     let file_offset = op.offset + piece.start as u64;
-                    op.file.ring_completed(
+                    let result = report_completion(
+                        op.file,
                         RingOp::Write { offset: file_offset, len: piece.len },
                         result,
                     );
@@ -1045,7 +1052,7 @@ fn write_entry(
     file_offset: u64,
 ) -> (squeue::Entry, Option<i32>) {
     let mut len = piece.len;
-    match file.ring_fault(RingOp::Write { offset: file_offset, len }) {
+    match fault_plan(file, RingOp::Write { offset: file_offset, len }) {
         None => {}
         Some(RingFault::Errno(errno)) => return (opcode::Nop::new().build(), Some(-errno.abs())),
         Some(RingFault::ShortWrite(max)) => len = len.min(max.max(1)),
@@ -1061,9 +1068,42 @@ fn write_entry(
 /// [`write_entry`]). `ordered`: the kernel starts it only after every entry submitted before
 /// it completed (`RingOp::SyncData`).
 fn sync_entry(file: &dyn StorageFile, fd: RawFd, ordered: bool) -> (squeue::Entry, Option<i32>) {
-    match file.ring_fault(RingOp::SyncData { ordered }) {
+    match fault_plan(file, RingOp::SyncData { ordered }) {
         Some(RingFault::Errno(errno)) => (opcode::Nop::new().build(), Some(-errno.abs())),
         _ => (opcode::Fsync::new(types::Fd(fd)).flags(types::FsyncFlags::DATASYNC).build(), None),
+    }
+}
+
+/// `file.ring_fault(op)`; a panic in it injects `EIO` ([`hook_or_eio`]).
+fn fault_plan(file: &dyn StorageFile, op: RingOp) -> Option<RingFault> {
+    hook_or_eio("ring_fault", op, || file.ring_fault(op), Some(RingFault::Errno(libc::EIO)))
+}
+
+/// Reports `op`'s completion with `result` to `file.ring_completed`, and returns the result
+/// to act on: `result`, or `-EIO` if the hook panicked ([`hook_or_eio`]).
+fn report_completion(file: &dyn StorageFile, op: RingOp, result: i32) -> i32 {
+    hook_or_eio(
+        "ring_completed",
+        op,
+        || {
+            file.ring_completed(op, result);
+            result
+        },
+        -libc::EIO,
+    )
+}
+
+/// Runs a storage layer's hook about `op` without letting a panic in it unwind through the
+/// engine (module doc, "Fault injection"): a panic is logged and `on_panic` returned instead.
+fn hook_or_eio<T>(hook: &'static str, op: RingOp, call: impl FnOnce() -> T, on_panic: T) -> T {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(call)) {
+        Ok(value) => value,
+        Err(payload) => {
+            let message = crate::runtime::panic_message(payload.as_ref());
+            tracing::error!(hook, ?op, %message,
+                "the storage layer's hook panicked; the operation counts as failed with EIO");
+            on_panic
+        }
     }
 }
 
