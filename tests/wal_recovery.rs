@@ -430,6 +430,42 @@ fn concurrent_appenders_share_groups_and_keep_their_order() {
     assert_eq!(lsns, (1..=u64::from(2 * per_thread)).collect::<Vec<_>>());
 }
 
+/// A close from a durability callback (on the sync thread, which cannot wait for itself) does
+/// not claim what it cannot know: with a record appended and not yet durable it reports a
+/// zero-timeout `CloseTimedOut`; a close from another thread then waits, and the record is
+/// durable.
+#[test]
+fn a_close_from_a_durability_callback_does_not_claim_the_unsynced_records_durable() {
+    let dir = tempfile::tempdir().unwrap();
+    let wal = Arc::new(open(dir.path(), Durability::default(), IoMode::Auto, 1 << 20));
+    let (first, _) = wal.append_bytes(b"first", 0).unwrap();
+    let (sender, receiver) = std::sync::mpsc::channel();
+    let in_callback = Arc::clone(&wal);
+    wal.notify_when_durable(
+        first,
+        Box::new(move |outcome| {
+            outcome.unwrap();
+            let (late, _) = in_callback.append_bytes(b"appended in the callback", 0).unwrap();
+            sender.send((late, in_callback.close())).unwrap();
+        }),
+    );
+    let (late, closed) = receiver.recv_timeout(Duration::from_secs(30)).unwrap();
+    match closed {
+        Err(WalError::CloseTimedOut { appended, timeout, .. }) => {
+            assert_eq!((appended, timeout), (late.0, Duration::ZERO));
+        }
+        other => panic!("expected CloseTimedOut, got {other:?}"),
+    }
+    wal_support::within({
+        let wal = Arc::clone(&wal);
+        move || wal.close().unwrap()
+    });
+    assert!(wal.durable_lsn() >= late);
+    drop(wal);
+    let reopened = open(dir.path(), Durability::default(), IoMode::Auto, 1 << 20);
+    assert_eq!(reopened.recovery_report().last_lsn, late);
+}
+
 #[test]
 fn durability_callbacks_waits_and_close() {
     for durability in [Durability::default(), Durability::EveryRecord, Durability::None] {

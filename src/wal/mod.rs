@@ -2381,10 +2381,15 @@ impl Wal {
     /// Writes and syncs everything appended, stops the sync thread, and rejects later appends
     /// with [`WalError::Closed`]. Idempotent; reads keep working. Waits as long as the disk
     /// takes, and so does the drop, which calls this (unless a [`Wal::close_timeout`] gave up
-    /// first); [`Wal::close_timeout`] bounds the wait.
+    /// first); [`Wal::close_timeout`] bounds the wait. Called from a durability callback (on
+    /// the sync thread, which cannot wait for itself), it only starts closing: the thread
+    /// writes and syncs the rest once the callback returns.
     ///
     /// # Errors
-    /// [`WalError::Failed`] if a write or sync failed (now or earlier).
+    /// [`WalError::Failed`] if a write or sync failed (now or earlier);
+    /// [`WalError::CloseTimedOut`] (with a zero timeout) if called from a durability callback
+    /// while appended records are not durable yet (a later `close` from another thread waits
+    /// for them).
     pub fn close(&self) -> Result<(), WalError> {
         self.begin_close();
         let handle = lock(&self.writer).take();
@@ -2409,10 +2414,20 @@ impl Wal {
             }
         }
         self.shared.delete_spares();
-        match self.shared.failure() {
-            Some(_) => Err(self.shared.failed_error()),
-            None => Ok(()),
+        if let Some(_failure) = self.shared.failure() {
+            return Err(self.shared.failed_error());
         }
+        if on_sync_thread {
+            // The sync thread cannot wait for itself: it writes and syncs what is left once the
+            // callback that called this returns. Ok only if nothing is left.
+            let appended = self.shared.appended_lsn.load(Ordering::Acquire);
+            let durable = self.shared.durable_lsn.load(Ordering::Acquire);
+            if durable < appended {
+                self.close_timed_out.store(true, Ordering::Relaxed);
+                return Err(WalError::CloseTimedOut { appended, durable, timeout: Duration::ZERO });
+            }
+        }
+        Ok(())
     }
 }
 
