@@ -2197,14 +2197,14 @@ impl Wal {
 
     /// The record at `handle` as raw payload bytes, checked (frame CRC, length) and borrowed
     /// from the memory map. If the record is appended but not yet written, waits until the sync
-    /// thread has written it (at most 60 s). A handle this log never returned (stale, or of
+    /// thread has written it (at most 60 s past the group-commit delay). A handle this log never returned (stale, or of
     /// another log) does not wait for appends: past what was appended to the active segment,
     /// past where appends to an earlier segment ended, or past the end of a sealed one, it
     /// fails at once.
     ///
     /// # Errors
     /// [`WalError::NotFound`] (cleaned, never appended, past the end, or not written within
-    /// 60 s), [`WalError::LengthMismatch`] naming both lengths, [`WalError::Corruption`] if
+    /// 60 s past the group-commit delay), [`WalError::LengthMismatch`] naming both lengths, [`WalError::Corruption`] if
     /// the bytes on disk are damaged, [`WalError::Failed`] if the log fails while it waits.
     pub fn read_bytes(&self, handle: RecordHandle) -> Result<RecordBytes, WalError> {
         reader::read_bytes(&self.shared, handle)
@@ -2226,14 +2226,15 @@ impl Wal {
 
     /// Every record with an LSN of at least `from`, in LSN order across segments, up to what
     /// was written when each segment is reached. The iteration stops (`None`) at the end of
-    /// the first segment still being written; a later `next` on the same iterator goes on from
-    /// there with what was written since, never skipping a record.
+    /// what is written (in the first segment still being written); a later `next` on the same
+    /// iterator goes on from there with what was written since, in that segment and in the
+    /// segments made after it, never skipping a record.
     ///
     /// # Errors
     /// Opening the iterator does not fail today; items fail with [`WalError::Corruption`] if
     /// bytes changed on disk after recovery.
     pub fn iter_from(&self, from: Lsn) -> Result<WalIter, WalError> {
-        Ok(WalIter::new(self.shared.segments_snapshot(), from))
+        Ok(WalIter::new(&self.shared, from))
     }
 
     /// Deletes the segments whose end time is strictly below `threshold_ms` (SPEC 0.6, E.4),

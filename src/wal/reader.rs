@@ -28,7 +28,7 @@ use std::{
     marker::PhantomData,
     ops::Deref,
     path::Path,
-    sync::{atomic::Ordering, Arc},
+    sync::{atomic::Ordering, Arc, Weak},
     time::{Duration, Instant},
 };
 
@@ -37,10 +37,14 @@ use memmap2::Mmap;
 use crate::{
     error::{RecordError, WalError},
     record::{self, frame, Checked},
-    wal::{lock, segment::Segment, segment::HEADER_LEN, Lsn, RecordHandle, Shared, SyncState},
+    wal::{
+        lock, segment::Segment, segment::HEADER_LEN, Durability, Lsn, RecordHandle, Shared,
+        SyncState,
+    },
 };
 
-/// How long a read waits for a record appended but not yet written before giving up.
+/// How long a read waits for a record appended but not yet written before giving up, past the
+/// group-commit delay (`Durability::GroupCommit::max_delay`).
 const READ_WAIT_LIMIT: Duration = Duration::from_secs(60);
 
 /// How many times [`SegmentMap::open`] follows a segment's name to a file that replaced the
@@ -383,7 +387,12 @@ fn wait_written(
     if !within_appended(shared, segment, needed) {
         return Err(not_found("offset past the end of what was appended"));
     }
-    let deadline = Instant::now() + READ_WAIT_LIMIT;
+    // A group waits out its delay before it is written (a reader does not cut it short).
+    let group_delay = match shared.config.durability {
+        Durability::GroupCommit { max_delay, .. } => max_delay,
+        Durability::EveryRecord | Durability::None => Duration::ZERO,
+    };
+    let deadline = Instant::now() + READ_WAIT_LIMIT + group_delay;
     // Leaders write only for themselves, and pacing holds groups nobody waits for: the sync
     // thread must see a record still staged (which one is not known here: all of them).
     shared.wake_writer_for_waiter(shared.appended_lsn.load(Ordering::Acquire));
@@ -411,7 +420,7 @@ fn wait_written(
         }
         let now = Instant::now();
         if now >= deadline {
-            return Err(not_found("the record was not written within 60 s"));
+            return Err(not_found("the record was not written within 60 s past its group's delay"));
         }
         let timeout = (deadline - now).min(Duration::from_millis(50));
         sync = SyncState::wait_counted(sync, &shared.durable_cv, Some(timeout), |sync| {
@@ -437,8 +446,16 @@ fn within_appended(shared: &Shared, segment: &Segment, needed: u64) -> bool {
 }
 
 /// The in-order iterator of [`crate::wal::Wal::iter_from`].
+///
+/// It walks a snapshot of the log's segments and, at its end, takes the segments the log added
+/// since (ids only grow). A segment still being written stops the iteration for now, wherever
+/// the iterator is in it (even before its first record, or before any record reaching `from`):
+/// the sync thread writes in LSN order and seals a segment once its last record is written,
+/// before it writes the next segment's first, so nothing after it is written yet.
 #[derive(Debug)]
 pub struct WalIter {
+    /// Where newer segments come from (nothing, once the log is gone).
+    shared: Weak<Shared>,
     segments: Vec<Arc<Segment>>,
     segment_index: usize,
     /// Index into the current segment's ranges.
@@ -450,14 +467,44 @@ pub struct WalIter {
 }
 
 impl WalIter {
-    pub(crate) fn new(segments: Vec<Arc<Segment>>, from: Lsn) -> Self {
-        Self { segments, segment_index: 0, range_index: 0, offset: 0, from: from.0, done: false }
+    pub(crate) fn new(shared: &Arc<Shared>, from: Lsn) -> Self {
+        Self {
+            shared: Arc::downgrade(shared),
+            segments: shared.segments_snapshot(),
+            segment_index: 0,
+            range_index: 0,
+            offset: 0,
+            from: from.0,
+            done: false,
+        }
     }
 
     fn next_segment(&mut self) {
         self.segment_index += 1;
         self.range_index = 0;
         self.offset = 0;
+    }
+
+    /// At the end of the snapshot: takes the segments the log added after its last one, and
+    /// starts at the first of them. Whether there were any.
+    fn take_newer_segments(&mut self) -> bool {
+        let Some(shared) = self.shared.upgrade() else {
+            return false;
+        };
+        let last_seen = self.segments.last().map(|segment| segment.header.id);
+        let newer: Vec<Arc<Segment>> = shared
+            .segments_snapshot()
+            .into_iter()
+            .filter(|segment| last_seen.is_none_or(|last| segment.header.id > last))
+            .collect();
+        if newer.is_empty() {
+            return false;
+        }
+        self.segments = newer;
+        self.segment_index = 0;
+        self.range_index = 0;
+        self.offset = 0;
+        true
     }
 }
 
@@ -466,13 +513,23 @@ impl Iterator for WalIter {
 
     fn next(&mut self) -> Option<Self::Item> {
         while !self.done {
-            let segment = Arc::clone(self.segments.get(self.segment_index)?);
+            let Some(segment) = self.segments.get(self.segment_index).cloned() else {
+                if self.take_newer_segments() {
+                    continue;
+                }
+                return None;
+            };
+            // Sealed first: a sealed segment's last LSN is final (stored before it seals).
+            let sealed = segment.sealed.load(Ordering::Acquire);
             let last_lsn = segment.last_lsn.load(Ordering::Acquire);
-            if last_lsn == 0 || last_lsn < self.from {
-                self.next_segment();
-                continue;
+            let holds_none_wanted = last_lsn == 0 || last_lsn < self.from;
+            let map = segment.map.get().cloned();
+            if !sealed && (holds_none_wanted || map.is_none()) {
+                // Still being written (or its file not made yet): its next records may be
+                // wanted, and nothing after it is written yet.
+                return None;
             }
-            let Some(map) = segment.map.get().cloned() else {
+            let Some(map) = map.filter(|_| !holds_none_wanted) else {
                 self.next_segment();
                 continue;
             };
