@@ -1058,4 +1058,17 @@ fn the_tracker_opens_its_log_with_the_configured_wal_options() {
         }
         other => panic!("expected a zero write_timeout refused, got {:?}", other.map(drop)),
     }
+    // The same over an explicit log.
+    let zero = config(None, Duration::from_secs(60)).write_timeout(Duration::ZERO);
+    let log = WalBlockLog::open(dir.path().join("explicit"), WalConfig::default()).unwrap();
+    match ReceivedBlockTracker::with_log(
+        zero,
+        Arc::new(ManualClock::new(1_000)),
+        Some(Arc::new(log)),
+    ) {
+        Err(BlockTrackerError::Wal(WalError::InvalidConfig { setting, value, .. })) => {
+            assert_eq!((setting, value.as_str()), ("write_timeout", "0ns"));
+        }
+        other => panic!("expected a zero write_timeout refused, got {:?}", other.map(drop)),
+    }
 }

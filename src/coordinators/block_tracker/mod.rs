@@ -368,6 +368,20 @@ fn split_bounds(bounds: &mut Bounds, at: usize) -> Bounds {
     rest
 }
 
+/// Refuses a zero `write_timeout` for a tracker with a log: every synchronous write (and every
+/// receiver's receipt) would answer false before a sync could make it durable, while its record
+/// may still become durable and be applied, or come back after a restart.
+fn refuse_zero_write_timeout(config: &BlockTrackerConfig) -> Result<(), BlockTrackerError> {
+    if config.write_timeout.is_zero() {
+        return Err(BlockTrackerError::Wal(WalError::InvalidConfig {
+            setting: "write_timeout",
+            value: format!("{:?}", config.write_timeout),
+            reason: "a synchronous write must be able to wait for its sync",
+        }));
+    }
+    Ok(())
+}
+
 /// The received-block tracker as a plain state machine (see the module doc).
 ///
 /// # Examples
@@ -466,14 +480,8 @@ impl ReceivedBlockTracker {
                 reason: "the block tracker writes its log",
             }));
         }
-        if config.checkpoint_dir.is_some() && config.write_timeout.is_zero() {
-            // Every synchronous write would answer false before a sync could make it durable,
-            // while its record may still become durable and come back after a restart.
-            return Err(BlockTrackerError::Wal(WalError::InvalidConfig {
-                setting: "write_timeout",
-                value: format!("{:?}", config.write_timeout),
-                reason: "a synchronous write must be able to wait for its sync",
-            }));
+        if config.checkpoint_dir.is_some() {
+            refuse_zero_write_timeout(&config)?;
         }
         let log: Option<Arc<dyn BlockLog>> = match &config.checkpoint_dir {
             None => None,
@@ -493,7 +501,8 @@ impl ReceivedBlockTracker {
     /// `config.wal` and `config.wal_options` are ignored.
     ///
     /// # Errors
-    /// A damaged journal during recovery;
+    /// [`WalError::InvalidConfig`] for a zero `write_timeout` with a log; a damaged journal
+    /// during recovery;
     /// [`BlockTrackerError::StreamsExceedLog`] if the log's records cannot hold an
     /// allocation of one block; [`BlockTrackerError::UnallocatableBlock`] if recovery found
     /// an unallocated block they cannot hold.
@@ -502,6 +511,9 @@ impl ReceivedBlockTracker {
         clock: Arc<dyn Clock>,
         log: Option<Arc<dyn BlockLog>>,
     ) -> Result<Self, BlockTrackerError> {
+        if log.is_some() {
+            refuse_zero_write_timeout(&config)?;
+        }
         let mut stream_ids = config.stream_ids;
         stream_ids.sort_unstable();
         stream_ids.dedup();

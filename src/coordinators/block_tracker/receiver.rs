@@ -57,14 +57,28 @@
 //! is durable. What changes is when a pending block reaches the endpoint: a query from the
 //! receiver's own thread sees it once it was flushed (a receipt resolved, or `flush`).
 //!
+//! A flush hands the batch over from the thread that flushes. Resolve a receiver's receipts on
+//! the thread that adds its blocks to keep its blocks' order across batches: a receipt resolved
+//! (waited on, polled or dropped) on another thread hands its batch over from that thread, whose
+//! messages the bus does not order with the adding thread's (per-sender FIFO only), so an
+//! allocation from a third thread may take the batch's blocks while an earlier hand-over of the
+//! same receiver is still on its way (that block then goes to a later batch). Nothing is lost
+//! or repeated, and a replay rebuilds the same state (the allocation lists what it took).
+//!
 //! `false` means not logged, with SPEC D.5's caveat: a record appended and then not confirmed
 //! (a timeout, a WAL failure after the write, an endpoint that stopped before the hand-over)
-//! may still be durable, and a later recovery shows the block. One case shows it without a
-//! restart: a receipt whose wait times out (the sync took longer than the write timeout but
-//! did not fail) answers `false`, yet its blocks were handed over and stay queued; they are
-//! allocated like any other once durable, so a receiver that retries them adds them twice
-//! (the at-least-once behaviour consumers must tolerate anyway). A WAL failure, in contrast,
-//! rolls the endpoint back to the durable prefix.
+//! may still be durable, and a later recovery shows the block. Two cases show it without a
+//! restart:
+//! * a receipt whose wait times out (the sync took longer than the write timeout but did not
+//!   fail) answers `false`, yet its blocks were handed over and stay queued; they are allocated
+//!   like any other once durable, so a receiver that retries them adds them twice (the
+//!   at-least-once behaviour consumers must tolerate anyway);
+//! * a hand-over that could not be sent (the endpoint's inbox stayed full for the write
+//!   timeout) answers `false` and the blocks are not queued, but their record may become
+//!   durable: if the WAL later fails, the endpoint rolls back to the durable prefix, which
+//!   holds them, so a retried block is then queued twice.
+//!
+//! Otherwise a WAL failure rolls the endpoint back to the durable prefix.
 
 use std::{
     sync::{Arc, Mutex, MutexGuard, OnceLock},
