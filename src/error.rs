@@ -465,6 +465,20 @@ pub enum WalError {
         /// How long the caller waited.
         timeout: Duration,
     },
+    /// [`Wal::close`](crate::wal::Wal::close) called from a durability callback, on the sync
+    /// thread, which cannot wait for itself: the log is closing, and the thread writes and
+    /// syncs the records up to `appended` once the callback returns (or fails the log). Not a
+    /// failure; a `close` from another thread waits for the end.
+    #[error(
+        "closing the log from its sync thread, which writes the rest once the callback returns \
+         (appended: {appended}, durable: {durable})"
+    )]
+    CloseOnSyncThread {
+        /// The last LSN appended.
+        appended: u64,
+        /// The LSN durable when close was called.
+        durable: u64,
+    },
     /// Waiting for an LSN that was never appended (it would wait forever).
     #[error("LSN {lsn} was never appended (last appended: {appended})")]
     NotAppended {

@@ -2228,7 +2228,9 @@ impl Wal {
     /// was written when each segment is reached. The iteration stops (`None`) at the end of
     /// what is written (in the first segment still being written); a later `next` on the same
     /// iterator goes on from there with what was written since, in that segment and in the
-    /// segments made after it, never skipping a record.
+    /// segments made after it, never skipping a record, except in segments cleaned before the
+    /// iterator reached them (it holds the segments there were when it was made or last
+    /// reached the end; a segment made since and cleaned meanwhile is gone).
     ///
     /// # Errors
     /// Opening the iterator does not fail today; items fail with [`WalError::Corruption`] if
@@ -2388,9 +2390,9 @@ impl Wal {
     ///
     /// # Errors
     /// [`WalError::Failed`] if a write or sync failed (now or earlier);
-    /// [`WalError::CloseTimedOut`] (with a zero timeout) if called from a durability callback
-    /// while appended records are not durable yet (a later `close` from another thread waits
-    /// for them).
+    /// [`WalError::CloseOnSyncThread`] if called from a durability callback while appended
+    /// records are not durable yet (not a failure: a later `close` from another thread, or the
+    /// drop, waits for them).
     pub fn close(&self) -> Result<(), WalError> {
         self.begin_close();
         let handle = lock(&self.writer).take();
@@ -2424,8 +2426,7 @@ impl Wal {
             let appended = self.shared.appended_lsn.load(Ordering::Acquire);
             let durable = self.shared.durable_lsn.load(Ordering::Acquire);
             if durable < appended {
-                self.close_timed_out.store(true, Ordering::Relaxed);
-                return Err(WalError::CloseTimedOut { appended, durable, timeout: Duration::ZERO });
+                return Err(WalError::CloseOnSyncThread { appended, durable });
             }
         }
         Ok(())
@@ -2521,8 +2522,13 @@ impl Drop for Wal {
             );
             return;
         }
-        if let Err(error) = self.close() {
-            tracing::warn!(%error, "closing the write-ahead log on drop");
+        match self.close() {
+            Ok(()) => {}
+            // Dropped in a durability callback: the sync thread finishes once it returns.
+            Err(error @ WalError::CloseOnSyncThread { .. }) => {
+                tracing::debug!(%error, "write-ahead log dropped on its sync thread");
+            }
+            Err(error) => tracing::warn!(%error, "closing the write-ahead log on drop"),
         }
     }
 }

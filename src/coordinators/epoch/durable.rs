@@ -604,9 +604,11 @@ impl<Q: Query> Query for DurableQuery<Q> {
         self.inner.commit(epoch)
     }
 
-    /// The recovered last committed epoch's successor ([`DurableQuery::start_epoch`]).
+    /// The epoch after the last one committed: recovered, or committed through this query
+    /// since (a query handed on to a new coordinator keeps what its run committed).
     fn first_uncommitted_epoch(&self) -> Option<Epoch> {
-        Some(self.start_epoch())
+        let last = self.status.last_committed.load(Ordering::Acquire);
+        Some(epoch_or_none(last).map_or(Epoch(0), |last| Epoch(last.0.saturating_add(1))))
     }
 
     /// Keeps the first error (as text with its causes, for [`DurableQueryStatus::stop_error`])
@@ -631,6 +633,9 @@ impl<Q: Query> Drop for DurableQuery<Q> {
     fn drop(&mut self) {
         match self.wal.close_timeout(CLOSE_TIMEOUT) {
             Ok(()) => self.status.advance(Lsn(u64::MAX)),
+            // Dropped in one of the log's durability callbacks: the sync thread writes the
+            // rest once it returns; the status learns of it as readers advance.
+            Err(WalError::CloseOnSyncThread { .. }) => {}
             Err(error) => {
                 tracing::warn!(%error, "closing the epoch log");
                 self.status.fail(&error);
@@ -1101,7 +1106,15 @@ mod tests {
         let refused = EpochCoordinator::new(EpochConfig::new(3), query(), NoopSink).unwrap_err();
         let text = refused.to_string();
         assert!(text.starts_with("start_epoch = 3 (the query has committed up to 3)"), "{text}");
-        assert!(EpochCoordinator::new(EpochConfig::new(4), query(), NoopSink).is_ok());
+        // A query handed on after committing more in this run: its own commits count too.
+        let mut live = query();
+        live.add_offsets(Epoch(4), &offsets(4, 0)).unwrap();
+        live.commit(Epoch(4)).unwrap();
+        let refused = EpochCoordinator::new(EpochConfig::new(4), live, NoopSink).unwrap_err();
+        assert!(refused
+            .to_string()
+            .starts_with("start_epoch = 4 (the query has committed up to 4)"));
+        assert!(EpochCoordinator::new(EpochConfig::new(5), query(), NoopSink).is_ok());
     }
 
     #[test]
