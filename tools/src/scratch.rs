@@ -145,8 +145,11 @@ impl ScratchDir {
     /// # Errors
     /// What creating it failed with.
     pub fn new_in(parent: &Path, prefix: &str) -> io::Result<Self> {
+        // Listed under the same guard it is made under: an interrupt in between would find it
+        // on disk and not listed, and leave it behind.
+        let mut live = live();
         let dir = tempfile::Builder::new().prefix(prefix).tempdir_in(parent)?;
-        live().push(dir.path().to_path_buf());
+        live.push(dir.path().to_path_buf());
         Ok(Self { dir: Some(dir) })
     }
 

@@ -74,6 +74,11 @@ fn out_of_range_load_options_are_refused_naming_the_flag_and_value() {
             &["epoch", "--partitions", "1000", "--backlog-limit", "1000"],
             &["--backlog-limit", "1000"],
         ),
+        // Two producers, one of which may run a window (4 epochs here) ahead of the other.
+        (
+            &["epoch", "--partitions", "100000", "--producers", "2", "--backlog-limit", "400000"],
+            &["--backlog-limit 400000", "--partitions 100000", "--producers 2", "500000"],
+        ),
     ];
     for (args, names) in cases {
         assert_load_refuses(args, names);

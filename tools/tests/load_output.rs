@@ -60,6 +60,34 @@ fn totals_that_do_not_divide_among_the_threads_are_done_in_full() {
     assert_eq!(wal[0]["wal_stats"]["appends"], 3, "{wal:?}");
 }
 
+/// The epoch workload with the reference baseline: the direct runs check their work (every
+/// epoch committed, nothing rejected), and both figures that carry the reference's rate say
+/// how far the reference got in its time budget.
+#[test]
+fn the_epoch_reference_baseline_says_how_far_it_got() {
+    let epoch = figures(&[
+        "epoch",
+        "--partitions",
+        "8",
+        "--epochs",
+        "50",
+        "--producers",
+        "2",
+        "--baseline",
+        "reference",
+    ]);
+    assert_eq!(epoch.len(), 2, "{epoch:?}");
+    for figure in &epoch {
+        assert_eq!(figure["baseline"], "reference (direct)", "{figure}");
+        let messages = figure["baseline_messages"].as_u64().unwrap();
+        let epochs = figure["baseline_epochs"].as_i64().unwrap();
+        assert!(messages > 0 && messages <= 2 * 8 * 50, "{figure}");
+        assert!((1..=50).contains(&epochs), "{figure}");
+    }
+    assert_eq!(epoch[1]["workload"], "epoch/state-machine", "{epoch:?}");
+    assert_eq!(epoch[1]["epochs"], 50, "{epoch:?}");
+}
+
 /// `--records` is the throughput modes' total: with only `--durability every` (which counts
 /// `--every-records` per thread) it is not checked against the thread count.
 #[test]

@@ -547,6 +547,22 @@ fn validate(args: &EpochArgs) -> anyhow::Result<()> {
             args.partitions
         );
     }
+    // With several producers one can run ahead of the others by the whole window, its
+    // partitions' entries of every epoch in it waiting for the rest: past the limit the query
+    // stops by design, so refuse the flags up front instead of stopping mid-run.
+    let window_backlog = (window_epochs(args) as u64 + 1).saturating_mul(args.partitions as u64);
+    if args.producers > 1 && (args.backlog_limit as u64) < window_backlog {
+        bail!(
+            "--backlog-limit {} is too small for --partitions {} with --producers {} and a window \
+             of {} epochs: a producer running ahead can leave up to {window_backlog} entries \
+             waiting (the window plus one epoch of every partition); raise the limit, or lower \
+             --window or --producers",
+            args.backlog_limit,
+            args.partitions,
+            args.producers,
+            window_epochs(args)
+        );
+    }
     if args.producers > args.partitions as usize {
         bail!(
             "--producers {} exceeds --partitions {}: every producer owns at least one partition",
@@ -596,13 +612,27 @@ pub fn run(args: &EpochArgs) -> anyhow::Result<Vec<Figure>> {
     validate(args)?;
     let mut figures = vec![run_bus(args)?];
     if args.baseline == Baseline::Reference {
-        let (ours, reference) = run_direct(args);
+        let (ours, reference) = run_direct(args)?;
+        let with_reference = |figure: Figure| {
+            figure
+                .with_baseline("reference (direct)", reference.figure.msgs_per_sec())
+                .with("baseline_messages", reference.figure.messages)
+                .with("baseline_epochs", reference.epochs)
+        };
         let bus = figures.remove(0);
-        let bus = bus.with_baseline("reference (direct)", reference.msgs_per_sec());
-        figures.push(bus);
-        figures.push(ours.with_baseline("reference (direct)", reference.msgs_per_sec()));
+        figures.push(with_reference(bus));
+        figures.push(with_reference(ours));
     }
     Ok(figures)
+}
+
+/// The reference model's run of [`run_direct`]: its figure, and how many epochs it committed
+/// within its time budget (the model's cost per message grows with what its maps hold, so a
+/// budget that ends inside the first epochs times its cheapest stretch: the JSON says how far
+/// it got, `baseline_messages` and `baseline_epochs`).
+struct ReferenceRun {
+    figure: Figure,
+    epochs: i64,
 }
 
 /// The window in epochs (`--window 0`: about 64 Ki messages in flight, at least 4 epochs).
@@ -770,8 +800,10 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
     let mut waiters: Vec<Thread> = threads.iter().map(|t| t.thread().clone()).collect();
     waiters.push(driver.thread().clone());
     let _ = shared.waiters.set(waiters);
-    barrier.wait();
+    // Stamped before the producers are let go: no message is sent before it, so the run's time
+    // covers all of them (a stamp after the barrier could come after the first commits).
     let started_ns = shared.now_ns();
+    barrier.wait();
     // Parked until the last commit or a failure unparks it (a timed poll would take the
     // endpoint's core a thousand times a second), looking once a second for progress: a stall
     // (no commit for `STALL_LIMIT`: a lost commit, a stopped query) ends the run with an
@@ -886,7 +918,7 @@ fn spawn_named<T: Send + 'static>(
 /// this run) halved this figure (151 -> 49-77 M msgs/s; `perf annotate` put 40% of the run on
 /// two stalled loads in `Slots::insert`). On its own it reads 152 M msgs/s again.
 #[inline(never)]
-fn run_direct(args: &EpochArgs) -> (Figure, Figure) {
+fn run_direct(args: &EpochArgs) -> anyhow::Result<(Figure, ReferenceRun)> {
     let ranges = ranges(args.partitions, args.producers);
     let stream_epoch = |epoch: i64, out: &mut Vec<EpochMessage>| {
         // The producers' batches in round-robin order, as the endpoint would drain them.
@@ -923,6 +955,7 @@ fn run_direct(args: &EpochArgs) -> (Figure, Figure) {
     let _ = reference.set_writer_partitions(args.partitions);
     let budget = Duration::from_secs_f64(args.baseline_seconds);
     let mut buffer = Vec::new();
+    let mut rejected = Rejected::default();
     let (mut reference_messages, mut reference_time) = (0u64, Duration::ZERO);
     'epochs: for epoch in 1..=args.epochs {
         buffer.clear();
@@ -935,7 +968,7 @@ fn run_direct(args: &EpochArgs) -> (Figure, Figure) {
             let started = Instant::now();
             let mut applied = 0u64;
             for message in messages.by_ref().take(REFERENCE_CHUNK) {
-                let _ = reference.apply(message);
+                rejected.reference += u64::from(reference.apply(message).is_err());
                 applied += 1;
             }
             reference_time += started.elapsed();
@@ -961,9 +994,22 @@ fn run_direct(args: &EpochArgs) -> (Figure, Figure) {
         our_messages += buffer.len() as u64;
         let started = Instant::now();
         for message in buffer.drain(..) {
-            let _ = ours.apply(message);
+            rejected.ours += u64::from(ours.apply(message).is_err());
         }
         our_time += started.elapsed();
+    }
+    // Both apply the same valid stream: a rejected message, or an epoch left uncommitted,
+    // means a figure timed less work than it claims.
+    if rejected.ours + rejected.reference > 0 || ours.last_committed().0 != args.epochs {
+        bail!(
+            "the direct runs rejected messages (ours {}, the reference {}) or left epochs \
+             uncommitted (ours committed {} of {}): their figures would time less work than \
+             they claim",
+            rejected.ours,
+            rejected.reference,
+            ours.last_committed().0,
+            args.epochs
+        );
     }
     let ours = Figure::new("epoch/state-machine", our_messages, our_time.as_secs_f64())
         .with("partitions", args.partitions)
@@ -971,9 +1017,15 @@ fn run_direct(args: &EpochArgs) -> (Figure, Figure) {
         .with("epochs", ours.last_committed().0)
         .with("epochs_per_sec", ours.last_committed().0 as f64 / our_time.as_secs_f64().max(1e-9));
     let reference =
-        Figure::new("epoch/reference", reference_messages, reference_time.as_secs_f64())
-            .with("epochs", reference_epochs);
-    (ours, reference)
+        Figure::new("epoch/reference", reference_messages, reference_time.as_secs_f64());
+    Ok((ours, ReferenceRun { figure: reference, epochs: reference_epochs }))
+}
+
+/// Messages the direct runs rejected.
+#[derive(Default)]
+struct Rejected {
+    ours: u64,
+    reference: u64,
 }
 
 /// Messages the reference model applies between checks of its time budget.

@@ -607,11 +607,16 @@ fn deactivate(
         let run_id = Uuid::from_u128(0xdead_0000 + round as u128);
         let stores = store_set(args.deactivate_stores, args.executors, run_id, "/checkpoint/gone");
         register(coordinator, &stores)?;
+        let before = coordinator.counters()?.deactivated_instances;
         let start = Instant::now();
         anyhow::ensure!(coordinator.deactivate_instances(run_id)?, "deactivation refused");
         times.push(start.elapsed().as_secs_f64());
-        let removed = coordinator.counters()?.deactivated_instances;
-        anyhow::ensure!(removed >= stores.len() as u64, "only {removed} removed");
+        let removed = coordinator.counters()?.deactivated_instances - before;
+        anyhow::ensure!(
+            removed == stores.len() as u64,
+            "round {round} removed {removed} of its {} stores",
+            stores.len()
+        );
     }
     times.sort_by(f64::total_cmp);
     let seconds = times[times.len() / 2];
