@@ -69,9 +69,9 @@ fn wal_kill_loop_loses_nothing_and_cleans_up() {
 /// In every third iteration the parent tears the tail after the last acknowledged record
 /// (zeros or garbage); recovery loses nothing acknowledged, and the tool counts garbage left
 /// uncut (outside a recycled segment) as `corrupt_accepted`, which must stay 0. Eight tears
-/// are tried; one finds nothing to tear when the kill came between two acknowledgements or
-/// just after a roll, which a few may meet (seed 7 tore one to three of the first four in ten
-/// runs of twelve iterations here).
+/// are tried; one finds nothing to tear only when the kill came just after a roll (a later
+/// segment exists) or the acknowledged record ends its file (when nothing was written after
+/// it, garbage follows it directly).
 #[test]
 fn wal_tails_torn_after_kills_are_cut_without_loss() {
     let summary = assert_nothing_lost("wal", 24);

@@ -120,9 +120,10 @@ struct Tear {
 /// that record's frame to up to 4 KiB past the last frame written, the bytes become zeros or
 /// garbage. Records synced but not acknowledged yet may be torn too, which is stricter than a
 /// power loss but loses nothing acknowledged: every frame after the tear's start is destroyed,
-/// so none is left to prove them durable. Only a tail inside the last segment file is torn (an
-/// earlier segment was synced before a later one got records, so a power loss leaves it whole).
-/// `None` (nothing torn) when there is nothing after the record in its segment, a later
+/// so none is left to prove them durable. When nothing was written after the record, garbage
+/// follows it directly (a next group torn mid-write). Only a tail inside the last segment file
+/// is torn (an earlier segment was synced before a later one got records, so a power loss
+/// leaves it whole). `None` (nothing torn) when the record ends its segment's file, a later
 /// segment exists, the record is not found (the check counts the loss), or the log does not
 /// end cleanly before the tear (a torn tail, a failed log's cut, a read error: frames past the
 /// last one read could survive the tear; the check's own open judges such a log).
@@ -142,17 +143,23 @@ fn tear_after(dir: &Path, acknowledged: Lsn, rng: &mut Rng) -> anyhow::Result<Op
     }
     let acked_end = acked.offset + frame::frame_len(acked.len as usize) as u64;
     let written_end = last.offset + frame::frame_len(last.len as usize) as u64;
-    if written_end <= acked_end {
-        return Ok(None);
-    }
     let path = dir.join(segment::file_name(acked.segment));
     let file = std::fs::OpenOptions::new().read(true).write(true).open(&path)?;
     let mut header = [0u8; segment::HEADER_LEN as usize];
     file.read_exact_at(&mut header, 0)?;
     let recycled = segment::SegmentHeader::decode(acked.segment, &header)?.recycled;
-    let start = acked_end + rng.below(written_end - acked_end);
-    let end = (written_end + rng.below(4096)).min(file.metadata()?.len());
-    let garbage = rng.below(2) == 0;
+    let (start, garbage) = if written_end > acked_end {
+        (acked_end + rng.below(written_end - acked_end), rng.below(2) == 0)
+    } else {
+        // Nothing written after the acknowledged record: a power loss in the middle of the
+        // next group's write leaves garbage right after it (zeros there would change nothing).
+        (acked_end, true)
+    };
+    let end = (written_end.max(start + 1) + rng.below(4096)).min(file.metadata()?.len());
+    if end <= start {
+        // The record ends the file: no room for a tail.
+        return Ok(None);
+    }
     let bytes: Vec<u8> =
         (start..end).map(|_| if garbage { rng.next_u64() as u8 } else { 0 }).collect();
     file.write_all_at(&bytes, start).with_context(|| format!("tearing {}", path.display()))?;
