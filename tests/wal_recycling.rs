@@ -9,8 +9,8 @@
 //! a segment found at open. Spares are bounded by the configuration, deleted when a log is
 //! closed, and those a crash left deleted when a writer opens the log.
 //! Method: 64 KiB segments of ~1 KiB records with the record index as its time, cleaned by
-//! time with `wait`, on both I/O paths; damage written into the files by hand, then reopened
-//! or scanned read-only.
+//! time with `wait`, on both I/O paths (`Auto` is io_uring unless the kernel refuses it);
+//! damage written into the files by hand, then reopened or scanned read-only.
 
 mod wal_support;
 
@@ -113,7 +113,7 @@ fn log_with_recycled_segments(dir: &Path, io: IoMode) -> Wal {
 
 /// A closed log whose last segment was made from a spare: its records, and that segment.
 fn closed_log_ending_recycled(dir: &Path) -> (Vec<Vec<u8>>, coordbus::wal::SegmentSummary) {
-    let wal = log_with_recycled_segments(dir, IoMode::IoUring);
+    let wal = log_with_recycled_segments(dir, IoMode::Auto);
     let expected = read_all(&wal);
     wal.close().unwrap();
     let scan = scan_dir(dir, RecoveryMode::Strict).unwrap();
@@ -124,7 +124,7 @@ fn closed_log_ending_recycled(dir: &Path) -> (Vec<Vec<u8>>, coordbus::wal::Segme
 
 #[test]
 fn recycled_segments_reopen_with_exactly_their_records_on_both_paths() {
-    for io in [IoMode::IoUring, IoMode::Pwrite] {
+    for io in [IoMode::Auto, IoMode::Pwrite] {
         let dir = tempfile::tempdir().unwrap();
         let wal = log_with_recycled_segments(dir.path(), io);
         let expected = read_all(&wal);
@@ -166,13 +166,13 @@ fn a_torn_record_in_a_recycled_last_segment_is_cut_and_the_stale_tail_is_not() {
     let last_start = last.valid_end - last_record_len;
     bytes[(last.valid_end - 1) as usize] ^= 0x40;
     std::fs::write(&last.path, &bytes).unwrap();
-    let reopened = open_with(dir.path(), config(), IoMode::IoUring);
+    let reopened = open_with(dir.path(), config(), IoMode::Auto);
     let tail = reopened.recovery_report().torn_tail.clone().expect("a torn tail");
     assert_eq!((tail.offset, tail.records_discarded), (last_start, 0), "{tail:?}");
     assert_eq!(read_all(&reopened), expected[..expected.len() - 1]);
     reopened.close().unwrap();
     // The cut is durable: the next open finds no torn tail.
-    let again = open_with(dir.path(), config(), IoMode::IoUring);
+    let again = open_with(dir.path(), config(), IoMode::Auto);
     assert!(again.recovery_report().torn_tail.is_none(), "{}", again.recovery_report());
 }
 
@@ -184,7 +184,7 @@ fn a_torn_creation_after_a_recycled_segment_leaves_a_log_that_opens() {
     // `Writer::new_file` leaves it when no spare is left.
     let torn = dir.path().join(segment::file_name(coordbus::wal::SegmentId(last.id.0 + 1)));
     std::fs::File::create(&torn).unwrap().set_len(SEGMENT_SIZE).unwrap();
-    let reopened = open_with(dir.path(), config(), IoMode::IoUring);
+    let reopened = open_with(dir.path(), config(), IoMode::Auto);
     let report = reopened.recovery_report();
     assert!(report.corruption_skipped.is_empty(), "{report}");
     assert_eq!(report.segments_skipped, [coordbus::wal::SegmentId(last.id.0 + 1)], "{report}");
@@ -194,7 +194,7 @@ fn a_torn_creation_after_a_recycled_segment_leaves_a_log_that_opens() {
 #[test]
 fn records_missing_at_the_end_of_a_recycled_sealed_segment_are_corruption() {
     let dir = tempfile::tempdir().unwrap();
-    let wal = log_with_recycled_segments(dir.path(), IoMode::IoUring);
+    let wal = log_with_recycled_segments(dir.path(), IoMode::Auto);
     append(&wal, 330..430);
     wal.close().unwrap();
     let scan = scan_dir(dir.path(), RecoveryMode::Strict).unwrap();
@@ -226,7 +226,7 @@ fn records_missing_at_the_end_of_a_recycled_sealed_segment_are_corruption() {
 #[test]
 fn a_segment_a_reader_still_maps_is_deleted_not_reused() {
     let dir = tempfile::tempdir().unwrap();
-    let wal = open_with(dir.path(), config(), IoMode::IoUring);
+    let wal = open_with(dir.path(), config(), IoMode::Auto);
     let (first_lsn, first) = wal.append_bytes(&payload(0), 0).unwrap();
     wal.wait_durable_timeout(first_lsn, WAIT).unwrap();
     append(&wal, 1..200);
@@ -281,7 +281,7 @@ fn spares_are_bounded_by_the_configuration_and_deleted_at_close_and_at_open() {
         .unwrap(),
     );
     assert_eq!(spares(dir.path()), std::slice::from_ref(&leftover.0));
-    let wal = open_with(dir.path(), config(), IoMode::IoUring);
+    let wal = open_with(dir.path(), config(), IoMode::Auto);
     assert!(spares(dir.path()).is_empty());
     assert_eq!(read_all(&wal), (200 - kept..200).map(payload).collect::<Vec<_>>());
     // Zero spares: every cleaned file is deleted.
@@ -296,12 +296,12 @@ fn spares_are_bounded_by_the_configuration_and_deleted_at_close_and_at_open() {
 fn segments_found_at_open_are_never_kept() {
     let dir = tempfile::tempdir().unwrap();
     {
-        let wal = open_with(dir.path(), config(), IoMode::IoUring);
+        let wal = open_with(dir.path(), config(), IoMode::Auto);
         append(&wal, 0..200);
         wal.close().unwrap();
     }
     let found = files_named(dir.path(), |name| segment::parse_file_name(name).is_some());
-    let wal = open_with(dir.path(), config(), IoMode::IoUring);
+    let wal = open_with(dir.path(), config(), IoMode::Auto);
     append(&wal, 200..400);
     // Everything before record 350: the segments found at open and some of this log's.
     assert!(clean_below(&wal, 350) > found.len() as u64);
@@ -319,7 +319,7 @@ fn segments_found_at_open_are_never_kept() {
 #[test]
 fn a_segment_another_reader_maps_is_deleted_not_reused() {
     let dir = tempfile::tempdir().unwrap();
-    let wal = open_with(dir.path(), config(), IoMode::IoUring);
+    let wal = open_with(dir.path(), config(), IoMode::Auto);
     append(&wal, 0..200);
     // A read-only log of the same directory (as a tool in another process would open it)
     // maps every segment it found.
@@ -344,7 +344,7 @@ fn a_segment_another_reader_maps_is_deleted_not_reused() {
 #[test]
 fn a_segment_another_program_locks_exclusively_fails_the_open_after_a_bounded_wait() {
     let dir = tempfile::tempdir().unwrap();
-    let wal = open_with(dir.path(), config(), IoMode::IoUring);
+    let wal = open_with(dir.path(), config(), IoMode::Auto);
     append(&wal, 0..10);
     wal.close().unwrap();
     drop(wal);
