@@ -5,6 +5,8 @@
 //! Method: drive the plain state machine with a manual clock, read the journal back by opening
 //! its WAL directory after the tracker stopped, and compare events by equality.
 
+mod warning_capture;
+
 use std::{
     path::{Path, PathBuf},
     sync::{
@@ -27,6 +29,7 @@ use coordbus::{
         WalError, WalOptions,
     },
 };
+use warning_capture::WarningLog;
 
 const STREAM: StreamId = StreamId(1);
 
@@ -459,31 +462,6 @@ fn rbt_06_wal_disabled_without_checkpoint_dir() {
     assert!(tracker.wal().is_none());
 }
 
-/// Counts the warnings logged on the current thread (with `tracing::subscriber::with_default`).
-#[derive(Clone, Default)]
-struct WarningCounter(Arc<std::sync::atomic::AtomicUsize>);
-
-impl WarningCounter {
-    fn count(&self) -> usize {
-        self.0.load(Ordering::SeqCst)
-    }
-
-    /// Runs `body` with this counter as the thread's subscriber.
-    fn around<T>(&self, body: impl FnOnce() -> T) -> T {
-        use tracing_subscriber::layer::SubscriberExt;
-        let subscriber = tracing_subscriber::registry().with(self.clone());
-        tracing::subscriber::with_default(subscriber, body)
-    }
-}
-
-impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for WarningCounter {
-    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
-        if *event.metadata().level() == tracing::Level::WARN {
-            self.0.fetch_add(1, Ordering::SeqCst);
-        }
-    }
-}
-
 fn block_of(stream: StreamId, unique_id: u64) -> ReceivedBlockInfo {
     let block_id = StreamBlockId { stream, unique_id };
     ReceivedBlockInfo::new(stream, Some(0), None, BlockStoreResult::BlockManager { block_id })
@@ -495,7 +473,7 @@ fn block_of(stream: StreamId, unique_id: u64) -> ReceivedBlockInfo {
 /// what will never drain.
 #[test]
 fn blocks_of_an_unconfigured_stream_are_queued_never_allocated_warned_and_listed() {
-    let warnings = WarningCounter::default();
+    let warnings = WarningLog::default();
     let clock = Arc::new(ManualClock::new(0));
     let mut tracker =
         ReceivedBlockTracker::open(config(None, Duration::from_secs(60)), clock).unwrap();
@@ -543,7 +521,7 @@ fn recovery_warns_only_about_unconfigured_streams_that_keep_blocks() {
     first.stop().unwrap();
     drop(first);
 
-    let warnings = WarningCounter::default();
+    let warnings = WarningLog::default();
     let mut recovered = warnings.around(|| {
         let only_stream = config(Some(dir.path()), Duration::from_secs(60)).recover(true);
         ReceivedBlockTracker::open(only_stream, clock).unwrap()

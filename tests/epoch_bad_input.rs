@@ -8,6 +8,7 @@
 //! machine directly.
 
 mod epoch_support;
+mod warning_capture;
 
 use coordbus::{
     coordinators::epoch::{
@@ -22,6 +23,7 @@ use epoch_support::{
     add_offsets, recorders, sink_commit, BusHarness, Call, RecordingQuery, RecordingSink,
     REPLY_TIMEOUT,
 };
+use warning_capture::WarningLog;
 
 /// `after` equals `before` except for the counters, whose difference is `expected_drops`.
 fn assert_only_counters_changed(before: EpochStats, after: EpochStats, expected: EpochCounters) {
@@ -573,39 +575,6 @@ fn coordinator_names_are_fresh_per_run() {
     assert_ne!(first, second);
     let uuid = first.strip_prefix("EpochCoordinator-run42--").expect("prefix");
     assert_eq!(uuid.len(), 36, "{uuid}");
-}
-
-/// The warnings logged on this thread, each as its fields' text.
-#[derive(Clone, Default)]
-struct WarningLog(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
-
-impl WarningLog {
-    fn lines(&self) -> Vec<String> {
-        self.0.lock().unwrap().clone()
-    }
-
-    /// Runs `body` with this log as the thread's subscriber.
-    fn around<T>(&self, body: impl FnOnce() -> T) -> T {
-        use tracing_subscriber::layer::SubscriberExt;
-        let subscriber = tracing_subscriber::registry().with(self.clone());
-        tracing::subscriber::with_default(subscriber, body)
-    }
-}
-
-impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for WarningLog {
-    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
-        struct Fields(String);
-        impl tracing::field::Visit for Fields {
-            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
-                self.0.push_str(&format!("{}={value:?} ", field.name()));
-            }
-        }
-        if *event.metadata().level() == tracing::Level::WARN {
-            let mut fields = Fields(String::new());
-            event.record(&mut fields);
-            self.0.lock().unwrap().push(fields.0);
-        }
-    }
 }
 
 /// Issue 4: bad input is "rejected with a counted, logged warning". Each kind warns with the

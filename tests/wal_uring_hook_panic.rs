@@ -14,7 +14,6 @@ mod wal_support;
 use std::{
     io,
     os::fd::RawFd,
-    path::Path,
     sync::{
         atomic::{AtomicU64, Ordering},
         Arc,
@@ -23,10 +22,10 @@ use std::{
 };
 
 use coordbus::wal::{
-    Durability, FileStorage, IoMode, IoPath, Lsn, RingFault, RingOp, Storage, StorageFile, Wal,
-    WalConfig, WalError, WalOptions,
+    Durability, IoMode, IoPath, Lsn, RingFault, RingOp, StorageFile, Wal, WalConfig, WalError,
+    WalOptions,
 };
-use wal_support::{join_all_within, kernel_allows_io_uring, within};
+use wal_support::{join_all_within, kernel_allows_io_uring, within, WrappingStorage};
 
 /// Which hook panics.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,33 +52,9 @@ impl Plan {
 }
 
 #[derive(Debug)]
-struct PanickingStorage(Arc<Plan>);
-
-#[derive(Debug)]
 struct PanickingFile {
     inner: Arc<dyn StorageFile>,
     plan: Arc<Plan>,
-}
-
-impl Storage for PanickingStorage {
-    fn create_dir_all(&self, dir: &Path) -> io::Result<()> {
-        FileStorage.create_dir_all(dir)
-    }
-    fn create(&self, path: &Path) -> io::Result<Arc<dyn StorageFile>> {
-        Ok(Arc::new(PanickingFile { inner: FileStorage.create(path)?, plan: Arc::clone(&self.0) }))
-    }
-    fn open_existing(&self, path: &Path) -> io::Result<Arc<dyn StorageFile>> {
-        FileStorage.open_existing(path)
-    }
-    fn remove(&self, path: &Path) -> io::Result<()> {
-        FileStorage.remove(path)
-    }
-    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
-        FileStorage.rename(from, to)
-    }
-    fn sync_dir(&self, dir: &Path) -> io::Result<()> {
-        FileStorage.sync_dir(dir)
-    }
 }
 
 impl StorageFile for PanickingFile {
@@ -161,7 +136,12 @@ fn panicking_hook_fails_the_log_with_eio(hook: Hook) {
     let options = WalOptions {
         io: IoMode::IoUring,
         uring_direct_max_bytes: 0,
-        storage: Arc::new(PanickingStorage(Arc::clone(&plan))),
+        storage: {
+            let plan = Arc::clone(&plan);
+            Arc::new(WrappingStorage(move |inner| -> Arc<dyn StorageFile> {
+                Arc::new(PanickingFile { inner, plan: Arc::clone(&plan) })
+            }))
+        },
         ..WalOptions::default()
     };
     let wal = Arc::new(Wal::open_with_options(dir.path(), config, options).unwrap());

@@ -120,25 +120,25 @@ pub enum AfterGate {
     Panic,
 }
 
-/// Real files whose `sync_data` waits at a [`Gate`] first, then does what [`AfterGate`] says.
-/// The files hide their descriptors, so the log writes with pwrite: open it with
-/// `IoMode::Pwrite`.
-#[derive(Debug)]
-pub struct GatedSyncStorage {
-    pub gate: Arc<Gate>,
-    pub after: AfterGate,
+/// The real file system, with each file it creates (a new segment, a spare) wrapped by the
+/// function it holds: what the fault-injecting layers of the tests are built on.
+pub struct WrappingStorage<W>(pub W);
+
+impl<W> std::fmt::Debug for WrappingStorage<W> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("WrappingStorage")
+    }
 }
 
-#[derive(Debug)]
-struct GatedSyncFile(Arc<dyn StorageFile>, Arc<Gate>, AfterGate);
-
-impl Storage for GatedSyncStorage {
+impl<W> Storage for WrappingStorage<W>
+where
+    W: Fn(Arc<dyn StorageFile>) -> Arc<dyn StorageFile> + Send + Sync + 'static,
+{
     fn create_dir_all(&self, dir: &Path) -> io::Result<()> {
         FileStorage.create_dir_all(dir)
     }
     fn create(&self, path: &Path) -> io::Result<Arc<dyn StorageFile>> {
-        let file = FileStorage.create(path)?;
-        Ok(Arc::new(GatedSyncFile(file, Arc::clone(&self.gate), self.after)))
+        Ok((self.0)(FileStorage.create(path)?))
     }
     fn open_existing(&self, path: &Path) -> io::Result<Arc<dyn StorageFile>> {
         FileStorage.open_existing(path)
@@ -153,6 +153,19 @@ impl Storage for GatedSyncStorage {
         FileStorage.sync_dir(dir)
     }
 }
+
+/// Real files whose `sync_data` waits at a [`Gate`] first, then does what [`AfterGate`] says.
+/// The files hide their descriptors, so the log writes with pwrite: open it with
+/// `IoMode::Pwrite`.
+pub fn gated_sync_storage(gate: &Arc<Gate>, after: AfterGate) -> Arc<dyn Storage> {
+    let gate = Arc::clone(gate);
+    Arc::new(WrappingStorage(move |file| -> Arc<dyn StorageFile> {
+        Arc::new(GatedSyncFile(file, Arc::clone(&gate), after))
+    }))
+}
+
+#[derive(Debug)]
+struct GatedSyncFile(Arc<dyn StorageFile>, Arc<Gate>, AfterGate);
 
 impl StorageFile for GatedSyncFile {
     fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<usize> {
@@ -205,7 +218,7 @@ pub fn gated_config() -> coordbus::wal::WalConfig {
 pub fn open_gated(dir: &Path, gate: &Arc<Gate>, after: AfterGate) -> Wal {
     let options = coordbus::wal::WalOptions {
         io: coordbus::wal::IoMode::Pwrite,
-        storage: Arc::new(GatedSyncStorage { gate: Arc::clone(gate), after }),
+        storage: gated_sync_storage(gate, after),
         ..coordbus::wal::WalOptions::default()
     };
     Wal::open_with_options(dir, gated_config(), options).unwrap()

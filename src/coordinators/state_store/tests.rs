@@ -388,29 +388,15 @@ fn ids_and_messages_stay_small() {
     );
 }
 
-/// Counts warning events (the lag report's log lines).
-#[derive(Clone, Default)]
-struct WarningCounter(std::sync::Arc<std::sync::atomic::AtomicUsize>);
-
-impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for WarningCounter {
-    fn on_event(
-        &self,
-        event: &tracing::Event<'_>,
-        _context: tracing_subscriber::layer::Context<'_, S>,
-    ) {
-        if *event.metadata().level() == tracing::Level::WARN {
-            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        }
-    }
-}
+/// The warnings a test logs, without a subscriber of its own thread (see the module).
+#[path = "../../../tests/warning_capture/mod.rs"]
+mod warning_capture;
 
 #[test]
 fn lag_report_logs_a_count_warning_and_a_rate_limited_warning_per_store() {
-    use tracing_subscriber::layer::SubscriberExt;
-    let warnings = WarningCounter::default();
-    let subscriber = tracing_subscriber::registry().with(warnings.clone());
-    let count = || warnings.0.load(std::sync::atomic::Ordering::SeqCst);
-    tracing::subscriber::with_default(subscriber, || {
+    let warnings = warning_capture::WarningLog::default();
+    let count = || warnings.count();
+    warnings.around(|| {
         let (mut coordinator, clock) = coordinator();
         let run = Uuid::from_u128(0x10c);
         for partition in 0..7 {
