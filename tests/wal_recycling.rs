@@ -39,8 +39,13 @@ fn config() -> WalConfig {
     }
 }
 
+/// Opens on `io`'s path, checked: `Auto` must be io_uring unless the kernel refuses it, so a
+/// silent fallback cannot pass as an io_uring run.
 fn open_with(dir: &Path, config: WalConfig, io: IoMode) -> Wal {
-    Wal::open_with_options(dir, config, WalOptions { io, ..WalOptions::default() }).unwrap()
+    let wal =
+        Wal::open_with_options(dir, config, WalOptions { io, ..WalOptions::default() }).unwrap();
+    assert_eq!(wal.io_path(), wal_support::path_of(io));
+    wal
 }
 
 fn open_with_spares(dir: &Path, spare_segments: usize) -> Wal {

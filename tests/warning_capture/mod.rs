@@ -68,6 +68,9 @@ fn install_once() {
             tracing_subscriber::registry().with(ToThreadCapture.with_filter(LevelFilter::WARN));
         tracing::subscriber::set_global_default(subscriber)
             .expect("no other global subscriber in a test binary");
+        // A callsite another thread registered while the default was being set may have been
+        // asked before the default was visible: ask them all again.
+        tracing::callsite::rebuild_interest_cache();
     });
 }
 
@@ -79,7 +82,8 @@ impl<S: tracing::Subscriber> Layer<S> for ToThreadCapture {
         if *event.metadata().level() != tracing::Level::WARN {
             return;
         }
-        CAPTURE.with(|capture| {
+        // `try_with`: a warning from a thread's last destructors, after its capture is gone.
+        let _ = CAPTURE.try_with(|capture| {
             if let Some(lines) = capture.borrow().as_ref() {
                 let mut fields = Fields(String::new());
                 event.record(&mut fields);

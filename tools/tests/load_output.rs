@@ -88,6 +88,28 @@ fn the_epoch_reference_baseline_says_how_far_it_got() {
     assert_eq!(epoch[1]["epochs"], 50, "{epoch:?}");
 }
 
+/// A window wider than the run is no more than the run: with several producers it is not
+/// held against the backlog limit past the run's epochs (2001 x 1000 entries would exceed the
+/// default limit of 1 000 000; 21 x 1000 do not).
+#[test]
+fn a_window_wider_than_the_run_counts_as_the_run() {
+    let epoch = figures(&[
+        "epoch",
+        "--partitions",
+        "1000",
+        "--producers",
+        "2",
+        "--epochs",
+        "20",
+        "--window",
+        "2000",
+        "--baseline",
+        "none",
+    ]);
+    assert_eq!(epoch.len(), 1, "{epoch:?}");
+    assert_eq!(epoch[0]["epochs"], 20, "{epoch:?}");
+}
+
 /// `--records` is the throughput modes' total: with only `--durability every` (which counts
 /// `--every-records` per thread) it is not checked against the thread count.
 #[test]

@@ -160,8 +160,12 @@ fn tear_after(dir: &Path, acknowledged: Lsn, rng: &mut Rng) -> anyhow::Result<Op
         // The record ends the file: no room for a tail.
         return Ok(None);
     }
-    let bytes: Vec<u8> =
+    let mut bytes: Vec<u8> =
         (start..end).map(|_| if garbage { rng.next_u64() as u8 } else { 0 }).collect();
+    if garbage && bytes.iter().all(|&byte| byte == 0) {
+        // Garbage that happens to be zeros would tear nothing.
+        bytes[0] = 0xa5;
+    }
     file.write_all_at(&bytes, start).with_context(|| format!("tearing {}", path.display()))?;
     Ok(Some(Tear { bytes: end - start, garbage, recycled }))
 }

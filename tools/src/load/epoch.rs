@@ -547,22 +547,6 @@ fn validate(args: &EpochArgs) -> anyhow::Result<()> {
             args.partitions
         );
     }
-    // With several producers one can run ahead of the others by the whole window, its
-    // partitions' entries of every epoch in it waiting for the rest: past the limit the query
-    // stops by design, so refuse the flags up front instead of stopping mid-run.
-    let window_backlog = (window_epochs(args) as u64 + 1).saturating_mul(args.partitions as u64);
-    if args.producers > 1 && (args.backlog_limit as u64) < window_backlog {
-        bail!(
-            "--backlog-limit {} is too small for --partitions {} with --producers {} and a window \
-             of {} epochs: a producer running ahead can leave up to {window_backlog} entries \
-             waiting (the window plus one epoch of every partition); raise the limit, or lower \
-             --window or --producers",
-            args.backlog_limit,
-            args.partitions,
-            args.producers,
-            window_epochs(args)
-        );
-    }
     if args.producers > args.partitions as usize {
         bail!(
             "--producers {} exceeds --partitions {}: every producer owns at least one partition",
@@ -578,6 +562,23 @@ fn validate(args: &EpochArgs) -> anyhow::Result<()> {
     }
     if !(0..=MAX_EPOCHS).contains(&args.window) {
         bail!("--window {} is out of range (0 = auto ..= {MAX_EPOCHS})", args.window);
+    }
+    // With several producers one can run ahead of the others by the whole window, its
+    // partitions' entries of every epoch in it waiting for the rest: past the limit the query
+    // stops by design, so refuse the flags up front instead of stopping mid-run.
+    let window = window_epochs(args).min(args.epochs);
+    let window_backlog = (window as u64 + 1).saturating_mul(args.partitions as u64);
+    if args.producers > 1 && (args.backlog_limit as u64) < window_backlog {
+        bail!(
+            "--backlog-limit {} is too small for --partitions {} with --producers {} and a window \
+             of {} epochs (at most the run's): a producer running ahead can leave up to {window_backlog} entries \
+             waiting (the window plus one epoch of every partition); raise the limit, or lower \
+             --window or --producers",
+            args.backlog_limit,
+            args.partitions,
+            args.producers,
+            window
+        );
     }
     check_baseline_seconds(args.baseline_seconds)
         .map_err(|reason| anyhow::anyhow!("--baseline-seconds {}: {reason}", args.baseline_seconds))
@@ -717,7 +718,7 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
             // As Spark's tasks do on start; it also gives this thread its inbox lane (a few MiB
             // of slots, faulted in on allocation) before the measured time.
             let started = coordinator.ask(GetCurrentEpoch).wait();
-            barrier.wait();
+            start_line(&barrier);
             started?;
             let mut next = 1;
             // Held back by the window: resume once half of it is free (module doc).
@@ -769,7 +770,7 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
             let mut unless_done = StopRunUnlessDone { shared: &shared, done: false };
             // Its inbox lane before the measured time, like the producers'.
             let started = coordinator.ask(GetCurrentEpoch).wait();
-            barrier.wait();
+            start_line(&barrier);
             started?;
             let mut driver_epoch = 1;
             let resume = window / 2;
@@ -800,8 +801,10 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
     let mut waiters: Vec<Thread> = threads.iter().map(|t| t.thread().clone()).collect();
     waiters.push(driver.thread().clone());
     let _ = shared.waiters.set(waiters);
-    // Stamped before the producers are let go: no message is sent before it, so the run's time
-    // covers all of them (a stamp after the barrier could come after the first commits).
+    // Stamped once every thread is set up and before any is let go: the run's time covers
+    // every message and none of the set-up (a stamp after the release could come after the
+    // first commits).
+    barrier.wait();
     let started_ns = shared.now_ns();
     barrier.wait();
     // Parked until the last commit or a failure unparks it (a timed poll would take the
@@ -898,6 +901,13 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
         Some(stats) => figure.with_wal_stats("wal_stats", stats),
         None => figure,
     })
+}
+
+/// A load thread's start: ready (its set-up done), then let go once the main thread has
+/// stamped the start (the barrier's two rounds; the main thread stamps between them).
+fn start_line(barrier: &Barrier) {
+    barrier.wait();
+    barrier.wait();
 }
 
 /// Spawns a load thread named `name` (so per-thread profiles tell the threads apart).
