@@ -101,7 +101,7 @@ pub struct BusConfig {
     /// ([`SendError::Timeout`](crate::SendError::Timeout) after it).
     pub ask_timeout: Duration,
     /// How long [`Bus::shutdown`](crate::Bus::shutdown) waits for endpoint threads to finish
-    /// (default 30 s).
+    /// (default 30 s; must be positive).
     pub shutdown_timeout: Duration,
 }
 
@@ -161,6 +161,10 @@ impl BusConfig {
         }
         if self.ask_timeout.is_zero() {
             return Err(invalid("ask_timeout", self.ask_timeout, "must be positive"));
+        }
+        if self.shutdown_timeout.is_zero() {
+            // Every shutdown would detach every endpoint thread without waiting for it.
+            return Err(invalid("shutdown_timeout", self.shutdown_timeout, "must be positive"));
         }
         if let Pinning::Cores(cores) = &self.pinning {
             if cores.is_empty() {
@@ -264,6 +268,8 @@ mod tests {
         assert_eq!(error.to_string(), "inbox_lanes = 1025 is invalid: must be 0 ..= 1024");
         assert!(BusBuilder::default().drain_batch(0).build().is_err());
         assert!(BusBuilder::default().ask_timeout(Duration::ZERO).build().is_err());
+        let error = BusBuilder::default().shutdown_timeout(Duration::ZERO).build().unwrap_err();
+        assert_eq!(error.to_string(), "shutdown_timeout = 0ns is invalid: must be positive");
         // An idle thread must get to parking: spins beyond `Idle::MAX_SPIN` are refused.
         for idle in [
             Idle::SpinThenPark { spin: Duration::MAX },

@@ -6,7 +6,7 @@
 //! | 4      | 4    | `crc`       | CRC32C of bytes 8..end of frame, then of bytes 0..4          |
 //! | 8      | 8    | `lsn`       | log sequence number, u64 LE, 1 for the first record ever     |
 //! | 16     | 8    | `time_ms`   | the record's time (ms since the Unix epoch), i64 LE          |
-//! | 24     | 4    | `sync_gap`  | `lsn - durable_lsn` seen when appended, u32 LE, saturating   |
+//! | 24     | 4    | `sync_gap`  | `lsn - durable_lsn` at append, u32 LE (`u32::MAX`: unknown)  |
 //! | 28     | 2    | `magic`     | `0xC0DB` LE                                                  |
 //! | 30     | 1    | `version`   | frame version, `1`                                           |
 //! | 31     | 1    | `flags`     | reserved, `0`                                                |
@@ -55,8 +55,12 @@ pub struct FrameHeader {
 }
 
 impl FrameHeader {
-    /// The LSN that was already durable when this record was appended.
+    /// The LSN that was already durable when this record was appended, as far as the frame
+    /// tells: a saturated gap (`u32::MAX`: the real gap may be larger) tells nothing, so 0.
     pub fn synced_lsn_at_append(&self) -> u64 {
+        if self.sync_gap == u32::MAX {
+            return 0;
+        }
         self.lsn.saturating_sub(u64::from(self.sync_gap))
     }
 
@@ -66,12 +70,14 @@ impl FrameHeader {
     }
 }
 
-/// The size of a frame carrying `payload_len` bytes.
+/// The size of a frame carrying `payload_len` bytes (at most [`MAX_PAYLOAD_LEN`] in a
+/// valid frame; far larger lengths would wrap).
 pub const fn frame_len(payload_len: usize) -> usize {
     HEADER_LEN + padded(payload_len)
 }
 
-/// `len` rounded up to the frame alignment.
+/// `len` rounded up to the frame alignment (`len` within 15 of `usize::MAX` would wrap; frame
+/// lengths are at most [`MAX_PAYLOAD_LEN`]).
 pub const fn padded(len: usize) -> usize {
     (len + ALIGN - 1) & !(ALIGN - 1)
 }
@@ -81,8 +87,11 @@ const ZEROS: [u8; ALIGN] = [0; ALIGN];
 /// The CRC of a complete frame (`frame.len()` is the frame length): bytes 8.. then 0..4.
 ///
 /// One pass over contiguous memory plus four bytes: the same cost to write and to verify.
+///
+/// # Panics
+/// If `frame` is shorter than a frame header.
 pub fn frame_crc(frame: &[u8]) -> u32 {
-    debug_assert!(frame.len() >= HEADER_LEN);
+    assert!(frame.len() >= HEADER_LEN, "a frame of {} bytes has no whole header", frame.len());
     super::crc::crc32c_of_two(&frame[8..], &frame[0..4])
 }
 
@@ -187,6 +196,19 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+
+    /// A gap that saturated says nothing of what was durable (the real gap may be larger):
+    /// recovery must not take it as proof that an earlier record was durable.
+    #[test]
+    fn a_saturated_sync_gap_claims_nothing_durable() {
+        let header = |lsn, sync_gap| FrameHeader { len: 0, lsn, time_ms: 0, sync_gap };
+        assert_eq!(header(10, 3).synced_lsn_at_append(), 7);
+        assert_eq!(header(1 << 40, u32::MAX - 1).synced_lsn_at_append(), (1 << 40) - 0xffff_fffe);
+        assert_eq!(header(1 << 40, u32::MAX).synced_lsn_at_append(), 0);
+        let mut frame = Vec::new();
+        encode_into(&mut frame, b"x", 1 << 40, 0, 1).unwrap();
+        assert_eq!(parse(&frame).unwrap().0.synced_lsn_at_append(), 0, "the gap saturated");
+    }
 
     #[test]
     fn encode_then_parse_round_trips_every_length_up_to_64() {

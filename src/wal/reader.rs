@@ -18,8 +18,8 @@
 //! only while it holds the exclusive lock, taken without waiting (else it deletes the file as
 //! before), and renames it away from the segment's name before letting go.
 //!
-//! This module is one of the three allowed to use `unsafe` (STYLE.md): mapping a file, and
-//! re-deriving a reference to an archive that was validated when its guard was built.
+//! This module is one of the six allowed to use `unsafe` (STYLE.md names three): mapping a
+//! file, and re-deriving a reference to an archive that was validated when its guard was built.
 
 #![allow(unsafe_code)]
 

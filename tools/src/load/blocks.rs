@@ -18,9 +18,9 @@
 //! * `blocks/allocate`: on the recovered tracker, one durable allocation of all those blocks
 //!   to a batch (`messages` = blocks allocated).
 //!
-//! Every figure carries `bytes_per_event` (framed bytes in the WAL per event) and the Spark 4.3
-//! figures of ANCHORS.md as extra keys (`spark_*`), measured on the same machine class but not
-//! in this run, and never synced by Spark.
+//! Every figure carries `bytes_per_event` (framed bytes in the WAL per event); `blocks/add` and
+//! `blocks/recover` also carry the Spark 4.3 figures of ANCHORS.md as extra keys (`spark_*`),
+//! measured on the same machine class but not in this run, and never synced by Spark.
 //!
 //! The logs go to a fresh temporary directory (inside `--dir` if given), removed at the end:
 //! a run never replays what an earlier run logged.
