@@ -169,8 +169,10 @@ mod tests {
         let started = Instant::now();
         assert_eq!(ask(&counter), None, "no answer: no round trip timed");
         assert_eq!(counter.load(Ordering::Relaxed), STOP, "the asker always leaves STOP");
+        // Ends: at its deadline, not before; the upper bound is only "it ended" (a loaded
+        // machine may deschedule the spinning asker past its deadline for a while).
         let took = started.elapsed();
-        assert!(took >= PROBE_TIME_LIMIT && took < PROBE_TIME_LIMIT * 10, "took {took:?}");
+        assert!(took >= PROBE_TIME_LIMIT && took < Duration::from_secs(30), "took {took:?}");
     }
 
     #[test]
