@@ -1186,6 +1186,34 @@ fn append_after_garbage(dir: &Path, garbage: usize, frames: &[u8]) -> std::path:
     last.path.clone()
 }
 
+/// Damage in the last segment proven by a frame that is not the run's last: the last frame's
+/// sync gap saturated (it claims nothing durable), an earlier one was appended after the
+/// damaged record was durable. That is corruption, as it was when a saturated gap still
+/// claimed something (before, taking only the last frame as proof would have cut it as a torn
+/// tail).
+#[test]
+fn damage_proven_by_an_earlier_frame_than_a_saturated_last_one_is_corruption() {
+    let dir = tempfile::tempdir().unwrap();
+    closed_log(dir.path(), 3, 56);
+    let mut frames = Vec::new();
+    // LSN 4 is the damaged stretch. LSN 5 was appended once 4 was durable.
+    frame::encode_into(&mut frames, b"five", 5, 0, 4).unwrap();
+    // LSN 6, its gap saturated (u32::MAX: unknown), its checksum made to match.
+    let six_at = frames.len();
+    frame::encode_into(&mut frames, b"six", 6, 0, 5).unwrap();
+    frames[six_at + 24..six_at + 28].copy_from_slice(&u32::MAX.to_le_bytes());
+    let crc = frame::frame_crc(&frames[six_at..]);
+    frames[six_at + 4..six_at + 8].copy_from_slice(&crc.to_le_bytes());
+    assert_eq!(frame::parse(&frames[six_at..]).unwrap().0.synced_lsn_at_append(), 0);
+    append_after_garbage(dir.path(), 32, &frames);
+    match scan_dir(dir.path(), RecoveryMode::Strict) {
+        Err(WalError::Corruption { reason, .. }) => {
+            assert!(reason.contains("LSN 5 at offset"), "the proof is LSN 5: {reason}");
+        }
+        other => panic!("expected corruption, got {:?}", other.map(|scan| scan.report)),
+    }
+}
+
 /// A frame with a valid CRC but an LSN this log cannot have written there (crafted, or
 /// foreign bytes) after a damaged stretch: recovery does not take it as the log's next record.
 /// Before, tolerant recovery resumed at its LSN (`u64::MAX`: an overflow panic where overflow

@@ -173,9 +173,10 @@
 //! * A segment's header is durable before any record is written behind it.
 //! * Within the last segment, records written after the last completed sync may reach the disk
 //!   in any order. Each frame records `sync_gap` (its LSN minus the durable LSN when it was
-//!   appended). At a damaged frame expecting LSN `e`, a later valid frame whose
-//!   `lsn - sync_gap >= e` proves `e` was durable: that is corruption. Otherwise the damage is a
-//!   torn tail: it is cut off (the file is truncated there) and reported.
+//!   appended; `u32::MAX` when the gap did not fit, which proves nothing). At a damaged frame
+//!   expecting LSN `e`, a later valid frame whose `lsn - sync_gap >= e` proves `e` was durable:
+//!   that is corruption. Otherwise the damage is a torn tail: it is cut off (the file is
+//!   truncated there) and reported.
 //! * After a failed write or sync the log is failed for good (SPEC 0.6, redb's `PreviousIo`),
 //!   and its durable LSN never moves again. It also leaves a marker file,
 //!   [`UNSYNCED_MARKER`], naming that durable LSN (if it holds the directory's lock: another

@@ -378,35 +378,52 @@ fn claimed_checksum_bytes(candidate: &[u8]) -> u64 {
     frame::frame_len(payload).min(candidate.len()) as u64
 }
 
-/// The last frames of runs found so far in one segment, by the offset of a frame on the run:
-/// the run that follows a frame (each next one found by [`find_frame`] past the one before,
-/// with a higher LSN) depends only on that frame, so a later search that reaches a frame seen
-/// before stops there. Without it a damaged stretch at every other frame (tolerant recovery
-/// goes on after each) would walk the rest of the segment once per stretch.
-type LastFrames = HashMap<u64, FoundFrame>;
+/// The ends of runs found so far in one segment, by the offset of a frame on the run: the run
+/// that follows a frame (each next one found by [`find_frame`] past the one before, with a
+/// higher LSN) depends only on that frame, so a later search that reaches a frame seen before
+/// stops there. Without it a damaged stretch at every other frame (tolerant recovery goes on
+/// after each) would walk the rest of the segment once per stretch.
+type LastFrames = HashMap<u64, RunEnd>;
 
-/// The last frame of the run of frames that starts with `first`.
-fn last_frame(
+/// What the run of frames from a frame on shows.
+#[derive(Debug, Clone, Copy)]
+struct RunEnd {
+    /// Its frame with the largest synced LSN at append: the best proof that records before the
+    /// run were durable. The synced LSN a frame carries grows with its LSN, except where its
+    /// gap saturated (then it claims nothing), so this is the last frame but for those.
+    best_proof: FoundFrame,
+}
+
+/// What the run of frames that starts with `first` shows ([`RunEnd`]).
+fn run_end(
     bytes: &[u8],
     first: FoundFrame,
     known: &mut LastFrames,
     budget: &mut SearchBudget,
-) -> Result<FoundFrame, SearchBudgetSpent> {
+) -> Result<RunEnd, SearchBudgetSpent> {
     let mut walked = Vec::new();
-    let mut last = first;
+    let mut current = first;
     let end = loop {
-        if let Some(&end) = known.get(&last.0) {
+        if let Some(&end) = known.get(&current.0) {
             break end;
         }
-        walked.push(last.0);
-        let after = last.0 + last.1.frame_len();
-        match find_frame(bytes, after, after, last.1.lsn.saturating_add(1), budget)? {
-            Some(next) => last = next,
-            None => break last,
+        walked.push(current);
+        let after = current.0 + current.1.frame_len();
+        match find_frame(bytes, after, after, current.1.lsn.saturating_add(1), budget)? {
+            Some(next) => current = next,
+            None => break RunEnd { best_proof: current },
         }
     };
-    known.extend(walked.into_iter().map(|offset| (offset, end)));
-    Ok(end)
+    // From the end back: each walked frame's run ends as the later ones' does, and its best
+    // proof is the better of its own and theirs.
+    let mut best_proof = end.best_proof;
+    for frame in walked.into_iter().rev() {
+        if frame.1.synced_lsn_at_append() > best_proof.1.synced_lsn_at_append() {
+            best_proof = frame;
+        }
+        known.insert(frame.0, RunEnd { best_proof });
+    }
+    Ok(RunEnd { best_proof })
 }
 
 /// True if every byte of `bytes` is zero (word-wise, so the compiler vectorizes it).
@@ -508,8 +525,8 @@ impl Next {
 /// have written after it, and the proof that the records before it were lost to damage, not
 /// cut by a crash. In a sealed segment any later record proves damage. In the last one, a
 /// later record appended after LSN `expected` was durable does: the first one found may have
-/// been appended in the same group, before that sync, so the proof is the last record (the
-/// synced LSN a record carries only grows with its LSN).
+/// been appended in the same group, before that sync, so the proof is the run's frame with the
+/// largest synced LSN ([`RunEnd`]).
 fn search_past(
     region: &[u8],
     at: u64,
@@ -520,8 +537,8 @@ fn search_past(
 ) -> Result<(Option<FoundFrame>, Option<FoundFrame>), SearchBudgetSpent> {
     let later = find_frame(region, at, at + frame::ALIGN as u64, expected, budget)?;
     let proof = match later {
-        Some(first) if is_last => Some(last_frame(region, first, last_frames, budget)?)
-            .filter(|(_, last)| last.synced_lsn_at_append() >= expected),
+        Some(first) if is_last => Some(run_end(region, first, last_frames, budget)?.best_proof)
+            .filter(|(_, proof)| proof.synced_lsn_at_append() >= expected),
         _ => later,
     };
     Ok((later, proof))
