@@ -3,7 +3,8 @@
 //! * `queue/spsc`, `queue/mpsc_2p`: our `ShardedQueue` against `crossbeam_queue::ArrayQueue`,
 //!   `crossbeam_channel::bounded` and `std::sync::mpsc::sync_channel`, 16-byte messages, one
 //!   consumer thread draining, producers pushing `MESSAGES` in total.
-//! * `bus/send`, `bus/send_batch`: through a registered endpoint (dispatch included).
+//! * `bus/send`: through a registered endpoint (dispatch included), one by one and in batches
+//!   (`coordbus_endpoint/{64,256}`).
 //! * `bus/ask`: one synchronous request-reply round trip against an endpoint that busy-polls,
 //!   and a sliding window of 64 asks in flight (per ask); baseline: crossbeam channels with a
 //!   fresh bounded(1) reply channel per request.
@@ -119,10 +120,16 @@ impl Contender for StdChannel {
     }
 }
 
-/// Time for `producers` threads to push `MESSAGES` in total through `queue` to one consumer.
-fn run_contender<Q: Contender>(queue: &Arc<Q>, producers: u64, iterations: u64) -> Duration {
+/// Time for `producers` threads to push `MESSAGES` in total through a queue (`make()`, called
+/// once per iteration, before the timed part) to one consumer.
+fn run_contender<Q: Contender>(
+    make: impl Fn() -> Arc<Q>,
+    producers: u64,
+    iterations: u64,
+) -> Duration {
     let mut total = Duration::ZERO;
     for _ in 0..iterations {
+        let queue = &make();
         let start = Arc::new(Barrier::new(producers as usize + 2));
         let consumer = {
             let (queue, start) = (Arc::clone(queue), Arc::clone(&start));
@@ -157,28 +164,35 @@ fn queue_groups(criterion: &mut Criterion) {
             if producers == 1 { "queue/spsc".to_owned() } else { "queue/mpsc_2p".to_owned() };
         let mut group = criterion.benchmark_group(name);
         group.throughput(Throughput::Elements(MESSAGES)).sample_size(10);
-        // A fresh queue per measurement (a queue has one consumer for life); each producer
-        // thread gets its own lane.
+        // A fresh queue per iteration, made before the timed part (a queue hands out its one
+        // consumer once); each producer thread gets its own lane.
         group.bench_function("coordbus_sharded", |bench| {
             bench.iter_custom(|iterations| {
-                let ours =
-                    Arc::new(ShardedQueue::<Message>::new(producers as usize, CAPACITY).unwrap());
-                run_contender(&ours, producers, iterations)
+                let make = || {
+                    Arc::new(ShardedQueue::<Message>::new(producers as usize, CAPACITY).unwrap())
+                };
+                run_contender(make, producers, iterations)
             })
         });
         let array = Arc::new(ArrayQueue::<Message>::new(CAPACITY));
         group.bench_function("crossbeam_array_queue", |bench| {
-            bench.iter_custom(|iterations| run_contender(&array, producers, iterations))
+            bench.iter_custom(|iterations| {
+                run_contender(|| Arc::clone(&array), producers, iterations)
+            })
         });
         let (sender, receiver) = crossbeam_channel::bounded(CAPACITY);
         let channel = Arc::new(CrossbeamChannel(sender, receiver));
         group.bench_function("crossbeam_channel", |bench| {
-            bench.iter_custom(|iterations| run_contender(&channel, producers, iterations))
+            bench.iter_custom(|iterations| {
+                run_contender(|| Arc::clone(&channel), producers, iterations)
+            })
         });
         let (sender, receiver) = std::sync::mpsc::sync_channel(CAPACITY);
         let std_channel = Arc::new(StdChannel(sender, std::sync::Mutex::new(receiver)));
         group.bench_function("std_mpsc_sync_channel", |bench| {
-            bench.iter_custom(|iterations| run_contender(&std_channel, producers, iterations))
+            bench.iter_custom(|iterations| {
+                run_contender(|| Arc::clone(&std_channel), producers, iterations)
+            })
         });
         group.finish();
     }
@@ -257,7 +271,7 @@ fn bus_groups(criterion: &mut Criterion) {
     let (sender, receiver) = crossbeam_channel::bounded(CAPACITY);
     let channel = Arc::new(CrossbeamChannel(sender, receiver));
     group.bench_function("crossbeam_channel", |bench| {
-        bench.iter_custom(|iterations| run_contender(&channel, 1, iterations))
+        bench.iter_custom(|iterations| run_contender(|| Arc::clone(&channel), 1, iterations))
     });
     group.finish();
 
