@@ -82,6 +82,9 @@ impl StorageFile for PanickingFile {
     }
 }
 
+/// How the system names `EIO` in an error's text.
+const EIO: &str = "os error 5";
+
 const THREADS: u64 = 4;
 const RECORDS_PER_THREAD: u64 = 400;
 
@@ -154,7 +157,7 @@ fn panicking_hook_fails_the_log_with_eio(hook: Hook) {
     assert!(!errors.is_empty(), "{hook:?}: the log did not fail");
     for error in &errors {
         assert!(
-            matches!(error.root_cause(), WalError::Io { message, .. } if message.contains("os error 5")),
+            matches!(error.root_cause(), WalError::Io { message, .. } if message.contains(EIO)),
             "{hook:?}: expected the failure as EIO, got {error:?}"
         );
     }

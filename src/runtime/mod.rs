@@ -149,8 +149,8 @@ impl Bus {
     /// registration overlapping a shutdown either fails so, or returns an endpoint that the
     /// shutdown stops and joins); [`BusError::Spawn`] if the thread cannot be started (the
     /// endpoint is stopped, and an ask that reached its name meanwhile fails at once with
-    /// [`AskError::NoReply`](crate::AskError::NoReply)); [`BusError::InboxTooLarge`] if the inbox's slots for `E`'s messages would take more
-    /// than 8 GiB.
+    /// [`AskError::NoReply`](crate::AskError::NoReply)); [`BusError::InboxTooLarge`] if the
+    /// inbox's slots for `E`'s messages would take more than 8 GiB.
     pub fn register<E: Endpoint>(
         &self,
         name: impl Into<String>,

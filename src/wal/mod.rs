@@ -2198,15 +2198,16 @@ impl Wal {
 
     /// The record at `handle` as raw payload bytes, checked (frame CRC, length) and borrowed
     /// from the memory map. If the record is appended but not yet written, waits until the sync
-    /// thread has written it (at most 60 s past the group-commit delay). A handle this log never returned (stale, or of
-    /// another log) does not wait for appends: past what was appended to the active segment,
-    /// past where appends to an earlier segment ended, or past the end of a sealed one, it
-    /// fails at once.
+    /// thread has written it (at most 60 s past the group-commit delay). A handle this log
+    /// never returned (stale, or of another log) does not wait for appends: past what was
+    /// appended to the active segment, past where appends to an earlier segment ended, or past
+    /// the end of a sealed one, it fails at once.
     ///
     /// # Errors
     /// [`WalError::NotFound`] (cleaned, never appended, past the end, or not written within
-    /// 60 s past the group-commit delay), [`WalError::LengthMismatch`] naming both lengths, [`WalError::Corruption`] if
-    /// the bytes on disk are damaged, [`WalError::Failed`] if the log fails while it waits.
+    /// 60 s past the group-commit delay), [`WalError::LengthMismatch`] naming both lengths,
+    /// [`WalError::Corruption`] if the bytes on disk are damaged, [`WalError::Failed`] if the
+    /// log fails while it waits.
     pub fn read_bytes(&self, handle: RecordHandle) -> Result<RecordBytes, WalError> {
         reader::read_bytes(&self.shared, handle)
     }

@@ -296,7 +296,7 @@ fn list_spares(dir: &Path) -> Result<Vec<PathBuf>, WalError> {
 /// Bytes a scan of one segment may checksum while it searches for frames past damage or a
 /// torn tail ([`find_frame`]), per byte of the segment. A segment this crate wrote needs about
 /// one pass per search: a candidate is checksummed only if it claims an LSN this log can have
-/// written there, and each frame of a run is found once ([`LastFrames`]). A segment of forged
+/// written there, and each frame of a run is found once ([`BestProofs`]). A segment of forged
 /// headers that all claim such an LSN and a long payload would otherwise cost time quadratic
 /// in its size (hours for one of 64 MiB).
 const SEARCH_CHECKSUM_BYTES_PER_BYTE: u64 = 4;
@@ -378,52 +378,45 @@ fn claimed_checksum_bytes(candidate: &[u8]) -> u64 {
     frame::frame_len(payload).min(candidate.len()) as u64
 }
 
-/// The ends of runs found so far in one segment, by the offset of a frame on the run: the run
-/// that follows a frame (each next one found by [`find_frame`] past the one before, with a
-/// higher LSN) depends only on that frame, so a later search that reaches a frame seen before
-/// stops there. Without it a damaged stretch at every other frame (tolerant recovery goes on
-/// after each) would walk the rest of the segment once per stretch.
-type LastFrames = HashMap<u64, RunEnd>;
+/// The best proofs of runs found so far in one segment, by the offset of a frame on the run
+/// ([`best_proof`]): the run that follows a frame (each next one found by [`find_frame`] past
+/// the one before, with a higher LSN) depends only on that frame, so a later search that
+/// reaches a frame seen before stops there. Without it a damaged stretch at every other frame
+/// (tolerant recovery goes on after each) would walk the rest of the segment once per stretch.
+type BestProofs = HashMap<u64, FoundFrame>;
 
-/// What the run of frames from a frame on shows.
-#[derive(Debug, Clone, Copy)]
-struct RunEnd {
-    /// Its frame with the largest synced LSN at append: the best proof that records before the
-    /// run were durable. The synced LSN a frame carries grows with its LSN, except where its
-    /// gap saturated (then it claims nothing), so this is the last frame but for those.
-    best_proof: FoundFrame,
-}
-
-/// What the run of frames that starts with `first` shows ([`RunEnd`]).
-fn run_end(
+/// The frame of the run that starts with `first` with the largest synced LSN at append: the
+/// best proof that records before the run were durable. The synced LSN a frame carries grows
+/// with its LSN, except where its gap saturated (then it claims nothing), so this is the run's
+/// last frame but for those.
+fn best_proof(
     bytes: &[u8],
     first: FoundFrame,
-    known: &mut LastFrames,
+    known: &mut BestProofs,
     budget: &mut SearchBudget,
-) -> Result<RunEnd, SearchBudgetSpent> {
+) -> Result<FoundFrame, SearchBudgetSpent> {
     let mut walked = Vec::new();
     let mut current = first;
-    let end = loop {
-        if let Some(&end) = known.get(&current.0) {
-            break end;
+    let mut best = loop {
+        if let Some(&best) = known.get(&current.0) {
+            break best;
         }
         walked.push(current);
         let after = current.0 + current.1.frame_len();
         match find_frame(bytes, after, after, current.1.lsn.saturating_add(1), budget)? {
             Some(next) => current = next,
-            None => break RunEnd { best_proof: current },
+            None => break current,
         }
     };
-    // From the end back: each walked frame's run ends as the later ones' does, and its best
-    // proof is the better of its own and theirs.
-    let mut best_proof = end.best_proof;
+    // From the end back: each walked frame's best proof is the better of its own and the
+    // later frames'.
     for frame in walked.into_iter().rev() {
-        if frame.1.synced_lsn_at_append() > best_proof.1.synced_lsn_at_append() {
-            best_proof = frame;
+        if frame.1.synced_lsn_at_append() > best.1.synced_lsn_at_append() {
+            best = frame;
         }
-        known.insert(frame.0, RunEnd { best_proof });
+        known.insert(frame.0, best);
     }
-    Ok(RunEnd { best_proof })
+    Ok(best)
 }
 
 /// True if every byte of `bytes` is zero (word-wise, so the compiler vectorizes it).
@@ -526,18 +519,18 @@ impl Next {
 /// cut by a crash. In a sealed segment any later record proves damage. In the last one, a
 /// later record appended after LSN `expected` was durable does: the first one found may have
 /// been appended in the same group, before that sync, so the proof is the run's frame with the
-/// largest synced LSN ([`RunEnd`]).
+/// largest synced LSN ([`best_proof`]).
 fn search_past(
     region: &[u8],
     at: u64,
     expected: u64,
     is_last: bool,
     budget: &mut SearchBudget,
-    last_frames: &mut LastFrames,
+    best_proofs: &mut BestProofs,
 ) -> Result<(Option<FoundFrame>, Option<FoundFrame>), SearchBudgetSpent> {
     let later = find_frame(region, at, at + frame::ALIGN as u64, expected, budget)?;
     let proof = match later {
-        Some(first) if is_last => Some(run_end(region, first, last_frames, budget)?.best_proof)
+        Some(first) if is_last => Some(best_proof(region, first, best_proofs, budget)?)
             .filter(|(_, proof)| proof.synced_lsn_at_append() >= expected),
         _ => later,
     };
@@ -699,7 +692,7 @@ fn scan_segment(
     let mut ranges = Vec::new();
     let mut max_time = i64::MIN;
     let mut min_time = i64::MAX;
-    let mut last_frames = LastFrames::new();
+    let mut best_proofs = BestProofs::new();
     let mut budget = SearchBudget::for_segment(len);
     loop {
         let rest = &bytes[at as usize..];
@@ -741,7 +734,7 @@ fn scan_segment(
         let search_end = (garbage_end as usize).next_multiple_of(frame::ALIGN).min(bytes.len());
         let region = &bytes[..search_end];
         let searched = if garbage_end > at {
-            search_past(region, at, expected, is_last, &mut budget, &mut last_frames)
+            search_past(region, at, expected, is_last, &mut budget, &mut best_proofs)
         } else {
             Ok((None, None))
         };

@@ -740,12 +740,13 @@ fn recover(wal: &Wal) -> Result<Recovered, EpochError> {
     // only an epoch it logged offsets for, and no later run logs a committed epoch. Another
     // run's offsets here mean the committing run's record is gone (a damaged record skipped
     // by a tolerant open), and resuming from them could skip or repeat data.
-    let Some(winner) = offsets.get(&last).filter(|winner| winner.run == committing_run) else {
-        if let Some(winner) = offsets.get(&last) {
+    let found = offsets.get(&last);
+    let Some(winner) = found.filter(|winner| winner.run == committing_run) else {
+        if let Some(other) = found {
             tracing::warn!(
                 epoch = last,
                 committing_run,
-                offsets_run = winner.run,
+                offsets_run = other.run,
                 "the last committed epoch's offsets were logged by another run"
             );
         }

@@ -480,7 +480,10 @@ fn ended_before_acknowledging(
         counts.note(iteration, format!("the child could not open the directory: {stderr}"));
         return Ok(None);
     }
-    bail!("iteration {iteration}: the child ended ({status}) before acknowledging anything; its stderr: {stderr}")
+    bail!(
+        "iteration {iteration}: the child ended ({status}) before acknowledging anything; its \
+         stderr: {stderr}"
+    )
 }
 
 /// One child run and its check. Returns the recovery time of the check.

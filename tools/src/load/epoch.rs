@@ -571,9 +571,9 @@ fn validate(args: &EpochArgs) -> anyhow::Result<()> {
     if args.producers > 1 && (args.backlog_limit as u64) < window_backlog {
         bail!(
             "--backlog-limit {} is too small for --partitions {} with --producers {} and a window \
-             of {} epochs (at most the run's): a producer running ahead can leave up to {window_backlog} entries \
-             waiting (the window plus one epoch of every partition); raise the limit, or lower \
-             --window or --producers",
+             of {} epochs (at most the run's): a producer running ahead can leave up to \
+             {window_backlog} entries waiting (the window plus one epoch of every partition); \
+             raise the limit, or lower --window or --producers",
             args.backlog_limit,
             args.partitions,
             args.producers,
