@@ -174,3 +174,40 @@ fn a_retention_too_large_for_an_epoch_count_keeps_every_epoch() {
         assert!(matches!(query.restart_point(), Ok(Some((Epoch(2), _)))), "{retained}");
     }
 }
+
+/// SPEC B.10: the offsets a stopped run recorded for an epoch it did not commit are ignored on
+/// restart. Before, the first record won across runs too, so the restart point after the
+/// restarted run committed that epoch named the stopped run's offsets, not the ones the commit
+/// stood for (data skipped or repeated on the next restart).
+#[test]
+fn a_restarted_run_replaces_the_offsets_a_stopped_run_recorded_for_an_epoch_it_did_not_commit() {
+    let query = MemoryQuery::default();
+    let offsets = |value: i64| vec![(PartitionId(0), Payload::from(value))];
+    let mut stopped_run = query.clone();
+    stopped_run.add_offsets(Epoch(0), &offsets(10)).unwrap();
+    stopped_run.commit(Epoch(0)).unwrap();
+    // Epoch 1 reached its offsets but not its commit when the run stopped.
+    stopped_run.add_offsets(Epoch(1), &offsets(70)).unwrap();
+    drop(stopped_run);
+
+    let mut restarted_run = query.clone();
+    restarted_run.add_offsets(Epoch(1), &offsets(11)).unwrap();
+    // Within one run the first record still wins.
+    restarted_run.add_offsets(Epoch(1), &offsets(12)).unwrap();
+    restarted_run.commit(Epoch(1)).unwrap();
+    assert_eq!(query.restart_point().unwrap(), Some((Epoch(1), offsets(11))));
+}
+
+#[test]
+fn a_coordinator_cannot_start_below_the_first_epoch_the_memory_query_did_not_commit() {
+    let mut query = MemoryQuery::default();
+    assert_eq!(query.first_uncommitted_epoch(), Some(Epoch(0)));
+    query.add_offsets(Epoch(4), &[(PartitionId(0), Payload::from(4))]).unwrap();
+    query.commit(Epoch(4)).unwrap();
+    assert_eq!(query.first_uncommitted_epoch(), Some(Epoch(5)));
+    let (_, sink, _) = recorders();
+    let error = EpochEndpoint::new(EpochConfig::new(3), query.clone(), sink.clone()).unwrap_err();
+    assert!(error.to_string().contains("start_epoch"), "{error}");
+    assert!(error.to_string().contains("committed up to 4"), "{error}");
+    EpochEndpoint::new(EpochConfig::new(5), query.clone(), sink).unwrap();
+}

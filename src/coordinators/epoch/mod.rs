@@ -259,17 +259,38 @@ impl<T: Sink + ?Sized> Sink for Box<T> {
 /// default 100), and the first stop error is kept. Clones share one state, so an engine or a test
 /// can read it while the endpoint owns the query. [`DurableQuery`] keeps the same records on
 /// disk.
-#[derive(Debug, Clone)]
+///
+/// **Each clone is a run of its own**, as each opening of a [`DurableQuery`] is: hand a new
+/// clone to each coordinator (a restarted one starts after [`MemoryQuery::restart_point`]).
+/// Within a run the first offsets record of an epoch wins; a later run's record replaces one an
+/// earlier run made (SPEC B.10: offsets logged for epochs after the last commit are ignored on
+/// restart, and the restarted run's own offsets are what its commit of that epoch stands for).
+#[derive(Debug)]
 pub struct MemoryQuery {
     state: std::sync::Arc<std::sync::Mutex<MemoryQueryState>>,
+    /// This clone's run: later clones have larger numbers.
+    run: u64,
 }
 
 #[derive(Debug)]
 struct MemoryQueryState {
-    offsets: std::collections::BTreeMap<Epoch, Vec<(PartitionId, Payload)>>,
+    /// Each epoch's offsets, with the run that recorded them.
+    offsets: std::collections::BTreeMap<Epoch, (u64, Vec<(PartitionId, Payload)>)>,
     last_committed: Option<Epoch>,
     stop_error: Option<EpochError>,
     retained_epochs: usize,
+    /// The run number of the next clone.
+    next_run: u64,
+}
+
+impl Clone for MemoryQuery {
+    /// Another handle on the same state, as a new run (type doc).
+    fn clone(&self) -> Self {
+        let mut state = self.state();
+        let run = state.next_run;
+        state.next_run += 1;
+        Self { state: std::sync::Arc::clone(&self.state), run }
+    }
 }
 
 impl Default for MemoryQuery {
@@ -295,7 +316,9 @@ impl MemoryQuery {
                 last_committed: None,
                 stop_error: None,
                 retained_epochs: clamp_retained_epochs(retained_epochs),
+                next_run: 1,
             })),
+            run: 0,
         }
     }
 
@@ -309,9 +332,9 @@ impl MemoryQuery {
         self.state().last_committed
     }
 
-    /// The offsets recorded for `epoch` (the first record), if still retained.
+    /// The offsets recorded for `epoch` (the winning record: type doc), if still retained.
     pub fn offsets(&self, epoch: Epoch) -> Option<Vec<(PartitionId, Payload)>> {
-        self.state().offsets.get(&epoch).cloned()
+        self.state().offsets.get(&epoch).map(|(_, offsets)| offsets.clone())
     }
 
     /// The first error the query was stopped with, as text, with its causes (an overflow's
@@ -338,7 +361,7 @@ impl MemoryQuery {
         state
             .offsets
             .get(&epoch)
-            .map(|offsets| Some((epoch, offsets.clone())))
+            .map(|(_, offsets)| Some((epoch, offsets.clone())))
             .ok_or(EpochError::CommittedWithoutOffsets { epoch })
     }
 }
@@ -349,7 +372,19 @@ impl Query for MemoryQuery {
         epoch: Epoch,
         offsets: &[(PartitionId, Payload)],
     ) -> Result<(), CollaboratorError> {
-        self.state().offsets.entry(epoch).or_insert_with(|| offsets.to_vec());
+        let mut state = self.state();
+        match state.offsets.entry(epoch) {
+            std::collections::btree_map::Entry::Vacant(vacant) => {
+                vacant.insert((self.run, offsets.to_vec()));
+            }
+            // An earlier run's record of an epoch it did not commit: this run's replaces it.
+            std::collections::btree_map::Entry::Occupied(mut occupied)
+                if occupied.get().0 < self.run =>
+            {
+                occupied.insert((self.run, offsets.to_vec()));
+            }
+            std::collections::btree_map::Entry::Occupied(_) => {}
+        }
         Ok(())
     }
 
@@ -363,6 +398,12 @@ impl Query for MemoryQuery {
         let keep_from = Epoch(epoch.0.saturating_sub(state.retained_epochs as i64 - 1));
         state.offsets = state.offsets.split_off(&keep_from);
         Ok(())
+    }
+
+    /// The epoch after the last one committed (0 when none was).
+    fn first_uncommitted_epoch(&self) -> Option<Epoch> {
+        let last = self.state().last_committed;
+        Some(last.map_or(Epoch(0), |last| Epoch(last.0.saturating_add(1))))
     }
 
     fn stop(&mut self, error: EpochError) {
