@@ -77,8 +77,8 @@ impl BlockLog for RecordingLog {
     ) -> Result<u64, BlockTrackerError> {
         self.inner.replay(last, apply)
     }
-    fn clean(&self, threshold_ms: i64, wait: bool) -> Result<(), WalError> {
-        self.inner.clean(threshold_ms, wait)
+    fn clean(&self, threshold_ms: i64, keep_from: Option<Lsn>, wait: bool) -> Result<(), WalError> {
+        self.inner.clean(threshold_ms, keep_from, wait)
     }
     fn close(&self) -> Result<(), WalError> {
         self.inner.close()
@@ -176,8 +176,8 @@ impl BlockLog for StalledLog {
         }
         self.inner.replay(last, apply)
     }
-    fn clean(&self, threshold_ms: i64, wait: bool) -> Result<(), WalError> {
-        self.inner.clean(threshold_ms, wait)
+    fn clean(&self, threshold_ms: i64, keep_from: Option<Lsn>, wait: bool) -> Result<(), WalError> {
+        self.inner.clean(threshold_ms, keep_from, wait)
     }
     fn close(&self) -> Result<(), WalError> {
         self.inner.close()

@@ -282,8 +282,8 @@ impl BlockLog for FailingLog {
     ) -> Result<u64, BlockTrackerError> {
         self.inner.replay(last, apply)
     }
-    fn clean(&self, threshold_ms: i64, wait: bool) -> Result<(), WalError> {
-        self.inner.clean(threshold_ms, wait)
+    fn clean(&self, threshold_ms: i64, keep_from: Option<Lsn>, wait: bool) -> Result<(), WalError> {
+        self.inner.clean(threshold_ms, keep_from, wait)
     }
     fn close(&self) -> Result<(), WalError> {
         self.inner.close()
@@ -662,6 +662,43 @@ fn an_allocation_too_large_for_one_record_takes_what_fits_and_the_rest_follows()
         assert_eq!(recovered.blocks_of_batch_and_stream(BatchTime(time), STREAM), batch);
     }
     assert!(!recovered.has_unallocated_blocks());
+}
+
+/// A cleanup keeps the journal files holding additions of blocks still queued: a split
+/// allocation leaves blocks queued for later batches, and their addition records are their only
+/// trace in the journal until an allocation lists them. Before, the cleanup deleted those files
+/// by time alone, and a tracker recovered after it had lost acknowledged blocks.
+#[test]
+fn a_cleanup_keeps_the_additions_of_blocks_still_queued_after_a_split_allocation() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(0));
+    // 64 KiB segments rolling every second: the additions at time 0 fill segments whose
+    // window ends at 1000, all below the cleanup's threshold.
+    let mut config = config(Some(dir.path()), Duration::from_secs(1));
+    config.wal.segment_size_bytes = 64 << 10;
+    let infos: Vec<ReceivedBlockInfo> =
+        (0..1000u64).map(|unique_id| with_metadata(STREAM, unique_id, Some(1), 200)).collect();
+    let mut tracker = ReceivedBlockTracker::open(config.clone(), clock.clone()).unwrap();
+    for info in &infos {
+        assert!(tracker.add_block(info.clone()));
+    }
+    let addition_segments = log_files(dir.path()).len();
+    assert!(addition_segments > 2, "the additions span {addition_segments} segments");
+    clock.set_ms(10_000);
+    tracker.allocate_blocks_to_batch(BatchTime(5_000)).unwrap();
+    let allocated = tracker.blocks_of_batch_and_stream(BatchTime(5_000), STREAM).len();
+    assert!(allocated > 0 && allocated < 1000, "a split allocation took {allocated}");
+    // Forgets batch 5000 (its blocks are done) and deletes old files, but not the additions
+    // of the blocks still queued.
+    tracker.cleanup_old_batches(BatchTime(9_000), true).unwrap();
+    let queued = tracker.unallocated_blocks(STREAM);
+    assert_eq!(queued, infos[allocated..]);
+    tracker.stop().unwrap();
+    drop(tracker);
+
+    let recovered = ReceivedBlockTracker::open(config.recover(true), clock).unwrap();
+    assert_eq!(recovered.unallocated_blocks(STREAM), queued, "acknowledged blocks lost");
+    assert!(recovered.allocated_batch_times().is_empty(), "batch 5000 was cleaned");
 }
 
 /// Three streams, each with one block whose metadata fills more than half a log record

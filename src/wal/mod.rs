@@ -2267,13 +2267,32 @@ impl Wal {
     /// # Errors
     /// As [`Wal::clean`].
     pub fn clean_below_lsn(&self, lsn: Lsn, wait: bool) -> Result<CleanReport, WalError> {
-        let report = self.clean_where(wait, |segment| {
-            let last = segment.last_lsn.load(Ordering::Acquire);
-            // An empty segment holds nothing at or above any LSN past its start.
-            let last = if last == 0 { segment.header.first_lsn.saturating_sub(1) } else { last };
-            last < lsn.0
-        })?;
+        let report = self.clean_where(wait, |segment| segment.holds_only_below(lsn))?;
         tracing::debug!(lsn = lsn.0, deleted = report.deleted.len(), "cleaned WAL segments");
+        Ok(report)
+    }
+
+    /// [`Wal::clean`] that also keeps every segment holding a record at or above `keep_from`:
+    /// for callers whose records from `keep_from` on are still needed whatever their time
+    /// (a tracker's additions of blocks it has not allocated yet). Same rules otherwise.
+    ///
+    /// # Errors
+    /// As [`Wal::clean`].
+    pub fn clean_keeping_from(
+        &self,
+        threshold_ms: i64,
+        keep_from: Lsn,
+        wait: bool,
+    ) -> Result<CleanReport, WalError> {
+        let report = self.clean_where(wait, |segment| {
+            segment.end_time_ms() < threshold_ms && segment.holds_only_below(keep_from)
+        })?;
+        tracing::debug!(
+            threshold_ms,
+            keep_from = keep_from.0,
+            deleted = report.deleted.len(),
+            "cleaned WAL segments"
+        );
         Ok(report)
     }
 

@@ -17,7 +17,10 @@ use std::{
     },
 };
 
-use crate::{error::WalError, wal::SegmentId};
+use crate::{
+    error::WalError,
+    wal::{Lsn, SegmentId},
+};
 
 /// Bytes of the segment header; records start right after it.
 pub const HEADER_LEN: u64 = 64;
@@ -232,6 +235,14 @@ impl Segment {
             Some(window) => window.stop_ms,
             None => self.max_time_ms.load(Ordering::Acquire),
         }
+    }
+
+    /// Whether every record the segment holds has an LSN below `lsn`.
+    pub fn holds_only_below(&self, lsn: Lsn) -> bool {
+        let last = self.last_lsn.load(Ordering::Acquire);
+        // An empty segment holds nothing at or above any LSN past its start.
+        let last = if last == 0 { self.header.first_lsn.saturating_sub(1) } else { last };
+        last < lsn.0
     }
 }
 

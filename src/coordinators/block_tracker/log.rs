@@ -86,11 +86,13 @@ pub trait BlockLog: Send + Sync + 'static {
         apply: &mut dyn FnMut(Lsn, TrackerEvent),
     ) -> Result<u64, BlockTrackerError>;
 
-    /// Deletes log files whose end time is strictly below `threshold_ms` (SPEC E.4).
+    /// Deletes log files whose end time is strictly below `threshold_ms` (SPEC E.4), keeping
+    /// every file that holds a record at or above `keep_from` (the addition of a block not
+    /// allocated yet), if given.
     ///
     /// # Errors
     /// The log's error.
-    fn clean(&self, threshold_ms: i64, wait: bool) -> Result<(), WalError>;
+    fn clean(&self, threshold_ms: i64, keep_from: Option<Lsn>, wait: bool) -> Result<(), WalError>;
 
     /// Writes and syncs what was appended and stops accepting writes. Idempotent.
     ///
@@ -255,8 +257,12 @@ impl BlockLog for WalBlockLog {
         Ok(count)
     }
 
-    fn clean(&self, threshold_ms: i64, wait: bool) -> Result<(), WalError> {
-        self.wal.clean(threshold_ms, wait).map(|_| ())
+    fn clean(&self, threshold_ms: i64, keep_from: Option<Lsn>, wait: bool) -> Result<(), WalError> {
+        match keep_from {
+            Some(keep_from) => self.wal.clean_keeping_from(threshold_ms, keep_from, wait),
+            None => self.wal.clean(threshold_ms, wait),
+        }
+        .map(|_| ())
     }
 
     /// Waits at most [`WAL_CLOSE_TIMEOUT`] for the WAL to write, sync and close (a stuck

@@ -1160,10 +1160,12 @@ impl ReceivedBlockTracker {
     /// `threshold` (with `wait`, durably before returning). If the write fails nothing is
     /// removed and no file is deleted.
     ///
-    /// As in Spark, the files go whatever they hold: blocks added before `threshold` and still
-    /// unallocated (a stream missing from the configured ids, or allocations that kept failing)
-    /// stay queued in this tracker, but their additions leave the journal, so a tracker
-    /// recovered after this does not have them.
+    /// A file holding the addition of a block still queued for a configured stream stays until
+    /// that block is allocated ([`Self::clean_log`]): allocations too large for one record take
+    /// part of the queue, so such blocks can wait past a cleanup. As in Spark, the files go
+    /// whatever else they hold: blocks of a stream missing from the configured ids (never
+    /// allocated) stay queued in this tracker, but their additions leave the journal, so a
+    /// tracker recovered after this does not have them.
     ///
     /// # Errors
     /// [`BlockTrackerError::ThresholdNotInPast`] unless `threshold` is before the clock's
@@ -1219,15 +1221,27 @@ impl ReceivedBlockTracker {
         Ok(outcome)
     }
 
-    /// Deletes WAL files whose end time is strictly below `threshold` (nothing without a WAL).
+    /// Deletes WAL files whose end time is strictly below `threshold` (nothing without a WAL),
+    /// except those from the oldest addition of a block still queued for a configured stream
+    /// on: that record is the block's only trace in the journal until its allocation record
+    /// lists it (acknowledged blocks must survive a crash).
     ///
     /// # Errors
     /// [`BlockTrackerError::Wal`] from the log.
     pub fn clean_log(&self, threshold: BatchTime, wait: bool) -> Result<(), BlockTrackerError> {
         if let Some(log) = &self.log {
-            log.clean(threshold.0, wait)?;
+            log.clean(threshold.0, self.oldest_queued_addition(), wait)?;
         }
         Ok(())
+    }
+
+    /// The LSN of the oldest addition record of a block queued for a configured stream.
+    fn oldest_queued_addition(&self) -> Option<Lsn> {
+        self.stream_ids
+            .iter()
+            .filter_map(|stream| self.unallocated.get(stream))
+            .filter_map(StreamQueue::oldest_lsn)
+            .min()
     }
 
     /// The blocks allocated to batch `time` (empty if none).

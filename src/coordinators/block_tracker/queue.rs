@@ -58,6 +58,14 @@ impl StreamQueue {
         self.len == 0
     }
 
+    /// The smallest LSN of a record with blocks queued here (without sorting the queue).
+    pub(super) fn oldest_lsn(&self) -> Option<Lsn> {
+        if self.sorted {
+            return self.chunks.front().map(|chunk| chunk.lsn);
+        }
+        self.chunks.iter().map(|chunk| chunk.lsn).min()
+    }
+
     /// The LSN of the oldest block queued (in log order).
     pub(super) fn oldest(&mut self) -> Option<Lsn> {
         self.sort();
