@@ -261,6 +261,9 @@ pub struct BlocksChecker {
     cleaned: HashSet<i64>,
     /// The highest acknowledged cleanup threshold.
     cleanup_acked: Option<i64>,
+    /// The highest cleanup threshold a child announced (`c`, before asking): a cleanup event
+    /// may name only batch times below it.
+    cleanup_announced: Option<i64>,
 }
 
 impl BlocksChecker {
@@ -274,6 +277,7 @@ impl BlocksChecker {
             last_processed: None,
             cleaned: HashSet::new(),
             cleanup_acked: None,
+            cleanup_announced: None,
         }
     }
 
@@ -361,6 +365,12 @@ impl Checker for BlocksChecker {
                     processed_this_run.insert(time, ids);
                     batches_this_run += 1;
                 }
+                Some("c") => {
+                    let Some(Ok(threshold)) = words.next().map(str::parse::<i64>) else {
+                        continue;
+                    };
+                    self.cleanup_announced = self.cleanup_announced.max(Some(threshold));
+                }
                 Some("C") => {
                     let Some(Ok(threshold)) = words.next().map(str::parse::<i64>) else {
                         continue;
@@ -389,6 +399,19 @@ impl Checker for BlocksChecker {
         tracker.stop().context("closing the recovered tracker")?;
         drop(tracker);
         self.read_cleanups().context("reading the journal's cleanup events")?;
+        // The journal's own word excuses only what a cleanup was asked to remove: a tracker that
+        // removed (and logged) later batches too must not have their blocks excused.
+        let asked_below = self.cleanup_announced.unwrap_or(i64::MIN);
+        let overreach: Vec<i64> =
+            self.cleaned.iter().copied().filter(|time| *time >= asked_below).collect();
+        for time in overreach {
+            self.cleaned.remove(&time);
+            counts.corrupt_accepted += 1;
+            counts.note(
+                iteration,
+                format!("the journal cleaned batch {time}, not below any cleanup asked for"),
+            );
+        }
         // Blocks of batches a durable cleanup removed: processed, then rightly forgotten.
         let mut cleaned_blocks: HashMap<u64, i64> = HashMap::new();
         for (time, ids) in &self.known {
@@ -438,8 +461,10 @@ impl Checker for BlocksChecker {
                 counts.note(iteration, format!("block {}/{} lost", id / ID_STRIDE, id % ID_STRIDE));
             }
         }
-        // Processed batches stay allocated with the same blocks, unless durably cleaned.
-        for (time, ids) in &processed_this_run {
+        // Every batch processed or recovered so far, in any run, stays allocated with the same
+        // blocks unless durably cleaned (a later recovery that lost an earlier run's batch would
+        // let its blocks be allocated and processed again).
+        for (time, ids) in &self.known {
             match snapshot.batches.get(time) {
                 Some(recovered) if recovered == ids => {}
                 Some(recovered) => {
@@ -454,7 +479,12 @@ impl Checker for BlocksChecker {
                 None if self.cleaned.contains(time) => {}
                 None => {
                     counts.lost += 1;
-                    counts.note(iteration, format!("processed batch {time} lost"));
+                    let when = if processed_this_run.contains_key(time) {
+                        "processed in this run"
+                    } else {
+                        "seen in an earlier run"
+                    };
+                    counts.note(iteration, format!("batch {time} ({when}) lost"));
                 }
             }
         }
