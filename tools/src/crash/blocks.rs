@@ -56,7 +56,7 @@ const ID_STRIDE: u64 = 1 << 40;
 /// The child's batch interval.
 const BATCH_INTERVAL: Duration = Duration::from_millis(2);
 /// The child cleans up old batches after every this many allocations.
-const CLEANUP_EVERY: u64 = 8;
+const CLEANUP_EVERY: u64 = 2;
 /// Age (ms of batch time) of the batches a cleanup forgets.
 const CLEANUP_AGE_MS: i64 = 10;
 /// Longest a reply may take (a hang is a failure, not a wait).
