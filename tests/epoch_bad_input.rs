@@ -126,17 +126,49 @@ fn messages_before_partition_counts_are_kept_but_complete_nothing() {
     assert_eq!(stats.counters.dropped(), 0);
     assert_eq!(harness.calls(), [], "a count of 0 never completes an epoch");
 
-    // Setting the counts resolves nothing by itself; the next message of the epoch does, and
-    // the kept out-of-range entry (partition 1000) keeps epoch 1's offsets from ever matching.
+    // Setting the counts drops the kept entry whose id is out of range (SPEC 0.3: dropped and
+    // counted) and resolves nothing by itself; the epoch's next message does.
     harness.set_counts(1, 1);
     harness.barrier();
     assert_eq!(harness.calls(), []);
+    let stats = harness.stats();
+    assert_eq!(stats.offset_entries, 1);
+    assert_eq!(stats.counters.dropped_partition_out_of_range, 1);
     harness.report(0, 1);
     harness.commit(0, 2);
     harness.report(0, 2);
     harness.barrier();
-    assert_eq!(harness.calls(), [add_offsets(2, 1)]);
-    assert_eq!(harness.stats().waiting_epochs, 1);
+    assert_eq!(
+        harness.calls(),
+        [
+            add_offsets(1, 1),
+            sink_commit(1, 1),
+            Call::QueryCommit(1),
+            add_offsets(2, 1),
+            sink_commit(2, 1),
+            Call::QueryCommit(2)
+        ]
+    );
+}
+
+/// A commit kept before the counts, of a partition the count then leaves out, must not stand
+/// in for a partition that is missing: before, epoch 1 committed to the sink with partitions
+/// 0 and 5 (two entries for two writers) and partition 1's own commit was then dropped as
+/// stale, its output never committed.
+#[test]
+fn a_kept_entry_of_a_partition_the_count_leaves_out_completes_nothing() {
+    let (query, sink, log) = recorders();
+    let harness = BusHarness::start(EpochConfig::new(1), query, sink, log);
+    harness.commit(5, 1);
+    harness.set_counts(2, 1);
+    harness.commit(0, 1);
+    harness.report(0, 1);
+    harness.barrier();
+    assert_eq!(harness.calls(), [add_offsets(1, 1)], "epoch 1 lacks partition 1's commit");
+    assert_eq!(harness.stats().counters.dropped_partition_out_of_range, 1);
+    harness.commit(1, 1);
+    harness.barrier();
+    assert_eq!(harness.calls()[1..], [sink_commit(1, 2), Call::QueryCommit(1)]);
 }
 
 #[test]

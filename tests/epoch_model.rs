@@ -269,6 +269,7 @@ fn generated_cases_cover_commits_waits_overflows_and_failures() {
     let (mut commits, mut chained, mut stops, mut failures) = (0u64, 0u64, 0u64, 0u64);
     let mut backlog_full_runs = 0u64;
     let mut added_at_commit_runs = 0u64;
+    let mut purge_runs = 0u64;
     // Runs stopped by an overflow of each queue (offsets, commits, waiting epochs): the model
     // comparison covers "stop on the same overflow" only if each kind happens.
     let mut overflow_runs = [0u64; 3];
@@ -282,7 +283,9 @@ fn generated_cases_cover_commits_waits_overflows_and_failures() {
         let (query, sink, log) = collaborators(&case);
         let mut fast = EpochCoordinator::new(config, query, sink).unwrap();
         let mut max_waiting = 0;
+        let mut purged = false;
         for (index, op) in case.ops.iter().enumerate() {
+            let before = fast.stats();
             let _ = match *op {
                 Op::Commit(p, e) => fast
                     .commit_partition_epoch(PartitionId(p), Epoch(e), payload(index))
@@ -299,7 +302,12 @@ fn generated_cases_cover_commits_waits_overflows_and_failures() {
                 }
             };
             max_waiting = max_waiting.max(fast.stats().waiting_epochs);
+            // A count set dropped entries kept with ids it leaves out.
+            purged |= matches!(op, Op::SetReaders(_) | Op::SetWriters(_))
+                && fast.stats().counters.dropped_partition_out_of_range
+                    > before.counters.dropped_partition_out_of_range;
         }
+        purge_runs += u64::from(purged);
         let stats = fast.stats();
         commits += stats.counters.epochs_committed;
         chained += u64::from(max_waiting > 0 && stats.counters.epochs_committed > 1);
@@ -326,8 +334,10 @@ fn generated_cases_cover_commits_waits_overflows_and_failures() {
     eprintln!(
         "coverage: commits {commits} chained {chained} stops {stops} failures {failures} \
          backlog_full_runs {backlog_full_runs} overflow runs (offsets, commits, waiting) \
-         {overflow_runs:?} runs adding offsets at a commit {added_at_commit_runs}"
+         {overflow_runs:?} runs adding offsets at a commit {added_at_commit_runs} runs where a \
+         count dropped kept entries {purge_runs}"
     );
+    assert!(purge_runs > 0, "runs where setting a count dropped kept entries: {purge_runs}");
     assert!(
         overflow_runs.iter().all(|&runs| runs > 0),
         "runs stopped by an overflow of each queue (offsets, commits, waiting epochs): \

@@ -70,7 +70,12 @@
 //!   dropped and counted. While a count is unset (0), any non-negative partition id of that side
 //!   is kept (as in Spark), and no epoch completes until both counts are set (B.5 read literally
 //!   would complete an epoch with no offsets when the reader count is 0). Setting a count
-//!   resolves nothing by itself (Spark); the next message of an epoch does.
+//!   drops, counted as out of range, the entries of pending epochs kept with an id not below
+//!   it (kept while it was unset, or under a larger count), so that a complete side is exactly
+//!   partitions `0..count`: in Spark, which counts entries, such an entry stands in for a
+//!   missing partition, whose own commit is then dropped as stale and never reaches the sink.
+//!   An epoch that waited and is no longer ready stops waiting. Setting a count resolves
+//!   nothing by itself (Spark); the next message of an epoch does.
 //! * An epoch that becomes ready although `add_offsets` was never called for it (every offset
 //!   arrived while the reader count was unset and a writer commit then completed the epoch, or
 //!   the count was lowered to what had arrived) gets its `add_offsets` call just before its
@@ -80,8 +85,7 @@
 //!   committed it; [`DurableQuery`] would likewise refuse the commit. An epoch whose offsets
 //!   were added once is not added again at its commit, even if a count change let its
 //!   offsets change without a completing report (the offset log keeps an epoch's first record
-//!   anyway). As in Spark, completeness counts entries: offsets kept from before the count was
-//!   set may include ids at or above it.
+//!   anyway).
 //! * A duplicate `CommitPartitionEpoch` is dropped and counted (first commit wins, no backlog
 //!   check). A repeated `ReportPartitionOffset` overwrites the offset (Spark) and, if the epoch's
 //!   offsets are complete, calls `add_offsets` again.

@@ -163,6 +163,7 @@ impl<Q: Query, S: Sink> ReferenceEpochCoordinator<Q, S> {
             return Err(EpochError::InvalidPartitionCount { side: PartitionSide::Reader, count });
         }
         self.num_reader_partitions = count;
+        self.drop_out_of_range(PartitionSide::Reader, count);
         Ok(())
     }
 
@@ -176,7 +177,48 @@ impl<Q: Query, S: Sink> ReferenceEpochCoordinator<Q, S> {
             return Err(EpochError::InvalidPartitionCount { side: PartitionSide::Writer, count });
         }
         self.num_writer_partitions = count;
+        self.drop_out_of_range(PartitionSide::Writer, count);
         Ok(())
+    }
+
+    /// SPEC 0.3 once a count is set: entries of epochs after the last committed one whose
+    /// partition id is not below it are dropped and counted as out of range; a waiting epoch
+    /// that lost entries and is then not ready stops waiting.
+    fn drop_out_of_range(&mut self, side: PartitionSide, count: i32) {
+        if count == 0 {
+            return;
+        }
+        let last = self.last_committed_epoch;
+        let map = match side {
+            PartitionSide::Reader => &mut self.partition_offsets,
+            PartitionSide::Writer => &mut self.partition_commits,
+        };
+        // The epochs that lost entries.
+        let mut lost_entries = HashSet::new();
+        let before = map.len();
+        map.retain(|(epoch, partition), _| {
+            let keep = *epoch <= last || *partition < count;
+            if !keep {
+                lost_entries.insert(*epoch);
+            }
+            keep
+        });
+        self.counters.dropped_partition_out_of_range += (before - map.len()) as u64;
+        for epoch in &lost_entries {
+            if self.epochs_waiting_to_be_committed.contains(epoch) && !self.is_ready(*epoch) {
+                self.epochs_waiting_to_be_committed.remove(epoch);
+            }
+        }
+    }
+
+    /// Whether `epoch` has as many commits and offsets as the (set) partition counts.
+    fn is_ready(&self, epoch: i64) -> bool {
+        self.num_writer_partitions > 0
+            && self.num_reader_partitions > 0
+            && Self::entries_of(&self.partition_commits, epoch).len() as i64
+                == i64::from(self.num_writer_partitions)
+            && Self::entries_of(&self.partition_offsets, epoch).len() as i64
+                == i64::from(self.num_reader_partitions)
     }
 
     /// `StopContinuousExecutionWrites`.

@@ -328,6 +328,40 @@ impl Slots {
         &self.entries
     }
 
+    /// Removes the entries of partitions `first_out` and above and returns how many went (rare:
+    /// a partition count set below ids stored before, SPEC 0.3).
+    #[cold]
+    fn remove_from(&mut self, first_out: i32) -> usize {
+        let first_out_position = first_out as usize;
+        if self.dense {
+            let stored_beyond = (first_out_position..self.entries.len())
+                .any(|position| self.present[position / 64] & (1 << (position % 64)) != 0);
+            if !stored_beyond {
+                return 0;
+            }
+            self.make_sparse();
+        }
+        if self.max_partition < first_out {
+            return 0;
+        }
+        let before = self.entries.len();
+        self.entries.retain(|(partition, _)| partition.0 < first_out);
+        self.len = self.entries.len();
+        self.max_partition =
+            self.entries.iter().map(|(partition, _)| partition.0).max().unwrap_or(-1);
+        self.positional = self
+            .entries
+            .iter()
+            .enumerate()
+            .all(|(position, (partition, _))| partition.0 as usize == position);
+        if self.positional {
+            self.index.clear();
+        } else {
+            self.rebuild_index();
+        }
+        before - self.len
+    }
+
     /// Empties the side, keeping its allocations (a dense side keeps its layout) but not the
     /// payloads' own.
     fn clear(&mut self) {
@@ -664,6 +698,7 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
         self.check_count(PartitionSide::Reader, count)?;
         self.reader_partitions = count;
         tracing::debug!(count, "reader partitions set");
+        self.drop_out_of_range(PartitionSide::Reader, count);
         Ok(())
     }
 
@@ -675,7 +710,49 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
         self.check_count(PartitionSide::Writer, count)?;
         self.writer_partitions = count;
         tracing::debug!(count, "writer partitions set");
+        self.drop_out_of_range(PartitionSide::Writer, count);
         Ok(())
+    }
+
+    /// SPEC 0.3 once a count is set: entries of pending epochs stored with a partition id not
+    /// below it (kept while the count was unset, or under a larger count) are dropped and
+    /// counted as out of range, so that a complete side is exactly partitions `0..count` (an
+    /// entry of a partition that does not exist must not stand in for one that is missing).
+    /// An epoch that waited and is no longer ready stops waiting. Nothing is
+    /// resolved here: the epoch's next message does that, as after any count change. O(pending
+    /// buckets) per count set.
+    fn drop_out_of_range(&mut self, side: PartitionSide, count: i32) {
+        if count == 0 {
+            return;
+        }
+        let mut dropped = 0;
+        let slots: Vec<u32> = self.by_epoch.values().copied().collect();
+        for slot in slots {
+            let bucket = &mut self.buckets[slot as usize];
+            let removed = match side {
+                PartitionSide::Reader => bucket.offsets.remove_from(count),
+                PartitionSide::Writer => bucket.commits.remove_from(count),
+            };
+            dropped += removed;
+            if removed > 0 && bucket.waiting && !self.is_ready(slot) {
+                self.buckets[slot as usize].waiting = false;
+                self.waiting_epochs -= 1;
+            }
+        }
+        if dropped == 0 {
+            return;
+        }
+        match side {
+            PartitionSide::Reader => self.offset_entries -= dropped,
+            PartitionSide::Writer => self.commit_entries -= dropped,
+        }
+        self.counters.dropped_partition_out_of_range += dropped as u64;
+        tracing::warn!(
+            %side,
+            count,
+            dropped,
+            "entries stored with partition ids not below the new partition count dropped"
+        );
     }
 
     /// `StopContinuousExecutionWrites`: from now on every one-way message is dropped (SPEC B.6).
