@@ -322,6 +322,19 @@ fn bad_input_fails_asks_with_typed_errors_and_counts_one_way_reports() {
         [coordbus::DroppedCount { reason: "invalid report", count: 2 }]
     );
     assert_eq!(coordinator.get_location(good).unwrap().as_deref(), Some("executor_hostX_exec1"));
+
+    // A report of a deactivated run is dropped, and the endpoint's statistics say so.
+    coordinator.deactivate_instances(run).unwrap();
+    coordinator.report_active_instance(good, at("hostX", "exec1")).unwrap();
+    assert_eq!(coordinator.counters().unwrap().reports_of_deactivated_runs, 1);
+    assert_eq!(coordinator.get_location(good).unwrap(), None);
+    assert_eq!(
+        coordinator.endpoint().stats().dropped_by_reason,
+        [
+            coordbus::DroppedCount { reason: "invalid report", count: 2 },
+            coordbus::DroppedCount { reason: "report of a deactivated run", count: 1 }
+        ]
+    );
     bus.shutdown().unwrap();
 }
 

@@ -292,12 +292,17 @@ impl Endpoint for StateStoreCoordinatorEndpoint {
         message: ReportActiveInstance,
         context: &Context<Self>,
     ) -> Result<(), HandlerError> {
-        self.coordinator.report_active_instance(message.provider_id, message.location).map_err(
-            |error| {
+        match self.coordinator.report_active_instance(message.provider_id, message.location) {
+            Ok(true) => Ok(()),
+            Ok(false) => {
+                context.record_dropped("report of a deactivated run");
+                Ok(())
+            }
+            Err(error) => {
                 context.record_dropped("invalid report");
-                error.into()
-            },
-        )
+                Err(error.into())
+            }
+        }
     }
 
     fn handle_request(
@@ -603,7 +608,8 @@ impl StateStoreCoordinatorRef {
     /// Stops the coordinator; when this returns, the name is free.
     ///
     /// # Errors
-    /// [`AskError::Stopped`] if it was stopped already.
+    /// [`AskError::Stopped`] if it was stopped before this ask was queued (a stop queued
+    /// behind another one is still handled, and also answers `true`).
     pub fn stop_coordinator(&self) -> Result<bool, AskError> {
         self.endpoint.ask(StopCoordinator).wait()
     }

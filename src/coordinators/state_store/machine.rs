@@ -380,7 +380,8 @@ impl<C: Clock> StateStoreCoordinator<C> {
     }
 
     /// Records that `provider_id` is loaded at `location`, replacing any earlier owner (the
-    /// one-way report of Spark <= 3.x).
+    /// one-way report of Spark <= 3.x). `Ok(false)`: dropped (counted and logged), because the
+    /// provider's query run was deactivated earlier.
     ///
     /// # Errors
     /// [`StateStoreError::MalformedStoreId`] or [`StateStoreError::MalformedLocation`]; nothing
@@ -390,11 +391,10 @@ impl<C: Clock> StateStoreCoordinator<C> {
         &mut self,
         provider_id: StateStoreProviderId,
         location: ExecutorCacheTaskLocation,
-    ) -> Result<(), StateStoreError> {
+    ) -> Result<bool, StateStoreError> {
         self.counters.reports += 1;
         self.check_report(provider_id, location)?;
-        self.insert_instance(provider_id, location);
-        Ok(())
+        Ok(self.insert_instance(provider_id, location))
     }
 
     /// The report of Spark 4.x: records `provider_id` at `location` like
@@ -454,19 +454,21 @@ impl<C: Clock> StateStoreCoordinator<C> {
         }
     }
 
+    /// Whether the report was applied (not dropped as one of a deactivated run).
     #[inline]
     fn insert_instance(
         &mut self,
         provider_id: StateStoreProviderId,
         location: ExecutorCacheTaskLocation,
-    ) {
+    ) -> bool {
         let Some(run) = self.run_for_report(provider_id) else {
-            return;
+            return false;
         };
         if run.instances.insert(provider_id.store_id, location).is_none() {
             self.counters.new_instances += 1;
             tracing::debug!(%provider_id, %location, "state store provider active");
         }
+        true
     }
 
     /// The state of `provider_id`'s run, created on its first report; `None` (counted and

@@ -213,6 +213,22 @@ fn extreme_versions_and_times_do_not_overflow() {
     assert!(coordinator.get_lagging_stores_for_testing(run, i64::MIN, true).is_empty());
 }
 
+/// The time difference too: a clock at `i64::MAX` and an upload stamped `i64::MIN` lag by
+/// more than an `i64` holds, reported saturated.
+#[test]
+fn extreme_times_saturate_the_reported_lag() {
+    let (mut coordinator, clock) = coordinator();
+    let run = Uuid::from_u128(0xe7);
+    let id = provider("extreme", 0, 0, run);
+    coordinator.report_active_instance(id, at("h", "e")).unwrap();
+    coordinator.report_snapshot_uploaded(id, 0, i64::MIN).unwrap();
+    clock.set_ms(i64::MAX);
+    let report = coordinator.log_lagging_state_stores(run, i64::MAX, false);
+    assert_eq!(report.lagging_count, 1);
+    assert_eq!(report.full_report[0].time_delta_ms, i64::MAX);
+    assert_eq!(report.full_report[0].version_delta, i64::MAX);
+}
+
 #[test]
 fn full_lag_report_is_rate_limited_per_run_and_capped() {
     let (mut coordinator, clock) = coordinator();
@@ -245,8 +261,15 @@ fn full_lag_report_is_rate_limited_per_run_and_capped() {
     assert_eq!(coordinator.counters().full_lag_reports, 3);
     assert_eq!(coordinator.counters().lag_checks, 4);
 
-    // Nothing lagging: no report, and the timer is untouched.
+    // Nothing lagging: no report, and the timer is untouched: 200 s after the last full
+    // report the stores lag again and only their count is logged; past 300 s, in full.
+    clock.advance_ms(200_000);
     assert_eq!(coordinator.log_lagging_state_stores(run, 0, false), LagReport::default());
+    let soon_after = coordinator.log_lagging_state_stores(run, 1_000, false);
+    assert_eq!(soon_after.lagging_count, 7);
+    assert!(soon_after.full_report.is_empty(), "the empty check started the timer over");
+    clock.advance_ms(100_001);
+    assert_eq!(coordinator.log_lagging_state_stores(run, 1_000, false).full_report.len(), 5);
     // Deactivation forgets the run, its timer with it; a late report of it is dropped, so
     // nothing of the run lags any more.
     coordinator.deactivate_instances(run);

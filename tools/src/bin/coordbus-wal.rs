@@ -385,7 +385,7 @@ fn dump(
                     "segment": record.handle.segment.0,
                     "offset": record.handle.offset,
                     "len": record.handle.len,
-                    "crc32c": crc32c::crc32c(&record.bytes),
+                    "payload_crc32c": crc32c::crc32c(&record.bytes),
                     "payload_hex": hex(preview),
                 })
             )?;
