@@ -21,7 +21,7 @@ use coordbus::{
     coordinators::block_tracker::{
         AllocatedBlocks, BatchAllocationEvent, BatchCleanupEvent, BatchTime, BlockAdditionEvent,
         BlockAdditionsEvent, BlockLog, BlockLogError, BlockStoreResult, BlockTrackerConfig,
-        BlockTrackerError, ReceivedBlockInfo, ReceivedBlockTracker, ReceiverBlockStore,
+        BlockTrackerError, Logged, ReceivedBlockInfo, ReceivedBlockTracker, ReceiverBlockStore,
         StreamBlockId, StreamId, TrackerEvent, WalBlockLog, RECEIVED_BLOCK_METADATA_DIR,
     },
     wal::{
@@ -245,11 +245,27 @@ fn rbt_03_recovery_removes_only_the_allocated_blocks() {
 }
 
 /// The real log, with allocation writes failing on demand: raising (as Spark's test
-/// overrides `writeToLog`) or reporting a WAL error.
+/// overrides `writeToLog`) or reporting a WAL error; and with its durable LSN read as none
+/// on demand (a sync that has not come back yet).
+#[derive(Default)]
 struct FailingLog {
-    inner: WalBlockLog,
+    inner: Option<WalBlockLog>,
     raise_on_allocation: AtomicBool,
     refuse_allocation: AtomicBool,
+    durability_unseen: AtomicBool,
+}
+
+impl FailingLog {
+    fn open(dir: &Path, wal: &WalConfig) -> Self {
+        Self {
+            inner: Some(WalBlockLog::open(wal_dir(dir), wal.clone()).unwrap()),
+            ..Self::default()
+        }
+    }
+
+    fn inner(&self) -> &WalBlockLog {
+        self.inner.as_ref().expect("opened")
+    }
 }
 
 impl BlockLog for FailingLog {
@@ -264,32 +280,35 @@ impl BlockLog for FailingLog {
                 return Err(BlockLogError::Wal(WalError::Closed));
             }
         }
-        self.inner.append(event, time_ms)
+        self.inner().append(event, time_ms)
     }
     fn wait_durable(&self, lsn: Lsn, timeout: Duration) -> Result<(), WalError> {
-        self.inner.wait_durable(lsn, timeout)
+        self.inner().wait_durable(lsn, timeout)
     }
     fn durable_lsn(&self) -> Lsn {
-        self.inner.durable_lsn()
+        if self.durability_unseen.load(Ordering::SeqCst) {
+            return Lsn::ZERO;
+        }
+        self.inner().durable_lsn()
     }
     fn notify_when_durable(&self, lsn: Lsn, callback: DurableCallback) {
-        self.inner.notify_when_durable(lsn, callback);
+        self.inner().notify_when_durable(lsn, callback);
     }
     fn replay(
         &self,
         last: Option<Lsn>,
         apply: &mut dyn FnMut(Lsn, TrackerEvent),
     ) -> Result<u64, BlockTrackerError> {
-        self.inner.replay(last, apply)
+        self.inner().replay(last, apply)
     }
     fn clean(&self, threshold_ms: i64, keep_from: Option<Lsn>, wait: bool) -> Result<(), WalError> {
-        self.inner.clean(threshold_ms, keep_from, wait)
+        self.inner().clean(threshold_ms, keep_from, wait)
     }
     fn close(&self) -> Result<(), WalError> {
-        self.inner.close()
+        self.inner().close()
     }
     fn max_event_bytes(&self) -> Option<usize> {
-        self.inner.max_event_bytes()
+        self.inner().max_event_bytes()
     }
 }
 
@@ -305,11 +324,7 @@ fn rbt_04_failed_allocation_write_does_not_lose_blocks() {
     let dir = tempfile::tempdir().unwrap();
     let clock = Arc::new(ManualClock::new(1_000));
     let config = config(Some(dir.path()), Duration::from_secs(60));
-    let log = Arc::new(FailingLog {
-        inner: WalBlockLog::open(wal_dir(dir.path()), config.wal.clone()).unwrap(),
-        raise_on_allocation: AtomicBool::new(false),
-        refuse_allocation: AtomicBool::new(false),
-    });
+    let log = Arc::new(FailingLog::open(dir.path(), &config.wal));
     let mut tracker =
         ReceivedBlockTracker::with_log(config.clone(), clock.clone(), Some(log.clone())).unwrap();
     let b = Blocks::new().take(5);
@@ -699,6 +714,49 @@ fn a_cleanup_keeps_the_additions_of_blocks_still_queued_after_a_split_allocation
     let recovered = ReceivedBlockTracker::open(config.recover(true), clock).unwrap();
     assert_eq!(recovered.unallocated_blocks(STREAM), queued, "acknowledged blocks lost");
     assert!(recovered.allocated_batch_times().is_empty(), "batch 5000 was cleaned");
+}
+
+/// The deferred path (the endpoint's): an allocation took blocks from the queue, but its record
+/// is not durable yet when a cleanup deletes old files. Their addition records are then still
+/// their only durable trace, so the cleanup keeps them. Before, only the queues were looked at,
+/// and the files went.
+#[test]
+fn a_cleanup_keeps_the_additions_of_blocks_whose_allocation_is_not_durable_yet() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(0));
+    let mut config = config(Some(dir.path()), Duration::from_secs(1));
+    config.wal.segment_size_bytes = 64 << 10;
+    let log = Arc::new(FailingLog::open(dir.path(), &config.wal));
+    let mut tracker =
+        ReceivedBlockTracker::with_log(config.clone(), clock.clone(), Some(log.clone())).unwrap();
+    for unique_id in 0..1000u64 {
+        assert!(tracker.add_block(with_metadata(STREAM, unique_id, Some(1), 200)));
+    }
+    let files = log_files(dir.path());
+    assert!(files.len() > 2, "the additions span {} segments", files.len());
+    clock.set_ms(10_000);
+    log.durability_unseen.store(true, Ordering::SeqCst);
+    let mut taken = 0;
+    let mut last_allocation = Lsn::ZERO;
+    for time in 5_000.. {
+        if !tracker.has_unallocated_blocks() {
+            break;
+        }
+        let logged = tracker.allocate_blocks_to_batch_deferred(BatchTime(time)).unwrap();
+        let Logged::Pending(lsn) = logged else { panic!("{logged:?}") };
+        last_allocation = lsn;
+        taken += tracker.blocks_of_batch_and_stream(BatchTime(time), STREAM).len();
+    }
+    assert_eq!(taken, 1000, "every block taken, no allocation durable as far as cleaning knows");
+    tracker.clean_log(BatchTime(9_000), true).unwrap();
+    assert!(files.iter().all(|file| file.exists()), "an addition file went before its allocation");
+
+    // Once the allocations are known durable, their records stand for the blocks: the old
+    // files may go.
+    log.durability_unseen.store(false, Ordering::SeqCst);
+    log.wait_durable(last_allocation, Duration::from_secs(20)).unwrap();
+    tracker.clean_log(BatchTime(9_000), true).unwrap();
+    assert!(!files[0].exists(), "the first addition file is no longer needed");
 }
 
 /// Three streams, each with one block whose metadata fills more than half a log record

@@ -356,7 +356,10 @@ fn unpack_block(
         flags: block.flags.to_native(),
     };
     if block.flags & FLAG_COUNT != 0 {
-        return Err(bad(format!("block {} has a coded-only flag", block.unique_id)));
+        return Err(bad(format!(
+            "block {} has a coded-only flag (flags {:#x})",
+            block.unique_id, block.flags
+        )));
     }
     unpack_native_block(&block, extra)
 }
@@ -371,7 +374,11 @@ fn unpack_native_block(
         return Err(bad(format!("block {unique_id} has unknown flags {flags:#x}")));
     }
     if (flags & FLAG_EXTRA != 0) != extra.is_some() {
-        return Err(bad(format!("block {unique_id}: extra flag and extras disagree")));
+        let (flag, extras) =
+            if extra.is_some() { ("not set", "present") } else { ("set", "absent") };
+        return Err(bad(format!(
+            "block {unique_id}: the extra flag is {flag} (flags {flags:#x}) but extras are {extras}"
+        )));
     }
     let stream = StreamId(block.stream_id);
     let num_records = match block.num_records {

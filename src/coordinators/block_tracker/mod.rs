@@ -77,7 +77,12 @@ mod receiver;
 mod recycle;
 mod types;
 
-use std::{collections::BTreeMap, path::PathBuf, sync::Arc, time::Duration};
+use std::{
+    collections::{BTreeMap, VecDeque},
+    path::PathBuf,
+    sync::Arc,
+    time::Duration,
+};
 
 pub use self::{
     data::{ReceiverBlockStore, DEFAULT_STORE_TIMEOUT},
@@ -444,6 +449,10 @@ pub struct ReceivedBlockTracker {
     failed_writes: std::sync::atomic::AtomicU64,
     /// Blocks too large to be allocated are refused (module `limit`).
     block_size_limit: BlockSizeLimit,
+    /// Deferred allocations whose record may not be durable yet: `(its LSN, the oldest
+    /// addition LSN of the blocks it took)`. Until the record is durable those additions are
+    /// the blocks' only durable trace, so cleaning keeps them ([`Self::clean_log`]).
+    undurable_allocations: VecDeque<(Lsn, Lsn)>,
 }
 
 /// Most spare block vectors kept.
@@ -533,6 +542,7 @@ impl ReceivedBlockTracker {
             unrecovered_through: Lsn::ZERO,
             spare: Vec::new(),
             recent_allocation_max: 0,
+            undurable_allocations: VecDeque::new(),
             recycled: Arc::default(),
             failed_writes: std::sync::atomic::AtomicU64::new(0),
         };
@@ -1045,12 +1055,34 @@ impl ReceivedBlockTracker {
             Append::Appended(lsn) => Logged::Pending(lsn),
             Append::Failed | Append::TooLarge => Logged::Failed,
         };
+        if let Logged::Pending(lsn) = outcome {
+            self.note_undurable_allocation(lsn, &bounds);
+        }
         if outcome == Logged::Failed {
             self.restore_allocation(event, bounds);
         } else {
             self.apply_allocation(event);
         }
         Ok(outcome)
+    }
+
+    /// Remembers the oldest addition a deferred allocation at `lsn` took, until that
+    /// allocation is durable (entries already durable are dropped here and when cleaning, so
+    /// this holds at most the allocations in flight).
+    fn note_undurable_allocation(&mut self, lsn: Lsn, bounds: &[Bounds]) {
+        self.forget_durable_allocations();
+        let oldest = bounds.iter().flatten().map(|(addition, _)| *addition).min();
+        if let Some(oldest) = oldest {
+            self.undurable_allocations.push_back((lsn, oldest));
+        }
+    }
+
+    fn forget_durable_allocations(&mut self) {
+        let Some(log) = &self.log else { return };
+        let durable = log.durable_lsn();
+        while self.undurable_allocations.front().is_some_and(|(lsn, _)| *lsn <= durable) {
+            self.undurable_allocations.pop_front();
+        }
     }
 
     /// Takes batch `time`'s allocation and appends it; one too large for a log record is put
@@ -1222,26 +1254,31 @@ impl ReceivedBlockTracker {
     }
 
     /// Deletes WAL files whose end time is strictly below `threshold` (nothing without a WAL),
-    /// except those from the oldest addition of a block still queued for a configured stream
-    /// on: that record is the block's only trace in the journal until its allocation record
-    /// lists it (acknowledged blocks must survive a crash).
+    /// except those from the oldest addition of a block still needed on: queued for a
+    /// configured stream, or taken by a deferred allocation whose record is not durable yet.
+    /// That addition record is the block's only durable trace until its allocation record is
+    /// (acknowledged blocks must survive a crash).
     ///
     /// # Errors
     /// [`BlockTrackerError::Wal`] from the log.
-    pub fn clean_log(&self, threshold: BatchTime, wait: bool) -> Result<(), BlockTrackerError> {
+    pub fn clean_log(&mut self, threshold: BatchTime, wait: bool) -> Result<(), BlockTrackerError> {
+        self.forget_durable_allocations();
         if let Some(log) = &self.log {
-            log.clean(threshold.0, self.oldest_queued_addition(), wait)?;
+            log.clean(threshold.0, self.oldest_needed_addition(), wait)?;
         }
         Ok(())
     }
 
-    /// The LSN of the oldest addition record of a block queued for a configured stream.
-    fn oldest_queued_addition(&self) -> Option<Lsn> {
-        self.stream_ids
+    /// The LSN of the oldest addition record of a block queued for a configured stream or
+    /// taken by an allocation not known durable.
+    fn oldest_needed_addition(&self) -> Option<Lsn> {
+        let queued = self
+            .stream_ids
             .iter()
             .filter_map(|stream| self.unallocated.get(stream))
-            .filter_map(StreamQueue::oldest_lsn)
-            .min()
+            .filter_map(StreamQueue::oldest_lsn);
+        let allocating = self.undurable_allocations.iter().map(|(_, oldest)| *oldest);
+        queued.chain(allocating).min()
     }
 
     /// The blocks allocated to batch `time` (empty if none).
