@@ -171,6 +171,35 @@ fn a_kept_entry_of_a_partition_the_count_leaves_out_completes_nothing() {
     assert_eq!(harness.calls()[1..], [sink_commit(1, 2), Call::QueryCommit(1)]);
 }
 
+/// Raising the writer count while an epoch waits: it is no longer complete, so the commit of
+/// the epoch before it does not chain into it (Spark's would, committing it to the sink
+/// without the new partition, whose own commit would then be dropped as stale).
+#[test]
+fn a_raised_count_stops_an_incomplete_epoch_from_waiting() {
+    let (query, sink, log) = recorders();
+    let harness = BusHarness::start(EpochConfig::new(1), query, sink, log);
+    harness.set_counts(1, 1);
+    harness.commit(0, 2);
+    harness.report(0, 2);
+    harness.barrier();
+    assert_eq!(harness.stats().waiting_epochs, 1, "epoch 2 is complete and waits for epoch 1");
+    harness.set_counts(2, 1);
+    harness.barrier();
+    assert_eq!(harness.stats().waiting_epochs, 0);
+    harness.commit(0, 1);
+    harness.commit(1, 1);
+    harness.report(0, 1);
+    harness.barrier();
+    assert_eq!(
+        harness.calls(),
+        [add_offsets(2, 1), add_offsets(1, 1), sink_commit(1, 2), Call::QueryCommit(1)],
+        "epoch 1 commits alone"
+    );
+    harness.commit(1, 2);
+    harness.barrier();
+    assert_eq!(harness.calls()[4..], [sink_commit(2, 2), Call::QueryCommit(2)]);
+}
+
 #[test]
 fn messages_kept_before_counts_count_once_counts_are_set() {
     let (query, sink, log) = recorders();

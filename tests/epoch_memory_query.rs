@@ -196,6 +196,10 @@ fn a_restarted_run_replaces_the_offsets_a_stopped_run_recorded_for_an_epoch_it_d
     restarted_run.add_offsets(Epoch(1), &offsets(12)).unwrap();
     restarted_run.commit(Epoch(1)).unwrap();
     assert_eq!(query.restart_point().unwrap(), Some((Epoch(1), offsets(11))));
+    // A committed epoch's record stays, whichever run records it again later (an old endpoint
+    // still draining its inbox, say).
+    query.clone().add_offsets(Epoch(1), &offsets(99)).unwrap();
+    assert_eq!(query.restart_point().unwrap(), Some((Epoch(1), offsets(11))));
 }
 
 #[test]

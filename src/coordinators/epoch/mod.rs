@@ -74,7 +74,9 @@
 //!   it (kept while it was unset, or under a larger count), so that a complete side is exactly
 //!   partitions `0..count`: in Spark, which counts entries, such an entry stands in for a
 //!   missing partition, whose own commit is then dropped as stale and never reaches the sink.
-//!   An epoch that waited and is no longer ready stops waiting. Setting a count resolves
+//!   After any count change an epoch that waited and is no longer ready (the count was
+//!   raised, or its entries dropped) stops waiting, so an earlier epoch's commit does not
+//!   chain into it with a partition missing (Spark's would). Setting a count resolves
 //!   nothing by itself (Spark); the next message of an epoch does.
 //! * An epoch that becomes ready although `add_offsets` was never called for it (every offset
 //!   arrived while the reader count was unset and a writer commit then completed the epoch, or
@@ -84,8 +86,8 @@
 //!   rejects ("Batch E was committed without end epoch offsets!"), after the sink already
 //!   committed it; [`DurableQuery`] would likewise refuse the commit. An epoch whose offsets
 //!   were added once is not added again at its commit, even if a count change let its
-//!   offsets change without a completing report (the offset log keeps an epoch's first record
-//!   anyway).
+//!   offsets change without a completing report (the offset log keeps a run's first record of
+//!   an epoch anyway).
 //! * A duplicate `CommitPartitionEpoch` is dropped and counted (first commit wins, no backlog
 //!   check). A repeated `ReportPartitionOffset` overwrites the offset (Spark) and, if the epoch's
 //!   offsets are complete, calls `add_offsets` again.
@@ -257,7 +259,8 @@ impl<T: Sink + ?Sized> Sink for Box<T> {
 }
 
 /// An in-memory [`Query`]: what Spark's `ContinuousExecution` keeps (SPEC B.9), without
-/// persistence. The offset log keeps the first record of each epoch, the commit log the
+/// persistence. The offset log keeps the first record of each epoch (of a run: below), the
+/// commit log the
 /// committed epochs (a commit of an epoch without offsets fails, as Spark's assertion does), the
 /// newest `retained_epochs` committed epochs' offsets are kept (Spark's `minBatchesToRetain`,
 /// default 100), and the first stop error is kept. Clones share one state, so an engine or a test
@@ -377,13 +380,14 @@ impl Query for MemoryQuery {
         offsets: &[(PartitionId, Payload)],
     ) -> Result<(), CollaboratorError> {
         let mut state = self.state();
+        let committed = state.last_committed.is_some_and(|last| epoch <= last);
         match state.offsets.entry(epoch) {
             std::collections::btree_map::Entry::Vacant(vacant) => {
                 vacant.insert((self.run, offsets.to_vec()));
             }
             // An earlier run's record of an epoch it did not commit: this run's replaces it.
             std::collections::btree_map::Entry::Occupied(mut occupied)
-                if occupied.get().0 < self.run =>
+                if occupied.get().0 < self.run && !committed =>
             {
                 occupied.insert((self.run, offsets.to_vec()));
             }
@@ -742,7 +746,8 @@ pub struct EpochCounters {
     pub dropped_writes_stopped: u64,
     /// Messages dropped for a negative partition id.
     pub dropped_negative_partition: u64,
-    /// Messages dropped for a partition id not below the partition count.
+    /// Messages dropped for a partition id not below the partition count, and stored
+    /// entries dropped for it when a count was set (they were counted as accepted first).
     pub dropped_partition_out_of_range: u64,
     /// Messages dropped for an epoch at or below the last committed one.
     pub dropped_stale_epoch: u64,
@@ -757,7 +762,8 @@ pub struct EpochCounters {
 }
 
 impl EpochCounters {
-    /// All one-way messages dropped, whatever the reason.
+    /// All one-way messages dropped, whatever the reason (with the stored entries a count
+    /// change dropped: [`Self::dropped_partition_out_of_range`]).
     pub fn dropped(&self) -> u64 {
         self.dropped_writes_stopped
             + self.dropped_negative_partition

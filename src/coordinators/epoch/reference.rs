@@ -163,7 +163,7 @@ impl<Q: Query, S: Sink> ReferenceEpochCoordinator<Q, S> {
             return Err(EpochError::InvalidPartitionCount { side: PartitionSide::Reader, count });
         }
         self.num_reader_partitions = count;
-        self.drop_out_of_range(PartitionSide::Reader, count);
+        self.apply_count_change(PartitionSide::Reader, count);
         Ok(())
     }
 
@@ -177,36 +177,28 @@ impl<Q: Query, S: Sink> ReferenceEpochCoordinator<Q, S> {
             return Err(EpochError::InvalidPartitionCount { side: PartitionSide::Writer, count });
         }
         self.num_writer_partitions = count;
-        self.drop_out_of_range(PartitionSide::Writer, count);
+        self.apply_count_change(PartitionSide::Writer, count);
         Ok(())
     }
 
-    /// SPEC 0.3 once a count is set: entries of epochs after the last committed one whose
-    /// partition id is not below it are dropped and counted as out of range; a waiting epoch
-    /// that lost entries and is then not ready stops waiting.
-    fn drop_out_of_range(&mut self, side: PartitionSide, count: i32) {
-        if count == 0 {
-            return;
+    /// After a count is set: entries of epochs after the last committed one whose partition
+    /// id is not below it are dropped and counted as out of range (unless the count is 0,
+    /// unset); a waiting epoch that is then not ready stops waiting.
+    fn apply_count_change(&mut self, side: PartitionSide, count: i32) {
+        if count > 0 {
+            let last = self.last_committed_epoch;
+            let map = match side {
+                PartitionSide::Reader => &mut self.partition_offsets,
+                PartitionSide::Writer => &mut self.partition_commits,
+            };
+            let before = map.len();
+            map.retain(|(epoch, partition), _| *epoch <= last || *partition < count);
+            self.counters.dropped_partition_out_of_range += (before - map.len()) as u64;
         }
-        let last = self.last_committed_epoch;
-        let map = match side {
-            PartitionSide::Reader => &mut self.partition_offsets,
-            PartitionSide::Writer => &mut self.partition_commits,
-        };
-        // The epochs that lost entries.
-        let mut lost_entries = HashSet::new();
-        let before = map.len();
-        map.retain(|(epoch, partition), _| {
-            let keep = *epoch <= last || *partition < count;
-            if !keep {
-                lost_entries.insert(*epoch);
-            }
-            keep
-        });
-        self.counters.dropped_partition_out_of_range += (before - map.len()) as u64;
-        for epoch in &lost_entries {
-            if self.epochs_waiting_to_be_committed.contains(epoch) && !self.is_ready(*epoch) {
-                self.epochs_waiting_to_be_committed.remove(epoch);
+        let waiting: Vec<i64> = self.epochs_waiting_to_be_committed.iter().copied().collect();
+        for epoch in waiting {
+            if !self.is_ready(epoch) {
+                self.epochs_waiting_to_be_committed.remove(&epoch);
             }
         }
     }

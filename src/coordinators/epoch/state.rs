@@ -698,7 +698,7 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
         self.check_count(PartitionSide::Reader, count)?;
         self.reader_partitions = count;
         tracing::debug!(count, "reader partitions set");
-        self.drop_out_of_range(PartitionSide::Reader, count);
+        self.apply_count_change(PartitionSide::Reader, count);
         Ok(())
     }
 
@@ -710,31 +710,31 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
         self.check_count(PartitionSide::Writer, count)?;
         self.writer_partitions = count;
         tracing::debug!(count, "writer partitions set");
-        self.drop_out_of_range(PartitionSide::Writer, count);
+        self.apply_count_change(PartitionSide::Writer, count);
         Ok(())
     }
 
-    /// SPEC 0.3 once a count is set: entries of pending epochs stored with a partition id not
-    /// below it (kept while the count was unset, or under a larger count) are dropped and
-    /// counted as out of range, so that a complete side is exactly partitions `0..count` (an
-    /// entry of a partition that does not exist must not stand in for one that is missing).
-    /// An epoch that waited and is no longer ready stops waiting. Nothing is
-    /// resolved here: the epoch's next message does that, as after any count change. O(pending
-    /// buckets) per count set.
-    fn drop_out_of_range(&mut self, side: PartitionSide, count: i32) {
-        if count == 0 {
-            return;
-        }
+    /// After a count is set (SPEC 0.3 and issue 4: an epoch commits when every partition of
+    /// each side is in): entries of pending epochs stored with a partition id not below the
+    /// count (kept while it was unset, or under a larger count) are dropped and counted as out
+    /// of range, so that a complete side is exactly partitions `0..count` (an entry of a
+    /// partition that does not exist must not stand in for one that is missing); and an epoch
+    /// that waited and is not ready under the new count (raised, or entries dropped) stops
+    /// waiting, so that an earlier epoch's commit does not chain into it (Spark's would).
+    /// Nothing is resolved here: the epoch's next message does that, as after any count
+    /// change. O(pending buckets) per count set.
+    fn apply_count_change(&mut self, side: PartitionSide, count: i32) {
         let mut dropped = 0;
         let slots: Vec<u32> = self.by_epoch.values().copied().collect();
         for slot in slots {
-            let bucket = &mut self.buckets[slot as usize];
-            let removed = match side {
-                PartitionSide::Reader => bucket.offsets.remove_from(count),
-                PartitionSide::Writer => bucket.commits.remove_from(count),
-            };
-            dropped += removed;
-            if removed > 0 && bucket.waiting && !self.is_ready(slot) {
+            if count > 0 {
+                let bucket = &mut self.buckets[slot as usize];
+                dropped += match side {
+                    PartitionSide::Reader => bucket.offsets.remove_from(count),
+                    PartitionSide::Writer => bucket.commits.remove_from(count),
+                };
+            }
+            if self.buckets[slot as usize].waiting && !self.is_ready(slot) {
                 self.buckets[slot as usize].waiting = false;
                 self.waiting_epochs -= 1;
             }

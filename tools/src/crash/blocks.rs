@@ -10,20 +10,21 @@
 //! receiver-side records race the endpoint's allocations under the kill. A batch loop allocates
 //! the unallocated blocks to a new batch time every 2 ms and prints the batch it then reads
 //! back as processed (`P <time> <id>...`; the reply to the allocation means durable). Each
-//! receiver resumes after the last of its blocks the journal holds. Every 8 allocations the
+//! receiver resumes after the last of its blocks the journal holds. Every 2 allocations the
 //! loop cleans up batches older than 10 ms (alternately waiting for the WAL files to go or
-//! not) and prints `C <threshold>` once that is acknowledged, so cleanup events and segment
-//! deletion are crashed too. Block ids encode the receiver and its sequence number; the
+//! not), printing `c <threshold>` before it asks and `C <threshold>` once that is
+//! acknowledged, so cleanup events and segment deletion are crashed too. Block ids encode the receiver and its sequence number; the
 //! metadata repeats them, so a block recovered with someone else's metadata is caught.
 //!
 //! Parent: recovers the tracker itself (the recovery time), reads the journal's durable
 //! cleanup events, and checks that every acknowledged block, and every block an earlier check
 //! recovered, is present exactly once, either in one allocated batch or still unallocated, or
 //! else was in a batch that a durable cleanup removed (`lost`, `duplicated`: a block of a
-//! cleaned batch must not come back); that each block is intact (its stream and metadata match
-//! its id: `corrupt_accepted`); that every batch processed in the run is still allocated with
-//! exactly the blocks the child processed, unless durably cleaned (`lost` or
-//! `corrupt_accepted`); that no batch below an acknowledged cleanup threshold is back
+//! cleaned batch must not come back); a cleanup event excuses only batch times below a
+//! threshold a child announced (`c`), else `corrupt_accepted`; that each block is intact (its
+//! stream and metadata match its id: `corrupt_accepted`); that every batch processed or
+//! recovered so far, in any run, is still allocated with exactly the same blocks, unless
+//! durably cleaned (`lost` or `corrupt_accepted`); that no batch below an acknowledged cleanup threshold is back
 //! (`lost`); and that processed batch times increase across all runs (`out_of_order`).
 
 use std::{
