@@ -173,9 +173,10 @@ fn a_kept_entry_of_a_partition_the_count_leaves_out_completes_nothing() {
 
 /// Raising the writer count while an epoch waits: it is no longer complete, so the commit of
 /// the epoch before it does not chain into it (Spark's would, committing it to the sink
-/// without the new partition, whose own commit would then be dropped as stale).
+/// without the new partition, whose own commit would then be dropped as stale). It stays
+/// waiting and commits with its missing partition's message.
 #[test]
-fn a_raised_count_stops_an_incomplete_epoch_from_waiting() {
+fn a_raised_count_keeps_a_waiting_epoch_from_committing_incomplete() {
     let (query, sink, log) = recorders();
     let harness = BusHarness::start(EpochConfig::new(1), query, sink, log);
     harness.set_counts(1, 1);
@@ -184,8 +185,6 @@ fn a_raised_count_stops_an_incomplete_epoch_from_waiting() {
     harness.barrier();
     assert_eq!(harness.stats().waiting_epochs, 1, "epoch 2 is complete and waits for epoch 1");
     harness.set_counts(2, 1);
-    harness.barrier();
-    assert_eq!(harness.stats().waiting_epochs, 0);
     harness.commit(0, 1);
     harness.commit(1, 1);
     harness.report(0, 1);
@@ -195,9 +194,39 @@ fn a_raised_count_stops_an_incomplete_epoch_from_waiting() {
         [add_offsets(2, 1), add_offsets(1, 1), sink_commit(1, 2), Call::QueryCommit(1)],
         "epoch 1 commits alone"
     );
+    assert_eq!(harness.stats().waiting_epochs, 1);
     harness.commit(1, 2);
     harness.barrier();
     assert_eq!(harness.calls()[4..], [sink_commit(2, 2), Call::QueryCommit(2)]);
+    assert_eq!(harness.stats().waiting_epochs, 0);
+}
+
+/// A count raised and set back while an epoch waits: the epoch is complete again and commits
+/// in the chain of the epoch before it, with no message of its own to come.
+#[test]
+fn a_waiting_epoch_commits_in_the_chain_once_a_count_is_set_back() {
+    let (query, sink, log) = recorders();
+    let harness = BusHarness::start(EpochConfig::new(1), query, sink, log);
+    harness.set_counts(1, 1);
+    harness.commit(0, 2);
+    harness.report(0, 2);
+    harness.set_counts(2, 1);
+    harness.set_counts(1, 1);
+    harness.commit(0, 1);
+    harness.report(0, 1);
+    harness.barrier();
+    assert_eq!(
+        harness.calls(),
+        [
+            add_offsets(2, 1),
+            add_offsets(1, 1),
+            sink_commit(1, 1),
+            Call::QueryCommit(1),
+            sink_commit(2, 1),
+            Call::QueryCommit(2)
+        ]
+    );
+    assert_eq!(harness.stats().waiting_epochs, 0);
 }
 
 #[test]

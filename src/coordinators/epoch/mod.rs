@@ -74,10 +74,11 @@
 //!   it (kept while it was unset, or under a larger count), so that a complete side is exactly
 //!   partitions `0..count`: in Spark, which counts entries, such an entry stands in for a
 //!   missing partition, whose own commit is then dropped as stale and never reaches the sink.
-//!   After any count change an epoch that waited and is no longer ready (the count was
-//!   raised, or its entries dropped) stops waiting, so an earlier epoch's commit does not
-//!   chain into it with a partition missing (Spark's would). Setting a count resolves
-//!   nothing by itself (Spark); the next message of an epoch does.
+//!   The commit chain takes a waiting epoch only if it is ready under the counts of now: one
+//!   that waited and no longer is (a count was raised, or its entries dropped) is not
+//!   committed with a partition missing, as Spark's would be; it stays waiting and commits
+//!   once it is ready again (its next message, or the counts set back). Setting a count
+//!   resolves nothing by itself (Spark); the next message of an epoch does.
 //! * An epoch that becomes ready although `add_offsets` was never called for it (every offset
 //!   arrived while the reader count was unset and a writer commit then completed the epoch, or
 //!   the count was lowered to what had arrived) gets its `add_offsets` call just before its
@@ -380,14 +381,17 @@ impl Query for MemoryQuery {
         offsets: &[(PartitionId, Payload)],
     ) -> Result<(), CollaboratorError> {
         let mut state = self.state();
-        let committed = state.last_committed.is_some_and(|last| epoch <= last);
+        if state.last_committed.is_some_and(|last| epoch <= last) {
+            // Committed already (a late call of an old run): its record stays as it is.
+            return Ok(());
+        }
         match state.offsets.entry(epoch) {
             std::collections::btree_map::Entry::Vacant(vacant) => {
                 vacant.insert((self.run, offsets.to_vec()));
             }
             // An earlier run's record of an epoch it did not commit: this run's replaces it.
             std::collections::btree_map::Entry::Occupied(mut occupied)
-                if occupied.get().0 < self.run && !committed =>
+                if occupied.get().0 < self.run =>
             {
                 occupied.insert((self.run, offsets.to_vec()));
             }

@@ -163,7 +163,7 @@ impl<Q: Query, S: Sink> ReferenceEpochCoordinator<Q, S> {
             return Err(EpochError::InvalidPartitionCount { side: PartitionSide::Reader, count });
         }
         self.num_reader_partitions = count;
-        self.apply_count_change(PartitionSide::Reader, count);
+        self.drop_out_of_range(PartitionSide::Reader, count);
         Ok(())
     }
 
@@ -177,30 +177,24 @@ impl<Q: Query, S: Sink> ReferenceEpochCoordinator<Q, S> {
             return Err(EpochError::InvalidPartitionCount { side: PartitionSide::Writer, count });
         }
         self.num_writer_partitions = count;
-        self.apply_count_change(PartitionSide::Writer, count);
+        self.drop_out_of_range(PartitionSide::Writer, count);
         Ok(())
     }
 
-    /// After a count is set: entries of epochs after the last committed one whose partition
-    /// id is not below it are dropped and counted as out of range (unless the count is 0,
-    /// unset); a waiting epoch that is then not ready stops waiting.
-    fn apply_count_change(&mut self, side: PartitionSide, count: i32) {
-        if count > 0 {
-            let last = self.last_committed_epoch;
-            let map = match side {
-                PartitionSide::Reader => &mut self.partition_offsets,
-                PartitionSide::Writer => &mut self.partition_commits,
-            };
-            let before = map.len();
-            map.retain(|(epoch, partition), _| *epoch <= last || *partition < count);
-            self.counters.dropped_partition_out_of_range += (before - map.len()) as u64;
+    /// SPEC 0.3 once a count is set: entries of epochs after the last committed one whose
+    /// partition id is not below it are dropped and counted as out of range.
+    fn drop_out_of_range(&mut self, side: PartitionSide, count: i32) {
+        if count == 0 {
+            return;
         }
-        let waiting: Vec<i64> = self.epochs_waiting_to_be_committed.iter().copied().collect();
-        for epoch in waiting {
-            if !self.is_ready(epoch) {
-                self.epochs_waiting_to_be_committed.remove(&epoch);
-            }
-        }
+        let last = self.last_committed_epoch;
+        let map = match side {
+            PartitionSide::Reader => &mut self.partition_offsets,
+            PartitionSide::Writer => &mut self.partition_commits,
+        };
+        let before = map.len();
+        map.retain(|(epoch, partition), _| *epoch <= last || *partition < count);
+        self.counters.dropped_partition_out_of_range += (before - map.len()) as u64;
     }
 
     /// Whether `epoch` has as many commits and offsets as the (set) partition counts.
@@ -366,9 +360,16 @@ impl<Q: Query, S: Sink> ReferenceEpochCoordinator<Q, S> {
             self.fail(error, epoch);
             return;
         }
+        // It may have waited, skipped by the chain while a count change left it not ready.
+        self.epochs_waiting_to_be_committed.remove(&epoch);
         self.last_committed_epoch = epoch;
         while let Some(next_epoch) = self.last_committed_epoch.checked_add(1) {
-            if !self.epochs_waiting_to_be_committed.contains(&next_epoch) {
+            // Issue 4: an epoch commits when every partition is in; one that waited and is no
+            // longer ready (a count changed since) waits for its next message instead of
+            // committing with a partition missing, as Spark's would.
+            if !self.epochs_waiting_to_be_committed.contains(&next_epoch)
+                || !self.is_ready(next_epoch)
+            {
                 break;
             }
             let next_epoch_commits = Self::entries_of(&self.partition_commits, next_epoch);

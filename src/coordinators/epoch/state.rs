@@ -4,7 +4,9 @@
 //! Invariants (checked by `debug_assert!` where cheap):
 //! * every stored bucket's epoch is above `last_committed`;
 //! * `offset_entries` = offsets in stored buckets + `retained_offsets` (same for commits);
-//! * `waiting_epochs` = buckets with `waiting` set; a waiting bucket is ready;
+//! * `waiting_epochs` = buckets with `waiting` set; a waiting bucket was ready when it was set
+//!   (a count change since may have made it not ready: the commit chain takes a waiting epoch
+//!   only if it is ready now);
 //! * `by_epoch` maps exactly the live buckets; `free` lists exactly the other slab slots.
 
 use std::{
@@ -698,7 +700,7 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
         self.check_count(PartitionSide::Reader, count)?;
         self.reader_partitions = count;
         tracing::debug!(count, "reader partitions set");
-        self.apply_count_change(PartitionSide::Reader, count);
+        self.drop_out_of_range(PartitionSide::Reader, count);
         Ok(())
     }
 
@@ -710,34 +712,28 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
         self.check_count(PartitionSide::Writer, count)?;
         self.writer_partitions = count;
         tracing::debug!(count, "writer partitions set");
-        self.apply_count_change(PartitionSide::Writer, count);
+        self.drop_out_of_range(PartitionSide::Writer, count);
         Ok(())
     }
 
-    /// After a count is set (SPEC 0.3 and issue 4: an epoch commits when every partition of
-    /// each side is in): entries of pending epochs stored with a partition id not below the
-    /// count (kept while it was unset, or under a larger count) are dropped and counted as out
-    /// of range, so that a complete side is exactly partitions `0..count` (an entry of a
-    /// partition that does not exist must not stand in for one that is missing); and an epoch
-    /// that waited and is not ready under the new count (raised, or entries dropped) stops
-    /// waiting, so that an earlier epoch's commit does not chain into it (Spark's would).
-    /// Nothing is resolved here: the epoch's next message does that, as after any count
-    /// change. O(pending buckets) per count set.
-    fn apply_count_change(&mut self, side: PartitionSide, count: i32) {
+    /// SPEC 0.3 once a count is set: entries of pending epochs stored with a partition id not
+    /// below it (kept while the count was unset, or under a larger count) are dropped and
+    /// counted as out of range, so that a complete side is exactly partitions `0..count` (an
+    /// entry of a partition that does not exist must not stand in for one that is missing).
+    /// Waiting flags stay (a waiting epoch no longer ready is skipped by the commit chain until
+    /// it is ready again: [`Self::resolve`]). Nothing is resolved here: the epoch's next
+    /// message does that, as after any count change. O(pending buckets) per count set.
+    fn drop_out_of_range(&mut self, side: PartitionSide, count: i32) {
+        if count == 0 {
+            return;
+        }
         let mut dropped = 0;
-        let slots: Vec<u32> = self.by_epoch.values().copied().collect();
-        for slot in slots {
-            if count > 0 {
-                let bucket = &mut self.buckets[slot as usize];
-                dropped += match side {
-                    PartitionSide::Reader => bucket.offsets.remove_from(count),
-                    PartitionSide::Writer => bucket.commits.remove_from(count),
-                };
-            }
-            if self.buckets[slot as usize].waiting && !self.is_ready(slot) {
-                self.buckets[slot as usize].waiting = false;
-                self.waiting_epochs -= 1;
-            }
+        for &slot in self.by_epoch.values() {
+            let bucket = &mut self.buckets[slot as usize];
+            dropped += match side {
+                PartitionSide::Reader => bucket.offsets.remove_from(count),
+                PartitionSide::Writer => bucket.commits.remove_from(count),
+            };
         }
         if dropped == 0 {
             return;
@@ -1047,7 +1043,7 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
             next = epoch
                 .next()
                 .and_then(|after| self.live_slot(after))
-                .filter(|&slot| self.buckets[slot as usize].waiting);
+                .filter(|&slot| self.buckets[slot as usize].waiting && self.is_ready(slot));
         }
     }
 
