@@ -229,6 +229,30 @@ fn a_waiting_epoch_commits_in_the_chain_once_a_count_is_set_back() {
     assert_eq!(harness.stats().waiting_epochs, 0);
 }
 
+/// As above, but the count is set back only after the epoch before committed, its chain having
+/// passed the waiting epoch: the count change commits it (no message of it is left to come).
+#[test]
+fn a_waiting_epoch_the_chain_passed_commits_when_a_count_is_set_back() {
+    let (query, sink, log) = recorders();
+    let harness = BusHarness::start(EpochConfig::new(1), query, sink, log);
+    harness.set_counts(1, 1);
+    harness.commit(0, 2);
+    harness.report(0, 2);
+    harness.set_counts(2, 1);
+    harness.commit(0, 1);
+    harness.commit(1, 1);
+    harness.report(0, 1);
+    harness.barrier();
+    assert_eq!(harness.stats().waiting_epochs, 1, "the chain passed epoch 2");
+    harness.set_counts(1, 1);
+    harness.barrier();
+    assert_eq!(
+        harness.calls()[2..],
+        [sink_commit(1, 2), Call::QueryCommit(1), sink_commit(2, 1), Call::QueryCommit(2)]
+    );
+    assert_eq!(harness.stats().waiting_epochs, 0);
+}
+
 #[test]
 fn messages_kept_before_counts_count_once_counts_are_set() {
     let (query, sink, log) = recorders();

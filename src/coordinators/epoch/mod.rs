@@ -75,10 +75,11 @@
 //!   partitions `0..count`: in Spark, which counts entries, such an entry stands in for a
 //!   missing partition, whose own commit is then dropped as stale and never reaches the sink.
 //!   The commit chain takes a waiting epoch only if it is ready under the counts of now: one
-//!   that waited and no longer is (a count was raised, or its entries dropped) is not
-//!   committed with a partition missing, as Spark's would be; it stays waiting and commits
-//!   once it is ready again (its next message, or the counts set back). Setting a count
-//!   resolves nothing by itself (Spark); the next message of an epoch does.
+//!   that waited and no longer is (a count was raised, or unset) is not committed with a
+//!   partition missing, as Spark's would be; it stays waiting, and commits once it is ready
+//!   again: by its next message, or, if the chain passed it and a count change makes it ready
+//!   (the count set back), at that count change. Otherwise setting a count resolves nothing by
+//!   itself (Spark); the next message of an epoch does.
 //! * An epoch that becomes ready although `add_offsets` was never called for it (every offset
 //!   arrived while the reader count was unset and a writer commit then completed the epoch, or
 //!   the count was lowered to what had arrived) gets its `add_offsets` call just before its
@@ -434,7 +435,8 @@ pub enum BacklogQueue {
     PartitionOffsets,
     /// Stored `(epoch, partition)` writer commit entries.
     PartitionCommits,
-    /// Ready epochs waiting for an earlier epoch to commit.
+    /// Epochs found ready while an earlier epoch was uncommitted, not committed yet (Spark's
+    /// `epochsWaitingToBeCommitted`; one a count change has made not ready since stays).
     WaitingEpochs,
 }
 
@@ -594,7 +596,8 @@ pub struct EpochConfig {
     pub partition_offset_limit: usize,
     /// Most `(epoch, partition)` commit entries before the query is stopped (strict `>`).
     pub partition_commit_limit: usize,
-    /// Most ready epochs waiting for an earlier one before the query is stopped (strict `>`).
+    /// Most waiting epochs ([`BacklogQueue::WaitingEpochs`]) before the query is stopped
+    /// (strict `>`).
     pub waiting_epoch_limit: usize,
 }
 
@@ -811,7 +814,7 @@ pub struct EpochStats {
     pub offset_entries: usize,
     /// Commit entries counted by the backlog check.
     pub commit_entries: usize,
-    /// Ready epochs waiting for an earlier one.
+    /// Waiting epochs ([`BacklogQueue::WaitingEpochs`]).
     pub waiting_epochs: usize,
     /// The counters.
     pub counters: EpochCounters,

@@ -164,6 +164,7 @@ impl<Q: Query, S: Sink> ReferenceEpochCoordinator<Q, S> {
         }
         self.num_reader_partitions = count;
         self.drop_out_of_range(PartitionSide::Reader, count);
+        self.resume_passed_epoch();
         Ok(())
     }
 
@@ -178,6 +179,7 @@ impl<Q: Query, S: Sink> ReferenceEpochCoordinator<Q, S> {
         }
         self.num_writer_partitions = count;
         self.drop_out_of_range(PartitionSide::Writer, count);
+        self.resume_passed_epoch();
         Ok(())
     }
 
@@ -195,6 +197,18 @@ impl<Q: Query, S: Sink> ReferenceEpochCoordinator<Q, S> {
         let before = map.len();
         map.retain(|(epoch, partition), _| *epoch <= last || *partition < count);
         self.counters.dropped_partition_out_of_range += (before - map.len()) as u64;
+    }
+
+    /// After a count change: the next epoch to commit, if it waits (the chain passed it while
+    /// it was not ready) and is ready now, is resolved.
+    fn resume_passed_epoch(&mut self) {
+        let Some(next) = self.last_committed_epoch.checked_add(1) else { return };
+        if self.failed_epoch.is_none()
+            && self.epochs_waiting_to_be_committed.contains(&next)
+            && self.is_ready(next)
+        {
+            self.resolve_commits_at_epoch(next);
+        }
     }
 
     /// Whether `epoch` has as many commits and offsets as the (set) partition counts.

@@ -424,7 +424,8 @@ struct Bucket {
     epoch: Epoch,
     offsets: Slots,
     commits: Slots,
-    /// Ready, and waiting for an earlier epoch to commit (Spark's `epochsWaitingToBeCommitted`).
+    /// Found ready while an earlier epoch was uncommitted, and not committed yet (Spark's
+    /// `epochsWaitingToBeCommitted`); a count change since may have made it not ready.
     waiting: bool,
     /// [`Query::add_offsets`] was called for this epoch (by a report that completed its
     /// offsets). If not when it commits, [`EpochCoordinator::commit_epoch`] calls it first.
@@ -701,6 +702,7 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
         self.reader_partitions = count;
         tracing::debug!(count, "reader partitions set");
         self.drop_out_of_range(PartitionSide::Reader, count);
+        self.resume_passed_epoch();
         Ok(())
     }
 
@@ -713,6 +715,7 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
         self.writer_partitions = count;
         tracing::debug!(count, "writer partitions set");
         self.drop_out_of_range(PartitionSide::Writer, count);
+        self.resume_passed_epoch();
         Ok(())
     }
 
@@ -749,6 +752,19 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
             dropped,
             "entries stored with partition ids not below the new partition count dropped"
         );
+    }
+
+    /// After a count change: the next epoch to commit, if it waits (the commit chain passed it
+    /// while a count change left it not ready) and is ready now, commits, with the ready
+    /// epochs waiting after it. It may have no message left to come (module doc of [`super`]).
+    fn resume_passed_epoch(&mut self) {
+        let Some(slot) = self.last_committed.next().and_then(|next| self.live_slot(next)) else {
+            return;
+        };
+        if self.failed_epoch.is_none() && self.buckets[slot as usize].waiting && self.is_ready(slot)
+        {
+            self.resolve(slot);
+        }
     }
 
     /// `StopContinuousExecutionWrites`: from now on every one-way message is dropped (SPEC B.6).
@@ -996,7 +1012,8 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
     }
 
     /// SPEC B.5 resolve(e) for the epoch of `slot`, with the 0.3 decisions: commits the epoch
-    /// if it is ready and next in line, then every waiting epoch after it, in one pass.
+    /// if it is ready and next in line, then every waiting epoch after it that is ready now, in
+    /// one pass.
     #[inline(never)]
     fn resolve(&mut self, slot: u32) {
         if !self.is_ready(slot) {
