@@ -10,7 +10,10 @@
 //! receiver-side records race the endpoint's allocations under the kill. A batch loop allocates
 //! the unallocated blocks to a new batch time every 2 ms and prints the batch it then reads
 //! back as processed (`P <time> <id>...`; the reply to the allocation means durable). Each
-//! receiver resumes after the last of its blocks the journal holds. Every 2 allocations the
+//! receiver resumes after the last of its blocks the journal holds, and at least at a range of
+//! sequence numbers of the run's own (a cleanup can remove all of a receiver's blocks from the
+//! journal, and resuming after what is left would add acknowledged ids again). Every 2
+//! allocations the
 //! loop cleans up batches older than 10 ms (alternately waiting for the WAL files to go or
 //! not), printing `c <threshold>` before it asks and `C <threshold>` once that is
 //! acknowledged, so cleanup events and segment deletion are crashed too. Block ids encode the receiver and its sequence number; the
@@ -54,6 +57,9 @@ const RECEIVERS: u64 = 3;
 const STREAMS: u64 = 2;
 /// Block ids: `receiver * ID_STRIDE + seq`.
 const ID_STRIDE: u64 = 1 << 40;
+/// Sequence numbers a receiver has for one run (far more than a run adds, about 1 500 here):
+/// run `i` starts its receivers at `(i mod 2^20) * SEQS_PER_RUN`, below `ID_STRIDE`.
+const SEQS_PER_RUN: u64 = 1 << 20;
 /// The child's batch interval.
 const BATCH_INTERVAL: Duration = Duration::from_millis(2);
 /// The child cleans up old batches after every this many allocations.
@@ -141,8 +147,10 @@ pub fn child(work: &Path, _seed: u64, iteration: u64) -> anyhow::Result<()> {
         crate::print_io_path(wal.io_path())?;
     }
     let recovered = snapshot(&tracker);
-    // Each receiver resumes after the last of its blocks the journal holds.
-    let mut resume = vec![0u64; RECEIVERS as usize];
+    // Each receiver resumes after the last of its blocks the journal holds, and at least at a
+    // range of its own for this run: a cleanup can remove all of a receiver's blocks from the
+    // journal, and resuming after what is left would add acknowledged ids again.
+    let mut resume = vec![(iteration % (1 << 20)) * SEQS_PER_RUN; RECEIVERS as usize];
     for (info, _) in &recovered.blocks {
         let id = info.block_id().unique_id;
         let (receiver, seq) = ((id / ID_STRIDE) as usize, id % ID_STRIDE);
