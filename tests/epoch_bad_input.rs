@@ -253,6 +253,26 @@ fn a_waiting_epoch_the_chain_passed_commits_when_a_count_is_set_back() {
     assert_eq!(harness.stats().waiting_epochs, 0);
 }
 
+/// As above, but writes were stopped before the count is set back: nothing commits after
+/// `StopContinuousExecutionWrites` (SPEC B.6), so the epoch stays uncommitted.
+#[test]
+fn a_count_set_back_after_writes_stopped_commits_nothing() {
+    let (query, sink, log) = recorders();
+    let harness = BusHarness::start(EpochConfig::new(1), query, sink, log);
+    harness.set_counts(1, 1);
+    harness.commit(0, 2);
+    harness.report(0, 2);
+    harness.set_counts(2, 1);
+    harness.commit(0, 1);
+    harness.commit(1, 1);
+    harness.report(0, 1);
+    harness.epoch.ask(StopContinuousExecutionWrites).wait_timeout(REPLY_TIMEOUT).unwrap();
+    harness.set_counts(1, 1);
+    harness.barrier();
+    assert_eq!(harness.stats().last_committed, Epoch(1));
+    assert_eq!(harness.stats().waiting_epochs, 1);
+}
+
 #[test]
 fn messages_kept_before_counts_count_once_counts_are_set() {
     let (query, sink, log) = recorders();

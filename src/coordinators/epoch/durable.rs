@@ -302,6 +302,10 @@ pub struct DurableQuery<Q: Query = NoopQuery> {
     assume_compact: bool,
     /// The run's keyframe and the delta being built (module `delta`).
     deltas: DeltaEncoder,
+    /// An append that failed without failing the log (it timed out waiting for room): the
+    /// coordinator fail-stopped on it, so every later record is refused at once instead of
+    /// waiting out the write timeout again on the coordinator's thread.
+    append_failure: Option<WalError>,
 }
 
 impl DurableQuery<NoopQuery> {
@@ -359,6 +363,7 @@ impl<Q: Query> DurableQuery<Q> {
             run: recovered.max_run + 1,
             restart_point: recovered.restart_point,
             logged: BTreeSet::new(),
+            append_failure: None,
             retained_epochs: DEFAULT_RETAINED_EPOCHS,
             write_timeout: DEFAULT_WRITE_TIMEOUT,
             next_clean: i64::MIN,
@@ -420,16 +425,13 @@ impl<Q: Query> DurableQuery<Q> {
     }
 
     fn check_failed(&self, epoch: Epoch) -> Result<(), EpochError> {
-        match self.status.wal_failure.get() {
-            Some(error) => {
-                tracing::debug!(%epoch, %error, "the epoch log refuses records");
-                Err(EpochError::Wal {
-                    op: "record an epoch (the WAL failed)",
-                    source: error.clone(),
-                })
-            }
-            None => Ok(()),
-        }
+        let (op, error) = match (self.status.wal_failure.get(), &self.append_failure) {
+            (Some(error), _) => ("record an epoch (the WAL failed)", error),
+            (None, Some(error)) => ("record an epoch (an earlier append failed)", error),
+            (None, None) => return Ok(()),
+        };
+        tracing::debug!(%epoch, %error, "the epoch log refuses records");
+        Err(EpochError::Wal { op, source: error.clone() })
     }
 
     /// Serializes `record` into `self.buf`; returns whether the archive is valid (see
@@ -458,6 +460,8 @@ impl<Q: Query> DurableQuery<Q> {
             Err(source) => {
                 if matches!(source, WalError::Failed { .. }) {
                     self.status.fail(&source);
+                } else {
+                    self.append_failure.get_or_insert_with(|| source.clone());
                 }
                 Err(EpochError::Wal { op, source })
             }
@@ -602,6 +606,18 @@ impl<Q: Query> Query for DurableQuery<Q> {
         self.status.advance(self.wal.durable_lsn());
         self.maybe_clean();
         self.inner.commit(epoch)
+    }
+
+    /// A new coordinator takes this query: a new run number, so that the offsets it logs
+    /// replace, on recovery, those an earlier coordinator logged for epochs it did not commit
+    /// (before, the epochs it had logged were not logged again, and a restart resumed from the
+    /// earlier coordinator's offsets). The next offsets record is full: a run's chain of deltas
+    /// starts with a full record of that run (module `delta`).
+    fn begin_run(&mut self) {
+        // Runs below u64::MAX only: recovery refuses that number (module doc).
+        self.run = self.run.saturating_add(1).min(u64::MAX - 1);
+        self.logged.clear();
+        self.deltas.forget_base();
     }
 
     /// The epoch after the last one committed: recovered, or committed through this query
@@ -1116,6 +1132,36 @@ mod tests {
             .to_string()
             .starts_with("start_epoch = 4 (the query has committed up to 4)"));
         assert!(EpochCoordinator::new(EpochConfig::new(5), query(), NoopSink).is_ok());
+    }
+
+    /// A query handed on from one coordinator to the next (`EpochCoordinator::into_parts`): a
+    /// restart resumes from the offsets the second coordinator logged for an epoch the first
+    /// logged and did not commit. Before, that epoch counted as logged, the second's offsets
+    /// were not appended, and recovery named the first coordinator's.
+    #[test]
+    fn a_query_handed_on_logs_the_new_coordinators_offsets() {
+        use crate::coordinators::epoch::{EpochConfig, EpochCoordinator, NoopSink};
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let query = DurableQuery::open(dir.path(), config()).unwrap();
+            let mut first = EpochCoordinator::new(EpochConfig::new(0), query, NoopSink).unwrap();
+            first.set_reader_partitions(1).unwrap();
+            first.set_writer_partitions(1).unwrap();
+            first.report_partition_offset(PartitionId(0), Epoch(0), Payload::from(10)).unwrap();
+            first.commit_partition_epoch(PartitionId(0), Epoch(0), Payload::from(0)).unwrap();
+            // Epoch 1's offsets are logged, and the coordinator hands its query on.
+            first.report_partition_offset(PartitionId(0), Epoch(1), Payload::from(70)).unwrap();
+            let (query, sink) = first.into_parts();
+            let mut second = EpochCoordinator::new(EpochConfig::new(1), query, sink).unwrap();
+            second.set_reader_partitions(1).unwrap();
+            second.set_writer_partitions(1).unwrap();
+            second.report_partition_offset(PartitionId(0), Epoch(1), Payload::from(11)).unwrap();
+            second.commit_partition_epoch(PartitionId(0), Epoch(1), Payload::from(1)).unwrap();
+            assert_eq!(second.stats().last_committed, Epoch(1));
+        }
+        let reopened = DurableQuery::open(dir.path(), config()).unwrap();
+        let expected = (Epoch(1), vec![(PartitionId(0), Payload::from(11))]);
+        assert_eq!(reopened.restart_point(), Some(&expected));
     }
 
     #[test]

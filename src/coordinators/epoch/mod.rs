@@ -203,6 +203,13 @@ pub trait Query {
     fn first_uncommitted_epoch(&self) -> Option<Epoch> {
         None
     }
+
+    /// A coordinator starts with this query ([`EpochCoordinator::new`] calls it once, after
+    /// the start epoch check). A query that keeps an offset log starts a new run here: the
+    /// offsets the new coordinator records replace those an earlier coordinator recorded for
+    /// epochs it did not commit (SPEC B.10), also when one query is handed on from coordinator
+    /// to coordinator. The default does nothing.
+    fn begin_run(&mut self) {}
 }
 
 /// The data sink's global commit, implemented by the engine.
@@ -248,6 +255,9 @@ impl<T: Query + ?Sized> Query for Box<T> {
     fn first_uncommitted_epoch(&self) -> Option<Epoch> {
         (**self).first_uncommitted_epoch()
     }
+    fn begin_run(&mut self) {
+        (**self).begin_run();
+    }
 }
 
 impl<T: Sink + ?Sized> Sink for Box<T> {
@@ -269,8 +279,9 @@ impl<T: Sink + ?Sized> Sink for Box<T> {
 /// can read it while the endpoint owns the query. [`DurableQuery`] keeps the same records on
 /// disk.
 ///
-/// **Each clone is a run of its own**, as each opening of a [`DurableQuery`] is: hand a new
-/// clone to each coordinator (a restarted one starts after [`MemoryQuery::restart_point`]).
+/// **Each clone, and each coordinator it is handed to ([`Query::begin_run`]), is a run of its
+/// own**, as each opening of a [`DurableQuery`] is (a restarted coordinator starts after
+/// [`MemoryQuery::restart_point`]).
 /// Within a run the first offsets record of an epoch wins; a later run's record replaces one an
 /// earlier run made (SPEC B.10: offsets logged for epochs after the last commit are ignored on
 /// restart, and the restarted run's own offsets are what its commit of that epoch stands for).
@@ -417,6 +428,15 @@ impl Query for MemoryQuery {
     fn first_uncommitted_epoch(&self) -> Option<Epoch> {
         let last = self.state().last_committed;
         Some(last.map_or(Epoch(0), |last| Epoch(last.0.saturating_add(1))))
+    }
+
+    /// Takes a new run number, as a clone does (type doc).
+    fn begin_run(&mut self) {
+        let mut state = self.state();
+        let run = state.next_run;
+        state.next_run += 1;
+        drop(state);
+        self.run = run;
     }
 
     fn stop(&mut self, error: EpochError) {

@@ -48,8 +48,9 @@ impl<Q: Query, S: Sink> ReferenceEpochCoordinator<Q, S> {
     ///
     /// # Errors
     /// [`ConfigError`] if `config` is invalid.
-    pub fn new(config: EpochConfig, query: Q, sink: S) -> Result<Self, ConfigError> {
+    pub fn new(config: EpochConfig, mut query: Q, sink: S) -> Result<Self, ConfigError> {
         config.validate()?;
+        query.begin_run();
         Ok(Self {
             current_driver_epoch: config.start_epoch.0,
             last_committed_epoch: config.start_epoch.0 - 1,
@@ -200,10 +201,11 @@ impl<Q: Query, S: Sink> ReferenceEpochCoordinator<Q, S> {
     }
 
     /// After a count change: the next epoch to commit, if it waits (the chain passed it while
-    /// it was not ready) and is ready now, is resolved.
+    /// it was not ready) and is ready now, is resolved, unless writes were stopped.
     fn resume_passed_epoch(&mut self) {
         let Some(next) = self.last_committed_epoch.checked_add(1) else { return };
         if self.failed_epoch.is_none()
+            && !self.query_writes_stopped
             && self.epochs_waiting_to_be_committed.contains(&next)
             && self.is_ready(next)
         {

@@ -558,6 +558,8 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
                          sink would commit the epochs in between again",
             });
         }
+        let mut query = query;
+        query.begin_run();
         Ok(Self {
             query,
             sink,
@@ -756,12 +758,17 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
 
     /// After a count change: the next epoch to commit, if it waits (the commit chain passed it
     /// while a count change left it not ready) and is ready now, commits, with the ready
-    /// epochs waiting after it. It may have no message left to come (module doc of [`super`]).
+    /// epochs waiting after it, unless writes were stopped (then nothing commits, SPEC B.6). It
+    /// may have no message left to come (module doc of [`super`]).
     fn resume_passed_epoch(&mut self) {
         let Some(slot) = self.last_committed.next().and_then(|next| self.live_slot(next)) else {
             return;
         };
-        if self.failed_epoch.is_none() && self.buckets[slot as usize].waiting && self.is_ready(slot)
+        let bucket = &self.buckets[slot as usize];
+        if self.failed_epoch.is_none()
+            && !self.writes_stopped
+            && bucket.waiting
+            && self.is_ready(slot)
         {
             self.resolve(slot);
         }
@@ -1107,10 +1114,13 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
     /// Enters the fail-stop state and stops the query with `error`.
     #[cold]
     fn fail(&mut self, error: EpochError, epoch: Epoch) {
-        tracing::error!(%epoch, error = %error.stop_text(),
-            "epoch coordinator failed; nothing commits from now on");
         if self.failed_epoch.is_none() {
+            tracing::error!(%epoch, error = %error.stop_text(),
+                "epoch coordinator failed; nothing commits from now on");
             self.failed_epoch = Some(epoch);
+        } else {
+            // Each later epoch whose offsets complete fails again: logged once above.
+            tracing::debug!(%epoch, error = %error.stop_text(), "epoch coordinator failed again");
         }
         self.query.stop(error);
     }
