@@ -26,7 +26,8 @@
 //! with the first version open a log of chained deltas (a delta whose base is not the last
 //! full record: [`EpochError::BadLogRecord`], which then wrongly suggests a skipped segment).
 //!
-//! `run` numbers the openings of the log (the highest run found on recovery, plus one). It is
+//! `run` numbers the openings of the log (the highest run found on recovery, plus one), and
+//! each coordinator the query is handed to takes the next number (`Query::begin_run`). It is
 //! what makes "the first record of an epoch wins" safe across restarts: a run that stopped may
 //! have logged offsets for epochs after its last commit, and the next run (which restarts from
 //! the last committed epoch, SPEC B.10) logs that epoch's offsets again, possibly different.
