@@ -171,17 +171,35 @@ fn a_kept_entry_of_a_partition_the_count_leaves_out_completes_nothing() {
     assert_eq!(harness.calls()[1..], [sink_commit(1, 2), Call::QueryCommit(1)]);
 }
 
+/// A coordinator with one reader and one writer where epoch 2 is complete and waits for
+/// epoch 1 (its offsets added).
+fn epoch_two_waiting() -> BusHarness {
+    let (query, sink, log) = recorders();
+    let harness = BusHarness::start(EpochConfig::new(1), query, sink, log);
+    harness.set_counts(1, 1);
+    harness.commit(0, 2);
+    harness.report(0, 2);
+    harness
+}
+
+/// [`epoch_two_waiting`], then the writer count raised to 2 and epoch 1 committed with both
+/// writers: its chain passes epoch 2, which lacks partition 1's commit.
+fn epoch_two_passed_by_the_chain() -> BusHarness {
+    let harness = epoch_two_waiting();
+    harness.set_counts(2, 1);
+    harness.commit(0, 1);
+    harness.commit(1, 1);
+    harness.report(0, 1);
+    harness
+}
+
 /// Raising the writer count while an epoch waits: it is no longer complete, so the commit of
 /// the epoch before it does not chain into it (Spark's would, committing it to the sink
 /// without the new partition, whose own commit would then be dropped as stale). It stays
 /// waiting and commits with its missing partition's message.
 #[test]
 fn a_raised_count_keeps_a_waiting_epoch_from_committing_incomplete() {
-    let (query, sink, log) = recorders();
-    let harness = BusHarness::start(EpochConfig::new(1), query, sink, log);
-    harness.set_counts(1, 1);
-    harness.commit(0, 2);
-    harness.report(0, 2);
+    let harness = epoch_two_waiting();
     harness.barrier();
     assert_eq!(harness.stats().waiting_epochs, 1, "epoch 2 is complete and waits for epoch 1");
     harness.set_counts(2, 1);
@@ -205,11 +223,7 @@ fn a_raised_count_keeps_a_waiting_epoch_from_committing_incomplete() {
 /// in the chain of the epoch before it, with no message of its own to come.
 #[test]
 fn a_waiting_epoch_commits_in_the_chain_once_a_count_is_set_back() {
-    let (query, sink, log) = recorders();
-    let harness = BusHarness::start(EpochConfig::new(1), query, sink, log);
-    harness.set_counts(1, 1);
-    harness.commit(0, 2);
-    harness.report(0, 2);
+    let harness = epoch_two_waiting();
     harness.set_counts(2, 1);
     harness.set_counts(1, 1);
     harness.commit(0, 1);
@@ -233,15 +247,7 @@ fn a_waiting_epoch_commits_in_the_chain_once_a_count_is_set_back() {
 /// passed the waiting epoch: the count change commits it (no message of it is left to come).
 #[test]
 fn a_waiting_epoch_the_chain_passed_commits_when_a_count_is_set_back() {
-    let (query, sink, log) = recorders();
-    let harness = BusHarness::start(EpochConfig::new(1), query, sink, log);
-    harness.set_counts(1, 1);
-    harness.commit(0, 2);
-    harness.report(0, 2);
-    harness.set_counts(2, 1);
-    harness.commit(0, 1);
-    harness.commit(1, 1);
-    harness.report(0, 1);
+    let harness = epoch_two_passed_by_the_chain();
     harness.barrier();
     assert_eq!(harness.stats().waiting_epochs, 1, "the chain passed epoch 2");
     harness.set_counts(1, 1);
@@ -257,15 +263,7 @@ fn a_waiting_epoch_the_chain_passed_commits_when_a_count_is_set_back() {
 /// `StopContinuousExecutionWrites` (SPEC B.6), so the epoch stays uncommitted.
 #[test]
 fn a_count_set_back_after_writes_stopped_commits_nothing() {
-    let (query, sink, log) = recorders();
-    let harness = BusHarness::start(EpochConfig::new(1), query, sink, log);
-    harness.set_counts(1, 1);
-    harness.commit(0, 2);
-    harness.report(0, 2);
-    harness.set_counts(2, 1);
-    harness.commit(0, 1);
-    harness.commit(1, 1);
-    harness.report(0, 1);
+    let harness = epoch_two_passed_by_the_chain();
     harness.epoch.ask(StopContinuousExecutionWrites).wait_timeout(REPLY_TIMEOUT).unwrap();
     harness.set_counts(1, 1);
     harness.barrier();
