@@ -391,19 +391,41 @@ fn fdatasync_baseline(
         file.sync_all()?;
     }
     let file = Arc::new(file);
+    let places = threads as u64;
+    let (latency, seconds) = time_on_threads(threads, count, |thread| {
+        let (file, frame) = (Arc::clone(&file), vec![0x5au8; frame_bytes]);
+        move |index| {
+            file.write_all_at(&frame, (index * places + thread) * frame_bytes as u64)?;
+            Ok(file.sync_data()?)
+        }
+    })?;
+    drop(file);
+    std::fs::remove_file(&path)?;
+    Ok(FdatasyncBaseline { latency, records_per_sec: records as f64 / seconds })
+}
+
+/// Runs `count` calls of the operation `worker(thread)` makes on each of `threads` threads,
+/// released together; returns every call's latency and the seconds from the release until the
+/// last thread ended. The operations are built before the release (their set-up is not timed).
+fn time_on_threads<W, Op>(
+    threads: usize,
+    count: u64,
+    worker: W,
+) -> anyhow::Result<(Histogram<u64>, f64)>
+where
+    W: Fn(u64) -> Op,
+    Op: FnMut(u64) -> anyhow::Result<()> + Send + 'static,
+{
     let barrier = Arc::new(Barrier::new(threads + 1));
-    let workers: Vec<_> = (0..threads as u64)
+    let handles: Vec<_> = (0..threads as u64)
         .map(|thread| {
-            let (file, barrier) = (Arc::clone(&file), Arc::clone(&barrier));
-            let frame = vec![0x5au8; frame_bytes];
-            let places = threads as u64;
+            let (barrier, mut op) = (Arc::clone(&barrier), worker(thread));
             std::thread::spawn(move || -> anyhow::Result<Histogram<u64>> {
                 let mut histogram = Histogram::<u64>::new(3)?;
                 barrier.wait();
                 for index in 0..count {
                     let started = Instant::now();
-                    file.write_all_at(&frame, (index * places + thread) * frame_bytes as u64)?;
-                    file.sync_data()?;
+                    op(index)?;
                     histogram.record(started.elapsed().as_nanos() as u64)?;
                 }
                 Ok(histogram)
@@ -413,13 +435,10 @@ fn fdatasync_baseline(
     barrier.wait();
     let started = Instant::now();
     let mut latency = Histogram::<u64>::new(3)?;
-    for worker in workers {
-        latency.add(&worker.join().map_err(|_| anyhow::anyhow!("baseline writer panicked"))??)?;
+    for handle in handles {
+        latency.add(&handle.join().map_err(|_| anyhow::anyhow!("a timed thread panicked"))??)?;
     }
-    let seconds = started.elapsed().as_secs_f64();
-    drop(file);
-    std::fs::remove_file(&path)?;
-    Ok(FdatasyncBaseline { latency, records_per_sec: records as f64 / seconds })
+    Ok((latency, started.elapsed().as_secs_f64()))
 }
 
 fn throughput_figure(
@@ -498,33 +517,13 @@ fn every_record_figure(
 ) -> anyhow::Result<Figure> {
     let dir = root.join(format!("every-{threads}"));
     let wal = Arc::new(open(&dir, args, Durability::EveryRecord)?);
-    let barrier = Arc::new(Barrier::new(threads + 1));
-    let workers: Vec<_> = (0..threads)
-        .map(|thread| {
-            let wal = Arc::clone(&wal);
-            let barrier = Arc::clone(&barrier);
-            let payload = vec![thread as u8; args.record_bytes];
-            let count = args.every_records;
-            std::thread::spawn(move || -> anyhow::Result<Histogram<u64>> {
-                let mut histogram = Histogram::<u64>::new(3)?;
-                barrier.wait();
-                for index in 0..count {
-                    let started = Instant::now();
-                    let (lsn, _) = wal.append_bytes(&payload, index as i64)?;
-                    wal.wait_durable(lsn)?;
-                    histogram.record(started.elapsed().as_nanos() as u64)?;
-                }
-                Ok(histogram)
-            })
-        })
-        .collect();
-    barrier.wait();
-    let started = Instant::now();
-    let mut histogram = Histogram::<u64>::new(3)?;
-    for worker in workers {
-        histogram.add(&worker.join().map_err(|_| anyhow::anyhow!("appender panicked"))??)?;
-    }
-    let seconds = started.elapsed().as_secs_f64();
+    let (histogram, seconds) = time_on_threads(threads, args.every_records, |thread| {
+        let (wal, payload) = (Arc::clone(&wal), vec![thread as u8; args.record_bytes]);
+        move |index| {
+            let (lsn, _) = wal.append_bytes(&payload, index as i64)?;
+            Ok(wal.wait_durable(lsn)?)
+        }
+    })?;
     let messages = args.every_records * threads as u64;
     let frame_bytes = frame::frame_len(args.record_bytes) as u64;
     let mut figure = Figure::new("wal", messages, seconds)
