@@ -13,7 +13,7 @@ use std::{
     path::Path,
     sync::{
         atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
-        Arc, Condvar, Mutex,
+        mpsc, Arc, Condvar, Mutex,
     },
     time::Duration,
 };
@@ -108,6 +108,9 @@ struct StalledLog {
     durable: AtomicU64,
     /// The last LSN appended.
     appended: AtomicU64,
+    /// Set by [`StalledLog::hold_close`]: the next `close` says it entered, waits for the
+    /// release, then times out, leaving the log open (a close that gave up on the disk).
+    held_close: Mutex<Option<(mpsc::Sender<()>, mpsc::Receiver<()>)>>,
 }
 
 impl StalledLog {
@@ -120,7 +123,17 @@ impl StalledLog {
             unreadable,
             durable: AtomicU64::new(0),
             appended: AtomicU64::new(0),
+            held_close: Mutex::new(None),
         })
+    }
+
+    /// Makes the next `close` stop until released, then time out. Returns the receiver of its
+    /// "entered" signal and the sender that releases it.
+    fn hold_close(&self) -> (mpsc::Receiver<()>, mpsc::Sender<()>) {
+        let (entered, entered_signal) = mpsc::channel();
+        let (release, released) = mpsc::channel();
+        *self.held_close.lock().unwrap() = Some((entered, released));
+        (entered_signal, release)
     }
 
     /// The disk answers once: everything appended so far becomes durable, and the armed
@@ -180,7 +193,16 @@ impl BlockLog for StalledLog {
         self.inner.clean(threshold_ms, keep_from, wait)
     }
     fn close(&self) -> Result<(), WalError> {
-        self.inner.close()
+        let Some((entered, released)) = self.held_close.lock().unwrap().take() else {
+            return self.inner.close();
+        };
+        entered.send(()).unwrap();
+        released.recv_timeout(BOUND).unwrap();
+        Err(WalError::CloseTimedOut {
+            appended: self.appended.load(Ordering::SeqCst),
+            durable: self.durable.load(Ordering::SeqCst),
+            timeout: BOUND,
+        })
     }
     fn max_event_bytes(&self) -> Option<usize> {
         self.inner.max_event_bytes()
@@ -253,12 +275,15 @@ fn the_answers_waiting_for_a_stalled_log_are_bounded_in_bytes() {
     drop(large);
     let small = endpoint.ask(HasUnallocatedBlocks);
     // Let in, it waits for durability like the additions, until the stop fails what waits
-    // (nothing ever becomes durable here).
+    // with its wait's timeout (nothing ever becomes durable here).
     bus.shutdown().unwrap();
     match small.wait_timeout(BOUND) {
-        Err(AskError::Handler(cause)) => assert_eq!(
-            cause.downcast_ref::<BlockTrackerError>(),
-            Some(&BlockTrackerError::Wal(WalError::Closed))
+        Err(AskError::Handler(cause)) => assert!(
+            matches!(
+                cause.downcast_ref::<BlockTrackerError>(),
+                Some(BlockTrackerError::Wal(WalError::Timeout { lsn: 100, durable: 0, .. }))
+            ),
+            "{cause}"
         ),
         other => panic!("expected the query to wait until the stop, got {other:?}"),
     }
@@ -306,21 +331,55 @@ fn assert_refused_after_an_undurable_stop<T: std::fmt::Debug>(reply: Result<T, A
 }
 
 /// A `StopTracker` whose bounded wait ends with requests still waiting fails them (the
-/// addition answers false) without reading the log back: the tracker is stopping, and a
-/// rebuild would hold the endpoint thread past the stop's documented bound. A query queued
-/// behind the stop is refused: the state still holds the addition that never became durable.
+/// addition answers false, a waiting query fails with the wait's timeout, which names the LSN
+/// waited for) without reading the log back: the tracker is stopping, and a rebuild would hold
+/// the endpoint thread past the stop's documented bound. A query queued behind the stop is
+/// refused: the state still holds the addition that never became durable.
 #[test]
 fn a_stop_that_times_out_fails_what_waits_without_a_rebuild() {
     let dir = tempfile::tempdir().unwrap();
     let log = StalledLog::new(dir.path(), false);
     let (bus, endpoint) = host_stalled(&log, DEFAULT_ANSWER_BYTE_LIMIT);
     let addition = endpoint.ask(AddBlock(info(1, 1)));
+    let waiting = endpoint.ask(HasUnallocatedBlocks);
     let stop = endpoint.ask(StopTracker);
     let behind = endpoint.ask(GetUnallocatedBlocks(StreamId(1)));
     stop.wait_timeout(BOUND).unwrap();
     assert!(!addition.wait_timeout(BOUND).unwrap(), "never durable");
+    match waiting.wait_timeout(BOUND) {
+        Err(AskError::Handler(cause)) => assert!(
+            matches!(
+                cause.downcast_ref::<BlockTrackerError>(),
+                Some(BlockTrackerError::Wal(WalError::Timeout { lsn: 1, durable: 0, .. }))
+            ),
+            "{cause}"
+        ),
+        other => panic!("expected the stop's timeout, got {other:?}"),
+    }
     assert_refused_after_an_undurable_stop(behind.wait_timeout(BOUND));
     assert_eq!(log.replays.load(Ordering::SeqCst), 0, "the stop rebuilt the state");
+    bus.shutdown().unwrap();
+}
+
+/// A stop whose close times out (the disk stopped answering) leaves a receiver's hand-over
+/// queued behind it undurable for good: the query behind that is refused with a typed error,
+/// not dropped unanswered (`NoReply`) when the endpoint stops.
+#[test]
+fn a_query_behind_a_hand_over_after_a_close_that_timed_out_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = StalledLog::new(dir.path(), false);
+    let (bus, endpoint) = host_stalled(&log, DEFAULT_ANSWER_BYTE_LIMIT);
+    let receiver = BlockReceiver::connect(&endpoint).unwrap();
+    let (close_entered, release_close) = log.hold_close();
+    let stop = endpoint.ask(StopTracker);
+    close_entered.recv_timeout(BOUND).unwrap();
+    // The endpoint thread is in the close: the hand-over and the query queue behind the stop.
+    let receipt = receiver.add_block(info(1, 1));
+    let behind = endpoint.ask(GetUnallocatedBlocks(StreamId(1)));
+    release_close.send(()).unwrap();
+    stop.wait_timeout(BOUND).unwrap();
+    assert_refused_after_an_undurable_stop(behind.wait_timeout(BOUND));
+    drop(receipt);
     bus.shutdown().unwrap();
 }
 

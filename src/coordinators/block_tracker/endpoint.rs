@@ -69,9 +69,12 @@
 //! failed write may still be durable (module doc of the tracker). If the durable prefix
 //! cannot be read back either, the state is left empty and every query fails with
 //! [`BlockTrackerError::StateLost`]: no answer comes from a half-replayed state. A
-//! `StopTracker` whose wait ends with requests still waiting fails them without a rebuild,
-//! and the queries still queued behind it fail with [`BlockTrackerError::StateLost`] (the
-//! state holds what never became durable).
+//! `StopTracker` whose wait ends with requests still waiting fails them without a rebuild
+//! (with the wait's [`WalError::Timeout`], or the WAL's failure), and the queries still
+//! queued behind it fail with [`BlockTrackerError::StateLost`] (the state holds what never
+//! became durable). After the stop nothing becomes durable any more: a receiver's hand-over
+//! handled then that is not durable (its record appended before a close that timed out) does
+//! the same to what waits and what follows.
 
 use std::{
     collections::VecDeque,
@@ -762,31 +765,52 @@ impl BlockTrackerEndpoint {
         }
         self.stopped = true;
         let awaited = self.awaited_lsn();
+        let mut wait_error = None;
         if let Some(log) = self.tracker.log().cloned() {
             if let Err(error) = log.wait_durable(awaited, STOP_DURABILITY_TIMEOUT) {
                 tracing::warn!(%error, "stopping the block tracker before its events were durable");
-            }
-            let durable = log.durable_lsn();
-            while self.pending.front().is_some_and(|pending| pending.lsn() <= durable) {
-                let pending = self.pending.pop_front().expect("checked");
-                self.finish(pending, Ok(()));
-            }
-            // Also with nothing waiting here: a receiver's hand-over may be in the state and
-            // not durable (the receiver waits for its own receipt).
-            if !self.pending.is_empty() || awaited > durable {
-                // No rebuild: the tracker stops, and reading the log back would take this
-                // thread past the stop's bound. But the state holds what was not made
-                // durable, so the queries still queued behind the stop are refused.
-                let error = self.waker.failure().unwrap_or(WalError::Closed);
-                self.state_lost = Some(format!(
-                    "it stopped before its events were durable (waited {}s): {error}",
-                    STOP_DURABILITY_TIMEOUT.as_secs()
-                ));
-                self.fail_requests(error);
+                wait_error = Some(error);
             }
         }
+        // No rebuild for what the wait left undurable: the tracker stops, and reading the log
+        // back would take this thread past the stop's bound.
+        self.settle_after_stop(wait_error);
         if let Err(error) = self.tracker.stop() {
             tracing::warn!(%error, "closing the block tracker's WAL");
+        }
+    }
+
+    /// Once stopped, nothing the tracker appended becomes durable any more (its WAL is closed,
+    /// or its close gave up): answers what is durable and fails what waits, with the WAL's
+    /// failure, else `wait_error` (the stop's wait), else `Closed`. The state then holds
+    /// events that were not made durable (also a receiver's hand-over applied after a close
+    /// that timed out), so every later query is refused. Without this, what waited was
+    /// dropped unanswered when the endpoint stopped.
+    fn settle_after_stop(&mut self, wait_error: Option<WalError>) {
+        let Some(durable) = self.tracker.log().map(|log| log.durable_lsn()) else {
+            return;
+        };
+        while self.pending.front().is_some_and(|pending| pending.lsn() <= durable) {
+            let pending = self.pending.pop_front().expect("checked");
+            self.finish(pending, Ok(()));
+        }
+        if self.pending.is_empty() && self.awaited_lsn() <= durable {
+            return;
+        }
+        let error = self.waker.failure().or(wait_error).unwrap_or(WalError::Closed);
+        if self.state_lost.is_none() {
+            self.state_lost = Some(format!("it stopped before its events were durable: {error}"));
+        }
+        self.fail_requests(error);
+    }
+
+    /// Answers what became durable, and fails or arranges to answer the rest
+    /// ([`Self::complete_durable`], or [`Self::settle_after_stop`] once stopped).
+    fn settle(&mut self) {
+        if self.stopped {
+            self.settle_after_stop(None);
+        } else {
+            self.complete_durable();
         }
     }
 }
@@ -810,7 +834,7 @@ impl Endpoint for BlockTrackerEndpoint {
         context: &Context<Self>,
     ) -> Result<(), HandlerError> {
         match message {
-            BlockTrackerMessage::Durable => self.complete_durable(),
+            BlockTrackerMessage::Durable => self.settle(),
             BlockTrackerMessage::Logged(LoggedBlocks { lsn, blocks }) => {
                 if self.requests_failed {
                     // A durable record of them is in the rebuilt state already; a later one
@@ -831,7 +855,7 @@ impl Endpoint for BlockTrackerEndpoint {
                 if lsn > self.applied_lsn {
                     self.applied_lsn = lsn;
                 }
-                self.complete_durable();
+                self.settle();
             }
         }
         Ok(())
@@ -842,7 +866,7 @@ impl Endpoint for BlockTrackerEndpoint {
         request: BlockTrackerRequest,
         context: &Context<Self>,
     ) -> Result<(), HandlerError> {
-        self.complete_durable();
+        self.settle();
         match request {
             BlockTrackerRequest::AddBlock(info, replier) => {
                 match self.tracker.add_block_deferred(info) {
@@ -951,7 +975,7 @@ impl Endpoint for BlockTrackerEndpoint {
             }
         }
         // Answer what is durable already, and arm the durability callback for the rest.
-        self.complete_durable();
+        self.settle();
         Ok(())
     }
 
