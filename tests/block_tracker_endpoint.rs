@@ -111,6 +111,10 @@ struct StalledLog {
     /// Set by [`StalledLog::hold_close`]: the next `close` says it entered, waits for the
     /// release, then times out, leaving the log open (a close that gave up on the disk).
     held_close: Mutex<Option<(mpsc::Sender<()>, mpsc::Receiver<()>)>>,
+    /// While set, appends time out for room, as on a disk that stopped taking writes.
+    appends_stall: AtomicBool,
+    /// Calls of `append`, stalled ones included.
+    append_calls: AtomicUsize,
 }
 
 impl StalledLog {
@@ -124,6 +128,8 @@ impl StalledLog {
             durable: AtomicU64::new(0),
             appended: AtomicU64::new(0),
             held_close: Mutex::new(None),
+            appends_stall: AtomicBool::new(false),
+            append_calls: AtomicUsize::new(0),
         })
     }
 
@@ -160,6 +166,14 @@ impl StalledLog {
 
 impl BlockLog for StalledLog {
     fn append(&self, event: &TrackerEvent, time_ms: i64) -> Result<Lsn, BlockLogError> {
+        self.append_calls.fetch_add(1, Ordering::SeqCst);
+        if self.appends_stall.load(Ordering::SeqCst) {
+            return Err(BlockLogError::Wal(WalError::AppendTimedOut {
+                timeout: Duration::from_secs(5),
+                appended: self.appended.load(Ordering::SeqCst),
+                durable: self.durable.load(Ordering::SeqCst),
+            }));
+        }
         let lsn = self.inner.append(event, time_ms)?;
         self.appended.fetch_max(lsn.0, Ordering::SeqCst);
         Ok(lsn)
@@ -288,6 +302,42 @@ fn the_answers_waiting_for_a_stalled_log_are_bounded_in_bytes() {
         other => panic!("expected the query to wait until the stop, got {other:?}"),
     }
     assert_eq!(additions.wait_timeout(BOUND).unwrap(), vec![false; 100]);
+}
+
+/// On a stuck disk, once an append timed out for room, later requests' appends are refused
+/// without being tried (each try would hold the endpoint thread for the append timeout: N
+/// separate additions held it N times over) until the log makes something more durable;
+/// then appends are tried again.
+#[test]
+fn appends_after_one_timed_out_for_room_are_refused_untried_until_the_log_progresses() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = StalledLog::new(dir.path(), false);
+    let (bus, endpoint) = host_stalled(&log, DEFAULT_ANSWER_BYTE_LIMIT);
+    let first = endpoint.ask(AddBlock(info(1, 0)));
+    endpoint.ask(ConnectReceiver).wait_timeout(BOUND).unwrap();
+    log.appends_stall.store(true, Ordering::SeqCst);
+    let calls_before = log.append_calls.load(Ordering::SeqCst);
+    for id in 1..4 {
+        let added = endpoint.ask(AddBlock(info(1, id))).wait_timeout(BOUND).unwrap();
+        assert!(!added, "block {id} was reported added on a stalled log");
+    }
+    let allocation = endpoint.ask(AllocateBlocksToBatch(BatchTime(1)));
+    endpoint.ask(ConnectReceiver).wait_timeout(BOUND).unwrap();
+    assert_eq!(
+        log.append_calls.load(Ordering::SeqCst) - calls_before,
+        1,
+        "only the first append after the stall is tried"
+    );
+    log.appends_stall.store(false, Ordering::SeqCst);
+    log.catch_up();
+    assert!(first.wait_timeout(BOUND).unwrap(), "the addition before the stall is durable");
+    allocation.wait_timeout(BOUND).unwrap();
+    let after = endpoint.ask(AddBlock(info(1, 4)));
+    endpoint.ask(ConnectReceiver).wait_timeout(BOUND).unwrap();
+    assert_eq!(log.append_calls.load(Ordering::SeqCst) - calls_before, 2, "tried again");
+    log.catch_up();
+    assert!(after.wait_timeout(BOUND).unwrap(), "logged once the log made progress");
+    let _ = bus.shutdown();
 }
 
 /// A request that logged nothing (here a stale allocation: the same batch time again) waits

@@ -23,7 +23,10 @@
 //!   once durable (D.5: a write reported failed may still be durable).
 //!   `AddBlocks` does the same for several blocks (one record each) and answers once the last
 //!   is durable, per block; after a block the WAL refused, the rest of the request is refused
-//!   without being tried (a block too large is refused alone).
+//!   without being tried (a block too large is refused alone). Across requests too: once an
+//!   append timed out for room (a disk that stopped taking writes), every append the endpoint
+//!   would make is refused untried until the log makes something more durable, so that N
+//!   separate requests do not hold the endpoint thread N append timeouts long.
 //! * `AllocateBlocksToBatch` and `CleanupOldBatches` answer once their event is durable (a
 //!   cleanup also deletes the old WAL files first). A cleanup with `wait` deletes them on the
 //!   endpoint thread and syncs the directory before answering, so requests behind it wait

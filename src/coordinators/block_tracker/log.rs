@@ -133,7 +133,8 @@ pub const WAL_APPEND_TIMEOUT: Duration = Duration::from_secs(5);
 /// An append that finds the WAL's staging buffer full (the disk is behind) waits at most its
 /// append timeout, then fails as a refused write ([`WalError::AppendTimedOut`]: nothing was
 /// logged, so the addition answers false), instead of holding the tracker's thread or a
-/// receiver for as long as the disk takes.
+/// receiver for as long as the disk takes. The tracker then refuses its own later appends
+/// untried until the log makes something more durable (one timeout, not one per event).
 #[derive(Debug, Clone)]
 pub struct WalBlockLog {
     wal: Arc<Wal>,

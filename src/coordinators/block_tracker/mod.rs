@@ -447,6 +447,11 @@ pub struct ReceivedBlockTracker {
     recycled: Arc<BlockVecPool>,
     /// Events the WAL refused (see `append` for which are logged).
     failed_writes: std::sync::atomic::AtomicU64,
+    /// The durable LSN when an append last timed out for room ([`NOT_STALLED`]: none since
+    /// the log made progress). Until the log makes more durable, appends are refused at once
+    /// instead of each waiting out the append timeout again on the caller's thread (the
+    /// endpoint's: N separate additions on a stuck disk held it N times over).
+    stalled_at_durable: std::sync::atomic::AtomicU64,
     /// Blocks too large to be allocated are refused (module `limit`).
     block_size_limit: BlockSizeLimit,
     /// Deferred allocations whose record may not be durable yet: `(its LSN, the oldest
@@ -457,6 +462,9 @@ pub struct ReceivedBlockTracker {
 
 /// Most spare block vectors kept.
 const SPARE_MAX: usize = 8;
+
+/// `stalled_at_durable` when no append timed out since the log last made progress.
+const NOT_STALLED: u64 = u64::MAX;
 /// Smallest capacity worth keeping as a spare.
 const SPARE_CAPACITY_MIN: usize = 1024;
 
@@ -545,6 +553,7 @@ impl ReceivedBlockTracker {
             undurable_allocations: VecDeque::new(),
             recycled: Arc::default(),
             failed_writes: std::sync::atomic::AtomicU64::new(0),
+            stalled_at_durable: std::sync::atomic::AtomicU64::new(NOT_STALLED),
         };
         if !config.recover_from_wal {
             tracker.unrecovered_through =
@@ -656,6 +665,14 @@ impl ReceivedBlockTracker {
         let Some(log) = &self.log else {
             return Ok(Append::Disabled);
         };
+        if self.still_stalled(log.as_ref()) {
+            self.count_failed_write(
+                event,
+                &"the log has made nothing durable since an append \
+                                             timed out for room",
+            );
+            return Ok(Append::Failed);
+        }
         match log.append(event, self.clock.now_ms()) {
             Ok(lsn) => Ok(Append::Appended(lsn)),
             Err(BlockLogError::Wal(error @ WalError::RecordTooLarge { .. })) => {
@@ -666,25 +683,48 @@ impl ReceivedBlockTracker {
                 Ok(Append::TooLarge)
             }
             Err(BlockLogError::Wal(error)) => {
-                let failed =
-                    1 + self.failed_writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                // A write refused for a full log (a stall, at most one per append timeout) is
-                // always worth a line; a failed log fails every later write, so those are
-                // logged at the 1st, 2nd, 4th, ... one.
-                let stalled = matches!(error, WalError::AppendTimedOut { .. });
-                if stalled || failed.is_power_of_two() {
-                    tracing::warn!(
-                        event = event.kind(),
-                        %error,
-                        failed,
-                        "failed to write to the write-ahead log"
-                    );
+                if let WalError::AppendTimedOut { durable, .. } = error {
+                    self.stalled_at_durable.store(durable, std::sync::atomic::Ordering::Relaxed);
+                    // A stall (at most one per append timeout) is always worth a line.
+                    tracing::warn!(event = event.kind(), %error, "the write-ahead log is stalled");
+                    self.failed_writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                } else {
+                    self.count_failed_write(event, &error);
                 }
                 Ok(Append::Failed)
             }
             Err(BlockLogError::Raised { message }) => {
                 Err(BlockTrackerError::LogRaised { event: event.kind(), message })
             }
+        }
+    }
+
+    /// Whether an append timed out for room and the log has made nothing more durable since
+    /// (`stalled_at_durable`); clears the mark once it has.
+    fn still_stalled(&self, log: &dyn BlockLog) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        let stalled_at = self.stalled_at_durable.load(Relaxed);
+        if stalled_at == NOT_STALLED {
+            return false;
+        }
+        if log.durable_lsn().0 <= stalled_at {
+            return true;
+        }
+        self.stalled_at_durable.store(NOT_STALLED, Relaxed);
+        false
+    }
+
+    /// Counts a write the log refused; a failed or stalled log refuses every later write, so
+    /// those are logged at the 1st, 2nd, 4th, ... one.
+    fn count_failed_write(&self, event: &TrackerEvent, error: &dyn std::fmt::Display) {
+        let failed = 1 + self.failed_writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if failed.is_power_of_two() {
+            tracing::warn!(
+                event = event.kind(),
+                %error,
+                failed,
+                "failed to write to the write-ahead log"
+            );
         }
     }
 
