@@ -75,9 +75,11 @@
 //! `StopTracker` whose wait ends with requests still waiting fails them without a rebuild
 //! (with the wait's [`WalError::Timeout`], or the WAL's failure), and the queries still
 //! queued behind it fail with [`BlockTrackerError::StateLost`] (the state holds what never
-//! became durable). After the stop nothing becomes durable any more: a receiver's hand-over
-//! handled then that is not durable (its record appended before a close that timed out) does
-//! the same to what waits and what follows.
+//! became durable). What is not durable once the stop's wait ended is treated as never
+//! becoming so (the close may still sync it, or a close that timed out may sync it in the
+//! background: D.5's "failed but maybe durable"): a receiver's hand-over handled after the
+//! stop that is not durable (its record appended before a close that timed out) fails what
+//! waits and refuses what follows in the same way.
 
 use std::{
     collections::VecDeque,
@@ -168,9 +170,10 @@ pub struct AddBlock(pub ReceivedBlockInfo);
 
 /// Adds several blocks in order (one journal record each, as that many [`AddBlock`]s would);
 /// answers, once the last of them is durable, whether each was logged. Saves a receiver that
-/// has several blocks ready one ask per block. Unlike separate asks, once one block's write
-/// is refused the blocks after it are refused without being tried (on a stalled disk each
-/// try would wait out the journal's append timeout).
+/// has several blocks ready one ask per block. Once one block's write is refused the blocks
+/// after it are refused without being tried (on a stalled disk each try would wait out the
+/// journal's append timeout; separate asks are refused untried only after an append timed
+/// out for room: module doc).
 #[derive(Debug, Clone)]
 pub struct AddBlocks(pub Vec<ReceivedBlockInfo>);
 
@@ -594,7 +597,7 @@ impl BlockTrackerEndpoint {
         self.requests_failed = true;
         self.applied_lsn = Lsn::ZERO;
         tracing::warn!(%error, requests = pending.len(),
-            "the block tracker's WAL failed; failing the requests waiting for durability");
+            "failing the block tracker's requests waiting for durability");
         for request in pending {
             self.finish(request, Err(error.clone()));
         }
@@ -783,9 +786,10 @@ impl BlockTrackerEndpoint {
         }
     }
 
-    /// Once stopped, nothing the tracker appended becomes durable any more (its WAL is closed,
-    /// or its close gave up): answers what is durable and fails what waits, with the WAL's
-    /// failure, else `wait_error` (the stop's wait), else `Closed`. The state then holds
+    /// Once stopped, what the tracker appended is treated as never becoming durable if it is
+    /// not now (the stop's wait is over; a close may still sync it, which D.5 allows of a
+    /// failed write): answers what is durable and fails what waits, with the WAL's failure,
+    /// else `wait_error` (the stop's wait), else `Closed`. The state then holds
     /// events that were not made durable (also a receiver's hand-over applied after a close
     /// that timed out), so every later query is refused. Without this, what waited was
     /// dropped unanswered when the endpoint stopped.

@@ -41,6 +41,11 @@ pub trait BlockLog: Send + Sync + 'static {
     /// Appends `event` with record time `time_ms`; returns its LSN without waiting for
     /// durability.
     ///
+    /// An append refused for want of room ([`WalError::AppendTimedOut`]) must leave records
+    /// appended and not yet durable (those holding the room): the tracker refuses its later
+    /// appends untried until [`BlockLog::durable_lsn`] moves past the `durable` the error
+    /// reports.
+    ///
     /// # Errors
     /// [`BlockLogError::Wal`] for a write the log refused, [`BlockLogError::Raised`] for an
     /// injected failure that must reach the caller.

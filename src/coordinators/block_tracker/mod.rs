@@ -27,9 +27,12 @@
 //! The synchronous methods ([`ReceivedBlockTracker::add_block`] and friends) wait until the
 //! event is durable (at most [`BlockTrackerConfig::write_timeout`], Spark's batching timeout,
 //! once it is appended; the append itself waits for room while the WAL's staging buffer is
-//! full) before changing the state. The `*_deferred` methods are for hosts that acknowledge
-//! asynchronously (the bus endpoint): they append the event, apply it at once, and return the
-//! LSN the caller must see durable before it tells anyone about the change.
+//! full, at most the log's append timeout, and once an append timed out the tracker's later
+//! appends are refused untried until the log makes something more durable: a stuck disk
+//! costs one append timeout, then each write fails at once) before changing the state. The
+//! `*_deferred` methods are for hosts that acknowledge asynchronously (the bus endpoint): they
+//! append the event, apply it at once, and return the LSN the caller must see durable before
+//! it tells anyone about the change.
 //! [`ReceivedBlockTracker::apply_logged_additions`] queues blocks whose record a receiver
 //! appended itself. Queues are observed in log order (by the records' LSNs, not by arrival),
 //! and recovery removes exactly the blocks an allocation lists, so the in-memory state always
@@ -747,7 +750,9 @@ impl ReceivedBlockTracker {
     /// Spark's `writeToLog`: writes `event` and waits until it is durable. True if the WAL is
     /// disabled or the write is durable; false if the write failed or was not confirmed in
     /// time (it may still become durable: module doc), and, without writing, if it adds a
-    /// block whose metadata is too long to be allocated ([`Self::block_metadata_bytes_max`]).
+    /// block whose metadata is too long to be allocated ([`Self::block_metadata_bytes_max`]),
+    /// or if an earlier append timed out for room and the log has made nothing more durable
+    /// since (module doc).
     ///
     /// # Errors
     /// [`BlockTrackerError::LogRaised`] if the log step raised.
