@@ -18,6 +18,7 @@ use super::{
 };
 use crate::{
     error::{AskError, HandlerError, SendError},
+    name::Name,
     queue::{QueueError, ShardedQueue},
 };
 
@@ -150,7 +151,7 @@ pub struct EndpointStats {
 
 /// The shared state of one registered endpoint.
 pub(crate) struct Inbox<E: Endpoint> {
-    pub(crate) name: String,
+    pub(crate) name: Name,
     /// Registration id; distinguishes this endpoint from a later one under the same name.
     pub(crate) id: u64,
     pub(crate) queue: ShardedQueue<Envelope<E>>,
@@ -199,7 +200,7 @@ impl<E: Endpoint> Inbox<E> {
     /// Deregisters the name at once and closes the inbox; queued messages are still handled.
     pub(crate) fn stop(&self) -> bool {
         if let Some(bus) = self.bus.upgrade() {
-            bus.deregister(&self.name, self.id);
+            bus.deregister(self.name.as_str(), self.id);
         }
         let first = self.queue.close();
         if first {
@@ -241,7 +242,7 @@ impl<E: Endpoint> std::fmt::Debug for Context<E> {
 impl<E: Endpoint> Context<E> {
     /// The endpoint's registered name.
     pub fn name(&self) -> &str {
-        &self.inbox.name
+        self.inbox.name.as_str()
     }
 
     /// Stops this endpoint: the name is free at once, messages already queued are still
@@ -295,7 +296,7 @@ impl<E: Endpoint> std::fmt::Debug for EndpointRef<E> {
 impl<E: Endpoint> EndpointRef<E> {
     /// The endpoint's registered name.
     pub fn name(&self) -> &str {
-        &self.inbox.name
+        self.inbox.name.as_str()
     }
 
     /// Whether two references reach the same endpoint.
@@ -304,7 +305,7 @@ impl<E: Endpoint> EndpointRef<E> {
     }
 
     fn send_error<T>(&self, error: QueueError<T>, timeout: Option<Duration>) -> SendError<T> {
-        let endpoint = self.inbox.name.clone();
+        let endpoint = self.inbox.name.to_string();
         match error {
             QueueError::Full(message) => SendError::Full { endpoint, message },
             QueueError::Closed(message) => SendError::Stopped { endpoint, message },
@@ -442,9 +443,9 @@ impl<E: Endpoint> EndpointRef<E> {
     /// queued), and then those of [`Reply::wait`](crate::Reply::wait).
     pub fn ask<A: Ask<E>>(&self, request: A) -> Reply<A::Reply> {
         if CURRENT_INBOX.with(std::cell::Cell::get) == self.inbox.address() {
-            return Reply::failed(AskError::SelfAsk { endpoint: self.inbox.name.clone() });
+            return Reply::failed(AskError::SelfAsk { endpoint: self.inbox.name.to_string() });
         }
-        let (replier, reply) = request_pair(self.inbox.ask_timeout);
+        let (replier, reply) = request_pair(self.inbox.ask_timeout, Some(self.inbox.name));
         let slot = replier.slot_address();
         let request = request.into_request(replier);
         // Only the tag of the push's outcome is inspected on this path: matching on the whole
@@ -473,10 +474,10 @@ impl<E: Endpoint> EndpointRef<E> {
             // Dropping `reply` abandons the slot; the replier inside the refused envelope
             // is dropped with it and frees the slot.
             Err(QueueError::Closed(_)) => {
-                Reply::failed(AskError::Stopped { endpoint: self.inbox.name.clone() })
+                Reply::failed(AskError::Stopped { endpoint: self.inbox.name.to_string() })
             }
             Err(QueueError::Full(_) | QueueError::Timeout(_)) => Reply::failed(AskError::Full {
-                endpoint: self.inbox.name.clone(),
+                endpoint: self.inbox.name.to_string(),
                 timeout: self.inbox.ask_timeout,
             }),
         }
