@@ -84,13 +84,8 @@ pub enum AskError {
     },
     /// No reply within the timeout (the `ask_timeout` setting, or the one given to
     /// `wait_timeout`). A late reply is discarded.
-    #[error(
-        "no reply{} within {timeout:?} (setting: ask_timeout or wait_timeout)",
-        from_endpoint(.endpoint.as_deref())
-    )]
+    #[error("no reply within {timeout:?} (setting: ask_timeout or wait_timeout)")]
     Timeout {
-        /// The endpoint asked (`None` for a reply made with `Replier::pair`).
-        endpoint: Option<String>,
         /// The timeout that passed.
         timeout: Duration,
     },
@@ -551,9 +546,4 @@ impl WalError {
             other => other,
         }
     }
-}
-
-/// " from endpoint \"NAME\"" for a timeout's message, or nothing.
-fn from_endpoint(endpoint: Option<&str>) -> String {
-    endpoint.map(|name| format!(" from endpoint {name:?}")).unwrap_or_default()
 }

@@ -77,7 +77,6 @@ pub mod clock;
 mod config;
 pub mod coordinators;
 mod error;
-mod name;
 pub mod queue;
 pub mod record;
 mod runtime;

@@ -18,7 +18,6 @@ use super::{
 };
 use crate::{
     error::{AskError, HandlerError, SendError},
-    name::Name,
     queue::{QueueError, ShardedQueue},
 };
 
@@ -151,7 +150,7 @@ pub struct EndpointStats {
 
 /// The shared state of one registered endpoint.
 pub(crate) struct Inbox<E: Endpoint> {
-    pub(crate) name: Name,
+    pub(crate) name: String,
     /// Registration id; distinguishes this endpoint from a later one under the same name.
     pub(crate) id: u64,
     pub(crate) queue: ShardedQueue<Envelope<E>>,
@@ -200,7 +199,7 @@ impl<E: Endpoint> Inbox<E> {
     /// Deregisters the name at once and closes the inbox; queued messages are still handled.
     pub(crate) fn stop(&self) -> bool {
         if let Some(bus) = self.bus.upgrade() {
-            bus.deregister(self.name.as_str(), self.id);
+            bus.deregister(&self.name, self.id);
         }
         let first = self.queue.close();
         if first {
@@ -242,7 +241,7 @@ impl<E: Endpoint> std::fmt::Debug for Context<E> {
 impl<E: Endpoint> Context<E> {
     /// The endpoint's registered name.
     pub fn name(&self) -> &str {
-        self.inbox.name.as_str()
+        &self.inbox.name
     }
 
     /// Stops this endpoint: the name is free at once, messages already queued are still
@@ -296,7 +295,7 @@ impl<E: Endpoint> std::fmt::Debug for EndpointRef<E> {
 impl<E: Endpoint> EndpointRef<E> {
     /// The endpoint's registered name.
     pub fn name(&self) -> &str {
-        self.inbox.name.as_str()
+        &self.inbox.name
     }
 
     /// Whether two references reach the same endpoint.
@@ -305,7 +304,7 @@ impl<E: Endpoint> EndpointRef<E> {
     }
 
     fn send_error<T>(&self, error: QueueError<T>, timeout: Option<Duration>) -> SendError<T> {
-        let endpoint = self.inbox.name.to_string();
+        let endpoint = self.inbox.name.clone();
         match error {
             QueueError::Full(message) => SendError::Full { endpoint, message },
             QueueError::Closed(message) => SendError::Stopped { endpoint, message },
@@ -443,9 +442,9 @@ impl<E: Endpoint> EndpointRef<E> {
     /// queued), and then those of [`Reply::wait`](crate::Reply::wait).
     pub fn ask<A: Ask<E>>(&self, request: A) -> Reply<A::Reply> {
         if CURRENT_INBOX.with(std::cell::Cell::get) == self.inbox.address() {
-            return Reply::failed(AskError::SelfAsk { endpoint: self.inbox.name.to_string() });
+            return Reply::failed(AskError::SelfAsk { endpoint: self.inbox.name.clone() });
         }
-        let (replier, reply) = request_pair(self.inbox.ask_timeout, Some(self.inbox.name));
+        let (replier, reply) = request_pair(self.inbox.ask_timeout);
         let slot = replier.slot_address();
         let request = request.into_request(replier);
         // Only the tag of the push's outcome is inspected on this path: matching on the whole
@@ -474,10 +473,10 @@ impl<E: Endpoint> EndpointRef<E> {
             // Dropping `reply` abandons the slot; the replier inside the refused envelope
             // is dropped with it and frees the slot.
             Err(QueueError::Closed(_)) => {
-                Reply::failed(AskError::Stopped { endpoint: self.inbox.name.to_string() })
+                Reply::failed(AskError::Stopped { endpoint: self.inbox.name.clone() })
             }
             Err(QueueError::Full(_) | QueueError::Timeout(_)) => Reply::failed(AskError::Full {
-                endpoint: self.inbox.name.to_string(),
+                endpoint: self.inbox.name.clone(),
                 timeout: self.inbox.ask_timeout,
             }),
         }

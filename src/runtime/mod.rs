@@ -45,7 +45,6 @@ use self::{
 use crate::{
     config::{BusBuilder, BusConfig},
     error::BusError,
-    name::Name,
     queue::ShardedQueue,
 };
 
@@ -170,8 +169,7 @@ impl Bus {
             Entry::Occupied(_) => return Err(BusError::DuplicateName { name }),
             Entry::Vacant(vacant) => {
                 let inbox = Arc::new(Inbox::<E> {
-                    // Interned: every ask's reply carries it, to name it in a timeout.
-                    name: Name::new(&name),
+                    name: name.clone(),
                     id: self.shared.next_id.fetch_add(1, Ordering::Relaxed),
                     // Within the queue's limits: `BusBuilder::build` validated the settings
                     // against them, and a bus is only made that way.
@@ -262,7 +260,7 @@ impl Bus {
     }
 
     fn spawn_worker<E: Endpoint>(&self, endpoint: E, inbox: Arc<Inbox<E>>) -> Result<(), BusError> {
-        let name = inbox.name;
+        let name = inbox.name.clone();
         let core = self.cores.next_core();
         let idle = self.config.idle;
         let drain_batch = self.config.drain_batch;
@@ -271,7 +269,7 @@ impl Bus {
         let body = move || {
             let _ended = ended;
             if let Some(core) = core {
-                pin::pin_current_thread(core, inbox.name.as_str());
+                pin::pin_current_thread(core, &inbox.name);
             }
             worker::run_endpoint(endpoint, inbox, idle, drain_batch);
         };
@@ -285,11 +283,11 @@ impl Bus {
             // the count of signals keeps matching the count of threads.
             let ended = self.thread_ended.1.lock().unwrap_or_else(PoisonError::into_inner);
             let _ = ended.try_recv();
-            BusError::Spawn { name: name.to_string(), reason: error.to_string() }
+            BusError::Spawn { name: name.clone(), reason: error.to_string() }
         })?;
         let mut threads = self.threads.lock().unwrap_or_else(PoisonError::into_inner);
         self.join_finished(&mut threads);
-        threads.push((name.to_string(), handle));
+        threads.push((name, handle));
         Ok(())
     }
 

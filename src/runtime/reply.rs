@@ -43,7 +43,6 @@ use std::{
 use self::slot::{Completer, Receiver, Waiter};
 use crate::{
     error::{AskError, HandlerError},
-    name::Name,
     sync::{current_thread, park_timeout, spin_loop},
 };
 
@@ -207,19 +206,11 @@ fn fail_catching_waker_panics(fail: impl FnOnce()) {
 
 /// A connected replier and reply handle whose [`Reply::wait`] and `.await` use
 /// `default_timeout`.
-pub(crate) fn request_pair<T: Send + 'static>(
-    default_timeout: Duration,
-    endpoint: Option<Name>,
-) -> (Replier<T>, Reply<T>) {
+pub(crate) fn request_pair<T: Send + 'static>(default_timeout: Duration) -> (Replier<T>, Reply<T>) {
     let (completer, receiver) = slot::channel();
     (
         Replier { completer: Some(completer) },
-        Reply {
-            state: ReplyState::Pending(receiver),
-            default_timeout,
-            endpoint,
-            poll_deadline: None,
-        },
+        Reply { state: ReplyState::Pending(receiver), default_timeout, poll_deadline: None },
     )
 }
 
@@ -254,7 +245,7 @@ impl<T: Send + 'static> Replier<T> {
     /// machine directly, in tests or embeddings without the bus). [`Reply::wait`] on it waits
     /// at most 120 s.
     pub fn pair() -> (Replier<T>, Reply<T>) {
-        request_pair(PAIR_TIMEOUT, None)
+        request_pair(PAIR_TIMEOUT)
     }
 
     /// Answers with `value`.
@@ -336,8 +327,6 @@ pub struct Reply<T> {
     state: ReplyState<T>,
     /// Timeout of [`Reply::wait`] and of awaiting: the bus's `ask_timeout`.
     default_timeout: Duration,
-    /// The endpoint asked (`None` for a [`Replier::pair`]), named in a timeout error.
-    endpoint: Option<Name>,
     /// Deadline for the `Future` implementation, fixed at the first poll (`Some(None)`: no
     /// deadline, the timeout being too large for the clock).
     poll_deadline: Option<Option<Instant>>,
@@ -360,7 +349,6 @@ impl<T> Reply<T> {
         Self {
             state: ReplyState::Failed(Some(error)),
             default_timeout: Duration::ZERO,
-            endpoint: None,
             poll_deadline: None,
         }
     }
@@ -381,7 +369,6 @@ impl<T> Reply<T> {
     /// # Errors
     /// As [`Reply::wait`], with [`AskError::Timeout`] naming `timeout`.
     pub fn wait_timeout(self, timeout: Duration) -> Result<T, AskError> {
-        let endpoint = self.endpoint;
         let receiver = match self.state {
             ReplyState::Pending(receiver) => receiver,
             ReplyState::Failed(error) => return Err(error.unwrap_or(AskError::NoReply)),
@@ -421,20 +408,13 @@ impl<T> Reply<T> {
                     return receiver.take_ready();
                 }
                 // Dropping the receiver hands the slot to the replier.
-                return Err(Self::timed_out(endpoint, timeout));
+                return Err(AskError::Timeout { timeout });
             }
             park_timeout(remaining.min(PARK_MAX));
             if receiver.is_ready() {
                 return receiver.take_ready();
             }
         }
-    }
-
-    /// The error of a wait for `endpoint` that gave up after `timeout` (cold: it allocates
-    /// the name).
-    #[cold]
-    fn timed_out(endpoint: Option<Name>, timeout: Duration) -> AskError {
-        AskError::Timeout { endpoint: endpoint.map(|name| name.to_string()), timeout }
     }
 
     /// The reply if it has arrived, without waiting; `None` while it is still pending.
@@ -480,7 +460,7 @@ impl<T> Future for Reply<T> {
             }
             // Dropping the receiver hands the slot to the replier.
             this.state = ReplyState::Failed(None);
-            return Poll::Ready(Err(Self::timed_out(this.endpoint, this.default_timeout)));
+            return Poll::Ready(Err(AskError::Timeout { timeout: this.default_timeout }));
         }
         if receiver.register(Waiter::Task(task.waker().clone())) {
             Poll::Pending
@@ -1151,9 +1131,7 @@ mod tests {
         assert!(!replier.is_abandoned());
         let timeout = Duration::from_millis(2);
         match reply.wait_timeout(timeout) {
-            Err(AskError::Timeout { endpoint: None, timeout: reported }) => {
-                assert_eq!(reported, timeout);
-            }
+            Err(AskError::Timeout { timeout: reported }) => assert_eq!(reported, timeout),
             other => panic!("expected a timeout, got {other:?}"),
         }
         assert!(replier.is_abandoned());
@@ -1242,14 +1220,12 @@ mod tests {
     }
 
     #[test]
-    fn polling_after_the_deadline_times_out_naming_the_endpoint_and_abandons() {
+    fn polling_after_the_deadline_times_out_and_abandons() {
         let waker = std::task::Waker::from(Arc::new(CountingWaker(AtomicUsize::new(0))));
         let mut task = TaskContext::from_waker(&waker);
-        let (replier, mut reply) = request_pair::<u64>(Duration::ZERO, Some(Name::new("polled")));
+        let (replier, mut reply) = request_pair::<u64>(Duration::ZERO);
         match Pin::new(&mut reply).poll(&mut task) {
-            Poll::Ready(Err(AskError::Timeout { endpoint: Some(name), timeout })) => {
-                assert_eq!((name.as_str(), timeout), ("polled", Duration::ZERO));
-            }
+            Poll::Ready(Err(AskError::Timeout { timeout })) => assert_eq!(timeout, Duration::ZERO),
             other => panic!("expected a timeout, got {other:?}"),
         }
         assert!(replier.is_abandoned());

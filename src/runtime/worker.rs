@@ -56,7 +56,7 @@ pub(crate) fn run_endpoint<E: Endpoint>(
     let mut consumer = inbox.queue.consumer().expect("an inbox has exactly one endpoint thread");
     inbox.enter_thread();
     let context = Context { inbox: Arc::clone(&inbox) };
-    guarded_hook(inbox.name.as_str(), "on_start", || endpoint.on_start(&context));
+    guarded_hook(&inbox.name, "on_start", || endpoint.on_start(&context));
     tracing::info!(endpoint = %inbox.name, "endpoint started");
 
     let mut handled_total = 0u64;
@@ -144,7 +144,7 @@ pub(crate) fn run_endpoint<E: Endpoint>(
             }
         }
     }
-    guarded_hook(inbox.name.as_str(), "on_stop", || endpoint.on_stop());
+    guarded_hook(&inbox.name, "on_stop", || endpoint.on_stop());
     tracing::info!(endpoint = %inbox.name, handled = handled_total, "endpoint stopped");
 }
 
