@@ -5,9 +5,11 @@
 //! a replier dropped by a panicking thread that is not an endpoint thread, or during a panic a
 //! handler catches itself, fails its asker with `HandlerPanicked` at once instead of leaving it
 //! to wait out its timeout; an asker's waker that panics while the endpoint loop fails such a
-//! reply does not end the endpoint thread. Method: public API only; every wait is bounded by a
-//! timeout that a regression would run into (the assertion then sees `Timeout`, not
-//! `HandlerPanicked`, or the bounded wait for the endpoint's next request fails).
+//! reply does not end the endpoint thread, nor, when a reply is answered, unwind into the
+//! answering thread (a handler midway through its work). Method: public API only; every wait
+//! is bounded by a timeout that a regression would run into (the assertion then sees
+//! `Timeout`, not `HandlerPanicked`, or the bounded wait for the endpoint's next request
+//! fails).
 
 use std::{
     future::Future,
@@ -36,6 +38,8 @@ struct Keeper {
 enum Request {
     Keep(Replier<u32>),
     Echo(u32, Replier<u32>),
+    /// Answers every kept replier with the value, then its own.
+    AnswerKept(u32, Replier<u32>),
     PanicCaughtInside(Replier<u32>),
     PanicHolding(Replier<u32>),
     /// Drops the kept repliers and its own, then returns an error.
@@ -127,6 +131,15 @@ impl Ask<Keeper> for Echo {
     }
 }
 
+/// Makes the handler answer every kept replier with the value, then this ask.
+struct AnswerKept(u32);
+impl Ask<Keeper> for AnswerKept {
+    type Reply = u32;
+    fn into_request(self, replier: Replier<u32>) -> Request {
+        Request::AnswerKept(self.0, replier)
+    }
+}
+
 struct PanicWhileHoldingIt;
 impl Ask<Keeper> for PanicWhileHoldingIt {
     type Reply = u32;
@@ -159,6 +172,12 @@ impl Endpoint for Keeper {
         match request {
             Request::Keep(replier) => self.kept.lock().unwrap().push(replier),
             Request::Echo(value, replier) => replier.reply(value),
+            Request::AnswerKept(value, replier) => {
+                for kept in self.kept.lock().unwrap().drain(..) {
+                    kept.reply(value);
+                }
+                replier.reply(value);
+            }
             Request::PanicCaughtInside(replier) => {
                 let caught = catch_unwind(AssertUnwindSafe(move || {
                     let _held = replier;
@@ -299,6 +318,44 @@ fn a_replier_dropped_in_a_panic_the_handler_caught_fails_its_asker() {
     // ended endpoint thread would leave it to time out, or fail it).
     endpoint.send(1u32).unwrap();
     assert_eq!(endpoint.ask(Echo(5)).wait_timeout(Duration::from_secs(30)).unwrap(), 5);
+    bus.shutdown().unwrap();
+}
+
+/// An answer whose asker's waker panics does not unwind into whoever answered: the reply is
+/// delivered, and the answering thread goes on.
+#[test]
+fn answering_a_reply_whose_waker_panics_does_not_unwind_into_the_answerer() {
+    let (replier, reply) = Replier::<u32>::pair();
+    let mut reply = pin!(reply);
+    let waker = Waker::from(Arc::new(PanickingWake));
+    assert!(reply.as_mut().poll(&mut TaskContext::from_waker(&waker)).is_pending());
+    let answered = catch_unwind(AssertUnwindSafe(move || replier.reply(4)));
+    assert!(answered.is_ok(), "the waker's panic unwound into the answering thread");
+    let polled =
+        reply.as_mut().poll(&mut TaskContext::from_waker(&Waker::from(Arc::new(NoopWake))));
+    assert!(matches!(polled, Poll::Ready(Ok(4))), "{polled:?}");
+}
+
+/// The same inside a handler: it answers a kept request whose asker's waker panics, and still
+/// finishes its work (the next kept request and its own are answered), with no handler panic
+/// counted against the endpoint.
+#[test]
+fn a_handler_answering_a_reply_whose_waker_panics_finishes_its_work() {
+    let bus = Bus::builder().ask_timeout(WAIT).build().unwrap();
+    let kept = Arc::new(Mutex::new(Vec::new()));
+    let endpoint =
+        bus.register("keeper", Keeper { kept: Arc::clone(&kept), ..Keeper::default() }).unwrap();
+    let mut first = pin!(endpoint.ask(KeepIt));
+    let waker = Waker::from(Arc::new(PanickingWake));
+    assert!(first.as_mut().poll(&mut TaskContext::from_waker(&waker)).is_pending());
+    let second = endpoint.ask(KeepIt);
+    wait_kept(&kept, 2);
+    assert_eq!(endpoint.ask(AnswerKept(6)).wait_timeout(WAIT).unwrap(), 6);
+    assert_eq!(second.wait_timeout(WAIT).unwrap(), 6);
+    let polled =
+        first.as_mut().poll(&mut TaskContext::from_waker(&Waker::from(Arc::new(NoopWake))));
+    assert!(matches!(polled, Poll::Ready(Ok(6))), "{polled:?}");
+    assert_eq!(endpoint.stats().panicked, 0);
     bus.shutdown().unwrap();
 }
 

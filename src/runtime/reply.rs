@@ -154,7 +154,7 @@ fn fail_dropped_own_replier(outcome: Result<(), HandlerError>) -> Result<(), Han
             (AskError::Handler(error), Err(Box::new(HandlerErrorText(text)) as HandlerError))
         }
     };
-    fail_catching_waker_panics(|| fail(error));
+    fail(error);
     returned
 }
 
@@ -181,26 +181,19 @@ pub(crate) fn has_orphaned_replies() -> bool {
 /// Fails every reply that a panicking handler dropped, with the panic's message.
 ///
 /// Failing a reply wakes its asker's task, and a waker is the asker's code: one that panics
-/// is logged and the others are still failed. The caller (the endpoint loop, outside its
-/// per-round `catch_unwind`) must not unwind, or the endpoint thread would end.
+/// is logged (the slot's wake-up catches it) and the others are still failed. The caller (the
+/// endpoint loop, outside its per-round `catch_unwind`) must not unwind, or the endpoint
+/// thread would end.
 pub(crate) fn fail_replies_orphaned_by_panic(panic_message: &str) {
     // The request's replier, if its handler dropped it before it panicked, did not get the
     // handler's outcome either.
     if let Some(fail) = DROPPED_OWN_REPLIER.with(|held| held.borrow_mut().take()) {
         let error = AskError::HandlerPanicked { message: panic_message.to_owned() };
-        fail_catching_waker_panics(|| fail(error));
+        fail(error);
     }
     let orphaned = ORPHANED_BY_PANIC.with(|list| std::mem::take(&mut *list.borrow_mut()));
     for fail in orphaned {
-        fail_catching_waker_panics(|| fail(panic_message));
-    }
-}
-
-/// Runs `fail` (which fails a reply, waking its asker) on the endpoint loop, where nothing may
-/// unwind: a waker is the asker's code, and one that panics is logged.
-fn fail_catching_waker_panics(fail: impl FnOnce()) {
-    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(fail)).is_err() {
-        tracing::warn!("an asker's waker panicked while its reply was failed");
+        fail(panic_message);
     }
 }
 
@@ -535,10 +528,20 @@ mod slot {
     }
 
     impl Waiter {
+        /// Wakes the asker. A task's waker is the asker's code; one that panics is logged and
+        /// does not unwind into whoever answered (a handler midway through its work, or a
+        /// thread already unwinding, where a second panic would abort the process).
         fn wake(self) {
             match self {
                 Self::Thread(thread) => thread.unpark(),
-                Self::Task(waker) => waker.wake(),
+                Self::Task(waker) => {
+                    let woken = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        waker.wake();
+                    }));
+                    if woken.is_err() {
+                        tracing::warn!("an asker's waker panicked when its reply was answered");
+                    }
+                }
             }
         }
     }
