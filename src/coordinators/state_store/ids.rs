@@ -343,12 +343,25 @@ mod tests {
 
     #[test]
     fn names_interned_concurrently_are_one_name() {
-        let names: Vec<Name> = std::thread::scope(|scope| {
-            let handles: Vec<_> =
-                (0..4).map(|_| scope.spawn(|| Name::new("interned-test-race"))).collect();
+        // Four threads released together intern the same fresh texts in the same order, so
+        // many are first seen by two threads at once.
+        const TEXTS: usize = 2000;
+        let start = std::sync::Barrier::new(4);
+        let per_thread: Vec<Vec<Name>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..4)
+                .map(|_| {
+                    scope.spawn(|| {
+                        start.wait();
+                        (0..TEXTS).map(|i| Name::new(&format!("interned-race-{i}"))).collect()
+                    })
+                })
+                .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         });
-        assert!(names.windows(2).all(|pair| pair[0] == pair[1]));
+        for i in 0..TEXTS {
+            let first = per_thread[0][i];
+            assert!(per_thread.iter().all(|names| names[i] == first), "text {i} interned twice");
+        }
     }
 
     #[test]
