@@ -331,13 +331,13 @@ proptest! {
                 }
             }
         }
-        // Final state: every id of the domain, valid or not.
-        for location in LOCATIONS {
+        // Final state: every id of the domain, valid or not, under both store names.
+        for (location, store) in LOCATIONS.into_iter().flat_map(|l| [(l, "default"), (l, "other")]) {
             for operator in 0..2 {
                 for partition in PARTITIONS {
                     for run in 0..3 {
                         let id = StateStoreProviderId::new(
-                            StateStoreId::new(location, operator, partition),
+                            StateStoreId::with_store_name(location, operator, partition, store),
                             run_of(run),
                         );
                         prop_assert_eq!(coordinator.get_location(id).ok(), model.location(id));
