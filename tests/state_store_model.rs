@@ -309,13 +309,14 @@ proptest! {
                         let ours = coordinator.report_snapshot_uploaded(id, version, time).is_ok();
                         prop_assert_eq!(ours, model.snapshot(id, version, time));
                     }
-                    let ours = coordinator.get_lagging_stores_for_testing(id.query_run_id, 111, false);
+                    let ours =
+                        coordinator.get_lagging_stores_for_testing(id.query_run_id, 111, false);
                     let theirs = model.lagging(id.query_run_id, 111, clock.now_ms(), false);
                     prop_assert_eq!(ours, ids(&theirs));
                 }
                 Op::Lagging(run, version, terminating) => {
-                    let ours =
-                        coordinator.get_lagging_stores_for_testing(run_of(run), version, terminating);
+                    let ours = coordinator
+                        .get_lagging_stores_for_testing(run_of(run), version, terminating);
                     let theirs = model.lagging(run_of(run), version, clock.now_ms(), terminating);
                     prop_assert_eq!(ours, ids(&theirs));
                 }
@@ -332,7 +333,8 @@ proptest! {
             }
         }
         // Final state: every id of the domain, valid or not, under both store names.
-        for (location, store) in LOCATIONS.into_iter().flat_map(|l| [(l, "default"), (l, "other")]) {
+        let stores = LOCATIONS.into_iter().flat_map(|at| [(at, "default"), (at, "other")]);
+        for (location, store) in stores {
             for operator in 0..2 {
                 for partition in PARTITIONS {
                     for run in 0..3 {
