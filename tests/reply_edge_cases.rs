@@ -321,6 +321,33 @@ fn a_replier_dropped_in_a_panic_the_handler_caught_fails_its_asker() {
     bus.shutdown().unwrap();
 }
 
+/// A waker that panics when it is dropped (once its last clone goes).
+struct PanicsWhenDropped;
+impl Wake for PanicsWhenDropped {
+    fn wake(self: Arc<Self>) {}
+}
+impl Drop for PanicsWhenDropped {
+    fn drop(&mut self) {
+        panic!("the asker's waker panics when dropped");
+    }
+}
+
+/// An asker that polled, then gave up, leaves its waker in the reply slot, and whoever answers
+/// frees the slot and drops it: a waker whose drop panics does not unwind into the answerer.
+#[test]
+fn answering_an_abandoned_reply_whose_waker_panics_on_drop_does_not_unwind_into_the_answerer() {
+    let (replier, reply) = Replier::<u32>::pair();
+    let mut reply = Box::pin(reply);
+    let waker = Waker::from(Arc::new(PanicsWhenDropped));
+    assert!(reply.as_mut().poll(&mut TaskContext::from_waker(&waker)).is_pending());
+    drop(reply);
+    // The slot's clone of the waker is now its last.
+    drop(waker);
+    assert!(replier.is_abandoned());
+    let answered = catch_unwind(AssertUnwindSafe(move || replier.reply(4)));
+    assert!(answered.is_ok(), "the waker's drop unwound into the answering thread");
+}
+
 /// An answer whose asker's waker panics does not unwind into whoever answered: the reply is
 /// delivered, and the answering thread goes on.
 #[test]

@@ -181,9 +181,9 @@ pub(crate) fn has_orphaned_replies() -> bool {
 /// Fails every reply that a panicking handler dropped, with the panic's message.
 ///
 /// Failing a reply wakes its asker's task, and a waker is the asker's code: one that panics
-/// is logged (the slot's wake-up catches it) and the others are still failed. The caller (the
-/// endpoint loop, outside its per-round `catch_unwind`) must not unwind, or the endpoint
-/// thread would end.
+/// is logged (the slot catches a waker's panic, on its wake-up or its drop) and the others are
+/// still failed. The caller (the endpoint loop, outside its per-round `catch_unwind`) must not
+/// unwind, or the endpoint thread would end.
 pub(crate) fn fail_replies_orphaned_by_panic(panic_message: &str) {
     // The request's replier, if its handler dropped it before it panicked, did not get the
     // handler's outcome either.
@@ -534,6 +534,10 @@ mod slot {
         fn wake(self) {
             match self {
                 Self::Thread(thread) => thread.unpark(),
+                // Under loom, a panic inside the model's own waker is loom's verdict: not caught.
+                #[cfg(loom)]
+                Self::Task(waker) => waker.wake(),
+                #[cfg(not(loom))]
                 Self::Task(waker) => {
                     let woken = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                         waker.wake();
@@ -600,13 +604,16 @@ mod slot {
     /// the caller is the receiver, or `ABANDONED` and the caller is the completer, with that
     /// state read by an acquire), and nothing uses it afterwards.
     unsafe fn free<T>(slot: NonNull<Slot<T>>) {
+        // SAFETY: per the caller's duty the slot is exclusively ours; nobody else touches the
+        // waiter cell again.
+        let waiter = unsafe { slot.as_ref() }.waiter.with_mut(|cell| unsafe { (*cell).take() });
+        drop_waiter_caught(waiter);
         #[cfg(not(loom))]
         {
             let layout = Layout::new::<Slot<T>>();
             // SAFETY: per the caller's duty the slot is initialized, exclusively ours and
-            // never used again. The outcome is `MaybeUninit`, so it is not dropped here; the
-            // waiter (an `Option`, possibly a `Waker` running foreign code) is, before the
-            // cache is entered.
+            // never used again. The outcome is `MaybeUninit`, so it is not dropped here, and
+            // the waiter was taken out above: dropping the rest runs no foreign code.
             unsafe { std::ptr::drop_in_place(slot.as_ptr()) };
             if let Err(block) = cache::give(layout, slot.cast()) {
                 // SAFETY: the block was allocated with `layout` (by `allocate` for this type,
@@ -619,6 +626,22 @@ mod slot {
             // SAFETY: the block came from `Box::leak` in `allocate` and, per the caller's
             // duty, no other reference to it exists or will be used.
             drop(unsafe { Box::from_raw(slot.as_ptr()) });
+        }
+    }
+
+    /// Drops an asker's waiter left in a slot being freed. A task's `Waker` is the asker's code,
+    /// and one whose drop panics is logged: it must not unwind into whoever frees the slot (a
+    /// handler answering an abandoned ask, or the endpoint loop failing orphaned replies
+    /// outside its per-round `catch_unwind`), nor leak the block.
+    fn drop_waiter_caught(waiter: Option<Waiter>) {
+        if let Some(Waiter::Task(waker)) = waiter {
+            // Under loom, a panic is the model's verdict: not caught.
+            #[cfg(loom)]
+            drop(waker);
+            #[cfg(not(loom))]
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(waker))).is_err() {
+                tracing::warn!("an asker's waker panicked when it was dropped");
+            }
         }
     }
 
