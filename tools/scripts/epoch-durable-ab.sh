@@ -25,33 +25,47 @@ shift
 # The placement classifier is perf-summary.py's (one copy of its thresholds).
 SUMMARY="$(dirname "$0")/perf-summary.py"
 OUT=$(mktemp)
-trap 'rm -f "$OUT"' EXIT
-for _ in $(seq "$ROUNDS"); do
+ERR=$(mktemp)
+trap 'rm -f "$OUT" "$ERR"' EXIT
+FAILED=0
+for round in $(seq "$ROUNDS"); do
     for bin in "$@"; do
         for durability in none group; do
-            "$bin" --json epoch --partitions 1000 --epochs "${EPOCHS:-20000}" --baseline none \
-                --durability "$durability" 2>/dev/null |
+            # A failed run is reported (with the end of its stderr) and left out; the sitting
+            # goes on.
+            if ! "$bin" --json epoch --partitions 1000 --epochs "${EPOCHS:-20000}" \
+                --baseline none --durability "$durability" 2>"$ERR" |
                 python3 -c "import json, runpy, sys
 mode = runpy.run_path('$SUMMARY')['mode']
 names = {'T': 'sibling', 'F': 'fast', 'S': 'slow', 'M': 'mixed', '?': 'unknown'}
 for figure in map(json.loads, sys.stdin):
-    print('$bin', '$durability', figure['msgs_per_sec'], names[mode(figure)], figure['p50_ns'])" \
-                >> "$OUT"
+    print('$round', '$bin', '$durability', figure['msgs_per_sec'], names[mode(figure)],
+          figure['p50_ns'])" \
+                >> "$OUT"; then
+                echo "left out: a failed run ($bin, --durability $durability):" \
+                    "$(tail -n 3 "$ERR")" >&2
+                FAILED=$((FAILED + 1))
+            fi
         done
     done
 done
-python3 - "$OUT" "$@" <<'PY'
+python3 - "$OUT" "$FAILED" "$@" <<'PY'
 import statistics, sys
-rows, memory_p50_us = {}, {}
+rows, memory_p50_us, by_round = {}, {}, {}
 for line in open(sys.argv[1]):
-    binary, durability, rate, mode, p50_ns = line.split()
+    round_, binary, durability, rate, mode, p50_ns = line.split()
+    by_round.setdefault(binary, {}).setdefault(int(round_), {})[durability] = float(rate)
     for key in ("all", mode):
-        rows.setdefault(binary, {}).setdefault(key, {}).setdefault(durability, []).append(float(rate))
+        runs = rows.setdefault(binary, {}).setdefault(key, {})
+        runs.setdefault(durability, []).append(float(rate))
         if durability == "none":
             memory_p50_us.setdefault((binary, key), []).append(round(float(p50_ns) / 1e3))
-for binary in sys.argv[2:]:
+if sys.argv[2] != "0":
+    print(f"{sys.argv[2]} failed runs left out (above)")
+for binary in sys.argv[3:]:
+    rounds = [pair for _, pair in sorted(by_round.get(binary, {}).items()) if len(pair) == 2]
     for mode in ("all", "fast", "sibling", "slow", "mixed", "unknown"):
-        runs = rows[binary].get(mode, {})
+        runs = rows.get(binary, {}).get(mode, {})
         memory, durable = runs.get("none", []), runs.get("group", [])
         if not memory or not durable:
             continue
@@ -60,6 +74,6 @@ for binary in sys.argv[2:]:
               f"(commit p50s {memory_p50_us[(binary, mode)]} us), "
               f"group commit {statistics.median(durable) / 1e6:.1f} M/s, "
               f"ratio of medians {statistics.median(durable) / statistics.median(memory):.3f}"
-              + (f", per round {[round(d / m, 2) for m, d in zip(memory, durable)]}"
+              + (f", per round {[round(pair['group'] / pair['none'], 2) for pair in rounds]}"
                  if mode == "all" else ""))
 PY

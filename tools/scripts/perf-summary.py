@@ -20,7 +20,7 @@ import sys
 SIBLING_BELOW_NS = 45
 FAST_BELOW_NS = 150
 # Keys that tell apart the figures one command prints (besides the workload name).
-IDENTITY_KEYS = ("durability", "threads", "receivers", "blocks_per_ask", "baseline")
+IDENTITY_KEYS = ("durability", "threads", "receivers", "blocks_per_ask", "baseline", "phase")
 
 
 def mode(figure):

@@ -14,6 +14,7 @@ context switches. A thread that exits between samples loses at most its last 3 m
 import glob
 import subprocess
 import sys
+import tempfile
 import time
 
 
@@ -30,7 +31,10 @@ def main():
     if len(sys.argv) < 2:
         sys.exit(__doc__)
     started = time.monotonic()
-    child = subprocess.Popen(sys.argv[1:], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    # The child's output goes to a file, not a pipe: a pipe read only after the child exits
+    # would fill (64 KiB, e.g. with a verbose RUST_LOG) and stall it.
+    output = tempfile.TemporaryFile()
+    child = subprocess.Popen(sys.argv[1:], stdout=output, stderr=subprocess.STDOUT)
     last = {}
     while child.poll() is None:
         for task in glob.glob(f"/proc/{child.pid}/task/*"):
@@ -41,7 +45,8 @@ def main():
             last[(task, comm)] = values
         time.sleep(0.003)
     wall = time.monotonic() - started
-    sys.stdout.write(child.stdout.read().decode())
+    output.seek(0)
+    sys.stdout.write(output.read().decode())
     totals = {}
     for (_, comm), values in last.items():
         name = "iou-wrk" if comm.startswith("iou-wrk") else comm

@@ -21,9 +21,12 @@
 //! `--durability group|every` puts a `DurableQuery` (the offset and commit logs in the WAL, on
 //! a temporary directory removed afterwards) in front of the load query: group commit
 //! (`Durability::GroupCommit`: the WAL's default 200 us delay, or `--group-delay-us`, and groups
-//! of up to 4 MiB, as in the `wal` workload; the WAL's default is 1 MiB) or a sync per record
-//! (`Durability::EveryRecord`). The coordinator never waits for a sync, but the run only ends
-//! when the last epoch's commit record is durable, and that moment ends the measured time.
+//! of up to 4 MiB, as in the `wal` workload; the WAL's default is 1 MiB) or
+//! `Durability::EveryRecord` (no group delay: a sync starts as soon as one is not running, and
+//! the records appended during a sync share the next one, so this is not a sync per record
+//! here, where nobody waits for each record). The coordinator never waits for a sync, but
+//! the run only ends when the last epoch's commit record is durable, and that moment ends the
+//! measured time.
 //! Such runs also report the durable commit latency (`durable_p50_ns`, `durable_p99_ns`,
 //! `durable_p999_ns`): from an epoch's last message to the moment its commit record is seen
 //! durable. It is seen at the coordinator's next commit (the query collaborator asks the
@@ -85,7 +88,7 @@ pub enum Durability {
     None,
     /// WAL with group commit.
     Group,
-    /// WAL with a sync per record.
+    /// WAL with `Durability::EveryRecord` (syncs back to back, no group delay).
     Every,
 }
 
@@ -153,8 +156,9 @@ pub struct EpochArgs {
         value_parser = clap::value_parser!(i64).range(0..=MAX_EPOCHS)
     )]
     pub window: i64,
-    /// Commit durability: none (in memory), group (WAL, group commit) or every (WAL, a sync
-    /// per record).
+    /// Commit durability: none (in memory), group (WAL, group commit) or every (WAL,
+    /// `EveryRecord`: syncs back to back with no group delay; records appended during a sync
+    /// share the next).
     #[arg(long, value_enum, default_value_t = Durability::None)]
     pub durability: Durability,
     /// With `--durability group`: longest a record waits for its group (the WAL's

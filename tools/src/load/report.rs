@@ -14,8 +14,9 @@
 //!   `reference (direct)` baseline runs the reference model in memory on this thread, on a
 //!   prefix of the stream, also for `--durability group|every` runs: compare a durable run
 //!   with the in-memory run of the same sitting, not with that baseline.
-//! * `wal`: the every-record baseline is one thread's fdatasync rate, whatever `--threads`
-//!   says; the group-commit baseline syncs 4 MiB batches, larger than the log's own groups.
+//! * `wal`: the every-record baseline runs as many threads as the figure, each writing and
+//!   fdatasyncing its own records; the group-commit baseline syncs 4 MiB batches, larger than
+//!   the log's own groups.
 //! * `blocks`: no baseline runs; the `spark_*` keys are Spark's published rates
 //!   (`../shared/ANCHORS.md`).
 //! * `state-store/deactivate`: ours is the median of several rounds, the baseline one cold
