@@ -429,6 +429,49 @@ fn the_wal_tool_dump_names_the_damage_it_skipped_and_fails() {
     assert_eq!(code, Some(1), "{output}");
 }
 
+/// A segment with both damage and a torn tail after it: `inspect` names both in the segment's
+/// state, and `dump` (exit 1, corrupt) names the damage it skipped and the torn tail it did
+/// not show.
+#[test]
+fn the_wal_tool_names_both_damage_and_a_torn_tail_in_one_segment() {
+    let parent = tempfile::tempdir().unwrap();
+    let log = parent.path().join("log");
+    let handles: Vec<_> = {
+        let wal = coordbus::wal::Wal::open(&log, coordbus::wal::WalConfig::default()).unwrap();
+        // Each durable before the next: a later frame proves an earlier one was synced.
+        let handles = [b"first", b"hurt!", b"third", b"torn!"]
+            .iter()
+            .map(|payload| {
+                let (lsn, handle) = wal.append_bytes(*payload, 1).unwrap();
+                wal.wait_durable_timeout(lsn, BOUND).unwrap();
+                handle
+            })
+            .collect();
+        wal.close().unwrap();
+        handles
+    };
+    let segment = log.join(coordbus::wal::segment::file_name(handles[1].segment));
+    let mut bytes = std::fs::read(&segment).unwrap();
+    for damaged in [&handles[1], &handles[3]] {
+        let payload = damaged.offset as usize + coordbus::record::frame::HEADER_LEN;
+        bytes[payload..payload + 4].copy_from_slice(b"XXXX");
+    }
+    std::fs::write(&segment, &bytes).unwrap();
+    let path = log.to_str().unwrap();
+
+    let (code, output) = wal_tool(&["inspect", path]);
+    assert_eq!(code, Some(0), "{output}");
+    let row = output.lines().find(|line| line.starts_with("seg-")).unwrap();
+    assert!(row.contains("1 damaged stretch(es); torn tail at"), "{output}");
+
+    let (code, output) = wal_tool(&["dump", path]);
+    assert_eq!(code, Some(1), "{output}");
+    let records: Vec<&str> = output.lines().filter(|line| line.starts_with("lsn")).collect();
+    assert_eq!(records.len(), 2, "{output}");
+    assert!(output.contains("coordbus-wal dump: skipped"), "{output}");
+    assert!(output.contains("coordbus-wal dump: torn tail not shown"), "{output}");
+}
+
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|byte| format!("{byte:02x}")).collect()
 }

@@ -29,8 +29,8 @@ use clap::{Parser, Subcommand};
 use coordbus::wal::{
     is_locked, scan_dir,
     segment::{self, is_spare_file_name, parse_file_name},
-    Lsn, RecoveryMode, RecoveryReport, SegmentSummary, Wal, WalConfig, WalOptions, UNSYNCED_MARKER,
-    UNSYNCED_MARKER_TEMP,
+    Lsn, RecoveryMode, RecoveryReport, SegmentSummary, TornTail, Wal, WalConfig, WalOptions,
+    UNSYNCED_MARKER, UNSYNCED_MARKER_TEMP,
 };
 use serde_json::json;
 
@@ -300,13 +300,17 @@ fn inspect(dir: &PathBuf, as_json: bool) -> anyhow::Result<ExitCode> {
         } else if segment.dropped {
             "removed on open (a torn creation, or records of a failed log past its durable LSN)"
                 .to_owned()
-        } else if let Some(tail) = &segment.torn_tail {
-            format!(
-                "torn tail at {} ({} bytes, {} records)",
-                tail.offset, tail.bytes_discarded, tail.records_discarded
-            )
-        } else if !segment.corruption.is_empty() {
-            format!("{} damaged stretch(es)", segment.corruption.len())
+        } else if !segment.corruption.is_empty() || segment.torn_tail.is_some() {
+            // Both, when a segment has damage and a torn tail after it.
+            let damage = (!segment.corruption.is_empty())
+                .then(|| format!("{} damaged stretch(es)", segment.corruption.len()));
+            let torn = segment.torn_tail.as_ref().map(|tail| {
+                format!(
+                    "torn tail at {} ({} bytes, {} records)",
+                    tail.offset, tail.bytes_discarded, tail.records_discarded
+                )
+            });
+            damage.into_iter().chain(torn).collect::<Vec<_>>().join("; ")
         } else if segment.recycled {
             "ok (recycled file)".to_owned()
         } else {
@@ -415,7 +419,12 @@ fn dump(
 fn left_out_notes(report: &RecoveryReport, finding: Finding) -> Vec<String> {
     match (finding, report.unsynced_cut, &report.torn_tail) {
         (Finding::Healthy, ..) => Vec::new(),
-        (Finding::Corrupt, ..) => damage_skipped(report),
+        // The damage, and also what opening cuts at the end.
+        (Finding::Corrupt, _, tail) => {
+            let mut notes = damage_skipped(report);
+            notes.extend(tail.as_ref().map(torn_tail_note));
+            notes
+        }
         (Finding::FailedLog, Some(cut), _) => {
             let mut note = format!(
                 "not shown: {} records a failed log wrote after its last durable LSN {} (never \
@@ -427,14 +436,19 @@ fn left_out_notes(report: &RecoveryReport, finding: Finding) -> Vec<String> {
             }
             vec![note]
         }
-        (Finding::TornTail, _, Some(tail)) => vec![format!(
-            "torn tail not shown: {} bytes ({} records) of segment {} from offset {} (records \
-             written after the last sync: what a crash leaves, or a live writer's records in \
-             flight)",
-            tail.bytes_discarded, tail.records_discarded, tail.segment.0, tail.offset
-        )],
+        (Finding::TornTail, _, Some(tail)) => vec![torn_tail_note(tail)],
         _ => vec![torn_creation_detail(report)],
     }
+}
+
+/// The note naming a torn tail `dump` did not show.
+fn torn_tail_note(tail: &TornTail) -> String {
+    format!(
+        "torn tail not shown: {} bytes ({} records) of segment {} from offset {} (records \
+         written after the last sync: what a crash leaves, or a live writer's records in \
+         flight)",
+        tail.bytes_discarded, tail.records_discarded, tail.segment.0, tail.offset
+    )
 }
 
 /// The damage a tolerant open skipped, one line each (a segment skipped as a whole is one
