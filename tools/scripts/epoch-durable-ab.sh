@@ -1,7 +1,8 @@
 #!/bin/bash
 # Durable-versus-in-memory ratio of the epoch workload, alternated: for each round and each
 # binary given, one in-memory run and one group-commit run of
-#   BIN --json epoch --partitions 1000 --epochs 20000 --baseline none --durability none|group
+#   BIN --json epoch --partitions 1000 --epochs 20000 --producers 1 --baseline none
+#       --durability none|group
 # then, per binary, the medians and the ratio of the medians, and each round's own ratio.
 # Alternating binaries round by round is what makes two binaries comparable on this shared,
 # bimodal machine (a binary measured an hour later can read 10% apart for no reason).
@@ -13,7 +14,12 @@
 # ratios within a mode, and check that the in-memory runs were backlogged (a commit p50 of
 # hundreds of us; PERF.md, EpochCoordinator, "Thirteenth session").
 #
-# Usage: [EPOCHS=N] tools/scripts/epoch-durable-ab.sh ROUNDS BIN [BIN...]   (EPOCHS: default 20000)
+# With one producer the in-memory run may be the producer's rate rather than the coordinator's
+# (not backlogged: commit p50s of tens of us on a fast VM); PRODUCERS=2 backlogs it (PERF.md,
+# "Thirty-second session").
+#
+# Usage: [EPOCHS=N] [PRODUCERS=P] tools/scripts/epoch-durable-ab.sh ROUNDS BIN [BIN...]
+#   (EPOCHS: default 20000; PRODUCERS: default 1)
 #   (a BIN may be a wrapper script, e.g. one that sets TMPDIR=/dev/shm for a WAL on tmpfs)
 set -euo pipefail
 if [ $# -lt 2 ]; then
@@ -34,7 +40,8 @@ for round in $(seq "$ROUNDS"); do
             # A failed run is reported (with the end of its stderr) and left out; the sitting
             # goes on.
             if ! "$bin" --json epoch --partitions 1000 --epochs "${EPOCHS:-20000}" \
-                --baseline none --durability "$durability" 2>"$ERR" |
+                --producers "${PRODUCERS:-1}" --baseline none --durability "$durability" \
+                2>"$ERR" |
                 python3 -c "import json, runpy, sys
 mode = runpy.run_path('$SUMMARY')['mode']
 names = {'T': 'sibling', 'F': 'fast', 'S': 'slow', 'M': 'mixed', '?': 'unknown'}
