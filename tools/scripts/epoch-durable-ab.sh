@@ -21,6 +21,8 @@
 # Usage: [EPOCHS=N] [PRODUCERS=P] tools/scripts/epoch-durable-ab.sh ROUNDS BIN [BIN...]
 #   (EPOCHS: default 20000; PRODUCERS: default 1)
 #   (a BIN may be a wrapper script, e.g. one that sets TMPDIR=/dev/shm for a WAL on tmpfs)
+# A failed run is left out and named on stderr; a round without both of a binary's runs shows
+# as None in its per-round list. Exits 1 if a binary has no round with both runs.
 set -euo pipefail
 if [ $# -lt 2 ]; then
     echo "usage: $0 ROUNDS BIN [BIN...]" >&2
@@ -56,8 +58,9 @@ for figure in map(json.loads, sys.stdin):
         done
     done
 done
-python3 - "$OUT" "$FAILED" "$@" <<'PY'
+python3 - "$OUT" "$FAILED" "$ROUNDS" "$@" <<'PY'
 import statistics, sys
+ROUNDS = int(sys.argv[3])
 rows, memory_p50_us, by_round = {}, {}, {}
 for line in open(sys.argv[1]):
     round_, binary, durability, rate, mode, p50_ns = line.split()
@@ -69,8 +72,18 @@ for line in open(sys.argv[1]):
             memory_p50_us.setdefault((binary, key), []).append(round(float(p50_ns) / 1e3))
 if sys.argv[2] != "0":
     print(f"{sys.argv[2]} failed runs left out (above)")
-for binary in sys.argv[3:]:
-    rounds = [pair for _, pair in sorted(by_round.get(binary, {}).items()) if len(pair) == 2]
+incomplete = []
+for binary in sys.argv[4:]:
+    pairs = by_round.get(binary, {})
+    # A round without both runs shows as None, so that positions stay round numbers.
+    rounds = [
+        round(pair["group"] / pair["none"], 2) if len(pair) == 2 else None
+        for pair in (pairs.get(number, {}) for number in range(1, ROUNDS + 1))
+    ]
+    if all(ratio is None for ratio in rounds):
+        incomplete.append(binary)
+        print(f"{binary}: no round with both runs")
+        continue
     for mode in ("all", "fast", "sibling", "slow", "mixed", "unknown"):
         runs = rows.get(binary, {}).get(mode, {})
         memory, durable = runs.get("none", []), runs.get("group", [])
@@ -81,6 +94,6 @@ for binary in sys.argv[3:]:
               f"(commit p50s {memory_p50_us[(binary, mode)]} us), "
               f"group commit {statistics.median(durable) / 1e6:.1f} M/s, "
               f"ratio of medians {statistics.median(durable) / statistics.median(memory):.3f}"
-              + (f", per round {[round(pair['group'] / pair['none'], 2) for pair in rounds]}"
-                 if mode == "all" else ""))
+              + (f", per round {rounds}" if mode == "all" else ""))
+sys.exit(1 if incomplete else 0)
 PY

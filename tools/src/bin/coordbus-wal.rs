@@ -29,8 +29,8 @@ use clap::{Parser, Subcommand};
 use coordbus::wal::{
     is_locked, scan_dir,
     segment::{self, is_spare_file_name, parse_file_name},
-    Lsn, RecoveryMode, RecoveryReport, SegmentSummary, TornTail, Wal, WalConfig, WalOptions,
-    UNSYNCED_MARKER, UNSYNCED_MARKER_TEMP,
+    Lsn, RecoveryMode, RecoveryReport, SegmentSummary, TornTail, UnsyncedCut, Wal, WalConfig,
+    WalOptions, UNSYNCED_MARKER, UNSYNCED_MARKER_TEMP,
 };
 use serde_json::json;
 
@@ -414,31 +414,35 @@ fn dump(
     Ok(ExitCode::from(finding.exit_code()))
 }
 
-/// What `dump` did not show, one line each: the damage skipped, or else what opening cuts or
-/// removes.
+/// What `dump` did not show, one line each: the damage skipped, and what opening cuts or
+/// removes (a damaged log's notes name both).
 fn left_out_notes(report: &RecoveryReport, finding: Finding) -> Vec<String> {
     match (finding, report.unsynced_cut, &report.torn_tail) {
         (Finding::Healthy, ..) => Vec::new(),
-        // The damage, and also what opening cuts at the end.
-        (Finding::Corrupt, _, tail) => {
+        // The damage, and also what opening cuts.
+        (Finding::Corrupt, cut, tail) => {
             let mut notes = damage_skipped(report);
+            notes.extend(cut.map(|cut| unsynced_cut_note(report, cut)));
             notes.extend(tail.as_ref().map(torn_tail_note));
             notes
         }
-        (Finding::FailedLog, Some(cut), _) => {
-            let mut note = format!(
-                "not shown: {} records a failed log wrote after its last durable LSN {} (never \
-                 acknowledged; opening cuts them)",
-                cut.records_discarded, cut.durable_lsn
-            );
-            if !report.segments_skipped.is_empty() {
-                note += &format!("; segments removed on open: {}", skipped_segment_names(report));
-            }
-            vec![note]
-        }
+        (Finding::FailedLog, Some(cut), _) => vec![unsynced_cut_note(report, cut)],
         (Finding::TornTail, _, Some(tail)) => vec![torn_tail_note(tail)],
         _ => vec![torn_creation_detail(report)],
     }
+}
+
+/// The note naming the records a failed log wrote after its last durable LSN.
+fn unsynced_cut_note(report: &RecoveryReport, cut: UnsyncedCut) -> String {
+    let mut note = format!(
+        "not shown: {} records a failed log wrote after its last durable LSN {} (never \
+         acknowledged; opening cuts them)",
+        cut.records_discarded, cut.durable_lsn
+    );
+    if !report.segments_skipped.is_empty() {
+        note += &format!("; segments removed on open: {}", skipped_segment_names(report));
+    }
+    note
 }
 
 /// The note naming a torn tail `dump` did not show.
