@@ -431,7 +431,8 @@ fn the_wal_tool_dump_names_the_damage_it_skipped_and_fails() {
 
 /// A segment with both damage and a torn tail after it: `inspect` names both in the segment's
 /// state, and `dump` (exit 1, corrupt) names the damage it skipped and the torn tail it did
-/// not show.
+/// not show; with a failed log's records past its durable LSN instead of the torn tail, it
+/// names those.
 #[test]
 fn the_wal_tool_names_both_damage_and_a_torn_tail_in_one_segment() {
     let parent = tempfile::tempdir().unwrap();
@@ -470,6 +471,20 @@ fn the_wal_tool_names_both_damage_and_a_torn_tail_in_one_segment() {
     assert_eq!(records.len(), 2, "{output}");
     assert!(output.contains("coordbus-wal dump: skipped"), "{output}");
     assert!(output.contains("coordbus-wal dump: torn tail not shown"), "{output}");
+
+    // Damage, and a failed log's records past its durable LSN (the last record intact again):
+    // dump names both.
+    let last = handles[3].offset as usize + coordbus::record::frame::HEADER_LEN;
+    bytes[last..last + 4].copy_from_slice(b"torn");
+    std::fs::write(&segment, &bytes).unwrap();
+    std::fs::write(log.join(coordbus::wal::UNSYNCED_MARKER), b"3\n").unwrap();
+    let (code, output) = wal_tool(&["dump", path]);
+    assert_eq!(code, Some(1), "{output}");
+    assert!(output.contains("coordbus-wal dump: skipped"), "{output}");
+    assert!(
+        output.contains("not shown: 1 records a failed log wrote after its last durable LSN 3"),
+        "{output}"
+    );
 }
 
 fn hex(bytes: &[u8]) -> String {
