@@ -352,6 +352,23 @@ fn the_wal_tool_stops_quietly_when_its_reader_goes_away() {
     assert_eq!(output.status.code(), Some(0), "{stderr}");
 }
 
+/// A new log at `log` holding `payloads`, each durable before the next is appended (so a
+/// later frame proves an earlier one was synced: damage to it is corruption, not a torn
+/// tail); their handles.
+fn log_each_durable(log: &Path, payloads: &[&[u8]]) -> Vec<coordbus::wal::RecordHandle> {
+    let wal = coordbus::wal::Wal::open(log, coordbus::wal::WalConfig::default()).unwrap();
+    let handles = payloads
+        .iter()
+        .map(|payload| {
+            let (lsn, handle) = wal.append_bytes(payload, 1).unwrap();
+            wal.wait_durable_timeout(lsn, BOUND).unwrap();
+            handle
+        })
+        .collect();
+    wal.close().unwrap();
+    handles
+}
+
 /// `dump` of a damaged log prints the records it can read, names each damaged range it
 /// skipped on stderr, and exits 1; a torn segment creation (not damage, but removed on open)
 /// is named and exits 2, as `verify` does.
@@ -359,21 +376,7 @@ fn the_wal_tool_stops_quietly_when_its_reader_goes_away() {
 fn the_wal_tool_dump_names_the_damage_it_skipped_and_fails() {
     let parent = tempfile::tempdir().unwrap();
     let log = parent.path().join("log");
-    let damaged = {
-        let wal = coordbus::wal::Wal::open(&log, coordbus::wal::WalConfig::default()).unwrap();
-        // Each durable before the next is appended: the next frame then proves it durable,
-        // so damage to it is corruption, not a torn tail.
-        let handles: Vec<_> = [b"first", b"hurt!", b"third"]
-            .iter()
-            .map(|payload| {
-                let (lsn, handle) = wal.append_bytes(*payload, 1).unwrap();
-                wal.wait_durable_timeout(lsn, BOUND).unwrap();
-                handle
-            })
-            .collect();
-        wal.close().unwrap();
-        handles
-    };
+    let damaged = log_each_durable(&log, &[b"first", b"hurt!", b"third"]);
     let path = log.to_str().unwrap();
     let (code, output) = wal_tool(&["dump", path]);
     assert_eq!(code, Some(0), "{output}");
@@ -437,20 +440,7 @@ fn the_wal_tool_dump_names_the_damage_it_skipped_and_fails() {
 fn the_wal_tool_names_both_damage_and_a_torn_tail_in_one_segment() {
     let parent = tempfile::tempdir().unwrap();
     let log = parent.path().join("log");
-    let handles: Vec<_> = {
-        let wal = coordbus::wal::Wal::open(&log, coordbus::wal::WalConfig::default()).unwrap();
-        // Each durable before the next: a later frame proves an earlier one was synced.
-        let handles = [b"first", b"hurt!", b"third", b"torn!"]
-            .iter()
-            .map(|payload| {
-                let (lsn, handle) = wal.append_bytes(*payload, 1).unwrap();
-                wal.wait_durable_timeout(lsn, BOUND).unwrap();
-                handle
-            })
-            .collect();
-        wal.close().unwrap();
-        handles
-    };
+    let handles = log_each_durable(&log, &[b"first", b"hurt!", b"third", b"torn!"]);
     let segment = log.join(coordbus::wal::segment::file_name(handles[1].segment));
     let mut bytes = std::fs::read(&segment).unwrap();
     for damaged in [&handles[1], &handles[3]] {
