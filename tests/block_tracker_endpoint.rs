@@ -291,16 +291,7 @@ fn the_answers_waiting_for_a_stalled_log_are_bounded_in_bytes() {
     // Let in, it waits for durability like the additions, until the stop fails what waits
     // with its wait's timeout (nothing ever becomes durable here).
     bus.shutdown().unwrap();
-    match small.wait_timeout(BOUND) {
-        Err(AskError::Handler(cause)) => assert!(
-            matches!(
-                cause.downcast_ref::<BlockTrackerError>(),
-                Some(BlockTrackerError::Wal(WalError::Timeout { lsn: 100, durable: 0, .. }))
-            ),
-            "{cause}"
-        ),
-        other => panic!("expected the query to wait until the stop, got {other:?}"),
-    }
+    assert_failed_with_the_stops_timeout(small.wait_timeout(BOUND), 100);
     assert_eq!(additions.wait_timeout(BOUND).unwrap(), vec![false; 100]);
 }
 
@@ -364,6 +355,21 @@ fn a_stale_allocation_waiting_when_the_wal_fails_is_answered_normally() {
     let _ = bus.shutdown();
 }
 
+/// `reply` failed with the stop's durability wait timing out on `lsn` (nothing durable).
+fn assert_failed_with_the_stops_timeout<T: std::fmt::Debug>(reply: Result<T, AskError>, lsn: u64) {
+    match reply {
+        Err(AskError::Handler(cause)) => assert!(
+            matches!(
+                cause.downcast_ref::<BlockTrackerError>(),
+                Some(BlockTrackerError::Wal(WalError::Timeout { lsn: waited, durable: 0, .. }))
+                    if *waited == lsn
+            ),
+            "{cause}"
+        ),
+        other => panic!("expected the stop's timeout on LSN {lsn}, got {other:?}"),
+    }
+}
+
 /// `reply`, of a query behind a stop that timed out before the state was durable, is the
 /// refusal that says so.
 fn assert_refused_after_an_undurable_stop<T: std::fmt::Debug>(reply: Result<T, AskError>) {
@@ -396,16 +402,7 @@ fn a_stop_that_times_out_fails_what_waits_without_a_rebuild() {
     let behind = endpoint.ask(GetUnallocatedBlocks(StreamId(1)));
     stop.wait_timeout(BOUND).unwrap();
     assert!(!addition.wait_timeout(BOUND).unwrap(), "never durable");
-    match waiting.wait_timeout(BOUND) {
-        Err(AskError::Handler(cause)) => assert!(
-            matches!(
-                cause.downcast_ref::<BlockTrackerError>(),
-                Some(BlockTrackerError::Wal(WalError::Timeout { lsn: 1, durable: 0, .. }))
-            ),
-            "{cause}"
-        ),
-        other => panic!("expected the stop's timeout, got {other:?}"),
-    }
+    assert_failed_with_the_stops_timeout(waiting.wait_timeout(BOUND), 1);
     assert_refused_after_an_undurable_stop(behind.wait_timeout(BOUND));
     assert_eq!(log.replays.load(Ordering::SeqCst), 0, "the stop rebuilt the state");
     bus.shutdown().unwrap();
