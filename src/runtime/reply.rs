@@ -534,18 +534,7 @@ mod slot {
         fn wake(self) {
             match self {
                 Self::Thread(thread) => thread.unpark(),
-                // Under loom, a panic inside the model's own waker is loom's verdict: not caught.
-                #[cfg(loom)]
-                Self::Task(waker) => waker.wake(),
-                #[cfg(not(loom))]
-                Self::Task(waker) => {
-                    let woken = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        waker.wake();
-                    }));
-                    if woken.is_err() {
-                        tracing::warn!("an asker's waker panicked when its reply was answered");
-                    }
-                }
+                Self::Task(waker) => run_asker_code("woken", || waker.wake()),
             }
         }
     }
@@ -635,13 +624,21 @@ mod slot {
     /// outside its per-round `catch_unwind`), nor leak the block.
     fn drop_waiter_caught(waiter: Option<Waiter>) {
         if let Some(Waiter::Task(waker)) = waiter {
-            // Under loom, a panic is the model's verdict: not caught.
-            #[cfg(loom)]
-            drop(waker);
-            #[cfg(not(loom))]
-            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(waker))).is_err() {
-                tracing::warn!("an asker's waker panicked when it was dropped");
-            }
+            run_asker_code("dropped", || drop(waker));
+        }
+    }
+
+    /// Runs the asker's waker code `run` (its waker being woken or dropped); a panic in it is
+    /// logged, not unwound into the caller. Under loom it runs uncaught: a panic there is the
+    /// model's verdict.
+    fn run_asker_code(when: &str, run: impl FnOnce()) {
+        #[cfg(loom)]
+        let _ = when;
+        #[cfg(loom)]
+        run();
+        #[cfg(not(loom))]
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).is_err() {
+            tracing::warn!("an asker's waker panicked when it was {when}");
         }
     }
 
