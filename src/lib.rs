@@ -83,6 +83,12 @@ mod runtime;
 pub(crate) mod sync;
 pub mod wal;
 
+/// The warnings a unit test logs, captured without a subscriber of its own thread (see the
+/// module; the integration tests share it).
+#[cfg(test)]
+#[path = "../tests/warning_capture/mod.rs"]
+mod warning_capture;
+
 pub use crate::coordinators::block_tracker::{BlockTrackerEndpoint, ReceivedBlockTracker};
 pub use crate::coordinators::epoch::{EpochConfig, EpochCoordinator, EpochEndpoint};
 pub use crate::coordinators::state_store::{StateStoreCoordinator, StateStoreCoordinatorRef};

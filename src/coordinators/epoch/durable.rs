@@ -32,7 +32,10 @@
 //! have logged offsets for epochs after its last commit, and the next run (which restarts from
 //! the last committed epoch, SPEC B.10) logs that epoch's offsets again, possibly different.
 //! On replay, offsets of a newer run replace those of an older run; within one run the first
-//! record of an epoch wins (later ones are not even appended).
+//! record of an epoch wins (later ones are not even appended). Counting one per opening and
+//! per coordinator, no real log gets near 2^63 runs: recovery refuses a record of a higher run
+//! ([`MAX_RECOVERED_RUN`]) as forged, so that the numbers after it stay fresh (a run that
+//! reused the number of the run before would have that run's offsets win on replay).
 //!
 //! # Recovery (SPEC B.10)
 //! Opening reads every record in LSN order, keeping only record handles (the last committed
@@ -340,6 +343,7 @@ impl<Q: Query> DurableQuery<Q> {
             return Err(EpochError::EpochOverflow { epoch: *epoch });
         }
         let last = recovered.restart_point.as_ref().map_or(-1, |(epoch, _)| epoch.0);
+        warn_of_skipped_damage(&wal, last);
         tracing::info!(
             dir = ?wal.dir(),
             last_committed = last,
@@ -615,7 +619,8 @@ impl<Q: Query> Query for DurableQuery<Q> {
     /// earlier coordinator's offsets). The next offsets record is full: a run's chain of deltas
     /// starts with a full record of that run (module `delta`).
     fn begin_run(&mut self) {
-        // Runs below u64::MAX only: recovery refuses that number (module doc).
+        // Recovered runs are at most MAX_RECOVERED_RUN, so no real sequence of coordinators
+        // reaches the cap; it only keeps the number below u64::MAX.
         self.run = self.run.saturating_add(1).min(u64::MAX - 1);
         self.logged.clear();
         self.deltas.forget_base();
@@ -661,6 +666,29 @@ impl<Q: Query> Drop for DurableQuery<Q> {
     }
 }
 
+/// A log opened in tolerant mode may have skipped records of later commits than the restart
+/// point it gave: the run then restarts before them, and the sink commits those epochs again
+/// (at-least-once). Recovery itself fails only if the restart point's own offsets are gone.
+fn warn_of_skipped_damage(wal: &Wal, last_committed: i64) {
+    let skipped = &wal.recovery_report().corruption_skipped;
+    if !skipped.is_empty() {
+        let records: u64 = skipped.iter().map(|note| note.records_skipped).sum();
+        let bytes: u64 = skipped.iter().map(|note| note.bytes_skipped).sum();
+        tracing::warn!(
+            stretches = skipped.len(),
+            records,
+            bytes,
+            last_committed,
+            "the epoch log was opened with damage skipped (tolerant recovery): if it held \
+             later commits, the run restarts before them and the sink commits those epochs again"
+        );
+    }
+}
+
+/// The highest run number recovery accepts (module doc): from there, the runs after it have
+/// 2^63 fresh numbers before [`Query::begin_run`]'s cap.
+const MAX_RECOVERED_RUN: u64 = i64::MAX as u64;
+
 /// What [`recover`] found.
 struct Recovered {
     restart_point: Option<RestartPoint>,
@@ -693,10 +721,14 @@ fn recover(wal: &Wal) -> Result<Recovered, EpochError> {
             }
             ArchivedLogRecord::Commit { run, epoch } => (run.to_native(), epoch.to_native()),
         };
-        if run == u64::MAX {
-            // Runs count the openings of the log from 1: only a forged record gets here, and
-            // it would leave no number for the next run.
-            return Err(bad_record(lsn, "run number u64::MAX leaves none for the next run"));
+        if run > MAX_RECOVERED_RUN {
+            return Err(bad_record(
+                lsn,
+                format!(
+                    "run number {run} is above {MAX_RECOVERED_RUN}, more than the openings and \
+                     coordinators of a log reach; it would leave too few fresh numbers after it"
+                ),
+            ));
         }
         if epoch < 0 {
             // A run starts at epoch 0 or later (`EpochConfig::start_epoch`): a forged record.
@@ -1389,21 +1421,87 @@ mod tests {
     }
 
     #[test]
-    fn a_record_of_the_last_possible_run_is_a_typed_error() {
+    fn a_record_of_a_run_no_log_reaches_is_a_typed_error() {
+        // u64::MAX - 1: before, it was accepted, the next opening took u64::MAX (which the
+        // opening after refused) and a coordinator's run stayed at u64::MAX - 1, the number
+        // of the run before.
+        for run in [MAX_RECOVERED_RUN + 1, u64::MAX - 1, u64::MAX] {
+            let dir = tempfile::tempdir().unwrap();
+            {
+                let wal = Wal::open(dir.path(), config()).unwrap();
+                wal.append_bytes(&full_bytes(0, &offsets(0, 5)), 0).unwrap();
+                wal.append(&LogRecord::Commit { run, epoch: 0 }, 0).unwrap();
+                wal.close().unwrap();
+            }
+            match DurableQuery::open(dir.path(), config()) {
+                Err(EpochError::BadLogRecord { lsn: 2, reason }) => {
+                    assert!(reason.contains(&format!("run number {run} is above")), "{reason}")
+                }
+                Err(other) => panic!("run {run}: expected BadLogRecord at LSN 2, got {other}"),
+                Ok(_) => panic!("opened a log with a record of run {run}"),
+            }
+        }
+    }
+
+    #[test]
+    fn opening_with_damage_skipped_warns_that_later_commits_may_be_lost() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let mut query = DurableQuery::open(dir.path(), config()).unwrap();
+            // Chains from epochs 0 and 64 (KEYFRAME_INTERVAL): the last commit's is not in
+            // the oldest segment.
+            for epoch in 0..100 {
+                query.add_offsets(Epoch(epoch), &advancing(1000, 1 << 20, epoch)).unwrap();
+                query.commit(Epoch(epoch)).unwrap();
+            }
+        }
+        let mut segments: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|entry| entry.unwrap().path())
+            .filter(|path| {
+                path.file_name()
+                    .and_then(|name| name.to_str())
+                    .and_then(crate::wal::segment::parse_file_name)
+                    .is_some()
+            })
+            .collect();
+        segments.sort();
+        assert!(segments.len() >= 3, "{segments:?}");
+        // The oldest segment's header: tolerant recovery skips the segment as a whole.
+        let mut bytes = std::fs::read(&segments[0]).unwrap();
+        bytes[..16].fill(0xA5);
+        std::fs::write(&segments[0], bytes).unwrap();
+        let tolerant =
+            WalConfig { recovery: crate::wal::RecoveryMode::TolerateCorruption, ..config() };
+        let warnings = crate::warning_capture::WarningLog::default();
+        let query = warnings.around(|| DurableQuery::open(dir.path(), tolerant)).unwrap();
+        assert_eq!(query.restart_point().map(|(epoch, _)| epoch), Some(&Epoch(99)));
+        let lines = warnings.lines();
+        assert!(
+            lines.iter().any(|line| line.contains("opened with damage skipped")
+                && line.contains("stretches=1")
+                && line.contains("last_committed=99")),
+            "{lines:?}"
+        );
+    }
+
+    #[test]
+    fn a_record_of_the_highest_accepted_run_opens_with_the_next_number() {
         let dir = tempfile::tempdir().unwrap();
         {
             let wal = Wal::open(dir.path(), config()).unwrap();
-            wal.append_bytes(&full_bytes(0, &offsets(0, 5)), 0).unwrap();
-            wal.append(&LogRecord::Commit { run: u64::MAX, epoch: 0 }, 0).unwrap();
+            let offsets = offsets(0, 5);
+            let record = OffsetsRecordRef::new(MAX_RECOVERED_RUN, 0, &offsets).unwrap();
+            wal.append_bytes(
+                &rkyv::to_bytes::<rancor::Error>(&LogRecordRef::Offsets(record)).unwrap(),
+                0,
+            )
+            .unwrap();
+            wal.append(&LogRecord::Commit { run: MAX_RECOVERED_RUN, epoch: 0 }, 0).unwrap();
             wal.close().unwrap();
         }
-        match DurableQuery::open(dir.path(), config()) {
-            Err(EpochError::BadLogRecord { lsn: 2, reason }) => {
-                assert!(reason.contains("run number"), "{reason}")
-            }
-            Err(other) => panic!("expected BadLogRecord at LSN 2, got {other}"),
-            Ok(_) => panic!("opened a log whose next run number overflows"),
-        }
+        let query = DurableQuery::open(dir.path(), config()).unwrap();
+        assert_eq!(query.run(), MAX_RECOVERED_RUN + 1);
     }
 
     /// Appends `records` (bytes, epoch) and a commit of each epoch in `commits` (run 1).

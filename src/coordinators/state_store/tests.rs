@@ -4,7 +4,7 @@
 use uuid::Uuid;
 
 use super::*;
-use crate::clock::ManualClock;
+use crate::{clock::ManualClock, warning_capture};
 
 const NOW_MS: i64 = 1_000_000;
 
@@ -410,10 +410,6 @@ fn ids_and_messages_stay_small() {
         size_of::<StateStoreRequest>()
     );
 }
-
-/// The warnings a test logs, without a subscriber of its own thread (see the module).
-#[path = "../../../tests/warning_capture/mod.rs"]
-mod warning_capture;
 
 #[test]
 fn lag_report_logs_a_count_warning_and_a_rate_limited_warning_per_store() {
