@@ -34,8 +34,10 @@
 //! On replay, offsets of a newer run replace those of an older run; within one run the first
 //! record of an epoch wins (later ones are not even appended). Counting one per opening and
 //! per coordinator, no real log gets near 2^63 runs: recovery refuses a record of a higher run
-//! ([`MAX_RECOVERED_RUN`]) as forged, so that the numbers after it stay fresh (a run that
-//! reused the number of the run before would have that run's offsets win on replay).
+//! ([`MAX_RECOVERED_RUN`]), so that the numbers after any run it accepts stay fresh (a run that
+//! reused the number of the run before would have that run's offsets win on replay). Like any
+//! bound on a growing count, it has an edge: a run that started from a (forged) record at the
+//! bound writes numbers above it, and the opening after it fails with a typed error.
 //!
 //! # Recovery (SPEC B.10)
 //! Opening reads every record in LSN order, keeping only record handles (the last committed
@@ -617,13 +619,14 @@ impl<Q: Query> Query for DurableQuery<Q> {
     /// replace, on recovery, those an earlier coordinator logged for epochs it did not commit
     /// (before, the epochs it had logged were not logged again, and a restart resumed from the
     /// earlier coordinator's offsets). The next offsets record is full: a run's chain of deltas
-    /// starts with a full record of that run (module `delta`).
+    /// starts with a full record of that run (module `delta`). The inner query is told too.
     fn begin_run(&mut self) {
         // Recovered runs are at most MAX_RECOVERED_RUN, so no real sequence of coordinators
         // reaches the cap; it only keeps the number below u64::MAX.
         self.run = self.run.saturating_add(1).min(u64::MAX - 1);
         self.logged.clear();
         self.deltas.forget_base();
+        self.inner.begin_run();
     }
 
     /// The epoch after the last one committed: recovered, or committed through this query
@@ -672,11 +675,10 @@ impl<Q: Query> Drop for DurableQuery<Q> {
 fn warn_of_skipped_damage(wal: &Wal, last_committed: i64) {
     let skipped = &wal.recovery_report().corruption_skipped;
     if !skipped.is_empty() {
-        let records: u64 = skipped.iter().map(|note| note.records_skipped).sum();
+        // Not the records: a segment skipped as a whole counts none (their number is unknown).
         let bytes: u64 = skipped.iter().map(|note| note.bytes_skipped).sum();
         tracing::warn!(
             stretches = skipped.len(),
-            records,
             bytes,
             last_committed,
             "the epoch log was opened with damage skipped (tolerant recovery): if it held \
@@ -685,8 +687,10 @@ fn warn_of_skipped_damage(wal: &Wal, last_committed: i64) {
     }
 }
 
-/// The highest run number recovery accepts (module doc): from there, the runs after it have
-/// 2^63 fresh numbers before [`Query::begin_run`]'s cap.
+/// The highest run number recovery accepts (module doc): after any run at or below it, 2^63 - 1
+/// more openings and coordinators fit below [`Query::begin_run`]'s cap, so no two runs share a
+/// number. A record of a higher run (forged, or written by a run that started from a forged
+/// one at the bound) makes opening fail.
 const MAX_RECOVERED_RUN: u64 = i64::MAX as u64;
 
 /// What [`recover`] found.
@@ -725,8 +729,9 @@ fn recover(wal: &Wal) -> Result<Recovered, EpochError> {
             return Err(bad_record(
                 lsn,
                 format!(
-                    "run number {run} is above {MAX_RECOVERED_RUN}, more than the openings and \
-                     coordinators of a log reach; it would leave too few fresh numbers after it"
+                    "run number {run} is above {MAX_RECOVERED_RUN}, which no log reaches by its \
+                     openings and coordinators (a forged record, or one of a run that started \
+                     from a forged record)"
                 ),
             ));
         }
@@ -1444,6 +1449,35 @@ mod tests {
     }
 
     #[test]
+    fn a_new_run_is_passed_on_to_the_inner_query() {
+        /// Counts the runs it is told of.
+        #[derive(Default)]
+        struct RunCounting(usize);
+        impl Query for RunCounting {
+            fn add_offsets(
+                &mut self,
+                _: Epoch,
+                _: &[(PartitionId, Payload)],
+            ) -> Result<(), CollaboratorError> {
+                Ok(())
+            }
+            fn commit(&mut self, _: Epoch) -> Result<(), CollaboratorError> {
+                Ok(())
+            }
+            fn stop(&mut self, _: EpochError) {}
+            fn begin_run(&mut self) {
+                self.0 += 1;
+            }
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let wal = Wal::open(dir.path(), config()).unwrap();
+        let mut query = DurableQuery::from_wal(wal, RunCounting::default()).unwrap();
+        query.begin_run();
+        query.begin_run();
+        assert_eq!((query.run(), query.inner().0), (3, 2));
+    }
+
+    #[test]
     fn opening_with_damage_skipped_warns_that_later_commits_may_be_lost() {
         let dir = tempfile::tempdir().unwrap();
         {
@@ -1486,7 +1520,7 @@ mod tests {
     }
 
     #[test]
-    fn a_record_of_the_highest_accepted_run_opens_with_the_next_number() {
+    fn a_record_of_the_highest_accepted_run_opens_and_its_next_run_is_the_edge() {
         let dir = tempfile::tempdir().unwrap();
         {
             let wal = Wal::open(dir.path(), config()).unwrap();
@@ -1500,8 +1534,20 @@ mod tests {
             wal.append(&LogRecord::Commit { run: MAX_RECOVERED_RUN, epoch: 0 }, 0).unwrap();
             wal.close().unwrap();
         }
-        let query = DurableQuery::open(dir.path(), config()).unwrap();
+        let mut query = DurableQuery::open(dir.path(), config()).unwrap();
         assert_eq!(query.run(), MAX_RECOVERED_RUN + 1);
+        // The edge of the bound (module doc): that run's records are above it.
+        query.add_offsets(Epoch(1), &offsets(1, 5)).unwrap();
+        query.commit(Epoch(1)).unwrap();
+        drop(query);
+        match DurableQuery::open(dir.path(), config()) {
+            Err(EpochError::BadLogRecord { lsn: 3, reason }) => {
+                let run = MAX_RECOVERED_RUN + 1;
+                assert!(reason.contains(&format!("run number {run} is above")), "{reason}")
+            }
+            Err(other) => panic!("expected BadLogRecord at LSN 3, got {other}"),
+            Ok(_) => panic!("opened a log with records above the bound"),
+        }
     }
 
     /// Appends `records` (bytes, epoch) and a commit of each epoch in `commits` (run 1).
