@@ -657,6 +657,69 @@ fn reply_is_a_future() {
     bus.shutdown().unwrap();
 }
 
+/// An awaited ask whose handler keeps its replier and never answers ends at the bus's
+/// `ask_timeout`, woken by the ask timer: the executor here parks with no timeout, so nothing
+/// else polls the task again (before the timer, such an `.await` never ended).
+#[test]
+fn an_awaited_ask_never_answered_fails_at_the_ask_timeout() {
+    struct Hoarder(Vec<Replier<u64>>);
+    struct Hoard;
+    impl Endpoint for Hoarder {
+        type Message = ();
+        type Request = Replier<u64>;
+        fn handle(&mut self, (): (), _: &Context<Self>) -> Result<(), HandlerError> {
+            Ok(())
+        }
+        fn handle_request(
+            &mut self,
+            replier: Replier<u64>,
+            _: &Context<Self>,
+        ) -> Result<(), HandlerError> {
+            self.0.push(replier);
+            Ok(())
+        }
+    }
+    impl Ask<Hoarder> for Hoard {
+        type Reply = u64;
+        fn into_request(self, replier: Replier<u64>) -> Replier<u64> {
+            replier
+        }
+    }
+    let timeout = Duration::from_millis(100);
+    let bus = Bus::builder().inbox_shards(1).ask_timeout(timeout).build().unwrap();
+    let endpoint = bus.register("hoarder", Hoarder(Vec::new())).unwrap();
+    let (outcome_sender, outcome) = std::sync::mpsc::channel();
+    let asker = endpoint.clone();
+    std::thread::spawn(move || {
+        use std::{
+            future::Future,
+            task::{Context as TaskContext, Poll, Wake, Waker},
+        };
+        struct Unpark(std::thread::Thread);
+        impl Wake for Unpark {
+            fn wake(self: Arc<Self>) {
+                self.0.unpark();
+            }
+        }
+        let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+        let mut task = TaskContext::from_waker(&waker);
+        let mut reply = std::pin::pin!(asker.ask(Hoard));
+        let outcome = loop {
+            if let Poll::Ready(outcome) = reply.as_mut().poll(&mut task) {
+                break outcome;
+            }
+            std::thread::park();
+        };
+        let _ = outcome_sender.send(outcome);
+    });
+    let outcome = outcome.recv_timeout(Duration::from_secs(10)).expect("the await ended");
+    assert!(
+        matches!(outcome, Err(AskError::Timeout { timeout: t }) if t == timeout),
+        "{outcome:?}"
+    );
+    bus.shutdown().unwrap();
+}
+
 /// A minimal executor: polls the future, parking the thread between wake-ups.
 fn block_on<F: std::future::Future>(future: F) -> F::Output {
     use std::task::{Context as TaskContext, Poll, Wake, Waker};

@@ -13,6 +13,8 @@
 //! (SPEC A.5). Shutting the bus down stops every endpoint that way and joins every thread, all
 //! within `shutdown_timeout`; from a handler it only stops them (see [`Bus::shutdown`]).
 
+#[cfg(not(loom))]
+mod ask_timer;
 mod endpoint;
 mod pin;
 mod reply;

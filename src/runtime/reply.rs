@@ -41,6 +41,8 @@ use std::{
 };
 
 use self::slot::{Completer, Receiver, Waiter};
+#[cfg(not(loom))]
+use super::ask_timer::Armed;
 use crate::{
     error::{AskError, HandlerError},
     sync::{current_thread, park_timeout, spin_loop},
@@ -203,7 +205,12 @@ pub(crate) fn request_pair<T: Send + 'static>(default_timeout: Duration) -> (Rep
     let (completer, receiver) = slot::channel();
     (
         Replier { completer: Some(completer) },
-        Reply { state: ReplyState::Pending(receiver), default_timeout, poll_deadline: None },
+        Reply {
+            state: ReplyState::Pending(receiver),
+            default_timeout,
+            poll_deadline: None,
+            timer: None,
+        },
     )
 }
 
@@ -323,6 +330,12 @@ pub struct Reply<T> {
     /// Deadline for the `Future` implementation, fixed at the first poll (`Some(None)`: no
     /// deadline, the timeout being too large for the clock).
     poll_deadline: Option<Option<Instant>>,
+    /// That deadline, armed in the ask timer while the awaited reply is pending (dropping it
+    /// disarms it).
+    #[cfg(not(loom))]
+    timer: Option<Armed>,
+    #[cfg(loom)]
+    timer: Option<()>,
 }
 
 impl<T> std::fmt::Debug for Reply<T> {
@@ -343,6 +356,7 @@ impl<T> Reply<T> {
             state: ReplyState::Failed(Some(error)),
             default_timeout: Duration::ZERO,
             poll_deadline: None,
+            timer: None,
         }
     }
 
@@ -427,17 +441,19 @@ impl<T> Reply<T> {
     }
 }
 
-/// Awaiting a reply honours the bus's `ask_timeout` lazily: the deadline is checked each time
-/// the future is polled, and the future arms no timer. So a reply that never comes (a handler
-/// that keeps its `Replier` and never answers) leaves `.await` pending until something else
-/// wakes the task, with any executor: bound the wait with the executor's own timeout (such as
-/// `tokio::time::timeout`), or use [`Reply::wait_timeout`] on a thread.
+/// Awaiting a reply honours the bus's `ask_timeout`, with any executor: the deadline is fixed
+/// at the first poll, and a reply still pending arms it in the crate's ask timer (one thread
+/// for the process, module `ask_timer`), which wakes the task then; the poll that follows
+/// fails with [`AskError::Timeout`]. So a reply that never comes (a handler that keeps its
+/// `Replier` and never answers) still ends. Should the system refuse the timer's thread, the
+/// deadline is only checked when something else polls the task (a warning says so).
 impl<T> Future for Reply<T> {
     type Output = Result<T, AskError>;
 
     fn poll(self: Pin<&mut Self>, task: &mut TaskContext<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
         if let Some(outcome) = this.try_take() {
+            this.timer = None;
             return Poll::Ready(outcome);
         }
         // `None` inside: a timeout too large for the clock, no deadline.
@@ -448,6 +464,7 @@ impl<T> Future for Reply<T> {
             unreachable!("try_take leaves only a pending reply behind");
         };
         if deadline.is_some_and(|deadline| Instant::now() >= deadline) {
+            this.timer = None;
             if receiver.unregister() {
                 return Poll::Ready(this.try_take().unwrap_or(Err(AskError::NoReply)));
             }
@@ -456,8 +473,16 @@ impl<T> Future for Reply<T> {
             return Poll::Ready(Err(AskError::Timeout { timeout: this.default_timeout }));
         }
         if receiver.register(Waiter::Task(task.waker().clone())) {
+            #[cfg(not(loom))]
+            if let Some(deadline) = deadline {
+                match &mut this.timer {
+                    Some(armed) => armed.update(task.waker()),
+                    None => this.timer = Armed::new(deadline, task.waker()),
+                }
+            }
             Poll::Pending
         } else {
+            this.timer = None;
             Poll::Ready(this.try_take().unwrap_or(Err(AskError::NoReply)))
         }
     }
@@ -1106,6 +1131,61 @@ mod tests {
         fn drop(&mut self) {
             self.0.fetch_add(1, Ordering::SeqCst);
         }
+    }
+
+    /// Polls `future` on this thread, parking (with no timeout) between wake-ups: only its
+    /// waker ends a park, so a future nothing wakes is never ready.
+    fn block_on_parking<F: Future>(future: F) -> F::Output {
+        struct Unpark(std::thread::Thread);
+        impl Wake for Unpark {
+            fn wake(self: Arc<Self>) {
+                self.0.unpark();
+            }
+        }
+        let waker = std::task::Waker::from(Arc::new(Unpark(std::thread::current())));
+        let mut task = TaskContext::from_waker(&waker);
+        let mut future = std::pin::pin!(future);
+        loop {
+            if let Poll::Ready(output) = future.as_mut().poll(&mut task) {
+                return output;
+            }
+            std::thread::park();
+        }
+    }
+
+    #[test]
+    fn an_awaited_reply_that_never_comes_times_out_at_its_deadline() {
+        let timeout = Duration::from_millis(50);
+        let (replier, reply) = request_pair::<u32>(timeout);
+        let (outcome_sender, outcome) = std::sync::mpsc::channel();
+        let started = Instant::now();
+        // Before the ask timer, nothing woke this task again: its thread stayed parked.
+        std::thread::spawn(move || outcome_sender.send(block_on_parking(reply)));
+        let outcome = outcome
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the awaited reply ended within 10 s of its 50 ms timeout");
+        assert!(matches!(outcome, Err(AskError::Timeout { timeout: t }) if t == timeout));
+        assert!(started.elapsed() >= timeout);
+        drop(replier);
+    }
+
+    #[test]
+    fn an_awaited_reply_disarms_its_deadline_when_answered_or_dropped() {
+        let mut task = TaskContext::from_waker(std::task::Waker::noop());
+        let (replier, mut reply) = Replier::<u32>::pair();
+        assert!(Pin::new(&mut reply).poll(&mut task).is_pending());
+        let key = reply.timer.as_ref().expect("a pending awaited reply is armed").key();
+        assert!(super::super::ask_timer::is_armed(key));
+        replier.reply(7);
+        assert!(matches!(Pin::new(&mut reply).poll(&mut task), Poll::Ready(Ok(7))));
+        assert!(reply.timer.is_none());
+        assert!(!super::super::ask_timer::is_armed(key));
+
+        let (_replier, mut reply) = Replier::<u32>::pair();
+        assert!(Pin::new(&mut reply).poll(&mut task).is_pending());
+        let key = reply.timer.as_ref().expect("armed").key();
+        drop(reply);
+        assert!(!super::super::ask_timer::is_armed(key));
     }
 
     /// Spins (yielding) until `condition` holds; fails the test after 10 s.

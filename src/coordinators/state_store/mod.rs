@@ -19,6 +19,10 @@
 //! Read-your-writes: all messages, reads included, are handled on the endpoint thread. A
 //! thread's one-way report and its later verify or location query share one FIFO lane of the
 //! inbox (per-sender order, SPEC A.4), so the query sees the report; no "eventually" is needed.
+//! The sender is the thread: an async task that reports, awaits, and queries from another
+//! worker thread of its executor is two senders, and its query may overtake its report (the
+//! bus's `EndpointRef` doc); such a task asks [`ReportActiveInstanceAndCheck`] instead, whose
+//! answer means the report was applied.
 //!
 //! Bad input (an empty host, executor id, checkpoint location or store name; a negative
 //! operator, partition or snapshot version) never panics: a request fails with a
