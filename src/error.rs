@@ -156,7 +156,9 @@ pub enum BusError {
         /// The system's error text.
         reason: String,
     },
-    /// An endpoint thread panicked outside a handler (in a start or stop hook).
+    /// An endpoint thread panicked outside its handlers and hooks (in the endpoint's own
+    /// `Drop`, say). A panic in a handler fails its asker and goes to `on_error`; one in
+    /// `on_start` or `on_stop` is caught and logged as an error, and the thread goes on.
     #[error("endpoint thread {name:?} panicked outside a handler: {message}")]
     ThreadPanicked {
         /// The endpoint's name.

@@ -32,7 +32,9 @@ pub trait Endpoint: Send + Sized + 'static {
     /// Request-reply messages (`ask`): usually an enum whose variants hold a typed [`Replier`].
     type Request: Send + 'static;
 
-    /// Runs on the endpoint thread before the first message.
+    /// Runs on the endpoint thread before the first message. A panic in it is caught and
+    /// logged as an error (it reaches neither `on_error` nor `Bus::shutdown`), and the endpoint
+    /// goes on to its messages; the same holds for `on_stop`.
     fn on_start(&mut self, _context: &Context<Self>) {}
 
     /// Handles one one-way message. An `Err` goes to [`Endpoint::on_error`]; the sender is not
