@@ -26,7 +26,8 @@
 //! notification is never lost).
 //!
 //! If the thread cannot be started (the system refuses a thread), awaiting falls back to
-//! checking the deadline only when the task is polled, and a warning says so once.
+//! checking the deadline only when the task is polled, and a warning says so once. Under Miri
+//! no reply arms (the timer thread never ends, which Miri reports as an error at exit).
 
 use std::{
     collections::BTreeMap,
@@ -64,15 +65,24 @@ impl Armed {
     }
 
     /// Makes the timer wake `waker` instead, if it is not the same task's (a task polled from
-    /// another thread of its executor may bring another waker).
+    /// another thread of its executor may bring another waker). If the timer took the entry
+    /// meanwhile (the deadline passed after the poll read the clock), it woke the old waker,
+    /// which may no longer poll this reply: the new one is woken here.
     pub(crate) fn update(&mut self, waker: &Waker) {
         if self.waker.will_wake(waker) {
             return;
         }
-        if let Some(timer) = TIMER.get().and_then(Option::as_ref) {
-            if let Some(armed) = timer.shard(self.key).get_mut(&self.key) {
-                armed.clone_from(waker);
+        let still_armed = TIMER.get().copied().flatten().is_some_and(|timer| {
+            match timer.shard(self.key).get_mut(&self.key) {
+                Some(armed) => {
+                    armed.clone_from(waker);
+                    true
+                }
+                None => false,
             }
+        });
+        if !still_armed {
+            waker.wake_by_ref();
         }
         self.waker.clone_from(waker);
     }
@@ -80,9 +90,11 @@ impl Armed {
 
 impl Drop for Armed {
     fn drop(&mut self) {
-        if let Some(timer) = TIMER.get().and_then(Option::as_ref) {
+        if let Some(timer) = TIMER.get().copied().flatten() {
             // Gone already if the deadline passed: the thread took it to wake it.
-            timer.shard(self.key).remove(&self.key);
+            let removed = timer.shard(self.key).remove(&self.key);
+            // Dropped outside the lock: a waker is the asker's code.
+            drop(removed);
         }
     }
 }
@@ -99,39 +111,28 @@ struct Timer {
     wake: Condvar,
 }
 
-/// The timer, started on first use; `None` inside if its thread could not be started.
-static TIMER: OnceLock<Option<Timer>> = OnceLock::new();
+/// The timer, started on first use (one for the process, never freed); `None` inside if its
+/// thread could not be started.
+static TIMER: OnceLock<Option<&'static Timer>> = OnceLock::new();
 
 fn timer() -> Option<&'static Timer> {
-    TIMER
-        .get_or_init(|| {
-            let spawned = std::thread::Builder::new()
-                .name("coordbus-ask-timer".to_owned())
-                .spawn(|| run(timer_state()));
-            match spawned {
-                Ok(_) => Some(Timer::new()),
-                Err(error) => {
-                    tracing::warn!(
-                        %error,
-                        "the ask timer thread could not be started: an awaited reply checks \
-                         its ask timeout only when its task is polled"
-                    );
-                    None
-                }
+    *TIMER.get_or_init(|| {
+        let timer: &'static Timer = Box::leak(Box::new(Timer::new()));
+        let spawned = std::thread::Builder::new()
+            .name("coordbus-ask-timer".to_owned())
+            .spawn(move || run(timer));
+        match spawned {
+            Ok(_) => Some(timer),
+            Err(error) => {
+                tracing::warn!(
+                    %error,
+                    "the ask timer thread could not be started: an awaited reply checks its \
+                     ask timeout only when its task is polled"
+                );
+                None
             }
-        })
-        .as_ref()
-}
-
-/// The state of the started timer (for its thread, which starts before `TIMER` is set).
-fn timer_state() -> &'static Timer {
-    loop {
-        if let Some(Some(timer)) = TIMER.get() {
-            return timer;
         }
-        // `get_or_init` sets it right after this thread was spawned.
-        std::thread::yield_now();
-    }
+    })
 }
 
 /// A key unique among the entries alive: this thread's token and its next count.
@@ -259,5 +260,73 @@ impl Armed {
 /// Whether `key` is armed now (tests).
 #[cfg(test)]
 pub(crate) fn is_armed(key: ArmedKey) -> bool {
-    TIMER.get().and_then(Option::as_ref).is_some_and(|timer| timer.shard(key).contains_key(&key))
+    TIMER.get().copied().flatten().is_some_and(|timer| timer.shard(key).contains_key(&key))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{
+        sync::{atomic::AtomicUsize, Arc},
+        task::Wake,
+        time::Duration,
+    };
+
+    use super::*;
+
+    /// Counts its wake-ups.
+    #[derive(Default)]
+    struct Counting(AtomicUsize);
+
+    impl Wake for Counting {
+        fn wake(self: Arc<Self>) {
+            self.wake_by_ref();
+        }
+        fn wake_by_ref(self: &Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Yields until `condition` holds; fails the test after 10 s.
+    fn wait_for(what: &str, condition: impl Fn() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !condition() {
+            assert!(Instant::now() < deadline, "{what}: not within 10 s");
+            std::thread::yield_now();
+        }
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "the timer thread never ends")]
+    fn a_due_deadline_wakes_its_waker_and_leaves_the_timer() {
+        let first = Arc::new(Counting::default());
+        let armed = Armed::new(Instant::now(), &Waker::from(Arc::clone(&first))).unwrap();
+        wait_for("woken", || first.0.load(Ordering::SeqCst) == 1);
+        assert!(!is_armed(armed.key()));
+    }
+
+    /// The deadline passed and the timer woke the waker it held, after the poll that brings
+    /// another waker read the clock: that poll's waker is woken too, or its task would wait
+    /// for a wake-up that went to the other one.
+    #[test]
+    #[cfg_attr(miri, ignore = "the timer thread never ends")]
+    fn a_waker_brought_after_the_timer_fired_is_woken() {
+        let (first, second) = (Arc::new(Counting::default()), Arc::new(Counting::default()));
+        let mut armed = Armed::new(Instant::now(), &Waker::from(Arc::clone(&first))).unwrap();
+        wait_for("timer fired", || !is_armed(armed.key()));
+        armed.update(&Waker::from(Arc::clone(&second)));
+        assert_eq!(second.0.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "the timer thread never ends")]
+    fn an_armed_waker_replaced_before_its_deadline_is_the_one_woken() {
+        let (first, second) = (Arc::new(Counting::default()), Arc::new(Counting::default()));
+        // Far enough that the update comes first even on a loaded machine.
+        let deadline = Instant::now() + Duration::from_secs(1);
+        let mut armed = Armed::new(deadline, &Waker::from(Arc::clone(&first))).unwrap();
+        armed.update(&Waker::from(Arc::clone(&second)));
+        wait_for("woken", || second.0.load(Ordering::SeqCst) == 1);
+        assert!(Instant::now() >= deadline);
+        assert_eq!(first.0.load(Ordering::SeqCst), 0);
+    }
 }
