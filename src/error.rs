@@ -146,8 +146,11 @@ pub enum BusError {
         actual: &'static str,
     },
     /// The bus was shut down; nothing can be registered any more.
-    #[error("the bus is shut down")]
-    ShutDown,
+    #[error("the bus is shut down: endpoint {name:?} cannot be registered")]
+    ShutDown {
+        /// The name the registration asked for.
+        name: String,
+    },
     /// The operating system refused to start an endpoint thread.
     #[error("could not start the thread of endpoint {name:?}: {reason}")]
     Spawn {

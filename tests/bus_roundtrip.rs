@@ -859,7 +859,10 @@ fn try_send_hands_the_message_back_when_full_and_registering_after_shutdown_fail
     }
     start.send(()).unwrap();
     bus.shutdown().unwrap();
-    assert_eq!(bus.register("late", Recorder::default()).unwrap_err(), BusError::ShutDown);
+    assert_eq!(
+        bus.register("late", Recorder::default()).unwrap_err(),
+        BusError::ShutDown { name: "late".to_owned() }
+    );
     assert!(matches!(bus.lookup::<Recorder>("sink"), Err(BusError::NotFound { .. })));
 }
 
@@ -931,7 +934,7 @@ fn a_registration_racing_a_shutdown_is_refused_or_stopped() {
                 for index in 0..256 {
                     match bus.register(format!("r{index}"), Recorder::default()) {
                         Ok(endpoint) => registered.push(endpoint),
-                        Err(BusError::ShutDown) => break,
+                        Err(BusError::ShutDown { .. }) => break,
                         Err(other) => panic!("round {round}: {other:?}"),
                     }
                 }

@@ -164,7 +164,7 @@ impl Bus {
             return Err(BusError::InvalidName { name, reason: "it contains a NUL character" });
         }
         if self.shared.shut_down.load(Ordering::SeqCst) {
-            return Err(BusError::ShutDown);
+            return Err(BusError::ShutDown { name });
         }
         self.check_inbox_bytes::<E>(&name)?;
         let inbox = match self.shared.registry.entry(name.clone()) {
@@ -208,7 +208,7 @@ impl Bus {
         std::sync::atomic::fence(Ordering::SeqCst);
         if self.shared.shut_down.load(Ordering::SeqCst) {
             inbox.stop();
-            return Err(BusError::ShutDown);
+            return Err(BusError::ShutDown { name });
         }
         tracing::info!(endpoint = %name, "endpoint registered");
         Ok(EndpointRef { inbox })
