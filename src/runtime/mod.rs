@@ -459,18 +459,36 @@ impl Bus {
 /// Drops what was queued for an endpoint whose thread never started (the inbox closed): a
 /// lookup may have reached the name between its registration and the failed spawn. Its asks
 /// then fail at once ([`AskError::NoReply`](crate::AskError::NoReply)) instead of waiting out
-/// their timeout, and nothing stays queued for nobody. Bounded: once the inbox is closed, only
-/// pushes already under way can still land.
+/// their timeout, and nothing stays queued for nobody. What it drops is counted in the
+/// endpoint's statistics and logged (a one-way message's sender learns nothing else).
+/// Bounded: once the inbox is closed, only pushes already under way can still land.
 fn drop_queued<E: Endpoint>(inbox: &Inbox<E>) {
     let Some(mut consumer) = inbox.queue.consumer() else {
         return;
     };
+    let mut dropped = 0u64;
     while !consumer.is_drained() {
-        if consumer.drain_round(DROP_QUEUED_BATCH, drop) == 0 {
+        let taken = consumer.drain_round(DROP_QUEUED_BATCH, |envelope| {
+            inbox.counters.dropped.record(THREAD_NEVER_STARTED);
+            dropped += 1;
+            drop(envelope);
+        });
+        if taken == 0 {
             std::thread::yield_now();
         }
     }
+    if dropped > 0 {
+        tracing::warn!(
+            endpoint = %inbox.name,
+            dropped,
+            "messages sent to an endpoint whose thread never started were dropped (asks among \
+             them failed with NoReply)"
+        );
+    }
 }
+
+/// The reason [`drop_queued`] records.
+const THREAD_NEVER_STARTED: &str = "endpoint thread never started";
 
 /// Messages taken per lane and ring in one round of [`drop_queued`].
 const DROP_QUEUED_BATCH: usize = 1024;
@@ -610,6 +628,10 @@ mod tests {
             }
             let endpoint = racer.join().unwrap();
             assert!(matches!(reply_receiver.recv().unwrap(), Err(crate::AskError::NoReply)));
+            // The racer's message and its ask, dropped with their reason.
+            let dropped = endpoint.stats().dropped_by_reason;
+            assert_eq!(dropped.len(), 1, "{dropped:?}");
+            assert_eq!((dropped[0].reason, dropped[0].count), (THREAD_NEVER_STARTED, 2));
             assert!(endpoint.is_stopped());
             assert!(endpoint.send(()).is_err(), "a stopped endpoint refuses sends");
         });
