@@ -270,6 +270,47 @@ fn an_ask_into_an_inbox_full_for_its_timeout_is_full_not_timeout() {
     bus.shutdown().unwrap();
 }
 
+/// `try_ask` into a full inbox fails at once with `Full` (waited zero), where `ask` would wait
+/// up to `ask_timeout` (here far longer than the test's bound), and leaves nothing queued.
+#[test]
+fn a_try_ask_into_a_full_inbox_is_full_at_once() {
+    let bus = Bus::builder()
+        .inbox_shards(1)
+        .inbox_capacity(4)
+        .ask_timeout(Duration::from_secs(600))
+        .build()
+        .unwrap();
+    let gate = Arc::new(Gate::default());
+    let (entered, handling) = mpsc::channel();
+    let blocker = bus.register("full", Blocker { gate: Arc::clone(&gate), entered }).unwrap();
+    blocker.send(()).unwrap();
+    handling.recv_timeout(BOUND).expect("the handler never ran");
+    let mut queued = 0;
+    while blocker.try_send(()).is_ok() {
+        queued += 1;
+        assert!(queued < 1 << 20, "the inbox never filled");
+    }
+    let started = Instant::now();
+    match blocker.try_ask(Ping).wait_timeout(BOUND) {
+        Err(AskError::Full { endpoint, timeout }) => {
+            assert_eq!(endpoint, "full");
+            assert_eq!(timeout, Duration::ZERO);
+        }
+        other => panic!("expected Full, got {other:?}"),
+    }
+    assert!(started.elapsed() < BOUND, "try_ask waited for room");
+    gate.open();
+    let deadline = Instant::now() + BOUND;
+    while blocker.stats().inbox_depth > 0 {
+        assert!(Instant::now() < deadline, "the queued notes were not handled");
+        std::thread::yield_now();
+    }
+    blocker.try_ask(Ping).wait_timeout(BOUND).expect("answered once there is room");
+    let stats = blocker.stats();
+    assert_eq!(stats.handled, 1 + queued + 1, "{stats:?}");
+    bus.shutdown().unwrap();
+}
+
 #[test]
 fn a_shutdown_from_a_handler_does_not_wait_for_its_own_thread() {
     // A long timeout: waiting for its own thread used to run it out every time.

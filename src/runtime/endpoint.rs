@@ -268,6 +268,9 @@ impl<E: Endpoint> Context<E> {
 
 /// A reference to a registered endpoint: cheap to clone, shareable between threads.
 ///
+/// What an ask does with a push its endpoint's queue refused (waits for room, or fails).
+type AskRefused<E, T> = fn(&EndpointRef<E>, QueueError<Envelope<E>>, Reply<T>) -> Reply<T>;
+
 /// Per-sender order: all messages a thread sends or asks through any reference to the same
 /// endpoint are handled in the order the thread issued them; an `ask` therefore returns only
 /// after the same thread's earlier sends were handled (SPEC A.4). The sender is the thread:
@@ -436,13 +439,29 @@ impl<E: Endpoint> EndpointRef<E> {
     }
 
     /// Asks: queues the request behind this sender's earlier messages and returns a handle to
-    /// wait on or await. Waits for room (up to the bus's `ask_timeout`) if the shard is full.
+    /// wait on or await. Waits for room (up to the bus's `ask_timeout`) if the shard is full,
+    /// blocking the calling thread: an async caller, whose executor thread must not block, uses
+    /// [`try_ask`](Self::try_ask).
     ///
     /// Errors arrive through the handle: [`AskError::Stopped`] at once for a stopped endpoint,
     /// [`AskError::SelfAsk`] when called from this endpoint's own handler,
     /// [`AskError::Full`] if the inbox stayed full for `ask_timeout` (the request was never
     /// queued), and then those of [`Reply::wait`](crate::Reply::wait).
     pub fn ask<A: Ask<E>>(&self, request: A) -> Reply<A::Reply> {
+        self.ask_then(request, Self::ask_refused)
+    }
+
+    /// As [`ask`](Self::ask), but never waits for room: if this sender's shard is full, the
+    /// handle fails at once with [`AskError::Full`] (its `timeout` zero; the request was never
+    /// queued). For async callers, which retry on their own terms.
+    pub fn try_ask<A: Ask<E>>(&self, request: A) -> Reply<A::Reply> {
+        self.ask_then(request, Self::try_ask_refused)
+    }
+
+    /// The two asks' common path: `refused` handles a push the queue refused (with the
+    /// envelope the queue gave back and the reply handle).
+    #[inline(always)]
+    fn ask_then<A: Ask<E>>(&self, request: A, refused: AskRefused<E, A::Reply>) -> Reply<A::Reply> {
         if CURRENT_INBOX.with(std::cell::Cell::get) == self.inbox.address() {
             return Reply::failed(AskError::SelfAsk { endpoint: self.inbox.name.clone() });
         }
@@ -455,8 +474,17 @@ impl<E: Endpoint> EndpointRef<E> {
         // line was last read by the endpoint) to drain.
         match self.inbox.queue.try_push_with(|| Envelope::Request(request, slot)) {
             Ok(()) => reply,
-            Err(refused) => self.ask_refused(refused, reply),
+            Err(error) => refused(self, error, reply),
         }
+    }
+
+    /// A [`try_ask`](Self::try_ask) whose push was refused: fails the reply at once.
+    #[cold]
+    #[inline(never)]
+    fn try_ask_refused<T>(&self, refused: QueueError<Envelope<E>>, _: Reply<T>) -> Reply<T> {
+        // Dropping the reply abandons the slot; the replier inside the refused envelope is
+        // dropped with it and frees the slot.
+        self.ask_failed(refused, Duration::ZERO)
     }
 
     /// The rest of an ask whose first push was refused: waits for room if the shard was full
@@ -474,13 +502,19 @@ impl<E: Endpoint> EndpointRef<E> {
             Ok(()) => reply,
             // Dropping `reply` abandons the slot; the replier inside the refused envelope
             // is dropped with it and frees the slot.
-            Err(QueueError::Closed(_)) => {
+            Err(refused) => self.ask_failed(refused, self.inbox.ask_timeout),
+        }
+    }
+
+    /// The failed reply of an ask the queue refused, after waiting `waited` for room.
+    fn ask_failed<T>(&self, refused: QueueError<Envelope<E>>, waited: Duration) -> Reply<T> {
+        match refused {
+            QueueError::Closed(_) => {
                 Reply::failed(AskError::Stopped { endpoint: self.inbox.name.clone() })
             }
-            Err(QueueError::Full(_) | QueueError::Timeout(_)) => Reply::failed(AskError::Full {
-                endpoint: self.inbox.name.clone(),
-                timeout: self.inbox.ask_timeout,
-            }),
+            QueueError::Full(_) | QueueError::Timeout(_) => {
+                Reply::failed(AskError::Full { endpoint: self.inbox.name.clone(), timeout: waited })
+            }
         }
     }
 
