@@ -268,9 +268,6 @@ impl<E: Endpoint> Context<E> {
 
 /// A reference to a registered endpoint: cheap to clone, shareable between threads.
 ///
-/// What an ask does with a push its endpoint's queue refused (waits for room, or fails).
-type AskRefused<E, T> = fn(&EndpointRef<E>, QueueError<Envelope<E>>, Reply<T>) -> Reply<T>;
-
 /// Per-sender order: all messages a thread sends or asks through any reference to the same
 /// endpoint are handled in the order the thread issued them; an `ask` therefore returns only
 /// after the same thread's earlier sends were handled (SPEC A.4). The sender is the thread:
@@ -448,20 +445,6 @@ impl<E: Endpoint> EndpointRef<E> {
     /// [`AskError::Full`] if the inbox stayed full for `ask_timeout` (the request was never
     /// queued), and then those of [`Reply::wait`](crate::Reply::wait).
     pub fn ask<A: Ask<E>>(&self, request: A) -> Reply<A::Reply> {
-        self.ask_then(request, Self::ask_refused)
-    }
-
-    /// As [`ask`](Self::ask), but never waits for room: if this sender's shard is full, the
-    /// handle fails at once with [`AskError::Full`] (its `timeout` zero; the request was never
-    /// queued). For async callers, which retry on their own terms.
-    pub fn try_ask<A: Ask<E>>(&self, request: A) -> Reply<A::Reply> {
-        self.ask_then(request, Self::try_ask_refused)
-    }
-
-    /// The two asks' common path: `refused` handles a push the queue refused (with the
-    /// envelope the queue gave back and the reply handle).
-    #[inline(always)]
-    fn ask_then<A: Ask<E>>(&self, request: A, refused: AskRefused<E, A::Reply>) -> Reply<A::Reply> {
         if CURRENT_INBOX.with(std::cell::Cell::get) == self.inbox.address() {
             return Reply::failed(AskError::SelfAsk { endpoint: self.inbox.name.clone() });
         }
@@ -474,17 +457,27 @@ impl<E: Endpoint> EndpointRef<E> {
         // line was last read by the endpoint) to drain.
         match self.inbox.queue.try_push_with(|| Envelope::Request(request, slot)) {
             Ok(()) => reply,
-            Err(error) => refused(self, error, reply),
+            Err(refused) => self.ask_refused(refused, reply),
         }
     }
 
-    /// A [`try_ask`](Self::try_ask) whose push was refused: fails the reply at once.
-    #[cold]
-    #[inline(never)]
-    fn try_ask_refused<T>(&self, refused: QueueError<Envelope<E>>, _: Reply<T>) -> Reply<T> {
-        // Dropping the reply abandons the slot; the replier inside the refused envelope is
-        // dropped with it and frees the slot.
-        self.ask_failed(refused, Duration::ZERO)
+    /// As [`ask`](Self::ask), but never waits for room: if this sender's shard is full, the
+    /// handle fails at once with [`AskError::Full`] (its `timeout` zero; the request was never
+    /// queued). For async callers, which retry on their own terms. (Its own body, not a
+    /// shared one: `ask`'s is a measured path whose code stays as it was.)
+    pub fn try_ask<A: Ask<E>>(&self, request: A) -> Reply<A::Reply> {
+        if CURRENT_INBOX.with(std::cell::Cell::get) == self.inbox.address() {
+            return Reply::failed(AskError::SelfAsk { endpoint: self.inbox.name.clone() });
+        }
+        let (replier, reply) = request_pair(self.inbox.ask_timeout);
+        let slot = replier.slot_address();
+        let request = request.into_request(replier);
+        match self.inbox.queue.try_push_with(|| Envelope::Request(request, slot)) {
+            Ok(()) => reply,
+            // Dropping the reply abandons the slot; the replier inside the refused envelope
+            // is dropped with it and frees the slot.
+            Err(refused) => self.ask_failed(refused, Duration::ZERO),
+        }
     }
 
     /// The rest of an ask whose first push was refused: waits for room if the shard was full
@@ -507,6 +500,7 @@ impl<E: Endpoint> EndpointRef<E> {
     }
 
     /// The failed reply of an ask the queue refused, after waiting `waited` for room.
+    #[cold]
     fn ask_failed<T>(&self, refused: QueueError<Envelope<E>>, waited: Duration) -> Reply<T> {
         match refused {
             QueueError::Closed(_) => {

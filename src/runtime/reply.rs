@@ -331,9 +331,10 @@ pub struct Reply<T> {
     /// deadline, the timeout being too large for the clock).
     poll_deadline: Option<Option<Instant>>,
     /// That deadline, armed in the ask timer while the awaited reply is pending (dropping it
-    /// disarms it).
+    /// disarms it). Boxed: one word in every reply, which only an awaited one fills (a blocking
+    /// ask's handle stays as small as it was: it is made and dropped on the ask path).
     #[cfg(not(loom))]
-    timer: Option<Armed>,
+    timer: Option<Box<Armed>>,
     #[cfg(loom)]
     timer: Option<()>,
 }
@@ -482,7 +483,7 @@ impl<T> Future for Reply<T> {
             if let Some(deadline) = deadline.filter(|_| !cfg!(miri)) {
                 match &mut this.timer {
                     Some(armed) => armed.update(task.waker()),
-                    None => this.timer = Armed::new(deadline, task.waker()),
+                    None => this.timer = Armed::new(deadline, task.waker()).map(Box::new),
                 }
             }
             Poll::Pending
