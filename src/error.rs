@@ -101,14 +101,15 @@ pub enum AskError {
     /// The handler dropped the reply without answering (a bug in the endpoint).
     #[error("the handler dropped the request without replying")]
     NoReply,
-    /// The inbox stayed full for the bus's `ask_timeout`, so the request was never queued:
-    /// the handler never sees it, and asking again is safe. (A [`AskError::Timeout`], by
-    /// contrast, means the request was queued and its handler may still run.)
-    #[error("inbox of endpoint {endpoint:?} stayed full for {timeout:?} (setting: ask_timeout)")]
+    /// The inbox was full: it stayed full for the bus's `ask_timeout` (`ask`), or was full
+    /// at once (`try_ask`, which does not wait: `timeout` is zero). The request was never
+    /// queued: the handler never sees it, and asking again is safe. (A [`AskError::Timeout`],
+    /// by contrast, means the request was queued and its handler may still run.)
+    #[error("inbox of endpoint {endpoint:?} was full (waited {timeout:?} for room)")]
     Full {
         /// The endpoint's name.
         endpoint: String,
-        /// How long the ask waited for room.
+        /// How long the ask waited for room: the bus's `ask_timeout`, or zero for `try_ask`.
         timeout: Duration,
     },
     /// A handler asked its own endpoint: it would wait for itself forever.

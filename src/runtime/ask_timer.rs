@@ -59,7 +59,9 @@ impl Armed {
     pub(crate) fn new(deadline: Instant, waker: &Waker) -> Option<Self> {
         let timer = timer()?;
         let key = (deadline, next_key());
-        timer.shard(key).insert(key, waker.clone());
+        // Cloned outside the lock (a waker is the asker's code).
+        let entry = waker.clone();
+        timer.shard(key).insert(key, entry);
         timer.wake_if_earlier(deadline);
         Some(Self { key, waker: waker.clone() })
     }
@@ -72,18 +74,19 @@ impl Armed {
         if self.waker.will_wake(waker) {
             return;
         }
-        let still_armed = TIMER.get().copied().flatten().is_some_and(|timer| {
-            match timer.shard(self.key).get_mut(&self.key) {
-                Some(armed) => {
-                    armed.clone_from(waker);
-                    true
-                }
-                None => false,
-            }
+        let replaced = TIMER.get().copied().flatten().and_then(|timer| {
+            // Cloned, and the old one dropped, outside the lock (a waker is the asker's code).
+            let replacement = waker.clone();
+            let old = timer
+                .shard(self.key)
+                .get_mut(&self.key)
+                .map(|armed| std::mem::replace(armed, replacement));
+            old
         });
-        if !still_armed {
+        if replaced.is_none() {
             waker.wake_by_ref();
         }
+        drop(replaced);
         self.waker.clone_from(waker);
     }
 }
@@ -322,7 +325,7 @@ mod tests {
     fn an_armed_waker_replaced_before_its_deadline_is_the_one_woken() {
         let (first, second) = (Arc::new(Counting::default()), Arc::new(Counting::default()));
         // Far enough that the update comes first even on a loaded machine.
-        let deadline = Instant::now() + Duration::from_secs(1);
+        let deadline = Instant::now() + Duration::from_secs(3);
         let mut armed = Armed::new(deadline, &Waker::from(Arc::clone(&first))).unwrap();
         armed.update(&Waker::from(Arc::clone(&second)));
         wait_for("woken", || second.0.load(Ordering::SeqCst) == 1);

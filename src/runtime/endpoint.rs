@@ -126,7 +126,8 @@ pub(crate) struct EndpointCounters {
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub struct EndpointStats {
-    /// Messages accepted into the inbox (handled + queued). Read while a drain round runs it
+    /// Messages accepted into the inbox (handled + queued; not those dropped because the
+    /// endpoint's thread never started). Read while a drain round runs it
     /// lags by up to that round (up to the bus's `drain_batch` messages from each lane and
     /// ring): `handled` is published once per round, while the depth drops with each message
     /// taken.
@@ -144,7 +145,9 @@ pub struct EndpointStats {
     pub inbox_depth_high_water: u64,
     /// Handler time of sampled messages (one in 256).
     pub handler_time: super::stats::TimeSummary,
-    /// Messages the endpoint handled but dropped (see [`Context::record_dropped`]), in total.
+    /// Messages the endpoint handled but dropped (see [`Context::record_dropped`]), and
+    /// messages queued for it that were dropped unhandled because its thread never started
+    /// (reason "endpoint thread never started"), in total.
     pub dropped: u64,
     /// The same, by reason (reasons with a non-zero count, in order of first use).
     pub dropped_by_reason: Vec<super::stats::DroppedCount>,
@@ -463,9 +466,10 @@ impl<E: Endpoint> EndpointRef<E> {
 
     /// As [`ask`](Self::ask), but never waits for room: if this sender's shard is full, the
     /// handle fails at once with [`AskError::Full`] (its `timeout` zero; the request was never
-    /// queued). For async callers, which retry on their own terms. (Its own body, not a
-    /// shared one: `ask`'s is a measured path whose code stays as it was.)
+    /// queued). For async callers, which retry on their own terms.
     pub fn try_ask<A: Ask<E>>(&self, request: A) -> Reply<A::Reply> {
+        // Its own body, not one shared with `ask`: that is a measured path, whose code stays
+        // as it was (sharing it changed how the compiler inlined it).
         if CURRENT_INBOX.with(std::cell::Cell::get) == self.inbox.address() {
             return Reply::failed(AskError::SelfAsk { endpoint: self.inbox.name.clone() });
         }

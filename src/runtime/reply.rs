@@ -451,7 +451,9 @@ impl<T> Reply<T> {
 /// for the process, module `ask_timer`), which wakes the task then; the poll that follows
 /// fails with [`AskError::Timeout`]. So a reply that never comes (a handler that keeps its
 /// `Replier` and never answers) still ends. Should the system refuse the timer's thread, the
-/// deadline is only checked when something else polls the task (a warning says so). The
+/// deadline is only checked when something else polls the task (a warning says so); the same
+/// holds under Miri, where no reply arms the timer (its thread never ends, which Miri reports),
+/// also in the tests of a crate that embeds this one. The
 /// `ask` call itself may block while the inbox is full; async callers ask with
 /// [`EndpointRef::try_ask`](crate::EndpointRef::try_ask).
 impl<T> Future for Reply<T> {
