@@ -11,7 +11,9 @@ use std::{
     time::{Duration, Instant},
 };
 
-use coordbus::{Ask, AskError, Bus, BusError, Context, Endpoint, HandlerError, Replier, SendError};
+use coordbus::{
+    Ask, AskError, Bus, BusError, Context, Endpoint, EndpointRef, HandlerError, Replier, SendError,
+};
 
 /// Longer than anything below takes; a wait that reaches it is a hang.
 const BOUND: Duration = Duration::from_secs(30);
@@ -234,11 +236,9 @@ fn a_shutdown_whose_endpoint_outlives_the_timeout_names_it_instead_of_reporting_
     gate.open();
 }
 
-/// An ask into an inbox that stays full for `ask_timeout` is never queued: it fails with
-/// `Full`, naming the endpoint, and the handler never sees it.
-#[test]
-fn an_ask_into_an_inbox_full_for_its_timeout_is_full_not_timeout() {
-    let ask_timeout = Duration::from_millis(50);
+/// A bus with `ask_timeout` and endpoint "full" (one shard of 4), its handler held at the
+/// returned gate on a first message and its inbox filled behind it with `queued` notes.
+fn a_full_inbox(ask_timeout: Duration) -> (Bus, EndpointRef<Blocker>, Arc<Gate>, u64) {
     let bus =
         Bus::builder().inbox_shards(1).inbox_capacity(4).ask_timeout(ask_timeout).build().unwrap();
     let gate = Arc::new(Gate::default());
@@ -246,12 +246,20 @@ fn an_ask_into_an_inbox_full_for_its_timeout_is_full_not_timeout() {
     let blocker = bus.register("full", Blocker { gate: Arc::clone(&gate), entered }).unwrap();
     blocker.send(()).unwrap();
     handling.recv_timeout(BOUND).expect("the handler never ran");
-    // The handler is held at the gate: fill the inbox.
     let mut queued = 0;
     while blocker.try_send(()).is_ok() {
         queued += 1;
         assert!(queued < 1 << 20, "the inbox never filled");
     }
+    (bus, blocker, gate, queued)
+}
+
+/// An ask into an inbox that stays full for `ask_timeout` is never queued: it fails with
+/// `Full`, naming the endpoint, and the handler never sees it.
+#[test]
+fn an_ask_into_an_inbox_full_for_its_timeout_is_full_not_timeout() {
+    let ask_timeout = Duration::from_millis(50);
+    let (bus, blocker, gate, queued) = a_full_inbox(ask_timeout);
     let started = Instant::now();
     match blocker.ask(Ping).wait_timeout(BOUND) {
         Err(AskError::Full { endpoint, timeout }) => {
@@ -274,22 +282,7 @@ fn an_ask_into_an_inbox_full_for_its_timeout_is_full_not_timeout() {
 /// up to `ask_timeout` (here far longer than the test's bound), and leaves nothing queued.
 #[test]
 fn a_try_ask_into_a_full_inbox_is_full_at_once() {
-    let bus = Bus::builder()
-        .inbox_shards(1)
-        .inbox_capacity(4)
-        .ask_timeout(Duration::from_secs(600))
-        .build()
-        .unwrap();
-    let gate = Arc::new(Gate::default());
-    let (entered, handling) = mpsc::channel();
-    let blocker = bus.register("full", Blocker { gate: Arc::clone(&gate), entered }).unwrap();
-    blocker.send(()).unwrap();
-    handling.recv_timeout(BOUND).expect("the handler never ran");
-    let mut queued = 0;
-    while blocker.try_send(()).is_ok() {
-        queued += 1;
-        assert!(queued < 1 << 20, "the inbox never filled");
-    }
+    let (bus, blocker, gate, queued) = a_full_inbox(Duration::from_secs(600));
     let started = Instant::now();
     match blocker.try_ask(Ping).wait_timeout(BOUND) {
         Err(AskError::Full { endpoint, timeout }) => {

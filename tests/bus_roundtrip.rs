@@ -691,26 +691,7 @@ fn an_awaited_ask_never_answered_fails_at_the_ask_timeout() {
     let (outcome_sender, outcome) = std::sync::mpsc::channel();
     let asker = endpoint.clone();
     std::thread::spawn(move || {
-        use std::{
-            future::Future,
-            task::{Context as TaskContext, Poll, Wake, Waker},
-        };
-        struct Unpark(std::thread::Thread);
-        impl Wake for Unpark {
-            fn wake(self: Arc<Self>) {
-                self.0.unpark();
-            }
-        }
-        let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
-        let mut task = TaskContext::from_waker(&waker);
-        let mut reply = std::pin::pin!(asker.ask(Hoard));
-        let outcome = loop {
-            if let Poll::Ready(outcome) = reply.as_mut().poll(&mut task) {
-                break outcome;
-            }
-            std::thread::park();
-        };
-        let _ = outcome_sender.send(outcome);
+        let _ = outcome_sender.send(poll_until_ready(asker.ask(Hoard), std::thread::park));
     });
     let outcome = outcome.recv_timeout(Duration::from_secs(10)).expect("the await ended");
     assert!(
@@ -722,6 +703,18 @@ fn an_awaited_ask_never_answered_fails_at_the_ask_timeout() {
 
 /// A minimal executor: polls the future, parking the thread between wake-ups.
 fn block_on<F: std::future::Future>(future: F) -> F::Output {
+    // Bounded: a reply that never becomes ready (not even with its ask timeout, `WAIT`) fails
+    // the test instead of hanging it.
+    let deadline = std::time::Instant::now() + 2 * WAIT;
+    poll_until_ready(future, || {
+        assert!(std::time::Instant::now() < deadline, "future not ready within {:?}", 2 * WAIT);
+        std::thread::park_timeout(Duration::from_millis(10));
+    })
+}
+
+/// Polls `future` on this thread until it is ready, calling `park` after each pending poll;
+/// the future's waker unparks this thread.
+fn poll_until_ready<F: std::future::Future>(future: F, park: impl Fn()) -> F::Output {
     use std::task::{Context as TaskContext, Poll, Wake, Waker};
     struct ThreadWaker(std::thread::Thread);
     impl Wake for ThreadWaker {
@@ -732,15 +725,11 @@ fn block_on<F: std::future::Future>(future: F) -> F::Output {
     let waker = Waker::from(Arc::new(ThreadWaker(std::thread::current())));
     let mut task = TaskContext::from_waker(&waker);
     let mut future = std::pin::pin!(future);
-    // Bounded: a reply that never becomes ready (not even with its ask timeout, `WAIT`) fails
-    // the test instead of hanging it.
-    let deadline = std::time::Instant::now() + 2 * WAIT;
     loop {
         if let Poll::Ready(output) = future.as_mut().poll(&mut task) {
             return output;
         }
-        assert!(std::time::Instant::now() < deadline, "future not ready within {:?}", 2 * WAIT);
-        std::thread::park_timeout(Duration::from_millis(10));
+        park();
     }
 }
 
