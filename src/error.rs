@@ -163,12 +163,21 @@ pub enum BusError {
     /// An endpoint thread panicked outside its handlers and hooks (in the endpoint's own
     /// `Drop`, say). A panic in a handler fails its asker and goes to `on_error`; one in
     /// `on_start` or `on_stop` is caught and logged as an error, and the thread goes on.
-    #[error("endpoint thread {name:?} panicked outside a handler: {message}")]
+    /// The first such panic is reported; `unfinished` names the endpoints whose threads the
+    /// same shutdown also left running at its deadline (as [`BusError::ShutdownTimedOut`]
+    /// would have).
+    #[error(
+        "endpoint thread {name:?} panicked outside a handler: {message}{}",
+        still_running(unfinished)
+    )]
     ThreadPanicked {
         /// The endpoint's name.
         name: String,
         /// The panic's message.
         message: String,
+        /// Endpoints whose threads were still running at the shutdown's deadline (left
+        /// detached: stopped, they finish on their own); empty if none.
+        unfinished: Vec<String>,
     },
     /// An endpoint name the bus cannot take (it names the endpoint's thread).
     #[error("invalid endpoint name {name:?}: {reason}")]
@@ -551,5 +560,14 @@ impl WalError {
             Self::Failed { cause } => cause.root_cause(),
             other => other,
         }
+    }
+}
+
+/// `ThreadPanicked`'s note on the endpoints a shutdown left running, if any.
+fn still_running(unfinished: &[String]) -> String {
+    if unfinished.is_empty() {
+        String::new()
+    } else {
+        format!("; endpoints still running at the shutdown's deadline: {unfinished:?}")
     }
 }

@@ -398,8 +398,9 @@ impl Bus {
         if threads.is_empty() {
             // Nothing to wait for (another shutdown took them, or this runs in a handler):
             // return before taking the signals, which that other shutdown may be waiting on.
-            return panicked_earlier
-                .map_or(Ok(()), |(name, message)| Err(BusError::ThreadPanicked { name, message }));
+            return panicked_earlier.map_or(Ok(()), |(name, message)| {
+                Err(BusError::ThreadPanicked { name, message, unfinished: Vec::new() })
+            });
         }
         // `None`: a timeout too large for the clock, no deadline.
         let deadline = Instant::now().checked_add(self.config.shutdown_timeout);
@@ -421,7 +422,9 @@ impl Bus {
             }
         }
         match (panicked, unfinished.is_empty()) {
-            (Some((name, message)), _) => Err(BusError::ThreadPanicked { name, message }),
+            (Some((name, message)), _) => {
+                Err(BusError::ThreadPanicked { name, message, unfinished })
+            }
             (None, false) => Err(BusError::ShutdownTimedOut {
                 endpoints: unfinished,
                 timeout: self.config.shutdown_timeout,
@@ -696,11 +699,67 @@ mod tests {
         bus.register("lives", IDLE).unwrap();
         assert_eq!(held_threads(&bus), 1);
         match bus.shutdown() {
-            Err(BusError::ThreadPanicked { name, message }) => {
+            Err(BusError::ThreadPanicked { name, message, unfinished }) => {
                 assert_eq!(name, "dies");
                 assert_eq!(message, "injected: an endpoint that panics when dropped");
+                assert!(unfinished.is_empty(), "{unfinished:?}");
             }
             other => panic!("expected ThreadPanicked, got {other:?}"),
         }
+    }
+
+    /// Held in its handler until its gate is dropped (or 30 s pass).
+    struct Stuck(crossbeam_channel::Receiver<()>);
+
+    impl Endpoint for Stuck {
+        type Message = ();
+        type Request = ();
+
+        fn handle(&mut self, (): (), _: &Context<Self>) -> Result<(), HandlerError> {
+            let _ = self.0.recv_timeout(std::time::Duration::from_secs(30));
+            Ok(())
+        }
+
+        fn handle_request(&mut self, (): (), _: &Context<Self>) -> Result<(), HandlerError> {
+            Ok(())
+        }
+    }
+
+    /// A shutdown that finds a panicked thread and also times out on another reports both:
+    /// before, the endpoints left running were only logged.
+    #[test]
+    fn a_shutdown_with_a_panic_and_a_timeout_reports_both() {
+        let bus =
+            Bus::builder().shutdown_timeout(std::time::Duration::from_millis(100)).build().unwrap();
+        bus.register("dies", Idle { panics_on_drop: true }).unwrap();
+        bus.stop("dies").unwrap();
+        let deadline = Instant::now() + std::time::Duration::from_secs(30);
+        let dies_finished = || {
+            let threads = bus.threads.lock().unwrap();
+            threads
+                .iter()
+                .filter(|(name, _)| name == "dies")
+                .all(|(_, handle)| handle.is_finished())
+        };
+        while !dies_finished() {
+            assert!(Instant::now() < deadline, "the stopped thread did not finish");
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        let (gate, held) = crossbeam_channel::bounded::<()>(0);
+        let stuck = bus.register("stuck", Stuck(held)).unwrap();
+        stuck.send(()).unwrap();
+        // Taken off the inbox: its handler holds it now.
+        while stuck.stats().inbox_depth > 0 {
+            assert!(Instant::now() < deadline, "the stuck endpoint never took its message");
+            std::thread::yield_now();
+        }
+        match bus.shutdown() {
+            Err(BusError::ThreadPanicked { name, unfinished, .. }) => {
+                assert_eq!(name, "dies");
+                assert_eq!(unfinished, vec!["stuck".to_owned()]);
+            }
+            other => panic!("expected ThreadPanicked naming the unfinished, got {other:?}"),
+        }
+        drop(gate);
     }
 }
