@@ -377,7 +377,8 @@ impl Bus {
     ///
     /// # Errors
     /// [`BusError::ThreadPanicked`] if an endpoint thread died outside a handler (the first
-    /// one, also if a registration had joined it already); else
+    /// one, also if a registration had joined it already; with the endpoints still running at
+    /// the deadline, if any); else
     /// [`BusError::ShutdownTimedOut`] naming the endpoints whose threads were still running at
     /// the deadline (they are left detached: stopped, they finish on their own).
     pub fn shutdown(&self) -> Result<(), BusError> {
