@@ -7,6 +7,8 @@
 //! * `waiting_epochs` = buckets with `waiting` set; a waiting bucket was ready when it was set
 //!   (a count change since may have made it not ready: the commit chain takes a waiting epoch
 //!   only if it is ready now);
+//! * `backlog_slack` <= the least room left under the three backlog limits (limit - size,
+//!   0 for a queue at or over its limit);
 //! * `by_epoch` maps exactly the live buckets; `free` lists exactly the other slab slots.
 
 use std::{
@@ -511,6 +513,14 @@ pub struct EpochCoordinator<Q, S> {
     /// them until the next commit); their payloads are already freed.
     retained_offsets: usize,
     retained_commits: usize,
+    /// How many more entries (offsets, commits or waiting epochs) the backlog queues surely
+    /// take before one of them is over its limit: a lower bound of the least room left under
+    /// the three limits. Each entry stored takes one off, whatever its queue, and the exact
+    /// figure is counted again when it reaches 0 (by the backlog checks) or when the queues
+    /// shrink (a commit, a count change). While it is above 0 no queue is over its limit, so a
+    /// message skips the per-queue comparisons of its admission and of SPEC B.7's checks,
+    /// which would all pass: one test per message instead of six.
+    backlog_slack: usize,
     counters: EpochCounters,
 }
 
@@ -560,7 +570,7 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
         }
         let mut query = query;
         query.begin_run();
-        Ok(Self {
+        let mut coordinator = Self {
             query,
             sink,
             current_epoch: start,
@@ -578,9 +588,12 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
             waiting_epochs: 0,
             retained_offsets: 0,
             retained_commits: 0,
+            backlog_slack: 0,
             counters: EpochCounters::default(),
             config,
-        })
+        };
+        coordinator.recount_backlog_slack();
+        Ok(coordinator)
     }
 
     /// Handles one one-way message (dispatches to the two methods below).
@@ -620,8 +633,8 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
             return Err(self.drop_message(kind, partition, epoch, DropReason::DuplicateCommit));
         }
         self.commit_entries += 1;
+        self.take_backlog_slack();
         self.counters.commits_accepted += 1;
-        tracing::debug!(%partition, %epoch, "writer commit stored");
         if self.is_ready(slot) {
             self.resolve(slot);
         }
@@ -646,15 +659,17 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
     ) -> Result<(), Rejected> {
         self.admit(MessageKind::ReportPartitionOffset, partition, epoch, self.reader_partitions)?;
         let slot = self.bucket_for(epoch);
-        let bucket = &mut self.buckets[slot as usize];
-        if bucket.offsets.insert(partition, offset, true) == Inserted::New {
+        let offsets = &mut self.buckets[slot as usize].offsets;
+        let inserted = offsets.insert(partition, offset, true);
+        let stored = offsets.len();
+        if inserted == Inserted::New {
             self.offset_entries += 1;
+            self.take_backlog_slack();
             self.counters.offsets_accepted += 1;
         } else {
             self.counters.offsets_overwritten += 1;
         }
-        tracing::debug!(%partition, %epoch, "partition offset stored");
-        if complete(bucket.offsets.len(), self.reader_partitions) {
+        if complete(stored, self.reader_partitions) {
             self.offsets_complete(slot, epoch);
         }
         self.check_backlog();
@@ -747,6 +762,7 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
             PartitionSide::Reader => self.offset_entries -= dropped,
             PartitionSide::Writer => self.commit_entries -= dropped,
         }
+        self.recount_backlog_slack();
         self.counters.dropped_partition_out_of_range += dropped as u64;
         tracing::warn!(
             %side,
@@ -875,6 +891,9 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
         epoch: Epoch,
         partition_count: i32,
     ) -> Option<(BacklogQueue, usize)> {
+        if self.backlog_slack > 0 {
+            return None;
+        }
         let (queue, entries, limit) = match kind {
             MessageKind::CommitPartitionEpoch => (
                 BacklogQueue::PartitionCommits,
@@ -1032,6 +1051,7 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
             if !bucket.waiting {
                 bucket.waiting = true;
                 self.waiting_epochs += 1;
+                self.take_backlog_slack();
                 tracing::debug!(%epoch, last_committed = %self.last_committed, "epoch waiting");
             }
             return;
@@ -1044,6 +1064,7 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
                 if !bucket.waiting {
                     bucket.waiting = true;
                     self.waiting_epochs += 1;
+                    self.take_backlog_slack();
                 }
                 self.fail(error, epoch);
                 return;
@@ -1069,6 +1090,7 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
                 .and_then(|after| self.live_slot(after))
                 .filter(|&slot| self.buckets[slot as usize].waiting && self.is_ready(slot));
         }
+        self.recount_backlog_slack();
     }
 
     /// Sink commit, then query commit (SPEC B.5 a; the order is mandatory), after the epoch's
@@ -1126,8 +1148,19 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
     }
 
     /// SPEC B.7: three independent checks, in order; each failing one stops the query.
-    #[inline]
+    ///
+    /// Only once [`Self::backlog_slack`] is used up: until then no queue can be over its limit.
+    #[inline(always)]
     fn check_backlog(&mut self) {
+        debug_assert!(self.backlog_slack <= self.exact_backlog_slack());
+        if self.backlog_slack == 0 {
+            self.check_backlog_limits();
+        }
+    }
+
+    /// [`Self::check_backlog`]'s comparisons, then the slack counted again.
+    #[inline(never)]
+    fn check_backlog_limits(&mut self) {
         if self.offset_entries > self.config.partition_offset_limit {
             self.overflow(
                 BacklogQueue::PartitionOffsets,
@@ -1149,6 +1182,26 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
                 self.config.waiting_epoch_limit,
             );
         }
+        self.recount_backlog_slack();
+    }
+
+    /// One entry more in a backlog queue: one less of [`Self::backlog_slack`].
+    #[inline(always)]
+    fn take_backlog_slack(&mut self) {
+        self.backlog_slack = self.backlog_slack.saturating_sub(1);
+    }
+
+    /// Sets [`Self::backlog_slack`] to the exact room left.
+    fn recount_backlog_slack(&mut self) {
+        self.backlog_slack = self.exact_backlog_slack();
+    }
+
+    /// The least room left under the three backlog limits (0 for a queue at or over its limit).
+    fn exact_backlog_slack(&self) -> usize {
+        let room = |limit: usize, size: usize| limit.saturating_sub(size);
+        room(self.config.partition_offset_limit, self.offset_entries)
+            .min(room(self.config.partition_commit_limit, self.commit_entries))
+            .min(room(self.config.waiting_epoch_limit, self.waiting_epochs))
     }
 
     #[cold]
