@@ -9,6 +9,8 @@
 //!   only if it is ready now);
 //! * `backlog_slack` <= the least room left under the three backlog limits (limit - size,
 //!   0 for a queue at or over its limit);
+//! * `admission` is what [`AdmissionGate::of`] derives from the partition counts, the last
+//!   committed epoch and `writes_stopped`;
 //! * `by_epoch` maps exactly the live buckets; `free` lists exactly the other slab slots.
 
 use std::{
@@ -521,7 +523,46 @@ pub struct EpochCoordinator<Q, S> {
     /// message skips the per-queue comparisons of its admission and of SPEC B.7's checks,
     /// which would all pass: one test per message instead of six.
     backlog_slack: usize,
+    /// The common message's admission in three comparisons (see [`AdmissionGate`]).
+    admission: AdmissionGate,
     counters: EpochCounters,
+}
+
+/// What lets a message pass every check of [`EpochCoordinator::admit`] in three comparisons
+/// (with [`EpochCoordinator::backlog_slack`] above 0): its partition id below its side's
+/// bound and its epoch above `epochs_above`. Derived from the coordinator's state, and set
+/// again wherever that changes; a message that fails the gate goes through the full checks,
+/// which name its reason.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct AdmissionGate {
+    /// Reader and writer partition ids, as `u32`, must be below these: the partition count,
+    /// or 2^31 while it is unset (any id that is not negative; a negative id, as `u32`, is
+    /// never below either).
+    reader_bound: u32,
+    writer_bound: u32,
+    /// The last committed epoch, or `i64::MAX` once writes are stopped (no epoch is above).
+    epochs_above: i64,
+}
+
+impl AdmissionGate {
+    fn of(reader_partitions: i32, writer_partitions: i32, last: Epoch, stopped: bool) -> Self {
+        let bound = |count: i32| if count > 0 { count as u32 } else { 1 << 31 };
+        Self {
+            reader_bound: bound(reader_partitions),
+            writer_bound: bound(writer_partitions),
+            epochs_above: if stopped { i64::MAX } else { last.0 },
+        }
+    }
+
+    /// Whether a message of `kind` for `partition` and `epoch` passes.
+    #[inline(always)]
+    fn passes(&self, kind: MessageKind, partition: PartitionId, epoch: Epoch) -> bool {
+        let bound = match kind {
+            MessageKind::CommitPartitionEpoch => self.writer_bound,
+            MessageKind::ReportPartitionOffset => self.reader_bound,
+        };
+        (partition.0 as u32) < bound && epoch.0 > self.epochs_above
+    }
 }
 
 impl<Q, S> std::fmt::Debug for EpochCoordinator<Q, S> {
@@ -589,6 +630,7 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
             retained_offsets: 0,
             retained_commits: 0,
             backlog_slack: 0,
+            admission: AdmissionGate::of(0, 0, Epoch(start.0 - 1), false),
             counters: EpochCounters::default(),
             config,
         };
@@ -717,6 +759,7 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
     pub fn set_reader_partitions(&mut self, count: i32) -> Result<(), EpochError> {
         self.check_count(PartitionSide::Reader, count)?;
         self.reader_partitions = count;
+        self.set_admission_gate();
         tracing::debug!(count, "reader partitions set");
         self.drop_out_of_range(PartitionSide::Reader, count);
         self.resume_passed_epoch();
@@ -730,6 +773,7 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
     pub fn set_writer_partitions(&mut self, count: i32) -> Result<(), EpochError> {
         self.check_count(PartitionSide::Writer, count)?;
         self.writer_partitions = count;
+        self.set_admission_gate();
         tracing::debug!(count, "writer partitions set");
         self.drop_out_of_range(PartitionSide::Writer, count);
         self.resume_passed_epoch();
@@ -797,6 +841,7 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
             tracing::info!(last_committed = %self.last_committed, "query writes stopped");
         }
         self.writes_stopped = true;
+        self.set_admission_gate();
     }
 
     /// The last committed epoch (start epoch - 1 before the first commit).
@@ -848,9 +893,34 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
         Ok(())
     }
 
-    /// The checks every one-way message passes before it may change state.
-    #[inline]
+    /// The checks every one-way message passes before it may change state: the admission
+    /// gate's three comparisons for the common message, else [`Self::admit_checked`].
+    #[inline(always)]
     fn admit(
+        &mut self,
+        kind: MessageKind,
+        partition: PartitionId,
+        epoch: Epoch,
+        partition_count: i32,
+    ) -> Result<(), Rejected> {
+        debug_assert_eq!(
+            self.admission,
+            AdmissionGate::of(
+                self.reader_partitions,
+                self.writer_partitions,
+                self.last_committed,
+                self.writes_stopped
+            )
+        );
+        if self.admission.passes(kind, partition, epoch) && self.backlog_slack > 0 {
+            return Ok(());
+        }
+        self.admit_checked(kind, partition, epoch, partition_count)
+    }
+
+    /// [`Self::admit`]'s checks one by one, naming the reason of a message dropped.
+    #[inline(never)]
+    fn admit_checked(
         &mut self,
         kind: MessageKind,
         partition: PartitionId,
@@ -1083,6 +1153,7 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
             self.retained_offsets = bucket.offsets.len();
             self.retained_commits = bucket.commits.len();
             self.last_committed = epoch;
+            self.set_admission_gate();
             self.counters.epochs_committed += 1;
             self.release(slot);
             next = epoch
@@ -1189,6 +1260,16 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
     #[inline(always)]
     fn take_backlog_slack(&mut self) {
         self.backlog_slack = self.backlog_slack.saturating_sub(1);
+    }
+
+    /// Sets [`Self::admission`] again from what it is derived from.
+    fn set_admission_gate(&mut self) {
+        self.admission = AdmissionGate::of(
+            self.reader_partitions,
+            self.writer_partitions,
+            self.last_committed,
+            self.writes_stopped,
+        );
     }
 
     /// Sets [`Self::backlog_slack`] to the exact room left.
