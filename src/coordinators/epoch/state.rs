@@ -521,7 +521,7 @@ pub struct EpochCoordinator<Q, S> {
     /// figure is counted again when it reaches 0 (by the backlog checks) or when the queues
     /// shrink (a commit, a count change). While it is above 0 no queue is over its limit, so a
     /// message skips the per-queue comparisons of its admission and of SPEC B.7's checks,
-    /// which would all pass: one test per message instead of six.
+    /// which would all pass: one test per message instead of four comparisons.
     backlog_slack: usize,
     /// The common message's admission in three comparisons (see [`AdmissionGate`]).
     admission: AdmissionGate,
@@ -677,6 +677,7 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
         self.commit_entries += 1;
         self.take_backlog_slack();
         self.counters.commits_accepted += 1;
+        tracing::debug!(%partition, %epoch, "writer commit stored");
         if self.is_ready(slot) {
             self.resolve(slot);
         }
@@ -711,6 +712,7 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
         } else {
             self.counters.offsets_overwritten += 1;
         }
+        tracing::debug!(%partition, %epoch, "partition offset stored");
         if complete(stored, self.reader_partitions) {
             self.offsets_complete(slot, epoch);
         }
@@ -894,7 +896,8 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
     }
 
     /// The checks every one-way message passes before it may change state: the admission
-    /// gate's three comparisons for the common message, else [`Self::admit_checked`].
+    /// gate's two comparisons and the backlog slack's test for the common message, else
+    /// [`Self::admit_checked`].
     #[inline(always)]
     fn admit(
         &mut self,
