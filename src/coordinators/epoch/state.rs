@@ -11,7 +11,9 @@
 //!   0 for a queue at or over its limit);
 //! * `admission` is what [`AdmissionGate::of`] derives from the partition counts, the last
 //!   committed epoch and `writes_stopped`;
-//! * `by_epoch` maps exactly the live buckets; `free` lists exactly the other slab slots.
+//! * `by_epoch` maps exactly the live buckets; `free` lists exactly the other slab slots;
+//! * `cached_epoch` is [`NO_CACHED_EPOCH`] or a live bucket's epoch, with `cached_slot` its
+//!   slot.
 
 use std::{
     collections::{hash_map::Entry, HashMap},
@@ -31,6 +33,10 @@ use crate::error::ConfigError;
 const RECYCLE_WINDOW_EPOCHS: i64 = 16;
 /// Free buckets that keep their allocations; further freed buckets give them back.
 const RECYCLED_BUCKETS_MAX: usize = 16;
+/// [`EpochCoordinator`]'s bucket cache holds no bucket. No bucket has this epoch: every one is
+/// above the last committed epoch, which is at least -1 (the start epoch is not negative), and
+/// every epoch looked up is above it too.
+const NO_CACHED_EPOCH: Epoch = Epoch(i64::MIN);
 
 /// A multiplicative hash for integer keys (partition ids, epochs): one multiply and a fold, so
 /// both the low bits (bucket position) and the high bits (SwissTable tag) depend on every key
@@ -506,8 +512,11 @@ pub struct EpochCoordinator<Q, S> {
     buckets: Vec<Bucket>,
     free: Vec<u32>,
     by_epoch: IntMap<i64, u32>,
-    /// The last bucket looked up: `(epoch, slot)`. Valid while that bucket is live.
-    cached: Option<(Epoch, u32)>,
+    /// The last bucket looked up: its epoch and slab slot, valid while that bucket is live;
+    /// [`NO_CACHED_EPOCH`] when there is none. (A sentinel, not an `Option`: one comparison per
+    /// message instead of two.)
+    cached_epoch: Epoch,
+    cached_slot: u32,
     offset_entries: usize,
     commit_entries: usize,
     waiting_epochs: usize,
@@ -623,7 +632,8 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
             buckets: Vec::new(),
             free: Vec::new(),
             by_epoch: IntMap::default(),
-            cached: None,
+            cached_epoch: NO_CACHED_EPOCH,
+            cached_slot: 0,
             offset_entries: 0,
             commit_entries: 0,
             waiting_epochs: 0,
@@ -1038,9 +1048,10 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
     #[inline(always)]
     fn bucket_for(&mut self, epoch: Epoch) -> u32 {
         debug_assert!(epoch > self.last_committed);
-        match self.cached {
-            Some((cached_epoch, slot)) if cached_epoch == epoch => slot,
-            _ => self.bucket_for_uncached(epoch),
+        if epoch == self.cached_epoch {
+            self.cached_slot
+        } else {
+            self.bucket_for_uncached(epoch)
         }
     }
 
@@ -1071,7 +1082,7 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
                 *vacant.insert(slot)
             }
         };
-        self.cached = Some((epoch, slot));
+        (self.cached_epoch, self.cached_slot) = (epoch, slot);
         slot
     }
 
@@ -1089,16 +1100,17 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
             bucket.commits.shrink();
         }
         self.by_epoch.remove(&epoch.0);
-        if self.cached.is_some_and(|(cached, _)| cached == epoch) {
-            self.cached = None;
+        if self.cached_epoch == epoch {
+            self.cached_epoch = NO_CACHED_EPOCH;
         }
         self.free.push(slot);
     }
 
     fn live_slot(&self, epoch: Epoch) -> Option<u32> {
-        match self.cached {
-            Some((cached, slot)) if cached == epoch => Some(slot),
-            _ => self.by_epoch.get(&epoch.0).copied(),
+        if epoch == self.cached_epoch {
+            Some(self.cached_slot)
+        } else {
+            self.by_epoch.get(&epoch.0).copied()
         }
     }
 
