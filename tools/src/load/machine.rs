@@ -102,12 +102,19 @@ fn answer(counter: &AtomicU64) {
         if value == STOP {
             return;
         }
-        if value % 2 == 1 && value > last_answered {
-            counter.store(value + 1, Ordering::Release);
+        if value % 2 == 1 && value > last_answered && reply(counter, value) {
             last_answered = value + 1;
         }
         std::hint::spin_loop();
     }
+}
+
+/// Answers `value` with `value + 1` unless the counter changed since it was read: the asker
+/// may have given up at its deadline and stored [`STOP`] meanwhile, and a plain store would
+/// overwrite it and leave this thread spinning forever (the asker is gone) and the caller
+/// waiting for it. Returns whether it answered.
+fn reply(counter: &AtomicU64, value: u64) -> bool {
+    counter.compare_exchange(value, value + 1, Ordering::AcqRel, Ordering::Acquire).is_ok()
 }
 
 /// The probe before and after a run, as the JSON value the figures carry
@@ -173,6 +180,20 @@ mod tests {
         // machine may deschedule the spinning asker past its deadline for a while).
         let took = started.elapsed();
         assert!(took >= PROBE_TIME_LIMIT && took < Duration::from_secs(30), "took {took:?}");
+    }
+
+    /// The race that hung a probe: the answerer read an odd value, the asker gave up at its
+    /// deadline and stored STOP, then the answer came. It must not overwrite STOP.
+    #[test]
+    fn an_answer_that_comes_after_the_asker_gave_up_leaves_stop() {
+        let counter = AtomicU64::new(STOP);
+        assert!(!reply(&counter, 7), "the value read (7) is gone: no answer");
+        assert_eq!(counter.load(Ordering::Relaxed), STOP);
+        // And the answering thread then ends, seeing STOP.
+        answer(&counter);
+        let counter = AtomicU64::new(7);
+        assert!(reply(&counter, 7));
+        assert_eq!(counter.load(Ordering::Relaxed), 8);
     }
 
     #[test]
