@@ -966,6 +966,8 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
 
     /// The queue `kind` stores into and its limit, if that queue is over its limit and the
     /// message would add an entry to it that it may not take (see [`Self::full_queue_refuses`]).
+    /// Reached only through [`Self::admit_checked`] for a message the admission gate let
+    /// through, so only with no backlog slack left.
     #[inline]
     fn backlog_full(
         &self,
@@ -974,9 +976,6 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
         epoch: Epoch,
         partition_count: i32,
     ) -> Option<(BacklogQueue, usize)> {
-        if self.backlog_slack > 0 {
-            return None;
-        }
         let (queue, entries, limit) = match kind {
             MessageKind::CommitPartitionEpoch => (
                 BacklogQueue::PartitionCommits,
