@@ -383,27 +383,34 @@ impl<T> Lane<T> {
     pub(crate) fn pop_batch(&self, max: usize, handle: &mut impl Consume<T>) -> usize {
         let start = self.consumer.head.load(Ordering::Relaxed);
         let mut published_end = self.consumer.published_end.load(Ordering::Relaxed);
+        // `max` may be `usize::MAX` ("everything").
+        let limit = start.saturating_add(max);
         let mut head = start;
-        while head - start < max {
+        while head < limit {
             if head == published_end {
                 let Some(end) = self.fresh_run_end(head) else { break };
                 published_end = end;
                 self.consumer.published_end.store(end, Ordering::Relaxed);
             }
+            // The bounds are set once per run, so that a message costs one test of each.
+            let stop = published_end.min(limit);
             // Only lines the producer is done with: beyond the run it may still be writing.
-            if head + PREFETCH_AHEAD < published_end {
-                prefetch(self.slot(head + PREFETCH_AHEAD));
+            let prefetch_stop = published_end.saturating_sub(PREFETCH_AHEAD).min(stop);
+            while head < stop {
+                if head < prefetch_stop {
+                    prefetch(self.slot(head + PREFETCH_AHEAD));
+                }
+                let value = self.slot(head).value.with(|cell| {
+                    // SAFETY: `head` lies in a run whose stamp was acquired (here or in an
+                    // earlier call), so the owner wrote this value and released it; only this
+                    // consumer reads it, once, before handing the slot back with the head store
+                    // below (the producer rewrites it only after seeing that).
+                    unsafe { cell.cast::<T>().read() }
+                });
+                head += 1;
+                self.consumer.head.store(head, Ordering::Release);
+                handle.consume(value);
             }
-            let value = self.slot(head).value.with(|cell| {
-                // SAFETY: `head` lies in a run whose stamp was acquired (here or in an earlier
-                // call), so the owner wrote this value and released it; only this consumer
-                // reads it, once, before handing the slot back with the head store below (the
-                // producer rewrites it only after seeing that).
-                unsafe { cell.cast::<T>().read() }
-            });
-            head += 1;
-            self.consumer.head.store(head, Ordering::Release);
-            handle.consume(value);
         }
         head - start
     }
