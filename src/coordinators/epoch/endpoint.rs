@@ -11,7 +11,10 @@
 //! nothing, SPEC A.2): the state machine counts and logs them. Requests that fail (a negative
 //! partition count, an epoch overflow) fail the asker with the [`EpochError`].
 
-use super::{EpochConfig, EpochCoordinator, EpochError, EpochStats, Payload, Query, Sink};
+use super::{
+    Epoch, EpochConfig, EpochCoordinator, EpochError, EpochStats, PartitionId, Payload, Query,
+    Rejected, Sink,
+};
 use crate::{
     error::{ConfigError, HandlerError},
     Ask, AskError, Context, Endpoint, Replier,
@@ -235,9 +238,30 @@ where
     ) -> Result<(), HandlerError> {
         // A dropped message was counted and logged by the state machine, and is counted by
         // reason in the endpoint's stats; the sender of a one-way message is not told (SPEC
-        // A.2, B.6).
-        if let Err(rejected) = self.coordinator.apply(message) {
-            context.record_dropped(rejected.reason.label());
+        // A.2, B.6). Tested in each arm rather than once after `apply`: for the merged result
+        // the compiler kept the tag in memory, a store and a reload per message.
+        let coordinator = &mut self.coordinator;
+        match message {
+            EpochMessage::CommitPartitionEpoch { partition, epoch, message } => {
+                let outcome = coordinator.commit_partition_epoch(
+                    PartitionId(partition),
+                    Epoch(epoch),
+                    message,
+                );
+                if let Err(rejected) = outcome {
+                    record_dropped(context, &rejected);
+                }
+            }
+            EpochMessage::ReportPartitionOffset { partition, epoch, offset } => {
+                let outcome = coordinator.report_partition_offset(
+                    PartitionId(partition),
+                    Epoch(epoch),
+                    offset,
+                );
+                if let Err(rejected) = outcome {
+                    record_dropped(context, &rejected);
+                }
+            }
         }
         Ok(())
     }
@@ -278,6 +302,17 @@ where
             "epoch coordinator stopped"
         );
     }
+}
+
+/// Counts a dropped one-way message by reason in the endpoint's stats (out of line: the
+/// message path only tests for it).
+#[cold]
+fn record_dropped<Q, S>(context: &Context<EpochEndpoint<Q, S>>, rejected: &Rejected)
+where
+    Q: Query + Send + 'static,
+    S: Sink + Send + 'static,
+{
+    context.record_dropped(rejected.reason.label());
 }
 
 fn reply_or_fail<T: Send + 'static>(replier: Replier<T>, outcome: Result<T, EpochError>) {
