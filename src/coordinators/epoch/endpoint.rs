@@ -4,8 +4,7 @@
 //! `epoch.send(ReportPartitionOffset { .. })` works); each request is its own struct
 //! implementing [`Ask`] with its own reply type. Field types are the wire types of SPEC B.4
 //! (`i32` partition ids, `i64` epochs), so an engine passes its values through unchanged; the
-//! state machine turns them into [`PartitionId`](super::PartitionId) and
-//! [`Epoch`](super::Epoch).
+//! state machine turns them into [`PartitionId`] and [`Epoch`].
 //!
 //! Dropped one-way messages are not handler errors (the sender of a one-way message learns
 //! nothing, SPEC A.2): the state machine counts and logs them. Requests that fail (a negative
