@@ -352,16 +352,16 @@ impl<T> Lane<T> {
                 prefetch_for_write(self.slot(position));
             }
         }
-        for position in tail..end {
+        values.by_ref().take(count).for_each(|value| {
+            let position = tail + published.written;
             if prefetch && position + PREFETCH_WRITE_AHEAD < end {
                 prefetch_for_write(self.slot(position + PREFETCH_WRITE_AHEAD));
             }
-            let Some(value) = values.next() else { break };
             // `free_slots` showed `position - head < capacity` for all of them. `published`
             // publishes them as one run once the batch is written.
             self.write_unpublished(position, value);
             published.written += 1;
-        }
+        });
         Ok(published.written)
     }
 
