@@ -635,9 +635,14 @@ mod tests {
         let mut next = 0..;
         for round in 0..6 {
             let mut batch = (&mut next).take(capacity + 3).collect::<Vec<usize>>().into_iter();
-            let offered = batch.len();
+            let (first, offered) = (next.start - batch.len(), batch.len());
             let taken = lane.push_batch(&mut batch, &closed, mode).unwrap();
             assert!(taken <= offered && taken > PREFETCH_WRITE_AHEAD, "round {round}: {taken}");
+            assert_eq!(
+                batch.collect::<Vec<_>>(),
+                (first + taken..first + offered).collect::<Vec<_>>(),
+                "round {round}: the values that did not fit stay in the caller's iterator"
+            );
             // What did not fit is offered again first.
             next = (next.start - offered + taken)..;
             // The consumer takes a part only, so the next batch wraps.
@@ -647,6 +652,72 @@ mod tests {
         assert_eq!(seen, (0..seen.len()).collect::<Vec<_>>(), "every value once, in order");
         assert!(seen.len() > 4 * capacity);
         assert!(lane.is_empty_for_consumer());
+    }
+
+    /// An iterator that claims `claimed` values, yields `0..yielded`, and then panics or ends:
+    /// a broken `ExactSizeIterator` that `push_batch` must survive.
+    struct BrokenBatch {
+        next: u32,
+        yielded: u32,
+        claimed: usize,
+        panics: bool,
+    }
+
+    impl Iterator for BrokenBatch {
+        type Item = u32;
+
+        fn next(&mut self) -> Option<u32> {
+            if self.next == self.yielded {
+                assert!(!self.panics, "the batch's iterator fails after {} values", self.next);
+                return None;
+            }
+            self.next += 1;
+            Some(self.next - 1)
+        }
+
+        fn size_hint(&self) -> (usize, Option<usize>) {
+            let left = self.claimed - self.next as usize;
+            (left, Some(left))
+        }
+    }
+
+    impl ExactSizeIterator for BrokenBatch {}
+
+    /// Pushes 100 after a broken batch, then pops everything: what the consumer sees.
+    fn values_after(lane: &Lane<u32>, closed: &AtomicBool, mode: BarrierMode) -> Vec<u32> {
+        assert!(!lane.producer.busy.load(Ordering::SeqCst), "busy is lowered");
+        lane.push(100, closed, mode).expect("the lane takes pushes again");
+        let mut seen = Vec::new();
+        lane.pop_batch(usize::MAX, &mut |value| seen.push(value));
+        assert!(lane.is_empty_for_consumer());
+        seen
+    }
+
+    #[test]
+    fn a_batch_whose_iterator_panics_publishes_what_it_wrote_and_lowers_busy() {
+        let closed = open();
+        let mode = BarrierMode::detect();
+        let lane = Lane::with_capacity(16);
+        let mut batch = BrokenBatch { next: 0, yielded: 3, claimed: 8, panics: true };
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            lane.push_batch(&mut batch, &closed, mode)
+        }));
+        assert!(outcome.is_err(), "the iterator's panic reaches the caller");
+        assert_eq!(lane.len(), 3, "the three values written are published");
+        assert_eq!(values_after(&lane, &closed, mode), vec![0, 1, 2, 100]);
+    }
+
+    #[test]
+    fn a_batch_whose_iterator_yields_fewer_than_its_len_publishes_only_those() {
+        let closed = open();
+        let mode = BarrierMode::detect();
+        let lane = Lane::with_capacity(16);
+        let mut batch = BrokenBatch { next: 0, yielded: 2, claimed: 8, panics: false };
+        assert_eq!(lane.push_batch(&mut batch, &closed, mode), Ok(2), "two values taken");
+        assert_eq!(values_after(&lane, &closed, mode), vec![0, 1, 100]);
+        let mut empty = BrokenBatch { next: 0, yielded: 0, claimed: 4, panics: false };
+        assert_eq!(lane.push_batch(&mut empty, &closed, mode), Ok(0), "nothing to take");
+        assert_eq!(values_after(&lane, &closed, mode), vec![100], "no stale run published");
     }
 
     /// Runs of every length up to the whole lane, single pushes among them, over many laps of a

@@ -3224,6 +3224,7 @@ mod tests {
     }
 
     /// The nice value of this process's thread `tid` (`/proc`, field 19 of `stat`).
+    #[cfg(not(loom))]
     fn nice_of_thread(tid: i32) -> i32 {
         let stat = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")).unwrap();
         let after_name = &stat[stat.rfind(')').unwrap() + 2..];
