@@ -26,7 +26,12 @@ use super::{
     reply::{fail_replies_orphaned_by_panic, has_orphaned_replies, RequestScope},
     stats::HANDLER_TIME_SAMPLE_EVERY,
 };
-use crate::{config::Idle, error::HandlerError, queue::Consume, AskError};
+use crate::{
+    config::Idle,
+    error::HandlerError,
+    queue::{Consume, Consumer},
+    AskError,
+};
 
 /// Drain rounds between two looks for replies orphaned by a panic a handler caught itself
 /// (an idle endpoint polls in rounds too, and looks again before it parks).
@@ -70,16 +75,32 @@ pub(crate) fn run_endpoint<E: Endpoint>(
         // each handler call, so a panic unwinding out of the round leaves the inbox consistent
         // (the panicking message counts as consumed) and the next round carries on.
         let round = catch_unwind(AssertUnwindSafe(|| {
-            consumer.drain_round_into(
-                drain_batch,
-                &mut Dispatcher {
-                    endpoint: &mut endpoint,
-                    context: &context,
-                    handled_total: &mut handled_total,
-                    idle_since: &mut idle_since,
-                    spin_budget: &mut spin_budget,
-                },
-            )
+            let mut ending_idle = 0;
+            if idle_since.is_some() {
+                ending_idle = drain_round_ending_idle(
+                    &mut consumer,
+                    &mut endpoint,
+                    &context,
+                    &mut handled_total,
+                    || {
+                        if let Some(since) = idle_since.take() {
+                            spin_budget.record_gap(since.elapsed());
+                        }
+                    },
+                );
+                if ending_idle == 0 {
+                    return 0;
+                }
+            }
+            ending_idle
+                + consumer.drain_round_into(
+                    drain_batch,
+                    &mut Dispatcher {
+                        endpoint: &mut endpoint,
+                        context: &context,
+                        handled_total: &mut handled_total,
+                    },
+                )
         }));
         inbox.counters.handled.store(handled_total, Ordering::Relaxed);
         let handled = match round {
@@ -269,14 +290,35 @@ fn dispatch_timed<E: Endpoint>(endpoint: &mut E, context: &Context<E>, envelope:
     context.inbox.counters.handler_time_ns.record(elapsed_ns);
 }
 
+/// The drain round after an idle period: one message from each shard, through the out-of-line
+/// path, with `note_gap` run before the first (one clock read per idle period). Taking this
+/// out of the common rounds leaves their pop loops without a per-message test for it. Returns
+/// how many were handled (0: still idle, and `note_gap` did not run).
+#[inline(never)]
+fn drain_round_ending_idle<E: Endpoint>(
+    consumer: &mut Consumer<'_, Envelope<E>>,
+    endpoint: &mut E,
+    context: &Context<E>,
+    handled_total: &mut u64,
+    note_gap: impl FnOnce(),
+) -> usize {
+    let mut note_gap = Some(note_gap);
+    consumer.drain_round(1, |envelope| {
+        if let Some(note_gap) = note_gap.take() {
+            note_gap();
+        }
+        let sampled = handled_total.is_multiple_of(HANDLER_TIME_SAMPLE_EVERY);
+        *handled_total += 1;
+        dispatch_noting(endpoint, context, envelope, sampled, *handled_total);
+    })
+}
+
 /// The endpoint loop's handler of one drain round's envelopes: the loop's state it updates per
 /// message, borrowed for the round.
 struct Dispatcher<'a, E: Endpoint> {
     endpoint: &'a mut E,
     context: &'a Context<E>,
     handled_total: &'a mut u64,
-    idle_since: &'a mut Option<Instant>,
-    spin_budget: &'a mut SpinBudget,
 }
 
 impl<E: Endpoint> Consume<Envelope<E>> for Dispatcher<'_, E> {
@@ -285,54 +327,32 @@ impl<E: Endpoint> Consume<Envelope<E>> for Dispatcher<'_, E> {
     fn consume(&mut self, envelope: Envelope<E>) {
         let sampled = self.handled_total.is_multiple_of(HANDLER_TIME_SAMPLE_EVERY);
         *self.handled_total += 1;
-        // One test per message for the three rarer cases, so that the common one (a one-way
-        // message, not timed, not after an idle period) stays a few instructions around the
-        // handler call.
-        if sampled || self.idle_since.is_some() || matches!(envelope, Envelope::Request(..)) {
-            dispatch_noting(
-                self.endpoint,
-                self.context,
-                envelope,
-                Noting {
-                    sampled,
-                    handled_total: *self.handled_total,
-                    idle_since: self.idle_since,
-                    spin_budget: self.spin_budget,
-                },
-            );
+        // One test per message for the two rarer cases, so that the common one (a one-way
+        // message, not timed) stays a few instructions around the handler call. The message
+        // that ends an idle period never comes here (`drain_round_ending_idle`).
+        if sampled || matches!(envelope, Envelope::Request(..)) {
+            dispatch_noting(self.endpoint, self.context, envelope, sampled, *self.handled_total);
         } else {
             dispatch(self.endpoint, self.context, envelope);
         }
     }
 }
 
-/// What the endpoint loop notes around a message that is timed, ends an idle period, or is a
-/// request.
-struct Noting<'a> {
-    sampled: bool,
-    handled_total: u64,
-    idle_since: &'a mut Option<Instant>,
-    spin_budget: &'a mut SpinBudget,
-}
-
-/// [`dispatch`] of a message that ends an idle period (it records the gap, before any
-/// handling time: one clock read per idle period), is a request (the handled count is stored
-/// first, so a reply never shows a stale count; otherwise it is stored after each round), or
-/// is timed (one in [`HANDLER_TIME_SAMPLE_EVERY`]).
+/// [`dispatch`] of a message that is a request (the handled count is stored first, so a reply
+/// never shows a stale count; otherwise it is stored after each round) or is timed (one in
+/// [`HANDLER_TIME_SAMPLE_EVERY`]).
 #[inline(never)]
 fn dispatch_noting<E: Endpoint>(
     endpoint: &mut E,
     context: &Context<E>,
     envelope: Envelope<E>,
-    noting: Noting<'_>,
+    sampled: bool,
+    handled_total: u64,
 ) {
-    if let Some(since) = noting.idle_since.take() {
-        noting.spin_budget.record_gap(since.elapsed());
-    }
     if matches!(envelope, Envelope::Request(..)) {
-        context.inbox.counters.handled.store(noting.handled_total, Ordering::Relaxed);
+        context.inbox.counters.handled.store(handled_total, Ordering::Relaxed);
     }
-    if noting.sampled {
+    if sampled {
         dispatch_timed(endpoint, context, envelope);
     } else {
         dispatch(endpoint, context, envelope);
@@ -533,6 +553,49 @@ mod tests {
     }
 
     impl ExactSizeIterator for HeldBatch {}
+
+    /// The adaptive strategy hears of every idle gap (the message that ends one is handled by
+    /// `drain_round_ending_idle`): after long gaps it spins briefly, so an endpoint whose
+    /// messages come a few milliseconds apart parks through the gaps instead of spinning
+    /// through them (it would, with `max_spin` above the gap, if the gaps went unnoted).
+    #[test]
+    fn an_adaptive_endpoint_fed_at_long_gaps_parks_through_them() {
+        let bus = crate::Bus::builder()
+            .idle(Idle::Adaptive { max_spin: Idle::MAX_SPIN })
+            .build()
+            .unwrap();
+        let (thread_id, started) = std::sync::mpsc::channel();
+        let handled = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let endpoint =
+            bus.register("gaps", Counting { thread_id, handled: Arc::clone(&handled) }).unwrap();
+        let tid = started.recv_timeout(Duration::from_secs(60)).unwrap();
+        let gap = Duration::from_millis(2);
+        assert!(gap > Idle::SHORT_GAP && gap < Idle::MAX_SPIN);
+        // One message, handled, then a gap of idle time (the stimulus, not a wait for a result).
+        let message_then_gap = |sent: usize| {
+            endpoint.send(sent as u64).unwrap();
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while handled.load(Ordering::Acquire) < sent {
+                assert!(Instant::now() < deadline, "message {sent} was not handled");
+                std::thread::yield_now();
+            }
+            std::thread::sleep(gap);
+        };
+        // 16 long gaps take the share of short ones from all to about a tenth.
+        for sent in 1..=16 {
+            message_then_gap(sent);
+        }
+        let cpu_before = thread_cpu_ns(&tid);
+        let measured_from = Instant::now();
+        for sent in 17..=36 {
+            message_then_gap(sent);
+        }
+        let cpu = Duration::from_nanos(thread_cpu_ns(&tid) - cpu_before);
+        let elapsed = measured_from.elapsed();
+        // Spinning through every gap would take about all of `elapsed`.
+        assert!(cpu < elapsed / 4, "the endpoint ran {cpu:?} of {elapsed:?} between messages");
+        bus.shutdown().unwrap();
+    }
 
     #[test]
     fn an_endpoint_whose_producer_stalls_mid_claim_dozes_instead_of_spinning() {
