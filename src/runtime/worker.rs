@@ -76,6 +76,7 @@ pub(crate) fn run_endpoint<E: Endpoint>(
         // (the panicking message counts as consumed) and the next round carries on.
         let round = catch_unwind(AssertUnwindSafe(|| {
             let mut ending_idle = 0;
+            let mut per_shard = drain_batch;
             if idle_since.is_some() {
                 ending_idle = drain_round_ending_idle(
                     &mut consumer,
@@ -91,10 +92,12 @@ pub(crate) fn run_endpoint<E: Endpoint>(
                 if ending_idle == 0 {
                     return 0;
                 }
+                // The two rounds together take at most `drain_batch` from each shard, as any.
+                per_shard = per_shard.saturating_sub(1);
             }
             ending_idle
                 + consumer.drain_round_into(
-                    drain_batch,
+                    per_shard,
                     &mut Dispatcher {
                         endpoint: &mut endpoint,
                         context: &context,
@@ -594,6 +597,84 @@ mod tests {
         let elapsed = measured_from.elapsed();
         // Spinning through every gap would take about all of `elapsed`.
         assert!(cpu < elapsed / 4, "the endpoint ran {cpu:?} of {elapsed:?} between messages");
+        bus.shutdown().unwrap();
+    }
+
+    /// Records, for each message, the handled count the loop last stored (once per round).
+    struct RoundObserver {
+        thread_id: std::sync::mpsc::Sender<String>,
+        stored_counts: Arc<std::sync::Mutex<Vec<u64>>>,
+    }
+
+    impl Endpoint for RoundObserver {
+        type Message = u64;
+        type Request = ();
+
+        fn on_start(&mut self, _: &crate::runtime::Context<Self>) {
+            let link = std::fs::read_link("/proc/thread-self").unwrap();
+            let _ = self.thread_id.send(link.file_name().unwrap().to_string_lossy().into_owned());
+        }
+
+        fn handle(
+            &mut self,
+            _: u64,
+            context: &crate::runtime::Context<Self>,
+        ) -> Result<(), HandlerError> {
+            let stored = context.inbox.counters.handled.load(Ordering::Relaxed);
+            self.stored_counts.lock().unwrap().push(stored);
+            Ok(())
+        }
+
+        fn handle_request(
+            &mut self,
+            (): (),
+            _: &crate::runtime::Context<Self>,
+        ) -> Result<(), HandlerError> {
+            Ok(())
+        }
+    }
+
+    /// The round that ends an idle period and the round after it take at most `drain_batch`
+    /// messages from a shard between them, as any round does: no more than `drain_batch`
+    /// messages see the same stored handled count.
+    #[test]
+    fn the_rounds_after_an_idle_period_take_at_most_drain_batch_from_a_shard() {
+        let drain_batch = 2;
+        let bus = crate::Bus::builder().drain_batch(drain_batch).build().unwrap();
+        let (thread_id, started) = std::sync::mpsc::channel();
+        let stored_counts = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let endpoint = bus
+            .register(
+                "rounds",
+                RoundObserver { thread_id, stored_counts: Arc::clone(&stored_counts) },
+            )
+            .unwrap();
+        let tid = started.recv_timeout(Duration::from_secs(60)).unwrap();
+        // Parked: its idle period has begun, so the batch below ends one.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let stat = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")).unwrap();
+            if stat[stat.rfind(')').unwrap() + 2..].starts_with('S') {
+                break;
+            }
+            assert!(Instant::now() < deadline, "the idle endpoint never parked");
+            std::thread::yield_now();
+        }
+        endpoint.send_batch((0..6).collect()).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while stored_counts.lock().unwrap().len() < 6 {
+            assert!(Instant::now() < deadline, "the batch was not handled");
+            std::thread::yield_now();
+        }
+        let stored_counts = stored_counts.lock().unwrap().clone();
+        let mut per_round = std::collections::BTreeMap::<u64, usize>::new();
+        for stored in &stored_counts {
+            *per_round.entry(*stored).or_default() += 1;
+        }
+        assert!(
+            per_round.values().all(|&taken| taken <= drain_batch),
+            "a round took more than {drain_batch}: stored counts seen {stored_counts:?}"
+        );
         bus.shutdown().unwrap();
     }
 
