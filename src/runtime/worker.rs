@@ -492,10 +492,12 @@ mod tests {
         }
     }
 
-    /// Counts its messages; tells the test its thread's id when it starts.
+    /// Counts its messages and records, for each, the handled count the loop last stored (once
+    /// per round); tells the test its thread's id when it starts.
     struct Counting {
         thread_id: std::sync::mpsc::Sender<String>,
         handled: Arc<std::sync::atomic::AtomicUsize>,
+        stored_counts: Arc<std::sync::Mutex<Vec<u64>>>,
     }
 
     impl Endpoint for Counting {
@@ -510,8 +512,10 @@ mod tests {
         fn handle(
             &mut self,
             _: u64,
-            _: &crate::runtime::Context<Self>,
+            context: &crate::runtime::Context<Self>,
         ) -> Result<(), HandlerError> {
+            let stored = context.inbox.counters.handled.load(Ordering::Relaxed);
+            self.stored_counts.lock().unwrap().push(stored);
             self.handled.fetch_add(1, Ordering::Release);
             Ok(())
         }
@@ -523,6 +527,30 @@ mod tests {
         ) -> Result<(), HandlerError> {
             Ok(())
         }
+    }
+
+    /// A [`Counting`] endpoint registered on a bus, and what the tests read of it.
+    struct Registered {
+        endpoint: crate::EndpointRef<Counting>,
+        /// Its thread's id (`/proc/self/task/<tid>`).
+        tid: String,
+        handled: Arc<std::sync::atomic::AtomicUsize>,
+        stored_counts: Arc<std::sync::Mutex<Vec<u64>>>,
+    }
+
+    /// Registers a [`Counting`] endpoint as `name` and waits (bounded) for its thread to start.
+    fn register_counting(bus: &crate::Bus, name: &str) -> Registered {
+        let (thread_id, started) = std::sync::mpsc::channel();
+        let handled = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let stored_counts = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let counting = Counting {
+            thread_id,
+            handled: Arc::clone(&handled),
+            stored_counts: Arc::clone(&stored_counts),
+        };
+        let endpoint = bus.register(name, counting).unwrap();
+        let tid = started.recv_timeout(Duration::from_secs(60)).unwrap();
+        Registered { endpoint, tid, handled, stored_counts }
     }
 
     /// Nanoseconds thread `tid` of this process has run (`schedstat`'s first field).
@@ -567,11 +595,7 @@ mod tests {
             .idle(Idle::Adaptive { max_spin: Idle::MAX_SPIN })
             .build()
             .unwrap();
-        let (thread_id, started) = std::sync::mpsc::channel();
-        let handled = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let endpoint =
-            bus.register("gaps", Counting { thread_id, handled: Arc::clone(&handled) }).unwrap();
-        let tid = started.recv_timeout(Duration::from_secs(60)).unwrap();
+        let Registered { endpoint, tid, handled, .. } = register_counting(&bus, "gaps");
         let gap = Duration::from_millis(2);
         assert!(gap > Idle::SHORT_GAP && gap < Idle::MAX_SPIN);
         // One message, handled, then a gap of idle time (the stimulus, not a wait for a result).
@@ -600,40 +624,6 @@ mod tests {
         bus.shutdown().unwrap();
     }
 
-    /// Records, for each message, the handled count the loop last stored (once per round).
-    struct RoundObserver {
-        thread_id: std::sync::mpsc::Sender<String>,
-        stored_counts: Arc<std::sync::Mutex<Vec<u64>>>,
-    }
-
-    impl Endpoint for RoundObserver {
-        type Message = u64;
-        type Request = ();
-
-        fn on_start(&mut self, _: &crate::runtime::Context<Self>) {
-            let link = std::fs::read_link("/proc/thread-self").unwrap();
-            let _ = self.thread_id.send(link.file_name().unwrap().to_string_lossy().into_owned());
-        }
-
-        fn handle(
-            &mut self,
-            _: u64,
-            context: &crate::runtime::Context<Self>,
-        ) -> Result<(), HandlerError> {
-            let stored = context.inbox.counters.handled.load(Ordering::Relaxed);
-            self.stored_counts.lock().unwrap().push(stored);
-            Ok(())
-        }
-
-        fn handle_request(
-            &mut self,
-            (): (),
-            _: &crate::runtime::Context<Self>,
-        ) -> Result<(), HandlerError> {
-            Ok(())
-        }
-    }
-
     /// The round that ends an idle period and the round after it take at most `drain_batch`
     /// messages from a shard between them, as any round does: no more than `drain_batch`
     /// messages see the same stored handled count.
@@ -641,15 +631,8 @@ mod tests {
     fn the_rounds_after_an_idle_period_take_at_most_drain_batch_from_a_shard() {
         let drain_batch = 2;
         let bus = crate::Bus::builder().drain_batch(drain_batch).build().unwrap();
-        let (thread_id, started) = std::sync::mpsc::channel();
-        let stored_counts = Arc::new(std::sync::Mutex::new(Vec::new()));
-        let endpoint = bus
-            .register(
-                "rounds",
-                RoundObserver { thread_id, stored_counts: Arc::clone(&stored_counts) },
-            )
-            .unwrap();
-        let tid = started.recv_timeout(Duration::from_secs(60)).unwrap();
+        let Registered { endpoint, tid, handled, stored_counts } =
+            register_counting(&bus, "rounds");
         // Parked: its idle period has begun, so the batch below ends one.
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
@@ -662,7 +645,7 @@ mod tests {
         }
         endpoint.send_batch((0..6).collect()).unwrap();
         let deadline = Instant::now() + Duration::from_secs(60);
-        while stored_counts.lock().unwrap().len() < 6 {
+        while handled.load(Ordering::Acquire) < 6 {
             assert!(Instant::now() < deadline, "the batch was not handled");
             std::thread::yield_now();
         }
@@ -682,11 +665,7 @@ mod tests {
     fn an_endpoint_whose_producer_stalls_mid_claim_dozes_instead_of_spinning() {
         // No lanes: the batch goes to a shared ring, whose claim is visible before its fill.
         let bus = crate::Bus::builder().inbox_lanes(0).build().unwrap();
-        let (thread_id, started) = std::sync::mpsc::channel();
-        let handled = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let endpoint =
-            bus.register("stalled", Counting { thread_id, handled: Arc::clone(&handled) }).unwrap();
-        let tid = started.recv_timeout(Duration::from_secs(60)).unwrap();
+        let Registered { endpoint, tid, handled, .. } = register_counting(&bus, "stalled");
 
         let (reached, at_second) = std::sync::mpsc::channel();
         let (release, released) = std::sync::mpsc::channel();
