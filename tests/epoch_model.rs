@@ -15,7 +15,7 @@ mod epoch_support;
 
 use coordbus::coordinators::epoch::{
     reference::ReferenceEpochCoordinator, BacklogQueue, Epoch, EpochConfig, EpochCoordinator,
-    EpochStats, PartitionId, Payload,
+    EpochMessage, EpochStats, PartitionId, Payload,
 };
 use epoch_support::{recorders, CallLog, RecordingQuery, RecordingSink};
 use proptest::{prelude::*, test_runner::RngSeed};
@@ -40,6 +40,23 @@ struct Case {
     fail_commit_at: Option<i64>,
     fail_add_offsets_at: Option<i64>,
     ops: Vec<Op>,
+}
+
+impl Case {
+    /// `ops` from epoch 1 without injected failures, with `entries_limit` for both partition
+    /// queues.
+    fn from_epoch_1(ops: Vec<Op>, entries_limit: usize, waiting_limit: usize) -> Self {
+        Self {
+            start_epoch: 1,
+            offset_limit: entries_limit,
+            commit_limit: entries_limit,
+            waiting_limit,
+            fail_sink_at: None,
+            fail_commit_at: None,
+            fail_add_offsets_at: None,
+            ops,
+        }
+    }
 }
 
 /// Message-heavy operations, with rare partition-count changes (including unset and negative).
@@ -122,52 +139,69 @@ fn payload(index: usize) -> Payload {
     }
 }
 
-/// Runs `case` on both machines, comparing them after every operation; returns the fast one's
-/// final statistics.
-fn check(case: &Case) -> Result<EpochStats, TestCaseError> {
+type Fast = EpochCoordinator<RecordingQuery, RecordingSink>;
+type Model = ReferenceEpochCoordinator<RecordingQuery, RecordingSink>;
+
+/// Both machines for `case`, each with the log of its collaborators' calls.
+fn machines(case: &Case) -> (Fast, CallLog, Model, CallLog) {
     let mut config = EpochConfig::new(case.start_epoch);
     config.partition_offset_limit = case.offset_limit;
     config.partition_commit_limit = case.commit_limit;
     config.waiting_epoch_limit = case.waiting_limit;
     let (query, sink, fast_log) = collaborators(case);
-    let mut fast = EpochCoordinator::new(config.clone(), query, sink).unwrap();
+    let fast = EpochCoordinator::new(config.clone(), query, sink).unwrap();
     let (query, sink, model_log) = collaborators(case);
-    let mut model = ReferenceEpochCoordinator::new(config, query, sink).unwrap();
+    let model = ReferenceEpochCoordinator::new(config, query, sink).unwrap();
+    (fast, fast_log, model, model_log)
+}
 
+/// Applies operation `index` to the model, as text.
+fn apply_to_model(index: usize, op: &Op, model: &mut Model) -> Result<(), String> {
+    let text = |error: &dyn std::fmt::Display| error.to_string();
+    match *op {
+        Op::SetReaders(count) => model.set_reader_partitions(count).map_err(|e| text(&e)),
+        Op::SetWriters(count) => model.set_writer_partitions(count).map_err(|e| text(&e)),
+        Op::Commit(partition, epoch) => model
+            .commit_partition_epoch(PartitionId(partition), Epoch(epoch), payload(index))
+            .map_err(|e| text(&e)),
+        Op::Report(partition, epoch) => model
+            .report_partition_offset(PartitionId(partition), Epoch(epoch), payload(index))
+            .map_err(|e| text(&e)),
+        Op::Increment => model.increment_and_get_epoch().map(drop).map_err(|e| text(&e)),
+        Op::StopWrites => {
+            model.stop_writes();
+            Ok(())
+        }
+    }
+}
+
+/// Applies operation `index` to the fast machine, as text.
+fn apply_to_fast(index: usize, op: &Op, fast: &mut Fast) -> Result<(), String> {
+    let text = |error: &dyn std::fmt::Display| error.to_string();
+    match *op {
+        Op::SetReaders(count) => fast.set_reader_partitions(count).map_err(|e| text(&e)),
+        Op::SetWriters(count) => fast.set_writer_partitions(count).map_err(|e| text(&e)),
+        Op::Commit(partition, epoch) => fast
+            .commit_partition_epoch(PartitionId(partition), Epoch(epoch), payload(index))
+            .map_err(|e| text(&e)),
+        Op::Report(partition, epoch) => fast
+            .report_partition_offset(PartitionId(partition), Epoch(epoch), payload(index))
+            .map_err(|e| text(&e)),
+        Op::Increment => fast.increment_and_get_epoch().map(drop).map_err(|e| text(&e)),
+        Op::StopWrites => {
+            fast.stop_writes();
+            Ok(())
+        }
+    }
+}
+
+/// Runs `case` on both machines, comparing them after every operation; returns the fast one's
+/// final statistics.
+fn check(case: &Case) -> Result<EpochStats, TestCaseError> {
+    let (mut fast, fast_log, mut model, model_log) = machines(case);
     for (index, op) in case.ops.iter().enumerate() {
-        let (fast_outcome, model_outcome) = match *op {
-            Op::SetReaders(count) => (
-                fast.set_reader_partitions(count).map_err(|e| e.to_string()),
-                model.set_reader_partitions(count).map_err(|e| e.to_string()),
-            ),
-            Op::SetWriters(count) => (
-                fast.set_writer_partitions(count).map_err(|e| e.to_string()),
-                model.set_writer_partitions(count).map_err(|e| e.to_string()),
-            ),
-            Op::Commit(partition, epoch) => (
-                fast.commit_partition_epoch(PartitionId(partition), Epoch(epoch), payload(index))
-                    .map_err(|e| e.to_string()),
-                model
-                    .commit_partition_epoch(PartitionId(partition), Epoch(epoch), payload(index))
-                    .map_err(|e| e.to_string()),
-            ),
-            Op::Report(partition, epoch) => (
-                fast.report_partition_offset(PartitionId(partition), Epoch(epoch), payload(index))
-                    .map_err(|e| e.to_string()),
-                model
-                    .report_partition_offset(PartitionId(partition), Epoch(epoch), payload(index))
-                    .map_err(|e| e.to_string()),
-            ),
-            Op::Increment => (
-                fast.increment_and_get_epoch().map(|_| ()).map_err(|e| e.to_string()),
-                model.increment_and_get_epoch().map(|_| ()).map_err(|e| e.to_string()),
-            ),
-            Op::StopWrites => {
-                fast.stop_writes();
-                model.stop_writes();
-                (Ok(()), Ok(()))
-            }
-        };
+        let fast_outcome = apply_to_fast(index, op, &mut fast);
+        let model_outcome = apply_to_model(index, op, &mut model);
         prop_assert_eq!(&fast_outcome, &model_outcome, "outcome of op {} {:?}", index, op);
         prop_assert_eq!(
             epoch_support::calls(&fast_log),
@@ -182,6 +216,129 @@ fn check(case: &Case) -> Result<EpochStats, TestCaseError> {
     Ok(fast.stats())
 }
 
+/// Whether the run being built ends after operation `index` (a fixed pseudo-random cut, about
+/// one in six, so that runs of many lengths occur).
+fn cut_after(index: usize) -> bool {
+    (index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 61 == 0
+}
+
+/// The message of operation `index`, if it is one.
+fn message_of(index: usize, op: &Op) -> Option<EpochMessage> {
+    match *op {
+        Op::Commit(partition, epoch) => {
+            Some(EpochMessage::CommitPartitionEpoch { partition, epoch, message: payload(index) })
+        }
+        Op::Report(partition, epoch) => {
+            Some(EpochMessage::ReportPartitionOffset { partition, epoch, offset: payload(index) })
+        }
+        _ => None,
+    }
+}
+
+/// [`check`] with the fast machine driven as an endpoint drives it: each run of consecutive
+/// messages (cut at every other operation and at [`cut_after`]) through
+/// `EpochCoordinator::apply_run`, the model one message at a time. After each run the messages
+/// dropped (in order), the call logs and the state snapshots must be equal.
+fn check_in_runs(case: &Case) -> Result<(), TestCaseError> {
+    let (mut fast, fast_log, mut model, model_log) = machines(case);
+    let mut index = 0;
+    while index < case.ops.len() {
+        let op = &case.ops[index];
+        if message_of(index, op).is_none() {
+            let fast_outcome = apply_to_fast(index, op, &mut fast);
+            let model_outcome = apply_to_model(index, op, &mut model);
+            prop_assert_eq!(&fast_outcome, &model_outcome, "outcome of op {} {:?}", index, op);
+            index += 1;
+            continue;
+        }
+        let start = index;
+        let mut run = Vec::new();
+        while let Some(message) = case.ops.get(index).and_then(|op| message_of(index, op)) {
+            run.push(message);
+            index += 1;
+            if cut_after(index - 1) {
+                break;
+            }
+        }
+        let mut fast_dropped = Vec::new();
+        fast.apply_run(&mut run.into_iter(), |rejected| fast_dropped.push(rejected.to_string()));
+        let model_dropped: Vec<String> = (start..index)
+            .filter_map(|at| apply_to_model(at, &case.ops[at], &mut model).err())
+            .collect();
+        prop_assert_eq!(&fast_dropped, &model_dropped, "dropped in ops {}..{}", start, index);
+        prop_assert_eq!(
+            epoch_support::calls(&fast_log),
+            epoch_support::calls(&model_log),
+            "call logs after ops {}..{}",
+            start,
+            index
+        );
+        prop_assert_eq!(fast.stats(), model.stats(), "stats after ops {}..{}", start, index);
+    }
+    prop_assert_eq!(fast.get_current_epoch(), model.get_current_epoch());
+    Ok(())
+}
+
+/// Runs the way an inbox delivers them: every message of epochs `1..=epochs` for 1-130
+/// partitions, each epoch's in its own shuffled order, with about one operation in twelve added
+/// at random: a repeat, a stale or far epoch, a partition out of range or negative, a count
+/// change, an increment. Backlog limits from below one epoch to a few, so that stretches meet
+/// the slack's bound and overflows.
+fn runs_case() -> impl Strategy<Value = Case> {
+    (1..=130i32, 1..=130i32, 2..=6i64, 0.3f64..4.0)
+        .prop_flat_map(|(readers, writers, epochs, limit_epochs)| {
+            let per_epoch: Vec<_> = (1..=epochs)
+                .map(|epoch| {
+                    let mut messages: Vec<Op> =
+                        (0..readers).map(|partition| Op::Report(partition, epoch)).collect();
+                    messages.extend((0..writers).map(|partition| Op::Commit(partition, epoch)));
+                    Just(messages).prop_shuffle()
+                })
+                .collect();
+            let limit = ((f64::from(readers.max(writers)) * limit_epochs) as usize).max(1);
+            let noise = prop::collection::vec(
+                (
+                    any::<prop::sample::Index>(),
+                    prop_oneof![
+                        (-2..140i32, 0..=8i64).prop_map(|(p, e)| Op::Report(p, e)),
+                        (-2..140i32, 0..=8i64).prop_map(|(p, e)| Op::Commit(p, e)),
+                        (1..=130i32).prop_map(Op::SetReaders),
+                        (1..=130i32).prop_map(Op::SetWriters),
+                        Just(Op::Increment),
+                    ],
+                ),
+                0..=((readers + writers) as usize * epochs as usize / 12),
+            );
+            (Just((readers, writers, limit)), per_epoch, noise)
+        })
+        .prop_map(|((readers, writers, limit), per_epoch, noise)| {
+            let mut ops = vec![Op::SetReaders(readers), Op::SetWriters(writers)];
+            let messages: Vec<Op> = per_epoch.into_iter().flatten().collect();
+            let mut messages = messages;
+            for (at, op) in noise {
+                let at = at.index(messages.len() + 1);
+                messages.insert(at, op);
+            }
+            ops.extend(messages);
+            Case::from_epoch_1(ops, limit, 4)
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: 96,
+        rng_seed: RngSeed::Fixed(0x00C0_0DB0_5EEF),
+        max_shrink_iters: 1024,
+        ..ProptestConfig::default()
+    })]
+
+    #[test]
+    fn fast_coordinator_in_runs_matches_the_reference_model(case in runs_case()) {
+        check(&case)?;
+        check_in_runs(&case)?;
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig {
         cases: 384,
@@ -193,6 +350,7 @@ proptest! {
     #[test]
     fn fast_coordinator_matches_the_reference_model(case in case()) {
         check(&case)?;
+        check_in_runs(&case)?;
     }
 }
 
@@ -227,16 +385,7 @@ fn wide_case() -> impl Strategy<Value = Case> {
                     if readers_side { Op::SetReaders(count) } else { Op::SetWriters(count) };
                 ops.insert(2 + at.min(ops.len() - 2), change);
             }
-            Case {
-                start_epoch: 1,
-                offset_limit: 100_000,
-                commit_limit: 100_000,
-                waiting_limit: 100_000,
-                fail_sink_at: None,
-                fail_commit_at: None,
-                fail_add_offsets_at: None,
-                ops,
-            }
+            Case::from_epoch_1(ops, 100_000, 100_000)
         })
 }
 
@@ -251,6 +400,7 @@ proptest! {
     #[test]
     fn fast_coordinator_matches_the_reference_model_on_wide_runs(case in wide_case()) {
         let stats = check(&case)?;
+        check_in_runs(&case)?;
         // Without a count change every epoch completes: the comparison covered their commits.
         let changed = case
             .ops

@@ -400,21 +400,13 @@ impl<T> Lane<T> {
             let stop = published_end.min(limit);
             // Only lines the producer is done with: beyond the run it may still be writing.
             let prefetch_stop = published_end.saturating_sub(PREFETCH_AHEAD).min(stop);
-            while head < stop {
-                if head < prefetch_stop {
-                    prefetch(self.slot(head + PREFETCH_AHEAD));
-                }
-                let value = self.slot(head).value.with(|cell| {
-                    // SAFETY: `head` lies in a run whose stamp was acquired (here or in an
-                    // earlier call), so the owner wrote this value and released it; only this
-                    // consumer reads it, once, before handing the slot back with the head store
-                    // below (the producer rewrites it only after seeing that).
-                    unsafe { cell.cast::<T>().read() }
-                });
-                head += 1;
-                self.consumer.head.store(head, Ordering::Release);
-                handle.consume(value);
+            let mut run = PublishedRun { lane: self, head, stop, prefetch_stop };
+            handle.consume_run(&mut run);
+            debug_assert_eq!(run.head, stop, "`consume_run` takes the whole run");
+            if run.head == head {
+                break;
             }
+            head = run.head;
         }
         head - start
     }
@@ -439,6 +431,46 @@ impl<T> Lane<T> {
     /// and everything published was consumed.
     pub(crate) fn is_drained(&self) -> bool {
         !self.producer.busy.load(Ordering::Acquire) && self.is_empty_for_consumer()
+    }
+}
+
+/// The consumer's view of part of one published run: the positions `head..stop`, each read once
+/// and handed back (the head published) as the iterator yields it.
+struct PublishedRun<'a, T> {
+    lane: &'a Lane<T>,
+    head: usize,
+    stop: usize,
+    /// Below this, the slot [`PREFETCH_AHEAD`] positions further is fetched early.
+    prefetch_stop: usize,
+}
+
+impl<T> Iterator for PublishedRun<'_, T> {
+    type Item = T;
+
+    #[inline(always)]
+    fn next(&mut self) -> Option<T> {
+        if self.head >= self.stop {
+            return None;
+        }
+        let lane = self.lane;
+        if self.head < self.prefetch_stop {
+            prefetch(lane.slot(self.head + PREFETCH_AHEAD));
+        }
+        let value = lane.slot(self.head).value.with(|cell| {
+            // SAFETY: `head` lies below `stop`, in a run whose stamp was acquired (by
+            // `pop_batch`, now or in an earlier call), so the owner wrote this value and
+            // released it; only this consumer reads it, once, before handing the slot back with
+            // the head store below (the producer rewrites it only after seeing that).
+            unsafe { cell.cast::<T>().read() }
+        });
+        self.head += 1;
+        lane.consumer.head.store(self.head, Ordering::Release);
+        Some(value)
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        let left = self.stop.saturating_sub(self.head);
+        (left, Some(left))
     }
 }
 

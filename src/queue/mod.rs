@@ -676,6 +676,16 @@ impl<T> Consumer<'_, T> {
 pub(crate) trait Consume<T> {
     /// Takes one message.
     fn consume(&mut self, value: T);
+
+    /// Takes the messages `run` yields, in order, until it ends. Each is taken off the queue as
+    /// it is yielded (a panic leaves the rest queued). The default hands each to
+    /// [`Consume::consume`]; the endpoint loop hands runs of one-way messages to its endpoint.
+    #[inline(always)]
+    fn consume_run(&mut self, run: &mut impl Iterator<Item = T>) {
+        for value in run {
+            self.consume(value);
+        }
+    }
 }
 
 impl<T, F: FnMut(T)> Consume<T> for F {

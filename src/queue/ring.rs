@@ -259,27 +259,10 @@ impl<T> Ring<T> {
     ///
     /// Stops early at a position that is claimed but not yet filled.
     pub(crate) fn pop_batch(&self, max: usize, handle: &mut impl Consume<T>) -> usize {
-        let mut head = self.head.load(Ordering::Relaxed);
-        let start = head;
-        while head - start < max {
-            let slot = self.slot(head);
-            if slot.stamp.load(Ordering::Acquire) != head + 1 {
-                break;
-            }
-            let value = slot.value.with(|cell| {
-                // SAFETY: stamp `head + 1` (acquired above) means the producer of `head` has
-                // written the value and released it; only this consumer reads position `head`,
-                // and it reads it once before handing the slot back below.
-                unsafe { cell.cast::<T>().read() }
-            });
-            slot.stamp.store(head + self.capacity(), Ordering::Release);
-            head += 1;
-            // Published per message (a plain store to a consumer-owned line) so that `len`
-            // stays exact while a long handler runs.
-            self.head.store(head, Ordering::Release);
-            handle.consume(value);
-        }
-        head - start
+        let start = self.head.load(Ordering::Relaxed);
+        let mut run = FilledRun { ring: self, head: start, left: max };
+        handle.consume_run(&mut run);
+        run.head - start
     }
 
     /// Consumer only: whether no position has been claimed beyond what was consumed.
@@ -294,6 +277,45 @@ impl<T> Ring<T> {
     pub(crate) fn is_drained(&self) -> bool {
         let tail = self.tail.load(Ordering::SeqCst);
         tail & CLOSED_BIT != 0 && tail & !CLOSED_BIT == self.head.load(Ordering::Relaxed)
+    }
+}
+
+/// The consumer's view of the filled positions from its head: at most `left` more, each read
+/// once and handed back as the iterator yields it. It ends at the first position claimed but not
+/// yet filled, and stays ended.
+struct FilledRun<'a, T> {
+    ring: &'a Ring<T>,
+    head: usize,
+    left: usize,
+}
+
+impl<T> Iterator for FilledRun<'_, T> {
+    type Item = T;
+
+    #[inline(always)]
+    fn next(&mut self) -> Option<T> {
+        if self.left == 0 {
+            return None;
+        }
+        let ring = self.ring;
+        let slot = ring.slot(self.head);
+        if slot.stamp.load(Ordering::Acquire) != self.head + 1 {
+            self.left = 0;
+            return None;
+        }
+        let value = slot.value.with(|cell| {
+            // SAFETY: stamp `head + 1` (acquired above) means the producer of `head` has written
+            // the value and released it; only this consumer reads position `head`, and it reads
+            // it once before handing the slot back below.
+            unsafe { cell.cast::<T>().read() }
+        });
+        slot.stamp.store(self.head + ring.capacity(), Ordering::Release);
+        self.head += 1;
+        self.left -= 1;
+        // Published per message (a plain store to a consumer-owned line) so that `len` stays
+        // exact while a long handler runs.
+        ring.head.store(self.head, Ordering::Release);
+        Some(value)
     }
 }
 

@@ -48,6 +48,31 @@ pub trait Endpoint: Send + Sized + 'static {
         context: &Context<Self>,
     ) -> Result<(), HandlerError>;
 
+    /// Handles one-way messages taken together from one inbox lane or ring: every message
+    /// `messages` yields, in order, each as [`Endpoint::handle`] would. The bus calls it instead
+    /// of `handle` for runs of one-way messages, ending a run before a request (and before the
+    /// one message in so many it times); the default calls `handle` for each. Override it to
+    /// carry work from one message to the next (the epoch coordinator keeps the bucket it
+    /// stores into).
+    ///
+    /// Returning early is allowed: the messages not taken are handed to a later call. An `Err`
+    /// counts as one failed message and goes to [`Endpoint::on_error`], as from `handle`. A
+    /// call that takes no message and returns leaves the next one to `handle`.
+    ///
+    /// # Errors
+    /// Whatever the endpoint considers a failed message.
+    #[inline(always)]
+    fn handle_run(
+        &mut self,
+        messages: &mut impl Iterator<Item = Self::Message>,
+        context: &Context<Self>,
+    ) -> Result<(), HandlerError> {
+        for message in messages {
+            self.handle(message, context)?;
+        }
+        Ok(())
+    }
+
     /// Handles one request; answer through its [`Replier`]. An `Err` (SPEC A.6's "handler
     /// throws") goes to [`Endpoint::on_error`] (as text), and fails the asker with the error
     /// itself as the cause ([`AskError::Handler`]) if the handler dropped this request's

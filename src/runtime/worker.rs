@@ -1,7 +1,9 @@
 //! The endpoint thread: start hook, drain loop, idle strategy, stop hook.
 //!
-//! The loop takes up to `drain_batch` messages from each inbox shard in turn and hands each to
-//! the endpoint, one at a time; each round runs inside `catch_unwind`: a panicking handler fails
+//! The loop takes up to `drain_batch` messages from each inbox shard in turn and hands them to
+//! the endpoint, one at a time: runs of one-way messages through [`Endpoint::handle_run`] (so
+//! that an endpoint can carry work from one message to the next), each request and each timed
+//! message on its own; each round runs inside `catch_unwind`: a panicking handler fails
 //! its asker and is logged, and the next message is handled as usual. When a round finds nothing,
 //! the thread follows the configured [`Idle`] strategy: spin (with the CPU's spin hint) for a while
 //! after the last message, then yield a few times, then park until a producer rings the doorbell.
@@ -339,6 +341,97 @@ impl<E: Endpoint> Consume<Envelope<E>> for Dispatcher<'_, E> {
             dispatch(self.endpoint, self.context, envelope);
         }
     }
+
+    /// Hands the run's one-way messages to [`Endpoint::handle_run`], up to each request or
+    /// timed message, which goes through [`dispatch_noting`] as in [`Self::consume`]. Inlined
+    /// into the inbox's pop loops, like `consume`.
+    #[inline(always)]
+    fn consume_run(&mut self, run: &mut impl Iterator<Item = Envelope<E>>) {
+        loop {
+            let before = *self.handled_total;
+            let mut messages = OneWayMessages::new(&mut *run, &mut *self.handled_total);
+            let outcome = self.endpoint.handle_run(&mut messages, self.context);
+            let held = messages.held.take();
+            drop(messages);
+            if let Err(error) = outcome {
+                note_failure(self.endpoint, self.context, &error);
+            }
+            match held {
+                Some(Held::Envelope(envelope, sampled)) => dispatch_noting(
+                    self.endpoint,
+                    self.context,
+                    envelope,
+                    sampled,
+                    *self.handled_total,
+                ),
+                Some(Held::RunEnded) => return,
+                // The handler returned early; if it took nothing, the next message goes to
+                // `consume`, so that every call makes progress.
+                None if *self.handled_total == before => match run.next() {
+                    Some(envelope) => self.consume(envelope),
+                    None => return,
+                },
+                None => {}
+            }
+        }
+    }
+}
+
+/// Why [`OneWayMessages`] stopped yielding.
+enum Held<E: Endpoint> {
+    /// A request or a timed message, taken off the inbox and not yet handled.
+    Envelope(Envelope<E>, bool),
+    /// The inbox run has no more messages.
+    RunEnded,
+}
+
+/// The one-way messages of an inbox run, as [`Endpoint::handle_run`] sees them: they end at the
+/// run's end or before a request or a timed message (kept in `held`). Counts each message taken
+/// off the inbox, as [`Dispatcher::consume`] does.
+struct OneWayMessages<'a, E: Endpoint, I> {
+    run: &'a mut I,
+    /// The endpoint loop's count, carried in a local for the call (so that it can stay in a
+    /// register) and written back to `handled_total` on drop, also when the handler panics.
+    handled: u64,
+    handled_total: &'a mut u64,
+    held: Option<Held<E>>,
+}
+
+impl<'a, E: Endpoint, I> OneWayMessages<'a, E, I> {
+    fn new(run: &'a mut I, handled_total: &'a mut u64) -> Self {
+        Self { run, handled: *handled_total, handled_total, held: None }
+    }
+}
+
+impl<E: Endpoint, I> Drop for OneWayMessages<'_, E, I> {
+    #[inline(always)]
+    fn drop(&mut self) {
+        *self.handled_total = self.handled;
+    }
+}
+
+impl<E: Endpoint, I: Iterator<Item = Envelope<E>>> Iterator for OneWayMessages<'_, E, I> {
+    type Item = E::Message;
+
+    #[inline(always)]
+    fn next(&mut self) -> Option<E::Message> {
+        if self.held.is_some() {
+            return None;
+        }
+        let Some(envelope) = self.run.next() else {
+            self.held = Some(Held::RunEnded);
+            return None;
+        };
+        let timed = self.handled.is_multiple_of(HANDLER_TIME_SAMPLE_EVERY);
+        self.handled += 1;
+        match envelope {
+            Envelope::Message(message) if !timed => Some(message),
+            envelope => {
+                self.held = Some(Held::Envelope(envelope, timed));
+                None
+            }
+        }
+    }
 }
 
 /// [`dispatch`] of a message that is a request (the handled count is stored first, so a reply
@@ -376,9 +469,15 @@ fn dispatch<E: Endpoint>(endpoint: &mut E, context: &Context<E>, envelope: Envel
         }
     };
     if let Err(error) = outcome {
-        context.inbox.counters.failed.fetch_add(1, Ordering::Relaxed);
-        endpoint.on_error(&error);
+        note_failure(endpoint, context, &error);
     }
+}
+
+/// Counts a handler's error and hands it to [`Endpoint::on_error`].
+#[cold]
+fn note_failure<E: Endpoint>(endpoint: &mut E, context: &Context<E>, error: &HandlerError) {
+    context.inbox.counters.failed.fetch_add(1, Ordering::Relaxed);
+    endpoint.on_error(error);
 }
 
 /// Runs a start or stop hook, logging a panic instead of ending the thread.
@@ -743,5 +842,208 @@ mod tests {
             short_max.record_gap(LONG_GAP);
         }
         assert_eq!(short_max.spin(), tiny, "never more than max_spin");
+    }
+
+    /// What a [`RunRecording`] endpoint saw, in order.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    enum Seen {
+        /// The messages one `handle_run` call took.
+        Run(Vec<u64>),
+        /// A message through `handle`.
+        One(u64),
+        Request,
+    }
+
+    /// Records how its messages arrive. `handle_run` fails once it has taken `fail_at`, panics
+    /// once it has taken `panic_at`, and takes nothing at all while `refuse_runs` is set.
+    struct RunRecording {
+        seen: Arc<std::sync::Mutex<Vec<Seen>>>,
+        fail_at: Option<u64>,
+        panic_at: Option<u64>,
+        refuse_runs: bool,
+        errors: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    impl Endpoint for RunRecording {
+        type Message = u64;
+        type Request = crate::Replier<()>;
+
+        fn handle(&mut self, message: u64, _: &Context<Self>) -> Result<(), HandlerError> {
+            self.seen.lock().unwrap().push(Seen::One(message));
+            Ok(())
+        }
+
+        fn handle_run(
+            &mut self,
+            messages: &mut impl Iterator<Item = u64>,
+            _: &Context<Self>,
+        ) -> Result<(), HandlerError> {
+            if self.refuse_runs {
+                return Ok(());
+            }
+            let mut run = Vec::new();
+            let mut outcome = Ok(());
+            for message in messages.by_ref() {
+                run.push(message);
+                assert_ne!(Some(message), self.panic_at, "the test's panic");
+                if Some(message) == self.fail_at {
+                    outcome = Err("the test's failure".into());
+                    break;
+                }
+            }
+            if !run.is_empty() {
+                self.seen.lock().unwrap().push(Seen::Run(run));
+            }
+            outcome
+        }
+
+        fn handle_request(
+            &mut self,
+            replier: crate::Replier<()>,
+            _: &Context<Self>,
+        ) -> Result<(), HandlerError> {
+            self.seen.lock().unwrap().push(Seen::Request);
+            replier.reply(());
+            Ok(())
+        }
+
+        fn on_error(&mut self, _: &HandlerError) {
+            self.errors.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    struct Ping;
+
+    impl crate::Ask<RunRecording> for Ping {
+        type Reply = ();
+        fn into_request(self, replier: crate::Replier<()>) -> crate::Replier<()> {
+            replier
+        }
+    }
+
+    /// Sends `0..count` in batches of `batch` from this thread, with a request after the batch
+    /// that ends at `ask_after`, and waits (bounded) until the endpoint handled them all; returns
+    /// what it saw and its statistics.
+    fn run_recording(
+        endpoint: RunRecording,
+        count: u64,
+        batch: u64,
+        ask_after: u64,
+    ) -> (Vec<Seen>, crate::EndpointStats) {
+        let seen = Arc::clone(&endpoint.seen);
+        let bus = crate::Bus::builder().build().unwrap();
+        let endpoint = bus.register("runs", endpoint).unwrap();
+        let mut reply = None;
+        for start in (0..count).step_by(batch as usize) {
+            let end = (start + batch).min(count);
+            endpoint.send_batch((start..end).collect()).unwrap();
+            if end == ask_after {
+                reply = Some(endpoint.ask(Ping));
+            }
+        }
+        if let Some(reply) = reply {
+            reply.wait_timeout(Duration::from_secs(60)).unwrap();
+        }
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while endpoint.stats().handled < count + u64::from(ask_after > 0) {
+            assert!(Instant::now() < deadline, "handled by the deadline: {:?}", endpoint.stats());
+            std::thread::yield_now();
+        }
+        let stats = endpoint.stats();
+        bus.shutdown().unwrap();
+        let seen = seen.lock().unwrap().clone();
+        (seen, stats)
+    }
+
+    fn recording() -> RunRecording {
+        RunRecording {
+            seen: Arc::default(),
+            fail_at: None,
+            panic_at: None,
+            refuse_runs: false,
+            errors: Arc::default(),
+        }
+    }
+
+    /// The messages of `seen` in the order handled, and the request's place among them.
+    fn handled_order(seen: &[Seen]) -> (Vec<u64>, Option<usize>) {
+        let mut messages = Vec::new();
+        let mut request_at = None;
+        for event in seen {
+            match event {
+                Seen::Run(run) => messages.extend(run),
+                Seen::One(message) => messages.push(*message),
+                Seen::Request => request_at = Some(messages.len()),
+            }
+        }
+        (messages, request_at)
+    }
+
+    /// One-way messages reach `handle_run` in runs, each message exactly once and in order; a
+    /// run ends before a request, and before each message the loop times (every
+    /// `HANDLER_TIME_SAMPLE_EVERY`-th taken off the inbox), which goes to `handle` instead.
+    #[test]
+    fn one_way_messages_arrive_in_runs_that_end_before_requests_and_timed_messages() {
+        let (seen, stats) = run_recording(recording(), 2000, 500, 1000);
+        let (messages, request_at) = handled_order(&seen);
+        assert_eq!(messages, (0..2000).collect::<Vec<_>>());
+        assert_eq!(request_at, Some(1000), "the request between the batches it was sent between");
+        assert!(seen.iter().any(|event| matches!(event, Seen::Run(run) if run.len() > 100)));
+        // The request takes place 1000 in the inbox's order, so message m is taken off the
+        // inbox as number m, or m + 1 after the request.
+        for event in &seen {
+            if let Seen::Run(run) = event {
+                for message in run {
+                    let taken_before = message + u64::from(*message >= 1000);
+                    assert!(
+                        !taken_before.is_multiple_of(HANDLER_TIME_SAMPLE_EVERY),
+                        "message {message} is timed, so handled alone: {seen:?}"
+                    );
+                }
+            }
+        }
+        assert_eq!((stats.handled, stats.failed), (2001, 0));
+    }
+
+    /// An `Err` from `handle_run` counts as one failed message and reaches `on_error`; the rest
+    /// of the run is handed to the next call.
+    #[test]
+    fn a_failed_run_counts_one_failure_and_the_rest_is_still_handled() {
+        let endpoint = RunRecording { fail_at: Some(300), ..recording() };
+        let errors = Arc::clone(&endpoint.errors);
+        let (seen, stats) = run_recording(endpoint, 600, 600, 0);
+        assert_eq!(handled_order(&seen).0, (0..600).collect::<Vec<_>>());
+        assert_eq!((stats.handled, stats.failed), (600, 1));
+        assert_eq!(errors.load(Ordering::Relaxed), 1);
+    }
+
+    /// A `handle_run` that takes nothing makes no endless loop: each message then goes to
+    /// `handle`.
+    #[test]
+    fn a_run_handler_that_takes_nothing_leaves_each_message_to_handle() {
+        let endpoint = RunRecording { refuse_runs: true, ..recording() };
+        let (seen, stats) = run_recording(endpoint, 300, 300, 0);
+        assert_eq!(seen, (0..300).map(Seen::One).collect::<Vec<_>>());
+        assert_eq!((stats.handled, stats.failed), (300, 0));
+    }
+
+    /// A panic in `handle_run` consumes the message it panicked on; the rest are handled, and
+    /// the handled count includes every message taken off the inbox.
+    #[test]
+    fn a_panic_in_a_run_consumes_its_message_and_the_rest_are_handled() {
+        let endpoint = RunRecording { panic_at: Some(100), ..recording() };
+        let (seen, stats) = run_recording(endpoint, 400, 400, 0);
+        let messages = handled_order(&seen).0;
+        let expected: Vec<u64> = (0..400).filter(|message| *message != 100).collect();
+        // The run that panicked recorded nothing: the messages it took before 100 are lost to
+        // the recording, not to the endpoint (it took them).
+        let missing: Vec<u64> =
+            expected.iter().copied().filter(|m| !messages.contains(m)).collect();
+        assert!(missing.iter().all(|message| *message < 100), "{missing:?}");
+        assert_eq!(
+            messages,
+            expected.iter().copied().filter(|m| !missing.contains(m)).collect::<Vec<_>>()
+        );
+        assert_eq!((stats.handled, stats.panicked), (400, 1));
     }
 }

@@ -265,6 +265,18 @@ where
         Ok(())
     }
 
+    /// The whole run through [`EpochCoordinator::apply_run`], which carries the bucket it
+    /// stores into from one message to the next.
+    #[inline]
+    fn handle_run(
+        &mut self,
+        messages: &mut impl Iterator<Item = EpochMessage>,
+        context: &Context<Self>,
+    ) -> Result<(), HandlerError> {
+        self.coordinator.apply_run(messages, |rejected| record_dropped(context, &rejected));
+        Ok(())
+    }
+
     fn handle_request(
         &mut self,
         request: EpochRequest,

@@ -429,6 +429,80 @@ impl Slots {
     }
 }
 
+/// A dense side borrowed for a stretch of new entries ([`EpochCoordinator::apply_run`]): it
+/// takes partitions below its bound whose bit is clear, and no more of them than leave the
+/// side one short of complete (completing a side is the one-by-one path's work).
+struct SideStretch<'a> {
+    /// The side's entries below the partition count (none unless the side is dense).
+    entries: &'a mut [(PartitionId, Payload)],
+    present: &'a mut [u64],
+    /// New entries the stretch may store: `room` in all, `left` of them still.
+    room: usize,
+    left: usize,
+    /// The side's own entry count (updated when the stretch ends) and heap flag.
+    side_len: &'a mut usize,
+    side_heap_payloads: &'a mut bool,
+}
+
+impl Slots {
+    /// This side, borrowed for a stretch of at most `most` new entries, for a partition count
+    /// of `count`.
+    #[inline(always)]
+    fn stretch(&mut self, count: i32, most: usize) -> SideStretch<'_> {
+        let count = usize::try_from(count).unwrap_or(0);
+        // A dense side prepared for a larger count than the current one takes only partitions
+        // below the current one; one prepared for a smaller count takes none beyond its own.
+        let bound = if self.dense { count.min(self.entries.len()) } else { 0 };
+        let room = count.saturating_sub(self.len + 1).min(most);
+        SideStretch {
+            entries: &mut self.entries[..bound],
+            present: &mut self.present,
+            room,
+            left: room,
+            side_len: &mut self.len,
+            side_heap_payloads: &mut self.heap_payloads,
+        }
+    }
+}
+
+impl SideStretch<'_> {
+    /// Marks `partition` present and returns its position, if the stretch can store a new entry
+    /// for it.
+    #[inline(always)]
+    fn claim(&mut self, partition: i32) -> Option<usize> {
+        // A negative id is above every bound as `u32`.
+        let position = partition as u32 as usize;
+        if position >= self.entries.len() || self.left == 0 {
+            return None;
+        }
+        let (word, bit) = (position / 64, 1u64 << (position % 64));
+        let present = self.present.get_mut(word)?;
+        if *present & bit != 0 {
+            return None;
+        }
+        *present |= bit;
+        self.left -= 1;
+        Some(position)
+    }
+
+    /// Stores the payload of a claimed position.
+    #[inline(always)]
+    fn store(&mut self, position: usize, payload: Payload) {
+        if !payload.is_inline() {
+            *self.side_heap_payloads = true;
+        }
+        self.entries[position].1 = payload;
+    }
+
+    /// Ends the stretch: the side's count takes what it stored. Returns how many.
+    #[inline(always)]
+    fn finish(self) -> usize {
+        let stored = self.room - self.left;
+        *self.side_len += stored;
+        stored
+    }
+}
+
 /// Everything stored for one pending epoch.
 struct Bucket {
     epoch: Epoch,
@@ -662,6 +736,117 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
                 self.report_partition_offset(PartitionId(partition), Epoch(epoch), offset)
             }
         }
+    }
+
+    /// Handles the one-way messages `messages` yields, in order, exactly as [`Self::apply`]
+    /// would one by one; `on_rejected` hears of each message dropped.
+    ///
+    /// Faster than `apply` per message for what a bus inbox delivers: a run of messages mostly
+    /// adds new entries to one epoch's two sides. After each message applied one by one, the
+    /// ones that follow it and add a new entry to its epoch take a shorter path, a stretch
+    /// (`store_stretch`), which skips only checks that cannot fail for them.
+    #[inline(always)]
+    pub fn apply_run(
+        &mut self,
+        messages: &mut impl Iterator<Item = EpochMessage>,
+        mut on_rejected: impl FnMut(Rejected),
+    ) {
+        let mut next = messages.next();
+        while let Some(message) = next {
+            if let Err(rejected) = self.apply(message) {
+                on_rejected(rejected);
+            }
+            next = match messages.next() {
+                Some(message) => self.store_stretch(message, messages),
+                None => None,
+            };
+        }
+    }
+
+    /// Stores `first` and the messages after it while each adds a new entry to the bucket the
+    /// last message was applied to (`cached_epoch`), on either side; returns the first message
+    /// it did not store, for [`Self::apply`].
+    ///
+    /// What it skips of `apply` cannot apply to such a message, so the outcome is the same:
+    /// * admission: the epoch is the cached bucket's (above the last committed one) and writes
+    ///   are not stopped, checked once; the partition is below the side's count, checked per
+    ///   message by [`SideStretch::claim`];
+    /// * completion, and so resolve and add-offsets: a side takes at most the entries that
+    ///   leave it one short of complete;
+    /// * the backlog checks: the stretch stores at most `backlog_slack - 1` entries, so the
+    ///   slack stays above 0;
+    /// * the per-message debug events: while they are enabled, there is no stretch.
+    ///
+    /// The counters and the slack are updated once, at the end.
+    #[inline(always)]
+    fn store_stretch(
+        &mut self,
+        first: EpochMessage,
+        messages: &mut impl Iterator<Item = EpochMessage>,
+    ) -> Option<EpochMessage> {
+        let epoch = self.cached_epoch.0;
+        let stretch_epoch = match &first {
+            EpochMessage::CommitPartitionEpoch { epoch, .. }
+            | EpochMessage::ReportPartitionOffset { epoch, .. } => *epoch,
+        };
+        if stretch_epoch != epoch
+            || epoch <= self.admission.epochs_above
+            || self.backlog_slack < 2
+            || tracing::enabled!(tracing::Level::DEBUG)
+        {
+            return Some(first);
+        }
+        // Half the entries the slack allows for each side, so that the loop tests each side's
+        // room only.
+        let most = self.backlog_slack - 1;
+        let bucket = &mut self.buckets[self.cached_slot as usize];
+        let mut offsets = bucket.offsets.stretch(self.reader_partitions, most / 2);
+        let mut commits = bucket.commits.stretch(self.writer_partitions, most - most / 2);
+        let mut message = first;
+        let rest = loop {
+            match message {
+                EpochMessage::ReportPartitionOffset { partition, epoch: of, offset }
+                    if of == epoch =>
+                {
+                    match offsets.claim(partition) {
+                        Some(position) => offsets.store(position, offset),
+                        None => {
+                            break Some(EpochMessage::ReportPartitionOffset {
+                                partition,
+                                epoch,
+                                offset,
+                            })
+                        }
+                    }
+                }
+                EpochMessage::CommitPartitionEpoch { partition, epoch: of, message }
+                    if of == epoch =>
+                {
+                    match commits.claim(partition) {
+                        Some(position) => commits.store(position, message),
+                        None => {
+                            break Some(EpochMessage::CommitPartitionEpoch {
+                                partition,
+                                epoch,
+                                message,
+                            })
+                        }
+                    }
+                }
+                other => break Some(other),
+            }
+            match messages.next() {
+                Some(next) => message = next,
+                None => break None,
+            }
+        };
+        let (new_offsets, new_commits) = (offsets.finish(), commits.finish());
+        self.offset_entries += new_offsets;
+        self.commit_entries += new_commits;
+        self.backlog_slack -= new_offsets + new_commits;
+        self.counters.offsets_accepted += new_offsets as u64;
+        self.counters.commits_accepted += new_commits as u64;
+        rest
     }
 
     /// `CommitPartitionEpoch`: stores the writer commit message of `partition` for `epoch`
