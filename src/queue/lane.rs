@@ -60,7 +60,7 @@ use std::mem::MaybeUninit;
 
 use crossbeam_utils::CachePadded;
 
-use super::{barrier::BarrierMode, Consume};
+use super::{barrier::BarrierMode, Consume, Run};
 use crate::sync::{AtomicBool, AtomicPtr, AtomicUsize, Ordering, UnsafeCell};
 
 /// Why a lane push did not take the message; the message is handed back.
@@ -471,6 +471,19 @@ impl<T> Iterator for PublishedRun<'_, T> {
     fn size_hint(&self) -> (usize, Option<usize>) {
         let left = self.stop.saturating_sub(self.head);
         (left, Some(left))
+    }
+}
+
+impl<T> Run<T> for PublishedRun<'_, T> {
+    #[inline(always)]
+    fn next_is(&mut self, wanted: impl FnOnce(&T) -> bool) -> bool {
+        self.head < self.stop
+            && self.lane.slot(self.head).value.with(|cell| {
+                // SAFETY: as in `next`, the value at `head` (below `stop`) is written and
+                // released, and only this consumer accesses it until its head store; looking
+                // at it through a shared reference moves nothing.
+                wanted(unsafe { &*cell.cast::<T>() })
+            })
     }
 }
 

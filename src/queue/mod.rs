@@ -681,9 +681,27 @@ pub(crate) trait Consume<T> {
     /// it is yielded (a panic leaves the rest queued). The default hands each to
     /// [`Consume::consume`]; the endpoint loop hands runs of one-way messages to its endpoint.
     #[inline(always)]
-    fn consume_run(&mut self, run: &mut impl Iterator<Item = T>) {
+    fn consume_run(&mut self, run: &mut impl Run<T>) {
         for value in run {
             self.consume(value);
+        }
+    }
+}
+
+/// The messages a drain round takes from one lane or ring, as its consumer sees them: `next`
+/// takes the next one off the queue; the next one can also be looked at in place first.
+pub(crate) trait Run<T>: Iterator<Item = T> {
+    /// Whether there is a next message and `wanted` holds for it. Nothing is taken.
+    fn next_is(&mut self, wanted: impl FnOnce(&T) -> bool) -> bool;
+
+    /// The next message, taken off the queue only if `wanted` holds for it; otherwise `None`
+    /// and it stays queued.
+    #[inline(always)]
+    fn next_if(&mut self, wanted: impl FnOnce(&T) -> bool) -> Option<T> {
+        if self.next_is(wanted) {
+            self.next()
+        } else {
+            None
         }
     }
 }

@@ -27,7 +27,7 @@ use std::mem::MaybeUninit;
 
 use crossbeam_utils::CachePadded;
 
-use super::Consume;
+use super::{Consume, Run};
 use crate::sync::{AtomicUsize, Ordering, UnsafeCell};
 
 /// The closed mark in `tail`.
@@ -316,6 +316,26 @@ impl<T> Iterator for FilledRun<'_, T> {
         // exact while a long handler runs.
         ring.head.store(self.head, Ordering::Release);
         Some(value)
+    }
+}
+
+impl<T> Run<T> for FilledRun<'_, T> {
+    #[inline(always)]
+    fn next_is(&mut self, wanted: impl FnOnce(&T) -> bool) -> bool {
+        if self.left == 0 {
+            return false;
+        }
+        let slot = self.ring.slot(self.head);
+        if slot.stamp.load(Ordering::Acquire) != self.head + 1 {
+            self.left = 0;
+            return false;
+        }
+        slot.value.with(|cell| {
+            // SAFETY: as in `next`, stamp `head + 1` (acquired above) means the value is written
+            // and released, and only this consumer accesses it until it hands the slot back;
+            // looking at it through a shared reference moves nothing.
+            wanted(unsafe { &*cell.cast::<T>() })
+        })
     }
 }
 

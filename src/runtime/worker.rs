@@ -18,6 +18,7 @@
 //! ends.
 
 use std::{
+    marker::PhantomData,
     panic::{catch_unwind, AssertUnwindSafe},
     sync::{atomic::Ordering, Arc},
     time::{Duration, Instant},
@@ -31,7 +32,7 @@ use super::{
 use crate::{
     config::Idle,
     error::HandlerError,
-    queue::{Consume, Consumer},
+    queue::{Consume, Consumer, Run},
     AskError,
 };
 
@@ -342,94 +343,81 @@ impl<E: Endpoint> Consume<Envelope<E>> for Dispatcher<'_, E> {
         }
     }
 
-    /// Hands the run's one-way messages to [`Endpoint::handle_run`], up to each request or
-    /// timed message, which goes through [`dispatch_noting`] as in [`Self::consume`]. Inlined
-    /// into the inbox's pop loops, like `consume`.
+    /// Hands the run's one-way messages to [`Endpoint::handle_run`], and each request and
+    /// timed message to [`Self::consume`]. A run given to the endpoint ends before such a
+    /// message, which stays queued until the endpoint returns. Inlined into the inbox's pop
+    /// loops, like `consume`.
     #[inline(always)]
-    fn consume_run(&mut self, run: &mut impl Iterator<Item = Envelope<E>>) {
+    fn consume_run(&mut self, run: &mut impl Run<Envelope<E>>) {
         loop {
+            let timed = self.handled_total.is_multiple_of(HANDLER_TIME_SAMPLE_EVERY);
+            if timed || !run.next_is(|envelope| matches!(envelope, Envelope::Message(_))) {
+                match run.next() {
+                    Some(envelope) => {
+                        self.consume(envelope);
+                        continue;
+                    }
+                    None => return,
+                }
+            }
             let before = *self.handled_total;
-            let mut messages = OneWayMessages::new(&mut *run, &mut *self.handled_total);
-            let outcome = self.endpoint.handle_run(&mut messages, self.context);
-            let held = messages.held.take();
-            drop(messages);
+            let outcome = {
+                let mut messages = OneWayMessages::new(&mut *run, &mut *self.handled_total);
+                self.endpoint.handle_run(&mut messages, self.context)
+            };
             if let Err(error) = outcome {
                 note_failure(self.endpoint, self.context, &error);
             }
-            match held {
-                Some(Held::Envelope(envelope, sampled)) => dispatch_noting(
-                    self.endpoint,
-                    self.context,
-                    envelope,
-                    sampled,
-                    *self.handled_total,
-                ),
-                Some(Held::RunEnded) => return,
-                // The handler returned early; if it took nothing, the next message goes to
-                // `consume`, so that every call makes progress.
-                None if *self.handled_total == before => match run.next() {
+            if *self.handled_total == before {
+                // The handler took nothing: the message goes to `consume`, so that every call
+                // makes progress.
+                match run.next() {
                     Some(envelope) => self.consume(envelope),
                     None => return,
-                },
-                None => {}
+                }
             }
         }
     }
 }
 
-/// Why [`OneWayMessages`] stopped yielding.
-enum Held<E: Endpoint> {
-    /// A request or a timed message, taken off the inbox and not yet handled.
-    Envelope(Envelope<E>, bool),
-    /// The inbox run has no more messages.
-    RunEnded,
-}
-
 /// The one-way messages of an inbox run, as [`Endpoint::handle_run`] sees them: they end at the
-/// run's end or before a request or a timed message (kept in `held`). Counts each message taken
-/// off the inbox, as [`Dispatcher::consume`] does.
-struct OneWayMessages<'a, E: Endpoint, I> {
-    run: &'a mut I,
+/// run's end, or before a request or the next message to time, which stay queued. Counts each
+/// message taken off the inbox, as [`Dispatcher::consume`] does.
+struct OneWayMessages<'a, E: Endpoint, R> {
+    run: &'a mut R,
     /// The endpoint loop's count, carried in a local for the call (so that it can stay in a
     /// register) and written back to `handled_total` on drop, also when the handler panics.
     handled: u64,
     handled_total: &'a mut u64,
-    held: Option<Held<E>>,
+    _messages_of: PhantomData<fn() -> E>,
 }
 
-impl<'a, E: Endpoint, I> OneWayMessages<'a, E, I> {
-    fn new(run: &'a mut I, handled_total: &'a mut u64) -> Self {
-        Self { run, handled: *handled_total, handled_total, held: None }
+impl<'a, E: Endpoint, R> OneWayMessages<'a, E, R> {
+    fn new(run: &'a mut R, handled_total: &'a mut u64) -> Self {
+        Self { run, handled: *handled_total, handled_total, _messages_of: PhantomData }
     }
 }
 
-impl<E: Endpoint, I> Drop for OneWayMessages<'_, E, I> {
+impl<E: Endpoint, R> Drop for OneWayMessages<'_, E, R> {
     #[inline(always)]
     fn drop(&mut self) {
         *self.handled_total = self.handled;
     }
 }
 
-impl<E: Endpoint, I: Iterator<Item = Envelope<E>>> Iterator for OneWayMessages<'_, E, I> {
+impl<E: Endpoint, R: Run<Envelope<E>>> Iterator for OneWayMessages<'_, E, R> {
     type Item = E::Message;
 
     #[inline(always)]
     fn next(&mut self) -> Option<E::Message> {
-        if self.held.is_some() {
+        if self.handled.is_multiple_of(HANDLER_TIME_SAMPLE_EVERY) {
             return None;
         }
-        let Some(envelope) = self.run.next() else {
-            self.held = Some(Held::RunEnded);
-            return None;
-        };
-        let timed = self.handled.is_multiple_of(HANDLER_TIME_SAMPLE_EVERY);
+        let envelope = self.run.next_if(|envelope| matches!(envelope, Envelope::Message(_)))?;
         self.handled += 1;
         match envelope {
-            Envelope::Message(message) if !timed => Some(message),
-            envelope => {
-                self.held = Some(Held::Envelope(envelope, timed));
-                None
-            }
+            Envelope::Message(message) => Some(message),
+            Envelope::Request(..) => unreachable!("`next_if` takes one-way messages only"),
         }
     }
 }
@@ -855,11 +843,13 @@ mod tests {
     }
 
     /// Records how its messages arrive. `handle_run` fails once it has taken `fail_at`, panics
-    /// once it has taken `panic_at`, and takes nothing at all while `refuse_runs` is set.
+    /// once it has taken `panic_at`, panics after the end of the run that took `panic_after`,
+    /// and takes nothing at all while `refuse_runs` is set.
     struct RunRecording {
         seen: Arc<std::sync::Mutex<Vec<Seen>>>,
         fail_at: Option<u64>,
         panic_at: Option<u64>,
+        panic_after: Option<u64>,
         refuse_runs: bool,
         errors: Arc<std::sync::atomic::AtomicUsize>,
     }
@@ -891,9 +881,9 @@ mod tests {
                     break;
                 }
             }
-            if !run.is_empty() {
-                self.seen.lock().unwrap().push(Seen::Run(run));
-            }
+            let panics = self.panic_after.is_some_and(|message| run.contains(&message));
+            self.seen.lock().unwrap().push(Seen::Run(run));
+            assert!(!panics, "the test's panic after a run");
             outcome
         }
 
@@ -960,6 +950,7 @@ mod tests {
             seen: Arc::default(),
             fail_at: None,
             panic_at: None,
+            panic_after: None,
             refuse_runs: false,
             errors: Arc::default(),
         }
@@ -989,6 +980,7 @@ mod tests {
         assert_eq!(messages, (0..2000).collect::<Vec<_>>());
         assert_eq!(request_at, Some(1000), "the request between the batches it was sent between");
         assert!(seen.iter().any(|event| matches!(event, Seen::Run(run) if run.len() > 100)));
+        assert!(!seen.contains(&Seen::Run(Vec::new())), "no call without a message: {seen:?}");
         // The request takes place 1000 in the inbox's order, so message m is taken off the
         // inbox as number m, or m + 1 after the request.
         for event in &seen {
@@ -1013,6 +1005,7 @@ mod tests {
         let errors = Arc::clone(&endpoint.errors);
         let (seen, stats) = run_recording(endpoint, 600, 600, 0);
         assert_eq!(handled_order(&seen).0, (0..600).collect::<Vec<_>>());
+        assert!(!seen.contains(&Seen::Run(Vec::new())), "no call without a message: {seen:?}");
         assert_eq!((stats.handled, stats.failed), (600, 1));
         assert_eq!(errors.load(Ordering::Relaxed), 1);
     }
@@ -1045,5 +1038,25 @@ mod tests {
             expected.iter().copied().filter(|m| !missing.contains(m)).collect::<Vec<_>>()
         );
         assert_eq!((stats.handled, stats.panicked), (400, 1));
+    }
+
+    /// A run ends before a request, which stays queued while the endpoint handles the run: a
+    /// handler that panics after its run ended (at a flush, say) does not take the request down
+    /// with it.
+    #[test]
+    fn a_panic_after_a_run_leaves_the_request_after_it_to_be_handled() {
+        let seen = Arc::default();
+        let endpoint =
+            RunRecording { panic_after: Some(5), seen: Arc::clone(&seen), ..recording() };
+        let bus = crate::Bus::builder().build().unwrap();
+        let endpoint = bus.register("runs", endpoint).unwrap();
+        endpoint.send_batch((1..10).collect()).unwrap();
+        let reply = endpoint.ask(Ping).wait_timeout(Duration::from_secs(60));
+        assert!(reply.is_ok(), "the request was handled: {reply:?}");
+        let stats = endpoint.stats();
+        assert_eq!((stats.handled, stats.panicked), (10, 1));
+        bus.shutdown().unwrap();
+        let seen = seen.lock().unwrap().clone();
+        assert_eq!(seen.last(), Some(&Seen::Request), "{seen:?}");
     }
 }

@@ -496,10 +496,35 @@ impl SideStretch<'_> {
 
     /// Ends the stretch: the side's count takes what it stored. Returns how many.
     #[inline(always)]
-    fn finish(self) -> usize {
+    fn finish(&mut self) -> usize {
         let stored = self.room - self.left;
         *self.side_len += stored;
+        self.room = self.left;
         stored
+    }
+}
+
+/// A stretch of [`EpochCoordinator::apply_run`] over one bucket: its two sides and the
+/// coordinator's counts, brought up to date when it ends, also by a panic of the caller's
+/// iterator (the entries it stored are then counted as the one-by-one path would have).
+struct Stretch<'a> {
+    offsets: SideStretch<'a>,
+    commits: SideStretch<'a>,
+    offset_entries: &'a mut usize,
+    commit_entries: &'a mut usize,
+    backlog_slack: &'a mut usize,
+    counters: &'a mut EpochCounters,
+}
+
+impl Drop for Stretch<'_> {
+    #[inline(always)]
+    fn drop(&mut self) {
+        let (new_offsets, new_commits) = (self.offsets.finish(), self.commits.finish());
+        *self.offset_entries += new_offsets;
+        *self.commit_entries += new_commits;
+        *self.backlog_slack -= new_offsets + new_commits;
+        self.counters.offsets_accepted += new_offsets as u64;
+        self.counters.commits_accepted += new_commits as u64;
     }
 }
 
@@ -777,7 +802,7 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
     ///   slack stays above 0;
     /// * the per-message debug events: while they are enabled, there is no stretch.
     ///
-    /// The counters and the slack are updated once, at the end.
+    /// The counts and the slack are updated once, when the stretch ends ([`Stretch`]).
     #[inline(always)]
     fn store_stretch(
         &mut self,
@@ -799,19 +824,36 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
         // Half the entries the slack allows for each side, so that the loop tests each side's
         // room only.
         let most = self.backlog_slack - 1;
-        let bucket = &mut self.buckets[self.cached_slot as usize];
-        let mut offsets = bucket.offsets.stretch(self.reader_partitions, most / 2);
-        let mut commits = bucket.commits.stretch(self.writer_partitions, most - most / 2);
+        let Self {
+            buckets,
+            cached_slot,
+            reader_partitions,
+            writer_partitions,
+            offset_entries,
+            commit_entries,
+            backlog_slack,
+            counters,
+            ..
+        } = self;
+        let bucket = &mut buckets[*cached_slot as usize];
+        let mut stretch = Stretch {
+            offsets: bucket.offsets.stretch(*reader_partitions, most / 2),
+            commits: bucket.commits.stretch(*writer_partitions, most - most / 2),
+            offset_entries,
+            commit_entries,
+            backlog_slack,
+            counters,
+        };
         let mut message = first;
-        let rest = loop {
+        loop {
             match message {
                 EpochMessage::ReportPartitionOffset { partition, epoch: of, offset }
                     if of == epoch =>
                 {
-                    match offsets.claim(partition) {
-                        Some(position) => offsets.store(position, offset),
+                    match stretch.offsets.claim(partition) {
+                        Some(position) => stretch.offsets.store(position, offset),
                         None => {
-                            break Some(EpochMessage::ReportPartitionOffset {
+                            return Some(EpochMessage::ReportPartitionOffset {
                                 partition,
                                 epoch,
                                 offset,
@@ -822,10 +864,10 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
                 EpochMessage::CommitPartitionEpoch { partition, epoch: of, message }
                     if of == epoch =>
                 {
-                    match commits.claim(partition) {
-                        Some(position) => commits.store(position, message),
+                    match stretch.commits.claim(partition) {
+                        Some(position) => stretch.commits.store(position, message),
                         None => {
-                            break Some(EpochMessage::CommitPartitionEpoch {
+                            return Some(EpochMessage::CommitPartitionEpoch {
                                 partition,
                                 epoch,
                                 message,
@@ -833,20 +875,10 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
                         }
                     }
                 }
-                other => break Some(other),
+                other => return Some(other),
             }
-            match messages.next() {
-                Some(next) => message = next,
-                None => break None,
-            }
-        };
-        let (new_offsets, new_commits) = (offsets.finish(), commits.finish());
-        self.offset_entries += new_offsets;
-        self.commit_entries += new_commits;
-        self.backlog_slack -= new_offsets + new_commits;
-        self.counters.offsets_accepted += new_offsets as u64;
-        self.counters.commits_accepted += new_commits as u64;
-        rest
+            message = messages.next()?;
+        }
     }
 
     /// `CommitPartitionEpoch`: stores the writer commit message of `partition` for `epoch`
@@ -1658,6 +1690,58 @@ mod tests {
         let stats = coordinator.stats();
         assert_eq!(stats.offset_entries, 1000 + 100, "retained epoch 40 + the far entries");
         assert_eq!(stats.commit_entries, 1000);
+    }
+
+    fn report(partition: i32, epoch: i64, offset: Payload) -> EpochMessage {
+        EpochMessage::ReportPartitionOffset { partition, epoch, offset }
+    }
+
+    fn commit(partition: i32, epoch: i64, message: Payload) -> EpochMessage {
+        EpochMessage::CommitPartitionEpoch { partition, epoch, message }
+    }
+
+    fn coordinator_of(partitions: i32) -> EpochCoordinator<Nothing, Nothing> {
+        let mut coordinator = EpochCoordinator::new(EpochConfig::new(1), Nothing, Nothing).unwrap();
+        coordinator.set_reader_partitions(partitions).unwrap();
+        coordinator.set_writer_partitions(partitions).unwrap();
+        coordinator
+    }
+
+    /// A payload on the heap stored by a stretch marks its side, so that the side's clear frees
+    /// it (a recycled bucket would otherwise keep it).
+    #[test]
+    fn a_stretch_marks_a_side_holding_heap_payloads() {
+        let mut coordinator = coordinator_of(4);
+        let long = || Payload::from(vec![7u8; 2 * Payload::INLINE_BYTES]);
+        // The first message goes one by one; the two after it through a stretch.
+        let messages = [report(0, 1, 0.into()), report(1, 1, long()), commit(0, 1, long())];
+        coordinator.apply_run(&mut messages.into_iter(), |rejected| panic!("{rejected}"));
+        let bucket = &coordinator.buckets[coordinator.by_epoch[&1] as usize];
+        assert_eq!((bucket.offsets.len, bucket.commits.len), (2, 1));
+        assert!(bucket.offsets.heap_payloads && bucket.commits.heap_payloads);
+    }
+
+    /// A caller's iterator that panics in the middle of a stretch leaves the coordinator as
+    /// many messages applied one by one would: the entries stored are counted, and the epoch
+    /// still commits once the rest arrive.
+    #[test]
+    fn a_stretch_ended_by_a_panicking_iterator_is_counted() {
+        let messages = || (0..3).map(|partition| report(partition, 1, 1.into()));
+        let mut coordinator = coordinator_of(4);
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let mut doomed = messages().chain(std::iter::once_with(|| panic!("the test's panic")));
+            coordinator.apply_run(&mut doomed, |rejected| panic!("{rejected}"));
+        }));
+        assert!(panicked.is_err());
+        let mut one_by_one = coordinator_of(4);
+        for message in messages() {
+            one_by_one.apply(message).unwrap();
+        }
+        assert_eq!(coordinator.stats(), one_by_one.stats());
+        let rest =
+            [report(3, 1, 1.into())].into_iter().chain((0..4).map(|p| commit(p, 1, 1.into())));
+        coordinator.apply_run(&mut rest.into_iter(), |rejected| panic!("{rejected}"));
+        assert_eq!(coordinator.last_committed(), Epoch(1));
     }
 
     #[test]
