@@ -115,6 +115,15 @@ fn config() -> EpochConfig {
     EpochConfig::new(1).with_backlog_limit(1 << 24)
 }
 
+/// A coordinator with both partition counts set to `partitions`.
+fn coordinator_of(partitions: i32) -> EpochCoordinator<Counting, Counting> {
+    let mut coordinator = EpochCoordinator::new(config(), Counting::default(), Counting::default())
+        .expect("valid config");
+    coordinator.set_reader_partitions(partitions).expect("count");
+    coordinator.set_writer_partitions(partitions).expect("count");
+    coordinator
+}
+
 fn per_message(criterion: &mut Criterion) {
     for (partitions, epochs) in [(1, 2_000), (100, 50), (1_000, 10)] {
         let messages = stream(partitions, epochs);
@@ -141,18 +150,22 @@ fn per_message(criterion: &mut Criterion) {
 
         group.bench_function(BenchmarkId::new("coordbus", partitions), |bencher| {
             bencher.iter_batched(
-                || {
-                    let mut coordinator =
-                        EpochCoordinator::new(config(), Counting::default(), Counting::default())
-                            .expect("valid config");
-                    coordinator.set_reader_partitions(partitions).expect("count");
-                    coordinator.set_writer_partitions(partitions).expect("count");
-                    (coordinator, messages.clone())
-                },
+                || (coordinator_of(partitions), messages.clone()),
                 |(mut coordinator, messages)| {
                     for message in messages {
                         let _ = coordinator.apply(message);
                     }
+                    black_box(coordinator.query().commits)
+                },
+                BatchSize::LargeInput,
+            );
+        });
+        // The endpoint's path: the messages as one run (`apply_run`, the stretches).
+        group.bench_function(BenchmarkId::new("coordbus_run", partitions), |bencher| {
+            bencher.iter_batched(
+                || (coordinator_of(partitions), messages.clone()),
+                |(mut coordinator, messages)| {
+                    coordinator.apply_run(&mut messages.into_iter(), |_| {});
                     black_box(coordinator.query().commits)
                 },
                 BatchSize::LargeInput,

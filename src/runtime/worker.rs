@@ -383,7 +383,7 @@ impl<E: Endpoint> Consume<Envelope<E>> for Dispatcher<'_, E> {
 /// The one-way messages of an inbox run, as [`Endpoint::handle_run`] sees them: they end at the
 /// run's end, or before a request or the next message to time, which stay queued. Counts each
 /// message taken off the inbox, as [`Dispatcher::consume`] does.
-struct OneWayMessages<'a, E: Endpoint, R> {
+struct OneWayMessages<'a, E: Endpoint, R: Run<Envelope<E>>> {
     run: &'a mut R,
     /// The endpoint loop's count, carried in a local for the call (so that it can stay in a
     /// register) and written back to `handled_total` on drop, also when the handler panics.
@@ -392,16 +392,31 @@ struct OneWayMessages<'a, E: Endpoint, R> {
     _messages_of: PhantomData<fn() -> E>,
 }
 
-impl<'a, E: Endpoint, R> OneWayMessages<'a, E, R> {
+impl<'a, E: Endpoint, R: Run<Envelope<E>>> OneWayMessages<'a, E, R> {
     fn new(run: &'a mut R, handled_total: &'a mut u64) -> Self {
         Self { run, handled: *handled_total, handled_total, _messages_of: PhantomData }
     }
 }
 
-impl<E: Endpoint, R> Drop for OneWayMessages<'_, E, R> {
+impl<E: Endpoint, R: Run<Envelope<E>>> Drop for OneWayMessages<'_, E, R> {
     #[inline(always)]
     fn drop(&mut self) {
+        if self.handled == *self.handled_total && std::thread::panicking() {
+            self.consume_the_message_panicked_on();
+        }
         *self.handled_total = self.handled;
+    }
+}
+
+impl<E: Endpoint, R: Run<Envelope<E>>> OneWayMessages<'_, E, R> {
+    /// A `handle_run` that panicked before taking a message consumes the one it was called
+    /// for, as a panicking `handle` does: left queued, it would be handed to `handle_run`
+    /// again and again.
+    #[cold]
+    fn consume_the_message_panicked_on(&mut self) {
+        if self.run.next().is_some() {
+            self.handled += 1;
+        }
     }
 }
 
@@ -850,8 +865,13 @@ mod tests {
         fail_at: Option<u64>,
         panic_at: Option<u64>,
         panic_after: Option<u64>,
+        /// The next `handle_run` call panics before taking a message (once).
+        panic_before_taking: bool,
         refuse_runs: bool,
         errors: Arc<std::sync::atomic::AtomicUsize>,
+        /// `handle` of message 0 waits (bounded) for the test's word: what the test sends
+        /// meanwhile queues up behind it.
+        gate: Option<std::sync::mpsc::Receiver<()>>,
     }
 
     impl Endpoint for RunRecording {
@@ -859,6 +879,9 @@ mod tests {
         type Request = crate::Replier<()>;
 
         fn handle(&mut self, message: u64, _: &Context<Self>) -> Result<(), HandlerError> {
+            if let (0, Some(gate)) = (message, &self.gate) {
+                gate.recv_timeout(Duration::from_secs(60)).unwrap();
+            }
             self.seen.lock().unwrap().push(Seen::One(message));
             Ok(())
         }
@@ -870,6 +893,9 @@ mod tests {
         ) -> Result<(), HandlerError> {
             if self.refuse_runs {
                 return Ok(());
+            }
+            if std::mem::take(&mut self.panic_before_taking) {
+                panic!("the test's panic before taking a message");
             }
             let mut run = Vec::new();
             let mut outcome = Ok(());
@@ -913,15 +939,19 @@ mod tests {
 
     /// Sends `0..count` in batches of `batch` from this thread, with a request after the batch
     /// that ends at `ask_after`, and waits (bounded) until the endpoint handled them all; returns
-    /// what it saw and its statistics.
+    /// what it saw and its statistics. The inbox is one shared ring (a lane publishes each push
+    /// as a run of its own), and the endpoint holds message 0 until everything is queued, so
+    /// that messages and the request share the runs the endpoint drains.
     fn run_recording(
-        endpoint: RunRecording,
+        mut endpoint: RunRecording,
         count: u64,
         batch: u64,
         ask_after: u64,
     ) -> (Vec<Seen>, crate::EndpointStats) {
         let seen = Arc::clone(&endpoint.seen);
-        let bus = crate::Bus::builder().build().unwrap();
+        let (release, gate) = std::sync::mpsc::channel();
+        endpoint.gate = Some(gate);
+        let bus = crate::Bus::builder().inbox_lanes(0).inbox_shards(1).build().unwrap();
         let endpoint = bus.register("runs", endpoint).unwrap();
         let mut reply = None;
         for start in (0..count).step_by(batch as usize) {
@@ -931,6 +961,7 @@ mod tests {
                 reply = Some(endpoint.ask(Ping));
             }
         }
+        release.send(()).unwrap();
         if let Some(reply) = reply {
             reply.wait_timeout(Duration::from_secs(60)).unwrap();
         }
@@ -951,8 +982,10 @@ mod tests {
             fail_at: None,
             panic_at: None,
             panic_after: None,
+            panic_before_taking: false,
             refuse_runs: false,
             errors: Arc::default(),
+            gate: None,
         }
     }
 
@@ -1046,17 +1079,38 @@ mod tests {
     #[test]
     fn a_panic_after_a_run_leaves_the_request_after_it_to_be_handled() {
         let seen = Arc::default();
-        let endpoint =
-            RunRecording { panic_after: Some(5), seen: Arc::clone(&seen), ..recording() };
-        let bus = crate::Bus::builder().build().unwrap();
+        let (release, gate) = std::sync::mpsc::channel();
+        let endpoint = RunRecording {
+            panic_after: Some(5),
+            seen: Arc::clone(&seen),
+            gate: Some(gate),
+            ..recording()
+        };
+        let bus = crate::Bus::builder().inbox_lanes(0).inbox_shards(1).build().unwrap();
         let endpoint = bus.register("runs", endpoint).unwrap();
-        endpoint.send_batch((1..10).collect()).unwrap();
-        let reply = endpoint.ask(Ping).wait_timeout(Duration::from_secs(60));
+        // Message 0 holds the endpoint until 1..10 and the request are queued in one ring.
+        endpoint.send_batch((0..10).collect()).unwrap();
+        let reply = endpoint.ask(Ping);
+        release.send(()).unwrap();
+        let reply = reply.wait_timeout(Duration::from_secs(60));
         assert!(reply.is_ok(), "the request was handled: {reply:?}");
         let stats = endpoint.stats();
-        assert_eq!((stats.handled, stats.panicked), (10, 1));
+        assert_eq!((stats.handled, stats.panicked), (11, 1));
         bus.shutdown().unwrap();
         let seen = seen.lock().unwrap().clone();
+        assert_eq!(seen.first(), Some(&Seen::One(0)), "{seen:?}");
         assert_eq!(seen.last(), Some(&Seen::Request), "{seen:?}");
+    }
+
+    /// A `handle_run` that panics before taking a message consumes the message it was called
+    /// for, as a panicking `handle` does, instead of being handed it again without end.
+    #[test]
+    fn a_run_handler_panicking_before_taking_consumes_its_first_message() {
+        let endpoint = RunRecording { panic_before_taking: true, ..recording() };
+        let (seen, stats) = run_recording(endpoint, 300, 300, 0);
+        // Message 0 is timed (handled alone); the first run was called for message 1.
+        let expected: Vec<u64> = (0..300).filter(|message| *message != 1).collect();
+        assert_eq!(handled_order(&seen).0, expected);
+        assert_eq!((stats.handled, stats.panicked), (300, 1));
     }
 }

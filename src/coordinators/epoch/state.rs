@@ -788,9 +788,9 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
         }
     }
 
-    /// Stores `first` and the messages after it while each adds a new entry to the bucket the
-    /// last message was applied to (`cached_epoch`), on either side; returns the first message
-    /// it did not store, for [`Self::apply`].
+    /// Stores `first` and the messages after it while each adds a new entry to the cached
+    /// bucket (`cached_epoch`: the last one a message was stored into or looked up for), on
+    /// either side; returns the first message it did not store, for [`Self::apply`].
     ///
     /// What it skips of `apply` cannot apply to such a message, so the outcome is the same:
     /// * admission: the epoch is the cached bucket's (above the last committed one) and writes
