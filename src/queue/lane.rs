@@ -444,14 +444,11 @@ struct PublishedRun<'a, T> {
     prefetch_stop: usize,
 }
 
-impl<T> Iterator for PublishedRun<'_, T> {
-    type Item = T;
-
+impl<T> PublishedRun<'_, T> {
+    /// Takes the value at `head`, which the caller checked is below `stop`.
     #[inline(always)]
-    fn next(&mut self) -> Option<T> {
-        if self.head >= self.stop {
-            return None;
-        }
+    fn take(&mut self) -> T {
+        debug_assert!(self.head < self.stop);
         let lane = self.lane;
         if self.head < self.prefetch_stop {
             prefetch(lane.slot(self.head + PREFETCH_AHEAD));
@@ -465,7 +462,28 @@ impl<T> Iterator for PublishedRun<'_, T> {
         });
         self.head += 1;
         lane.consumer.head.store(self.head, Ordering::Release);
-        Some(value)
+        value
+    }
+
+    /// Whether `wanted` holds for the value at `head`, which the caller checked is below
+    /// `stop`, looked at in place.
+    #[inline(always)]
+    fn look(&self, wanted: impl FnOnce(&T) -> bool) -> bool {
+        self.lane.slot(self.head).value.with(|cell| {
+            // SAFETY: as in `take`, the value at `head` is written and released, and only this
+            // consumer accesses it until its head store; looking at it through a shared
+            // reference moves nothing.
+            wanted(unsafe { &*cell.cast::<T>() })
+        })
+    }
+}
+
+impl<T> Iterator for PublishedRun<'_, T> {
+    type Item = T;
+
+    #[inline(always)]
+    fn next(&mut self) -> Option<T> {
+        (self.head < self.stop).then(|| self.take())
     }
 
     fn size_hint(&self) -> (usize, Option<usize>) {
@@ -477,13 +495,12 @@ impl<T> Iterator for PublishedRun<'_, T> {
 impl<T> Run<T> for PublishedRun<'_, T> {
     #[inline(always)]
     fn next_is(&mut self, wanted: impl FnOnce(&T) -> bool) -> bool {
-        self.head < self.stop
-            && self.lane.slot(self.head).value.with(|cell| {
-                // SAFETY: as in `next`, the value at `head` (below `stop`) is written and
-                // released, and only this consumer accesses it until its head store; looking
-                // at it through a shared reference moves nothing.
-                wanted(unsafe { &*cell.cast::<T>() })
-            })
+        self.head < self.stop && self.look(wanted)
+    }
+
+    #[inline(always)]
+    fn next_if(&mut self, wanted: impl FnOnce(&T) -> bool) -> Option<T> {
+        (self.head < self.stop && self.look(wanted)).then(|| self.take())
     }
 }
 

@@ -289,24 +289,28 @@ struct FilledRun<'a, T> {
     left: usize,
 }
 
-impl<T> Iterator for FilledRun<'_, T> {
-    type Item = T;
-
+impl<T> FilledRun<'_, T> {
+    /// Whether the slot at `head` is filled (and the run not ended): its stamp, acquired. A run
+    /// that meets an unfilled slot ends for good.
     #[inline(always)]
-    fn next(&mut self) -> Option<T> {
-        if self.left == 0 {
-            return None;
+    fn head_is_filled(&mut self) -> bool {
+        if self.left > 0 && self.ring.slot(self.head).stamp.load(Ordering::Acquire) == self.head + 1
+        {
+            return true;
         }
+        self.left = 0;
+        false
+    }
+
+    /// Takes the value at `head`, which the caller found filled.
+    #[inline(always)]
+    fn take(&mut self) -> T {
         let ring = self.ring;
         let slot = ring.slot(self.head);
-        if slot.stamp.load(Ordering::Acquire) != self.head + 1 {
-            self.left = 0;
-            return None;
-        }
         let value = slot.value.with(|cell| {
-            // SAFETY: stamp `head + 1` (acquired above) means the producer of `head` has written
-            // the value and released it; only this consumer reads position `head`, and it reads
-            // it once before handing the slot back below.
+            // SAFETY: stamp `head + 1` (acquired by `head_is_filled`) means the producer of
+            // `head` has written the value and released it; only this consumer reads position
+            // `head`, and it reads it once before handing the slot back below.
             unsafe { cell.cast::<T>().read() }
         });
         slot.stamp.store(self.head + ring.capacity(), Ordering::Release);
@@ -315,27 +319,40 @@ impl<T> Iterator for FilledRun<'_, T> {
         // Published per message (a plain store to a consumer-owned line) so that `len` stays
         // exact while a long handler runs.
         ring.head.store(self.head, Ordering::Release);
-        Some(value)
+        value
+    }
+
+    /// Whether `wanted` holds for the value at `head`, which the caller found filled, looked at
+    /// in place.
+    #[inline(always)]
+    fn look(&self, wanted: impl FnOnce(&T) -> bool) -> bool {
+        self.ring.slot(self.head).value.with(|cell| {
+            // SAFETY: as in `take`, the value is written and released, and only this consumer
+            // accesses it until it hands the slot back; looking at it through a shared
+            // reference moves nothing.
+            wanted(unsafe { &*cell.cast::<T>() })
+        })
+    }
+}
+
+impl<T> Iterator for FilledRun<'_, T> {
+    type Item = T;
+
+    #[inline(always)]
+    fn next(&mut self) -> Option<T> {
+        self.head_is_filled().then(|| self.take())
     }
 }
 
 impl<T> Run<T> for FilledRun<'_, T> {
     #[inline(always)]
     fn next_is(&mut self, wanted: impl FnOnce(&T) -> bool) -> bool {
-        if self.left == 0 {
-            return false;
-        }
-        let slot = self.ring.slot(self.head);
-        if slot.stamp.load(Ordering::Acquire) != self.head + 1 {
-            self.left = 0;
-            return false;
-        }
-        slot.value.with(|cell| {
-            // SAFETY: as in `next`, stamp `head + 1` (acquired above) means the value is written
-            // and released, and only this consumer accesses it until it hands the slot back;
-            // looking at it through a shared reference moves nothing.
-            wanted(unsafe { &*cell.cast::<T>() })
-        })
+        self.head_is_filled() && self.look(wanted)
+    }
+
+    #[inline(always)]
+    fn next_if(&mut self, wanted: impl FnOnce(&T) -> bool) -> Option<T> {
+        (self.head_is_filled() && self.look(wanted)).then(|| self.take())
     }
 }
 
