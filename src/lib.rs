@@ -8,7 +8,9 @@
 //! A sender holds an [`EndpointRef`]. `send` writes the message into the endpoint's inbox: one
 //! of several bounded lock-free rings (`queue`), always the same one for the same sender thread,
 //! so one sender's messages keep their order. The endpoint's own thread (`runtime`) drains the
-//! rings in fair batches and calls the endpoint's handler one message at a time. `ask` travels
+//! rings in fair batches and calls the endpoint's handler one message at a time (runs of one-way
+//! messages through [`Endpoint::handle_run`], so that a handler can carry work from one message
+//! to the next; the epoch coordinator does). `ask` travels
 //! the same lane with a one-shot reply channel inside; the handler answers at once, or keeps the
 //! [`Replier`] and answers later (for example once the WAL reports the work durable). When idle,
 //! the endpoint thread spins briefly, then yields, then parks until a sender rings its doorbell.
