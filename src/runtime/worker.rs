@@ -396,6 +396,16 @@ impl<'a, E: Endpoint, R: Run<Envelope<E>>> OneWayMessages<'a, E, R> {
     fn new(run: &'a mut R, handled_total: &'a mut u64) -> Self {
         Self { run, handled: *handled_total, handled_total, _messages_of: PhantomData }
     }
+
+    /// A `handle_run` that panicked before taking a message consumes the one it was called
+    /// for, as a panicking `handle` does: left queued, it would be handed to `handle_run`
+    /// again and again.
+    #[cold]
+    fn consume_the_message_panicked_on(&mut self) {
+        if self.run.next().is_some() {
+            self.handled += 1;
+        }
+    }
 }
 
 impl<E: Endpoint, R: Run<Envelope<E>>> Drop for OneWayMessages<'_, E, R> {
@@ -405,18 +415,6 @@ impl<E: Endpoint, R: Run<Envelope<E>>> Drop for OneWayMessages<'_, E, R> {
             self.consume_the_message_panicked_on();
         }
         *self.handled_total = self.handled;
-    }
-}
-
-impl<E: Endpoint, R: Run<Envelope<E>>> OneWayMessages<'_, E, R> {
-    /// A `handle_run` that panicked before taking a message consumes the one it was called
-    /// for, as a panicking `handle` does: left queued, it would be handed to `handle_run`
-    /// again and again.
-    #[cold]
-    fn consume_the_message_panicked_on(&mut self) {
-        if self.run.next().is_some() {
-            self.handled += 1;
-        }
     }
 }
 
