@@ -355,9 +355,12 @@ proptest! {
 }
 
 /// Wide runs: 65-100 partitions (more than one word of a dense side's bitmap), every message of
-/// more than 32 epochs (more buckets than are laid out densely or recycled) in one shuffled
-/// order, and in two cases of three a reader or a writer count lowered or raised midway, which
-/// turns prepared dense sides sparse. The small cases above reach none of these.
+/// more than 32 epochs (more buckets than the least dense window, and than a burst of commits
+/// leaves recycled) in one shuffled order; in two cases of three a reader or a writer count
+/// lowered or raised midway, which turns prepared dense sides sparse; and in one case of three
+/// the counts set only after some messages, whose buckets are sparse (out-of-order ids over
+/// more than one bitmap word, sorted when their epochs commit). The small cases above reach
+/// none of these.
 fn wide_case() -> impl Strategy<Value = Case> {
     (
         65..=100i32,
@@ -368,22 +371,25 @@ fn wide_case() -> impl Strategy<Value = Case> {
             (0..4000usize, 60..=110i32).prop_map(|(at, count)| Some((at, count, true))),
             (0..4000usize, 60..=110i32).prop_map(|(at, count)| Some((at, count, false))),
         ],
+        prop_oneof![2 => Just(0usize), 1 => 0..4000usize],
     )
-        .prop_flat_map(|(readers, writers, epochs, count_change)| {
+        .prop_flat_map(|(readers, writers, epochs, count_change, counts_at)| {
             let mut messages = Vec::new();
             for epoch in 1..=epochs {
                 messages.extend((0..readers).map(|partition| Op::Report(partition, epoch)));
                 messages.extend((0..writers).map(|partition| Op::Commit(partition, epoch)));
             }
-            (Just((readers, writers, count_change)), Just(messages).prop_shuffle())
+            (Just((readers, writers, count_change, counts_at)), Just(messages).prop_shuffle())
         })
-        .prop_map(|((readers, writers, count_change), messages)| {
-            let mut ops = vec![Op::SetReaders(readers), Op::SetWriters(writers)];
-            ops.extend(messages);
+        .prop_map(|((readers, writers, count_change, counts_at), messages)| {
+            let mut ops = messages;
+            let counts_at = counts_at.min(ops.len());
+            ops.splice(counts_at..counts_at, [Op::SetReaders(readers), Op::SetWriters(writers)]);
             if let Some((at, count, readers_side)) = count_change {
                 let change =
                     if readers_side { Op::SetReaders(count) } else { Op::SetWriters(count) };
-                ops.insert(2 + at.min(ops.len() - 2), change);
+                let at = counts_at + 2 + at.min(ops.len() - counts_at - 2);
+                ops.insert(at, change);
             }
             Case::from_epoch_1(ops, 100_000, 100_000)
         })

@@ -34,10 +34,12 @@
 //!   and otherwise an epoch-keyed hash map; buckets live in a slab and are recycled with their
 //!   allocations, so a steady run allocates nothing per epoch (payloads that spilled to the
 //!   heap are freed when their epoch commits, not kept until their slot is reused);
-//! * near the commit frontier (up to 16 epochs ahead) a bucket is laid out densely: slot `p`
-//!   holds partition `p`'s entry and a bitmap says which slots are filled, so a message costs a
-//!   bit test and a store, and a complete epoch already is the slice, sorted by partition id,
-//!   that the query and the sink get (SPEC 0.3);
+//! * near the commit frontier (as many epochs ahead as the side's backlog limit holds full
+//!   epochs, and at least 16) a bucket is laid out densely: slot `p` holds partition `p`'s
+//!   entry and a bitmap says which slots are filled, so a message costs a bit test and a
+//!   store, and a complete epoch already is the slice, sorted by partition id, that the query
+//!   and the sink get (SPEC 0.3). Every epoch a backlog within the limits can reach is near,
+//!   so producers that run ahead of one another still fill dense buckets;
 //! * further ahead, or while a partition count is unset, a bucket is sparse: entries in arrival
 //!   order (the vector is its own index while partitions arrive as 0, 1, 2, ...; otherwise a
 //!   small per-bucket hash map finds them), sorted on completion, by placing each entry at its
@@ -54,23 +56,24 @@
 //! `tracing`'s level per message; an engine that never wants them can compile them out with
 //! one of `tracing`'s `release_max_level_*` features.
 //!
-//! Memory is proportional to the stored entries: sparse buckets grow with their entries; dense
-//! buckets (40 bytes per partition and side, only for partition counts up to 16 Ki and up to
-//! the side's backlog limit) exist only for the 16 epochs after the last committed one, plus
-//! at most 16 recycled ones, so they take at most 32 x 40 bytes per unit of the limits. The
-//! backlog checks stop the query once the entries exceed the limits (default 10 000 each),
-//! with Spark's errors (SPEC B.7). Spark then keeps storing until the query sends
-//! `StopContinuousExecutionWrites`, so tasks that keep sending grow its maps without bound.
-//! Here a side (offsets or commits) whose entries are over its limit takes no new
+//! Memory is bounded by the limits: sparse buckets grow with their entries; dense buckets (40 bytes
+//! per partition and side, only for partition counts up to 16 Ki and up to the side's backlog
+//! limit) exist only for the epochs of that window, `max(16, limit / count)` after the last
+//! committed one, plus as many recycled ones (free buckets beyond that give their allocations back,
+//! and so does every free bucket when the count changes), so they take at most `2 x max(16 x count,
+//! limit)` slots of 40 bytes per side. The backlog checks stop the query once the entries exceed
+//! the limits (default 10 000 each), with Spark's errors (SPEC B.7). Spark then keeps storing until
+//! the query sends `StopContinuousExecutionWrites`, so tasks that keep sending grow its maps
+//! without bound. Here a side (offsets or commits) whose entries are over its limit takes no new
 //! `(epoch, partition)` entry, except for the next epoch to commit while that side's partition
-//! count is set: only those messages can commit epochs and so free the queue. A message it
-//! refuses is dropped and counted ([`DropReason::BacklogFull`]), and the checks run for it as
-//! for a stored one (they fire again, as in Spark); a repeat report or a duplicate commit adds
-//! no entry and is handled as usual. Each side therefore holds at most its limit plus one
-//! entry, plus the next epoch's (at most its partition count), whatever arrives after the stop;
-//! ready epochs waiting to commit hold commit entries, so they are bounded by the commit limit
-//! too. A refused message is lost (tasks do not resend), so its epoch never commits: by then
-//! the run is failing anyway (the query has the overflow error).
+//! count is set: only those messages can commit epochs and so free the queue. A message it refuses
+//! is dropped and counted ([`DropReason::BacklogFull`]), and the checks run for it as for a stored
+//! one (they fire again, as in Spark); a repeat report or a duplicate commit adds no entry and is
+//! handled as usual. Each side therefore holds at most its limit plus one entry, plus the next
+//! epoch's (at most its partition count), whatever arrives after the stop; ready epochs waiting to
+//! commit hold commit entries, so they are bounded by the commit limit too. A refused message is
+//! lost (tasks do not resend), so its epoch never commits: by then the run is failing anyway (the
+//! query has the overflow error).
 //!
 //! # Behaviour decisions (SPEC 0.3 over B, and where the spec is silent)
 //! * A message for an epoch at or below the last committed epoch (which covers epochs below

@@ -27,12 +27,8 @@ use super::{
 };
 use crate::error::ConfigError;
 
-/// Buckets for epochs up to this far ahead of the last committed epoch are laid out densely and
-/// may reuse recycled allocations; buckets further ahead are sparse and start small. This bounds
-/// how many live buckets hold allocations sized for a full epoch.
-const RECYCLE_WINDOW_EPOCHS: i64 = 16;
-/// Free buckets that keep their allocations; further freed buckets give them back.
-const RECYCLED_BUCKETS_MAX: usize = 16;
+/// The least dense window ([`dense_window`]), in epochs ahead of the last committed epoch.
+const DENSE_WINDOW_EPOCHS_MIN: i64 = 16;
 /// [`EpochCoordinator`]'s bucket cache holds no bucket. No bucket has this epoch: every one is
 /// above the last committed epoch, which is at least -1 (the start epoch is not negative), and
 /// every epoch looked up is above it too.
@@ -87,6 +83,23 @@ fn fits_limit(count: i32, limit: usize) -> bool {
     usize::try_from(count).is_ok_and(|count| count <= limit)
 }
 
+/// How many epochs ahead of the last committed one a side for `count` partitions is laid out
+/// densely (and may reuse a recycled allocation); further ahead it is sparse and starts small.
+///
+/// As many epochs as `limit` holds full epochs of `count` entries, and at least
+/// [`DENSE_WINDOW_EPOCHS_MIN`]: the live dense sides then take at most
+/// `max(16 x count, limit)` slots of 40 bytes, within what the limit's entries take anyway.
+/// A window sized by the limit covers every epoch a backlog within the limits can reach, so
+/// producers that run ahead of one another (each epoch's partitions arriving from several
+/// threads, some epochs ahead) fill dense sides: a sparse side of such an epoch hashes its
+/// out-of-order ids, grows by reallocation and sorts on completion, and the allocation it gives
+/// back is one a near epoch then lays out again.
+fn dense_window(count: i32, limit: usize) -> i64 {
+    let full_epochs =
+        usize::try_from(count).ok().filter(|&count| count > 0).map_or(0, |count| limit / count);
+    i64::try_from(full_epochs).unwrap_or(i64::MAX).max(DENSE_WINDOW_EPOCHS_MIN)
+}
+
 /// What an insert into [`Slots`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Inserted {
@@ -125,6 +138,9 @@ struct Slots {
     max_partition: i32,
 }
 
+/// Entries a side keeps room for whatever the partition count: what [`Slots::shrink`] leaves.
+const SMALL_SIDE_CAPACITY: usize = 16;
+
 /// Largest partition count laid out densely (a dense side costs 40 bytes per partition).
 const DENSE_PARTITIONS_MAX: i32 = 1 << 14;
 
@@ -140,6 +156,17 @@ impl Slots {
             positional: true,
             max_partition: -1,
         }
+    }
+
+    /// Chooses the layout of an empty side for `count` partitions, of an epoch `ahead` epochs
+    /// after the last committed one, under a backlog limit of `limit` entries: dense within
+    /// the limit and the [`dense_window`]; beyond the window the side starts small.
+    fn prepare_ahead(&mut self, count: i32, limit: usize, ahead: i64) {
+        let far = ahead > dense_window(count, limit);
+        if far {
+            self.shrink();
+        }
+        self.prepare(count, !far && fits_limit(count, limit));
     }
 
     /// Chooses the layout of an empty side for `count` partitions.
@@ -409,9 +436,25 @@ impl Slots {
         self.heap_payloads = false;
     }
 
+    /// Empties the side of a released bucket that goes on the free list after `free_before`
+    /// others. It keeps its allocation for a later epoch if it is within the first
+    /// [`dense_window`] of the free list (popped last in, first out: each bucket there was
+    /// kept at its position) and sized for the current `count`; else it gives it back. The
+    /// free list's allocations so take no more slots than the live dense sides may.
+    fn recycle(&mut self, count: i32, limit: usize, free_before: usize) {
+        let bound = usize::try_from(count).unwrap_or(0).max(SMALL_SIDE_CAPACITY);
+        let sized_for_count = self.entries.capacity() <= bound && self.index.capacity() <= bound;
+        let within_window =
+            i64::try_from(free_before).is_ok_and(|position| position < dense_window(count, limit));
+        if sized_for_count && within_window {
+            self.clear();
+        } else {
+            self.shrink();
+        }
+    }
+
     /// Empties the side and gives back allocations larger than a small epoch needs.
     fn shrink(&mut self) {
-        const SMALL: usize = 16;
         self.clear();
         if self.dense {
             self.entries = Vec::new();
@@ -420,10 +463,10 @@ impl Slots {
             self.positional = true;
             self.max_partition = -1;
         }
-        if self.entries.capacity() > SMALL {
+        if self.entries.capacity() > SMALL_SIDE_CAPACITY {
             self.entries = Vec::new();
         }
-        if self.index.capacity() > SMALL {
+        if self.index.capacity() > SMALL_SIDE_CAPACITY {
             self.index = IntMap::default();
         }
     }
@@ -987,6 +1030,9 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
     /// [`EpochError::InvalidPartitionCount`] for a negative count (nothing changes).
     pub fn set_reader_partitions(&mut self, count: i32) -> Result<(), EpochError> {
         self.check_count(PartitionSide::Reader, count)?;
+        if self.reader_partitions != count {
+            self.shrink_free_sides(PartitionSide::Reader);
+        }
         self.reader_partitions = count;
         self.set_admission_gate();
         tracing::debug!(count, "reader partitions set");
@@ -1001,12 +1047,28 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
     /// [`EpochError::InvalidPartitionCount`] for a negative count (nothing changes).
     pub fn set_writer_partitions(&mut self, count: i32) -> Result<(), EpochError> {
         self.check_count(PartitionSide::Writer, count)?;
+        if self.writer_partitions != count {
+            self.shrink_free_sides(PartitionSide::Writer);
+        }
         self.writer_partitions = count;
         self.set_admission_gate();
         tracing::debug!(count, "writer partitions set");
         self.drop_out_of_range(PartitionSide::Writer, count);
         self.resume_passed_epoch();
         Ok(())
+    }
+
+    /// Before `side`'s partition count changes: the free buckets give back that side's
+    /// allocations, which were sized for the old count ([`Slots::recycle`]). O(free buckets)
+    /// per count change.
+    fn shrink_free_sides(&mut self, side: PartitionSide) {
+        for &slot in &self.free {
+            let bucket = &mut self.buckets[slot as usize];
+            match side {
+                PartitionSide::Reader => bucket.offsets.shrink(),
+                PartitionSide::Writer => bucket.commits.shrink(),
+            }
+        }
     }
 
     /// SPEC 0.3 once a count is set: entries of pending epochs stored with a partition id not
@@ -1275,26 +1337,17 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
         let slot = match self.by_epoch.entry(epoch.0) {
             Entry::Occupied(occupied) => *occupied.get(),
             Entry::Vacant(vacant) => {
-                let far = epoch.0.saturating_sub(self.last_committed.0) > RECYCLE_WINDOW_EPOCHS;
+                let ahead = epoch.0.saturating_sub(self.last_committed.0);
                 let slot = self.free.pop().unwrap_or_else(|| {
                     self.buckets.push(Bucket::new(epoch));
                     (self.buckets.len() - 1) as u32
                 });
                 let bucket = &mut self.buckets[slot as usize];
                 bucket.epoch = epoch;
-                if far {
-                    bucket.offsets.shrink();
-                    bucket.commits.shrink();
-                }
-                let dense = |count: i32, limit: usize| !far && fits_limit(count, limit);
                 let (offset_limit, commit_limit) =
                     (self.config.partition_offset_limit, self.config.partition_commit_limit);
-                bucket
-                    .offsets
-                    .prepare(self.reader_partitions, dense(self.reader_partitions, offset_limit));
-                bucket
-                    .commits
-                    .prepare(self.writer_partitions, dense(self.writer_partitions, commit_limit));
+                bucket.offsets.prepare_ahead(self.reader_partitions, offset_limit, ahead);
+                bucket.commits.prepare_ahead(self.writer_partitions, commit_limit, ahead);
                 *vacant.insert(slot)
             }
         };
@@ -1304,17 +1357,15 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
 
     /// Frees the bucket in `slot` (its epoch is committed).
     fn release(&mut self, slot: u32) {
-        let keep_allocations = self.free.len() < RECYCLED_BUCKETS_MAX;
+        let free_before = self.free.len();
+        let (offset_limit, commit_limit) =
+            (self.config.partition_offset_limit, self.config.partition_commit_limit);
         let bucket = &mut self.buckets[slot as usize];
         let epoch = bucket.epoch;
-        bucket.offsets.clear();
-        bucket.commits.clear();
+        bucket.offsets.recycle(self.reader_partitions, offset_limit, free_before);
+        bucket.commits.recycle(self.writer_partitions, commit_limit, free_before);
         bucket.waiting = false;
         bucket.offsets_added = false;
-        if !keep_allocations {
-            bucket.offsets.shrink();
-            bucket.commits.shrink();
-        }
         self.by_epoch.remove(&epoch.0);
         if self.cached_epoch == epoch {
             self.cached_epoch = NO_CACHED_EPOCH;
@@ -1651,6 +1702,66 @@ mod tests {
     }
 
     #[test]
+    fn the_dense_window_is_the_full_epochs_the_limit_holds_and_at_least_16() {
+        assert_eq!(dense_window(1000, 10_000), 16, "10 full epochs: the least window");
+        assert_eq!(dense_window(1000, 1 << 20), 1048);
+        assert_eq!(dense_window(1000, 1999), 16);
+        assert_eq!(dense_window(1, usize::MAX), i64::MAX, "saturates");
+        assert_eq!(dense_window(0, 1 << 20), 16, "count unset");
+        assert_eq!(dense_window(-3, 1 << 20), 16, "a negative count (refused before)");
+    }
+
+    #[test]
+    fn a_released_side_keeps_its_allocation_only_within_the_window_and_sized_for_the_count() {
+        // 100 partitions under a limit of 2000: a window of 20 epochs.
+        let dense_side = || {
+            let mut slots = Slots::new();
+            slots.prepare(100, true);
+            assert_eq!(slots.entries.capacity(), 100);
+            slots
+        };
+        let mut slots = dense_side();
+        slots.recycle(100, 2000, 19);
+        assert!(slots.dense && slots.entries.capacity() == 100, "the 20th free bucket keeps it");
+        let mut slots = dense_side();
+        slots.recycle(100, 2000, 20);
+        assert!(!slots.dense && slots.entries.capacity() == 0, "the 21st gives it back");
+        let mut slots = dense_side();
+        slots.recycle(200, 2000, 0);
+        assert_eq!(slots.entries.capacity(), 100, "room for a larger count is kept");
+        let mut slots = dense_side();
+        slots.recycle(50, 2000, 0);
+        assert_eq!(slots.entries.capacity(), 0, "room beyond a smaller count is given back");
+    }
+
+    #[test]
+    fn a_partition_count_change_gives_back_the_free_buckets_allocations() {
+        let mut coordinator = coordinator_of(100);
+        // Three epochs live at once, then committed in one pass: three free buckets.
+        for epoch in [3, 2, 1] {
+            for partition in 0..100 {
+                coordinator.apply(report(partition, epoch, 1.into())).unwrap();
+                coordinator.apply(commit(partition, epoch, 1.into())).unwrap();
+            }
+        }
+        assert_eq!(coordinator.last_committed(), Epoch(3));
+        let capacities = |coordinator: &EpochCoordinator<Nothing, Nothing>| {
+            let free = coordinator.free.iter().map(|&slot| &coordinator.buckets[slot as usize]);
+            free.map(|bucket| {
+                (bucket.offsets.entries.capacity(), bucket.commits.entries.capacity())
+            })
+            .collect::<Vec<_>>()
+        };
+        assert_eq!(capacities(&coordinator), [(100, 100); 3]);
+        coordinator.set_reader_partitions(100).unwrap();
+        assert_eq!(capacities(&coordinator), [(100, 100); 3], "the same count changes nothing");
+        coordinator.set_reader_partitions(10).unwrap();
+        assert_eq!(capacities(&coordinator), [(0, 100); 3]);
+        coordinator.set_writer_partitions(1000).unwrap();
+        assert_eq!(capacities(&coordinator), [(0, 0); 3]);
+    }
+
+    #[test]
     fn far_epochs_are_sparse_and_committed_buckets_are_recycled() {
         let config = EpochConfig::new(1).with_backlog_limit(1 << 20);
         let mut coordinator = EpochCoordinator::new(config, Nothing, Nothing).unwrap();
@@ -1660,11 +1771,14 @@ mod tests {
         coordinator.report_partition_offset(PartitionId(999), Epoch(2), 1.into()).unwrap();
         let near = coordinator.by_epoch[&2] as usize;
         assert!(coordinator.buckets[near].offsets.dense);
+        // Ahead, but within the epochs the limit holds in full (2^20 / 1000 = 1048): dense.
+        coordinator.report_partition_offset(PartitionId(999), Epoch(1048), 1.into()).unwrap();
+        assert!(coordinator.buckets[coordinator.by_epoch[&1048] as usize].offsets.dense);
         // Far ahead: one entry costs a small sparse allocation, not a full epoch's.
-        for epoch in 100..200 {
+        for epoch in 1100..1200 {
             coordinator.report_partition_offset(PartitionId(999), Epoch(epoch), 1.into()).unwrap();
         }
-        for epoch in 100..200 {
+        for epoch in 1100..1200 {
             let bucket = &coordinator.buckets[coordinator.by_epoch[&epoch] as usize];
             assert!(!bucket.offsets.dense && !bucket.commits.dense);
             assert!(bucket.offsets.entries.capacity() <= 16);
@@ -1686,9 +1800,9 @@ mod tests {
             }
         }
         assert_eq!(coordinator.last_committed(), Epoch(40));
-        assert_eq!(coordinator.buckets.len(), 102, "1 + 100 far buckets + 1 recycled");
+        assert_eq!(coordinator.buckets.len(), 103, "1 + 101 ahead + 1 recycled");
         let stats = coordinator.stats();
-        assert_eq!(stats.offset_entries, 1000 + 100, "retained epoch 40 + the far entries");
+        assert_eq!(stats.offset_entries, 1000 + 101, "retained epoch 40 + the entries ahead");
         assert_eq!(stats.commit_entries, 1000);
     }
 
