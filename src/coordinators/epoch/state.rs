@@ -83,6 +83,20 @@ fn fits_limit(count: i32, limit: usize) -> bool {
     usize::try_from(count).is_ok_and(|count| count <= limit)
 }
 
+/// The capacity a free bucket's side for `count` partitions may keep: its count, or
+/// [`SMALL_SIDE_CAPACITY`] if that is more.
+fn reusable_capacity(count: i32) -> usize {
+    usize::try_from(count).unwrap_or(0).max(SMALL_SIDE_CAPACITY)
+}
+
+/// How many free buckets (the last released, popped first) keep their allocations for a side
+/// of `count` partitions under `limit`: as many as `limit` fills at [`reusable_capacity`]
+/// each, and at least [`DENSE_WINDOW_EPOCHS_MIN`]. The recycled sides then take at most
+/// `max(16 x reusable_capacity, limit)` slots, as the live dense sides may.
+fn recycle_window(count: i32, limit: usize) -> usize {
+    (limit / reusable_capacity(count)).max(DENSE_WINDOW_EPOCHS_MIN as usize)
+}
+
 /// How many epochs ahead of the last committed one a side for `count` partitions is laid out
 /// densely (and may reuse a recycled allocation); further ahead it is sparse and starts small.
 ///
@@ -436,17 +450,11 @@ impl Slots {
         self.heap_payloads = false;
     }
 
-    /// Empties the side of a released bucket that goes on the free list after `free_before`
-    /// others. It keeps its allocation for a later epoch if it is within the first
-    /// [`dense_window`] of the free list (popped last in, first out: each bucket there was
-    /// kept at its position) and sized for the current `count`; else it gives it back. The
-    /// free list's allocations so take no more slots than the live dense sides may.
-    fn recycle(&mut self, count: i32, limit: usize, free_before: usize) {
-        let bound = usize::try_from(count).unwrap_or(0).max(SMALL_SIDE_CAPACITY);
-        let sized_for_count = self.entries.capacity() <= bound && self.index.capacity() <= bound;
-        let within_window =
-            i64::try_from(free_before).is_ok_and(|position| position < dense_window(count, limit));
-        if sized_for_count && within_window {
+    /// Empties the side of a released bucket, keeping its allocation for a later epoch if it
+    /// is sized for the current `count` ([`recycle_window`]), else giving it back.
+    fn clear_for_reuse(&mut self, count: i32) {
+        let bound = reusable_capacity(count);
+        if self.entries.capacity() <= bound && self.index.capacity() <= bound {
             self.clear();
         } else {
             self.shrink();
@@ -606,7 +614,10 @@ fn complete(len: usize, count: i32) -> bool {
 /// The epoch coordinator's state machine.
 ///
 /// One method per message of SPEC B.4; call them from one thread in the order the messages
-/// arrive (the [`EpochEndpoint`](super::EpochEndpoint) does). Every call is O(1) amortised.
+/// arrive (the [`EpochEndpoint`](super::EpochEndpoint) does). Every message is O(1)
+/// amortised: laying out an epoch's dense sides costs its partition counts, as many messages
+/// as it needs to commit (epochs that never commit add at most the dense window's worth,
+/// once). A partition count change is O(pending and free buckets).
 ///
 /// ```
 /// use coordbus::coordinators::epoch::{
@@ -1059,8 +1070,8 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
     }
 
     /// Before `side`'s partition count changes: the free buckets give back that side's
-    /// allocations, which were sized for the old count ([`Slots::recycle`]). O(free buckets)
-    /// per count change.
+    /// allocations, which were sized for the old count ([`Slots::clear_for_reuse`]).
+    /// O(free buckets) per count change.
     fn shrink_free_sides(&mut self, side: PartitionSide) {
         for &slot in &self.free {
             let bucket = &mut self.buckets[slot as usize];
@@ -1356,14 +1367,24 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
     }
 
     /// Frees the bucket in `slot` (its epoch is committed).
+    ///
+    /// Only the top [`recycle_window`] of the free list (popped first) keep their allocations,
+    /// per side: the bucket that the push moves out of it gives its allocation back.
     fn release(&mut self, slot: u32) {
-        let free_before = self.free.len();
         let (offset_limit, commit_limit) =
             (self.config.partition_offset_limit, self.config.partition_commit_limit);
+        let offsets_window = recycle_window(self.reader_partitions, offset_limit);
+        if let Some(leaving) = self.leaving_on_push(offsets_window) {
+            self.buckets[leaving as usize].offsets.shrink();
+        }
+        let commits_window = recycle_window(self.writer_partitions, commit_limit);
+        if let Some(leaving) = self.leaving_on_push(commits_window) {
+            self.buckets[leaving as usize].commits.shrink();
+        }
         let bucket = &mut self.buckets[slot as usize];
         let epoch = bucket.epoch;
-        bucket.offsets.recycle(self.reader_partitions, offset_limit, free_before);
-        bucket.commits.recycle(self.writer_partitions, commit_limit, free_before);
+        bucket.offsets.clear_for_reuse(self.reader_partitions);
+        bucket.commits.clear_for_reuse(self.writer_partitions);
         bucket.waiting = false;
         bucket.offsets_added = false;
         self.by_epoch.remove(&epoch.0);
@@ -1371,6 +1392,11 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
             self.cached_epoch = NO_CACHED_EPOCH;
         }
         self.free.push(slot);
+    }
+
+    /// The free bucket that the next push moves out of the top `window` of the free list.
+    fn leaving_on_push(&self, window: usize) -> Option<u32> {
+        self.free.len().checked_sub(window).map(|at| self.free[at])
     }
 
     fn live_slot(&self, epoch: Epoch) -> Option<u32> {
@@ -1712,8 +1738,7 @@ mod tests {
     }
 
     #[test]
-    fn a_released_side_keeps_its_allocation_only_within_the_window_and_sized_for_the_count() {
-        // 100 partitions under a limit of 2000: a window of 20 epochs.
+    fn a_released_side_keeps_only_an_allocation_sized_for_the_count() {
         let dense_side = || {
             let mut slots = Slots::new();
             slots.prepare(100, true);
@@ -1721,17 +1746,59 @@ mod tests {
             slots
         };
         let mut slots = dense_side();
-        slots.recycle(100, 2000, 19);
-        assert!(slots.dense && slots.entries.capacity() == 100, "the 20th free bucket keeps it");
+        slots.clear_for_reuse(100);
+        assert!(slots.dense && slots.entries.capacity() == 100, "the same count keeps it");
         let mut slots = dense_side();
-        slots.recycle(100, 2000, 20);
-        assert!(!slots.dense && slots.entries.capacity() == 0, "the 21st gives it back");
-        let mut slots = dense_side();
-        slots.recycle(200, 2000, 0);
+        slots.clear_for_reuse(200);
         assert_eq!(slots.entries.capacity(), 100, "room for a larger count is kept");
         let mut slots = dense_side();
-        slots.recycle(50, 2000, 0);
-        assert_eq!(slots.entries.capacity(), 0, "room beyond a smaller count is given back");
+        slots.clear_for_reuse(50);
+        assert!(!slots.dense && slots.entries.capacity() == 0, "room beyond a smaller count goes");
+        let mut sparse = Slots::new();
+        for partition in [5, 3, 1] {
+            sparse.insert(PartitionId(partition), 1.into(), false);
+        }
+        assert!(sparse.index.capacity() > 0);
+        sparse.clear_for_reuse(0);
+        assert!(sparse.index.capacity() > 0, "an index within the small capacity is kept");
+        for partition in 0..40 {
+            sparse.insert(PartitionId(2 * partition + 1), 1.into(), false);
+        }
+        sparse.clear_for_reuse(20);
+        assert_eq!(sparse.index.capacity(), 0, "an index beyond the count goes");
+    }
+
+    #[test]
+    fn only_the_top_of_the_free_list_keeps_allocations() {
+        // 100 partitions under a limit of 2000: the 20 free buckets released last keep theirs.
+        let config = EpochConfig::new(1).with_backlog_limit(2000);
+        let mut coordinator = EpochCoordinator::new(config, Nothing, Nothing).unwrap();
+        coordinator.set_reader_partitions(100).unwrap();
+        coordinator.set_writer_partitions(100).unwrap();
+        // 30 live buckets at once (one entry each), then committed in order: 30 free buckets.
+        for epoch in 1..=30 {
+            coordinator.apply(report(0, epoch, 1.into())).unwrap();
+        }
+        for epoch in 1..=30 {
+            for partition in 0..100 {
+                let _ = coordinator.apply(report(partition, epoch, 1.into()));
+                coordinator.apply(commit(partition, epoch, 1.into())).unwrap();
+            }
+        }
+        assert_eq!(coordinator.last_committed(), Epoch(30));
+        let held: Vec<(bool, bool)> = (coordinator.free.iter())
+            .map(|&slot| &coordinator.buckets[slot as usize])
+            .map(|bucket| {
+                let held = |side: &Slots| side.entries.capacity() > SMALL_SIDE_CAPACITY;
+                (held(&bucket.offsets), held(&bucket.commits))
+            })
+            .collect();
+        assert_eq!(held.len(), 30);
+        assert_eq!(held[..10], [(false, false); 10], "below the top 20: given back");
+        assert_eq!(held[10..20], [(true, true); 10], "epochs 11-20, laid out dense");
+        // Epochs 21-30 were beyond the dense window (20 epochs) when laid out: sparse sides
+        // grown past the count (to 128), given back.
+        assert_eq!(held[20..], [(false, false); 10]);
     }
 
     #[test]
