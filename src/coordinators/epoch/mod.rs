@@ -61,21 +61,22 @@
 //! limit) exist only for the epochs of that window, `max(16, limit / count)` after the last
 //! committed one, plus as many recycled ones (only the free buckets released last keep their
 //! allocations, and every free bucket gives them back when the count changes), so they take at most
-//! `2 x max(16 x count, limit)` slots of 40 bytes per side, counts below 16 counting as 16. After a
-//! count is lowered, buckets laid out for the old count stay until their epochs commit. The backlog
-//! checks stop the query once the entries exceed the limits (default 10 000 each), with Spark's
-//! errors (SPEC B.7). Spark then keeps storing until the query sends
-//! `StopContinuousExecutionWrites`, so tasks that keep sending grow its maps without bound. Here a
-//! side (offsets or commits) whose entries are over its limit takes no new `(epoch, partition)`
-//! entry, except for the next epoch to commit while that side's partition count is set: only those
-//! messages can commit epochs and so free the queue. A message it refuses is dropped and counted
-//! ([`DropReason::BacklogFull`]), and the checks run for it as for a stored one (they fire again,
-//! as in Spark); a repeat report or a duplicate commit adds no entry and is handled as usual. Each
-//! side therefore holds at most its limit plus one entry, plus the next epoch's (at most its
-//! partition count), whatever arrives after the stop; ready epochs waiting to commit hold commit
-//! entries, so they are bounded by the commit limit too. A refused message is lost (tasks do not
-//! resend), so its epoch never commits: by then the run is failing anyway (the query has the
-//! overflow error).
+//! `2 x max(16 x count, limit)` slots of 40 bytes per side, counts below 16 counting as 16.
+//! Recycled sparse sides keep room for up to `count` entries too (a count above the limit, which no
+//! epoch can fill without overflowing, makes that 16 x count). After a count is lowered, buckets
+//! laid out for the old count stay until their epochs commit. The backlog checks stop the query
+//! once the entries exceed the limits (default 10 000 each), with Spark's errors (SPEC B.7). Spark
+//! then keeps storing until the query sends `StopContinuousExecutionWrites`, so tasks that keep
+//! sending grow its maps without bound. Here a side (offsets or commits) whose entries are over its
+//! limit takes no new `(epoch, partition)` entry, except for the next epoch to commit while that
+//! side's partition count is set: only those messages can commit epochs and so free the queue. A
+//! message it refuses is dropped and counted ([`DropReason::BacklogFull`]), and the checks run for
+//! it as for a stored one (they fire again, as in Spark); a repeat report or a duplicate commit
+//! adds no entry and is handled as usual. Each side therefore holds at most its limit plus one
+//! entry, plus the next epoch's (at most its partition count), whatever arrives after the stop;
+//! ready epochs waiting to commit hold commit entries, so they are bounded by the commit limit too.
+//! A refused message is lost (tasks do not resend), so its epoch never commits: by then the run is
+//! failing anyway (the query has the overflow error).
 //!
 //! # Behaviour decisions (SPEC 0.3 over B, and where the spec is silent)
 //! * A message for an epoch at or below the last committed epoch (which covers epochs below

@@ -451,7 +451,7 @@ impl Slots {
     }
 
     /// Empties the side of a released bucket, keeping its allocation for a later epoch if it
-    /// is sized for the current `count` ([`recycle_window`]), else giving it back.
+    /// is sized for the current `count` ([`reusable_capacity`]), else giving it back.
     fn clear_for_reuse(&mut self, count: i32) {
         let bound = reusable_capacity(count);
         if self.entries.capacity() <= bound && self.index.capacity() <= bound {
@@ -1761,11 +1761,13 @@ mod tests {
         assert!(sparse.index.capacity() > 0);
         sparse.clear_for_reuse(0);
         assert!(sparse.index.capacity() > 0, "an index within the small capacity is kept");
-        for partition in 0..40 {
+        for partition in 0..30 {
             sparse.insert(PartitionId(2 * partition + 1), 1.into(), false);
         }
-        sparse.clear_for_reuse(20);
+        assert!(sparse.entries.capacity() <= 40 && sparse.index.capacity() > 40);
+        sparse.clear_for_reuse(40);
         assert_eq!(sparse.index.capacity(), 0, "an index beyond the count goes");
+        assert_eq!(sparse.entries.capacity(), 0, "and the side with it");
     }
 
     #[test]
@@ -1799,6 +1801,20 @@ mod tests {
         // Epochs 21-30 were beyond the dense window (20 epochs) when laid out: sparse sides
         // grown past the count (to 128), given back.
         assert_eq!(held[20..], [(false, false); 10]);
+        // The next 20 epochs, live at once, pop the top 20: near ones, laid out dense whether
+        // their bucket kept its allocation or not; they commit.
+        for epoch in 31..=50 {
+            coordinator.apply(report(0, epoch, 1.into())).unwrap();
+            let bucket = &coordinator.buckets[coordinator.by_epoch[&epoch] as usize];
+            assert!(bucket.offsets.dense && bucket.commits.dense, "epoch {epoch}");
+        }
+        for epoch in 31..=50 {
+            for partition in 0..100 {
+                let _ = coordinator.apply(report(partition, epoch, 1.into()));
+                coordinator.apply(commit(partition, epoch, 1.into())).unwrap();
+            }
+        }
+        assert_eq!(coordinator.last_committed(), Epoch(50));
     }
 
     #[test]
