@@ -466,11 +466,12 @@ impl Slots {
         self.clear();
         if self.dense {
             self.entries = Vec::new();
-            self.present = Vec::new();
             self.dense = false;
             self.positional = true;
             self.max_partition = -1;
         }
+        // Also the bitmap a side turned sparse by `prepare` kept (empty, not given back).
+        self.present = Vec::new();
         if self.entries.capacity() > SMALL_SIDE_CAPACITY {
             self.entries = Vec::new();
         }
