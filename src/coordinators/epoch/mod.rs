@@ -38,8 +38,9 @@
 //!   epochs, and at least 16) a bucket is laid out densely: slot `p` holds partition `p`'s
 //!   entry and a bitmap says which slots are filled, so a message costs a bit test and a
 //!   store, and a complete epoch already is the slice, sorted by partition id, that the query
-//!   and the sink get (SPEC 0.3). Every epoch a backlog within the limits can reach is near,
-//!   so producers that run ahead of one another still fill dense buckets;
+//!   and the sink get (SPEC 0.3). Every epoch that a backlog of full epochs within the
+//!   limits can reach is near, so producers that run ahead of one another still fill dense
+//!   buckets;
 //! * further ahead, or while a partition count is unset, a bucket is sparse: entries in arrival
 //!   order (the vector is its own index while partitions arrive as 0, 1, 2, ...; otherwise a
 //!   small per-bucket hash map finds them), sorted on completion, by placing each entry at its

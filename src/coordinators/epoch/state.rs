@@ -103,7 +103,7 @@ fn recycle_window(count: i32, limit: usize) -> usize {
 /// As many epochs as `limit` holds full epochs of `count` entries, and at least
 /// [`DENSE_WINDOW_EPOCHS_MIN`]: the live dense sides then take at most
 /// `max(16 x count, limit)` slots of 40 bytes, within what the limit's entries take anyway.
-/// A window sized by the limit covers every epoch a backlog within the limits can reach, so
+/// A window sized by the limit covers every epoch a backlog of full epochs within it reaches, so
 /// producers that run ahead of one another (each epoch's partitions arriving from several
 /// threads, some epochs ahead) fill dense sides: a sparse side of such an epoch hashes its
 /// out-of-order ids, grows by reallocation and sorts on completion, and the allocation it gives
