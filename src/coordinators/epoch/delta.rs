@@ -68,7 +68,7 @@ pub(super) struct DeltaEncoder {
     base: Option<Base>,
     /// The current epoch's words, then their encoded differences.
     words: Vec<u64>,
-    /// The payloads concatenated (keyframes, and deltas of widths other than 8).
+    /// The payloads concatenated (payloads of widths other than 8).
     bytes: Vec<u8>,
     record: OffsetsDeltaRecord,
 }
@@ -177,14 +177,7 @@ fn differences_of_words(
 ) -> Option<u64> {
     // Two passes: reading the payloads (a branch on each one's storage), then arithmetic the
     // compiler vectorizes.
-    out.clear();
-    let mut compact = base.len() == offsets.len();
-    out.extend(offsets.iter().enumerate().map(|(index, (partition, payload))| {
-        let word = payload.as_i64();
-        // `&`, not `&&`: no branch per payload.
-        compact &= (partition.0 as usize == index) & word.is_some();
-        word.unwrap_or(0) as u64
-    }));
+    let compact = gather_words(offsets, out) & (base.len() == offsets.len());
     let mut all_bits = 0u64;
     for (word, base) in out.iter_mut().zip(base) {
         let difference = zigzag(word.wrapping_sub(*base));
@@ -193,6 +186,20 @@ fn differences_of_words(
         all_bits |= difference;
     }
     compact.then_some(all_bits)
+}
+
+/// Sets `out` to the payloads read as 8-byte words (0 for any other length), and returns
+/// whether the layout is compact for a width of 8 (ids `0..count`, every payload 8 bytes).
+fn gather_words(offsets: &[(PartitionId, Payload)], out: &mut Vec<u64>) -> bool {
+    out.clear();
+    let mut compact = true;
+    out.extend(offsets.iter().enumerate().map(|(index, (partition, payload))| {
+        let word = payload.as_i64();
+        // `&`, not `&&`: no branch per payload.
+        compact &= (partition.0 as usize == index) & word.is_some();
+        word.unwrap_or(0) as u64
+    }));
+    compact
 }
 
 /// Sets `out` to the `N` low bytes of each word, little-endian (`N` bytes per word). `out` is
@@ -212,6 +219,9 @@ fn fill_words(
     words: &mut Vec<u64>,
     bytes: &mut Vec<u8>,
 ) -> bool {
+    if width == 8 {
+        return gather_words(offsets, words);
+    }
     words.clear();
     let mut compact = true;
     bytes.clear();
@@ -534,6 +544,14 @@ mod tests {
         // A full record that is not compact starts no chain.
         encoder.full_record_appended(6, &sparse);
         assert!(encoder.encode(1, 7, &eight(4), KEYFRAME_INTERVAL).is_none());
+        encoder.full_record_appended(6, &ragged);
+        assert!(encoder.encode(1, 7, &eight(4), KEYFRAME_INTERVAL).is_none(), "ragged keyframe");
+        let mut negative = eight(4);
+        negative[0].0 = PartitionId(-1);
+        encoder.full_record_appended(6, &negative);
+        assert!(encoder.encode(1, 7, &eight(4), KEYFRAME_INTERVAL).is_none(), "negative id");
+        encoder.full_record_appended(6, &eight(4));
+        assert!(encoder.encode(1, 7, &eight(4), KEYFRAME_INTERVAL).is_some(), "compact again");
     }
 
     #[test]
