@@ -323,9 +323,10 @@ fn a_shutdown_from_a_handler_does_not_wait_for_its_own_thread() {
     let (shut, took) = results.recv_timeout(BOUND * 2).expect("the handler's shutdown hung");
     shut.unwrap();
     assert!(took < Duration::from_secs(5), "shutdown from a handler took {took:?}");
-    assert!(
-        matches!(bus.register("late", SelfSender::default()), Err(BusError::ShutDown { name }) if name == "late")
-    );
+    assert!(matches!(
+        bus.register("late", SelfSender::default()),
+        Err(BusError::ShutDown { name }) if name == "late"
+    ));
 }
 
 /// Waits at the gate, then shuts its own bus down and reports how that went.

@@ -565,7 +565,10 @@ fn generated_cases_cover_commits_waits_overflows_and_failures() {
         .enumerate()
         {
             overflow_runs[kind] += u64::from(calls.iter().any(|call| {
-                matches!(call, epoch_support::Call::Stop { backlog: Some((q, _, _)), .. } if *q == queue)
+                matches!(
+                    call,
+                    epoch_support::Call::Stop { backlog: Some((q, _, _)), .. } if *q == queue
+                )
             }));
         }
         failures += u64::from(stats.failed_epoch.is_some());

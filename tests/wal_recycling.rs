@@ -380,7 +380,10 @@ fn too_many_spares_is_a_config_error() {
     let options = WalOptions { spare_segments: 1025, ..WalOptions::default() };
     let error = Wal::open_with_options(dir.path(), config(), options).unwrap_err();
     assert!(
-        matches!(&error, WalError::InvalidConfig { setting: "spare_segments", value, .. } if value == "1025"),
+        matches!(
+            &error,
+            WalError::InvalidConfig { setting: "spare_segments", value, .. } if value == "1025"
+        ),
         "{error}"
     );
 }

@@ -467,7 +467,8 @@ mod tests {
             let records = encode_run(&run);
             prop_assert!(records.iter().skip(1).all(|(_, delta)| *delta));
             let decoded = decode_run(&records).unwrap();
-            prop_assert_eq!(decoded, run.into_iter().map(|(_, offsets)| offsets).collect::<Vec<_>>());
+            let encoded: Vec<Offsets> = run.into_iter().map(|(_, offsets)| offsets).collect();
+            prop_assert_eq!(decoded, encoded);
         }
     }
 

@@ -135,7 +135,9 @@ impl Archive for OffsetsRecordRef<'_> {
     type Resolver = OffsetsRecordRefResolver;
 
     fn resolve(&self, resolver: Self::Resolver, out: Place<Self::Archived>) {
-        munge!(let ArchivedOffsetsRecord { run, epoch, partitions, count, width, ends, data } = out);
+        munge!(
+            let ArchivedOffsetsRecord { run, epoch, partitions, count, width, ends, data } = out
+        );
         self.run.resolve((), run);
         self.epoch.resolve((), epoch);
         self.partitions.resolve(resolver.partitions, partitions);

@@ -342,9 +342,10 @@ fn bad_input_is_rejected_with_the_values_and_changes_nothing() {
 
     for bad in [empty_location, negative_partition, negative_operator, empty_store] {
         let error = coordinator.report_active_instance(bad, at("h", "e")).unwrap_err();
-        assert!(
-            matches!(error, StateStoreError::MalformedStoreId { store_id, .. } if store_id == bad.store_id)
-        );
+        assert!(matches!(
+            error,
+            StateStoreError::MalformedStoreId { store_id, .. } if store_id == bad.store_id
+        ));
         assert!(matches!(
             coordinator.verify_if_instance_active(bad, "e".into()),
             Err(StateStoreError::MalformedStoreId { .. })

@@ -13,11 +13,11 @@
 //! receiver resumes after the last of its blocks the journal holds, and at least at a range of
 //! sequence numbers of the run's own (a cleanup can remove all of a receiver's blocks from the
 //! journal, and resuming after what is left would add acknowledged ids again). Every 2
-//! allocations the
-//! loop cleans up batches older than 10 ms (alternately waiting for the WAL files to go or
-//! not), printing `c <threshold>` before it asks and `C <threshold>` once that is
-//! acknowledged, so cleanup events and segment deletion are crashed too. Block ids encode the receiver and its sequence number; the
-//! metadata repeats them, so a block recovered with someone else's metadata is caught.
+//! allocations the loop cleans up batches older than 10 ms (alternately waiting for the WAL
+//! files to go or not), printing `c <threshold>` before it asks and `C <threshold>` once that
+//! is acknowledged, so cleanup events and segment deletion are crashed too. Block ids encode
+//! the receiver and its sequence number; the metadata repeats them, so a block recovered with
+//! someone else's metadata is caught.
 //!
 //! Parent: recovers the tracker itself (the recovery time), reads the journal's durable
 //! cleanup events, and checks that every acknowledged block, and every block an earlier check
@@ -27,8 +27,9 @@
 //! threshold a child announced (`c`), else `corrupt_accepted`; that each block is intact (its
 //! stream and metadata match its id: `corrupt_accepted`); that every batch processed or
 //! recovered so far, in any run, is still allocated with exactly the same blocks, unless
-//! durably cleaned (`lost` or `corrupt_accepted`); that no batch below an acknowledged cleanup threshold is back
-//! (`lost`); and that processed batch times increase across all runs (`out_of_order`).
+//! durably cleaned (`lost` or `corrupt_accepted`); that no batch below an acknowledged cleanup
+//! threshold is back (`lost`); and that processed batch times increase across all runs
+//! (`out_of_order`).
 
 use std::{
     collections::{BTreeMap, HashMap, HashSet},

@@ -178,7 +178,8 @@ pub struct BlocksArgs {
     #[arg(
         long,
         default_value_t = coordbus::wal::DEFAULT_SYNC_THREAD_NICE,
-        value_parser = clap::value_parser!(u8).range(0..=i64::from(coordbus::wal::MAX_SYNC_THREAD_NICE))
+        value_parser = clap::value_parser!(u8)
+            .range(0..=i64::from(coordbus::wal::MAX_SYNC_THREAD_NICE))
     )]
     pub sync_nice: u8,
     /// Directory for the logs: a fresh temporary directory is made inside it (default: inside

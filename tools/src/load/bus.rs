@@ -384,7 +384,11 @@ pub struct AskArgs {
     /// How long the idle endpoint spins before parking, in microseconds (at most 10 000, the
     /// bus's `Idle::MAX_SPIN`; the default, that most, keeps it busy-polling through the run,
     /// whose gaps between asks are far shorter).
-    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(0..=10_000))]
+    #[arg(
+        long,
+        default_value_t = 10_000,
+        value_parser = clap::value_parser!(u64).range(0..=10_000)
+    )]
     pub spin_us: u64,
 }
 

@@ -107,7 +107,8 @@ pub struct WalArgs {
     #[arg(
         long,
         default_value_t = coordbus::wal::DEFAULT_SYNC_THREAD_NICE,
-        value_parser = clap::value_parser!(u8).range(0..=i64::from(coordbus::wal::MAX_SYNC_THREAD_NICE))
+        value_parser = clap::value_parser!(u8)
+            .range(0..=i64::from(coordbus::wal::MAX_SYNC_THREAD_NICE))
     )]
     pub sync_nice: u8,
     /// Baseline measured in the same run: pwrite or none.
