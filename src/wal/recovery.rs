@@ -11,7 +11,7 @@
 //! | last segment   | damage or garbage, no later record proves it durable  | torn tail: cut   |
 //! | last segment   | a later record appended after the damaged one was durable | corruption   |
 //! | last segment   | damaged segment header, nothing but zeros after it    | file removed     |
-//! | recycled, sealed | no frame of LSN at or above the next segment's first  | clean end        |
+//! | recycled, sealed | at the next segment's first LSN, no frame at or above it | clean end |
 //! | recycled, last | no frame (nor frame header) of LSN at or above the expected one | clean end |
 //! | other segment  | damaged segment header                                | corruption       |
 //! | next segment   | first LSN does not follow the previous segment's last | corruption       |
