@@ -30,6 +30,16 @@ enum Op {
     StopWrites,
 }
 
+impl Op {
+    /// The epoch of a report or a commit.
+    fn epoch(&self) -> Option<i64> {
+        match self {
+            Op::Report(_, epoch) | Op::Commit(_, epoch) => Some(*epoch),
+            _ => None,
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 struct Case {
     start_epoch: i64,
@@ -413,14 +423,10 @@ proptest! {
         let is_count = |op: &Op| matches!(op, Op::SetReaders(_) | Op::SetWriters(_));
         let changed = case.ops.iter().filter(|op| is_count(op)).count() > 2;
         let counts_set = case.ops.iter().position(|op| matches!(op, Op::SetWriters(_)));
-        let epoch_of = |op: &Op| match op {
-            Op::Report(_, epoch) | Op::Commit(_, epoch) => Some(*epoch),
-            _ => None,
-        };
-        let last = case.ops.iter().filter_map(epoch_of).max().unwrap_or(0);
+        let last = case.ops.iter().filter_map(Op::epoch).max().unwrap_or(0);
         let resolved_after_counts = counts_set.is_some_and(|at| {
             let after: std::collections::HashSet<i64> =
-                case.ops[at..].iter().filter_map(epoch_of).collect();
+                case.ops[at..].iter().filter_map(Op::epoch).collect();
             (1..=last).all(|epoch| after.contains(&epoch))
         });
         if !changed && resolved_after_counts {
@@ -477,10 +483,7 @@ fn windowed_wide_case() -> impl Strategy<Value = Case> {
             // late ones, plus up to four epochs of jitter.
             let mut keyed: Vec<(i64, Op)> = (messages.into_iter().zip(keys))
                 .map(|(op, (kind, jitter))| {
-                    let epoch = match op {
-                        Op::Report(_, epoch) | Op::Commit(_, epoch) => epoch,
-                        _ => unreachable!("only messages here"),
-                    };
+                    let epoch = op.epoch().expect("only messages here");
                     let shift = match kind {
                         0..=1 => -25,
                         2..=6 => 12,
