@@ -13,8 +13,8 @@ mod epoch_support;
 use coordbus::{
     coordinators::epoch::{
         coordinator_name, BacklogQueue, CommitPartitionEpoch, Epoch, EpochConfig, EpochEndpoint,
-        EpochError, GetCurrentEpoch, GetEpochStats, MemoryQuery, PartitionId, Payload, Query,
-        ReportPartitionOffset, SetReaderPartitions, SetWriterPartitions,
+        EpochError, GetCurrentEpoch, GetEpochStats, MemoryQuery, Offsets, PartitionId, Payload,
+        Query, ReportPartitionOffset, SetReaderPartitions, SetWriterPartitions,
     },
     Bus, EndpointRef,
 };
@@ -113,8 +113,8 @@ fn restart_after(last_before_stop: i64) {
 fn memory_query_keeps_the_first_offsets_and_the_first_stop_error() {
     let mut query = MemoryQuery::default();
     let first = [(PartitionId(0), Payload::from(1))];
-    query.add_offsets(Epoch(1), &first).unwrap();
-    query.add_offsets(Epoch(1), &[(PartitionId(0), Payload::from(2))]).unwrap();
+    query.add_offsets(Epoch(1), Offsets::new(&first)).unwrap();
+    query.add_offsets(Epoch(1), Offsets::new(&[(PartitionId(0), Payload::from(2))])).unwrap();
     assert_eq!(query.offsets(Epoch(1)), Some(first.to_vec()));
 
     let error = query.commit(Epoch(2)).unwrap_err();
@@ -152,7 +152,7 @@ fn an_overflow_stop_error_names_the_queue_size_and_limit() {
 fn the_last_committed_epochs_offsets_are_always_retained() {
     // Even when retaining a single epoch, the restart point has its offsets.
     let mut query = MemoryQuery::new(1);
-    query.add_offsets(Epoch(3), &[(PartitionId(0), Payload::from(3))]).unwrap();
+    query.add_offsets(Epoch(3), Offsets::new(&[(PartitionId(0), Payload::from(3))])).unwrap();
     query.commit(Epoch(3)).unwrap();
     assert!(query.offsets(Epoch(3)).is_some(), "the last committed epoch is retained");
     assert!(matches!(query.restart_point(), Ok(Some((Epoch(3), _)))));
@@ -165,7 +165,9 @@ fn a_retention_too_large_for_an_epoch_count_keeps_every_epoch() {
     for retained in [usize::MAX, 1 << 63, i64::MAX as usize] {
         let mut query = MemoryQuery::new(retained);
         for epoch in 0..3 {
-            query.add_offsets(Epoch(epoch), &[(PartitionId(0), Payload::from(epoch))]).unwrap();
+            query
+                .add_offsets(Epoch(epoch), Offsets::new(&[(PartitionId(0), Payload::from(epoch))]))
+                .unwrap();
             query.commit(Epoch(epoch)).unwrap();
         }
         for epoch in 0..3 {
@@ -184,21 +186,21 @@ fn a_restarted_run_replaces_the_offsets_a_stopped_run_recorded_for_an_epoch_it_d
     let query = MemoryQuery::default();
     let offsets = |value: i64| vec![(PartitionId(0), Payload::from(value))];
     let mut stopped_run = query.clone();
-    stopped_run.add_offsets(Epoch(0), &offsets(10)).unwrap();
+    stopped_run.add_offsets(Epoch(0), Offsets::new(&offsets(10))).unwrap();
     stopped_run.commit(Epoch(0)).unwrap();
     // Epoch 1 reached its offsets but not its commit when the run stopped.
-    stopped_run.add_offsets(Epoch(1), &offsets(70)).unwrap();
+    stopped_run.add_offsets(Epoch(1), Offsets::new(&offsets(70))).unwrap();
     drop(stopped_run);
 
     let mut restarted_run = query.clone();
-    restarted_run.add_offsets(Epoch(1), &offsets(11)).unwrap();
+    restarted_run.add_offsets(Epoch(1), Offsets::new(&offsets(11))).unwrap();
     // Within one run the first record still wins.
-    restarted_run.add_offsets(Epoch(1), &offsets(12)).unwrap();
+    restarted_run.add_offsets(Epoch(1), Offsets::new(&offsets(12))).unwrap();
     restarted_run.commit(Epoch(1)).unwrap();
     assert_eq!(query.restart_point().unwrap(), Some((Epoch(1), offsets(11))));
     // A committed epoch's record stays, whichever run records it again later (an old endpoint
     // still draining its inbox, say).
-    query.clone().add_offsets(Epoch(1), &offsets(99)).unwrap();
+    query.clone().add_offsets(Epoch(1), Offsets::new(&offsets(99))).unwrap();
     assert_eq!(query.restart_point().unwrap(), Some((Epoch(1), offsets(11))));
 }
 
@@ -206,7 +208,7 @@ fn a_restarted_run_replaces_the_offsets_a_stopped_run_recorded_for_an_epoch_it_d
 fn a_coordinator_cannot_start_below_the_first_epoch_the_memory_query_did_not_commit() {
     let mut query = MemoryQuery::default();
     assert_eq!(query.first_uncommitted_epoch(), Some(Epoch(0)));
-    query.add_offsets(Epoch(4), &[(PartitionId(0), Payload::from(4))]).unwrap();
+    query.add_offsets(Epoch(4), Offsets::new(&[(PartitionId(0), Payload::from(4))])).unwrap();
     query.commit(Epoch(4)).unwrap();
     assert_eq!(query.first_uncommitted_epoch(), Some(Epoch(5)));
     let (_, sink, _) = recorders();

@@ -10,7 +10,9 @@ mod wal_support;
 
 use std::{sync::Arc, time::Duration};
 
-use coordbus::coordinators::epoch::{DurableQuery, Epoch, NoopQuery, PartitionId, Payload, Query};
+use coordbus::coordinators::epoch::{
+    DurableQuery, Epoch, NoopQuery, Offsets, PartitionId, Payload, Query,
+};
 use wal_support::{hold_and_fill_staging, open_gated, AfterGate, Gate, OpenOnDrop};
 
 /// 1000 offsets: a record of about 8 KiB, far more than the filled buffer has room for.
@@ -30,9 +32,9 @@ fn after_an_append_timed_out_later_records_are_refused_at_once() {
     let _open = OpenOnDrop(Arc::clone(&gate));
     hold_and_fill_staging(query.wal(), &gate, 4096, Duration::from_millis(50));
 
-    let timed_out = query.add_offsets(Epoch(0), &offsets(0)).unwrap_err().to_string();
+    let timed_out = query.add_offsets(Epoch(0), Offsets::new(&offsets(0))).unwrap_err().to_string();
     assert!(timed_out.contains("append"), "{timed_out}");
-    let refused = query.add_offsets(Epoch(1), &offsets(1)).unwrap_err().to_string();
+    let refused = query.add_offsets(Epoch(1), Offsets::new(&offsets(1))).unwrap_err().to_string();
     assert!(refused.contains("an earlier append failed"), "{refused}");
     let refused = query.commit(Epoch(0)).unwrap_err().to_string();
     assert!(refused.contains("an earlier append failed"), "{refused}");

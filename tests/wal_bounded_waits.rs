@@ -170,7 +170,7 @@ fn dropping_a_log_whose_close_timed_out_does_not_wait_for_the_disk() {
 #[test]
 fn the_epoch_logs_append_on_a_stalled_disk_fails_after_its_write_timeout() {
     use coordbus::coordinators::epoch::{
-        DurableQuery, Epoch, EpochError, NoopQuery, PartitionId, Payload, Query,
+        DurableQuery, Epoch, EpochError, NoopQuery, Offsets, PartitionId, Payload, Query,
     };
     let dir = tempfile::tempdir().unwrap();
     let gate = Arc::new(Gate::default());
@@ -185,7 +185,7 @@ fn the_epoch_logs_append_on_a_stalled_disk_fails_after_its_write_timeout() {
     let offsets: Vec<(PartitionId, Payload)> =
         (0..64).map(|p| (PartitionId(p), Payload::from(vec![7u8; 64]))).collect();
     let started = Instant::now();
-    let error = query.add_offsets(Epoch(0), &offsets).unwrap_err();
+    let error = query.add_offsets(Epoch(0), Offsets::new(&offsets)).unwrap_err();
     let waited = started.elapsed();
     assert!(waited >= timeout && waited < RUN_BOUND / 2, "waited {waited:?}");
     match error.downcast_ref::<EpochError>() {

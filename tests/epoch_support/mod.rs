@@ -14,7 +14,7 @@ use coordbus::{
     coordinators::epoch::{
         coordinator_name, BacklogQueue, CollaboratorError, CommitPartitionEpoch, Epoch,
         EpochConfig, EpochEndpoint, EpochError, EpochStats, GetCurrentEpoch, GetEpochStats,
-        PartitionId, Payload, Query, ReportPartitionOffset, SetReaderPartitions,
+        Offsets, PartitionId, Payload, Query, ReportPartitionOffset, SetReaderPartitions,
         SetWriterPartitions, Sink,
     },
     Bus, EndpointRef,
@@ -57,12 +57,8 @@ pub struct RecordingQuery {
 }
 
 impl Query for RecordingQuery {
-    fn add_offsets(
-        &mut self,
-        epoch: Epoch,
-        offsets: &[(PartitionId, Payload)],
-    ) -> Result<(), CollaboratorError> {
-        self.log.lock().unwrap().push(Call::AddOffsets(epoch.0, pairs(offsets)));
+    fn add_offsets(&mut self, epoch: Epoch, offsets: Offsets<'_>) -> Result<(), CollaboratorError> {
+        self.log.lock().unwrap().push(Call::AddOffsets(epoch.0, pairs(&offsets)));
         if self.fail_add_offsets_at.contains(&epoch.0) {
             return Err(injected("add_offsets", epoch));
         }

@@ -92,7 +92,7 @@ use super::{
     log_record::{
         decode_offsets, ArchivedLogRecord, LogRecord, LogRecordRef, OffsetsRecordRef, TooLarge,
     },
-    worth_a_warning, CollaboratorError, Epoch, EpochError, PartitionId, Payload, Query,
+    worth_a_warning, CollaboratorError, Epoch, EpochError, Offsets, PartitionId, Payload, Query,
 };
 use crate::wal::{Lsn, RecordHandle, Wal, WalConfig, WalError};
 
@@ -114,11 +114,7 @@ pub const CLOSE_TIMEOUT: Duration = Duration::from_secs(30);
 pub struct NoopQuery;
 
 impl Query for NoopQuery {
-    fn add_offsets(
-        &mut self,
-        _: Epoch,
-        _: &[(PartitionId, Payload)],
-    ) -> Result<(), CollaboratorError> {
+    fn add_offsets(&mut self, _: Epoch, _: Offsets<'_>) -> Result<(), CollaboratorError> {
         Ok(())
     }
     fn commit(&mut self, _: Epoch) -> Result<(), CollaboratorError> {
@@ -480,11 +476,7 @@ impl<Q: Query> DurableQuery<Q> {
     /// while the last record had it (the usual case), else with the layout computed first. An
     /// assumption that fails costs one wasted pass, and then no more until a record is compact
     /// again.
-    fn append_offsets(
-        &mut self,
-        epoch: Epoch,
-        offsets: &[(PartitionId, Payload)],
-    ) -> Result<(), EpochError> {
+    fn append_offsets(&mut self, epoch: Epoch, offsets: Offsets<'_>) -> Result<(), EpochError> {
         // Chains of at most the retained epochs, so that cleaning keeps their keyframes (module
         // `delta`).
         let interval = KEYFRAME_INTERVAL.min(self.retained_epochs as i64);
@@ -506,7 +498,7 @@ impl<Q: Query> DurableQuery<Q> {
             ),
         };
         let held = self.assume_compact && {
-            let record = OffsetsRecordRef::assuming_compact(self.run, epoch.0, offsets);
+            let record = OffsetsRecordRef::assuming_compact(self.run, epoch.0, &offsets);
             Self::serialize(
                 &mut self.buf,
                 &LogRecordRef::Offsets(record.map_err(too_large)?),
@@ -514,7 +506,7 @@ impl<Q: Query> DurableQuery<Q> {
             )?
         };
         if !held {
-            let record = OffsetsRecordRef::new(self.run, epoch.0, offsets).map_err(too_large)?;
+            let record = OffsetsRecordRef::new(self.run, epoch.0, &offsets).map_err(too_large)?;
             self.assume_compact = record.is_compact();
             Self::serialize(&mut self.buf, &LogRecordRef::Offsets(record), epoch)?;
         }
@@ -559,11 +551,7 @@ impl<Q: Query> DurableQuery<Q> {
 impl<Q: Query> Query for DurableQuery<Q> {
     /// Appends the epoch's offsets (once per epoch and run), then calls the inner query.
     /// Offsets of an epoch at or below the last committed one are ignored (counted).
-    fn add_offsets(
-        &mut self,
-        epoch: Epoch,
-        offsets: &[(PartitionId, Payload)],
-    ) -> Result<(), CollaboratorError> {
+    fn add_offsets(&mut self, epoch: Epoch, offsets: Offsets<'_>) -> Result<(), CollaboratorError> {
         self.check_failed(epoch)?;
         if epoch.0 <= self.status.last_committed.load(Ordering::Relaxed) {
             let count = self.status.ignored_offsets.fetch_add(1, Ordering::Relaxed) + 1;
@@ -949,13 +937,13 @@ mod tests {
         {
             let mut query = DurableQuery::open(dir.path(), config()).unwrap();
             for epoch in 0..5 {
-                query.add_offsets(Epoch(epoch), &offsets(epoch, 0)).unwrap();
+                query.add_offsets(Epoch(epoch), Offsets::new(&offsets(epoch, 0))).unwrap();
                 // A repeated report: the first record wins.
-                query.add_offsets(Epoch(epoch), &offsets(epoch, 50)).unwrap();
+                query.add_offsets(Epoch(epoch), Offsets::new(&offsets(epoch, 50))).unwrap();
                 query.commit(Epoch(epoch)).unwrap();
             }
             // Offsets after the last commit are ignored on restart.
-            query.add_offsets(Epoch(5), &offsets(5, 0)).unwrap();
+            query.add_offsets(Epoch(5), Offsets::new(&offsets(5, 0))).unwrap();
             assert_eq!(query.wal().stats().appends, 11, "duplicates are not appended");
         }
         let query = DurableQuery::open(dir.path(), config()).unwrap();
@@ -986,7 +974,7 @@ mod tests {
             {
                 let mut query = DurableQuery::open(dir.path(), config()).unwrap();
                 let epoch = query.start_epoch();
-                query.add_offsets(epoch, &offsets).unwrap();
+                query.add_offsets(epoch, Offsets::new(&offsets)).unwrap();
                 query.commit(epoch).unwrap();
             }
             let query = DurableQuery::open(dir.path(), config()).unwrap();
@@ -1011,7 +999,7 @@ mod tests {
             [&compact, &mixed, &mixed, &compact, &sparse, &compact, &compact, &sparse];
         let mut query = DurableQuery::open(dir.path(), config()).unwrap();
         for (epoch, layout) in (0..).zip(layouts) {
-            query.add_offsets(Epoch(epoch), &layout(epoch)).unwrap();
+            query.add_offsets(Epoch(epoch), Offsets::new(&layout(epoch))).unwrap();
             query.commit(Epoch(epoch)).unwrap();
         }
         let last = Epoch(layouts.len() as i64 - 1);
@@ -1056,14 +1044,14 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         {
             let mut query = DurableQuery::open(dir.path(), config()).unwrap();
-            query.add_offsets(Epoch(0), &offsets(0, 0)).unwrap();
+            query.add_offsets(Epoch(0), Offsets::new(&offsets(0, 0))).unwrap();
             query.commit(Epoch(0)).unwrap();
-            query.add_offsets(Epoch(1), &offsets(1, 7)).unwrap(); // never committed
+            query.add_offsets(Epoch(1), Offsets::new(&offsets(1, 7))).unwrap(); // never committed
         }
         {
             let mut query = DurableQuery::open(dir.path(), config()).unwrap();
             assert_eq!(query.start_epoch(), Epoch(1));
-            query.add_offsets(Epoch(1), &offsets(1, 0)).unwrap();
+            query.add_offsets(Epoch(1), Offsets::new(&offsets(1, 0))).unwrap();
             query.commit(Epoch(1)).unwrap();
         }
         let query = DurableQuery::open(dir.path(), config()).unwrap();
@@ -1077,11 +1065,11 @@ mod tests {
         let mut query = DurableQuery::open(dir.path(), config()).unwrap();
         let error = query.commit(Epoch(0)).unwrap_err();
         assert_eq!(error.to_string(), "Batch 0 was committed without end epoch offsets!");
-        query.add_offsets(Epoch(0), &offsets(0, 0)).unwrap();
+        query.add_offsets(Epoch(0), Offsets::new(&offsets(0, 0))).unwrap();
         query.commit(Epoch(0)).unwrap();
         let appends = query.wal().stats().appends;
         query.commit(Epoch(0)).unwrap();
-        query.add_offsets(Epoch(0), &offsets(0, 1)).unwrap();
+        query.add_offsets(Epoch(0), Offsets::new(&offsets(0, 1))).unwrap();
         assert_eq!(query.wal().stats().appends, appends, "nothing appended for a committed epoch");
         assert_eq!(query.status().ignored_commits(), 1);
         assert_eq!(query.status().ignored_offsets(), 1);
@@ -1163,7 +1151,7 @@ mod tests {
         assert!(text.starts_with("start_epoch = 3 (the query has committed up to 3)"), "{text}");
         // A query handed on after committing more in this run: its own commits count too.
         let mut live = query();
-        live.add_offsets(Epoch(4), &offsets(4, 0)).unwrap();
+        live.add_offsets(Epoch(4), Offsets::new(&offsets(4, 0))).unwrap();
         live.commit(Epoch(4)).unwrap();
         let refused = EpochCoordinator::new(EpochConfig::new(4), live, NoopSink).unwrap_err();
         assert!(refused
@@ -1240,7 +1228,7 @@ mod tests {
         offsets: impl Fn(i64) -> Vec<(PartitionId, Payload)>,
     ) {
         for epoch in epochs {
-            query.add_offsets(Epoch(epoch), &offsets(epoch)).unwrap();
+            query.add_offsets(Epoch(epoch), Offsets::new(&offsets(epoch))).unwrap();
             query.commit(Epoch(epoch)).unwrap();
             assert!(
                 query.status().wait_durable_committed(Epoch(epoch), Duration::from_secs(10)),
@@ -1368,8 +1356,8 @@ mod tests {
         let offsets = |epoch: i64| -> Vec<(PartitionId, Payload)> { advancing(4, 10, epoch) };
         let (lsn, delta) = {
             let mut query = DurableQuery::open(dir.path(), config()).unwrap();
-            query.add_offsets(Epoch(0), &offsets(0)).unwrap();
-            query.add_offsets(Epoch(1), &offsets(1)).unwrap();
+            query.add_offsets(Epoch(0), Offsets::new(&offsets(0))).unwrap();
+            query.add_offsets(Epoch(1), Offsets::new(&offsets(1))).unwrap();
             query
                 .wal()
                 .wait_durable_timeout(query.wal().appended_lsn(), Duration::from_secs(10))
@@ -1409,8 +1397,9 @@ mod tests {
         offsets: &[(PartitionId, Payload)],
     ) -> AlignedVec {
         let mut encoder = DeltaEncoder::default();
-        encoder.full_record_appended(base_epoch, base);
-        let delta = encoder.encode(1, epoch, offsets, KEYFRAME_INTERVAL).expect("a delta");
+        encoder.full_record_appended(base_epoch, Offsets::new(base));
+        let delta =
+            encoder.encode(1, epoch, Offsets::new(offsets), KEYFRAME_INTERVAL).expect("a delta");
         rkyv::to_bytes::<rancor::Error>(&LogRecordRef::OffsetsDelta(delta)).unwrap()
     }
 
@@ -1454,11 +1443,7 @@ mod tests {
         #[derive(Default)]
         struct RunCounting(usize);
         impl Query for RunCounting {
-            fn add_offsets(
-                &mut self,
-                _: Epoch,
-                _: &[(PartitionId, Payload)],
-            ) -> Result<(), CollaboratorError> {
+            fn add_offsets(&mut self, _: Epoch, _: Offsets<'_>) -> Result<(), CollaboratorError> {
                 Ok(())
             }
             fn commit(&mut self, _: Epoch) -> Result<(), CollaboratorError> {
@@ -1485,7 +1470,9 @@ mod tests {
             // Chains from epochs 0 and 64 (KEYFRAME_INTERVAL): the last commit's is not in
             // the oldest segment.
             for epoch in 0..100 {
-                query.add_offsets(Epoch(epoch), &advancing(1000, 1 << 20, epoch)).unwrap();
+                query
+                    .add_offsets(Epoch(epoch), Offsets::new(&advancing(1000, 1 << 20, epoch)))
+                    .unwrap();
                 query.commit(Epoch(epoch)).unwrap();
             }
         }
@@ -1537,7 +1524,7 @@ mod tests {
         let mut query = DurableQuery::open(dir.path(), config()).unwrap();
         assert_eq!(query.run(), MAX_RECOVERED_RUN + 1);
         // The edge of the bound (module doc): that run's records are above it.
-        query.add_offsets(Epoch(1), &offsets(1, 5)).unwrap();
+        query.add_offsets(Epoch(1), Offsets::new(&offsets(1, 5))).unwrap();
         query.commit(Epoch(1)).unwrap();
         drop(query);
         match DurableQuery::open(dir.path(), config()) {
@@ -1578,7 +1565,7 @@ mod tests {
         {
             let mut query = DurableQuery::open(dir.path(), config()).unwrap();
             for epoch in 0..epochs {
-                query.add_offsets(Epoch(epoch), &offsets(epoch)).unwrap();
+                query.add_offsets(Epoch(epoch), Offsets::new(&offsets(epoch))).unwrap();
                 query.commit(Epoch(epoch)).unwrap();
             }
             query
@@ -1671,12 +1658,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut query = DurableQuery::open(dir.path(), config()).unwrap();
         let status = query.status();
-        query.add_offsets(Epoch(0), &offsets(0, 0)).unwrap();
+        query.add_offsets(Epoch(0), Offsets::new(&offsets(0, 0))).unwrap();
         query.commit(Epoch(0)).unwrap();
         assert!(status.wait_durable_committed(Epoch(0), Duration::from_secs(10)));
         assert_eq!(status.durable_committed(), Some(Epoch(0)));
         query.wal().close().unwrap();
-        let error = query.add_offsets(Epoch(1), &offsets(1, 0)).unwrap_err();
+        let error = query.add_offsets(Epoch(1), Offsets::new(&offsets(1, 0))).unwrap_err();
         assert!(error.to_string().contains("epoch log"), "{error}");
         query.stop(EpochError::QueryCommit { epoch: Epoch(1), source: error });
         query.stop(EpochError::EpochOverflow { epoch: Epoch(2) });

@@ -148,7 +148,7 @@ pub enum EpochRequest {
 /// use coordbus::{Bus, coordinators::epoch::*};
 /// # #[derive(Default)] struct Q(Vec<i64>);
 /// # impl Query for Q {
-/// #   fn add_offsets(&mut self, _: Epoch, _: &[(PartitionId, Payload)])
+/// #   fn add_offsets(&mut self, _: Epoch, _: Offsets<'_>)
 /// #       -> Result<(), CollaboratorError> { Ok(()) }
 /// #   fn commit(&mut self, e: Epoch) -> Result<(), CollaboratorError> { self.0.push(e.0); Ok(()) }
 /// #   fn stop(&mut self, _: EpochError) {}

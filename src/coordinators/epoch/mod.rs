@@ -172,7 +172,7 @@ pub use self::{
         GetCurrentEpoch, GetEpochStats, IncrementAndGetEpoch, ReportPartitionOffset,
         SetReaderPartitions, SetWriterPartitions, StopContinuousExecutionWrites,
     },
-    payload::{Epoch, PartitionId, Payload},
+    payload::{Epoch, Offsets, PartitionId, Payload},
     state::EpochCoordinator,
 };
 use crate::error::{ConfigError, HandlerError};
@@ -186,18 +186,15 @@ pub type CollaboratorError = HandlerError;
 /// them. See the module docs for the durable implementation's contract.
 pub trait Query {
     /// Records the end offsets of `epoch` (Spark's `addOffset`: the offset log). `offsets` holds
-    /// one entry per reader partition, sorted by partition id. Called each time the epoch's
+    /// one entry per reader partition, sorted by partition id, and says whether they are words
+    /// ([`Offsets::are_words`]). Called each time the epoch's
     /// offsets are complete after a report, so possibly more than once for the same epoch (a
     /// repeated report); the first record of an epoch should win.
     ///
     /// # Errors
     /// A failure to record; the coordinator then stops the query with
     /// [`EpochError::AddOffsets`] and commits nothing from then on.
-    fn add_offsets(
-        &mut self,
-        epoch: Epoch,
-        offsets: &[(PartitionId, Payload)],
-    ) -> Result<(), CollaboratorError>;
+    fn add_offsets(&mut self, epoch: Epoch, offsets: Offsets<'_>) -> Result<(), CollaboratorError>;
 
     /// Records `epoch` as committed (the commit log). Called after the sink committed it, in
     /// strictly increasing, gap-free epoch order.
@@ -255,11 +252,7 @@ impl Sink for NoopSink {
 }
 
 impl<T: Query + ?Sized> Query for Box<T> {
-    fn add_offsets(
-        &mut self,
-        epoch: Epoch,
-        offsets: &[(PartitionId, Payload)],
-    ) -> Result<(), CollaboratorError> {
+    fn add_offsets(&mut self, epoch: Epoch, offsets: Offsets<'_>) -> Result<(), CollaboratorError> {
         (**self).add_offsets(epoch, offsets)
     }
     fn commit(&mut self, epoch: Epoch) -> Result<(), CollaboratorError> {
@@ -403,11 +396,7 @@ impl MemoryQuery {
 }
 
 impl Query for MemoryQuery {
-    fn add_offsets(
-        &mut self,
-        epoch: Epoch,
-        offsets: &[(PartitionId, Payload)],
-    ) -> Result<(), CollaboratorError> {
+    fn add_offsets(&mut self, epoch: Epoch, offsets: Offsets<'_>) -> Result<(), CollaboratorError> {
         let mut state = self.state();
         if state.last_committed.is_some_and(|last| epoch <= last) {
             // Committed already (a late call of an old run): its record stays as it is.

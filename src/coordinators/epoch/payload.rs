@@ -1,5 +1,6 @@
 //! [`Payload`]: the engine's opaque bytes (a reader's partition offset, a writer's commit
-//! message), and the identifier newtypes [`Epoch`] and [`PartitionId`].
+//! message), the identifier newtypes [`Epoch`] and [`PartitionId`], and [`Offsets`], one
+//! epoch's offsets as the query receives them.
 //!
 //! The coordinator never looks inside a payload; it stores it, hands it back to the query or the
 //! sink, and drops it. Most engines' offsets and commit messages are a few machine words (a
@@ -7,7 +8,7 @@
 //! in the value (a `smallvec` with the `union` layout, 32 bytes in all) and costs no allocation;
 //! longer ones spill to the heap.
 
-use std::fmt;
+use std::{fmt, ops::Deref};
 
 use smallvec::SmallVec;
 
@@ -109,6 +110,13 @@ impl Payload {
         self.0.into_vec()
     }
 
+    /// Whether the payload is exactly 8 bytes (what [`Payload::as_i64`] reads). One comparison:
+    /// an 8-byte payload is always inline (see `as_i64`).
+    #[inline]
+    pub fn is_word(&self) -> bool {
+        !self.0.spilled() && self.0.len() == 8
+    }
+
     /// The payload read as an integer written by `From<i64>` (or `i32`, `u64`, `u32`): `Some`
     /// exactly when it is 8 bytes long.
     #[inline]
@@ -195,6 +203,93 @@ impl From<Vec<u8>> for Payload {
     }
 }
 
+/// One epoch's offsets as the coordinator hands them to
+/// [`Query::add_offsets`](super::Query::add_offsets): one entry per reader partition, sorted by
+/// partition id. It derefs to the slice of entries, and also says whether they are **words**:
+/// ids exactly `0..len` and every payload 8 bytes (an `i64` offset per partition, the common
+/// case). A query that stores offsets by partition, as the durable log does, then reads each
+/// payload as a word without checking ids and lengths one by one.
+///
+/// Why the coordinator says it rather than the query checking: the coordinator's dense layout
+/// has the ids by construction and notes a payload that is not 8 bytes as it stores it, at no
+/// cost per message, while a check by the query reads each entry's id and length again, on
+/// entries that have usually left the cache by the time the epoch completes (PERF.md,
+/// EpochCoordinator, "Fortieth session").
+///
+/// ```
+/// use coordbus::coordinators::epoch::{Offsets, PartitionId, Payload};
+/// let entries = [(PartitionId(0), Payload::from(10)), (PartitionId(1), Payload::from(12))];
+/// let offsets = Offsets::new(&entries);
+/// assert!(offsets.are_words());
+/// assert_eq!(offsets.len(), 2);
+/// assert_eq!(offsets[1].1.as_i64(), Some(12));
+/// let gap = [(PartitionId(0), Payload::from(10)), (PartitionId(2), Payload::from(12))];
+/// assert!(!Offsets::new(&gap).are_words());
+/// ```
+#[derive(Debug, Clone, Copy)]
+pub struct Offsets<'a> {
+    entries: &'a [(PartitionId, Payload)],
+    words: bool,
+}
+
+impl<'a> Offsets<'a> {
+    /// The offsets of `entries` (sorted by partition id), read once to find whether they are
+    /// words.
+    pub fn new(entries: &'a [(PartitionId, Payload)]) -> Self {
+        Self { entries, words: are_words(entries) }
+    }
+
+    /// The offsets of a complete dense side: ids `0..len` by construction. `only_words_stored`:
+    /// the side noted no payload other than an 8-byte word while storing them (checked in debug
+    /// builds). Otherwise they are read: a payload noted as no word may since have been
+    /// replaced by a word, and the read stops at the first entry that is no word.
+    pub(super) fn of_dense_side(
+        entries: &'a [(PartitionId, Payload)],
+        only_words_stored: bool,
+    ) -> Self {
+        if only_words_stored {
+            debug_assert!(are_words(entries), "a dense side noted only words, wrongly");
+            return Self { entries, words: true };
+        }
+        Self::new(entries)
+    }
+
+    /// The entries, sorted by partition id.
+    #[inline]
+    pub fn as_slice(&self) -> &'a [(PartitionId, Payload)] {
+        self.entries
+    }
+
+    /// Whether the ids are exactly `0..len` and every payload is 8 bytes
+    /// ([`Payload::is_word`]).
+    #[inline]
+    pub fn are_words(&self) -> bool {
+        self.words
+    }
+}
+
+impl Deref for Offsets<'_> {
+    type Target = [(PartitionId, Payload)];
+
+    #[inline]
+    fn deref(&self) -> &Self::Target {
+        self.entries
+    }
+}
+
+impl<'a> From<&'a [(PartitionId, Payload)]> for Offsets<'a> {
+    fn from(entries: &'a [(PartitionId, Payload)]) -> Self {
+        Self::new(entries)
+    }
+}
+
+fn are_words(entries: &[(PartitionId, Payload)]) -> bool {
+    entries
+        .iter()
+        .enumerate()
+        .all(|(index, (partition, payload))| partition.0 as usize == index && payload.is_word())
+}
+
 impl AsRef<[u8]> for Payload {
     fn as_ref(&self) -> &[u8] {
         self.as_bytes()
@@ -223,6 +318,31 @@ mod tests {
         assert_eq!(Payload::from(&b"abc"[..]).as_i64(), None);
         assert_eq!(Payload::from(vec![1u8; 40]).into_vec(), vec![1u8; 40]);
         assert!(Payload::new().is_empty());
+    }
+
+    #[test]
+    fn offsets_are_words_only_with_ids_0_to_len_and_8_byte_payloads() {
+        let word = |partition: i32, value: i64| (PartitionId(partition), Payload::from(value));
+        assert!(Offsets::new(&[]).are_words());
+        assert!(Offsets::new(&[word(0, 5), word(1, -3), word(2, 0)]).are_words());
+        // An id that is not its index: a gap, a start above 0, a negative id.
+        assert!(!Offsets::new(&[word(0, 5), word(2, 6)]).are_words());
+        assert!(!Offsets::new(&[word(1, 5), word(2, 6)]).are_words());
+        assert!(!Offsets::new(&[word(-1, 5)]).are_words());
+        // A payload of another width, short, long inline, or on the heap.
+        for width in [0, 7, 9, 24, 40] {
+            let other = (PartitionId(1), Payload::from(vec![1u8; width]));
+            assert!(!Offsets::new(&[word(0, 5), other]).are_words(), "width {width}");
+        }
+        let entries = [word(0, 5), word(1, 6)];
+        let offsets = Offsets::from(&entries[..]);
+        assert_eq!(offsets.as_slice().len(), 2);
+        assert_eq!(
+            offsets.iter().map(|(_, payload)| payload.as_i64()).collect::<Vec<_>>(),
+            [Some(5), Some(6)]
+        );
+        assert!(Payload::from(1u32).is_word());
+        assert!(!Payload::from(vec![1u8; 8 + 24]).is_word());
     }
 
     #[test]

@@ -16,8 +16,8 @@ use std::collections::{HashMap, HashSet};
 
 use super::{
     worth_a_warning, BacklogQueue, DropReason, Epoch, EpochConfig, EpochCounters, EpochError,
-    EpochMessage, EpochStats, MessageKind, PartitionId, PartitionSide, Payload, Query, Rejected,
-    Sink,
+    EpochMessage, EpochStats, MessageKind, Offsets, PartitionId, PartitionSide, Payload, Query,
+    Rejected, Sink,
 };
 use crate::error::ConfigError;
 
@@ -128,7 +128,7 @@ impl<Q: Query, S: Sink> ReferenceEpochCoordinator<Q, S> {
         if this_epoch_offsets.len() as i64 == i64::from(self.num_reader_partitions) {
             self.counters.offsets_added += 1;
             self.epochs_with_offsets_added.insert(epoch.0);
-            if let Err(source) = self.query.add_offsets(epoch, &this_epoch_offsets) {
+            if let Err(source) = self.query.add_offsets(epoch, Offsets::new(&this_epoch_offsets)) {
                 self.fail(EpochError::AddOffsets { epoch, source }, epoch.0);
             }
             self.resolve_commits_at_epoch(epoch.0);
@@ -412,7 +412,7 @@ impl<Q: Query, S: Sink> ReferenceEpochCoordinator<Q, S> {
             self.counters.offsets_added += 1;
             self.counters.offsets_added_at_commit += 1;
             self.query
-                .add_offsets(Epoch(epoch), &offsets)
+                .add_offsets(Epoch(epoch), Offsets::new(&offsets))
                 .map_err(|source| EpochError::AddOffsets { epoch: Epoch(epoch), source })?;
         }
         let epoch = Epoch(epoch);

@@ -22,8 +22,8 @@ use std::{
 
 use super::{
     worth_a_warning, BacklogQueue, DropReason, Epoch, EpochConfig, EpochCounters, EpochError,
-    EpochMessage, EpochStats, MessageKind, PartitionId, PartitionSide, Payload, Query, Rejected,
-    Sink,
+    EpochMessage, EpochStats, MessageKind, Offsets, PartitionId, PartitionSide, Payload, Query,
+    Rejected, Sink,
 };
 use crate::error::ConfigError;
 
@@ -138,11 +138,8 @@ struct Slots {
     present: Vec<u64>,
     /// Number of stored entries (dense: set bits; sparse: `entries.len()`).
     len: usize,
-    /// Dense layout: an entry stored since the last clear may hold its payload on the heap, so
-    /// [`Slots::clear`] frees those payloads instead of keeping them until the slot is
-    /// overwritten (recycled buckets would otherwise hold a whole epoch of large commit
-    /// messages each, beyond what the backlog limits bound).
-    heap_payloads: bool,
+    /// Dense layout: what the payloads stored since the last clear need.
+    stored: StoredPayloads,
     /// Sparse layout: partition id -> position in `entries`, maintained only when `positional`
     /// is false.
     index: IntMap<i32, u32>,
@@ -165,7 +162,7 @@ impl Slots {
             dense: false,
             present: Vec::new(),
             len: 0,
-            heap_payloads: false,
+            stored: StoredPayloads::default(),
             index: IntMap::default(),
             positional: true,
             max_partition: -1,
@@ -239,9 +236,7 @@ impl Slots {
             if let Some(present) = self.present.get_mut(word) {
                 if *present & bit == 0 {
                     *present |= bit;
-                    if !payload.is_inline() {
-                        self.heap_payloads = true;
-                    }
+                    self.stored.note(&payload);
                     self.entries[position].1 = payload;
                     self.len += 1;
                     return Inserted::New;
@@ -270,9 +265,7 @@ impl Slots {
                 if !overwrite {
                     return Inserted::Duplicate;
                 }
-                if !payload.is_inline() {
-                    self.heap_payloads = true;
-                }
+                self.stored.note(&payload);
                 self.entries[position].1 = payload;
                 return Inserted::Replaced;
             }
@@ -329,8 +322,9 @@ impl Slots {
             keep
         });
         self.dense = false;
-        // A sparse side drops its payloads when cleared.
-        self.heap_payloads = false;
+        // A sparse side drops its payloads when cleared, and its offsets are checked for words
+        // when handed on (`Slots::offsets`).
+        self.stored = StoredPayloads::default();
         self.max_partition = self.entries.last().map_or(-1, |(partition, _)| partition.0);
         // Kept in partition order: positional exactly when the ids are 0..len.
         self.positional = self.max_partition + 1 == self.entries.len() as i32;
@@ -381,6 +375,16 @@ impl Slots {
         &self.entries
     }
 
+    /// The stored entries as the query's [`Offsets`], sorted as by [`Slots::sorted`]. A complete
+    /// dense side that noted only words while storing them says they are words without a read;
+    /// any other side is read to find out ([`Offsets::new`]).
+    fn offsets(&mut self) -> Offsets<'_> {
+        if self.dense && self.len == self.entries.len() {
+            return Offsets::of_dense_side(&self.entries, !self.stored.non_word);
+        }
+        Offsets::new(self.sorted())
+    }
+
     /// Removes the entries of partitions `first_out` and above and returns how many went (rare:
     /// a partition count set below ids stored before, SPEC 0.3).
     #[cold]
@@ -419,9 +423,10 @@ impl Slots {
     /// payloads' own.
     fn clear(&mut self) {
         if self.dense {
-            if self.heap_payloads {
+            if self.stored.heap {
                 self.free_heap_payloads();
             }
+            self.stored = StoredPayloads::default();
             self.present.fill(0);
         } else {
             self.entries.clear();
@@ -447,7 +452,7 @@ impl Slots {
                 bits &= bits - 1;
             }
         }
-        self.heap_payloads = false;
+        self.stored.heap = false;
     }
 
     /// Empties the side of a released bucket, keeping its allocation for a later epoch if it
@@ -481,6 +486,33 @@ impl Slots {
     }
 }
 
+/// What a dense side knows of the payloads stored since it was last cleared. One struct, so
+/// that a [`SideStretch`] borrows it with one pointer (the stretch loop holds two sides in
+/// registers).
+#[derive(Debug, Default, Clone, Copy)]
+struct StoredPayloads {
+    /// One may hold its payload on the heap, so [`Slots::clear`] frees those payloads instead
+    /// of keeping them until the slot is overwritten (recycled buckets would otherwise hold a
+    /// whole epoch of large commit messages each, beyond what the backlog limits bound).
+    heap: bool,
+    /// One was not an 8-byte word ([`Payload::is_word`]). A complete side without one is handed
+    /// to the query as words ([`Offsets::are_words`]) without a read, and the durable log then
+    /// reads the words without checking each entry ([`Slots::offsets`]).
+    non_word: bool,
+}
+
+impl StoredPayloads {
+    /// Notes a payload being stored: one comparison for a word, the common payload (a heap
+    /// payload is no word).
+    #[inline(always)]
+    fn note(&mut self, payload: &Payload) {
+        if !payload.is_word() {
+            self.non_word = true;
+            self.heap |= !payload.is_inline();
+        }
+    }
+}
+
 /// A dense side borrowed for a stretch of new entries ([`EpochCoordinator::apply_run`]): it
 /// takes partitions below its bound whose bit is clear, and no more of them than leave the
 /// side one short of complete (completing a side is the one-by-one path's work).
@@ -491,9 +523,9 @@ struct SideStretch<'a> {
     /// New entries the stretch may store: `room` in all, `left` of them still.
     room: usize,
     left: usize,
-    /// The side's own entry count (updated when the stretch ends) and heap flag.
+    /// The side's own entry count (updated when the stretch ends) and payload notes.
     side_len: &'a mut usize,
-    side_heap_payloads: &'a mut bool,
+    side_stored: &'a mut StoredPayloads,
 }
 
 impl Slots {
@@ -512,7 +544,7 @@ impl Slots {
             room,
             left: room,
             side_len: &mut self.len,
-            side_heap_payloads: &mut self.heap_payloads,
+            side_stored: &mut self.stored,
         }
     }
 }
@@ -540,9 +572,7 @@ impl SideStretch<'_> {
     /// Stores the payload of a claimed position.
     #[inline(always)]
     fn store(&mut self, position: usize, payload: Payload) {
-        if !payload.is_inline() {
-            *self.side_heap_payloads = true;
-        }
+        self.side_stored.note(&payload);
         self.entries[position].1 = payload;
     }
 
@@ -623,13 +653,13 @@ fn complete(len: usize, count: i32) -> bool {
 /// ```
 /// use coordbus::coordinators::epoch::{
 ///     CollaboratorError, Epoch, EpochConfig, EpochCoordinator, EpochError, NoopSink,
-///     PartitionId, Payload, Query,
+///     Offsets, PartitionId, Payload, Query,
 /// };
 ///
 /// #[derive(Default)]
 /// struct Log(Vec<String>);
 /// impl Query for Log {
-///     fn add_offsets(&mut self, e: Epoch, o: &[(PartitionId, Payload)])
+///     fn add_offsets(&mut self, e: Epoch, o: Offsets<'_>)
 ///         -> Result<(), CollaboratorError> {
 ///         self.0.push(format!("offsets {e} x{}", o.len()));
 ///         Ok(())
@@ -1010,7 +1040,7 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
         self.counters.offsets_added += 1;
         let bucket = &mut self.buckets[slot as usize];
         bucket.offsets_added = true;
-        let offsets = bucket.offsets.sorted();
+        let offsets = bucket.offsets.offsets();
         if let Err(source) = self.query.add_offsets(epoch, offsets) {
             self.fail(EpochError::AddOffsets { epoch, source }, epoch);
         }
@@ -1492,7 +1522,7 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
             }
             bucket.offsets_added = true;
             self.query
-                .add_offsets(epoch, bucket.offsets.sorted())
+                .add_offsets(epoch, bucket.offsets.offsets())
                 .map_err(|source| EpochError::AddOffsets { epoch, source })?;
         }
         self.sink
@@ -1709,7 +1739,7 @@ mod tests {
         fn add_offsets(
             &mut self,
             _: Epoch,
-            _: &[(PartitionId, Payload)],
+            _: Offsets<'_>,
         ) -> Result<(), crate::error::HandlerError> {
             Ok(())
         }
@@ -1916,7 +1946,106 @@ mod tests {
         coordinator.apply_run(&mut messages.into_iter(), |rejected| panic!("{rejected}"));
         let bucket = &coordinator.buckets[coordinator.by_epoch[&1] as usize];
         assert_eq!((bucket.offsets.len, bucket.commits.len), (2, 1));
-        assert!(bucket.offsets.heap_payloads && bucket.commits.heap_payloads);
+        assert!(bucket.offsets.stored.heap && bucket.commits.stored.heap);
+    }
+
+    /// What a [`WordsSeen`] query was handed: per call, the epoch and whether the offsets
+    /// were words.
+    type WordsLog = std::rc::Rc<std::cell::RefCell<Vec<(i64, bool)>>>;
+
+    /// Records whether each epoch's offsets came as words ([`Offsets::are_words`]).
+    struct WordsSeen(WordsLog);
+    impl Query for WordsSeen {
+        fn add_offsets(
+            &mut self,
+            epoch: Epoch,
+            offsets: Offsets<'_>,
+        ) -> Result<(), crate::error::HandlerError> {
+            self.0.borrow_mut().push((epoch.0, offsets.are_words()));
+            Ok(())
+        }
+        fn commit(&mut self, _: Epoch) -> Result<(), crate::error::HandlerError> {
+            Ok(())
+        }
+        fn stop(&mut self, _: EpochError) {}
+    }
+
+    /// A complete dense side is handed on as words exactly when every payload it holds is 8
+    /// bytes, whichever path stored them: one by one, a stretch, or a repeated report that
+    /// replaced a word or was replaced by one. A recycled bucket starts from a clear note.
+    #[test]
+    fn the_query_is_told_whether_an_epochs_offsets_are_words() {
+        let seen = WordsLog::default();
+        let mut coordinator =
+            EpochCoordinator::new(EpochConfig::new(1), WordsSeen(seen.clone()), Nothing).unwrap();
+        coordinator.set_reader_partitions(4).unwrap();
+        coordinator.set_writer_partitions(1).unwrap();
+        let twelve = || Payload::from(&[3u8; 12][..]);
+        let long = || Payload::from(vec![7u8; 2 * Payload::INLINE_BYTES]);
+        let run = |coordinator: &mut EpochCoordinator<_, _>, messages: Vec<EpochMessage>| {
+            coordinator.apply_run(&mut messages.into_iter(), |rejected| panic!("{rejected}"));
+        };
+        let words = |epoch: i64| (0..4).map(move |p| report(p, epoch, i64::from(p).into()));
+        // Epoch 1: words, the first one by one and the rest in a stretch.
+        run(&mut coordinator, words(1).chain([commit(0, 1, 1.into())]).collect());
+        // Epoch 2: a 12-byte offset in the stretch.
+        let twelve_in_stretch = [report(0, 2, 0.into()), report(1, 2, twelve())];
+        let rest = [report(2, 2, 2.into()), report(3, 2, 3.into()), commit(0, 2, 1.into())];
+        run(&mut coordinator, twelve_in_stretch.into_iter().chain(rest).collect());
+        // Epoch 3 (in epoch 1's recycled bucket): words again.
+        run(&mut coordinator, words(3).chain([commit(0, 3, 1.into())]).collect());
+        // Epoch 4: a heap offset, applied one message at a time.
+        for message in [report(3, 4, long())].into_iter().chain(words(4).take(3)) {
+            coordinator.apply(message).unwrap();
+        }
+        run(&mut coordinator, vec![commit(0, 4, 1.into())]);
+        // Epoch 5: a word replaced by a repeated report of 12 bytes before the side completes.
+        for message in words(5).take(3).chain([report(1, 5, twelve()), report(3, 5, 3.into())]) {
+            coordinator.apply(message).unwrap();
+        }
+        run(&mut coordinator, vec![commit(0, 5, 1.into())]);
+        // Epoch 6: words once more, one by one.
+        for message in words(6).chain([commit(0, 6, 1.into())]) {
+            coordinator.apply(message).unwrap();
+        }
+        // Epoch 7: a 12-byte offset replaced by a word: words after all (found by a read).
+        for message in [report(1, 7, twelve())].into_iter().chain(words(7)) {
+            coordinator.apply(message).unwrap();
+        }
+        run(&mut coordinator, vec![commit(0, 7, 1.into())]);
+        assert_eq!(coordinator.last_committed(), Epoch(7));
+        assert_eq!(
+            *seen.borrow(),
+            [(1, true), (2, false), (3, true), (4, false), (5, false), (6, true), (7, true)]
+        );
+    }
+
+    /// A side that is not dense is read for the word layout: ids `0..len` arriving in order,
+    /// and out of order (sorted on completion), are words; a gap is not.
+    #[test]
+    fn a_sparse_side_is_read_for_the_word_layout() {
+        let mut in_order = Slots::new();
+        in_order.prepare(3, false);
+        for partition in 0..3 {
+            in_order.insert(PartitionId(partition), 1.into(), true);
+        }
+        assert!(!in_order.dense && in_order.offsets().are_words());
+        let mut shuffled = Slots::new();
+        for partition in [2, 0, 1] {
+            shuffled.insert(PartitionId(partition), 1.into(), true);
+        }
+        assert!(shuffled.offsets().are_words());
+        let mut gap = Slots::new();
+        for partition in [0, 2] {
+            gap.insert(PartitionId(partition), 1.into(), true);
+        }
+        assert!(!gap.offsets().are_words());
+        // A dense side made sparse by a partial hand-over is read too.
+        let mut partial = Slots::new();
+        partial.prepare(3, true);
+        partial.insert(PartitionId(0), 1.into(), true);
+        partial.insert(PartitionId(1), 1.into(), true);
+        assert!(partial.offsets().are_words() && !partial.dense);
     }
 
     /// A caller's iterator that panics in the middle of a stretch leaves the coordinator as

@@ -50,7 +50,7 @@ use coordbus::{
         coordinator_name, reference::ReferenceEpochCoordinator, CollaboratorError,
         CommitPartitionEpoch, DurableQuery, DurableQueryStatus, Epoch, EpochConfig,
         EpochCoordinator, EpochEndpoint, EpochError, EpochMessage, GetCurrentEpoch, GetEpochStats,
-        IncrementAndGetEpoch, PartitionId, Payload, Query, ReportPartitionOffset,
+        IncrementAndGetEpoch, Offsets, PartitionId, Payload, Query, ReportPartitionOffset,
         SetReaderPartitions, SetWriterPartitions, Sink,
     },
     wal::{self, Wal, WalConfig, WalOptions},
@@ -357,11 +357,7 @@ impl Drop for StopRunUnlessDone<'_> {
 struct LoadQuery(Arc<Shared>);
 
 impl Query for LoadQuery {
-    fn add_offsets(
-        &mut self,
-        _: Epoch,
-        offsets: &[(PartitionId, Payload)],
-    ) -> Result<(), CollaboratorError> {
+    fn add_offsets(&mut self, _: Epoch, offsets: Offsets<'_>) -> Result<(), CollaboratorError> {
         std::hint::black_box(offsets);
         Ok(())
     }
@@ -1048,11 +1044,7 @@ const REFERENCE_CHUNK: usize = 1024;
 struct LoadSinkQuery;
 
 impl Query for LoadSinkQuery {
-    fn add_offsets(
-        &mut self,
-        _: Epoch,
-        offsets: &[(PartitionId, Payload)],
-    ) -> Result<(), CollaboratorError> {
+    fn add_offsets(&mut self, _: Epoch, offsets: Offsets<'_>) -> Result<(), CollaboratorError> {
         std::hint::black_box(offsets);
         Ok(())
     }
