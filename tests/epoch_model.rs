@@ -140,10 +140,13 @@ fn collaborators(case: &Case) -> (RecordingQuery, RecordingSink, CallLog) {
     (query, sink, log)
 }
 
-/// A payload unique to operation `index`; every fifth one too long to be inline.
+/// A payload unique to operation `index`: every fifth one too long to be inline, every seventh
+/// other one inline but 12 bytes (no word), the rest 8-byte words.
 fn payload(index: usize) -> Payload {
     if index.is_multiple_of(5) {
         Payload::from(format!("a long payload that spills to the heap #{index}").into_bytes())
+    } else if index.is_multiple_of(7) {
+        Payload::from(format!("inline{index:06}").into_bytes())
     } else {
         Payload::from(index as i64)
     }

@@ -58,6 +58,10 @@ pub struct RecordingQuery {
 
 impl Query for RecordingQuery {
     fn add_offsets(&mut self, epoch: Epoch, offsets: Offsets<'_>) -> Result<(), CollaboratorError> {
+        // The coordinator's word flag is what a read of the entries finds (it is trusted by the
+        // durable log's encoder, and release builds do not check it).
+        let read = Offsets::new(offsets.as_slice()).are_words();
+        assert_eq!(offsets.are_words(), read, "the word flag of epoch {epoch}'s offsets");
         self.log.lock().unwrap().push(Call::AddOffsets(epoch.0, pairs(&offsets)));
         if self.fail_add_offsets_at.contains(&epoch.0) {
             return Err(injected("add_offsets", epoch));

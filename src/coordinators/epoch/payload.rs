@@ -211,10 +211,10 @@ impl From<Vec<u8>> for Payload {
 /// payload as a word without checking ids and lengths one by one.
 ///
 /// Why the coordinator says it rather than the query checking: the coordinator's dense layout
-/// has the ids by construction and notes a payload that is not 8 bytes as it stores it, at no
-/// cost per message, while a check by the query reads each entry's id and length again, on
+/// has the ids by construction and notes a payload that is not 8 bytes as it stores it, by a
+/// comparison it made anyway, while a check by the query reads every entry's id again, on
 /// entries that have usually left the cache by the time the epoch completes (PERF.md,
-/// EpochCoordinator, "Fortieth session").
+/// "Fortieth session").
 ///
 /// ```
 /// use coordbus::coordinators::epoch::{Offsets, PartitionId, Payload};
@@ -283,6 +283,21 @@ impl<'a> From<&'a [(PartitionId, Payload)]> for Offsets<'a> {
     }
 }
 
+impl<'a> From<&'a Vec<(PartitionId, Payload)>> for Offsets<'a> {
+    fn from(entries: &'a Vec<(PartitionId, Payload)>) -> Self {
+        Self::new(entries)
+    }
+}
+
+impl<'a> IntoIterator for Offsets<'a> {
+    type Item = &'a (PartitionId, Payload);
+    type IntoIter = std::slice::Iter<'a, (PartitionId, Payload)>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.entries.iter()
+    }
+}
+
 fn are_words(entries: &[(PartitionId, Payload)]) -> bool {
     entries
         .iter()
@@ -334,9 +349,12 @@ mod tests {
             let other = (PartitionId(1), Payload::from(vec![1u8; width]));
             assert!(!Offsets::new(&[word(0, 5), other]).are_words(), "width {width}");
         }
-        let entries = [word(0, 5), word(1, 6)];
-        let offsets = Offsets::from(&entries[..]);
+        let entries = vec![word(0, 5), word(1, 6)];
+        let offsets = Offsets::from(&entries);
+        assert!(offsets.are_words() && Offsets::from(&entries[..1]).are_words());
         assert_eq!(offsets.as_slice().len(), 2);
+        let ids: Vec<i32> = offsets.into_iter().map(|(partition, _)| partition.0).collect();
+        assert_eq!(ids, [0, 1]);
         assert_eq!(
             offsets.iter().map(|(_, payload)| payload.as_i64()).collect::<Vec<_>>(),
             [Some(5), Some(6)]

@@ -138,7 +138,8 @@ struct Slots {
     present: Vec<u64>,
     /// Number of stored entries (dense: set bits; sparse: `entries.len()`).
     len: usize,
-    /// Dense layout: what the payloads stored since the last clear need.
+    /// Dense layout: what the side noted of the payloads stored since its last clear (heap
+    /// payloads to free, payloads that are no 8-byte word).
     stored: StoredPayloads,
     /// Sparse layout: partition id -> position in `entries`, maintained only when `positional`
     /// is false.
@@ -1986,13 +1987,15 @@ mod tests {
             coordinator.apply_run(&mut messages.into_iter(), |rejected| panic!("{rejected}"));
         };
         let words = |epoch: i64| (0..4).map(move |p| report(p, epoch, i64::from(p).into()));
-        // Epoch 1: words, the first one by one and the rest in a stretch.
+        // Epoch 1: words (the first and the completing report one by one, the two between
+        // them in a stretch).
         run(&mut coordinator, words(1).chain([commit(0, 1, 1.into())]).collect());
         // Epoch 2: a 12-byte offset in the stretch.
         let twelve_in_stretch = [report(0, 2, 0.into()), report(1, 2, twelve())];
         let rest = [report(2, 2, 2.into()), report(3, 2, 3.into()), commit(0, 2, 1.into())];
         run(&mut coordinator, twelve_in_stretch.into_iter().chain(rest).collect());
-        // Epoch 3 (in epoch 1's recycled bucket): words again.
+        // Epoch 3: words again, in the recycled bucket of epoch 2 (each epoch commits before
+        // the next begins, so all of them reuse one bucket): its clear forgot epoch 2's note.
         run(&mut coordinator, words(3).chain([commit(0, 3, 1.into())]).collect());
         // Epoch 4: a heap offset, applied one message at a time.
         for message in [report(3, 4, long())].into_iter().chain(words(4).take(3)) {
