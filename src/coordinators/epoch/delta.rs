@@ -52,6 +52,7 @@ use super::{
     log_record::{
         reserve_offsets, ArchivedOffsetsDeltaRecord, ArchivedOffsetsRecord, OffsetsDeltaRecord,
     },
+    zigzag::{differences as zigzag_differences, unzigzag},
     Offsets, PartitionId, Payload,
 };
 
@@ -106,22 +107,15 @@ impl DeltaEncoder {
             self.base = None;
             return None;
         }
-        let all_bits = if width == 8 {
-            differences_of_words(offsets, &mut base.words, &mut self.words)
-        } else if fill_words(&offsets, width, &mut self.words, &mut self.bytes) {
-            let mut all_bits = 0u64;
-            for (word, base_word) in self.words.iter_mut().zip(&mut base.words) {
-                let difference = zigzag(word.wrapping_sub(*base_word));
-                *base_word = *word;
-                *word = difference;
-                all_bits |= difference;
-            }
-            Some(all_bits)
+        // Two passes: reading the payloads, then arithmetic the compiler vectorizes.
+        let compact = if width == 8 {
+            gather_words(offsets, &mut self.words)
         } else {
-            None
+            fill_words(&offsets, width, &mut self.words, &mut self.bytes)
         };
+        let all_bits = compact.then(|| zigzag_differences(&mut self.words, &mut base.words));
         let Some(all_bits) = all_bits else {
-            // Not compact (and the base's words may be half overwritten).
+            // Not compact.
             self.base = None;
             return None;
         };
@@ -172,22 +166,6 @@ impl DeltaEncoder {
     }
 }
 
-/// For payloads of 8 bytes, one word each: the zigzag differences from `base` into `out`, and
-/// all their bits or'ed, with `base` left holding the new words; `None` if the
-/// layout is not compact (ids `0..count`, every payload 8 bytes; `base` is then garbage).
-fn differences_of_words(offsets: Offsets<'_>, base: &mut [u64], out: &mut Vec<u64>) -> Option<u64> {
-    // Two passes: reading the payloads, then arithmetic the compiler vectorizes.
-    let compact = gather_words(offsets, out) && base.len() == offsets.len();
-    let mut all_bits = 0u64;
-    for (word, base) in out.iter_mut().zip(base) {
-        let difference = zigzag(word.wrapping_sub(*base));
-        *base = *word;
-        *word = difference;
-        all_bits |= difference;
-    }
-    compact.then_some(all_bits)
-}
-
 /// Sets `out` to the payloads read as 8-byte words, and returns whether the offsets are words
 /// ([`Offsets::are_words`]: the compact layout for a width of 8).
 ///
@@ -210,11 +188,32 @@ fn gather_words(offsets: Offsets<'_>, out: &mut Vec<u64>) -> bool {
     all_words
 }
 
-/// Sets `out` to the `N` low bytes of each word, little-endian (`N` bytes per word). `out` is
+/// Sets `out` to the `N` low bytes of each word, little-endian (`N` bytes per word). Every word
+/// must fit in `N` bytes ([`DeltaEncoder::encode`] takes `N` from all of them or'ed). `out` is
 /// not cleared first (a memset of the whole record per epoch): every byte kept is written.
+///
+/// Eight words fill exactly `N` 8-byte stores: each word is shifted into place in them (the
+/// shifts are constants once the loops are unrolled), instead of an `N`-byte copy per word.
 fn store_low_bytes<const N: usize>(words: &[u64], out: &mut Vec<u8>) {
+    debug_assert!(N == 8 || words.iter().all(|word| word >> (8 * N) == 0));
     out.resize(words.len() * N, 0);
-    for (slot, word) in out.chunks_exact_mut(N).zip(words) {
+    let (groups, rest) = words.as_chunks::<8>();
+    let (packed_out, rest_out) = out.split_at_mut(groups.len() * 8 * N);
+    for (group, slot) in groups.iter().zip(packed_out.chunks_exact_mut(8 * N)) {
+        let mut packed = [0u64; N];
+        for (index, &word) in group.iter().enumerate() {
+            let (at, shift) = (index * N / 8, index * N % 8 * 8);
+            packed[at] |= word << shift;
+            if shift + 8 * N > 64 {
+                // The word's high bytes go to the next store.
+                packed[at + 1] |= word >> (64 - shift);
+            }
+        }
+        for (bytes, packed) in slot.chunks_exact_mut(8).zip(packed) {
+            bytes.copy_from_slice(&packed.to_le_bytes());
+        }
+    }
+    for (slot, word) in rest_out.chunks_exact_mut(N).zip(rest) {
         slot.copy_from_slice(&word.to_le_bytes()[..N]);
     }
 }
@@ -246,14 +245,6 @@ fn padded_word(bytes: &[u8]) -> u64 {
     let mut word = [0u8; 8];
     word[..bytes.len()].copy_from_slice(bytes);
     u64::from_le_bytes(word)
-}
-
-fn zigzag(difference: u64) -> u64 {
-    (difference << 1) ^ ((difference as i64 >> 63) as u64)
-}
-
-fn unzigzag(encoded: u64) -> u64 {
-    (encoded >> 1) ^ 0u64.wrapping_sub(encoded & 1)
 }
 
 /// A chain being decoded: the offsets of its last record as words, from its keyframe on.
@@ -602,6 +593,37 @@ mod tests {
             encoder.encode(1, 7, Offsets::new(&eight(4)), KEYFRAME_INTERVAL).is_some(),
             "compact again"
         );
+    }
+
+    /// Each width stores exactly the low bytes of each word, for word counts with and without
+    /// a remainder after the groups of eight.
+    #[test]
+    fn low_bytes_are_stored_for_every_width_and_count() {
+        fn check<const N: usize>() {
+            for count in [0usize, 1, 7, 8, 9, 16, 23, 64] {
+                // Words that fill all N bytes, distinct per position.
+                let mask = if N == 8 { u64::MAX } else { (1u64 << (8 * N)) - 1 };
+                let words: Vec<u64> = (0..count as u64)
+                    .map(|index| {
+                        (0x8899_AABB_CCDD_EEFF ^ index.wrapping_mul(0x0101_0101_0101)) & mask
+                    })
+                    .collect();
+                let expected: Vec<u8> =
+                    words.iter().flat_map(|word| word.to_le_bytes()[..N].to_vec()).collect();
+                // A dirty buffer: every byte must be written.
+                let mut out = vec![0x5A; 3];
+                store_low_bytes::<N>(&words, &mut out);
+                assert_eq!(out, expected, "{N} bytes, {count} words");
+            }
+        }
+        check::<1>();
+        check::<2>();
+        check::<3>();
+        check::<4>();
+        check::<5>();
+        check::<6>();
+        check::<7>();
+        check::<8>();
     }
 
     #[test]

@@ -161,6 +161,7 @@ mod log_record;
 mod payload;
 pub mod reference;
 mod state;
+mod zigzag;
 
 pub use self::{
     durable::{
