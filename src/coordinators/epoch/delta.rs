@@ -113,6 +113,9 @@ impl DeltaEncoder {
         } else {
             fill_words(&offsets, width, &mut self.words, &mut self.bytes)
         };
+        // Same count and width give as many words as the base has; checked anyway (once per
+        // epoch), as a word left out of the differences would not fit `word_bytes`.
+        let compact = compact && self.words.len() == base.words.len();
         let all_bits = compact.then(|| zigzag_differences(&mut self.words, &mut base.words));
         let Some(all_bits) = all_bits else {
             // Not compact.
@@ -189,8 +192,9 @@ fn gather_words(offsets: Offsets<'_>, out: &mut Vec<u64>) -> bool {
 }
 
 /// Sets `out` to the `N` low bytes of each word, little-endian (`N` bytes per word). Every word
-/// must fit in `N` bytes ([`DeltaEncoder::encode`] takes `N` from all of them or'ed). `out` is
-/// not cleared first (a memset of the whole record per epoch): every byte kept is written.
+/// must fit in `N` bytes ([`DeltaEncoder::encode`] takes `N` from all of them or'ed): the bytes
+/// of one that does not would land in its neighbours'. `out` is not cleared first (a memset of
+/// the whole record per epoch): every byte kept is written.
 ///
 /// Eight words fill exactly `N` 8-byte stores: each word is shifted into place in them (the
 /// shifts are constants once the loops are unrolled), instead of an `N`-byte copy per word.
@@ -611,7 +615,7 @@ mod tests {
                 let expected: Vec<u8> =
                     words.iter().flat_map(|word| word.to_le_bytes()[..N].to_vec()).collect();
                 // A dirty buffer: every byte must be written.
-                let mut out = vec![0x5A; 3];
+                let mut out = vec![0x5A; 8 * 64 + 1];
                 store_low_bytes::<N>(&words, &mut out);
                 assert_eq!(out, expected, "{N} bytes, {count} words");
             }

@@ -9,7 +9,7 @@
 //! words at a time: 2.2 instructions per word. The loop runs over every offset of every epoch
 //! on the coordinator's thread (PERF.md, "Fortieth session"). A function compiled with a
 //! `target_feature` may only be called once the CPU is known to have it: that call is the one
-//! `unsafe` block here.
+//! `unsafe` block here, outside the tests.
 //!
 //! Not AVX-512, although this machine class has it: it would save about one more instruction
 //! per word, but a burst of 512-bit instructions once per epoch can make some Intel CPUs
@@ -68,8 +68,9 @@ pub(super) fn unzigzag(encoded: u64) -> u64 {
 mod tests {
     use super::*;
 
-    /// Words and bases with small and large differences both ways, for `count` words.
-    fn sample(count: usize) -> (Vec<u64>, Vec<u64>) {
+    /// Words and bases for `count` words: differences of at most 1000 either way, and one of
+    /// 2^40 at `large_at` (if below `count`), so that a word missing from the or'ed bits shows.
+    fn sample(count: usize, large_at: usize) -> (Vec<u64>, Vec<u64>) {
         let mut state = 0x2545_F491_4F6C_DD1Du64;
         let mut next = move || {
             // xorshift64: fixed seed, no dependency on the test's order.
@@ -81,11 +82,10 @@ mod tests {
         (0..count)
             .map(|index| {
                 let base = next();
-                let step = match index % 4 {
-                    0 => next() % 1000,
-                    1 => (next() % 1000).wrapping_neg(),
-                    2 => next(),
-                    _ => 0,
+                let step = match index {
+                    _ if index == large_at => 1 << 40,
+                    _ if index % 2 == 0 => next() % 1000,
+                    _ => (next() % 1000).wrapping_neg(),
                 };
                 (base.wrapping_add(step), base)
             })
@@ -105,6 +105,7 @@ mod tests {
     #[test]
     fn every_version_the_cpu_has_computes_the_same_differences() {
         type Version = fn(&mut [u64], &mut [u64]) -> u64;
+        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
         let mut versions: Vec<(&str, Version)> =
             vec![("portable", differences_portable), ("dispatched", differences)];
         #[cfg(target_arch = "x86_64")]
@@ -115,13 +116,17 @@ mod tests {
             }
         }
         for count in [0, 1, 3, 4, 7, 8, 15, 16, 17, 1000] {
-            let (words, base) = sample(count);
-            let (want, want_bits) = expected(&words, &base);
-            for (name, version) in &versions {
-                let (mut got, mut got_base) = (words.clone(), base.clone());
-                let bits = version(&mut got, &mut got_base);
-                assert_eq!((got, bits), (want.clone(), want_bits), "{name}, {count} words");
-                assert_eq!(got_base, words, "{name}, {count} words: the base holds the words");
+            // The large difference at each place (the vector body and the tail), or nowhere.
+            for large_at in (0..count.min(17)).chain([count - count.min(1), usize::MAX]) {
+                let (words, base) = sample(count, large_at);
+                let (want, want_bits) = expected(&words, &base);
+                let case = format!("{count} words, large at {large_at}");
+                for (name, version) in &versions {
+                    let (mut got, mut got_base) = (words.clone(), base.clone());
+                    let bits = version(&mut got, &mut got_base);
+                    assert_eq!((got, bits), (want.clone(), want_bits), "{name}, {case}");
+                    assert_eq!(got_base, words, "{name}, {case}: the base holds the words");
+                }
             }
         }
     }
