@@ -172,11 +172,11 @@ impl DeltaEncoder {
 /// Sets `out` to the payloads read as 8-byte words, and returns whether the offsets are words
 /// ([`Offsets::are_words`]: the compact layout for a width of 8).
 ///
-/// The ids are not checked here: the offsets say they are `0..len`. Each payload's length is,
-/// as it is read (one comparison the read makes anyway, and an `and`), so that a wrong flag
-/// costs a full record rather than a wrong offset in the log. This is the first read of an
-/// epoch's entries since they were stored, usually from beyond the cache (PERF.md, "Fortieth
-/// session").
+/// The ids are not checked here: the offsets say they are `0..len` (a dense side has them by
+/// construction). Each payload's length is, as it is read (one comparison the read makes
+/// anyway, and an `and`), so that a flag wrong about a payload's width costs a full record
+/// rather than a wrong offset in the log. This is the first read of an epoch's entries since
+/// they were stored, usually from beyond the cache (PERF.md, "Fortieth session").
 fn gather_words(offsets: Offsets<'_>, out: &mut Vec<u64>) -> bool {
     out.clear();
     if !offsets.are_words() {
