@@ -497,8 +497,8 @@ struct StoredPayloads {
     /// whole epoch of large commit messages each, beyond what the backlog limits bound).
     heap: bool,
     /// One was not an 8-byte word ([`Payload::is_word`]). A complete side without one is handed
-    /// to the query as words ([`Offsets::are_words`]) without a read, and the durable log then
-    /// reads the words without checking each entry ([`Slots::offsets`]).
+    /// to the query as words ([`Offsets::are_words`]) without a read ([`Slots::offsets`]), and
+    /// the durable log then reads the words without checking each entry's id.
     non_word: bool,
 }
 
