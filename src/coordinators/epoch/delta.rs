@@ -108,11 +108,7 @@ impl DeltaEncoder {
             return None;
         }
         // Two passes: reading the payloads, then arithmetic the compiler vectorizes.
-        let compact = if width == 8 {
-            gather_words(offsets, &mut self.words)
-        } else {
-            fill_words(&offsets, width, &mut self.words, &mut self.bytes)
-        };
+        let compact = fill_words(offsets, width, &mut self.words, &mut self.bytes);
         // Same count and width give as many words as the base has; checked anyway (once per
         // epoch), as a word left out of the differences would not fit `word_bytes`.
         let compact = compact && self.words.len() == base.words.len();
@@ -157,12 +153,7 @@ impl DeltaEncoder {
     pub(super) fn full_record_appended(&mut self, epoch: i64, offsets: Offsets<'_>) {
         let width = offsets.first().map_or(0, |(_, payload)| payload.len());
         let mut words = self.base.take().map_or_else(Vec::new, |base| base.words);
-        let compact = if width == 8 {
-            gather_words(offsets, &mut words)
-        } else {
-            fill_words(&offsets, width, &mut words, &mut self.bytes)
-        };
-        if compact {
+        if fill_words(offsets, width, &mut words, &mut self.bytes) {
             self.base =
                 Some(Base { epoch, keyframe_epoch: epoch, count: offsets.len(), width, words });
         }
@@ -224,14 +215,16 @@ fn store_low_bytes<const N: usize>(words: &[u64], out: &mut Vec<u8>) {
 
 /// Reads the payloads as padded little-endian words into `words`, and returns whether the
 /// layout is compact (ids `0..count`, every payload `width` bytes; else `words` is garbage).
-/// For widths other than 8 ([`gather_words`] reads those).
+/// Payloads of 8 bytes are one word each ([`gather_words`]).
 fn fill_words(
-    offsets: &[(PartitionId, Payload)],
+    offsets: Offsets<'_>,
     width: usize,
     words: &mut Vec<u64>,
     bytes: &mut Vec<u8>,
 ) -> bool {
-    debug_assert_ne!(width, 8, "8-byte payloads are gathered as words");
+    if width == 8 {
+        return gather_words(offsets, words);
+    }
     words.clear();
     let mut compact = true;
     bytes.clear();
