@@ -207,8 +207,9 @@ impl From<Vec<u8>> for Payload {
 /// [`Query::add_offsets`](super::Query::add_offsets): one entry per reader partition, sorted by
 /// partition id. It derefs to the slice of entries, and also says whether they are **words**:
 /// ids exactly `0..len` and every payload 8 bytes (an `i64` offset per partition, the common
-/// case). A query that stores offsets by partition, as the durable log does, then reads each
-/// payload as a word without checking ids and lengths one by one.
+/// case). A query that stores offsets by partition, as the durable log does, can then take each
+/// entry's position as its id instead of checking ids one by one (the durable log still checks
+/// each payload's length as it reads the word).
 ///
 /// Why the coordinator says it rather than the query checking: the coordinator's dense layout
 /// has the ids by construction and notes a payload that is not 8 bytes as it stores it, by a
