@@ -52,6 +52,7 @@ use super::{
     log_record::{
         reserve_offsets, ArchivedOffsetsDeltaRecord, ArchivedOffsetsRecord, OffsetsDeltaRecord,
     },
+    low_bytes::store_low_bytes,
     zigzag::{differences as zigzag_differences, unzigzag},
     Offsets, PartitionId, Payload,
 };
@@ -212,37 +213,6 @@ fn read_words(slots: &mut [u64], entries: &[(PartitionId, Payload)]) -> bool {
         *slot = word as u64;
     }
     true
-}
-
-/// Sets `out` to the `N` low bytes of each word, little-endian (`N` bytes per word). Every word
-/// must fit in `N` bytes ([`DeltaEncoder::encode`] takes `N` from all of them or'ed): the bytes
-/// of one that does not would land in its neighbours'. `out` is not cleared first (a memset of
-/// the whole record per epoch): every byte kept is written.
-///
-/// Eight words fill exactly `N` 8-byte stores: each word is shifted into place in them (the
-/// shifts are constants once the loops are unrolled), instead of an `N`-byte copy per word.
-fn store_low_bytes<const N: usize>(words: &[u64], out: &mut Vec<u8>) {
-    debug_assert!(N == 8 || words.iter().all(|word| word >> (8 * N) == 0));
-    out.resize(words.len() * N, 0);
-    let (groups, rest) = words.as_chunks::<8>();
-    let (packed_out, rest_out) = out.split_at_mut(groups.len() * 8 * N);
-    for (group, slot) in groups.iter().zip(packed_out.chunks_exact_mut(8 * N)) {
-        let mut packed = [0u64; N];
-        for (index, &word) in group.iter().enumerate() {
-            let (at, shift) = (index * N / 8, index * N % 8 * 8);
-            packed[at] |= word << shift;
-            if shift + 8 * N > 64 {
-                // The word's high bytes go to the next store.
-                packed[at + 1] |= word >> (64 - shift);
-            }
-        }
-        for (bytes, packed) in slot.chunks_exact_mut(8).zip(packed) {
-            bytes.copy_from_slice(&packed.to_le_bytes());
-        }
-    }
-    for (slot, word) in rest_out.chunks_exact_mut(N).zip(rest) {
-        slot.copy_from_slice(&word.to_le_bytes()[..N]);
-    }
 }
 
 /// Reads the payloads as padded little-endian words into `words`, and returns whether the
@@ -626,35 +596,6 @@ mod tests {
 
     /// Each width stores exactly the low bytes of each word, for word counts with and without
     /// a remainder after the groups of eight.
-    #[test]
-    fn low_bytes_are_stored_for_every_width_and_count() {
-        fn check<const N: usize>() {
-            for count in [0usize, 1, 7, 8, 9, 16, 23, 64] {
-                // Words that fill all N bytes, distinct per position.
-                let mask = if N == 8 { u64::MAX } else { (1u64 << (8 * N)) - 1 };
-                let words: Vec<u64> = (0..count as u64)
-                    .map(|index| {
-                        (0x8899_AABB_CCDD_EEFF ^ index.wrapping_mul(0x0101_0101_0101)) & mask
-                    })
-                    .collect();
-                let expected: Vec<u8> =
-                    words.iter().flat_map(|word| word.to_le_bytes()[..N].to_vec()).collect();
-                // A dirty buffer: every byte must be written.
-                let mut out = vec![0x5A; 8 * 64 + 1];
-                store_low_bytes::<N>(&words, &mut out);
-                assert_eq!(out, expected, "{N} bytes, {count} words");
-            }
-        }
-        check::<1>();
-        check::<2>();
-        check::<3>();
-        check::<4>();
-        check::<5>();
-        check::<6>();
-        check::<7>();
-        check::<8>();
-    }
-
     /// The gather reads every payload of every count around its group of eight, and stops at
     /// a payload that is no word wherever it is (a flag wrong about the widths then costs a
     /// full record, not a wrong offset).

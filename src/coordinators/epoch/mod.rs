@@ -158,6 +158,7 @@ mod delta;
 mod durable;
 mod endpoint;
 mod log_record;
+mod low_bytes;
 mod payload;
 pub mod reference;
 mod state;
