@@ -7,10 +7,10 @@
 //! instructions per word: a load, a shift and an `or` for each word, and a word that straddles
 //! two stores twice. AVX2's byte shuffle moves the `N` low bytes of two words to the front of
 //! each 128-bit half in one instruction, for four words at a time, and the two halves are
-//! stored where their bytes go: 5 instructions per four words, with the loop's own. The pass
-//! runs over every offset of every epoch on the coordinator's thread (PERF.md, "Forty-first
-//! session"). The `unsafe` here: calling the AVX2 copy once the CPU is known to have it, and its
-//! unaligned vector loads and stores, within slices whose bounds are checked before the loop.
+//! stored where their bytes go: 5 instructions per four words, about 7 with the loop's own.
+//! The pass runs over every offset of every epoch on the coordinator's thread (PERF.md,
+//! "Forty-first session"). The `unsafe` here: calling the AVX2 copy once the CPU is known to
+//! have it, and its unaligned vector loads and stores, within bounds asserted before the loop.
 #![allow(unsafe_code)]
 
 /// Sets `out` to the `N` low bytes of each word, little-endian (`N` bytes per word). Every word
@@ -92,11 +92,11 @@ fn store_low_bytes_avx2<const N: usize>(words: &[u64], out: &mut Vec<u8>) {
         let packed = _mm256_shuffle_epi8(four, shuffle);
         let (low, high) = (_mm256_castsi256_si128(packed), _mm256_extracti128_si256::<1>(packed));
         let at = index * 4 * N;
-        // SAFETY: 16 bytes from `at` (at most `packed_length - 4 * N`), so they end at most
-        // `ROOM - 4 * N` bytes past `packed_length`, within `out` (asserted above).
+        // SAFETY: 16 bytes from `at`, at most `packed_length - 4 * N`: they end at or before
+        // `packed_length - 4 * N + ROOM`, within `out` (asserted above).
         unsafe { _mm_storeu_si128(base.wrapping_add(at).cast(), low) };
-        // SAFETY: 16 bytes from `at + 2 * N`, so they end at most `ROOM - 2 * N` bytes past
-        // `packed_length`, within `out` (asserted above).
+        // SAFETY: 16 bytes from `at + 2 * N`: they end at or before
+        // `packed_length - 2 * N + ROOM`, within `out` (asserted above).
         unsafe { _mm_storeu_si128(base.wrapping_add(at + 2 * N).cast(), high) };
     }
     store_low_bytes_one_by_one::<N>(rest, &mut out[packed_length..length]);
@@ -128,11 +128,13 @@ fn low_bytes_shuffle<const N: usize>() -> std::arch::x86_64::__m256i {
 mod tests {
     use super::*;
 
-    /// Words that fill all `N` bytes, distinct per position.
+    /// Words that fill all `N` bytes, each byte differing from the same byte of the words
+    /// next to it (so that a byte taken from the wrong word shows) and from the word's other
+    /// bytes (a byte from the wrong place).
     fn words<const N: usize>(count: usize) -> Vec<u64> {
         let mask = if N == 8 { u64::MAX } else { (1u64 << (8 * N)) - 1 };
         (0..count as u64)
-            .map(|index| (0x8899_AABB_CCDD_EEFF ^ index.wrapping_mul(0x0101_0101_0101)) & mask)
+            .map(|index| (0x8899_AABB_CCDD_EEFF ^ index.wrapping_mul(0x0101_0101_0101_0101)) & mask)
             .collect()
     }
 
@@ -150,9 +152,10 @@ mod tests {
             ];
             #[cfg(target_arch = "x86_64")]
             if std::arch::is_x86_feature_detected!("avx2") {
-                // SAFETY: the CPU has AVX2 (checked just above).
-                versions
-                    .push(("avx2", |words, out| unsafe { store_low_bytes_avx2::<N>(words, out) }));
+                versions.push(("avx2", |words, out| {
+                    // SAFETY: the CPU has AVX2 (checked just above).
+                    unsafe { store_low_bytes_avx2::<N>(words, out) }
+                }));
             }
             for count in [0usize, 1, 3, 4, 5, 7, 8, 9, 16, 23, 64, 1000] {
                 let words = words::<N>(count);
