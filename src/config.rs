@@ -96,7 +96,8 @@ pub struct BusConfig {
     pub drain_batch: usize,
     /// Default timeout of [`Reply::wait`](crate::Reply::wait) (default 120 s, Spark's
     /// `spark.rpc.askTimeout` default), the longest an `ask` waits for room in a full
-    /// inbox ([`AskError::Full`](crate::AskError::Full) after it), and the longest a `send` or
+    /// inbox ([`AskError::Full`](crate::AskError::Full) after it; an ask queued after such a
+    /// wait has only the rest of the timeout left for its reply), and the longest a `send` or
     /// `send_batch` from an endpoint's thread waits for room
     /// ([`SendError::Timeout`](crate::SendError::Timeout) after it).
     pub ask_timeout: Duration,

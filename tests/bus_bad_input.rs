@@ -1,6 +1,7 @@
 //! The bus facing calls that used to hang or panic: a handler sending into its own full inbox,
-//! a name the bus cannot give a thread, a shutdown whose endpoints outlive its timeout, and a
-//! shutdown called from a handler (also by two handlers at once).
+//! a name the bus cannot give a thread, a shutdown whose endpoints outlive its timeout, a
+//! shutdown called from a handler (also by two handlers at once), and an ask that waits for
+//! room in a full inbox (bounded by one `ask_timeout` in all).
 //!
 //! Goal: each gets a typed error or finishes promptly; nothing waits forever. Method: public
 //! API only, with a small inbox so it fills at once; every wait of the test is bounded, so a
@@ -275,6 +276,94 @@ fn an_ask_into_an_inbox_full_for_its_timeout_is_full_not_timeout() {
     blocker.ask(Ping).wait_timeout(BOUND).expect("the endpoint serves again");
     let stats = blocker.stats();
     assert_eq!(stats.handled, 1 + queued + 1, "{stats:?}");
+    bus.shutdown().unwrap();
+}
+
+/// Handles each note only once the test hands it a ticket (or the ticket sender is dropped);
+/// answers requests at once.
+struct Turnstile {
+    tickets: mpsc::Receiver<()>,
+    entered: mpsc::Sender<()>,
+}
+
+/// A request the turnstile answers at once.
+struct Knock;
+impl Ask<Turnstile> for Knock {
+    type Reply = ();
+    fn into_request(self, replier: Replier<()>) -> Replier<()> {
+        replier
+    }
+}
+
+impl Endpoint for Turnstile {
+    type Message = ();
+    type Request = Replier<()>;
+
+    fn handle(&mut self, (): (), _: &Context<Self>) -> Result<(), HandlerError> {
+        let _ = self.entered.send(());
+        let _ = self.tickets.recv_timeout(BOUND);
+        Ok(())
+    }
+
+    fn handle_request(
+        &mut self,
+        replier: Replier<()>,
+        _: &Context<Self>,
+    ) -> Result<(), HandlerError> {
+        replier.reply(());
+        Ok(())
+    }
+}
+
+/// An ask that waited for room in a full inbox has only the rest of `ask_timeout` for its
+/// reply: it times out about `ask_timeout` after it began, not after the time it waited for
+/// room plus a whole `ask_timeout` more.
+#[test]
+fn an_ask_that_waited_for_room_times_out_within_one_ask_timeout_in_all() {
+    let ask_timeout = Duration::from_secs(2);
+    let bus =
+        Bus::builder().inbox_shards(1).inbox_capacity(4).ask_timeout(ask_timeout).build().unwrap();
+    let (ticket, tickets) = mpsc::channel();
+    let (entered, handling) = mpsc::channel();
+    let turnstile = bus.register("turnstile", Turnstile { tickets, entered }).unwrap();
+    turnstile.send(()).unwrap();
+    handling.recv_timeout(BOUND).expect("the handler never ran");
+    let (filled, inbox_filled) = mpsc::channel();
+    let asker = {
+        let turnstile = turnstile.clone();
+        std::thread::spawn(move || {
+            // Room is per sender: the asking thread fills its own part of the inbox.
+            let mut queued = 0;
+            while turnstile.try_send(()).is_ok() {
+                queued += 1;
+                assert!(queued < 1 << 20, "the inbox never filled");
+            }
+            filled.send(queued).unwrap();
+            let started = Instant::now();
+            let outcome = turnstile.ask(Knock).wait();
+            (outcome, started.elapsed())
+        })
+    };
+    let queued = inbox_filled.recv_timeout(BOUND).expect("the asker never filled the inbox");
+    // Room comes halfway through the ask's wait for it: one note is let through, and the
+    // knock is queued behind the others, which wait for tickets that do not come in time.
+    std::thread::sleep(ask_timeout / 2);
+    ticket.send(()).unwrap();
+    let (outcome, elapsed) = asker.join().unwrap();
+    match outcome {
+        Err(AskError::Timeout { timeout }) => assert_eq!(timeout, ask_timeout),
+        other => panic!("expected Timeout, got {other:?}"),
+    }
+    assert!(elapsed >= ask_timeout, "gave up early: {elapsed:?}");
+    // Before the fix: 1 s for room, then a fresh 2 s for the reply (3 s in all).
+    assert!(elapsed < ask_timeout + ask_timeout / 4, "waited {elapsed:?} in all");
+    // The knock was queued (not refused): it is handled once the notes pass.
+    drop(ticket);
+    let deadline = Instant::now() + BOUND;
+    while turnstile.stats().handled < 1 + queued + 1 {
+        assert!(Instant::now() < deadline, "{:?}", turnstile.stats());
+        std::thread::yield_now();
+    }
     bus.shutdown().unwrap();
 }
 

@@ -466,7 +466,8 @@ impl<E: Endpoint> EndpointRef<E> {
     /// Asks: queues the request behind this sender's earlier messages and returns a handle to
     /// wait on or await. Waits for room (up to the bus's `ask_timeout`) if the shard is full,
     /// blocking the calling thread: an async caller, whose executor thread must not block, uses
-    /// [`try_ask`](Self::try_ask).
+    /// [`try_ask`](Self::try_ask). That wait counts against the reply's `ask_timeout`: the
+    /// handle's [`wait`](crate::Reply::wait) ends `ask_timeout` after the wait for room began.
     ///
     /// Errors arrive through the handle: [`AskError::Stopped`] at once for a stopped endpoint,
     /// [`AskError::SelfAsk`] when called from this endpoint's own handler,
@@ -510,18 +511,21 @@ impl<E: Endpoint> EndpointRef<E> {
     }
 
     /// The rest of an ask whose first push was refused: waits for room if the shard was full
-    /// (the clock is read only here; the deadline bounds the wait), else fails the reply.
+    /// (the clock is read only here; the deadline bounds the wait), else fails the reply. The
+    /// same deadline then bounds the wait for the reply, so the ask as a whole lasts at most
+    /// about `ask_timeout`, not twice that.
     #[cold]
     #[inline(never)]
     fn ask_refused<T>(&self, refused: QueueError<Envelope<E>>, reply: Reply<T>) -> Reply<T> {
         let pushed = match refused {
             QueueError::Full(envelope) => {
-                self.inbox.queue.push(envelope, Instant::now().checked_add(self.inbox.ask_timeout))
+                let deadline = Instant::now().checked_add(self.inbox.ask_timeout);
+                self.inbox.queue.push(envelope, deadline).map(|()| deadline)
             }
             refused => Err(refused),
         };
         match pushed {
-            Ok(()) => reply,
+            Ok(deadline) => reply.with_deadline(deadline),
             // Dropping `reply` abandons the slot; the replier inside the refused envelope
             // is dropped with it and frees the slot.
             Err(refused) => self.ask_failed(refused, self.inbox.ask_timeout),

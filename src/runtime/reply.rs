@@ -208,7 +208,7 @@ pub(crate) fn request_pair<T: Send + 'static>(default_timeout: Duration) -> (Rep
         Reply {
             state: ReplyState::Pending(receiver),
             default_timeout,
-            poll_deadline: None,
+            deadline: None,
             timer: None,
         },
     )
@@ -327,9 +327,11 @@ pub struct Reply<T> {
     state: ReplyState<T>,
     /// Timeout of [`Reply::wait`] and of awaiting: the bus's `ask_timeout`.
     default_timeout: Duration,
-    /// Deadline for the `Future` implementation, fixed at the first poll (`Some(None)`: no
-    /// deadline, the timeout being too large for the clock).
-    poll_deadline: Option<Option<Instant>>,
+    /// The deadline of [`Reply::wait`] and of awaiting, once fixed (`Some(None)`: no deadline,
+    /// the timeout being too large for the clock): when an ask that waited for room in a full
+    /// inbox was queued (that wait counts against `ask_timeout`), or else at the first poll.
+    /// Not fixed, [`Reply::wait`] waits `default_timeout` from its own start.
+    deadline: Option<Option<Instant>>,
     /// That deadline, armed in the ask timer while the awaited reply is pending (dropping it
     /// disarms it). Boxed: one word in every reply, which only an awaited one fills (a blocking
     /// ask's handle stays as small as it was: it is made and dropped on the ask path).
@@ -356,27 +358,49 @@ impl<T> Reply<T> {
         Self {
             state: ReplyState::Failed(Some(error)),
             default_timeout: Duration::ZERO,
-            poll_deadline: None,
+            deadline: None,
             timer: None,
         }
     }
 
-    /// Waits for the reply for at most the bus's `ask_timeout`.
+    /// Fixes the deadline of waiting and awaiting (`None`: no deadline): for an ask that
+    /// waited for room, `ask_timeout` after that wait began.
+    pub(crate) fn with_deadline(mut self, deadline: Option<Instant>) -> Self {
+        self.deadline = Some(deadline);
+        self
+    }
+
+    /// Waits for the reply for at most the bus's `ask_timeout`. For an ask that first waited
+    /// for room in a full inbox, that wait counts: the reply is waited for until `ask_timeout`
+    /// after the ask began to wait for room, so the ask as a whole takes at most about
+    /// `ask_timeout`.
     ///
     /// # Errors
     /// Every [`AskError`]: the endpoint was stopped, the inbox stayed full (`Full`), the
     /// handler failed, panicked or dropped the request, the ask came from the endpoint's own
-    /// handler (`SelfAsk`), or the timeout passed.
+    /// handler (`SelfAsk`), or the timeout passed (`Timeout` naming `ask_timeout`).
     pub fn wait(self) -> Result<T, AskError> {
-        let timeout = self.default_timeout;
-        self.wait_timeout(timeout)
+        let (timeout, deadline) = (self.default_timeout, self.deadline);
+        self.wait_until(timeout, deadline)
     }
 
-    /// Waits for the reply for at most `timeout`; a reply arriving later is discarded.
+    /// Waits for the reply for at most `timeout` from now; a reply arriving later is
+    /// discarded.
     ///
     /// # Errors
     /// As [`Reply::wait`], with [`AskError::Timeout`] naming `timeout`.
     pub fn wait_timeout(self, timeout: Duration) -> Result<T, AskError> {
+        self.wait_until(timeout, None)
+    }
+
+    /// The body of [`Reply::wait`] and [`Reply::wait_timeout`]: waits until `deadline`
+    /// if it is fixed, else for `timeout` from the first look that finds no reply; a timeout
+    /// reports `timeout`.
+    fn wait_until(
+        self,
+        timeout: Duration,
+        deadline: Option<Option<Instant>>,
+    ) -> Result<T, AskError> {
         let receiver = match self.state {
             ReplyState::Pending(receiver) => receiver,
             ReplyState::Failed(error) => return Err(error.unwrap_or(AskError::NoReply)),
@@ -389,8 +413,10 @@ impl<T> Reply<T> {
         };
         let start = Instant::now();
         // No deadline if `timeout` is too large to represent: wait until the reply comes.
-        let deadline = start.checked_add(timeout);
-        let spin_for = ASKER_SPIN.min(timeout);
+        let deadline = deadline.unwrap_or_else(|| start.checked_add(timeout));
+        let spin_for = deadline.map_or(ASKER_SPIN, |deadline| {
+            ASKER_SPIN.min(deadline.saturating_duration_since(start))
+        });
         let mut spins = 0u32;
         loop {
             if receiver.is_ready() {
@@ -447,15 +473,15 @@ impl<T> Reply<T> {
 }
 
 /// Awaiting a reply honours the bus's `ask_timeout`, with any executor: the deadline is fixed
-/// at the first poll, and a reply still pending arms it in the crate's ask timer (one thread
-/// for the process, module `ask_timer`), which wakes the task then; the poll that follows
-/// fails with [`AskError::Timeout`]. So a reply that never comes (a handler that keeps its
-/// `Replier` and never answers) still ends. Should the system refuse the timer's thread, the
-/// deadline is only checked when something else polls the task (a warning says so); the same
-/// holds under Miri, where no reply arms the timer (its thread never ends, which Miri reports),
-/// also in the tests of a crate that embeds this one. The
-/// `ask` call itself may block while the inbox is full; async callers ask with
-/// [`EndpointRef::try_ask`](crate::EndpointRef::try_ask).
+/// at the first poll (or earlier, for an ask that waited for room: [`Reply::wait`]), and a
+/// reply still pending arms it in the crate's ask timer (one thread for the process, module
+/// `ask_timer`), which wakes the task then; the poll that follows fails with
+/// [`AskError::Timeout`]. So a reply that never comes (a handler that keeps its `Replier` and
+/// never answers) still ends. Should the system refuse the timer's thread, the deadline is only
+/// checked when something else polls the task (a warning says so); the same holds under Miri,
+/// where no reply arms the timer (its thread never ends, which Miri reports), also in the tests
+/// of a crate that embeds this one. The `ask` call itself may block while the inbox is full;
+/// async callers ask with [`EndpointRef::try_ask`](crate::EndpointRef::try_ask).
 impl<T> Future for Reply<T> {
     type Output = Result<T, AskError>;
 
@@ -465,9 +491,8 @@ impl<T> Future for Reply<T> {
             return Poll::Ready(outcome);
         }
         // `None` inside: a timeout too large for the clock, no deadline.
-        let deadline = *this
-            .poll_deadline
-            .get_or_insert_with(|| Instant::now().checked_add(this.default_timeout));
+        let deadline =
+            *this.deadline.get_or_insert_with(|| Instant::now().checked_add(this.default_timeout));
         let ReplyState::Pending(receiver) = &mut this.state else {
             unreachable!("try_take leaves only a pending reply behind");
         };
@@ -1176,6 +1201,49 @@ mod tests {
         assert!(matches!(outcome, Err(AskError::Timeout { timeout: t }) if t == timeout));
         assert!(started.elapsed() >= timeout);
         drop(replier);
+    }
+
+    /// A reply whose deadline was fixed when it was queued (an ask that waited for room) is
+    /// waited for until that deadline, not for its whole timeout from the wait's start, and
+    /// its timeout error names the configured timeout.
+    #[test]
+    fn a_fixed_deadline_ends_the_wait_and_the_error_names_the_configured_timeout() {
+        let timeout = Duration::from_secs(60);
+        let (_replier, reply) = request_pair::<u32>(timeout);
+        let started = Instant::now();
+        let reply = reply.with_deadline(started.checked_add(Duration::from_millis(50)));
+        let outcome = reply.wait();
+        assert!(matches!(outcome, Err(AskError::Timeout { timeout: t }) if t == timeout));
+        let waited = started.elapsed();
+        assert!(waited >= Duration::from_millis(50), "gave up early: {waited:?}");
+        assert!(waited < Duration::from_secs(10), "waited {waited:?} of the 60 s timeout");
+    }
+
+    /// Awaiting honours a deadline fixed before the first poll in the same way.
+    #[test]
+    #[cfg_attr(miri, ignore = "no reply arms the ask timer under Miri")]
+    fn an_awaited_reply_with_a_fixed_deadline_times_out_at_it() {
+        let timeout = Duration::from_secs(60);
+        let (replier, reply) = request_pair::<u32>(timeout);
+        let started = Instant::now();
+        let reply = reply.with_deadline(started.checked_add(Duration::from_millis(50)));
+        let (outcome_sender, outcome) = std::sync::mpsc::channel();
+        std::thread::spawn(move || outcome_sender.send(block_on_parking(reply)));
+        let outcome = outcome
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the awaited reply ended within 10 s of its 50 ms deadline");
+        assert!(matches!(outcome, Err(AskError::Timeout { timeout: t }) if t == timeout));
+        assert!(started.elapsed() >= Duration::from_millis(50));
+        drop(replier);
+    }
+
+    /// A reply that comes before the fixed deadline is delivered.
+    #[test]
+    fn a_reply_before_a_fixed_deadline_is_delivered() {
+        let (replier, reply) = request_pair::<u32>(Duration::from_secs(60));
+        let reply = reply.with_deadline(Instant::now().checked_add(Duration::from_secs(10)));
+        replier.reply(7);
+        assert_eq!(reply.wait().expect("replied before the deadline"), 7);
     }
 
     #[test]
