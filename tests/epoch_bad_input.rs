@@ -476,6 +476,20 @@ fn epoch_overflow_is_an_error_not_a_panic() {
     harness.barrier();
     assert_eq!(harness.stats().last_committed, Epoch(i64::MAX));
     assert_eq!(harness.stats().counters.epochs_committed, 1);
+    let committed = harness.calls();
+    assert_eq!(
+        committed,
+        [add_offsets(i64::MAX, 1), sink_commit(i64::MAX, 1), Call::QueryCommit(i64::MAX)]
+    );
+    // The last epoch's messages again (SPEC B.5's quirk, at the top of the range): the epoch
+    // is neither committed to the sink a second time nor left waiting.
+    harness.commit(0, i64::MAX);
+    harness.report(0, i64::MAX);
+    harness.barrier();
+    let stats = harness.stats();
+    assert_eq!(stats.counters.epochs_committed, 1);
+    assert_eq!(stats.waiting_epochs, 0);
+    assert_eq!(harness.calls(), committed);
 }
 
 #[test]
