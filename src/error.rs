@@ -83,7 +83,8 @@ pub enum AskError {
         endpoint: String,
     },
     /// No reply within the timeout (the `ask_timeout` setting, or the one given to
-    /// `wait_timeout`). A late reply is discarded.
+    /// `wait_timeout`), counted from when the ask began to wait for room if it had to wait (a
+    /// full inbox), else from the wait for the reply. A late reply is discarded.
     #[error("no reply within {timeout:?} (setting: ask_timeout or wait_timeout)")]
     Timeout {
         /// The timeout that passed.

@@ -15,7 +15,8 @@
 //! completes or is dropped, so the maps hold only the replies still awaited: bounded by the
 //! asks in flight. Only awaiting pays for this; a blocking wait never arms.
 //!
-//! Deadlines lie `ask_timeout` after a reply's first poll, so a new one is almost never earlier
+//! Deadlines lie `ask_timeout` after a reply's first poll (or after the start of its ask's wait
+//! for room in a full inbox, which is earlier), so a new one is almost never earlier
 //! than the one the thread sleeps until: arming then costs one shard lock and one atomic load,
 //! and the thread wakes about once per `ask_timeout` while replies are awaited, never while
 //! none are. Arming an earlier deadline wakes the thread. That is a store-load pairing: the

@@ -467,7 +467,8 @@ impl<E: Endpoint> EndpointRef<E> {
     /// wait on or await. Waits for room (up to the bus's `ask_timeout`) if the shard is full,
     /// blocking the calling thread: an async caller, whose executor thread must not block, uses
     /// [`try_ask`](Self::try_ask). That wait counts against the reply's `ask_timeout`: the
-    /// handle's [`wait`](crate::Reply::wait) ends `ask_timeout` after the wait for room began.
+    /// handle's [`wait`](crate::Reply::wait) and `.await` end `ask_timeout` after the wait for
+    /// room began.
     ///
     /// Errors arrive through the handle: [`AskError::Stopped`] at once for a stopped endpoint,
     /// [`AskError::SelfAsk`] when called from this endpoint's own handler,
@@ -513,7 +514,7 @@ impl<E: Endpoint> EndpointRef<E> {
     /// The rest of an ask whose first push was refused: waits for room if the shard was full
     /// (the clock is read only here; the deadline bounds the wait), else fails the reply. The
     /// same deadline then bounds the wait for the reply, so the ask as a whole lasts at most
-    /// about `ask_timeout`, not twice that.
+    /// about `ask_timeout`.
     #[cold]
     #[inline(never)]
     fn ask_refused<T>(&self, refused: QueueError<Envelope<E>>, reply: Reply<T>) -> Reply<T> {

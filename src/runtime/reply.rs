@@ -328,9 +328,10 @@ pub struct Reply<T> {
     /// Timeout of [`Reply::wait`] and of awaiting: the bus's `ask_timeout`.
     default_timeout: Duration,
     /// The deadline of [`Reply::wait`] and of awaiting, once fixed (`Some(None)`: no deadline,
-    /// the timeout being too large for the clock): when an ask that waited for room in a full
-    /// inbox was queued (that wait counts against `ask_timeout`), or else at the first poll.
-    /// Not fixed, [`Reply::wait`] waits `default_timeout` from its own start.
+    /// the timeout being too large for the clock): `ask_timeout` after the wait for room began,
+    /// for an ask that waited for room in a full inbox (fixed when it was queued: that wait
+    /// counts against `ask_timeout`), or else `ask_timeout` after the first poll. Not fixed,
+    /// [`Reply::wait`] waits `default_timeout` from its own start.
     deadline: Option<Option<Instant>>,
     /// That deadline, armed in the ask timer while the awaited reply is pending (dropping it
     /// disarms it). Boxed: one word in every reply, which only an awaited one fills (a blocking
@@ -373,7 +374,8 @@ impl<T> Reply<T> {
     /// Waits for the reply for at most the bus's `ask_timeout`. For an ask that first waited
     /// for room in a full inbox, that wait counts: the reply is waited for until `ask_timeout`
     /// after the ask began to wait for room, so the ask as a whole takes at most about
-    /// `ask_timeout`.
+    /// `ask_timeout`. A reply already polled as a `Future` keeps the deadline its first poll
+    /// fixed.
     ///
     /// # Errors
     /// Every [`AskError`]: the endpoint was stopped, the inbox stayed full (`Full`), the
@@ -393,13 +395,13 @@ impl<T> Reply<T> {
         self.wait_until(timeout, None)
     }
 
-    /// The body of [`Reply::wait`] and [`Reply::wait_timeout`]: waits until `deadline`
-    /// if it is fixed, else for `timeout` from the first look that finds no reply; a timeout
-    /// reports `timeout`.
+    /// The body of [`Reply::wait`] and [`Reply::wait_timeout`]: waits until `fixed_deadline`
+    /// if there is one (`Some(None)`: no deadline), else for `timeout` from the first look
+    /// that finds no reply (so that look reads no clock); a timeout reports `timeout`.
     fn wait_until(
         self,
         timeout: Duration,
-        deadline: Option<Option<Instant>>,
+        fixed_deadline: Option<Option<Instant>>,
     ) -> Result<T, AskError> {
         let receiver = match self.state {
             ReplyState::Pending(receiver) => receiver,
@@ -413,7 +415,7 @@ impl<T> Reply<T> {
         };
         let start = Instant::now();
         // No deadline if `timeout` is too large to represent: wait until the reply comes.
-        let deadline = deadline.unwrap_or_else(|| start.checked_add(timeout));
+        let deadline = fixed_deadline.unwrap_or_else(|| start.checked_add(timeout));
         let spin_for = deadline.map_or(ASKER_SPIN, |deadline| {
             ASKER_SPIN.min(deadline.saturating_duration_since(start))
         });
@@ -1237,13 +1239,43 @@ mod tests {
         drop(replier);
     }
 
-    /// A reply that comes before the fixed deadline is delivered.
+    /// A reply that comes to a parked asker before its fixed deadline is delivered; so is one
+    /// to a reply whose fixed deadline is none (no deadline), though its timeout is zero.
     #[test]
-    fn a_reply_before_a_fixed_deadline_is_delivered() {
+    fn a_reply_before_a_fixed_deadline_or_with_none_is_delivered() {
+        let fixed = [
+            (Duration::from_secs(60), Instant::now().checked_add(Duration::from_secs(10))),
+            (Duration::ZERO, None),
+        ];
+        for (timeout, deadline) in fixed {
+            let (replier, reply) = request_pair::<u32>(timeout);
+            let reply = reply.with_deadline(deadline);
+            let answering = std::thread::spawn(move || {
+                // Only once the asker parked: the wait itself meets the reply.
+                wait_for(|| replier.asker_registered());
+                replier.reply(7);
+            });
+            assert_eq!(reply.wait().expect("replied before the deadline"), 7, "{deadline:?}");
+            answering.join().expect("answering thread");
+        }
+    }
+
+    /// `wait_timeout` waits its own timeout from now, not the fixed deadline: a reply that
+    /// comes after that deadline but within the timeout is delivered.
+    #[test]
+    fn wait_timeout_ignores_a_fixed_deadline() {
         let (replier, reply) = request_pair::<u32>(Duration::from_secs(60));
-        let reply = reply.with_deadline(Instant::now().checked_add(Duration::from_secs(10)));
-        replier.reply(7);
-        assert_eq!(reply.wait().expect("replied before the deadline"), 7);
+        let fixed = Instant::now() + Duration::from_millis(20);
+        let reply = reply.with_deadline(Some(fixed));
+        let answering = std::thread::spawn(move || {
+            wait_for(|| replier.asker_registered());
+            while Instant::now() <= fixed {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            replier.reply(7);
+        });
+        assert_eq!(reply.wait_timeout(Duration::from_secs(10)).expect("within 10 s"), 7);
+        answering.join().expect("answering thread");
     }
 
     #[test]
