@@ -32,9 +32,10 @@ pub trait Endpoint: Send + Sized + 'static {
     /// Request-reply messages (`ask`): usually an enum whose variants hold a typed [`Replier`].
     type Request: Send + 'static;
 
-    /// Runs on the endpoint thread before the first message. A panic in it is caught and
-    /// logged as an error (it reaches neither `on_error` nor `Bus::shutdown`), and the endpoint
-    /// goes on to its messages; the same holds for `on_stop`.
+    /// Runs on the endpoint thread before the first message. A panic in it is caught, logged
+    /// as an error and counted ([`EndpointStats::hook_panics`]; it reaches neither `on_error`
+    /// nor `Bus::shutdown`), and the endpoint goes on to its messages; the same holds for
+    /// `on_stop`.
     fn on_start(&mut self, _context: &Context<Self>) {}
 
     /// Handles one one-way message. An `Err` goes to [`Endpoint::on_error`]; the sender is not
@@ -143,6 +144,7 @@ pub(crate) struct EndpointCounters {
     pub(crate) handled: std::sync::atomic::AtomicU64,
     pub(crate) failed: std::sync::atomic::AtomicU64,
     pub(crate) panicked: std::sync::atomic::AtomicU64,
+    pub(crate) hook_panics: std::sync::atomic::AtomicU64,
     pub(crate) handler_time_ns: super::stats::Log2Histogram,
     pub(crate) dropped: super::stats::DropCounters,
 }
@@ -164,6 +166,9 @@ pub struct EndpointStats {
     pub failed: u64,
     /// Handler calls that panicked.
     pub panicked: u64,
+    /// `on_start` and `on_stop` calls that panicked. The endpoint carries on (after a panic in
+    /// `on_start` it still handles its messages); the panic's message is logged.
+    pub hook_panics: u64,
     /// Messages queued now.
     pub inbox_depth: u64,
     /// Largest depth of one inbox shard seen so far.
@@ -250,6 +255,7 @@ impl<E: Endpoint> Inbox<E> {
             handled,
             failed: self.counters.failed.load(Relaxed),
             panicked: self.counters.panicked.load(Relaxed),
+            hook_panics: self.counters.hook_panics.load(Relaxed),
             inbox_depth: depth,
             inbox_depth_high_water: self.queue.depth_high_water() as u64,
             handler_time: self.counters.handler_time_ns.summary(),

@@ -64,7 +64,7 @@ pub(crate) fn run_endpoint<E: Endpoint>(
     let mut consumer = inbox.queue.consumer().expect("an inbox has exactly one endpoint thread");
     inbox.enter_thread();
     let context = Context { inbox: Arc::clone(&inbox) };
-    guarded_hook(&inbox.name, "on_start", || endpoint.on_start(&context));
+    guarded_hook(&inbox, "on_start", || endpoint.on_start(&context));
     tracing::info!(endpoint = %inbox.name, "endpoint started");
 
     let mut handled_total = 0u64;
@@ -171,7 +171,7 @@ pub(crate) fn run_endpoint<E: Endpoint>(
             }
         }
     }
-    guarded_hook(&inbox.name, "on_stop", || endpoint.on_stop());
+    guarded_hook(&inbox, "on_stop", || endpoint.on_stop());
     tracing::info!(endpoint = %inbox.name, handled = handled_total, "endpoint stopped");
 }
 
@@ -481,12 +481,14 @@ fn note_failure<E: Endpoint>(endpoint: &mut E, context: &Context<E>, error: &Han
     endpoint.on_error(error);
 }
 
-/// Runs a start or stop hook, logging a panic instead of ending the thread.
-fn guarded_hook(endpoint: &str, hook: &str, run: impl FnOnce()) {
+/// Runs a start or stop hook; a panic is counted (`EndpointStats::hook_panics`) and logged
+/// instead of ending the thread.
+fn guarded_hook<E: Endpoint>(inbox: &Inbox<E>, hook: &str, run: impl FnOnce()) {
     if let Err(payload) = catch_unwind(AssertUnwindSafe(run)) {
         let message = panic_message(payload.as_ref());
         drop_caught(payload);
-        tracing::error!(endpoint, hook, panic = %message, "endpoint hook panicked");
+        inbox.counters.hook_panics.fetch_add(1, Ordering::Relaxed);
+        tracing::error!(endpoint = %inbox.name, hook, panic = %message, "endpoint hook panicked");
         fail_replies_orphaned_by_panic(&message);
     }
 }
@@ -1110,5 +1112,62 @@ mod tests {
         let expected: Vec<u64> = (0..300).filter(|message| *message != 1).collect();
         assert_eq!(handled_order(&seen).0, expected);
         assert_eq!((stats.handled, stats.panicked), (300, 1));
+    }
+
+    /// Panics in `on_start` and in `on_stop`.
+    struct PanickingHooks;
+
+    /// A request [`PanickingHooks`] answers at once.
+    struct Hello;
+
+    impl crate::Ask<PanickingHooks> for Hello {
+        type Reply = ();
+        fn into_request(self, replier: crate::Replier<()>) -> crate::Replier<()> {
+            replier
+        }
+    }
+
+    impl Endpoint for PanickingHooks {
+        type Message = ();
+        type Request = crate::Replier<()>;
+
+        fn on_start(&mut self, _: &crate::runtime::Context<Self>) {
+            panic!("on_start panics");
+        }
+
+        fn handle(
+            &mut self,
+            (): (),
+            _: &crate::runtime::Context<Self>,
+        ) -> Result<(), HandlerError> {
+            Ok(())
+        }
+
+        fn handle_request(
+            &mut self,
+            replier: crate::Replier<()>,
+            _: &crate::runtime::Context<Self>,
+        ) -> Result<(), HandlerError> {
+            replier.reply(());
+            Ok(())
+        }
+
+        fn on_stop(&mut self) {
+            panic!("on_stop panics");
+        }
+    }
+
+    /// A hook's panic is counted in the endpoint's stats (not only logged), and the endpoint
+    /// carries on: it serves after a panicking `on_start`, and its thread ends normally after
+    /// a panicking `on_stop`.
+    #[test]
+    fn hook_panics_are_counted_and_the_endpoint_carries_on() {
+        let bus = crate::Bus::builder().build().unwrap();
+        let endpoint = bus.register("panicking-hooks", PanickingHooks).unwrap();
+        endpoint.ask(Hello).wait_timeout(Duration::from_secs(60)).expect("served after on_start");
+        // `on_start` ran before the request was handled, on the thread that answered it.
+        assert_eq!((endpoint.stats().hook_panics, endpoint.stats().panicked), (1, 0));
+        bus.shutdown().expect("the thread ended normally");
+        assert_eq!((endpoint.stats().hook_panics, endpoint.stats().panicked), (2, 0));
     }
 }

@@ -113,6 +113,7 @@ impl Figure {
                 "handled": stats.handled,
                 "failed": stats.failed,
                 "panicked": stats.panicked,
+                "hook_panics": stats.hook_panics,
                 "inbox_depth": stats.inbox_depth,
                 "inbox_depth_high_water": stats.inbox_depth_high_water,
                 "handler_time_samples": time.samples,
