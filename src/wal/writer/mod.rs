@@ -290,8 +290,9 @@ fn missing_ancestors(dir: &Path) -> Vec<PathBuf> {
 /// panic then goes on, for [`crate::wal::Wal::close`] to report. The
 /// callbacks run after the unwind was caught, not during it: one that panicked there would
 /// abort the process.
-pub(crate) fn run(writer: Arc<Mutex<Writer>>, nice: u8) {
+pub(crate) fn run(writer: Arc<Mutex<Writer>>, nice: u8, io_cores: &[usize]) {
     lower_priority(nice);
+    confine_to_cores(io_cores, lock(&writer).engine.as_mut());
     let shared = Arc::clone(&lock(&writer).shared);
     let _ = shared.sync_thread.set(SyncThreadIds {
         thread: std::thread::current().id(),
@@ -327,6 +328,25 @@ fn lower_priority(nice: u8) {
     });
     if let Err(error) = lowered {
         tracing::warn!(%error, nice, "the WAL's sync thread could not lower its CPU priority");
+    }
+}
+
+/// Keeps the calling thread (the sync thread) and the io_uring workers it starts on `cores`
+/// (`WalOptions::io_cores`; empty: no change). A refusal is logged, not an error: the thread
+/// and its workers then run anywhere, as an endpoint whose pinning is refused does.
+fn confine_to_cores(cores: &[usize], engine: &mut dyn IoEngine) {
+    if cores.is_empty() {
+        return;
+    }
+    let mut set = rustix::thread::CpuSet::new();
+    // Checked when the log was opened: every id is below `CpuSet::MAX_CPU`.
+    cores.iter().for_each(|&core| set.set(core));
+    if let Err(error) = rustix::thread::sched_setaffinity(None, &set) {
+        tracing::warn!(%error, ?cores, "the WAL's sync thread could not be confined to its cores");
+        return;
+    }
+    if let Some(Err(error)) = engine.as_uring().map(|uring| uring.confine_workers(cores)) {
+        tracing::warn!(%error, ?cores, "the WAL's io_uring workers could not be confined");
     }
 }
 

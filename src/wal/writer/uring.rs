@@ -296,6 +296,21 @@ impl UringEngine {
 
     /// A handle that wakes the sync thread while it waits in the ring (write one byte; the
     /// pipe is non-blocking, so a full pipe, which already means a pending wake, is ignored).
+    /// Keeps the kernel workers that run this thread's ring entries (io-wq: buffered writes
+    /// and syncs go there) on `cores` (`IORING_REGISTER_IOWQ_AFF`, Linux 5.14). The kernel
+    /// applies it to the calling thread's workers, so the sync thread calls it.
+    pub(crate) fn confine_workers(&self, cores: &[usize]) -> std::io::Result<()> {
+        const { assert!(crate::wal::MAX_IO_CORE_ID <= 8 * size_of::<libc::cpu_set_t>()) };
+        // SAFETY: `cpu_set_t` is plain bits, for which all zeroes is the empty set.
+        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        for &core in cores {
+            // SAFETY: `CPU_SET` writes the bit `core` of the set; every id was checked below
+            // `MAX_IO_CORE_ID` (`CPU_SETSIZE`, the set's bits) when the log was opened.
+            unsafe { libc::CPU_SET(core, &mut set) };
+        }
+        self.ring.submitter().register_iowq_aff(&set)
+    }
+
     pub(crate) fn waker(&self) -> std::io::Result<PipeWriter> {
         self.wake_writer.try_clone()
     }
@@ -1517,6 +1532,30 @@ pub(crate) mod tests {
         assert_eq!(bytes.len(), 4000);
         assert!(bytes[..1000].iter().all(|byte| *byte == 1));
         assert!(bytes[1000..].iter().all(|byte| *byte == 2));
+    }
+
+    /// The workers that run a thread's ring entries stay on the cores `confine_workers` gave,
+    /// although that thread itself may run on any core (so they did not inherit them).
+    #[cfg(not(loom))]
+    #[test]
+    fn confined_ring_workers_run_only_on_the_cores_given() {
+        let Some(mut engine) = engine_if_available() else {
+            return;
+        };
+        let core = core_affinity::get_core_ids().unwrap().last().unwrap().id;
+        engine.confine_workers(&[core]).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let file = FileStorage.create(&dir.path().join("f")).unwrap();
+        let op = WriteOp { file: file.as_ref(), path: Path::new("f"), buf: &[7; 3000], offset: 0 };
+        let target = SyncTarget { file: file.as_ref(), path: Path::new("f") };
+        engine.write_and_sync(&[op], Some(&target)).unwrap();
+        let tid = rustix::thread::gettid().as_raw_nonzero().to_string();
+        let workers = crate::wal::tests::ring_workers_of_thread(&tid);
+        // A sync always runs on a worker.
+        assert!(!workers.is_empty(), "the sync ran on no worker of this thread");
+        for worker in &workers {
+            assert_eq!(crate::wal::tests::cores_of_thread(worker), core.to_string());
+        }
     }
 
     #[test]

@@ -54,13 +54,14 @@ use coordbus::{
         SetReaderPartitions, SetWriterPartitions, Sink,
     },
     wal::{self, Wal, WalConfig, WalOptions},
-    Bus,
+    Bus, Pinning,
 };
 use coordbus_tools::scratch::ScratchDir;
 use hdrhistogram::Histogram;
 
 use crate::{
     limits::{INBOX_CAPACITY, MAX_BATCH, MAX_GROUP_DELAY_US, MAX_INBOX_LANES, MAX_INBOX_SHARDS},
+    placement::{self, Placement},
     report::{Figure, Percentiles},
 };
 
@@ -210,6 +211,11 @@ pub struct EpochArgs {
         value_parser = clap::value_parser!(u8).range(0..=i64::from(wal::MAX_SYNC_THREAD_NICE))
     )]
     pub sync_nice: u8,
+    /// Where the threads run: `isolated` keeps the last core for the coordinator and pins the
+    /// producers, the driver and the WAL's I/O to the others (module `placement`); `shared`
+    /// pins nothing.
+    #[arg(long, value_enum, default_value_t = Placement::Isolated)]
+    pub placement: Placement,
 }
 
 /// A run of a few seconds for the no-argument invocation.
@@ -228,6 +234,7 @@ pub fn quick() -> EpochArgs {
         inbox_capacity: 1 << 16,
         inbox_lanes: coordbus::queue::DEFAULT_LANES,
         sync_nice: wal::DEFAULT_SYNC_THREAD_NICE,
+        placement: Placement::Isolated,
     }
 }
 
@@ -669,7 +676,14 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
     // before the bus, so that on an early return the bus (and the log it holds open) goes
     // first.
     let mut wal_dir = None;
+    let cores = args.placement.cores(&placement::available_cores());
+    if args.placement == Placement::Isolated && cores.is_none() {
+        eprintln!("epoch workload: one core, nothing to isolate: the threads share it");
+    }
     let bus = Bus::builder()
+        .pinning(
+            cores.as_ref().map_or(Pinning::Off, |cores| Pinning::Cores(vec![cores.coordinator])),
+        )
         .inbox_lanes(args.inbox_lanes)
         .inbox_shards(args.producers + 1)
         .inbox_capacity(args.inbox_capacity)
@@ -689,7 +703,11 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
                     max_bytes: 4 << 20,
                 },
             };
-            let options = WalOptions { sync_thread_nice: args.sync_nice, ..WalOptions::default() };
+            let options = WalOptions {
+                sync_thread_nice: args.sync_nice,
+                io_cores: cores.as_ref().map(|cores| cores.load.clone()).unwrap_or_default(),
+                ..WalOptions::default()
+            };
             let wal = Wal::open_with_options(
                 dir.path(),
                 WalConfig { durability, ..WalConfig::default() },
@@ -713,7 +731,8 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
             (Arc::clone(&shared), coordinator.clone(), Arc::clone(&barrier));
         let batch = args.batch;
         let name = format!("epoch-producer-{index}");
-        threads.push(spawn_named(name, move || -> anyhow::Result<()> {
+        let core = cores.as_ref().map(|cores| cores.load_core(index));
+        threads.push(spawn_named(name, core, move || -> anyhow::Result<()> {
             let mut unless_done = StopRunUnlessDone { shared: &shared, done: false };
             // As Spark's tasks do on start; it also gives this thread its inbox lane (a few MiB
             // of slots, faulted in on allocation) before the measured time.
@@ -766,7 +785,8 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
     let driver = {
         let (shared, coordinator, barrier) =
             (Arc::clone(&shared), coordinator.clone(), Arc::clone(&barrier));
-        spawn_named("epoch-driver".into(), move || -> anyhow::Result<()> {
+        let core = cores.as_ref().map(|cores| cores.load_core(args.producers));
+        spawn_named("epoch-driver".into(), core, move || -> anyhow::Result<()> {
             let mut unless_done = StopRunUnlessDone { shared: &shared, done: false };
             // Its inbox lane before the measured time, like the producers'.
             let started = coordinator.ask(GetCurrentEpoch).wait();
@@ -879,6 +899,7 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
         .with("partitions", args.partitions)
         .with("durability", args.durability.name())
         .with("sync_nice", args.sync_nice)
+        .with("placement", placement::name(cores.as_ref()))
         .with("producers", args.producers as u64)
         .with("epochs", epochs)
         .with("window", window)
@@ -910,14 +931,22 @@ fn start_line(barrier: &Barrier) {
     barrier.wait();
 }
 
-/// Spawns a load thread named `name` (so per-thread profiles tell the threads apart).
+/// Spawns a load thread named `name` (so per-thread profiles tell the threads apart), pinned
+/// to `core` if given (`--placement`).
 fn spawn_named<T: Send + 'static>(
     name: String,
+    core: Option<usize>,
     body: impl FnOnce() -> T + Send + 'static,
 ) -> anyhow::Result<std::thread::JoinHandle<T>> {
+    let thread = name.clone();
     std::thread::Builder::new()
         .name(name.clone())
-        .spawn(body)
+        .spawn(move || {
+            if let Some(core) = core {
+                placement::pin_load_thread(core, &thread);
+            }
+            body()
+        })
         .with_context(|| format!("spawn the load thread {name}"))
 }
 
