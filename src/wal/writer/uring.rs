@@ -301,8 +301,6 @@ impl UringEngine {
         })
     }
 
-    /// A handle that wakes the sync thread while it waits in the ring (write one byte; the
-    /// pipe is non-blocking, so a full pipe, which already means a pending wake, is ignored).
     /// Keeps the kernel workers that run this thread's ring entries (io-wq: buffered writes
     /// and syncs go there) on `cores` (`IORING_REGISTER_IOWQ_AFF`, Linux 5.14). The kernel
     /// applies it to the calling thread's workers, so the sync thread calls it.
@@ -318,6 +316,8 @@ impl UringEngine {
         self.ring.submitter().register_iowq_aff(&set)
     }
 
+    /// A handle that wakes the sync thread while it waits in the ring (write one byte; the
+    /// pipe is non-blocking, so a full pipe, which already means a pending wake, is ignored).
     pub(crate) fn waker(&self) -> std::io::Result<PipeWriter> {
         self.wake_writer.try_clone()
     }
