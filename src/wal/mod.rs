@@ -599,8 +599,8 @@ pub struct WalOptions {
     /// [`MAX_IO_CORE_ID`]). An engine that keeps a core for a hot thread (an endpoint pinned
     /// with [`crate::Pinning::Cores`]) lists the other cores here, so that the log's copies into
     /// the page cache, its syncs and their wake-ups never take that core: on a 2-core machine
-    /// this moves a durable epoch run from 0.7x to about 0.8x of the in-memory rate (PERF.md,
-    /// EpochCoordinator, "Forty-third session"). Only the sync thread's workers are confined: a
+    /// that took a durable epoch run from 0.68x to 0.76x of the in-memory rate (PERF.md,
+    /// "Forty-third session"). Only the sync thread's workers are confined: a
     /// thread that leads its own group ([`Durability::EveryRecord`], module doc) writes on its
     /// own core. If the system refuses (no listed core is online or allowed), the thread and
     /// its workers run unconfined (logged), as an endpoint whose pinning is refused does.

@@ -12,6 +12,11 @@
 //! collaborator timestamps every commit; the commit latency of an epoch is from the moment its
 //! last message was handed to the bus to its commit.
 //!
+//! `--placement isolated` (the default) pins the coordinator's endpoint thread to the last
+//! core and the producers, the driver and the WAL's sync thread and io_uring workers to the
+//! others (module `placement`); `shared` pins nothing. The JSON key `placement` says which the
+//! run got (one core: `shared`).
+//!
 //! `--baseline reference` then applies the same message stream (the producers' batches in
 //! round-robin order) to the reference model and, for comparison, to the fast state machine,
 //! directly on this thread (no bus, which favours the reference). The reference model rescans
