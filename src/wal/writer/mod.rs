@@ -292,13 +292,15 @@ fn missing_ancestors(dir: &Path) -> Vec<PathBuf> {
 /// abort the process.
 pub(crate) fn run(writer: Arc<Mutex<Writer>>, nice: u8, io_cores: &[usize]) {
     lower_priority(nice);
-    confine_to_cores(io_cores, lock(&writer).engine.as_mut());
     let shared = Arc::clone(&lock(&writer).shared);
     let _ = shared.sync_thread.set(SyncThreadIds {
         thread: std::thread::current().id(),
         kernel_tid: rustix::thread::gettid().as_raw_nonzero().get(),
     });
-    let turns = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_turns(&writer)));
+    let turns = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        confine_to_cores(io_cores, lock(&writer).engine.as_mut());
+        run_turns(&writer)
+    }));
     if let Err(panic) = turns {
         // Marked gone after the failure is published, also if a callback run by `fail`
         // panics in turn.
@@ -331,21 +333,32 @@ fn lower_priority(nice: u8) {
     }
 }
 
-/// Keeps the calling thread (the sync thread) and the io_uring workers it starts on `cores`
-/// (`WalOptions::io_cores`; empty: no change). A refusal is logged, not an error: the thread
-/// and its workers then run anywhere, as an endpoint whose pinning is refused does.
+/// Keeps the calling thread (the sync thread) and the io_uring workers that run its ring
+/// entries on `cores` (`WalOptions::io_cores`; empty: no change). A refusal is logged, not an
+/// error: if the system refuses the thread's confinement, the thread and its workers keep the
+/// opening thread's cores, as an endpoint whose pinning is refused does; if it refuses only the
+/// workers', they keep whatever the kernel gives them.
 fn confine_to_cores(cores: &[usize], engine: &mut dyn IoEngine) {
     if cores.is_empty() {
         return;
     }
-    let mut set = rustix::thread::CpuSet::new();
-    // Checked when the log was opened: every id is below `CpuSet::MAX_CPU`.
-    cores.iter().for_each(|&core| set.set(core));
-    if let Err(error) = rustix::thread::sched_setaffinity(None, &set) {
-        tracing::warn!(%error, ?cores, "the WAL's sync thread could not be confined to its cores");
-        return;
-    }
-    if let Some(Err(error)) = engine.as_uring().map(|uring| uring.confine_workers(cores)) {
+    let mut asked = rustix::thread::CpuSet::new();
+    // Checked when the log was opened: every id is below `CORE_ID_LIMIT` (`CpuSet::MAX_CPU`).
+    cores.iter().for_each(|&core| asked.set(core));
+    let confined = rustix::thread::sched_setaffinity(None, &asked)
+        .and_then(|()| rustix::thread::sched_getaffinity(None));
+    let granted = match confined {
+        Ok(granted) => granted,
+        Err(error) => {
+            tracing::warn!(%error, ?cores, "the WAL's sync thread could not be confined");
+            return;
+        }
+    };
+    // What the thread got (the listed cores that are online and in its cpuset): since Linux
+    // 6.7 the workers' mask must lie within the cpuset.
+    let granted: Vec<usize> =
+        (0..rustix::thread::CpuSet::MAX_CPU).filter(|&core| granted.is_set(core)).collect();
+    if let Some(Err(error)) = engine.as_uring().map(|uring| uring.confine_workers(&granted)) {
         tracing::warn!(%error, ?cores, "the WAL's io_uring workers could not be confined");
     }
 }

@@ -86,11 +86,13 @@ use crate::{
 /// Largest single write submitted: 64 KiB. ANCHORS measured 1 MiB writes fastest on an idle
 /// machine, but on a kernel without preemption (`PREEMPT_NONE`, this machine class's) the
 /// kernel worker that copies a write into the page cache keeps its core until that write is
-/// done: up to 5 ms for 1 MiB into new page-cache pages, while the threads that share the core
-/// (an epoch run's producers) wait, and the appender they feed runs dry. Shorter writes
-/// shorten those waits (the producer's mean wait for its core: 0.165 ms with 1 MiB writes,
-/// 0.069 ms with 64 KiB): the durable epoch run gained 10%, and the `wal` workload's group
-/// commit of 256-byte records 1.3-2x (PERF.md, "Forty-third session").
+/// done: up to 5.5 ms for 1 MiB into new page-cache pages, while the threads that share the
+/// core (an epoch run's producers) wait, and the appender they feed runs dry. Shorter writes
+/// shorten those waits (the producer's mean wait for its core: 0.14-0.17 ms with 1 MiB
+/// writes, 0.069 ms with 64 KiB): the durable epoch run gained 10%, and the `wal` workload's
+/// group commit of 256-byte records 1.3-3x. The cost: a group of more than one write no
+/// longer gets its sync linked behind its write (`submit_group`); `EveryRecord` with 256 KiB
+/// records lost nothing to that (PERF.md, "Forty-third session").
 pub const WRITE_CHUNK_BYTES: usize = 64 << 10;
 /// A good value for the opt-in `WalOptions::uring_direct_max_bytes`: groups of one write up to
 /// this size are then written and synced with plain system calls.
@@ -104,6 +106,11 @@ const RING_ENTRIES: u32 = 128;
 const SYNC_USER_DATA: u64 = u64::MAX;
 /// The poll on the wake pipe.
 const WAKE_USER_DATA: u64 = u64::MAX - 1;
+/// The no-op that gives the sync thread its io-wq (`confine_workers`).
+const NO_OP_USER_DATA: u64 = u64::MAX - 2;
+/// How many times `submit_no_op` enters the ring before giving up (each enter waits for a
+/// completion; only an interrupted or refused enter comes back without one).
+const NO_OP_ATTEMPTS: usize = 100;
 /// Pipelined entries carry `seq << SEQ_SHIFT | code`: the group's sequence number and what the
 /// entry is (a write's piece index, or `CODE_SYNC`).
 const SEQ_SHIFT: u32 = 20;
@@ -301,19 +308,56 @@ impl UringEngine {
         })
     }
 
-    /// Keeps the kernel workers that run this thread's ring entries (io-wq: buffered writes
-    /// and syncs go there) on `cores` (`IORING_REGISTER_IOWQ_AFF`, Linux 5.14). The kernel
-    /// applies it to the calling thread's workers, so the sync thread calls it.
-    pub(crate) fn confine_workers(&self, cores: &[usize]) -> std::io::Result<()> {
-        const { assert!(crate::wal::MAX_IO_CORE_ID <= 8 * size_of::<libc::cpu_set_t>()) };
+    /// Keeps the kernel workers that run the calling thread's entries on this ring (io-wq:
+    /// buffered writes and syncs go there) on `cores` (`IORING_REGISTER_IOWQ_AFF`, Linux
+    /// 5.14). The kernel confines the calling thread's workers, which exist only once that
+    /// thread has submitted to a ring (or created one): the sync thread, which did not create
+    /// the ring, first submits a no-op. Call it with nothing on the ring.
+    pub(crate) fn confine_workers(&mut self, cores: &[usize]) -> std::io::Result<()> {
+        const { assert!(crate::wal::CORE_ID_LIMIT <= 8 * size_of::<libc::cpu_set_t>()) };
+        self.submit_no_op()?;
         // SAFETY: `cpu_set_t` is plain bits, for which all zeroes is the empty set.
         let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
         for &core in cores {
-            // SAFETY: `CPU_SET` writes the bit `core` of the set; every id was checked below
-            // `MAX_IO_CORE_ID` (`CPU_SETSIZE`, the set's bits) when the log was opened.
+            debug_assert!(core < crate::wal::CORE_ID_LIMIT, "core {core}");
+            // SAFETY: `CPU_SET` only sets bit `core` of the set, after checking that the set
+            // has that bit (it panics beyond, never writes out of bounds); the ids were
+            // checked below `CORE_ID_LIMIT`, the set's bits, when the log was opened.
             unsafe { libc::CPU_SET(core, &mut set) };
         }
         self.ring.submitter().register_iowq_aff(&set)
+    }
+
+    /// Submits a no-op and waits for it (the calling thread's first submission gives it its
+    /// io-wq). Completions of other entries read meanwhile are kept for `reap`.
+    fn submit_no_op(&mut self) -> std::io::Result<()> {
+        let no_op = opcode::Nop::new().build().user_data(NO_OP_USER_DATA);
+        // SAFETY: a no-op refers to no buffer and no descriptor.
+        unsafe { self.ring.submission().push(&no_op) }
+            .map_err(|_| std::io::Error::other("the submission queue is full"))?;
+        for _ in 0..NO_OP_ATTEMPTS {
+            match self.ring.submit_and_wait(1) {
+                Ok(_) => {}
+                Err(error)
+                    if matches!(
+                        error.raw_os_error(),
+                        Some(libc::EINTR | libc::EAGAIN | libc::EBUSY)
+                    ) => {}
+                Err(error) => return Err(error),
+            }
+            let mut done = false;
+            for entry in self.ring.completion() {
+                if entry.user_data() == NO_OP_USER_DATA {
+                    done = true;
+                } else {
+                    self.reaped.push((entry.user_data(), entry.result()));
+                }
+            }
+            if done {
+                return Ok(());
+            }
+        }
+        Err(std::io::Error::other("the no-op submitted to start the workers did not complete"))
     }
 
     /// A handle that wakes the sync thread while it waits in the ring (write one byte; the
@@ -1079,7 +1123,7 @@ fn write_entry(
         Some(RingFault::Errno(errno)) => return (opcode::Nop::new().build(), Some(-errno.abs())),
         Some(RingFault::ShortWrite(max)) => len = len.min(max.max(1)),
     }
-    let len = u32::try_from(len).expect("pieces are at most 1 MiB");
+    let len = u32::try_from(len).expect("pieces are at most WRITE_CHUNK_BYTES");
     let entry = opcode::Write::new(types::Fd(fd), buf[piece.start..].as_ptr(), len)
         .offset(file_offset)
         .build();
@@ -1346,7 +1390,7 @@ pub(crate) mod tests {
             return;
         };
         let fixture = fixture(0, 0);
-        // Three groups on the ring at once: one of three 1 MiB writes, then two small ones.
+        // Three groups on the ring at once: one of 48 64 KiB writes, then two small ones.
         engine.submit_group(group(&fixture, 1, 0, 3 << 20));
         engine.submit_group(group(&fixture, 2, 3 << 20, 100));
         engine.submit_group(group(&fixture, 3, (3 << 20) + 100, 100));
@@ -1542,7 +1586,8 @@ pub(crate) mod tests {
     }
 
     /// The workers that run a thread's ring entries stay on the cores `confine_workers` gave,
-    /// although that thread itself may run on any core (so they did not inherit them).
+    /// although that thread itself may run on any core (so they did not inherit them), and
+    /// also when the thread did not create the ring (as the sync thread did not).
     #[cfg(not(loom))]
     #[test]
     fn confined_ring_workers_run_only_on_the_cores_given() {
@@ -1550,18 +1595,46 @@ pub(crate) mod tests {
             return;
         };
         let core = core_affinity::get_core_ids().unwrap().last().unwrap().id;
-        engine.confine_workers(&[core]).unwrap();
         let dir = tempfile::tempdir().unwrap();
         let file = FileStorage.create(&dir.path().join("f")).unwrap();
-        let op = WriteOp { file: file.as_ref(), path: Path::new("f"), buf: &[7; 3000], offset: 0 };
-        let target = SyncTarget { file: file.as_ref(), path: Path::new("f") };
-        engine.write_and_sync(&[op], Some(&target)).unwrap();
-        let tid = rustix::thread::gettid().as_raw_nonzero().to_string();
-        let workers = crate::wal::tests::ring_workers_of_thread(&tid);
+        // On a thread of its own (the ring was created on this one), which looks at its
+        // workers before it ends (its workers end with it).
+        let confined = std::thread::scope(|scope| {
+            scope
+                .spawn(|| {
+                    engine.confine_workers(&[core])?;
+                    let (buf, path) = ([7; 3000], Path::new("f"));
+                    let op = WriteOp { file: file.as_ref(), path, buf: &buf, offset: 0 };
+                    let target = SyncTarget { file: file.as_ref(), path };
+                    engine.write_and_sync(&[op], Some(&target)).unwrap();
+                    let tid = rustix::thread::gettid().as_raw_nonzero().to_string();
+                    let workers = crate::wal::tests::ring_workers_of_thread(&tid);
+                    Ok::<_, std::io::Error>(workers.map(|workers| {
+                        workers.iter().map(|w| crate::wal::tests::cores_of_thread(w)).collect()
+                    }))
+                })
+                .join()
+                .unwrap()
+        });
+        let workers_cores: Vec<String> = match confined {
+            Err(error) => {
+                let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+                let version: Vec<u32> =
+                    release.split(['.', '-']).take(2).map(|part| part.parse().unwrap()).collect();
+                assert!(version < vec![5, 14], "confining the workers failed: {error}");
+                eprintln!("Linux {release}: no IORING_REGISTER_IOWQ_AFF (5.14); not checked");
+                return;
+            }
+            Ok(None) => {
+                eprintln!("io_uring workers carry another PID namespace's ids; not checked");
+                return;
+            }
+            Ok(Some(workers_cores)) => workers_cores,
+        };
         // A sync always runs on a worker.
-        assert!(!workers.is_empty(), "the sync ran on no worker of this thread");
-        for worker in &workers {
-            assert_eq!(crate::wal::tests::cores_of_thread(worker), core.to_string());
+        assert!(!workers_cores.is_empty(), "the sync ran on no worker of the thread");
+        for cores in workers_cores {
+            assert_eq!(cores, core.to_string());
         }
     }
 

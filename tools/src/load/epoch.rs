@@ -14,8 +14,8 @@
 //!
 //! `--placement isolated` (the default) pins the coordinator's endpoint thread to the last
 //! core and the producers, the driver and the WAL's sync thread and io_uring workers to the
-//! others (module `placement`); `shared` pins nothing. The JSON key `placement` says which the
-//! run got (one core: `shared`).
+//! others (module `placement`); `shared` pins nothing. The JSON key `placement` says which was
+//! applied (one core: `shared`); a pin the system refuses is reported on stderr.
 //!
 //! `--baseline reference` then applies the same message stream (the producers' batches in
 //! round-robin order) to the reference model and, for comparison, to the fast state machine,

@@ -9,8 +9,8 @@
 //! coordinator ([`coordbus::Pinning::Cores`]) and pins the load threads to the others, where
 //! the WAL's I/O also goes ([`coordbus::wal::WalOptions::io_cores`]): how an engine that
 //! embeds the coordinator would keep its hot thread's core. Both the in-memory and the
-//! durable run are placed the same way, so their ratio compares like with like. `shared`
-//! pins nothing.
+//! durable run are placed the same way, so their ratio compares like with like. The main
+//! thread (which mostly waits for the run's end) stays unpinned. `shared` pins nothing.
 
 /// Where the run's threads go.
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
