@@ -68,6 +68,11 @@ pub(super) const KEYFRAME_INTERVAL: i64 = 64;
 #[derive(Debug, Default)]
 pub(super) struct DeltaEncoder {
     base: Option<Base>,
+    /// The words of the last base dropped, kept for the next full record's base: each
+    /// keyframe would otherwise free one buffer (8 KiB at 1000 partitions) and allocate
+    /// another, and the allocator's returns of such memory to the system cost the other core
+    /// an interrupt (TLB shootdown).
+    spare_words: Vec<u64>,
     /// The current epoch's words, then their encoded differences.
     words: Vec<u64>,
     /// The payloads concatenated (payloads of widths other than 8).
@@ -105,7 +110,7 @@ impl DeltaEncoder {
         let after_keyframe = epoch > base.keyframe_epoch
             && epoch.abs_diff(base.keyframe_epoch) < interval.unsigned_abs();
         if offsets.len() != base.count || width != base.width || !after_keyframe {
-            self.base = None;
+            self.drop_base();
             return None;
         }
         // Two passes: reading the payloads, then arithmetic the compiler vectorizes.
@@ -116,7 +121,7 @@ impl DeltaEncoder {
         let all_bits = compact.then(|| zigzag_differences(&mut self.words, &mut base.words));
         let Some(all_bits) = all_bits else {
             // Not compact.
-            self.base = None;
+            self.drop_base();
             return None;
         };
         let base_epoch = std::mem::replace(&mut base.epoch, epoch);
@@ -146,14 +151,24 @@ impl DeltaEncoder {
     /// After a delta [`Self::encode`] made was not appended (the log refused it): the next
     /// record must be full.
     pub(super) fn forget_base(&mut self) {
-        self.base = None;
+        self.drop_base();
+    }
+
+    /// Leaves no base, keeping its words' buffer for the next one.
+    fn drop_base(&mut self) {
+        if let Some(base) = self.base.take() {
+            self.spare_words = base.words;
+        }
     }
 
     /// After a full record of `offsets` for `epoch`: it starts a chain if its layout is
     /// compact, else there is none until the next compact full record.
     pub(super) fn full_record_appended(&mut self, epoch: i64, offsets: Offsets<'_>) {
         let width = offsets.first().map_or(0, |(_, payload)| payload.len());
-        let mut words = self.base.take().map_or_else(Vec::new, |base| base.words);
+        let mut words = match self.base.take() {
+            Some(base) => base.words,
+            None => std::mem::take(&mut self.spare_words),
+        };
         if fill_words(offsets, width, &mut words, &mut self.bytes) {
             self.base =
                 Some(Base { epoch, keyframe_epoch: epoch, count: offsets.len(), width, words });
