@@ -608,8 +608,9 @@ pub struct WalOptions {
     /// own group ([`Durability::EveryRecord`], module doc) writes and syncs through its own
     /// io_uring workers, which the kernel places as that thread (since Linux 6.2: on its cores,
     /// so a leader pinned to the hot core keeps its I/O there). If the system refuses the sync
-    /// thread's confinement (no listed core online or allowed), the thread and its workers keep
-    /// the opening thread's cores (logged), as an endpoint whose pinning is refused does.
+    /// thread's confinement (no listed core online or allowed), the thread keeps the opening
+    /// thread's cores, and so do its workers since Linux 6.2 (logged), as an endpoint whose
+    /// pinning is refused does.
     pub io_cores: Vec<usize>,
 }
 
@@ -897,6 +898,9 @@ pub(crate) struct Shared {
     /// The sync thread, once it runs (`Wal::close_timeout` called from it must not wait for
     /// itself).
     pub(crate) sync_thread: OnceLock<SyncThreadIds>,
+    /// Whether the sync thread confined its io_uring workers to `io_cores` (read by a test).
+    #[cfg(test)]
+    pub(crate) workers_confined: OnceLock<bool>,
     /// Wakes appenders waiting for staging space (with `append`).
     pub(crate) space_cv: Condvar,
     /// Tracked segments in id order (the active one last).
@@ -1704,6 +1708,8 @@ impl Wal {
             writer_cv: Condvar::new(),
             ring_waker,
             sync_thread: OnceLock::new(),
+            #[cfg(test)]
+            workers_confined: OnceLock::new(),
             space_cv: Condvar::new(),
             segments: RwLock::new(recovered.segments),
             appended_lsn: CachePadded::new(AtomicU64::new(last_lsn)),
@@ -3352,6 +3358,9 @@ mod tests {
                     !workers.is_empty(),
                     "the ring's syncs ran on no worker of the sync thread"
                 );
+                // Since Linux 6.2 they would take the sync thread's cores anyway: the
+                // registration itself must have worked.
+                assert_eq!(wal.shared.workers_confined.get(), Some(&true));
             }
             for worker in &workers {
                 assert_eq!(cores_of_thread(worker), core.to_string(), "{io:?}: a ring worker");

@@ -298,7 +298,9 @@ pub(crate) fn run(writer: Arc<Mutex<Writer>>, nice: u8, io_cores: &[usize]) {
         kernel_tid: rustix::thread::gettid().as_raw_nonzero().get(),
     });
     let turns = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        confine_to_cores(io_cores, lock(&writer).engine.as_mut());
+        let _workers_confined = confine_to_cores(io_cores, lock(&writer).engine.as_mut());
+        #[cfg(test)]
+        let _ = shared.workers_confined.set(_workers_confined);
         run_turns(&writer)
     }));
     if let Err(panic) = turns {
@@ -334,13 +336,14 @@ fn lower_priority(nice: u8) {
 }
 
 /// Keeps the calling thread (the sync thread) and the io_uring workers that run its ring
-/// entries on `cores` (`WalOptions::io_cores`; empty: no change). A refusal is logged, not an
-/// error: if the system refuses the thread's confinement, the thread and its workers keep the
-/// opening thread's cores, as an endpoint whose pinning is refused does; if it refuses only the
-/// workers', they keep whatever the kernel gives them.
-fn confine_to_cores(cores: &[usize], engine: &mut dyn IoEngine) {
+/// entries on `cores` (`WalOptions::io_cores`; empty: no change), and returns whether the
+/// workers' confinement was registered. A refusal is logged, not an error: if the system
+/// refuses the thread's confinement, the thread keeps the opening thread's cores (and its
+/// workers too, since Linux 6.2), as an endpoint whose pinning is refused does; if it refuses
+/// only the workers', they take the confined thread's cores since Linux 6.2, any core before.
+fn confine_to_cores(cores: &[usize], engine: &mut dyn IoEngine) -> bool {
     if cores.is_empty() {
-        return;
+        return false;
     }
     let mut asked = rustix::thread::CpuSet::new();
     // Checked when the log was opened: every id is below `CORE_ID_LIMIT` (`CpuSet::MAX_CPU`).
@@ -351,15 +354,20 @@ fn confine_to_cores(cores: &[usize], engine: &mut dyn IoEngine) {
         Ok(granted) => granted,
         Err(error) => {
             tracing::warn!(%error, ?cores, "the WAL's sync thread could not be confined");
-            return;
+            return false;
         }
     };
     // What the thread got (the listed cores that are online and in its cpuset): since Linux
     // 6.7 the workers' mask must lie within the cpuset.
     let granted: Vec<usize> =
         (0..rustix::thread::CpuSet::MAX_CPU).filter(|&core| granted.is_set(core)).collect();
-    if let Some(Err(error)) = engine.as_uring().map(|uring| uring.confine_workers(&granted)) {
-        tracing::warn!(%error, ?cores, "the WAL's io_uring workers could not be confined");
+    match engine.as_uring().map(|uring| uring.confine_workers(&granted)) {
+        Some(Err(error)) => {
+            tracing::warn!(%error, ?granted, "the WAL's io_uring workers could not be confined");
+            false
+        }
+        Some(Ok(())) => true,
+        None => false,
     }
 }
 
