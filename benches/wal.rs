@@ -134,7 +134,8 @@ fn recovery(c: &mut Criterion) {
     group.bench_function("baseline_read_crc32c", |b| {
         b.iter(|| {
             use std::io::Read;
-            let (mut checksum, mut left) = (0u32, bytes);
+            let mut checksum = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
+            let mut left = bytes;
             let mut data = Vec::with_capacity(bytes as usize);
             for entry in std::fs::read_dir(dir.path()).unwrap() {
                 let path = entry.unwrap().path();
@@ -142,10 +143,10 @@ fn recovery(c: &mut Criterion) {
                     data.clear();
                     let file = std::fs::File::open(&path).unwrap();
                     left -= file.take(left).read_to_end(&mut data).unwrap() as u64;
-                    checksum = crc32c::crc32c_append(checksum, &data);
+                    checksum.update(&data);
                 }
             }
-            std::hint::black_box(checksum)
+            std::hint::black_box(checksum.finalize())
         })
     });
     group.finish();

@@ -79,7 +79,7 @@ impl SegmentHeader {
         out[24..32].copy_from_slice(&window.start_ms.to_le_bytes());
         out[32..40].copy_from_slice(&window.stop_ms.to_le_bytes());
         out[40..48].copy_from_slice(&self.segment_size_bytes.to_le_bytes());
-        let crc = crc32c::crc32c(&out[0..60]);
+        let crc = crate::record::crc::crc32c(&out[0..60]);
         out[60..64].copy_from_slice(&crc.to_le_bytes());
         out
     }
@@ -98,7 +98,7 @@ impl SegmentHeader {
             )));
         }
         let stored = u32::from_le_bytes(bytes[60..64].try_into().expect("4 bytes"));
-        let computed = crc32c::crc32c(&bytes[0..60]);
+        let computed = crate::record::crc::crc32c(&bytes[0..60]);
         if stored != computed {
             return Err(corrupt(format!(
                 "segment header checksum mismatch: stored {stored:#010x}, computed {computed:#010x}"

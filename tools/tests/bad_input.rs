@@ -520,7 +520,7 @@ fn the_wal_tool_calls_an_unknown_segment_version_corrupt_in_dump_as_in_verify() 
     let segment = dir.path().join(coordbus::wal::segment::file_name(coordbus::wal::SegmentId(1)));
     let mut bytes = std::fs::read(&segment).unwrap();
     bytes[8] = 9;
-    let crc = crc32c::crc32c(&bytes[0..60]);
+    let crc = crc_fast::crc32_iscsi(&bytes[0..60]);
     bytes[60..64].copy_from_slice(&crc.to_le_bytes());
     std::fs::write(&segment, &bytes).unwrap();
     let path = dir.path().to_str().unwrap();

@@ -389,7 +389,7 @@ fn dump(
                     "segment": record.handle.segment.0,
                     "offset": record.handle.offset,
                     "len": record.handle.len,
-                    "payload_crc32c": crc32c::crc32c(&record.bytes),
+                    "payload_crc32c": crc_fast::crc32_iscsi(&record.bytes),
                     "payload_hex": hex(preview),
                 })
             )?;

@@ -174,14 +174,15 @@ fn tear_after(dir: &Path, acknowledged: Lsn, rng: &mut Rng) -> anyhow::Result<Op
 fn payload(rng: &mut Rng, len: usize) -> Vec<u8> {
     let mut out = vec![0u8; 4];
     out.extend((0..len).map(|_| rng.next_u64() as u8));
-    let crc = crc32c::crc32c(&out[4..]);
+    let crc = crc_fast::crc32_iscsi(&out[4..]);
     out[..4].copy_from_slice(&crc.to_le_bytes());
     out
 }
 
 fn self_check(bytes: &[u8]) -> bool {
     bytes.len() >= 4
-        && bytes[..4].try_into().map(u32::from_le_bytes).ok() == Some(crc32c::crc32c(&bytes[4..]))
+        && bytes[..4].try_into().map(u32::from_le_bytes).ok()
+            == Some(crc_fast::crc32_iscsi(&bytes[4..]))
 }
 
 /// The child: appends until killed.
@@ -213,7 +214,7 @@ pub fn child(work: &Path, seed: u64, iteration: u64) -> anyhow::Result<()> {
                         let len = 8 + rng.below(300) as usize;
                         let bytes = payload(&mut rng, len);
                         let (lsn, _) = wal.append_bytes(&bytes, 0)?;
-                        appended.push((lsn, crc32c::crc32c(&bytes)));
+                        appended.push((lsn, crc_fast::crc32_iscsi(&bytes)));
                     }
                     let last = appended.last().map_or(Lsn::ZERO, |(lsn, _)| *lsn);
                     wal.wait_durable(last)?;
@@ -389,7 +390,7 @@ impl Checker for WalChecker {
                 counts.corrupt_accepted += 1;
                 counts.note(iteration, format!("record {} fails its self-check", record.lsn));
             }
-            crcs.push(Some(crc32c::crc32c(&record.bytes)));
+            crcs.push(Some(crc_fast::crc32_iscsi(&record.bytes)));
         }
         let first_kept = crcs.iter().position(Option::is_some).map_or(1, |index| index as u64 + 1);
         let kept = crcs.iter().flatten().count() as u64;
