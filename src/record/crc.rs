@@ -4,18 +4,19 @@
 //! # Why two paths
 //! Appenders compute one CRC per record on their own thread (the coordinator's, for the epoch
 //! log), and recovery checks every frame. For small inputs a plain loop over the CPU's CRC32
-//! instruction beats any library's per-call setup: for a 96-byte frame (a 64-byte record; its
-//! two covered ranges) 3.5 ns against 11 ns for `crc-fast` and 14 ns for the `crc32c` crate,
-//! whose setup (alignment split, dispatch to a three-way interleaved loop with nothing to
-//! interleave) once made up most of a recovery scan's time. From [`SMALL_MAX`] bytes on,
-//! `crc-fast` is faster: it folds the input with the CPU's carry-less multiply (VPCLMULQDQ with
-//! AVX-512 where the CPU has it, PCLMULQDQ otherwise, a table on other CPUs; chosen at run
-//! time, so under valgrind, which hides AVX-512, it takes the PCLMULQDQ path), where the
-//! `crc32c` crate interleaves three streams of the CRC32 instruction, eight bytes per
-//! instruction. A 3100-byte frame (the epoch log's delta record at 1000 partitions, one per
-//! epoch on the coordinator's thread) takes 59 ns against 114 ns with the `crc32c` crate
-//! (measured on this machine class, PERF.md, "Forty-fourth session"). CPUs without SSE 4.2 and
-//! other architectures take `crc-fast` at every size.
+//! instruction beats any library's per-call setup: a 96-byte frame (a 64-byte record; its two
+//! covered ranges) takes 3.8 ns against 13.4 ns with the `crc32c` crate, whose setup
+//! (alignment split, dispatch to a three-way interleaved loop with nothing to interleave) once
+//! made up most of a recovery scan's time, and about 11 ns with `crc-fast`. From [`SMALL_MAX`]
+//! bytes on, `crc-fast` is faster: it folds the input with the CPU's carry-less multiply
+//! (VPCLMULQDQ with AVX-512 where the CPU has it, PCLMULQDQ otherwise, a table on other CPUs;
+//! chosen at run time, so under valgrind, which hides AVX-512, it takes the PCLMULQDQ path),
+//! where the `crc32c` crate interleaves three streams of the CRC32 instruction, eight bytes per
+//! instruction. A 3104-byte frame (about the epoch log's delta record at 1000 partitions, one
+//! per epoch on the coordinator's thread) takes 54.6 ns against 107.9 ns with the `crc32c`
+//! crate. Figures: `cargo bench --bench wal -- wal/frame_crc` and PERF.md, "Forty-fourth
+//! session", on this machine class. CPUs without SSE 4.2 and other architectures take
+//! `crc-fast` at every size.
 //!
 //! The result is the standard CRC32C (reflected, initial and final XOR `!0`) on both paths,
 //! checked against the `crc32c` crate (an independent implementation) by a property test: logs
@@ -27,8 +28,8 @@
 use crc_fast::{CrcAlgorithm, Digest};
 
 /// Inputs shorter than this take the short path on x86_64 CPUs with SSE 4.2; everything else
-/// uses `crc-fast` (below it, `crc-fast`'s setup costs more than the loop: 19.7 ns against
-/// 17.7 ns at 512 bytes, 13.5 ns against 24.5 ns at 384).
+/// uses `crc-fast` (below it, `crc-fast`'s setup costs more than the loop saves: PERF.md,
+/// "Forty-fourth session").
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) const SMALL_MAX: usize = 512;
 
