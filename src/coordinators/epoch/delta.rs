@@ -19,6 +19,22 @@
 //! the encoder is two straight passes). For 8-byte offsets this is exactly "offset minus the
 //! base's offset"; for other payloads it is still lossless, only less compact.
 //!
+//! # Orders
+//! A source that advances steadily moves each partition by about the same amount every epoch
+//! (a rate-limited source, or Kafka partitions read at a cap under backlog: the load
+//! generator's offsets move by exactly 2^20). Its first differences are as large as the
+//! advance, but their own differences from the epoch before are small, or zero: Gorilla's
+//! delta-of-delta timestamps (Pelkonen et al., VLDB 2015) rest on the same observation. So a
+//! delta record is of one of two orders, whichever takes fewer bytes (the second on a tie):
+//! `OffsetsDelta` holds each word's difference from the base's word, `OffsetsDeltaOfDelta`
+//! the difference of that from the base's own difference (what the base record moved its word
+//! by; zero for a keyframe). Both orders come out of one pass (module `zigzag`), which also
+//! keeps the differences for the next record; the first order costs one more pass when it is
+//! kept. Offsets that move back and forth, or at random, keep the first order; the load
+//! generator's steady ones take no bytes at all in the second (its `--offsets varied` stream
+//! has seeded per-partition rates and jitter: 3 bytes an offset either way). A decoder keeps
+//! the last differences beside the words (module doc, "Chains and keyframes").
+//!
 //! # Chains and keyframes
 //! A delta's base is the offsets record its run appended just before it (`base_epoch` names
 //! its epoch), full or delta: the difference from the previous epoch is the smallest (a base
@@ -50,29 +66,51 @@
 
 use super::{
     log_record::{
-        reserve_offsets, ArchivedOffsetsDeltaRecord, ArchivedOffsetsRecord, OffsetsDeltaRecord,
+        reserve_offsets, ArchivedLogRecord, ArchivedOffsetsDeltaRecord, ArchivedOffsetsRecord,
+        LogRecordRef, OffsetsDeltaRecord,
     },
     low_bytes::store_low_bytes,
-    zigzag::{differences as zigzag_differences, unzigzag},
+    zigzag::{differences as zigzag_differences, unzigzag, zigzag_each, OrderBits},
     Offsets, PartitionId, Payload,
 };
 
 /// Most epochs between a delta and its chain's keyframe (exclusive), unless the log retains
 /// fewer. The longer, the fewer full records (8 KiB each at 1000 partitions, against about
-/// 3 KiB for a delta of the load generator's offsets); recovery decodes at most this many
-/// records for the restart point.
+/// 3 KiB for a delta of offsets that advance by 2^20 with jitter, and none for the load
+/// generator's steady ones); recovery decodes at most this many records for the restart point.
 pub(super) const KEYFRAME_INTERVAL: i64 = 64;
+
+/// What a delta record's values are differences from (module doc, "Orders").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum DeltaOrder {
+    /// From the base's words: a `LogRecord::OffsetsDelta`.
+    First,
+    /// From the base's words plus the base's own differences: a
+    /// `LogRecord::OffsetsDeltaOfDelta`.
+    Second,
+}
+
+/// The delta record in `record` and its order, if it is one.
+pub(super) fn as_delta(
+    record: &ArchivedLogRecord,
+) -> Option<(DeltaOrder, &ArchivedOffsetsDeltaRecord)> {
+    match record {
+        ArchivedLogRecord::OffsetsDelta(delta) => Some((DeltaOrder::First, delta)),
+        ArchivedLogRecord::OffsetsDeltaOfDelta(delta) => Some((DeltaOrder::Second, delta)),
+        ArchivedLogRecord::Offsets(_) | ArchivedLogRecord::Commit { .. } => None,
+    }
+}
 
 /// The base of the run's next delta and the buffers of the delta being built, kept across
 /// epochs.
 #[derive(Debug, Default)]
 pub(super) struct DeltaEncoder {
     base: Option<Base>,
-    /// The words of the last base dropped, kept for the next full record's base: each
-    /// keyframe would otherwise free one buffer (8 KiB at 1000 partitions) and allocate
-    /// another, and the allocator's returns of such memory to the system cost the other core
-    /// an interrupt (TLB shootdown).
-    spare_words: Vec<u64>,
+    /// The buffers of the last base dropped, kept for the next full record's base: each
+    /// keyframe would otherwise free two (8 KiB each at 1000 partitions) and allocate two
+    /// more, and the allocator's returns of such memory to the system cost the other core an
+    /// interrupt (TLB shootdown).
+    spare: BaseBuffers,
     /// The current epoch's words, then their encoded differences.
     words: Vec<u64>,
     /// The payloads concatenated (payloads of widths other than 8).
@@ -89,22 +127,32 @@ struct Base {
     keyframe_epoch: i64,
     count: usize,
     width: usize,
+    buffers: BaseBuffers,
+}
+
+/// The words of a base, and what they moved by.
+#[derive(Debug, Default)]
+struct BaseBuffers {
     /// The last record's payloads as words.
     words: Vec<u64>,
+    /// The wrapping difference of each of `words` from the record before (zeros for a full
+    /// record): what a second-order delta's values are differences from.
+    differences: Vec<u64>,
 }
 
 impl DeltaEncoder {
-    /// The delta record of `offsets` for `epoch`, if they can be one (module doc, "Chains and
-    /// keyframes"; `interval` is [`KEYFRAME_INTERVAL`] or the log's retained epochs, if fewer).
-    /// The caller appends it: it is the base of the next delta. `None` leaves no base until
-    /// the caller appends a full record ([`Self::full_record_appended`]).
+    /// The delta record of `offsets` for `epoch`, of the order that takes fewer bytes (the
+    /// second when they tie), if they can be one (module doc, "Chains and keyframes";
+    /// `interval` is [`KEYFRAME_INTERVAL`] or the log's retained epochs, if fewer). The caller
+    /// appends it: it is the base of the next delta. `None` leaves no base until the caller
+    /// appends a full record ([`Self::full_record_appended`]).
     pub(super) fn encode(
         &mut self,
         run: u64,
         epoch: i64,
         offsets: Offsets<'_>,
         interval: i64,
-    ) -> Option<&OffsetsDeltaRecord> {
+    ) -> Option<LogRecordRef<'_>> {
         let base = self.base.as_mut()?;
         let width = offsets.first().map_or(0, |(_, payload)| payload.len());
         let after_keyframe = epoch > base.keyframe_epoch
@@ -117,15 +165,22 @@ impl DeltaEncoder {
         let compact = fill_words(offsets, width, &mut self.words, &mut self.bytes);
         // Same count and width give as many words as the base has; checked anyway (once per
         // epoch), as a word left out of the differences would not fit `word_bytes`.
-        let compact = compact && self.words.len() == base.words.len();
-        let all_bits = compact.then(|| zigzag_differences(&mut self.words, &mut base.words));
-        let Some(all_bits) = all_bits else {
-            // Not compact.
+        let compact = compact && self.words.len() == base.buffers.words.len();
+        if !compact {
             self.drop_base();
             return None;
+        }
+        let BaseBuffers { words: base_words, differences } = &mut base.buffers;
+        let OrderBits { first, second } =
+            zigzag_differences(&mut self.words, base_words, differences);
+        let (order, word_bytes) = if bytes_to_hold(second) <= bytes_to_hold(first) {
+            (DeltaOrder::Second, bytes_to_hold(second))
+        } else {
+            // The words hold the second-order values.
+            zigzag_each(&mut self.words, differences);
+            (DeltaOrder::First, bytes_to_hold(first))
         };
         let base_epoch = std::mem::replace(&mut base.epoch, epoch);
-        let word_bytes = (u64::BITS - all_bits.leading_zeros()).div_ceil(8) as usize;
         let record = &mut self.record;
         record.run = run;
         record.epoch = epoch;
@@ -145,7 +200,10 @@ impl DeltaEncoder {
             7 => store_low_bytes::<7>(&self.words, &mut record.deltas),
             _ => store_low_bytes::<8>(&self.words, &mut record.deltas),
         }
-        Some(&self.record)
+        Some(match order {
+            DeltaOrder::First => LogRecordRef::OffsetsDelta(&self.record),
+            DeltaOrder::Second => LogRecordRef::OffsetsDeltaOfDelta(&self.record),
+        })
     }
 
     /// After a delta [`Self::encode`] made was not appended (the log refused it): the next
@@ -154,10 +212,10 @@ impl DeltaEncoder {
         self.drop_base();
     }
 
-    /// Leaves no base, keeping its words' buffer for the next one.
+    /// Leaves no base, keeping its buffers for the next one.
     fn drop_base(&mut self) {
         if let Some(base) = self.base.take() {
-            self.spare_words = base.words;
+            self.spare = base.buffers;
         }
     }
 
@@ -165,15 +223,25 @@ impl DeltaEncoder {
     /// compact, else there is none until the next compact full record.
     pub(super) fn full_record_appended(&mut self, epoch: i64, offsets: Offsets<'_>) {
         let width = offsets.first().map_or(0, |(_, payload)| payload.len());
-        let mut words = match self.base.take() {
-            Some(base) => base.words,
-            None => std::mem::take(&mut self.spare_words),
+        let mut buffers = match self.base.take() {
+            Some(base) => base.buffers,
+            None => std::mem::take(&mut self.spare),
         };
-        if fill_words(offsets, width, &mut words, &mut self.bytes) {
-            self.base =
-                Some(Base { epoch, keyframe_epoch: epoch, count: offsets.len(), width, words });
+        if !fill_words(offsets, width, &mut buffers.words, &mut self.bytes) {
+            self.spare = buffers;
+            return;
         }
+        // A full record moved by nothing, as far as the next delta's second order goes.
+        buffers.differences.clear();
+        buffers.differences.resize(buffers.words.len(), 0);
+        let count = offsets.len();
+        self.base = Some(Base { epoch, keyframe_epoch: epoch, count, width, buffers });
     }
+}
+
+/// The fewest bytes that hold `bits` (0 for none).
+fn bytes_to_hold(bits: u64) -> usize {
+    (u64::BITS - bits.leading_zeros()).div_ceil(8) as usize
 }
 
 /// Sets `out` to the payloads read as 8-byte words, and returns whether the offsets are words
@@ -268,6 +336,8 @@ pub(super) struct ChainDecoder {
     /// Bytes of the concatenated payloads (the last word is padded past them).
     data_len: usize,
     words: Vec<u64>,
+    /// What each word moved by in the last record applied (zeros for the keyframe).
+    differences: Vec<u64>,
 }
 
 impl ChainDecoder {
@@ -296,11 +366,16 @@ impl ChainDecoder {
             width,
             data_len: data.len(),
             words: data.chunks(8).map(padded_word).collect(),
+            differences: vec![0; data.len().div_ceil(8)],
         })
     }
 
-    /// Applies the next delta of the chain, checking that it names this base.
-    pub(super) fn apply(&mut self, delta: &ArchivedOffsetsDeltaRecord) -> Result<(), String> {
+    /// Applies the next delta of the chain, of `order`, checking that it names this base.
+    pub(super) fn apply(
+        &mut self,
+        order: DeltaOrder,
+        delta: &ArchivedOffsetsDeltaRecord,
+    ) -> Result<(), String> {
         let (run, epoch, base_epoch) =
             (delta.run.to_native(), delta.epoch.to_native(), delta.base_epoch.to_native());
         if self.run != run || self.epoch != base_epoch {
@@ -327,10 +402,18 @@ impl ChainDecoder {
                 self.words.len()
             ));
         }
-        if word_bytes > 0 {
-            for (word, encoded) in self.words.iter_mut().zip(deltas.chunks_exact(word_bytes)) {
-                *word = word.wrapping_add(unzigzag(padded_word(encoded)));
-            }
+        let encoded = |index: usize| match word_bytes {
+            0 => 0,
+            _ => padded_word(&deltas[index * word_bytes..][..word_bytes]),
+        };
+        let moves = self.words.iter_mut().zip(&mut self.differences);
+        for (index, (word, difference)) in moves.enumerate() {
+            let step = unzigzag(encoded(index));
+            *difference = match order {
+                DeltaOrder::First => step,
+                DeltaOrder::Second => difference.wrapping_add(step),
+            };
+            *word = word.wrapping_add(*difference);
         }
         let padding = (!self.data_len.is_multiple_of(8)).then(|| self.words.last()).flatten();
         if padding.is_some_and(|last| last >> (self.data_len % 8 * 8) != 0) {
@@ -395,11 +478,8 @@ mod tests {
         }
     }
 
-    fn archived_delta(bytes: &[u8]) -> &ArchivedOffsetsDeltaRecord {
-        match rkyv::access::<ArchivedLogRecord, rancor::Error>(bytes).unwrap() {
-            ArchivedLogRecord::OffsetsDelta(delta) => delta,
-            _ => panic!("not a delta"),
-        }
+    fn archived_delta(bytes: &[u8]) -> (DeltaOrder, &ArchivedOffsetsDeltaRecord) {
+        as_delta(rkyv::access::<ArchivedLogRecord, rancor::Error>(bytes).unwrap()).expect("a delta")
     }
 
     const RUN: u64 = 3;
@@ -418,10 +498,7 @@ mod tests {
             .iter()
             .map(|(epoch, offsets)| {
                 match encoder.encode(RUN, *epoch, Offsets::new(offsets), KEYFRAME_INTERVAL) {
-                    Some(delta) => {
-                        let delta = LogRecordRef::OffsetsDelta(delta);
-                        (rkyv::to_bytes::<rancor::Error>(&delta).unwrap(), true)
-                    }
+                    Some(delta) => (rkyv::to_bytes::<rancor::Error>(&delta).unwrap(), true),
                     None => {
                         encoder.full_record_appended(*epoch, Offsets::new(offsets));
                         (full(*epoch, offsets), false)
@@ -438,7 +515,8 @@ mod tests {
         let mut decoder = ChainDecoder::new(archived_full(&keyframe.0))?;
         let mut decoded = vec![decoder.offsets()?];
         for (delta, _) in deltas {
-            decoder.apply(archived_delta(delta))?;
+            let (order, delta) = archived_delta(delta);
+            decoder.apply(order, delta)?;
             decoded.push(decoder.offsets()?);
         }
         Ok(decoded)
@@ -454,7 +532,7 @@ mod tests {
             return None;
         }
         let decoded = decode_run(&records).unwrap();
-        Some((archived_delta(&records[1].0).deltas.len(), decoded[1].clone()))
+        Some((archived_delta(&records[1].0).1.deltas.len(), decoded[1].clone()))
     }
 
     proptest! {
@@ -474,6 +552,41 @@ mod tests {
                     let payloads: Vec<Vec<u8>> =
                         rows.iter().map(|row| row[epoch][..width].to_vec()).collect();
                     (epoch as i64, dense(&payloads))
+                })
+                .collect();
+            let records = encode_run(&run);
+            prop_assert!(records.iter().skip(1).all(|(_, delta)| *delta));
+            let decoded = decode_run(&records).unwrap();
+            let encoded: Vec<Entries> = run.into_iter().map(|(_, offsets)| offsets).collect();
+            prop_assert_eq!(decoded, encoded);
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig {
+            rng_seed: proptest::test_runner::RngSeed::Fixed(0x5EC0D),
+            ..ProptestConfig::default()
+        })]
+        /// Offsets that advance by a step of their own with a jitter, some going back and forth:
+        /// runs whose deltas take either order, from one record to the next.
+        #[test]
+        fn a_chain_of_deltas_of_either_order_decodes_to_the_offsets_it_encoded(
+            partitions in prop::collection::vec(
+                (any::<i64>(), -(1i64 << 40)..(1 << 40), any::<bool>()), 1..40),
+            jitters in prop::collection::vec(
+                prop::collection::vec(prop_oneof![Just(0i64), -300i64..300], 40), 2..20),
+        ) {
+            let run: Vec<(i64, Entries)> = jitters
+                .iter()
+                .enumerate()
+                .map(|(epoch, jitter)| {
+                    let at = |(p, &(start, step, back_and_forth)): (usize, &(i64, i64, bool))| {
+                        // Back and forth: a step up in odd epochs, back down in even ones.
+                        let steps = if back_and_forth { epoch as i64 % 2 } else { epoch as i64 };
+                        let offset = start.wrapping_add(step.wrapping_mul(steps));
+                        (PartitionId(p as i32), Payload::from(offset.wrapping_add(jitter[p])))
+                    };
+                    (epoch as i64, partitions.iter().enumerate().map(at).collect())
                 })
                 .collect();
             let records = encode_run(&run);
@@ -504,10 +617,11 @@ mod tests {
     }
 
     #[test]
-    fn each_delta_is_the_difference_from_the_previous_epoch_not_from_the_keyframe() {
+    fn each_delta_is_from_the_previous_epoch_and_steady_advances_take_no_bytes() {
         // The load generator's offsets: epoch << 20 | partition. One epoch apart the
-        // differences are 2^20 (zigzag 2^21: three bytes); the keyframe 40 epochs back would
-        // need four.
+        // differences are 2^20 (zigzag 2^21: three bytes; the keyframe 40 epochs back would
+        // need four), and each is the difference of the epoch before: no bytes in the second
+        // order, after the first delta (whose base, the keyframe, moved by nothing).
         let offsets = |epoch: i64| -> Entries {
             (0..100).map(|p| (PartitionId(p), Payload::from(epoch << 20 | i64::from(p)))).collect()
         };
@@ -515,11 +629,52 @@ mod tests {
         let records = encode_run(&run);
         for (epoch, (bytes, is_delta)) in records.iter().enumerate().skip(1) {
             assert!(is_delta, "epoch {epoch}");
-            let delta = archived_delta(bytes);
+            let (order, delta) = archived_delta(bytes);
             assert_eq!(delta.base_epoch.to_native(), epoch as i64 - 1);
-            assert_eq!((delta.word_bytes, delta.deltas.len()), (3, 300), "epoch {epoch}");
+            let word_bytes = if epoch == 1 { 3 } else { 0 };
+            assert_eq!(order, DeltaOrder::Second, "epoch {epoch}");
+            assert_eq!(
+                (delta.word_bytes, delta.deltas.len()),
+                (word_bytes, word_bytes as usize * 100)
+            );
         }
-        assert_eq!(decode_run(&records).unwrap().last(), Some(&offsets(40)));
+        let decoded = decode_run(&records).unwrap();
+        assert_eq!(decoded, run.into_iter().map(|(_, offsets)| offsets).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn each_delta_takes_the_order_of_fewer_bytes() {
+        // Partition p at p * 1000, then each epoch 5000 * p further, plus 100 in odd epochs:
+        // the first differences are 5000p + 100 and 5000p - 100 by turns (zigzag up to about
+        // 990 000: three bytes), the second ones 200 and -200 (zigzag 400: two bytes).
+        let steady = |epoch: i64| -> Entries {
+            (0..100i64)
+                .map(|p| (p * 1000 + epoch * 5000 * p + epoch % 2 * 100, p))
+                .map(|(offset, p)| (PartitionId(p as i32), Payload::from(offset)))
+                .collect()
+        };
+        // The other way round: each epoch 100 back and forth, so the first differences are
+        // +-100 (zigzag 200: one byte), the second ones +-200 (zigzag 400: two).
+        let back_and_forth = |epoch: i64| -> Entries {
+            (0..100i64)
+                .map(|p| (PartitionId(p as i32), Payload::from(p * 1000 + epoch % 2 * 100)))
+                .collect()
+        };
+        for (name, offsets, order, word_bytes) in [
+            ("steady", &steady as &dyn Fn(i64) -> Entries, DeltaOrder::Second, 2),
+            ("back and forth", &back_and_forth, DeltaOrder::First, 1),
+        ] {
+            let run: Vec<(i64, Entries)> = (0..6).map(|epoch| (epoch, offsets(epoch))).collect();
+            let records = encode_run(&run);
+            // The first delta after the keyframe: either order, the same values (a tie).
+            assert_eq!(archived_delta(&records[1].0).0, DeltaOrder::Second, "{name}");
+            for (epoch, (bytes, _)) in records.iter().enumerate().skip(2) {
+                let (got, delta) = archived_delta(bytes);
+                assert_eq!((got, delta.word_bytes), (order, word_bytes), "{name}, epoch {epoch}");
+            }
+            let decoded = decode_run(&records).unwrap();
+            assert_eq!(decoded, run.into_iter().map(|(_, offsets)| offsets).collect::<Vec<_>>());
+        }
     }
 
     #[test]
@@ -637,16 +792,18 @@ mod tests {
         let records = encode_run(&[(10, base.clone()), (11, base.clone()), (12, base.clone())]);
         // The delta of epoch 12 names epoch 11 as its base; applied to the keyframe of 10.
         let mut decoder = ChainDecoder::new(archived_full(&records[0].0)).unwrap();
-        let error = decoder.apply(archived_delta(&records[2].0)).unwrap_err();
+        let (order, delta) = archived_delta(&records[2].0);
+        let error = decoder.apply(order, delta).unwrap_err();
         assert!(error.contains("epoch 11") && error.contains("epoch 10"), "{error}");
         // Of the right epoch but another run.
         let other_run = full(11, &base);
         let mut decoder = ChainDecoder::new(archived_full(&other_run)).unwrap();
         let mut delta: OffsetsDeltaRecord =
-            rkyv::deserialize::<_, rancor::Error>(archived_delta(&records[2].0)).unwrap();
+            rkyv::deserialize::<_, rancor::Error>(archived_delta(&records[2].0).1).unwrap();
         delta.run = RUN + 1;
         let delta = rkyv::to_bytes::<rancor::Error>(&LogRecordRef::OffsetsDelta(&delta)).unwrap();
-        let error = decoder.apply(archived_delta(&delta)).unwrap_err();
+        let (order, delta) = archived_delta(&delta);
+        let error = decoder.apply(order, delta).unwrap_err();
         assert!(error.contains("run 4") && error.contains("run 3"), "{error}");
     }
 

@@ -13,18 +13,24 @@
 //! * `Commit { run, epoch }`: the epoch was committed (appended after the sink commit).
 //! * `OffsetsDelta { run, epoch, base_epoch, count, width, word_bytes, deltas }`: the offsets of
 //!   one epoch as the difference from the offsets record the run appended just before it (of
-//!   epoch `base_epoch`, full or delta), 3/8 of the bytes or less for the load generator's
-//!   offsets (module `delta`). A record is a delta when the layout is compact and the same as
-//!   its base's, and the epoch is after the last full record's (the chain's keyframe) by fewer
-//!   than 64 epochs (and fewer than `retained_epochs`); else it is full, and a compact full
-//!   record starts the next chain.
+//!   epoch `base_epoch`, full or delta), 3/8 of the bytes for offsets that advance by about
+//!   2^20 an epoch (module `delta`). A record is a delta when the layout is compact and the
+//!   same as its base's, and the epoch is after the last full record's (the chain's keyframe)
+//!   by fewer than 64 epochs (and fewer than `retained_epochs`); else it is full, and a compact
+//!   full record starts the next chain.
+//! * `OffsetsDeltaOfDelta { .. }`, the same fields: a second-order delta, each value the
+//!   difference from what the base record moved its word by; no bytes at all for offsets that
+//!   advance steadily, as the load generator's do (module `delta`, "Orders"). Each delta record
+//!   is of the order that takes fewer bytes.
 //!
 //! Logs written before delta records existed open unchanged (the archived enum keeps its size,
 //! a compile-time check in `log_record`), and so do logs whose deltas all name their keyframe
-//! as the base (the first version of delta records). A build from before delta records cannot
-//! open a log holding them (an unknown record: [`EpochError::BadLogRecord`]), nor can one
-//! with the first version open a log of chained deltas (a delta whose base is not the last
-//! full record: [`EpochError::BadLogRecord`], which then wrongly suggests a skipped segment).
+//! as the base (the first version of delta records) and logs of first-order deltas only (the
+//! versions before second-order ones). A build from before delta records cannot open a log
+//! holding them, nor one from before second-order deltas a log holding those (an unknown
+//! record: [`EpochError::BadLogRecord`]), nor can one with the first version open a log of
+//! chained deltas (a delta whose base is not the last full record:
+//! [`EpochError::BadLogRecord`], which then wrongly suggests a skipped segment).
 //!
 //! `run` numbers the openings of the log (the highest run found on recovery, plus one), and
 //! each coordinator the query is handed to takes the next number (`Query::begin_run`). It is
@@ -88,7 +94,7 @@ use rkyv::{rancor, util::AlignedVec};
 
 use super::{
     clamp_retained_epochs,
-    delta::{ChainDecoder, DeltaEncoder, KEYFRAME_INTERVAL},
+    delta::{as_delta, ChainDecoder, DeltaEncoder, KEYFRAME_INTERVAL},
     log_record::{
         decode_offsets, ArchivedLogRecord, LogRecord, LogRecordRef, OffsetsRecordRef, TooLarge,
     },
@@ -481,9 +487,8 @@ impl<Q: Query> DurableQuery<Q> {
         // `delta`).
         let interval = KEYFRAME_INTERVAL.min(self.retained_epochs as i64);
         if let Some(delta) = self.deltas.encode(self.run, epoch.0, offsets, interval) {
-            let appended =
-                Self::serialize(&mut self.buf, &LogRecordRef::OffsetsDelta(delta), epoch)
-                    .and_then(|_| self.append_serialized(epoch, "append the offsets of an epoch"));
+            let appended = Self::serialize(&mut self.buf, &delta, epoch)
+                .and_then(|_| self.append_serialized(epoch, "append the offsets of an epoch"));
             if appended.is_err() {
                 // The encoder took this delta as the next one's base: it is not in the log.
                 self.deltas.forget_base();
@@ -708,7 +713,8 @@ fn recover(wal: &Wal) -> Result<Recovered, EpochError> {
         let link = |epoch, base_epoch| Link { epoch, base_epoch, handle: record.handle, lsn };
         let (run, epoch) = match archived {
             ArchivedLogRecord::Offsets(entry) => (entry.run.to_native(), entry.epoch.to_native()),
-            ArchivedLogRecord::OffsetsDelta(entry) => {
+            ArchivedLogRecord::OffsetsDelta(entry)
+            | ArchivedLogRecord::OffsetsDeltaOfDelta(entry) => {
                 (entry.run.to_native(), entry.epoch.to_native())
             }
             ArchivedLogRecord::Commit { run, epoch } => (run.to_native(), epoch.to_native()),
@@ -733,7 +739,8 @@ fn recover(wal: &Wal) -> Result<Recovered, EpochError> {
                 chain = Some(Rc::clone(&started));
                 Ok((started, 0))
             }
-            ArchivedLogRecord::OffsetsDelta(entry) => {
+            ArchivedLogRecord::OffsetsDelta(entry)
+            | ArchivedLogRecord::OffsetsDeltaOfDelta(entry) => {
                 let base_epoch = entry.base_epoch.to_native();
                 match chain.as_ref().filter(|chain| chain.borrow().run == run) {
                     Some(chain) => {
@@ -887,10 +894,10 @@ impl Winner {
             ChainDecoder::new(full).map_err(|reason| bad_record(keyframe.lsn, reason))?;
         for link in deltas.iter().map(|&at| chain.links[at]) {
             let record = wal.read::<LogRecord>(link.handle).map_err(read_error)?;
-            let ArchivedLogRecord::OffsetsDelta(delta) = &*record else {
+            let Some((order, delta)) = as_delta(&record) else {
                 return Err(bad_record(link.lsn, "expected a delta offsets record"));
             };
-            decoder.apply(delta).map_err(|reason| bad_record(link.lsn, reason))?;
+            decoder.apply(order, delta).map_err(|reason| bad_record(link.lsn, reason))?;
         }
         let last = chain.links[*path.last().expect("a path holds the record itself")].lsn;
         decoder.offsets().map_err(|reason| bad_record(last, reason))
@@ -901,7 +908,7 @@ impl Winner {
 mod tests {
     use super::*;
 
-    use crate::wal::Durability;
+    use crate::{coordinators::epoch::delta::DeltaOrder, wal::Durability};
 
     fn config() -> WalConfig {
         WalConfig {
@@ -911,9 +918,22 @@ mod tests {
         }
     }
 
-    /// `count` dense 8-byte offsets that advance by `step` an epoch: `epoch * step + p`.
+    /// `count` dense 8-byte offsets that advance by about `step` an epoch: `epoch * step + p`
+    /// plus a jitter of less than `step / 8`, fixed by `(p, epoch)`, so that the deltas of the
+    /// log take bytes in either order (steady advances take none in the second).
     fn advancing(count: i32, step: i64, epoch: i64) -> Vec<(PartitionId, Payload)> {
-        (0..count).map(|p| (PartitionId(p), Payload::from(epoch * step + i64::from(p)))).collect()
+        let jitter = |p: i32| (scrambled(p, epoch) % (step as u64 / 8).max(1)) as i64;
+        (0..count)
+            .map(|p| (PartitionId(p), Payload::from(epoch * step + i64::from(p) + jitter(p))))
+            .collect()
+    }
+
+    /// A number fixed by `(p, epoch)` that looks random (splitmix64's finalizer).
+    fn scrambled(p: i32, epoch: i64) -> u64 {
+        let mut z = (u64::from(p as u32) << 40 ^ epoch as u64).wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
     }
 
     fn offsets(epoch: i64, value: i64) -> Vec<(PartitionId, Payload)> {
@@ -1023,17 +1043,14 @@ mod tests {
         let mut chain = None;
         for record in wal.iter_from(Lsn(0)).unwrap() {
             let record = record.unwrap();
-            match record.access::<LogRecord>().unwrap() {
-                ArchivedLogRecord::Offsets(entry) => {
-                    logged.push((entry.epoch.to_native(), decode_offsets(entry).unwrap(), false));
-                    chain = ChainDecoder::new(entry).ok();
-                }
-                ArchivedLogRecord::OffsetsDelta(delta) => {
-                    let chain = chain.as_mut().expect("a delta after a compact full record");
-                    chain.apply(delta).unwrap();
-                    logged.push((delta.epoch.to_native(), chain.offsets().unwrap(), true));
-                }
-                ArchivedLogRecord::Commit { .. } => {}
+            let archived = record.access::<LogRecord>().unwrap();
+            if let ArchivedLogRecord::Offsets(entry) = archived {
+                logged.push((entry.epoch.to_native(), decode_offsets(entry).unwrap(), false));
+                chain = ChainDecoder::new(entry).ok();
+            } else if let Some((order, delta)) = as_delta(archived) {
+                let chain = chain.as_mut().expect("a delta after a compact full record");
+                chain.apply(order, delta).unwrap();
+                logged.push((delta.epoch.to_native(), chain.offsets().unwrap(), true));
             }
         }
         logged
@@ -1240,15 +1257,19 @@ mod tests {
     #[test]
     fn cleaning_drops_old_epochs_but_keeps_the_restart_point() {
         let dir = tempfile::tempdir().unwrap();
+        // Payloads of bytes that look random: their deltas take about as many bytes.
         let many = |epoch: i64| -> Vec<(PartitionId, Payload)> {
-            (0..64).map(|p| (PartitionId(p), Payload::from(vec![epoch as u8; 100]))).collect()
+            let payload = |p: i32| -> Vec<u8> {
+                (0..100).map(|at| scrambled(p, epoch * 100 + at) as u8).collect()
+            };
+            (0..64).map(|p| (PartitionId(p), Payload::from(payload(p)))).collect()
         };
         {
             // Page-cache durability: the segments are written (so cleanable) without fsyncs.
             let config = WalConfig { durability: Durability::None, ..config() };
             let mut query = DurableQuery::open(dir.path(), config).unwrap().with_retained_epochs(4);
             commit_each_durably(&mut query, 0..200, many);
-            // About 3.5 KiB per epoch in 64 KiB segments: ~20 segments written, all but the
+            // About 6.5 KiB per epoch in 64 KiB segments: ~20 segments written, all but the
             // newest (holding the last few epochs) deleted.
             wait_for_cleaned_segments(&query, 18);
             let stats = query.wal().stats();
@@ -1389,7 +1410,9 @@ mod tests {
         assert!(reason.contains("epoch 1") && reason.contains("epoch 0"), "{reason}");
     }
 
-    /// The bytes of a delta record of `epoch` from a base of `base_epoch` (run 1).
+    /// The bytes of a delta record of `epoch` from a base of `base_epoch` (run 1), of the first
+    /// order, as the first versions wrote them: the encoder's record from a keyframe, whose
+    /// values are the same in either order (the keyframe moved by nothing).
     fn delta_bytes(
         base_epoch: i64,
         base: &[(PartitionId, Payload)],
@@ -1398,9 +1421,13 @@ mod tests {
     ) -> AlignedVec {
         let mut encoder = DeltaEncoder::default();
         encoder.full_record_appended(base_epoch, Offsets::new(base));
-        let delta =
-            encoder.encode(1, epoch, Offsets::new(offsets), KEYFRAME_INTERVAL).expect("a delta");
-        rkyv::to_bytes::<rancor::Error>(&LogRecordRef::OffsetsDelta(delta)).unwrap()
+        let delta = match encoder.encode(1, epoch, Offsets::new(offsets), KEYFRAME_INTERVAL) {
+            Some(LogRecordRef::OffsetsDelta(delta) | LogRecordRef::OffsetsDeltaOfDelta(delta)) => {
+                LogRecordRef::OffsetsDelta(delta)
+            }
+            _ => panic!("not a delta"),
+        };
+        rkyv::to_bytes::<rancor::Error>(&delta).unwrap()
     }
 
     #[test]
@@ -1576,15 +1603,24 @@ mod tests {
             let full: Vec<i64> =
                 logged.iter().filter(|(_, _, delta)| !delta).map(|(epoch, _, _)| *epoch).collect();
             assert_eq!(full, [0, KEYFRAME_INTERVAL], "a keyframe every {KEYFRAME_INTERVAL}");
-            // Every delta is 3 bytes an offset (differences of 2^20 from the epoch before).
+            // Every delta is of the second order: the offsets advance by 2^20 an epoch, so the
+            // first delta after a keyframe takes 3 bytes an offset (zigzag 2^21), and every
+            // other none (the same advance as the epoch before).
+            let mut deltas = 0;
             for record in query.wal().iter_from(Lsn(0)).unwrap() {
                 let record = record.unwrap();
-                if let ArchivedLogRecord::OffsetsDelta(delta) =
-                    record.access::<LogRecord>().unwrap()
-                {
-                    assert_eq!((delta.word_bytes, delta.deltas.len()), (3, 300));
-                }
+                let archived = record.access::<LogRecord>().unwrap();
+                let Some((order, delta)) = as_delta(archived) else { continue };
+                let epoch = delta.epoch.to_native();
+                let bytes: u8 = if epoch % KEYFRAME_INTERVAL == 1 { 3 } else { 0 };
+                assert_eq!(order, DeltaOrder::Second, "epoch {epoch}");
+                assert_eq!(
+                    (delta.word_bytes, delta.deltas.len()),
+                    (bytes, usize::from(bytes) * 100)
+                );
+                deltas += 1;
             }
+            assert_eq!(deltas, epochs - 2);
         }
         // Stopped at the keyframe's predecessor (63 deltas deep), at the keyframe, after it.
         for stop in [KEYFRAME_INTERVAL - 1, KEYFRAME_INTERVAL, epochs - 1] {

@@ -40,14 +40,20 @@ pub(super) enum LogRecord {
         /// The epoch.
         epoch: i64,
     },
-    /// The offsets of one epoch, as the difference from the run's last `Offsets` record
+    /// The offsets of one epoch, as the difference from the run's last offsets record
     /// (module `delta`).
     OffsetsDelta(OffsetsDeltaRecord),
+    /// The offsets of one epoch, as the difference from the run's last offsets record of the
+    /// difference that record made to its own base (zero for a full record): a second-order
+    /// delta, zero for offsets that advance steadily (module `delta`). `deltas` holds those
+    /// differences of differences.
+    OffsetsDeltaOfDelta(OffsetsDeltaRecord),
 }
 
 // rkyv finds a record's root at its end, `size_of` the archived enum back: logs written before
 // `OffsetsDelta` existed hold 56-byte roots, so no variant may grow the enum (or they no
-// longer open).
+// longer open). A new kind of record is a new variant, which a build from before it refuses
+// as unknown (a typed error), rather than a field an older build would not know to read.
 const _: () = assert!(std::mem::size_of::<ArchivedLogRecord>() == 56);
 
 /// The offsets of one epoch as the difference from a base: the last [`OffsetsRecord`] the
@@ -68,7 +74,8 @@ pub(super) struct OffsetsDeltaRecord {
     /// Bytes per entry of `deltas`, 0 to 8.
     pub(super) word_bytes: u8,
     /// For each 8-byte little-endian word of the concatenated payloads (the last one padded
-    /// with zeros), the zigzag-encoded wrapping difference from the base's word, in its
+    /// with zeros), the zigzag-encoded wrapping difference from the base's word (for
+    /// `OffsetsDeltaOfDelta`, from the base's word plus the base's own difference), in its
     /// `word_bytes` low bytes, little-endian.
     pub(super) deltas: Vec<u8>,
 }
@@ -106,6 +113,8 @@ pub(super) enum LogRecordRef<'a> {
     },
     /// The offsets of one epoch, as a difference (module `delta`).
     OffsetsDelta(#[rkyv(with = rkyv::with::Inline)] &'a OffsetsDeltaRecord),
+    /// The offsets of one epoch, as a difference of differences (module `delta`).
+    OffsetsDeltaOfDelta(#[rkyv(with = rkyv::with::Inline)] &'a OffsetsDeltaRecord),
 }
 
 /// [`OffsetsRecord`] as it is written, borrowing the offsets: archives as
@@ -181,7 +190,7 @@ impl LogRecordRef<'_> {
     pub(super) fn layout_held(&self) -> bool {
         match self {
             Self::Offsets(record) => !record.data.assumed || record.data.held.get(),
-            Self::Commit { .. } | Self::OffsetsDelta(_) => true,
+            Self::Commit { .. } | Self::OffsetsDelta(_) | Self::OffsetsDeltaOfDelta(_) => true,
         }
     }
 }
@@ -667,13 +676,29 @@ pub(super) mod tests {
             let ArchivedLogRecord::Offsets(entry) = archived else { panic!("not offsets") };
             assert_eq!(decode_offsets(entry).unwrap(), offsets);
         }
-        let commit = |value: &LogRecord| rkyv::to_bytes::<rancor::Error>(value).unwrap();
+        let owned = |value: &LogRecord| rkyv::to_bytes::<rancor::Error>(value).unwrap();
+        let written = |value: &LogRecordRef| rkyv::to_bytes::<rancor::Error>(value).unwrap();
         assert_eq!(
-            rkyv::to_bytes::<rancor::Error>(&LogRecordRef::Commit { run: 3, epoch: 9 })
-                .unwrap()
-                .as_slice(),
-            commit(&LogRecord::Commit { run: 3, epoch: 9 }).as_slice()
+            written(&LogRecordRef::Commit { run: 3, epoch: 9 }).as_slice(),
+            owned(&LogRecord::Commit { run: 3, epoch: 9 }).as_slice()
         );
+        let delta = OffsetsDeltaRecord {
+            run: 3,
+            epoch: 9,
+            base_epoch: 8,
+            count: 3,
+            width: 8,
+            word_bytes: 1,
+            deltas: vec![1, 2, 3],
+        };
+        assert_eq!(
+            written(&LogRecordRef::OffsetsDelta(&delta)).as_slice(),
+            owned(&LogRecord::OffsetsDelta(delta.clone())).as_slice()
+        );
+        let of_delta = written(&LogRecordRef::OffsetsDeltaOfDelta(&delta));
+        assert_eq!(of_delta.as_slice(), owned(&LogRecord::OffsetsDeltaOfDelta(delta)).as_slice());
+        let archived = rkyv::access::<ArchivedLogRecord, rancor::Error>(&of_delta).unwrap();
+        assert!(matches!(archived, ArchivedLogRecord::OffsetsDeltaOfDelta(_)));
     }
 
     #[test]
