@@ -18,8 +18,10 @@
 # (not backlogged: commit p50s of tens of us on a fast VM); PRODUCERS=2 backlogs it (PERF.md,
 # "Thirty-second session").
 #
-# Usage: [EPOCHS=N] [PRODUCERS=P] tools/scripts/epoch-durable-ab.sh ROUNDS BIN [BIN...]
-#   (EPOCHS: default 20000; PRODUCERS: default 1)
+# Usage: [EPOCHS=N] [PRODUCERS=P] [OFFSETS=steady|varied] \
+#     tools/scripts/epoch-durable-ab.sh ROUNDS BIN [BIN...]
+#   (EPOCHS: default 20000; PRODUCERS: default 1; OFFSETS: passed as `--offsets` when set,
+#   else the binary's default, steady: builds from before the flag have no `--offsets`)
 #   (a BIN may be a wrapper script, e.g. one that sets TMPDIR=/dev/shm for a WAL on tmpfs)
 # A failed run is left out and named on stderr; a round without both of a binary's runs shows
 # as None in its per-round list. Exits 1 if a binary has no round with both runs.
@@ -43,7 +45,7 @@ for round in $(seq "$ROUNDS"); do
             # goes on.
             if ! "$bin" --json epoch --partitions 1000 --epochs "${EPOCHS:-20000}" \
                 --producers "${PRODUCERS:-1}" --baseline none --durability "$durability" \
-                2>"$ERR" |
+                ${OFFSETS:+--offsets "$OFFSETS"} 2>"$ERR" |
                 python3 -c "import json, runpy, sys
 mode = runpy.run_path('$SUMMARY')['mode']
 names = {'T': 'sibling', 'F': 'fast', 'S': 'slow', 'M': 'mixed', '?': 'unknown'}

@@ -1,5 +1,7 @@
 //! What the three tools (`coordbus-load`, `coordbus-wal`, `coordbus-crash`) share: how they
-//! show the library's log, and the scratch directories they remove however they end.
+//! show the library's log, the scratch directories they remove however they end, and the
+//! seeded generator behind their repeatable randomness.
 
 pub mod logging;
+pub mod rng;
 pub mod scratch;

@@ -36,7 +36,6 @@
 
 mod blocks;
 mod epoch;
-mod rng;
 mod wal;
 
 use std::{
@@ -51,12 +50,13 @@ use std::{
 
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand, ValueEnum};
-use coordbus_tools::scratch::{ChildGuard, ScratchDir};
+use coordbus_tools::{
+    rng::Rng,
+    scratch::{ChildGuard, ScratchDir},
+};
 use serde_json::json;
 
 use coordbus::wal::{IoMode, IoPath};
-
-use crate::rng::Rng;
 
 /// `println!` for the run's summary that ignores a closed stdout (`| head`) instead of
 /// panicking: the exit code is the run's answer, and output nobody reads does not change it.

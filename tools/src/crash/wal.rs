@@ -38,8 +38,9 @@ use coordbus::{
         WalOptions,
     },
 };
+use coordbus_tools::rng::Rng;
 
-use crate::{rng::Rng, Checker, Counts};
+use crate::{Checker, Counts};
 
 /// Segment size: small, so that rolls (and, in cleaning iterations, reuses of spares) happen
 /// within a run.
@@ -463,7 +464,7 @@ impl Checker for WalChecker {
 #[cfg(test)]
 mod tests {
     use super::{announced_clean, payload, printed, self_check};
-    use crate::rng::Rng;
+    use coordbus_tools::rng::Rng;
 
     #[test]
     fn payloads_check_themselves_and_a_flipped_bit_is_caught() {

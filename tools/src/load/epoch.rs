@@ -12,6 +12,12 @@
 //! collaborator timestamps every commit; the commit latency of an epoch is from the moment its
 //! last message was handed to the bus to its commit.
 //!
+//! `--offsets steady` (the default) reports `epoch << 20 | partition`: every partition advances
+//! by 2^20 an epoch, which a durable run's log stores in no bytes per offset (second-order
+//! deltas); `--offsets varied` gives each partition a seeded rate of its own and a jitter that
+//! changes every epoch (`--seed`), about 3 bytes an offset in the log (module `offsets`). The
+//! JSON key `offsets` says which.
+//!
 //! `--placement isolated` (the default) pins the coordinator's endpoint thread to the last
 //! core and the producers, the driver and the WAL's sync thread and io_uring workers to the
 //! others (module `placement`); `shared` pins nothing. The JSON key `placement` says which was
@@ -66,6 +72,7 @@ use hdrhistogram::Histogram;
 
 use crate::{
     limits::{INBOX_CAPACITY, MAX_BATCH, MAX_GROUP_DELAY_US, MAX_INBOX_LANES, MAX_INBOX_SHARDS},
+    offsets::{OffsetPattern, OffsetStream},
     placement::{self, Placement},
     report::{Figure, Percentiles},
 };
@@ -221,6 +228,15 @@ pub struct EpochArgs {
     /// pins nothing.
     #[arg(long, value_enum, default_value_t = Placement::Isolated)]
     pub placement: Placement,
+    /// How the reported offsets advance: `steady` (every partition by 2^20 an epoch) or
+    /// `varied` (each partition by a seeded rate of its own, with a jitter that changes every
+    /// epoch; module `offsets`). With a WAL, `varied` logs about 3 bytes an offset per epoch,
+    /// `steady` none.
+    #[arg(long, value_enum, default_value_t = OffsetPattern::Steady)]
+    pub offsets: OffsetPattern,
+    /// Seed of the `varied` offsets.
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
 }
 
 /// A run of a few seconds for the no-argument invocation.
@@ -240,6 +256,8 @@ pub fn quick() -> EpochArgs {
         inbox_lanes: coordbus::queue::DEFAULT_LANES,
         sync_nice: wal::DEFAULT_SYNC_THREAD_NICE,
         placement: Placement::Isolated,
+        offsets: OffsetPattern::Steady,
+        seed: 42,
     }
 }
 
@@ -413,17 +431,27 @@ impl Sink for LoadSink {
 
 /// The messages producer `range` sends for `epoch`, in order: per partition, its offset report
 /// and then its writer commit.
-fn epoch_messages(range: std::ops::Range<i32>, epoch: i64, out: &mut Vec<EpochMessage>) {
+fn epoch_messages(
+    range: std::ops::Range<i32>,
+    epoch: i64,
+    offsets: &OffsetStream,
+    out: &mut Vec<EpochMessage>,
+) {
     for partition in range {
-        push_partition_messages(partition, epoch, out);
+        push_partition_messages(partition, epoch, offsets, out);
     }
 }
 
 /// The two messages of `partition` for `epoch`: its offset report, then its writer commit.
-fn push_partition_messages(partition: i32, epoch: i64, out: &mut Vec<EpochMessage>) {
+fn push_partition_messages(
+    partition: i32,
+    epoch: i64,
+    offsets: &OffsetStream,
+    out: &mut Vec<EpochMessage>,
+) {
     let at = StreamPosition { epoch, partition, commit_next: false };
-    out.push(at.message());
-    out.push(StreamPosition { commit_next: true, ..at }.message());
+    out.push(at.message(offsets));
+    out.push(StreamPosition { commit_next: true, ..at }.message(offsets));
 }
 
 /// A position in a producer's stream of messages: the next one is the report (or, with
@@ -442,18 +470,14 @@ impl StreamPosition {
         Self { epoch, partition: range.start, commit_next: false }
     }
 
-    /// The message at this position.
-    fn message(self) -> EpochMessage {
+    /// The message at this position, reporting `offsets`' offset.
+    fn message(self, offsets: &OffsetStream) -> EpochMessage {
         let (partition, epoch) = (self.partition, self.epoch);
         if self.commit_next {
             CommitPartitionEpoch { partition, epoch, message: i64::from(partition).into() }.into()
         } else {
-            ReportPartitionOffset {
-                partition,
-                epoch,
-                offset: (epoch << 20 | i64::from(partition)).into(),
-            }
-            .into()
+            let offset = offsets.offset(partition, epoch).into();
+            ReportPartitionOffset { partition, epoch, offset }.into()
         }
     }
 
@@ -486,17 +510,18 @@ fn fill_batch(
     mut at: StreamPosition,
     last: i64,
     range: &std::ops::Range<i32>,
+    offsets: &OffsetStream,
 ) -> StreamPosition {
     if at.commit_next && at.epoch <= last && chunk.len() < batch {
-        chunk.push(at.message());
+        chunk.push(at.message(offsets));
         at.advance(range);
     }
     while at.epoch <= last && chunk.len() + 2 <= batch {
-        push_partition_messages(at.partition, at.epoch, chunk);
+        push_partition_messages(at.partition, at.epoch, offsets, chunk);
         at.next_partition(range);
     }
     if at.epoch <= last && chunk.len() < batch {
-        chunk.push(at.message());
+        chunk.push(at.message(offsets));
         at.advance(range);
     }
     at
@@ -731,9 +756,10 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
 
     let barrier = Arc::new(Barrier::new(args.producers + 2));
     let mut threads = Vec::new();
+    let offsets = OffsetStream::new(args.offsets, args.partitions, args.seed);
     for (index, range) in ranges(args.partitions, args.producers).into_iter().enumerate() {
-        let (shared, coordinator, barrier) =
-            (Arc::clone(&shared), coordinator.clone(), Arc::clone(&barrier));
+        let (shared, coordinator, barrier, offsets) =
+            (Arc::clone(&shared), coordinator.clone(), Arc::clone(&barrier), offsets.clone());
         let batch = args.batch;
         let name = format!("epoch-producer-{index}");
         let core = cores.as_ref().map(|cores| cores.load_core(index));
@@ -766,7 +792,7 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
                 let mut at = StreamPosition::start_of(start, &range);
                 loop {
                     let mut chunk = Vec::with_capacity(batch);
-                    at = fill_batch(&mut chunk, batch, at, last, &range);
+                    at = fill_batch(&mut chunk, batch, at, last, &range, &offsets);
                     if chunk.is_empty() {
                         break;
                     }
@@ -903,6 +929,7 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
         .with_latency(Percentiles::from_histogram(&latency))
         .with("partitions", args.partitions)
         .with("durability", args.durability.name())
+        .with("offsets", args.offsets.name())
         .with("sync_nice", args.sync_nice)
         .with("placement", placement::name(cores.as_ref()))
         .with("producers", args.producers as u64)
@@ -964,13 +991,14 @@ fn spawn_named<T: Send + 'static>(
 #[inline(never)]
 fn run_direct(args: &EpochArgs) -> anyhow::Result<(Figure, ReferenceRun)> {
     let ranges = ranges(args.partitions, args.producers);
+    let offsets = OffsetStream::new(args.offsets, args.partitions, args.seed);
     let stream_epoch = |epoch: i64, out: &mut Vec<EpochMessage>| {
         // The producers' batches in round-robin order, as the endpoint would drain them.
         let mut per_producer: Vec<Vec<EpochMessage>> = ranges
             .iter()
             .map(|range| {
                 let mut messages = Vec::new();
-                epoch_messages(range.clone(), epoch, &mut messages);
+                epoch_messages(range.clone(), epoch, &offsets, &mut messages);
                 messages
             })
             .collect();
@@ -1110,47 +1138,57 @@ mod tests {
     use super::*;
 
     /// Batches cut a producer's stream exactly at `batch` messages, whatever its parity, and
-    /// the returned position says which epochs are complete.
+    /// the returned position says which epochs are complete; for either offset pattern.
     #[test]
     fn batches_are_the_stream_cut_every_batch_messages() {
         let range = 3..6;
         let (first, last) = (7, 9);
-        let mut stream = Vec::new();
-        for epoch in first..=last {
-            epoch_messages(range.clone(), epoch, &mut stream);
-        }
-        assert_eq!(stream.len(), 2 * 3 * 3);
-        for batch in [1, 4, 5, 6, 7, 100] {
-            let mut at = StreamPosition::start_of(first, &range);
-            let mut joined = Vec::new();
-            loop {
-                let mut chunk = Vec::with_capacity(batch);
-                at = fill_batch(&mut chunk, batch, at, last, &range);
-                if chunk.is_empty() {
-                    break;
-                }
-                assert!(chunk.len() <= batch, "batch {batch}");
-                assert_eq!(chunk.capacity(), batch, "batch {batch}: no reallocation");
-                joined.extend(chunk);
-                // Every epoch below the position is complete in what was sent.
-                let complete = (at.epoch - first) as usize * 6;
-                assert!(joined.len() >= complete, "batch {batch}");
-                assert!(joined.len() < complete + 6, "batch {batch}");
-                if joined.len() < stream.len() {
-                    assert_eq!(joined.len() % batch, 0, "batch {batch}: only the last is short");
-                }
+        for pattern in [OffsetPattern::Steady, OffsetPattern::Varied] {
+            let offsets = OffsetStream::new(pattern, 6, 42);
+            let mut stream = Vec::new();
+            for epoch in first..=last {
+                epoch_messages(range.clone(), epoch, &offsets, &mut stream);
             }
-            assert_eq!(joined, stream, "batch {batch}");
-            assert_eq!(at, StreamPosition::start_of(last + 1, &range));
-        }
-        assert_eq!(
-            stream[..2],
-            [
-                ReportPartitionOffset { partition: 3, epoch: 7, offset: (7 << 20 | 3).into() }
+            assert_eq!(stream.len(), 2 * 3 * 3);
+            for batch in [1, 4, 5, 6, 7, 100] {
+                let case = format!("{pattern:?}, batch {batch}");
+                let mut at = StreamPosition::start_of(first, &range);
+                let mut joined = Vec::new();
+                loop {
+                    let mut chunk = Vec::with_capacity(batch);
+                    at = fill_batch(&mut chunk, batch, at, last, &range, &offsets);
+                    if chunk.is_empty() {
+                        break;
+                    }
+                    assert!(chunk.len() <= batch, "{case}");
+                    assert_eq!(chunk.capacity(), batch, "{case}: no reallocation");
+                    joined.extend(chunk);
+                    // Every epoch below the position is complete in what was sent.
+                    let complete = (at.epoch - first) as usize * 6;
+                    assert!(joined.len() >= complete, "{case}");
+                    assert!(joined.len() < complete + 6, "{case}");
+                    if joined.len() < stream.len() {
+                        assert_eq!(joined.len() % batch, 0, "{case}: only the last is short");
+                    }
+                }
+                assert_eq!(joined, stream, "{case}");
+                assert_eq!(at, StreamPosition::start_of(last + 1, &range));
+            }
+            assert_eq!(
+                stream[..2],
+                [
+                    ReportPartitionOffset {
+                        partition: 3,
+                        epoch: 7,
+                        offset: offsets.offset(3, 7).into()
+                    }
                     .into(),
-                CommitPartitionEpoch { partition: 3, epoch: 7, message: 3.into() }.into()
-            ]
-        );
+                    CommitPartitionEpoch { partition: 3, epoch: 7, message: 3.into() }.into()
+                ]
+            );
+        }
+        let steady = OffsetStream::new(OffsetPattern::Steady, 6, 42);
+        assert_eq!(steady.offset(3, 7), 7 << 20 | 3);
     }
 
     fn small_run(durability: Durability) -> serde_json::Value {

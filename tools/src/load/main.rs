@@ -9,6 +9,7 @@ mod bus;
 mod epoch;
 mod limits;
 mod machine;
+mod offsets;
 mod placement;
 mod progress;
 mod report;
