@@ -8,10 +8,13 @@
 //! is the state machine alone; `coordbus-load epoch` measures the endpoint.
 //!
 //! Group `epoch/durable_query/<P>`: the coordinator thread's cost of the WAL-backed query per
-//! epoch: `add_offsets` of `P` 8-byte offsets then `commit`, on a WAL in a temporary directory
-//! (offsets that advance from epoch to epoch as the load generator's do, `epoch << 20 |
-//! partition`, taken from 64 precomputed epochs so that building them is not measured; a
-//! delta record then holds 3 bytes an offset, as in `coordbus-load epoch`)
+//! epoch: `add_offsets` of `P` 8-byte offsets then `commit`, on a WAL in a temporary directory,
+//! with offsets taken from 64 precomputed epochs so that building them is not measured (the
+//! cycle starts over at a keyframe, every 64 epochs), two ways: `add_offsets+commit` with
+//! offsets that advance as `coordbus-load epoch`'s steady ones do, `epoch << 20 | partition`
+//! (second-order delta records of no bytes an offset), and `add_offsets+commit_varied` with
+//! offsets that advance by a rate of each partition's own, plus a jitter of up to an eighth of
+//! it (as `--offsets varied`; 3 bytes an offset). Both
 //! with page-cache durability (`Durability::None`): the sync thread's writes run beside it. With
 //! group commit a tight loop would measure the disk instead: the appends outrun the syncs and
 //! wait for staging space. Baseline in the same group (`plain_file_append`): the same bytes
@@ -203,26 +206,27 @@ fn durable_query(criterion: &mut Criterion) {
         let mut query =
             DurableQuery::open(dir.path(), WalConfig { durability, ..WalConfig::default() })
                 .expect("open the epoch log");
-        let cycle: Vec<Vec<(PartitionId, Payload)>> = (0..64i64)
-            .map(|epoch| {
-                (0..partitions)
-                    .map(|p| (PartitionId(p), Payload::from(epoch << 20 | i64::from(p))))
-                    .collect()
-            })
-            .collect();
-        let offsets = &cycle[0];
-        // Read for the word layout once, outside the timing, as the coordinator's dense sides
-        // hand it on without a read.
-        let views: Vec<Offsets> = cycle.iter().map(|offsets| Offsets::new(offsets)).collect();
+        let steady = cycle_of(partitions, |p, epoch| epoch << 20 | i64::from(p));
+        let varied = varied_cycle(partitions);
+        let offsets = &steady[0];
         let mut epoch = 0;
-        group.bench_function(BenchmarkId::new("add_offsets+commit", partitions), |bencher| {
-            bencher.iter(|| {
-                let offsets = views[(epoch % 64) as usize];
-                query.add_offsets(Epoch(epoch), offsets).expect("append offsets");
-                query.commit(Epoch(epoch)).expect("append commit");
-                epoch += 1;
+        for (name, cycle) in
+            [("add_offsets+commit", &steady), ("add_offsets+commit_varied", &varied)]
+        {
+            // Read for the word layout once, outside the timing, as the coordinator's dense
+            // sides hand it on without a read.
+            let views: Vec<Offsets> = cycle.iter().map(|offsets| Offsets::new(offsets)).collect();
+            // Each function starts at a keyframe: the first epoch of a cycle.
+            epoch = (epoch as u64).next_multiple_of(64) as i64;
+            group.bench_function(BenchmarkId::new(name, partitions), |bencher| {
+                bencher.iter(|| {
+                    let offsets = views[(epoch % 64) as usize];
+                    query.add_offsets(Epoch(epoch), offsets).expect("append offsets");
+                    query.commit(Epoch(epoch)).expect("append commit");
+                    epoch += 1;
+                });
             });
-        });
+        }
         let mut plain = std::fs::File::create(dir.path().join("plain.log")).expect("plain file");
         let mut plain_epoch = 0i64;
         let mut record = Vec::with_capacity(offsets.len() * 12 + 8);
@@ -246,6 +250,33 @@ fn durable_query(criterion: &mut Criterion) {
         });
         group.finish();
     }
+}
+
+/// 64 epochs of `partitions` offsets, `offset(partition, epoch)` each.
+fn cycle_of(partitions: i32, offset: impl Fn(i32, i64) -> i64) -> Vec<Vec<(PartitionId, Payload)>> {
+    (0..64i64)
+        .map(|epoch| (0..partitions).map(|p| (PartitionId(p), offset(p, epoch).into())).collect())
+        .collect()
+}
+
+/// 64 epochs of offsets that advance by a rate of each partition's own (2^10 to 2^20 + 2^10
+/// an epoch) plus a jitter below an eighth of it, both from a fixed seed (xorshift64).
+fn varied_cycle(partitions: i32) -> Vec<Vec<(PartitionId, Payload)>> {
+    let mut state = 0x2545_F491_4F6C_DD1Du64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let rates: Vec<i64> =
+        (0..partitions).map(|_| (1 << 10) + (next() % (1 << 20)) as i64).collect();
+    let jitters: Vec<i64> = (0..64 * partitions)
+        .map(|index| (next() % (rates[(index % partitions) as usize] as u64 / 8)) as i64)
+        .collect();
+    cycle_of(partitions, |p, epoch| {
+        epoch * rates[p as usize] + jitters[(epoch * i64::from(partitions) + i64::from(p)) as usize]
+    })
 }
 
 /// Epochs the plain-file baseline appends before it starts its file over (our log keeps about

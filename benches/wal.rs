@@ -10,7 +10,7 @@
 //! ([`frame::frame_crc`]: a short loop over the CRC32 instruction below 512 bytes, `crc-fast`
 //! from there on), against the baseline of the `crc32c` crate on the same two ranges, for frames
 //! of 96 bytes (a 64-byte record), 608 and 3104 bytes (about the epoch log's delta record at
-//! 1000 partitions), in the same group (`Throughput::Bytes`).
+//! 1000 partitions of offsets that take 3 bytes each), in the same group (`Throughput::Bytes`).
 //!
 //! Smoke run: `cargo bench -p coordbus --bench wal -- --quick` (or `--test`).
 

@@ -5,18 +5,18 @@
 //! Appenders compute one CRC per record on their own thread (the coordinator's, for the epoch
 //! log), and recovery checks every frame. For small inputs a plain loop over the CPU's CRC32
 //! instruction beats any library's per-call setup: a 96-byte frame (a 64-byte record; its two
-//! covered ranges) takes 3.8 ns against 13.4 ns with the `crc32c` crate, whose setup
-//! (alignment split, dispatch to a three-way interleaved loop with nothing to interleave) once
-//! made up most of a recovery scan's time, and about 11 ns with `crc-fast`. From [`SMALL_MAX`]
-//! bytes on, `crc-fast` is faster: it folds the input with the CPU's carry-less multiply fused
-//! with the CRC32 instruction (VPCLMULQDQ with AVX-512 where the CPU has it, else PCLMULQDQ;
-//! PMULL on aarch64; a table only without any of them; chosen at run time, so under valgrind,
-//! which hides AVX-512, it takes the PCLMULQDQ variant), where the `crc32c` crate interleaves
-//! three streams of the CRC32 instruction, eight bytes per instruction. A 3104-byte frame
-//! (about the epoch log's delta record at 1000 partitions, one per epoch on the coordinator's
-//! thread) takes 54.6 ns against 107.9 ns with the `crc32c` crate. Figures on this machine
-//! class: `cargo bench --bench wal -- wal/frame_crc`, and PERF.md, "Forty-fourth session".
-//! CPUs without SSE 4.2 and other architectures take `crc-fast` at every size.
+//! covered ranges) takes 3.8 ns against 13.4 ns with the `crc32c` crate, whose setup (alignment
+//! split, dispatch to a three-way interleaved loop with nothing to interleave) once made up most of
+//! a recovery scan's time, and about 11 ns with `crc-fast`. From [`SMALL_MAX`] bytes on, `crc-fast`
+//! is faster: it folds the input with the CPU's carry-less multiply fused with the CRC32
+//! instruction (VPCLMULQDQ with AVX-512 where the CPU has it, else PCLMULQDQ; PMULL on aarch64; a
+//! table only without any of them; chosen at run time, so under valgrind, which hides AVX-512, it
+//! takes the PCLMULQDQ variant), where the `crc32c` crate interleaves three streams of the CRC32
+//! instruction, eight bytes per instruction. A 3104-byte frame (about the epoch log's delta record
+//! at 1000 partitions of offsets that take 3 bytes each, one per epoch on the coordinator's thread)
+//! takes 54.6 ns against 107.9 ns with the `crc32c` crate. Figures on this machine class: `cargo
+//! bench --bench wal -- wal/frame_crc`, and PERF.md, "Forty-fourth session". CPUs without SSE 4.2
+//! and other architectures take `crc-fast` at every size.
 //!
 //! The result is the standard CRC32C (reflected, initial and final XOR `!0`) on both paths,
 //! checked against the `crc32c` crate (an independent implementation) by a property test: logs

@@ -13,11 +13,11 @@
 //!
 //! # Encoding
 //! The concatenated payloads are read as little-endian 8-byte words (the last one padded with
-//! zeros). Each word is stored as the zigzag encoding of its wrapping difference from the
-//! base's word at the same place, in the fewest bytes that hold the largest such value in
-//! the record (`word_bytes`, one width for the whole record: no per-word length to decode, and
-//! the encoder is two straight passes). For 8-byte offsets this is exactly "offset minus the
-//! base's offset"; for other payloads it is still lossless, only less compact.
+//! zeros). Each word is stored as the zigzag encoding of its wrapping difference from the base's
+//! word at the same place, in the fewest bytes that hold the largest such value in the record
+//! (`word_bytes`, one width for the whole record: no per-word length to decode, and the encoder is
+//! straight passes: gather, differences, pack). For 8-byte offsets this is exactly "offset minus
+//! the base's offset"; for other payloads it is still lossless, only less compact.
 //!
 //! # Orders
 //! A source that advances steadily moves each partition by about the same amount every epoch
@@ -33,7 +33,7 @@
 //! kept. Offsets that move back and forth, or at random, keep the first order; the load
 //! generator's steady ones take no bytes at all in the second (its `--offsets varied` stream
 //! has seeded per-partition rates and jitter: 3 bytes an offset either way). A decoder keeps
-//! the last differences beside the words (module doc, "Chains and keyframes").
+//! the last differences beside the words, which restart at zero at each keyframe.
 //!
 //! # Chains and keyframes
 //! A delta's base is the offsets record its run appended just before it (`base_epoch` names
@@ -161,7 +161,7 @@ impl DeltaEncoder {
             self.drop_base();
             return None;
         }
-        // Two passes: reading the payloads, then arithmetic the compiler vectorizes.
+        // Reading the payloads, then arithmetic the compiler vectorizes.
         let compact = fill_words(offsets, width, &mut self.words, &mut self.bytes);
         // Same count and width give as many words as the base has; checked anyway (once per
         // epoch), as a word left out of the differences would not fit `word_bytes`.

@@ -1624,23 +1624,73 @@ mod tests {
         }
         // Stopped at the keyframe's predecessor (63 deltas deep), at the keyframe, after it.
         for stop in [KEYFRAME_INTERVAL - 1, KEYFRAME_INTERVAL, epochs - 1] {
-            let copy = tempfile::tempdir().unwrap();
-            {
-                let source = DurableQuery::open(dir.path(), config()).unwrap();
-                let wal = Wal::open(copy.path(), config()).unwrap();
-                for record in source.wal().iter_from(Lsn(0)).unwrap() {
-                    let record = record.unwrap();
-                    let keep = match record.access::<LogRecord>().unwrap() {
-                        ArchivedLogRecord::Commit { epoch, .. } => epoch.to_native() <= stop,
-                        _ => true,
-                    };
-                    if keep {
-                        wal.append_bytes(&record.bytes, record.time_ms).unwrap();
-                    }
+            let (_copy, query) = reopened_with_commits_up_to(dir.path(), stop);
+            assert_eq!(query.restart_point(), Some(&(Epoch(stop), offsets(stop))), "stop {stop}");
+        }
+    }
+
+    /// The log in `dir` copied without its commit records after epoch `stop`, and opened: a
+    /// restart whose last commit is `stop`, with the records of later epochs still there. The
+    /// directory goes with the query.
+    fn reopened_with_commits_up_to(dir: &Path, stop: i64) -> (tempfile::TempDir, DurableQuery) {
+        let copy = tempfile::tempdir().unwrap();
+        {
+            let source = DurableQuery::open(dir, config()).unwrap();
+            let wal = Wal::open(copy.path(), config()).unwrap();
+            for record in source.wal().iter_from(Lsn(0)).unwrap() {
+                let record = record.unwrap();
+                let keep = match record.access::<LogRecord>().unwrap() {
+                    ArchivedLogRecord::Commit { epoch, .. } => epoch.to_native() <= stop,
+                    _ => true,
+                };
+                if keep {
+                    wal.append_bytes(&record.bytes, record.time_ms).unwrap();
                 }
-                wal.close().unwrap();
             }
-            let query = DurableQuery::open(copy.path(), config()).unwrap();
+            wal.close().unwrap();
+        }
+        let query = DurableQuery::open(copy.path(), config()).unwrap();
+        (copy, query)
+    }
+
+    /// Offsets whose delta records switch order: advancing by 5000 an epoch for 10 epochs
+    /// (second order, no bytes), then 100 up and down by turns for 10 (first order: +-100 is
+    /// one byte, +-200 two in the second), and so on; every restart point decodes through the
+    /// switches.
+    #[test]
+    fn a_chain_that_switches_order_decodes_at_every_restart_point() {
+        let dir = tempfile::tempdir().unwrap();
+        let swinging = |epoch: i64| epoch / 10 % 2 == 1;
+        let offsets = |epoch: i64| -> Vec<(PartitionId, Payload)> {
+            let advanced = (1..=epoch).filter(|at| !swinging(*at)).count() as i64 * 5000;
+            let swing = if swinging(epoch) { epoch % 2 * 100 } else { 0 };
+            (0..50i64)
+                .map(|p| (PartitionId(p as i32), Payload::from(p * 1_000_000 + advanced + swing)))
+                .collect()
+        };
+        let epochs = 50;
+        {
+            let mut query = DurableQuery::open(dir.path(), config()).unwrap();
+            for epoch in 0..epochs {
+                query.add_offsets(Epoch(epoch), Offsets::new(&offsets(epoch))).unwrap();
+                query.commit(Epoch(epoch)).unwrap();
+            }
+            query
+                .wal()
+                .wait_durable_timeout(query.wal().appended_lsn(), Duration::from_secs(10))
+                .unwrap();
+            let mut orders = Vec::new();
+            for record in query.wal().iter_from(Lsn(0)).unwrap() {
+                let record = record.unwrap();
+                if let Some((order, delta)) = as_delta(record.access::<LogRecord>().unwrap()) {
+                    orders.push((delta.epoch.to_native(), order));
+                }
+            }
+            let switches = orders.windows(2).filter(|pair| pair[0].1 != pair[1].1).count();
+            assert!(switches >= 4, "{orders:?}");
+        }
+        for stop in 0..epochs {
+            let (_copy, query) = reopened_with_commits_up_to(dir.path(), stop);
             assert_eq!(query.restart_point(), Some(&(Epoch(stop), offsets(stop))), "stop {stop}");
         }
     }

@@ -2,15 +2,15 @@
 //! (module `delta`), compiled for AVX2 when the CPU has it.
 //!
 //! # Why
-//! A delta record keeps `N` bytes of each zigzag difference (`N` from all of them or'ed, 3 for
-//! the load generator's offsets). Packed with shifts into 8-byte stores, that is about 4
-//! instructions per word: a load, a shift and an `or` for each word, and a word that straddles
-//! two stores twice. AVX2's byte shuffle moves the `N` low bytes of two words to the front of
-//! each 128-bit half in one instruction, for four words at a time, and the two halves are
-//! stored where their bytes go: 5 instructions per four words, about 7 with the loop's own.
-//! The pass runs over every offset of every epoch on the coordinator's thread (PERF.md,
-//! "Forty-first session"). The `unsafe` here: calling the AVX2 copy once the CPU is known to
-//! have it, and its unaligned vector loads and stores, within bounds asserted before the loop.
+//! A delta record keeps `N` bytes of each zigzag difference (`N` from all of them or'ed: 3 for the
+//! load generator's `--offsets varied`, 0 for its steady ones, which skip this pass). Packed with
+//! shifts into 8-byte stores, that is about 4 instructions per word: a load, a shift and an `or`
+//! for each word, and a word that straddles two stores twice. AVX2's byte shuffle moves the `N` low
+//! bytes of two words to the front of each 128-bit half in one instruction, for four words at a
+//! time, and the two halves are stored where their bytes go: 5 instructions per four words, about 7
+//! with the loop's own. The pass runs over every offset of every epoch on the coordinator's thread
+//! (PERF.md, "Forty-first session"). The `unsafe` here: calling the AVX2 copy once the CPU is known
+//! to have it, and its unaligned vector loads and stores, within bounds asserted before the loop.
 #![allow(unsafe_code)]
 
 /// Sets `out` to the `N` low bytes of each word, little-endian (`N` bytes per word). Every word

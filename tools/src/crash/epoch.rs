@@ -4,7 +4,8 @@
 //! Child: opens the epoch log in `<work>/epoch` (recovering the restart point), prints
 //! `start S` (the first epoch it will run), hosts an `EpochEndpoint` on the bus with a sink
 //! that prints `sink E` for each epoch it commits, and sends whole epochs (3 reader partitions
-//! reporting offsets `E * 1000 + p`, 2 writer partitions committing), with an
+//! reporting offsets `E * 1000 + p`, plus a jitter in every other run of 8 epochs, so that the
+//! log holds deltas of no bytes and deltas of some; 2 writer partitions committing), with an
 //! `IncrementAndGetEpoch` ask after each as the epoch thread would. It first re-delivers the
 //! whole last committed epoch, as stale tasks do after a restart (it must be dropped). After each
 //! ask it prints `durable D` when the last commit record known durable has advanced to `D`.
@@ -55,8 +56,12 @@ fn log_dir(work: &Path) -> PathBuf {
     work.join("epoch")
 }
 
+/// The offset `partition` reports for `epoch`: steady for 8 epochs (second-order deltas of no
+/// bytes), then 8 with a jitter below 500 (of some bytes), and so on; always growing.
 fn offset(partition: i32, epoch: i64) -> Payload {
-    Payload::from(epoch * 1000 + i64::from(partition))
+    let jitter =
+        if epoch / 8 % 2 == 1 { (epoch * 7919 + i64::from(partition) * 104_729) % 500 } else { 0 };
+    Payload::from(epoch * 1000 + i64::from(partition) + jitter)
 }
 
 /// The child's sink: prints each epoch it commits.

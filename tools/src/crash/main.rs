@@ -18,8 +18,8 @@
 //! 200` reaches them).
 //!
 //! Parts: `main.rs` (CLI, the kill loop, counting and the summary), one module per target
-//! (`wal`, `epoch`, `blocks`) with its child workload and its checker, `rng` (a seeded
-//! xorshift so runs are repeatable).
+//! (`wal`, `epoch`, `blocks`) with its child workload and its checker; the tools library's
+//! `rng` (a seeded xorshift) makes runs repeatable.
 //!
 //! Counts: `acked` (items the children acknowledged), `lost` (acknowledged but missing after
 //! recovery), `duplicated` (present more than once), `corrupt_accepted` (recovered but not

@@ -14,9 +14,10 @@
 //!
 //! `--offsets steady` (the default) reports `epoch << 20 | partition`: every partition advances
 //! by 2^20 an epoch, which a durable run's log stores in no bytes per offset (second-order
-//! deltas); `--offsets varied` gives each partition a seeded rate of its own and a jitter that
-//! changes every epoch (`--seed`), about 3 bytes an offset in the log (module `offsets`). The
-//! JSON key `offsets` says which.
+//! deltas; only each chain's keyframe and first delta, one epoch in 64 each, hold the
+//! offsets); `--offsets varied` gives each partition a seeded rate of its own and a jitter that
+//! changes every epoch (`--seed`), about 3 bytes an offset in every delta (module `offsets`).
+//! The JSON keys `offsets` (and `seed`, for varied) say which.
 //!
 //! `--placement isolated` (the default) pins the coordinator's endpoint thread to the last
 //! core and the producers, the driver and the WAL's sync thread and io_uring workers to the
@@ -85,7 +86,7 @@ const MAX_EPOCHS: i64 = 1 << 24;
 /// Most producer threads: the coordinator's inbox has a shard per producer plus one for the
 /// driver, and the bus allows at most [`MAX_INBOX_SHARDS`].
 const MAX_PRODUCERS: u64 = MAX_INBOX_SHARDS - 1;
-/// Most partitions (`--partitions`, 2^20): the load's offsets hold the partition in their low
+/// Most partitions (`--partitions`, 2^20): the steady offsets hold the partition in their low
 /// 20 bits, and an epoch is 2 x partitions messages, generated whole.
 const MAX_PARTITIONS: i64 = 1 << 20;
 /// Largest `--backlog-limit` (2^26 entries per queue): the coordinator may hold that many
@@ -127,8 +128,8 @@ pub enum Baseline {
 /// Flags of the `epoch` workload.
 #[derive(clap::Args, Debug, Clone)]
 pub struct EpochArgs {
-    /// Reader partitions, and as many writer partitions (1 ..= 1048576: an offset holds the
-    /// partition in its low 20 bits).
+    /// Reader partitions, and as many writer partitions (1 ..= 1048576: a steady offset holds
+    /// the partition in its low 20 bits).
     #[arg(
         long,
         default_value_t = 1000,
@@ -938,6 +939,9 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
         .with("epochs_per_sec", epochs as f64 / seconds.max(1e-9))
         .with("peak_rss_mib", peak_rss_mib())
         .with_endpoint_stats("endpoint_stats", &endpoint_stats);
+    if args.offsets == OffsetPattern::Varied {
+        figure = figure.with("seed", args.seed);
+    }
     if durable_epochs > 0 {
         let mut durable = Histogram::<u64>::new(3).context("histogram")?;
         for (sent, done) in shared.last_sent_ns.iter().zip(&shared.durable_ns) {
@@ -1192,14 +1196,31 @@ mod tests {
     }
 
     fn small_run(durability: Durability) -> serde_json::Value {
+        small_run_of(durability, OffsetPattern::Steady)
+    }
+
+    fn small_run_of(durability: Durability, offsets: OffsetPattern) -> serde_json::Value {
         let args = EpochArgs {
             partitions: 8,
             epochs: 200,
             durability,
             baseline: Baseline::None,
+            offsets,
             ..quick()
         };
         run_bus(&args).unwrap().to_json()
+    }
+
+    /// A durable run of varied offsets commits every epoch and says which offsets and seed it
+    /// ran; a steady run names no seed.
+    #[test]
+    fn a_varied_run_commits_every_epoch_and_names_its_offsets() {
+        let varied = small_run_of(Durability::Group, OffsetPattern::Varied);
+        assert_eq!(varied["epochs"], 200, "{varied}");
+        assert_eq!((&varied["offsets"], &varied["seed"]), (&"varied".into(), &42.into()));
+        let steady = small_run(Durability::Group);
+        assert_eq!(steady["offsets"], "steady", "{steady}");
+        assert!(steady.get("seed").is_none(), "{steady}");
     }
 
     /// A durable run reports its durable commit latency, which is never below the commit
