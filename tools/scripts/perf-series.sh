@@ -3,7 +3,7 @@
 # alternated), one JSON object per line.
 # Usage: tools/scripts/perf-series.sh [out.jsonl]   (after `cargo build --release --workspace`;
 # summarize with tools/scripts/perf-summary.py out.jsonl;
-# run it with nothing else busy on the machine: it measures for about six minutes).
+# run it with nothing else busy on the machine: it measures for about seven minutes).
 set -u
 L="$(dirname "$0")/../../target/release/coordbus-load"
 OUT=${1:-perf-series.jsonl}
@@ -36,12 +36,20 @@ run epoch --partitions 1000 --producers 4
 run state-store --producers 2
 run state-store --producers 4
 # The durable ratio: six alternated pairs (three were too few: one run in a slow stretch moved
-# the median by 0.1; PERF.md, EpochCoordinator, "Fourteenth session"), the 2 ms delay in three.
+# the median by 0.1; PERF.md, EpochCoordinator, "Fourteenth session"), the 2 ms delay in three;
+# and six pairs of `--offsets varied` (3 bytes an offset in the log, where the default steady
+# offsets take none; PERF.md, "Forty-fifth session").
 for i in 1 2 3 4 5 6; do
     for durability in none group; do
         "$L" --json epoch --partitions 1000 --epochs 100000 --durability "$durability" 2>/dev/null |
             sed "s|^{|{\"cmd\":\"epoch durability $durability\",\"run\":$i,|" >> "$OUT"
         failed "${PIPESTATUS[0]}" "epoch durability $durability (run $i)"
+    done
+    for durability in none group; do
+        "$L" --json epoch --partitions 1000 --epochs 100000 --durability "$durability" \
+            --offsets varied 2>/dev/null |
+            sed "s|^{|{\"cmd\":\"epoch varied durability $durability\",\"run\":$i,|" >> "$OUT"
+        failed "${PIPESTATUS[0]}" "epoch varied durability $durability (run $i)"
     done
     [ "$i" -gt 3 ] && continue
     "$L" --json epoch --partitions 1000 --epochs 100000 --durability group --group-delay-us 2000 \
