@@ -560,13 +560,7 @@ mod tests {
             let encoded: Vec<Entries> = run.into_iter().map(|(_, offsets)| offsets).collect();
             prop_assert_eq!(decoded, encoded);
         }
-    }
 
-    proptest! {
-        #![proptest_config(ProptestConfig {
-            rng_seed: proptest::test_runner::RngSeed::Fixed(0x5EC0D),
-            ..ProptestConfig::default()
-        })]
         /// Offsets that advance by a step of their own with a jitter, some going back and forth:
         /// runs whose deltas take either order, from one record to the next.
         #[test]

@@ -1056,6 +1056,28 @@ mod tests {
         logged
     }
 
+    /// A delta record read back, without decoding it.
+    struct LoggedDelta {
+        epoch: i64,
+        order: DeltaOrder,
+        word_bytes: u8,
+        /// Length of its packed values.
+        bytes: usize,
+    }
+
+    /// Every delta record in the log, in order.
+    fn logged_deltas(wal: &Wal) -> Vec<LoggedDelta> {
+        let mut deltas = Vec::new();
+        for record in wal.iter_from(Lsn(0)).unwrap() {
+            let record = record.unwrap();
+            if let Some((order, delta)) = as_delta(record.access::<LogRecord>().unwrap()) {
+                let (epoch, word_bytes) = (delta.epoch.to_native(), delta.word_bytes);
+                deltas.push(LoggedDelta { epoch, order, word_bytes, bytes: delta.deltas.len() });
+            }
+        }
+        deltas
+    }
+
     #[test]
     fn a_newer_run_replaces_the_offsets_an_older_run_logged_after_its_last_commit() {
         let dir = tempfile::tempdir().unwrap();
@@ -1591,14 +1613,7 @@ mod tests {
         let epochs = KEYFRAME_INTERVAL + 10;
         {
             let mut query = DurableQuery::open(dir.path(), config()).unwrap();
-            for epoch in 0..epochs {
-                query.add_offsets(Epoch(epoch), Offsets::new(&offsets(epoch))).unwrap();
-                query.commit(Epoch(epoch)).unwrap();
-            }
-            query
-                .wal()
-                .wait_durable_timeout(query.wal().appended_lsn(), Duration::from_secs(10))
-                .unwrap();
+            commit_each_durably(&mut query, 0..epochs, offsets);
             let logged = logged_offsets(query.wal());
             let full: Vec<i64> =
                 logged.iter().filter(|(_, _, delta)| !delta).map(|(epoch, _, _)| *epoch).collect();
@@ -1606,21 +1621,13 @@ mod tests {
             // Every delta is of the second order: the offsets advance by 2^20 an epoch, so the
             // first delta after a keyframe takes 3 bytes an offset (zigzag 2^21), and every
             // other none (the same advance as the epoch before).
-            let mut deltas = 0;
-            for record in query.wal().iter_from(Lsn(0)).unwrap() {
-                let record = record.unwrap();
-                let archived = record.access::<LogRecord>().unwrap();
-                let Some((order, delta)) = as_delta(archived) else { continue };
-                let epoch = delta.epoch.to_native();
-                let bytes: u8 = if epoch % KEYFRAME_INTERVAL == 1 { 3 } else { 0 };
+            let deltas = logged_deltas(query.wal());
+            for &LoggedDelta { epoch, order, word_bytes, bytes } in &deltas {
+                let want: u8 = if epoch % KEYFRAME_INTERVAL == 1 { 3 } else { 0 };
                 assert_eq!(order, DeltaOrder::Second, "epoch {epoch}");
-                assert_eq!(
-                    (delta.word_bytes, delta.deltas.len()),
-                    (bytes, usize::from(bytes) * 100)
-                );
-                deltas += 1;
+                assert_eq!((word_bytes, bytes), (want, usize::from(want) * 100));
             }
-            assert_eq!(deltas, epochs - 2);
+            assert_eq!(deltas.len() as i64, epochs - 2);
         }
         // Stopped at the keyframe's predecessor (63 deltas deep), at the keyframe, after it.
         for stop in [KEYFRAME_INTERVAL - 1, KEYFRAME_INTERVAL, epochs - 1] {
@@ -1671,21 +1678,9 @@ mod tests {
         let epochs = 50;
         {
             let mut query = DurableQuery::open(dir.path(), config()).unwrap();
-            for epoch in 0..epochs {
-                query.add_offsets(Epoch(epoch), Offsets::new(&offsets(epoch))).unwrap();
-                query.commit(Epoch(epoch)).unwrap();
-            }
-            query
-                .wal()
-                .wait_durable_timeout(query.wal().appended_lsn(), Duration::from_secs(10))
-                .unwrap();
-            let mut orders = Vec::new();
-            for record in query.wal().iter_from(Lsn(0)).unwrap() {
-                let record = record.unwrap();
-                if let Some((order, delta)) = as_delta(record.access::<LogRecord>().unwrap()) {
-                    orders.push((delta.epoch.to_native(), order));
-                }
-            }
+            commit_each_durably(&mut query, 0..epochs, offsets);
+            let orders: Vec<(i64, DeltaOrder)> =
+                logged_deltas(query.wal()).iter().map(|delta| (delta.epoch, delta.order)).collect();
             let switches = orders.windows(2).filter(|pair| pair[0].1 != pair[1].1).count();
             assert!(switches >= 4, "{orders:?}");
         }
