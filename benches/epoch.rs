@@ -39,6 +39,8 @@ use coordbus::{
     wal::{Durability, WalConfig},
 };
 use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion, Throughput};
+use rand::{RngExt, SeedableRng};
+use rand_xorshift::XorShiftRng;
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -260,19 +262,13 @@ fn cycle_of(partitions: i32, offset: impl Fn(i32, i64) -> i64) -> Vec<Vec<(Parti
 }
 
 /// 64 epochs of offsets that advance by a rate of each partition's own (2^10 to 2^20 + 2^10
-/// an epoch) plus a jitter below an eighth of it, both from a fixed seed (xorshift64).
+/// an epoch) plus a jitter below an eighth of it, both from a fixed seed.
 fn varied_cycle(partitions: i32) -> Vec<Vec<(PartitionId, Payload)>> {
-    let mut state = 0x2545_F491_4F6C_DD1Du64;
-    let mut next = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    };
+    let mut rng = XorShiftRng::seed_from_u64(0x2545_F491_4F6C_DD1D);
     let rates: Vec<i64> =
-        (0..partitions).map(|_| (1 << 10) + (next() % (1 << 20)) as i64).collect();
+        (0..partitions).map(|_| rng.random_range(1 << 10..(1 << 20) + (1 << 10))).collect();
     let jitters: Vec<i64> = (0..64 * partitions)
-        .map(|index| (next() % (rates[(index % partitions) as usize] as u64 / 8)) as i64)
+        .map(|index| rng.random_range(0..rates[(index % partitions) as usize] / 8))
         .collect();
     cycle_of(partitions, |p, epoch| {
         epoch * rates[p as usize] + jitters[(epoch * i64::from(partitions) + i64::from(p)) as usize]

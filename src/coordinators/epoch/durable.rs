@@ -908,6 +908,9 @@ impl Winner {
 mod tests {
     use super::*;
 
+    use rand::{RngExt, SeedableRng};
+    use rand_xorshift::XorShiftRng;
+
     use crate::{coordinators::epoch::delta::DeltaOrder, wal::Durability};
 
     fn config() -> WalConfig {
@@ -928,12 +931,10 @@ mod tests {
             .collect()
     }
 
-    /// A number fixed by `(p, epoch)` that looks random (splitmix64's finalizer).
+    /// A number fixed by `(p, epoch)` that looks random: the first of a generator seeded by
+    /// both.
     fn scrambled(p: i32, epoch: i64) -> u64 {
-        let mut z = (u64::from(p as u32) << 40 ^ epoch as u64).wrapping_add(0x9E37_79B9_7F4A_7C15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        XorShiftRng::seed_from_u64(u64::from(p as u32) << 40 ^ epoch as u64).random()
     }
 
     fn offsets(epoch: i64, value: i64) -> Vec<(PartitionId, Payload)> {
