@@ -147,6 +147,8 @@ pub(crate) struct EndpointCounters {
     pub(crate) hook_panics: std::sync::atomic::AtomicU64,
     pub(crate) handler_time_ns: super::stats::Log2Histogram,
     pub(crate) dropped: super::stats::DropCounters,
+    /// The core the endpoint's thread pinned itself to, plus one (0: not pinned).
+    pub(crate) pinned_core: std::sync::atomic::AtomicUsize,
 }
 
 /// A snapshot of an endpoint's counters.
@@ -181,6 +183,11 @@ pub struct EndpointStats {
     pub dropped: u64,
     /// The same, by reason (reasons with a non-zero count, in order of first use).
     pub dropped_by_reason: Vec<super::stats::DroppedCount>,
+    /// The core the endpoint's thread is pinned to (the bus's
+    /// [`Pinning`](crate::Pinning)): `None` with pinning off, when the system refused the
+    /// pin (a warning says so), and until the thread has pinned itself (it does so first,
+    /// before `on_start`: once an ask was answered, this is settled).
+    pub pinned_core: Option<usize>,
 }
 
 /// The shared state of one registered endpoint.
@@ -259,6 +266,7 @@ impl<E: Endpoint> Inbox<E> {
             inbox_depth: depth,
             inbox_depth_high_water: self.queue.depth_high_water() as u64,
             handler_time: self.counters.handler_time_ns.summary(),
+            pinned_core: self.counters.pinned_core.load(Relaxed).checked_sub(1),
         }
     }
 }

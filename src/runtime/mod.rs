@@ -270,8 +270,8 @@ impl Bus {
         let ended = EndedSignal(self.thread_ended.0.clone());
         let body = move || {
             let _ended = ended;
-            if let Some(core) = core {
-                pin::pin_current_thread(core, &inbox.name);
+            if let Some(core) = core.filter(|&core| pin::pin_current_thread(core, &inbox.name)) {
+                inbox.counters.pinned_core.store(core + 1, Ordering::Relaxed);
             }
             worker::run_endpoint(endpoint, inbox, idle, drain_batch);
         };
@@ -506,7 +506,7 @@ impl Drop for Bus {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
-    use crate::{runtime::Context, HandlerError};
+    use crate::{runtime::Context, HandlerError, Pinning};
 
     /// Handles nothing; with `panics_on_drop`, panics when dropped: after `on_stop`, outside
     /// any handler the worker guards.
@@ -586,6 +586,29 @@ mod tests {
         type Reply = ();
         fn into_request(self, replier: crate::Replier<()>) -> crate::Replier<()> {
             replier
+        }
+    }
+
+    /// An endpoint's stats name the core its thread is pinned to: the core asked when the
+    /// system allows it, none with pinning off or when the system refuses the core.
+    #[test]
+    fn stats_name_the_core_the_endpoint_thread_is_pinned_to() {
+        let allowed: Vec<usize> =
+            core_affinity::get_core_ids().unwrap().into_iter().map(|core| core.id).collect();
+        let last = *allowed.last().unwrap();
+        // 4096: past any CPU set (refused up front); `last + 1` when it is not allowed.
+        let refused =
+            [4096].into_iter().chain((!allowed.contains(&(last + 1))).then_some(last + 1));
+        let cases = [(Pinning::Cores(vec![last]), Some(last)), (Pinning::Off, None)]
+            .into_iter()
+            .chain(refused.map(|core| (Pinning::Cores(vec![core]), None)));
+        for (pinning, expected) in cases {
+            let bus = Bus::builder().pinning(pinning.clone()).build().unwrap();
+            let endpoint = bus.register("pinned", Pinger).unwrap();
+            // Answered: the thread pinned itself (or was refused) before it handled anything.
+            endpoint.ask(Ping).wait().unwrap();
+            assert_eq!(endpoint.stats().pinned_core, expected, "{pinning:?}");
+            bus.shutdown().unwrap();
         }
     }
 

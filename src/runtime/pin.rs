@@ -43,11 +43,12 @@ impl CorePlanner {
     }
 }
 
-/// Pins the calling thread to `core`; logs and carries on unpinned if that fails. A core id
+/// Pins the calling thread to `core` and returns true; logs, carries on unpinned and returns
+/// false if that fails. A core id
 /// beyond what the OS's CPU sets can name is refused up front: the pinning call itself would
 /// index past its CPU set (libc's `CPU_SET` panics there, and the process aborts). The OS
 /// refuses the other cores this process may not run on.
-pub(crate) fn pin_current_thread(core: usize, endpoint: &str) {
+pub(crate) fn pin_current_thread(core: usize, endpoint: &str) -> bool {
     if core >= CPU_SET_CORES {
         tracing::warn!(
             endpoint,
@@ -55,9 +56,13 @@ pub(crate) fn pin_current_thread(core: usize, endpoint: &str) {
             limit = CPU_SET_CORES,
             "core id beyond the CPU set; running unpinned"
         );
-    } else if !core_affinity::set_for_current(core_affinity::CoreId { id: core }) {
+        return false;
+    }
+    let pinned = core_affinity::set_for_current(core_affinity::CoreId { id: core });
+    if !pinned {
         tracing::warn!(endpoint, core, "could not pin endpoint thread; running unpinned");
     }
+    pinned
 }
 
 /// How many cores a `cpu_set_t` can name (glibc's `CPU_SETSIZE`, 1024).
@@ -78,12 +83,13 @@ mod tests {
         const { assert!(CPU_SET_CORES <= 4096) };
         let affinity = std::thread::spawn(|| {
             let before = current_affinity();
-            pin_current_thread(4096, "test");
-            (before, current_affinity())
+            let pinned = pin_current_thread(4096, "test");
+            (before, current_affinity(), pinned)
         })
         .join()
         .expect("pinning to an impossible core panicked");
         assert_eq!(affinity.0, affinity.1, "the thread's affinity changed");
+        assert!(!affinity.2, "a refused pin is reported as refused");
     }
 
     /// Round robin hands out the core ids the process may run on, read when the planner is
@@ -99,7 +105,7 @@ mod tests {
         assert_eq!(handed, expected);
         let last = *allowed.last().unwrap();
         let on_last = std::thread::spawn(move || {
-            pin_current_thread(last, "test");
+            assert!(pin_current_thread(last, "test"));
             let planner = CorePlanner::new(Pinning::RoundRobin);
             (planner.next_core(), planner.next_core(), planner.next_core())
         })
@@ -113,12 +119,13 @@ mod tests {
     #[test]
     fn an_allowed_core_pins_the_thread_to_it() {
         let core = *current_affinity().last().unwrap();
-        let pinned = std::thread::spawn(move || {
-            pin_current_thread(core, "test");
-            current_affinity()
+        let (pinned, affinity) = std::thread::spawn(move || {
+            let pinned = pin_current_thread(core, "test");
+            (pinned, current_affinity())
         })
         .join()
         .unwrap();
-        assert_eq!(pinned, vec![core]);
+        assert!(pinned, "the pin is reported as taken");
+        assert_eq!(affinity, vec![core]);
     }
 }

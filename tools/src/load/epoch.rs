@@ -22,7 +22,8 @@
 //! `--placement isolated` (the default) pins the coordinator's endpoint thread to the last
 //! core and the producers, the driver and the WAL's sync thread and io_uring workers to the
 //! others (module `placement`); `shared` pins nothing. The JSON key `placement` says which was
-//! applied (one core: `shared`); a pin the system refuses is reported on stderr.
+//! applied (one core: `shared`): `partly isolated` if the system refused a thread's pin (the
+//! coordinator's included; stderr names it).
 //!
 //! `--baseline reference` then applies the same message stream (the producers' batches in
 //! round-robin order) to the reference model and, for comparison, to the fast state machine,
@@ -48,7 +49,7 @@
 
 use std::{
     sync::{
-        atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering},
         Arc, Barrier, OnceLock,
     },
     thread::Thread,
@@ -756,6 +757,7 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
     coordinator.ask(SetWriterPartitions(args.partitions)).wait()?;
 
     let barrier = Arc::new(Barrier::new(args.producers + 2));
+    let refused_pins = Arc::new(AtomicUsize::new(0));
     let mut threads = Vec::new();
     let offsets = OffsetStream::new(args.offsets, args.partitions, args.seed);
     for (index, range) in ranges(args.partitions, args.producers).into_iter().enumerate() {
@@ -764,7 +766,7 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
         let batch = args.batch;
         let name = format!("epoch-producer-{index}");
         let core = cores.as_ref().map(|cores| cores.load_core(index));
-        threads.push(spawn_named(name, core, move || -> anyhow::Result<()> {
+        threads.push(spawn_named(name, core, &refused_pins, move || -> anyhow::Result<()> {
             let mut unless_done = StopRunUnlessDone { shared: &shared, done: false };
             // As Spark's tasks do on start; it also gives this thread its inbox lane (a few MiB
             // of slots, faulted in on allocation) before the measured time.
@@ -818,7 +820,7 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
         let (shared, coordinator, barrier) =
             (Arc::clone(&shared), coordinator.clone(), Arc::clone(&barrier));
         let core = cores.as_ref().map(|cores| cores.load_core(args.producers));
-        spawn_named("epoch-driver".into(), core, move || -> anyhow::Result<()> {
+        spawn_named("epoch-driver".into(), core, &refused_pins, move || -> anyhow::Result<()> {
             let mut unless_done = StopRunUnlessDone { shared: &shared, done: false };
             // Its inbox lane before the measured time, like the producers'.
             let started = coordinator.ask(GetCurrentEpoch).wait();
@@ -901,6 +903,16 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
     driver.join().map_err(|_| anyhow::anyhow!("driver panicked"))??;
     let stats = coordinator.ask(GetEpochStats).wait()?;
     let endpoint_stats = coordinator.stats();
+    if let Some(cores) = cores.as_ref().filter(|cores| {
+        // Settled: the coordinator answered asks, so its thread has pinned itself.
+        endpoint_stats.pinned_core != Some(cores.coordinator)
+    }) {
+        eprintln!(
+            "epoch workload: the coordinator's thread is not pinned to core {}; it ran unpinned",
+            cores.coordinator
+        );
+        refused_pins.fetch_add(1, Ordering::Relaxed);
+    }
     let wal_stats = shared.durable_status.get().and_then(DurableQueryStatus::wal_stats);
     bus.shutdown()?;
     drop(wal_dir);
@@ -932,7 +944,7 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
         .with("durability", args.durability.name())
         .with("offsets", args.offsets.name())
         .with("sync_nice", args.sync_nice)
-        .with("placement", placement::name(cores.as_ref()))
+        .with("placement", placement::name(cores.as_ref(), refused_pins.load(Ordering::Relaxed)))
         .with("producers", args.producers as u64)
         .with("epochs", epochs)
         .with("window", window)
@@ -968,18 +980,19 @@ fn start_line(barrier: &Barrier) {
 }
 
 /// Spawns a load thread named `name` (so per-thread profiles tell the threads apart), pinned
-/// to `core` if given (`--placement`).
+/// to `core` if given (`--placement`); a pin the system refuses counts in `refused_pins`.
 fn spawn_named<T: Send + 'static>(
     name: String,
     core: Option<usize>,
+    refused_pins: &Arc<AtomicUsize>,
     body: impl FnOnce() -> T + Send + 'static,
 ) -> anyhow::Result<std::thread::JoinHandle<T>> {
-    let thread = name.clone();
+    let (thread, refused_pins) = (name.clone(), Arc::clone(refused_pins));
     std::thread::Builder::new()
         .name(name.clone())
         .spawn(move || {
-            if let Some(core) = core {
-                placement::pin_load_thread(core, &thread);
+            if core.is_some_and(|core| !placement::pin_load_thread(core, &thread)) {
+                refused_pins.fetch_add(1, Ordering::Relaxed);
             }
             body()
         })
@@ -1209,6 +1222,18 @@ mod tests {
             ..quick()
         };
         run_bus(&args).unwrap().to_json()
+    }
+
+    /// A run in the default placement names it: `isolated` when every pin took (the
+    /// coordinator's too), `shared` on one core.
+    #[test]
+    fn a_run_names_the_placement_it_got() {
+        let figure = small_run(Durability::None);
+        let expected = match placement::available_cores().len() {
+            0 | 1 => "shared",
+            _ => "isolated",
+        };
+        assert_eq!(figure["placement"], expected);
     }
 
     /// A durable run of varied offsets commits every epoch and says which offsets and seed it

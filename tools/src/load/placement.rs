@@ -52,12 +52,14 @@ impl Cores {
     }
 }
 
-/// The name of the placement a run got (`cores` from [`Placement::cores`]).
-pub fn name(cores: Option<&Cores>) -> &'static str {
-    if cores.is_some() {
-        "isolated"
-    } else {
-        "shared"
+/// The name of the placement a run got: `cores` from [`Placement::cores`], `refused_pins`
+/// how many of its threads' pins the system refused (the run then says `partly isolated`: its
+/// figure is less isolated than asked, not wrong).
+pub fn name(cores: Option<&Cores>, refused_pins: usize) -> &'static str {
+    match (cores, refused_pins) {
+        (None, _) => "shared",
+        (Some(_), 0) => "isolated",
+        (Some(_), _) => "partly isolated",
     }
 }
 
@@ -66,12 +68,14 @@ pub fn available_cores() -> Vec<usize> {
     core_affinity::get_core_ids().unwrap_or_default().into_iter().map(|core| core.id).collect()
 }
 
-/// Pins the calling load thread to `core`; if the system refuses, says so and carries on
-/// unpinned (the figure is then less isolated than its `placement` says, not wrong).
-pub fn pin_load_thread(core: usize, thread: &str) {
-    if !core_affinity::set_for_current(core_affinity::CoreId { id: core }) {
+/// Pins the calling load thread to `core` and returns true; if the system refuses, says so,
+/// carries on unpinned and returns false ([`name`] then says `partly isolated`).
+pub fn pin_load_thread(core: usize, thread: &str) -> bool {
+    let pinned = core_affinity::set_for_current(core_affinity::CoreId { id: core });
+    if !pinned {
         eprintln!("epoch workload: could not pin {thread} to core {core}; it runs unpinned");
     }
+    pinned
 }
 
 #[cfg(test)]
@@ -87,7 +91,21 @@ mod tests {
         let four = Placement::Isolated.cores(&[2, 3, 5, 7]).unwrap();
         assert_eq!(four, Cores { coordinator: 7, load: vec![2, 3, 5] });
         assert_eq!((four.load_core(0), four.load_core(2), four.load_core(3)), (2, 5, 2));
-        assert_eq!(name(Some(&four)), "isolated");
+        assert_eq!(name(Some(&four), 0), "isolated");
+        assert_eq!(name(Some(&four), 1), "partly isolated", "a refused pin shows");
+    }
+
+    /// A core the process may run on takes the pin; one it may not is refused and reported.
+    #[test]
+    fn a_refused_pin_is_reported() {
+        let available = available_cores();
+        let (allowed, not_allowed) = (available[0], available.iter().max().unwrap() + 1);
+        let pins = std::thread::spawn(move || {
+            (pin_load_thread(not_allowed, "test"), pin_load_thread(allowed, "test"))
+        })
+        .join()
+        .unwrap();
+        assert_eq!(pins, (false, true), "core {not_allowed} refused, core {allowed} taken");
     }
 
     #[test]
@@ -95,6 +113,7 @@ mod tests {
         assert_eq!(Placement::Isolated.cores(&[3]), None);
         assert_eq!(Placement::Isolated.cores(&[]), None);
         assert_eq!(Placement::Shared.cores(&[0, 1]), None);
-        assert_eq!(name(None), "shared");
+        assert_eq!(name(None, 0), "shared");
+        assert_eq!(name(None, 2), "shared");
     }
 }

@@ -120,6 +120,7 @@ impl Figure {
                 "handler_time_p50_ns_at_most": time.p50_ns_at_most,
                 "handler_time_p99_ns_at_most": time.p99_ns_at_most,
                 "handler_time_max_ns_at_most": time.max_ns_at_most,
+                "pinned_core": stats.pinned_core,
                 "dropped": stats.dropped,
                 "dropped_by_reason": stats
                     .dropped_by_reason
