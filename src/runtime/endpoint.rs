@@ -147,7 +147,10 @@ pub(crate) struct EndpointCounters {
     pub(crate) hook_panics: std::sync::atomic::AtomicU64,
     pub(crate) handler_time_ns: super::stats::Log2Histogram,
     pub(crate) dropped: super::stats::DropCounters,
-    /// The core the endpoint's thread pinned itself to, plus one (0: not pinned).
+    /// The core the endpoint's thread pinned itself to, plus one (0: not pinned). Written once,
+    /// by that thread before its first message; a reply it sends later publishes it to the
+    /// asker that waited for the reply (release and acquire on the reply slot), so `Relaxed`
+    /// suffices.
     pub(crate) pinned_core: std::sync::atomic::AtomicUsize,
 }
 
@@ -186,7 +189,7 @@ pub struct EndpointStats {
     /// The core the endpoint's thread is pinned to (the bus's
     /// [`Pinning`](crate::Pinning)): `None` with pinning off, when the system refused the
     /// pin (a warning says so), and until the thread has pinned itself (it does so first,
-    /// before `on_start`: once an ask was answered, this is settled).
+    /// before `on_start`: for a thread that got an answer to an ask, this is settled).
     pub pinned_core: Option<usize>,
 }
 

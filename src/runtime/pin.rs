@@ -44,10 +44,10 @@ impl CorePlanner {
 }
 
 /// Pins the calling thread to `core` and returns true; logs, carries on unpinned and returns
-/// false if that fails. A core id
-/// beyond what the OS's CPU sets can name is refused up front: the pinning call itself would
-/// index past its CPU set (libc's `CPU_SET` panics there, and the process aborts). The OS
-/// refuses the other cores this process may not run on.
+/// false if that fails. A core id beyond what the OS's CPU sets can name is refused up front:
+/// the pinning call itself would index past its CPU set (libc's `CPU_SET` panics there, and
+/// the process aborts). The OS refuses a core that does not exist or is offline, and one
+/// outside the process's cgroup cpuset (a mask narrowed with `taskset` can be widened again).
 pub(crate) fn pin_current_thread(core: usize, endpoint: &str) -> bool {
     if core >= CPU_SET_CORES {
         tracing::warn!(

@@ -56,9 +56,10 @@ pub(super) enum LogRecord {
 // as unknown (a typed error), rather than a field an older build would not know to read.
 const _: () = assert!(std::mem::size_of::<ArchivedLogRecord>() == 56);
 
-/// The offsets of one epoch as the difference from a base: the last [`OffsetsRecord`] the
-/// same run appended before this record, which has the compact layout (ids `0..count`, every
-/// payload `width` bytes) with the same `count` and `width` (module `delta`).
+/// The offsets of one epoch as the difference from a base: the last offsets record, full
+/// ([`OffsetsRecord`]) or delta, the same run appended before this record, which has the
+/// compact layout (ids `0..count`, every payload `width` bytes) with the same `count` and
+/// `width` (module `delta`).
 #[derive(
     Debug, Clone, Default, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize,
 )]

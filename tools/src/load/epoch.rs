@@ -22,8 +22,9 @@
 //! `--placement isolated` (the default) pins the coordinator's endpoint thread to the last
 //! core and the producers, the driver and the WAL's sync thread and io_uring workers to the
 //! others (module `placement`); `shared` pins nothing. The JSON key `placement` says which was
-//! applied (one core: `shared`): `partly isolated` if the system refused a thread's pin (the
-//! coordinator's included; stderr names it).
+//! applied (one core: `shared`): `partly isolated` if the system refused the pin of a load
+//! thread or of the coordinator's thread (a warning on stderr names it; the WAL's own I/O
+//! threads, confined by the WAL, are not counted).
 //!
 //! `--baseline reference` then applies the same message stream (the producers' batches in
 //! round-robin order) to the reference model and, for comparison, to the fast state machine,
@@ -269,8 +270,8 @@ pub fn quick() -> EpochArgs {
 /// core from the endpoint.
 const MISSED_WAKE_BOUND: Duration = Duration::from_millis(20);
 
-/// Looks at its condition a producer takes before it parks: a producer spinning on its own
-/// core spares the coordinator the wake-up of a parked one.
+/// How many times a waiting producer looks at its condition before it parks: spinning on its
+/// own core, it spares the coordinator the wake-up of a parked thread.
 const PRODUCER_SPINS: u32 = 256;
 
 /// State shared by the query collaborator (on the endpoint thread) and the load threads.
@@ -834,9 +835,9 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
             let resume = window / 2;
             while driver_epoch < epochs {
                 let ready = || driver_epoch - shared.committed.load(Ordering::SeqCst) <= resume;
-                // Parked at once: it waits for half a window of commits (a hundred
-                // microseconds and more), on a core it shares with the producers, whose time
-                // each look at the commit count would spend.
+                // Parked at once: it waits for half a window of commits (at the default window,
+                // a hundred microseconds and more), on a core it shares with the producers,
+                // whose time each look at the commit count would spend.
                 if !shared.wait_until(driver_epoch - resume, 0, ready) {
                     return Ok(());
                 }
@@ -910,14 +911,9 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
     driver.join().map_err(|_| anyhow::anyhow!("driver panicked"))??;
     let stats = coordinator.ask(GetEpochStats).wait()?;
     let endpoint_stats = coordinator.stats();
-    if let Some(cores) = cores.as_ref().filter(|cores| {
-        // Settled: the coordinator answered asks, so its thread has pinned itself.
-        endpoint_stats.pinned_core != Some(cores.coordinator)
-    }) {
-        eprintln!(
-            "epoch workload: the coordinator's thread is not pinned to core {}; it ran unpinned",
-            cores.coordinator
-        );
+    // Settled: this thread got answers from the coordinator, so its thread has pinned itself
+    // (the bus logs a refusal).
+    if placement::coordinator_pin_refused(cores.as_ref(), endpoint_stats.pinned_core) {
         refused_pins.fetch_add(1, Ordering::Relaxed);
     }
     let wal_stats = shared.durable_status.get().and_then(DurableQueryStatus::wal_stats);
@@ -998,8 +994,10 @@ fn spawn_named<T: Send + 'static>(
     std::thread::Builder::new()
         .name(name.clone())
         .spawn(move || {
-            if core.is_some_and(|core| !placement::pin_load_thread(core, &thread)) {
-                refused_pins.fetch_add(1, Ordering::Relaxed);
+            if let Some(core) = core {
+                if !placement::pin_load_thread(core, &thread) {
+                    refused_pins.fetch_add(1, Ordering::Relaxed);
+                }
             }
             body()
         })

@@ -68,6 +68,12 @@ pub fn available_cores() -> Vec<usize> {
     core_affinity::get_core_ids().unwrap_or_default().into_iter().map(|core| core.id).collect()
 }
 
+/// Whether the coordinator's thread is not on the core an isolated run (`cores`) asked for it,
+/// from its endpoint stats' `pinned_core`: the system refused the pin.
+pub fn coordinator_pin_refused(cores: Option<&Cores>, pinned_core: Option<usize>) -> bool {
+    cores.is_some_and(|cores| pinned_core != Some(cores.coordinator))
+}
+
 /// Pins the calling load thread to `core` and returns true; if the system refuses, says so,
 /// carries on unpinned and returns false ([`name`] then says `partly isolated`).
 pub fn pin_load_thread(core: usize, thread: &str) -> bool {
@@ -95,17 +101,39 @@ mod tests {
         assert_eq!(name(Some(&four), 1), "partly isolated", "a refused pin shows");
     }
 
-    /// A core the process may run on takes the pin; one it may not is refused and reported.
+    /// A core id one past the last this system could ever bring online: no core has it.
+    fn nonexistent_core() -> usize {
+        let possible = std::fs::read_to_string("/sys/devices/system/cpu/possible").unwrap();
+        // A list of ranges, such as "0-1" or "0-3,8-11": the last number is the last core.
+        let last = possible.trim().rsplit([',', '-']).next().unwrap();
+        let core = last.parse::<usize>().unwrap() + 1;
+        // A CPU set names cores below 1024; past that the pinning call itself panics.
+        assert!(core < 1024, "no core id left to test a refusal with ({possible:?})");
+        core
+    }
+
+    /// A core the process may run on takes the pin; one that does not exist is refused and
+    /// reported.
     #[test]
     fn a_refused_pin_is_reported() {
-        let available = available_cores();
-        let (allowed, not_allowed) = (available[0], available.iter().max().unwrap() + 1);
+        let (allowed, nonexistent) = (available_cores()[0], nonexistent_core());
         let pins = std::thread::spawn(move || {
-            (pin_load_thread(not_allowed, "test"), pin_load_thread(allowed, "test"))
+            (pin_load_thread(nonexistent, "test"), pin_load_thread(allowed, "test"))
         })
         .join()
         .unwrap();
-        assert_eq!(pins, (false, true), "core {not_allowed} refused, core {allowed} taken");
+        assert_eq!(pins, (false, true), "core {nonexistent} refused, core {allowed} taken");
+    }
+
+    /// The coordinator's pin counts as refused when its thread is not on the core asked, and
+    /// never in a shared run.
+    #[test]
+    fn a_coordinator_off_its_core_counts_as_a_refused_pin() {
+        let cores = Placement::Isolated.cores(&[0, 1]).unwrap();
+        assert!(!coordinator_pin_refused(Some(&cores), Some(1)));
+        assert!(coordinator_pin_refused(Some(&cores), None));
+        assert!(coordinator_pin_refused(Some(&cores), Some(0)));
+        assert!(!coordinator_pin_refused(None, None));
     }
 
     #[test]
