@@ -268,6 +268,27 @@ fn bus_groups(criterion: &mut Criterion) {
             },
         );
     }
+    // The same batches made as the inbox takes them (`send_iter`): no vector in between.
+    for batch in [64u32, 256] {
+        group.bench_with_input(
+            BenchmarkId::new("coordbus_endpoint_send_iter", batch),
+            &batch,
+            |bench, &batch| {
+                bench.iter_custom(|iterations| {
+                    let began = Instant::now();
+                    for _ in 0..iterations {
+                        for chunk in 0..MESSAGES / u64::from(batch) {
+                            let start = chunk * u64::from(batch);
+                            let messages = (0..batch).map(|offset| [start + u64::from(offset), 0]);
+                            endpoint.send_iter(messages).expect("running");
+                        }
+                        endpoint.ask(Sum).wait().expect("barrier");
+                    }
+                    began.elapsed()
+                })
+            },
+        );
+    }
     let (sender, receiver) = crossbeam_channel::bounded(CAPACITY);
     let channel = Arc::new(CrossbeamChannel(sender, receiver));
     group.bench_function("crossbeam_channel", |bench| {

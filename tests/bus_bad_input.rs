@@ -25,9 +25,11 @@ struct SelfSends {
     accepted: u32,
     refused_full: bool,
     batch_refused_full: Option<usize>,
+    iter_refused_full: Option<usize>,
 }
 
-/// On `Flood(n)`, sends itself `n` fillers one by one, then `n` more in one batch.
+/// On `Flood(n)`, sends itself `n` fillers one by one, then `n` more in one batch, then `n`
+/// more with `send_iter`.
 #[derive(Default)]
 struct SelfSender {
     outcome: Arc<Mutex<SelfSends>>,
@@ -72,6 +74,10 @@ impl Endpoint for SelfSender {
                 if let Err(SendError::Full { message, .. }) = me.send_batch(batch) {
                     outcome.batch_refused_full = Some(message.len());
                 }
+                let made = (0..count).map(|_| Note::Filler);
+                if let Err(SendError::Full { message, .. }) = me.send_iter(made) {
+                    outcome.iter_refused_full = Some(message.len());
+                }
             }
         }
         Ok(())
@@ -102,9 +108,12 @@ fn a_handler_sending_into_its_own_full_inbox_gets_full_instead_of_waiting_foreve
     assert!(outcome.accepted >= 1 && outcome.accepted < 100, "{outcome:?}");
     let refused = outcome.batch_refused_full.expect("the batch into a full inbox was accepted");
     assert!(refused > 0 && refused <= 100, "{outcome:?}");
+    let iter_refused = outcome.iter_refused_full.expect("send_iter into a full inbox went in");
+    assert!(iter_refused > 0 && iter_refused <= 100, "{outcome:?}");
     // Every filler accepted is handled (from the handler's own lane, which the endpoint
     // drains apart from the test's: wait for them, bounded).
-    let accepted = u64::from(outcome.accepted) + (100 - refused as u64);
+    let accepted =
+        u64::from(outcome.accepted) + (100 - refused as u64) + (100 - iter_refused as u64);
     let deadline = Instant::now() + BOUND;
     let mut handled = fillers;
     while handled < accepted {

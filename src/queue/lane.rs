@@ -44,9 +44,12 @@
 //! index to two live threads, and `ShardedQueue` hands lane `i` only to the holder of index `i`
 //! (`ShardedQueue::target`, `try_push_with`). The producer methods never run caller code
 //! between raising `busy` and publishing, except `push_batch`'s iterator and `push_with`'s
-//! constructor, which their callers (`ShardedQueue::push_batch_from` and
-//! `ShardedQueue::try_push_with`, crate-private) require to be a plain mapped vector and a
-//! plain move or enum constructor.
+//! constructor. `push_with`'s callers (`ShardedQueue::try_push_with`) require a plain move or
+//! enum constructor. `push_batch`'s iterator is a plain mapped vector
+//! (`ShardedQueue::push_batch_from`) or caller code (`ShardedQueue::push_iter_from`), which
+//! runs with the thread's index hidden (`producer::laneless`), so that a push of its own goes
+//! to a shared shard instead of into this lane, and which `push_batch` survives panicking or
+//! yielding fewer values than its `len` said.
 //!
 //! Indices grow without wrapping (2^64 messages at one per nanosecond last 584 years).
 //!

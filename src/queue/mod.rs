@@ -478,19 +478,63 @@ impl<T> ShardedQueue<T> {
     /// `vec::IntoIter` with a constructor as the map, as the bus passes, does neither).
     pub(crate) fn push_batch_from(
         &self,
-        mut rest: impl ExactSizeIterator<Item = T>,
+        rest: impl ExactSizeIterator<Item = T>,
+        deadline: Option<Instant>,
+    ) -> Result<(), QueueError<Vec<T>>> {
+        self.push_batch_to(&self.target(), rest, deadline)
+    }
+
+    /// [`push_batch`](ShardedQueue::push_batch) of the values an iterator of caller code
+    /// yields, each written straight into its slot as it is yielded (no vector in between).
+    /// At most as many as its `len` said at the start: safe code may break `ExactSizeIterator`'s
+    /// contract, so a shorter iterator ends the batch early, and values beyond that count stay
+    /// in it.
+    ///
+    /// The iterator runs inside the lane's push (between raising `busy` and publishing,
+    /// module `lane`), so for its duration the thread pushes through shared shards
+    /// ([`producer::laneless`]): a push of the iterator's own into this queue then goes to a
+    /// shard, not ordered with the batch, instead of into the slots the batch is writing. Should
+    /// it panic, what it yielded before is published and the consumer woken. A thread without
+    /// a lane here collects the values first: a shared ring's claim must be filled whole (its
+    /// consumer waits at an unfilled position).
+    ///
+    /// # Errors
+    /// As [`push_batch`](ShardedQueue::push_batch).
+    pub(crate) fn push_iter_from(
+        &self,
+        values: impl ExactSizeIterator<Item = T>,
         deadline: Option<Instant>,
     ) -> Result<(), QueueError<Vec<T>>> {
         let target = self.target();
+        if let Target::Shard(_) = target {
+            let values: Vec<T> = DeclaredLen::new(values).collect();
+            return self.push_batch_to(&target, values.into_iter(), deadline);
+        }
+        let _laneless = producer::laneless();
+        let _wake = WakeOnUnwind(&self.doorbell);
+        self.push_batch_to(&target, DeclaredLen::new(values), deadline)
+    }
+
+    /// [`push_batch_from`](ShardedQueue::push_batch_from) into `target`, the caller's lane or
+    /// ring. `rest` may yield fewer values than its `len` ([`ShardedQueue::push_iter_from`]):
+    /// the batch then ends with the last one.
+    fn push_batch_to(
+        &self,
+        target: &Target<'_, T>,
+        mut rest: impl ExactSizeIterator<Item = T>,
+        deadline: Option<Instant>,
+    ) -> Result<(), QueueError<Vec<T>>> {
         let backoff = Backoff::new();
         while rest.len() > 0 {
-            let pushed = match &target {
+            let pushed = match target {
                 Target::Lane(lane) => {
                     lane.push_batch(&mut rest, &self.close_state.closed, self.barrier)
                 }
                 Target::Shard(shard) => Self::push_batch_into_ring(shard, &mut rest),
             };
             match pushed {
+                // Nothing taken and nothing left: an iterator shorter than it said.
+                Ok(0) if rest.len() == 0 => {}
                 Ok(0) => {
                     if self.doorbell.on_consumer_thread() {
                         // Full, and this thread is the one that would have to make room
@@ -498,10 +542,10 @@ impl<T> ShardedQueue<T> {
                         return Err(QueueError::Full(rest.collect()));
                     }
                     // Full: wait until a batch of slots is free (see `push_slow`).
-                    while !self.has_room_to_resume(&target) && !self.is_closed() {
+                    while !self.has_room_to_resume(target) && !self.is_closed() {
                         if !backoff.is_completed() {
                             backoff.snooze();
-                        } else if !self.wait_for_room(&target, deadline) {
+                        } else if !self.wait_for_room(target, deadline) {
                             return Err(QueueError::Timeout(rest.collect()));
                         }
                     }
@@ -728,6 +772,55 @@ impl<T> Drop for WakeProducersOnDrop<'_, T> {
     }
 }
 
+/// Wakes the consumer when dropped by unwinding: a batch whose iterator panicked published
+/// what it had written ([`ShardedQueue::push_iter_from`]) without ringing.
+struct WakeOnUnwind<'a>(&'a Doorbell);
+
+impl Drop for WakeOnUnwind<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.ring();
+        }
+    }
+}
+
+/// An iterator of caller code, cut to the length it declared when it was wrapped, and whose
+/// `len` is always the most it may still yield. A lane claims slots by `len`; an
+/// `ExactSizeIterator` of safe code may yield fewer values than its `len` says (or more), and
+/// then this one ends early (or at the declared count).
+struct DeclaredLen<I> {
+    inner: I,
+    left: usize,
+}
+
+impl<I: ExactSizeIterator> DeclaredLen<I> {
+    fn new(inner: I) -> Self {
+        let left = inner.len();
+        Self { inner, left }
+    }
+}
+
+impl<I: Iterator> Iterator for DeclaredLen<I> {
+    type Item = I::Item;
+
+    #[inline(always)]
+    fn next(&mut self) -> Option<I::Item> {
+        if self.left == 0 {
+            return None;
+        }
+        let value = self.inner.next();
+        // An early end ends this one too: no value is asked of it again.
+        self.left = if value.is_some() { self.left - 1 } else { 0 };
+        value
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        (self.left, Some(self.left))
+    }
+}
+
+impl<I: Iterator> ExactSizeIterator for DeclaredLen<I> {}
+
 fn deadline_passed(deadline: Option<Instant>) -> bool {
     deadline.is_some_and(|deadline| Instant::now() >= deadline)
 }
@@ -819,6 +912,143 @@ mod tests {
                 panic!("{kind}: push_batch of 1000 failed with {left} messages not pushed");
             }
             assert_eq!(seen, (0..1000).collect::<Vec<_>>(), "{kind}");
+        }
+    }
+
+    /// An iterator that says it holds `claims` values and yields `0..yields` (an
+    /// `ExactSizeIterator` of safe code that breaks the contract when the two differ).
+    struct Claiming {
+        next: i32,
+        yields: i32,
+        claims: usize,
+    }
+
+    impl Claiming {
+        fn new(yields: i32, claims: usize) -> Self {
+            Self { next: 0, yields, claims }
+        }
+    }
+
+    impl Iterator for Claiming {
+        type Item = i32;
+        fn next(&mut self) -> Option<i32> {
+            (self.next < self.yields).then(|| {
+                self.next += 1;
+                self.next - 1
+            })
+        }
+        fn size_hint(&self) -> (usize, Option<usize>) {
+            (self.claims, Some(self.claims))
+        }
+    }
+
+    impl ExactSizeIterator for Claiming {}
+
+    /// Everything queued, drained by `consumer`.
+    fn drain_all(consumer: &mut Consumer<'_, i32>) -> Vec<i32> {
+        let mut seen = Vec::new();
+        while consumer.drain_round(usize::MAX, |value| seen.push(value)) > 0 {}
+        seen
+    }
+
+    /// `push_iter_from` takes what the iterator yields, in order, up to the length it declared:
+    /// all of an exact one (through a lane or ring smaller than the batch, with a consumer),
+    /// what a shorter one yields, and as many as a longer one said (the rest stays in it).
+    #[test]
+    fn push_iter_takes_what_the_iterator_yields_up_to_its_len() {
+        for (kind, queue) in each_kind::<i32>(2, 16) {
+            let mut consumer = queue.consumer().unwrap();
+            queue.push_iter_from(Claiming::new(4, 10), None).unwrap();
+            assert_eq!(drain_all(&mut consumer), [0, 1, 2, 3], "{kind}: shorter than it said");
+            queue.push_iter_from(Claiming::new(0, 5), None).unwrap();
+            assert_eq!(drain_all(&mut consumer), [0i32; 0], "{kind}: yields nothing");
+            let mut longer = Claiming::new(10, 3);
+            queue.push_iter_from(&mut longer, None).unwrap();
+            assert_eq!(drain_all(&mut consumer), [0, 1, 2], "{kind}: longer than it said");
+            assert_eq!(longer.next(), Some(3), "{kind}: the rest stays in the iterator");
+        }
+        for (kind, queue) in each_kind::<i32>(2, 16) {
+            let queue = Arc::new(queue);
+            let deadline = Instant::now() + bound(30);
+            let consumer = {
+                let queue = Arc::clone(&queue);
+                std::thread::spawn(move || {
+                    let mut consumer = queue.consumer().unwrap();
+                    let mut seen = Vec::new();
+                    while seen.len() < 1000 {
+                        assert!(Instant::now() < deadline, "{kind}: {} of 1000", seen.len());
+                        if consumer.drain_round(7, |value| seen.push(value)) == 0 {
+                            consumer.park_until_work(Duration::from_millis(5));
+                        }
+                    }
+                    seen
+                })
+            };
+            let pushed = queue.push_iter_from(Claiming::new(1000, 1000), Some(deadline));
+            let seen = join_within(consumer, bound(40), kind);
+            assert!(pushed.is_ok(), "{kind}: the batch was refused");
+            assert_eq!(seen, (0..1000).collect::<Vec<_>>(), "{kind}");
+        }
+    }
+
+    /// A push into the same queue from inside the iterator goes around the batch (a lane's
+    /// slots are being written by it): every value arrives once, the batch in its order.
+    #[test]
+    fn a_push_from_inside_the_iterator_arrives_beside_the_batch() {
+        for (kind, queue) in each_kind::<i32>(2, 16) {
+            let mut consumer = queue.consumer().unwrap();
+            let values = (0..6).inspect(|&value| {
+                if value == 2 {
+                    queue.try_push(100).unwrap();
+                }
+            });
+            queue.push_iter_from(values, None).unwrap();
+            let seen = drain_all(&mut consumer);
+            let batch: Vec<i32> = seen.iter().copied().filter(|&value| value < 100).collect();
+            assert_eq!(batch, [0, 1, 2, 3, 4, 5], "{kind}: {seen:?}");
+            assert_eq!(seen.iter().filter(|&&value| value == 100).count(), 1, "{kind}: {seen:?}");
+            assert_eq!(seen.len(), 7, "{kind}: {seen:?}");
+            // The thread has its lane back afterwards.
+            queue.try_push(7).unwrap();
+            assert_eq!(drain_all(&mut consumer), [7], "{kind}");
+        }
+    }
+
+    /// An iterator that panics in a lane's batch: what it yielded before is published and the
+    /// parked consumer woken (no later push rings for it); the lane takes pushes again.
+    #[test]
+    fn a_panicking_iterator_publishes_what_it_yielded_and_wakes_the_consumer() {
+        for (kind, queue) in
+            each_kind::<i32>(2, 16).into_iter().filter(|(kind, _)| *kind != "rings")
+        {
+            let queue = Arc::new(queue);
+            let consumer = {
+                let queue = Arc::clone(&queue);
+                std::thread::spawn(move || {
+                    let mut consumer = queue.consumer().unwrap();
+                    let started = Instant::now();
+                    // Long: only the batch's wake-up ends it in time.
+                    consumer.park_until_work(Duration::from_secs(120));
+                    let woken_after = started.elapsed();
+                    let mut seen = Vec::new();
+                    consumer.drain_round(usize::MAX, |value| seen.push(value));
+                    (woken_after, seen)
+                })
+            };
+            let deadline = Instant::now() + bound(30);
+            while !queue.doorbell.consumer_sleeping() {
+                assert!(Instant::now() < deadline, "{kind}: the consumer never parked");
+                std::thread::yield_now();
+            }
+            let panicking = (0..5).map(|value| if value < 3 { value } else { panic!("injected") });
+            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                queue.push_iter_from(panicking, None)
+            }));
+            assert!(outcome.is_err(), "{kind}: the iterator's panic goes to the caller");
+            let (woken_after, seen) = join_within(consumer, bound(60), kind);
+            assert!(woken_after < Duration::from_secs(60), "{kind}: not woken ({woken_after:?})");
+            assert_eq!(seen, [0, 1, 2], "{kind}");
+            queue.try_push(3).unwrap();
         }
     }
 

@@ -59,6 +59,12 @@ impl Doorbell {
         let _ = self.consumer.set(current_thread());
     }
 
+    /// Whether the consumer has raised `sleeping` (it parks or is about to).
+    #[cfg(all(test, not(loom)))]
+    pub(crate) fn consumer_sleeping(&self) -> bool {
+        self.sleeping.load(Ordering::SeqCst)
+    }
+
     /// Whether the calling thread is the bound consumer (cold paths only: it reads the
     /// thread handle).
     pub(crate) fn on_consumer_thread(&self) -> bool {

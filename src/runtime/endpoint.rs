@@ -465,19 +465,62 @@ impl<E: Endpoint> EndpointRef<E> {
         // Mapped lazily: the messages go straight from the caller's vector into the slots.
         let envelopes = messages.into_iter().map(Envelope::Message);
         let (timeout, deadline) = self.handler_send_deadline();
-        self.inbox.queue.push_batch_from(envelopes, deadline).map_err(|error| {
-            let unwrap_all = |envelopes: Vec<Envelope<E>>| {
-                envelopes.into_iter().filter_map(Envelope::into_message).collect()
-            };
-            self.send_error(
-                match error {
-                    QueueError::Full(rest) => QueueError::Full(unwrap_all(rest)),
-                    QueueError::Closed(rest) => QueueError::Closed(unwrap_all(rest)),
-                    QueueError::Timeout(rest) => QueueError::Timeout(unwrap_all(rest)),
-                },
-                timeout,
-            )
-        })
+        self.inbox
+            .queue
+            .push_batch_from(envelopes, deadline)
+            .map_err(|error| self.batch_send_error(error, timeout))
+    }
+
+    /// Sends the messages `messages` yields, in order, as [`send_batch`](Self::send_batch)
+    /// does, but with no vector between the caller and the inbox: each message goes from the
+    /// iterator straight into its inbox slot as it is yielded, for a producer that makes its
+    /// messages as it sends them. The iterator's `len` is the batch: at most that many
+    /// messages are sent (an iterator that yields fewer ends the batch early; values beyond
+    /// the count stay in it, so pass `&mut iterator` to keep them).
+    ///
+    /// The iterator runs while this thread's lane of the inbox is claimed, from the first
+    /// message to the last. It may send, to this endpoint too, but such a message goes through
+    /// a shared shard of the inbox: it is not ordered with the batch. It should not block for
+    /// long: stopping the endpoint waits for the batch to be published. If it panics, the
+    /// messages it yielded before are sent. A thread without a lane in this inbox (more sending
+    /// threads than the bus's `inbox_lanes`) collects the messages into a vector first (and
+    /// sends none if the iterator panics).
+    ///
+    /// # Errors
+    /// As [`send_batch`](Self::send_batch): the messages not sent (those the iterator had not
+    /// yet yielded included, up to its `len`).
+    pub fn send_iter<I>(&self, messages: I) -> Result<(), SendError<Vec<E::Message>>>
+    where
+        I: IntoIterator<Item = E::Message>,
+        I::IntoIter: ExactSizeIterator,
+    {
+        let envelopes = messages.into_iter().map(Envelope::Message);
+        let (timeout, deadline) = self.handler_send_deadline();
+        self.inbox
+            .queue
+            .push_iter_from(envelopes, deadline)
+            .map_err(|error| self.batch_send_error(error, timeout))
+    }
+
+    /// The error of a batch send that was refused (out of line: see `send`).
+    #[cold]
+    #[inline(never)]
+    fn batch_send_error(
+        &self,
+        error: QueueError<Vec<Envelope<E>>>,
+        timeout: Option<Duration>,
+    ) -> SendError<Vec<E::Message>> {
+        let unwrap_all = |envelopes: Vec<Envelope<E>>| {
+            envelopes.into_iter().filter_map(Envelope::into_message).collect()
+        };
+        self.send_error(
+            match error {
+                QueueError::Full(rest) => QueueError::Full(unwrap_all(rest)),
+                QueueError::Closed(rest) => QueueError::Closed(unwrap_all(rest)),
+                QueueError::Timeout(rest) => QueueError::Timeout(unwrap_all(rest)),
+            },
+            timeout,
+        )
     }
 
     /// Asks: queues the request behind this sender's earlier messages and returns a handle to

@@ -2,7 +2,8 @@
 //!
 //! `--producers N` threads play the executors: each owns a contiguous range of the
 //! `--partitions P` reader and writer partitions and, for every epoch, sends one
-//! `ReportPartitionOffset` and one `CommitPartitionEpoch` per partition with `send_batch`. A
+//! `ReportPartitionOffset` and one `CommitPartitionEpoch` per partition with `send_iter` (each
+//! message made as the inbox takes it, straight into its slot). A
 //! driver thread plays the epoch update thread: it asks `IncrementAndGetEpoch` whenever the
 //! producers need the next epoch. As in Spark, tasks only start an epoch the driver announced,
 //! and (flow control of this tool) they stay at most `--window` epochs ahead of the last
@@ -154,7 +155,7 @@ pub struct EpochArgs {
         value_parser = RangedU64ValueParser::<usize>::new().range(1..=MAX_PRODUCERS)
     )]
     pub producers: usize,
-    /// Messages per `send_batch` (1 ..= 1048576).
+    /// Messages per `send_iter` batch (1 ..= 1048576).
     #[arg(
         long,
         default_value_t = 512,
@@ -165,7 +166,7 @@ pub struct EpochArgs {
     /// (about 64 Ki messages in flight, at least 4 epochs); at most 16777216 (the most
     /// `--epochs`: a window of every epoch). A producer held back resumes when half of the
     /// window is free. The inbox's capacity is the other bound: a full inbox makes
-    /// `send_batch` wait.
+    /// `send_iter` wait.
     #[arg(
         long,
         default_value_t = 0,
@@ -488,6 +489,14 @@ impl StreamPosition {
         }
     }
 
+    /// How many messages producer `range`'s stream has from here through epoch `last`.
+    fn messages_through(self, last: i64, range: &std::ops::Range<i32>) -> usize {
+        let epochs = usize::try_from(last - self.epoch + 1).unwrap_or(0);
+        let done_in_epoch =
+            2 * (self.partition - range.start) as usize + usize::from(self.commit_next);
+        (epochs * 2 * range.len()).saturating_sub(done_in_epoch)
+    }
+
     /// Moves to the next message of producer `range`'s stream.
     fn advance(&mut self, range: &std::ops::Range<i32>) {
         if !self.commit_next {
@@ -508,31 +517,51 @@ impl StreamPosition {
     }
 }
 
-/// Appends producer `range`'s stream from `at` to `chunk` until it holds `batch` messages or
-/// the stream passes epoch `last`; returns where the stream continues. Whole partitions (a
-/// report and its commit) in the loop; a batch of odd length splits one at either end.
-fn fill_batch(
-    chunk: &mut Vec<EpochMessage>,
-    batch: usize,
-    mut at: StreamPosition,
-    last: i64,
-    range: &std::ops::Range<i32>,
-    offsets: &OffsetStream,
-) -> StreamPosition {
-    if at.commit_next && at.epoch <= last && chunk.len() < batch {
-        chunk.push(at.message(offsets));
-        at.advance(range);
-    }
-    while at.epoch <= last && chunk.len() + 2 <= batch {
-        push_partition_messages(at.partition, at.epoch, offsets, chunk);
-        at.next_partition(range);
-    }
-    if at.epoch <= last && chunk.len() < batch {
-        chunk.push(at.message(offsets));
-        at.advance(range);
-    }
-    at
+/// The next batch of a producer's stream: up to `batch` messages from a position, those of
+/// epochs up to `last`, each made when the inbox asks for it (`send_iter`).
+struct StreamBatch<'a> {
+    /// Where the stream continues after the messages yielded so far.
+    at: StreamPosition,
+    /// Messages left in the batch.
+    left: usize,
+    range: &'a std::ops::Range<i32>,
+    offsets: &'a OffsetStream,
 }
+
+impl<'a> StreamBatch<'a> {
+    /// The batch of producer `range`'s stream from `at`: `batch` messages, or fewer where
+    /// the stream passes epoch `last`.
+    fn new(
+        at: StreamPosition,
+        batch: usize,
+        last: i64,
+        range: &'a std::ops::Range<i32>,
+        offsets: &'a OffsetStream,
+    ) -> Self {
+        Self { at, left: at.messages_through(last, range).min(batch), range, offsets }
+    }
+}
+
+impl Iterator for StreamBatch<'_> {
+    type Item = EpochMessage;
+
+    #[inline]
+    fn next(&mut self) -> Option<EpochMessage> {
+        if self.left == 0 {
+            return None;
+        }
+        self.left -= 1;
+        let message = self.at.message(self.offsets);
+        self.at.advance(self.range);
+        Some(message)
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        (self.left, Some(self.left))
+    }
+}
+
+impl ExactSizeIterator for StreamBatch<'_> {}
 
 fn ranges(partitions: i32, producers: usize) -> Vec<std::ops::Range<i32>> {
     let producers = producers as i64;
@@ -796,18 +825,18 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
                     .load(Ordering::Acquire)
                     .min(shared.committed.load(Ordering::Acquire).saturating_add(window))
                     .min(epochs);
-                // Built straight into each batch's vector (one copy per message, into it).
+                // Each message made as its inbox slot takes it: no vector in between.
                 let mut at = StreamPosition::start_of(start, &range);
                 loop {
-                    let mut chunk = Vec::with_capacity(batch);
-                    at = fill_batch(&mut chunk, batch, at, last, &range, &offsets);
-                    if chunk.is_empty() {
+                    let mut messages = StreamBatch::new(at, batch, last, &range, &offsets);
+                    if messages.len() == 0 {
                         break;
                     }
                     let sent_ns = shared.now_ns();
                     coordinator
-                        .send_batch(chunk)
+                        .send_iter(&mut messages)
                         .map_err(|_| anyhow::anyhow!("the coordinator stopped"))?;
+                    at = messages.at;
                     // Epochs whose last message went in this batch.
                     while next < at.epoch {
                         shared.last_sent_ns[(next - 1) as usize]
@@ -1177,13 +1206,15 @@ mod tests {
                 let mut at = StreamPosition::start_of(first, &range);
                 let mut joined = Vec::new();
                 loop {
-                    let mut chunk = Vec::with_capacity(batch);
-                    at = fill_batch(&mut chunk, batch, at, last, &range, &offsets);
+                    let mut messages = StreamBatch::new(at, batch, last, &range, &offsets);
+                    let declared = messages.len();
+                    let chunk: Vec<EpochMessage> = messages.by_ref().collect();
+                    at = messages.at;
                     if chunk.is_empty() {
                         break;
                     }
                     assert!(chunk.len() <= batch, "{case}");
-                    assert_eq!(chunk.capacity(), batch, "{case}: no reallocation");
+                    assert_eq!(chunk.len(), declared, "{case}: its len is exact");
                     joined.extend(chunk);
                     // Every epoch below the position is complete in what was sent.
                     let complete = (at.epoch - first) as usize * 6;
