@@ -10,6 +10,9 @@ use coordbus::{Ask, Bus, Context, Endpoint, EndpointRef, HandlerError, Replier, 
 
 const BOUND: Duration = Duration::from_secs(30);
 
+/// Lane places enough for the test thread to have a lane whatever its producer index.
+const LANES: usize = 1024;
+
 /// Keeps every message it is sent, in arrival order.
 struct Recorder {
     seen: Arc<Mutex<Vec<u64>>>,
@@ -42,13 +45,18 @@ impl Endpoint for Recorder {
     }
 }
 
-/// A bus whose inboxes give each sending thread a lane (`lanes` > 0), or none (0: every
-/// thread sends through the shared shards), of 64 slots (smaller than the batches below).
+/// A bus whose inboxes give each sending thread a lane (`lanes`: [`LANES`]), or none (0:
+/// every thread sends through the shared shards), of 64 slots (fewer than the batches below).
 fn recorder(lanes: usize) -> (Bus, EndpointRef<Recorder>, Arc<Mutex<Vec<u64>>>) {
     let bus = Bus::builder().inbox_lanes(lanes).inbox_capacity(64).build().unwrap();
-    let seen = Arc::new(Mutex::new(Vec::new()));
-    let endpoint = bus.register("recorder", Recorder { seen: Arc::clone(&seen) }).unwrap();
+    let (endpoint, seen) = register_recorder(&bus, "recorder");
     (bus, endpoint, seen)
+}
+
+fn register_recorder(bus: &Bus, name: &str) -> (EndpointRef<Recorder>, Arc<Mutex<Vec<u64>>>) {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let endpoint = bus.register(name, Recorder { seen: Arc::clone(&seen) }).unwrap();
+    (endpoint, seen)
 }
 
 /// What the recorder has seen once it has handled `count` messages (asked until then, each
@@ -85,7 +93,7 @@ impl ExactSizeIterator for Claiming {}
 
 #[test]
 fn send_iter_delivers_every_message_in_order_with_a_lane_and_without() {
-    for lanes in [16, 0] {
+    for lanes in [LANES, 0] {
         let (bus, endpoint, seen) = recorder(lanes);
         endpoint.send_iter((0..1000u32).map(|value| u64::from(value) * 3)).unwrap();
         let expected: Vec<u64> = (0..1000).map(|value| value * 3).collect();
@@ -98,7 +106,7 @@ fn send_iter_delivers_every_message_in_order_with_a_lane_and_without() {
 /// keeps the rest; the inbox takes messages as before after either.
 #[test]
 fn send_iter_sends_what_an_iterator_yields_up_to_its_len() {
-    for lanes in [16, 0] {
+    for lanes in [LANES, 0] {
         let (bus, endpoint, seen) = recorder(lanes);
         endpoint.send_iter(Claiming { next: 0, yields: 4, claims: 100 }).unwrap();
         let mut longer = Claiming { next: 10, yields: 20, claims: 3 };
@@ -114,7 +122,7 @@ fn send_iter_sends_what_an_iterator_yields_up_to_its_len() {
 /// which keeps its order.
 #[test]
 fn a_send_from_inside_the_iterator_arrives_beside_the_batch() {
-    for lanes in [16, 0] {
+    for lanes in [LANES, 0] {
         let (bus, endpoint, seen) = recorder(lanes);
         let inner = endpoint.clone();
         let values = (0..200u32).map(u64::from).inspect(move |&value| {
@@ -131,11 +139,38 @@ fn a_send_from_inside_the_iterator_arrives_beside_the_batch() {
     }
 }
 
+/// What the iterator sends to another endpoint keeps its order with this thread's other
+/// messages to it; a `send_iter` from inside the iterator (to the same endpoint) arrives whole.
+#[test]
+fn sends_from_inside_the_iterator_keep_their_order_elsewhere_and_arrive_here() {
+    for lanes in [LANES, 0] {
+        let (bus, endpoint, seen) = recorder(lanes);
+        let (other, other_seen) = register_recorder(&bus, "other");
+        other.send(0u64).unwrap();
+        let (inner, inner_other) = (endpoint.clone(), other.clone());
+        let values = (0..100u32).map(u64::from).inspect(move |&value| {
+            if value == 50 {
+                inner_other.send(1u64).unwrap();
+                inner.send_iter((0..10u32).map(|value| 1000 + u64::from(value))).unwrap();
+            }
+        });
+        endpoint.send_iter(values).unwrap();
+        other.send(2u64).unwrap();
+        assert_eq!(seen_after(&other, &other_seen, 3), [0, 1, 2], "{lanes} lanes");
+        let seen = seen_after(&endpoint, &seen, 110);
+        let batch: Vec<u64> = seen.iter().copied().filter(|&value| value < 1000).collect();
+        let nested: Vec<u64> = seen.iter().copied().filter(|&value| value >= 1000).collect();
+        assert_eq!(batch, (0..100).collect::<Vec<_>>(), "{lanes} lanes");
+        assert_eq!(nested, (1000..1010).collect::<Vec<_>>(), "{lanes} lanes");
+        bus.shutdown().unwrap();
+    }
+}
+
 /// A panicking iterator: with a lane, what it yielded before the panic is delivered; without
 /// one, nothing (the messages are collected first). The endpoint works on either way.
 #[test]
 fn a_panicking_iterator_leaves_the_endpoint_working() {
-    for (lanes, delivered) in [(16, 3u64), (0, 0)] {
+    for (lanes, delivered) in [(LANES, 3u64), (0, 0)] {
         let (bus, endpoint, seen) = recorder(lanes);
         let panicking =
             (0..5u32).map(|value| if value < 3 { u64::from(value) } else { panic!("injected") });
@@ -153,11 +188,13 @@ fn a_panicking_iterator_leaves_the_endpoint_working() {
 }
 
 /// A stopped endpoint refuses the batch and hands back every message, those the iterator had
-/// not yielded yet included.
+/// not yielded yet included (through the thread's lane, made by a first send, or without).
 #[test]
 fn a_stopped_endpoint_hands_back_the_messages() {
-    for lanes in [16, 0] {
-        let (bus, endpoint, _) = recorder(lanes);
+    for lanes in [LANES, 0] {
+        let (bus, endpoint, seen) = recorder(lanes);
+        endpoint.send(7u64).unwrap();
+        assert_eq!(seen_after(&endpoint, &seen, 1), [7], "{lanes} lanes");
         endpoint.stop();
         match endpoint.send_iter((0..10u32).map(u64::from)) {
             Err(SendError::Stopped { endpoint: name, message }) => {

@@ -46,10 +46,10 @@
 //! between raising `busy` and publishing, except `push_batch`'s iterator and `push_with`'s
 //! constructor. `push_with`'s callers (`ShardedQueue::try_push_with`) require a plain move or
 //! enum constructor. `push_batch`'s iterator is a plain mapped vector
-//! (`ShardedQueue::push_batch_from`) or caller code (`ShardedQueue::push_iter_from`), which
-//! runs with the thread's index hidden (`producer::laneless`), so that a push of its own goes
-//! to a shared shard instead of into this lane, and which `push_batch` survives panicking or
-//! yielding fewer values than its `len` said.
+//! (`ShardedQueue::push_batch_from`) or caller code (`ShardedQueue::push_iter_from`). A push
+//! that caller code makes into the same inbox finds this lane `busy` (`Lane::in_own_push`) and
+//! goes to a shared shard instead (`ShardedQueue::own_lane`), and `push_batch` survives the
+//! code panicking or yielding fewer values than its `len` said.
 //!
 //! Indices grow without wrapping (2^64 messages at one per nanosecond last 584 years).
 //!
@@ -224,6 +224,14 @@ impl<T> Lane<T> {
         // SAFETY: `slots.len() == mask + 1` (set in `with_capacity`, never changed), so
         // `position & mask` is a valid index; this skips a bounds check per message.
         unsafe { self.slots.get_unchecked(index) }
+    }
+
+    /// Producer (owner only): whether the calling thread is inside a push of its own to this
+    /// lane (`busy` raised: only the owner raises it, and lowers it before each push returns
+    /// or unwinds).
+    #[inline(always)]
+    pub(crate) fn in_own_push(&self) -> bool {
+        self.producer.busy.load(Ordering::Relaxed)
     }
 
     /// Producer: raises `busy` and checks `closed` (the pairing of the module doc).

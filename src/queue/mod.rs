@@ -317,14 +317,19 @@ impl<T> ShardedQueue<T> {
     }
 
     /// The lane of the producer with `index`, allocated on first use; `None` if `index` has no
-    /// lane place, or if the queue is closed and the lane was never allocated (no memory for a
-    /// lane that could never take a message).
+    /// lane place, if the queue is closed and the lane was never allocated (no memory for a
+    /// lane that could never take a message), or while the calling thread is inside a push
+    /// of its own to it: then only caller code that a batch runs
+    /// ([`ShardedQueue::push_iter_from`]) can push, and it must not write the batch's slots.
     #[inline(always)]
     fn own_lane(&self, index: usize) -> Option<&Lane<T>> {
         if index >= self.lanes.count() {
             return None;
         }
-        self.lanes.get(index).or_else(|| (!self.is_closed()).then(|| self.lanes.allocate(index)))
+        self.lanes
+            .get(index)
+            .or_else(|| (!self.is_closed()).then(|| self.lanes.allocate(index)))
+            .filter(|lane| !lane.in_own_push())
     }
 
     #[inline(always)]
@@ -491,12 +496,12 @@ impl<T> ShardedQueue<T> {
     /// in it.
     ///
     /// The iterator runs inside the lane's push (between raising `busy` and publishing,
-    /// module `lane`), so for its duration the thread pushes through shared shards
-    /// ([`producer::laneless`]): a push of the iterator's own into this queue then goes to a
-    /// shard, not ordered with the batch, instead of into the slots the batch is writing. Should
-    /// it panic, what it yielded before is published and the consumer woken. A thread without
-    /// a lane here collects the values first: a shared ring's claim must be filled whole (its
-    /// consumer waits at an unfilled position).
+    /// module `lane`). A push of its own into this queue finds the lane busy and goes to the
+    /// thread's shared shard ([`ShardedQueue::own_lane`]): not ordered with the thread's other
+    /// messages here, but not into the slots the batch is writing. Should it panic, what it
+    /// yielded before is published and the consumer woken. A thread without a lane here
+    /// collects the values first: a shared ring's claim must be filled whole (its consumer
+    /// waits at an unfilled position).
     ///
     /// # Errors
     /// As [`push_batch`](ShardedQueue::push_batch).
@@ -510,7 +515,6 @@ impl<T> ShardedQueue<T> {
             let values: Vec<T> = DeclaredLen::new(values).collect();
             return self.push_batch_to(&target, values.into_iter(), deadline);
         }
-        let _laneless = producer::laneless();
         let _wake = WakeOnUnwind(&self.doorbell);
         self.push_batch_to(&target, DeclaredLen::new(values), deadline)
     }
@@ -1009,6 +1013,8 @@ mod tests {
             assert_eq!(seen.iter().filter(|&&value| value == 100).count(), 1, "{kind}: {seen:?}");
             assert_eq!(seen.len(), 7, "{kind}: {seen:?}");
             // The thread has its lane back afterwards.
+            let has_lane = queue.own_lane(producer_index()).is_some();
+            assert_eq!(has_lane, kind != "rings", "{kind}");
             queue.try_push(7).unwrap();
             assert_eq!(drain_all(&mut consumer), [7], "{kind}");
         }
@@ -1022,21 +1028,36 @@ mod tests {
             each_kind::<i32>(2, 16).into_iter().filter(|(kind, _)| *kind != "rings")
         {
             let queue = Arc::new(queue);
+            let (tid_sender, tid) = std::sync::mpsc::channel();
             let consumer = {
                 let queue = Arc::clone(&queue);
                 std::thread::spawn(move || {
                     let mut consumer = queue.consumer().unwrap();
+                    let thread = std::fs::read_link("/proc/thread-self").unwrap();
+                    tid_sender.send(thread).unwrap();
                     let started = Instant::now();
-                    // Long: only the batch's wake-up ends it in time.
-                    consumer.park_until_work(Duration::from_secs(120));
-                    let woken_after = started.elapsed();
                     let mut seen = Vec::new();
-                    consumer.drain_round(usize::MAX, |value| seen.push(value));
-                    (woken_after, seen)
+                    // Long parks: only the batch's wake-up ends the first one in time.
+                    let parked = consumer.park_until_work(Duration::from_secs(120));
+                    while seen.len() < 3 && started.elapsed() < Duration::from_secs(120) {
+                        consumer.drain_round(usize::MAX, |value| seen.push(value));
+                        if seen.len() < 3 {
+                            consumer.park_until_work(Duration::from_secs(120));
+                        }
+                    }
+                    (parked, started.elapsed(), seen)
                 })
             };
+            // Parked: asleep in the kernel, after its last look for work.
+            // `/proc/thread-self` links to `<pid>/task/<tid>`, relative to `/proc`.
+            let stat = std::path::Path::new("/proc").join(tid.recv().unwrap()).join("stat");
             let deadline = Instant::now() + bound(30);
-            while !queue.doorbell.consumer_sleeping() {
+            loop {
+                let stat = std::fs::read_to_string(&stat).unwrap();
+                let asleep = stat[stat.rfind(')').unwrap() + 2..].starts_with('S');
+                if asleep && queue.doorbell.consumer_sleeping() {
+                    break;
+                }
                 assert!(Instant::now() < deadline, "{kind}: the consumer never parked");
                 std::thread::yield_now();
             }
@@ -1045,9 +1066,12 @@ mod tests {
                 queue.push_iter_from(panicking, None)
             }));
             assert!(outcome.is_err(), "{kind}: the iterator's panic goes to the caller");
-            let (woken_after, seen) = join_within(consumer, bound(60), kind);
+            let (parked, woken_after, seen) = join_within(consumer, bound(60), kind);
+            // Parked before the batch (it waited for `sleeping`), so the batch's ring woke it.
+            assert!(parked, "{kind}: the consumer found work before it parked");
             assert!(woken_after < Duration::from_secs(60), "{kind}: not woken ({woken_after:?})");
             assert_eq!(seen, [0, 1, 2], "{kind}");
+            assert!(queue.own_lane(producer_index()).is_some(), "{kind}: the lane is usable again");
             queue.try_push(3).unwrap();
         }
     }

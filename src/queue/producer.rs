@@ -44,31 +44,6 @@ thread_local! {
     static RELEASE_ON_EXIT: IndexRelease = const { IndexRelease(Cell::new(UNASSIGNED)) };
 }
 
-/// What [`producer_index`] reads while a [`Laneless`] guard lives: beyond every lane place (an
-/// inbox has at most [`RECYCLED_INDICES`]), so the thread's pushes go to shared shards.
-const LANELESS: usize = usize::MAX - 1;
-
-/// While it lives, the calling thread pushes into every inbox through the inbox's shared
-/// shards, not its lanes: its lane in one inbox is in the middle of a batch whose values come
-/// from caller code (`ShardedQueue::push_iter_from`), and a push from that code into the same
-/// inbox must not write the slots the batch is writing. Dropped (on unwinding too), it gives
-/// the thread its index back.
-pub(crate) struct Laneless {
-    index: usize,
-}
-
-/// See [`Laneless`]. The thread's index must be claimed already (its lane was found with it).
-pub(crate) fn laneless() -> Laneless {
-    Laneless { index: INDEX.with(|cell| cell.replace(LANELESS)) }
-}
-
-impl Drop for Laneless {
-    fn drop(&mut self) {
-        // `INDEX` has no destructor: it is there until the thread ends.
-        INDEX.with(|cell| cell.set(self.index));
-    }
-}
-
 /// The index of the calling thread, claimed on first use.
 #[inline(always)]
 pub(crate) fn producer_index() -> usize {

@@ -479,12 +479,15 @@ impl<E: Endpoint> EndpointRef<E> {
     /// the count stay in it, so pass `&mut iterator` to keep them).
     ///
     /// The iterator runs while this thread's lane of the inbox is claimed, from the first
-    /// message to the last. It may send, to this endpoint too, but such a message goes through
-    /// a shared shard of the inbox: it is not ordered with the batch. It should not block for
-    /// long: stopping the endpoint waits for the batch to be published. If it panics, the
-    /// messages it yielded before are sent. A thread without a lane in this inbox (more sending
-    /// threads than the bus's `inbox_lanes`) collects the messages into a vector first (and
-    /// sends none if the iterator panics).
+    /// message to the last. It may send and ask. To other endpoints those keep their order
+    /// with this thread's other messages; to this endpoint they go through a shared shard of
+    /// the inbox, and are not ordered with this thread's other messages to it (the batch
+    /// included). It should not block for long: once the endpoint is stopped, its thread's
+    /// last drain (and [`Bus::shutdown`](crate::Bus::shutdown), up to its timeout) waits for
+    /// the batch to be published. If it panics, the messages it yielded before are sent. A
+    /// thread without a lane in this inbox (more sending threads than the bus's
+    /// `inbox_lanes`) collects the messages into a vector first (and sends none if the
+    /// iterator panics).
     ///
     /// # Errors
     /// As [`send_batch`](Self::send_batch): the messages not sent (those the iterator had not
