@@ -2,7 +2,7 @@
 //! shard, with iterators that keep their word and iterators that do not.
 
 use std::{
-    sync::{Arc, Mutex},
+    sync::{mpsc, Arc, Mutex},
     time::{Duration, Instant},
 };
 
@@ -13,9 +13,11 @@ const BOUND: Duration = Duration::from_secs(30);
 /// Lane places enough for the test thread to have a lane whatever its producer index.
 const LANES: usize = 1024;
 
-/// Keeps every message it is sent, in arrival order.
+/// Keeps every message it is sent, in arrival order; with a gate, holds its handler on
+/// message 0 until the gate opens (so what is queued meanwhile is drained in queue order).
 struct Recorder {
     seen: Arc<Mutex<Vec<u64>>>,
+    gate: Option<mpsc::Receiver<()>>,
 }
 
 struct Count;
@@ -31,6 +33,9 @@ impl Endpoint for Recorder {
     type Request = Replier<usize>;
 
     fn handle(&mut self, value: u64, _: &Context<Self>) -> Result<(), HandlerError> {
+        if let Some(gate) = self.gate.as_ref().filter(|_| value == 0) {
+            gate.recv_timeout(BOUND).expect("the gate opens");
+        }
         self.seen.lock().unwrap().push(value);
         Ok(())
     }
@@ -54,8 +59,16 @@ fn recorder(lanes: usize) -> (Bus, EndpointRef<Recorder>, Arc<Mutex<Vec<u64>>>) 
 }
 
 fn register_recorder(bus: &Bus, name: &str) -> (EndpointRef<Recorder>, Arc<Mutex<Vec<u64>>>) {
+    register_gated(bus, name, None)
+}
+
+fn register_gated(
+    bus: &Bus,
+    name: &str,
+    gate: Option<mpsc::Receiver<()>>,
+) -> (EndpointRef<Recorder>, Arc<Mutex<Vec<u64>>>) {
     let seen = Arc::new(Mutex::new(Vec::new()));
-    let endpoint = bus.register(name, Recorder { seen: Arc::clone(&seen) }).unwrap();
+    let endpoint = bus.register(name, Recorder { seen: Arc::clone(&seen), gate }).unwrap();
     (endpoint, seen)
 }
 
@@ -140,12 +153,15 @@ fn a_send_from_inside_the_iterator_arrives_beside_the_batch() {
 }
 
 /// What the iterator sends to another endpoint keeps its order with this thread's other
-/// messages to it; a `send_iter` from inside the iterator (to the same endpoint) arrives whole.
+/// messages to it (the other endpoint holds on the first until all three are queued, so it
+/// takes them in queue order); a `send_iter` from inside the iterator (to the same endpoint)
+/// arrives whole.
 #[test]
 fn sends_from_inside_the_iterator_keep_their_order_elsewhere_and_arrive_here() {
     for lanes in [LANES, 0] {
         let (bus, endpoint, seen) = recorder(lanes);
-        let (other, other_seen) = register_recorder(&bus, "other");
+        let (open, gate) = mpsc::channel();
+        let (other, other_seen) = register_gated(&bus, "other", Some(gate));
         other.send(0u64).unwrap();
         let (inner, inner_other) = (endpoint.clone(), other.clone());
         let values = (0..100u32).map(u64::from).inspect(move |&value| {
@@ -156,6 +172,7 @@ fn sends_from_inside_the_iterator_keep_their_order_elsewhere_and_arrive_here() {
         });
         endpoint.send_iter(values).unwrap();
         other.send(2u64).unwrap();
+        open.send(()).unwrap();
         assert_eq!(seen_after(&other, &other_seen, 3), [0, 1, 2], "{lanes} lanes");
         let seen = seen_after(&endpoint, &seen, 110);
         let batch: Vec<u64> = seen.iter().copied().filter(|&value| value < 1000).collect();

@@ -318,7 +318,9 @@ impl<E: Endpoint> Context<E> {
 /// after the same thread's earlier sends were handled (SPEC A.4). The sender is the thread:
 /// an async task that moves to another thread between two sends (across an `.await` on a
 /// work-stealing executor) is two senders, and its two messages may be handled in either
-/// order; send such sequences from one thread, or wait for a reply in between.
+/// order; send such sequences from one thread, or wait for a reply in between. One exception:
+/// what a [`send_iter`](Self::send_iter)'s iterator sends or asks to the endpoint of that
+/// `send_iter` is not ordered with the thread's other messages to it.
 pub struct EndpointRef<E: Endpoint> {
     pub(crate) inbox: Arc<Inbox<E>>,
 }
@@ -479,10 +481,11 @@ impl<E: Endpoint> EndpointRef<E> {
     /// the count stay in it, so pass `&mut iterator` to keep them).
     ///
     /// The iterator runs while this thread's lane of the inbox is claimed, from the first
-    /// message to the last. It may send and ask. To other endpoints those keep their order
-    /// with this thread's other messages; to this endpoint they go through a shared shard of
-    /// the inbox, and are not ordered with this thread's other messages to it (the batch
-    /// included). It should not block for long: once the endpoint is stopped, its thread's
+    /// message to the last. It may send and ask. To this endpoint (or to one whose
+    /// `send_iter` is running this one) those go through a shared shard of the inbox, and are
+    /// not ordered with this thread's other messages to it, the batch included; to other
+    /// endpoints they keep their order. A `send_iter` to this endpoint from inside collects its
+    /// messages first. It should not block for long: once the endpoint is stopped, its thread's
     /// last drain (and [`Bus::shutdown`](crate::Bus::shutdown), up to its timeout) waits for
     /// the batch to be published. If it panics, the messages it yielded before are sent. A
     /// thread without a lane in this inbox (more sending threads than the bus's
