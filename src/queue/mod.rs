@@ -922,30 +922,39 @@ mod tests {
         }
     }
 
+    /// A thread that consumes `count` values from `queue` in small rounds and returns them;
+    /// it fails if they have not all come by `deadline`.
+    fn consume_in_thread(
+        queue: &Arc<ShardedQueue<i32>>,
+        count: usize,
+        deadline: Instant,
+        kind: &'static str,
+    ) -> std::thread::JoinHandle<Vec<i32>> {
+        let queue = Arc::clone(queue);
+        std::thread::spawn(move || {
+            let mut consumer = queue.consumer().unwrap();
+            let mut seen = Vec::new();
+            while seen.len() < count {
+                assert!(
+                    Instant::now() < deadline,
+                    "{kind}: consumer received {} of {count} messages by the deadline",
+                    seen.len()
+                );
+                if consumer.drain_round(7, |value| seen.push(value)) == 0 {
+                    consumer.park_until_work(Duration::from_millis(5));
+                }
+            }
+            seen
+        })
+    }
+
     #[test]
     fn batch_larger_than_capacity_flows_through_with_a_consumer() {
         for (kind, queue) in each_kind::<i32>(2, 16) {
             let queue = Arc::new(queue);
             // Every wait below is bounded: a stuck batch fails the test, not CI.
             let deadline = Instant::now() + bound(30);
-            let consumer = {
-                let queue = Arc::clone(&queue);
-                std::thread::spawn(move || {
-                    let mut consumer = queue.consumer().unwrap();
-                    let mut seen = Vec::new();
-                    while seen.len() < 1000 {
-                        assert!(
-                            Instant::now() < deadline,
-                            "{kind}: consumer received {} of 1000 messages by the deadline",
-                            seen.len()
-                        );
-                        if consumer.drain_round(7, |value| seen.push(value)) == 0 {
-                            consumer.park_until_work(Duration::from_millis(5));
-                        }
-                    }
-                    seen
-                })
-            };
+            let consumer = consume_in_thread(&queue, 1000, deadline, kind);
             let pushed = queue.push_batch((0..1000).collect(), Some(deadline));
             // Joined first: if the consumer failed, its own message says how far it got.
             let seen = join_within(consumer, bound(40), kind);
@@ -1024,20 +1033,7 @@ mod tests {
         for (kind, queue) in each_kind::<i32>(2, 16) {
             let queue = Arc::new(queue);
             let deadline = Instant::now() + bound(30);
-            let consumer = {
-                let queue = Arc::clone(&queue);
-                std::thread::spawn(move || {
-                    let mut consumer = queue.consumer().unwrap();
-                    let mut seen = Vec::new();
-                    while seen.len() < 1000 {
-                        assert!(Instant::now() < deadline, "{kind}: {} of 1000", seen.len());
-                        if consumer.drain_round(7, |value| seen.push(value)) == 0 {
-                            consumer.park_until_work(Duration::from_millis(5));
-                        }
-                    }
-                    seen
-                })
-            };
+            let consumer = consume_in_thread(&queue, 1000, deadline, kind);
             let pushed = queue.push_iter_from(Claiming::new(1000, 1000), Some(deadline));
             let seen = join_within(consumer, bound(40), kind);
             assert!(pushed.is_ok(), "{kind}: the batch was refused");
