@@ -1066,6 +1066,25 @@ mod tests {
         }
     }
 
+    /// An iterator that panics: what it yielded before is published through a lane (none of
+    /// it through a ring: the values are collected first), and the queue takes pushes again.
+    /// (The wake-up of a parked consumer: the next test.)
+    #[test]
+    fn a_panicking_iterator_leaves_what_it_yielded_published() {
+        for (kind, queue) in each_kind::<i32>(2, 16) {
+            let mut consumer = queue.consumer().unwrap();
+            let panicking = (0..5).map(|value| if value < 3 { value } else { panic!("injected") });
+            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                queue.push_iter_from(panicking, None)
+            }));
+            assert!(outcome.is_err(), "{kind}: the iterator's panic goes to the caller");
+            let expected: &[i32] = if kind == "rings" { &[] } else { &[0, 1, 2] };
+            assert_eq!(drain_all(&mut consumer), expected, "{kind}");
+            queue.try_push(3).unwrap();
+            assert_eq!(drain_all(&mut consumer), [3], "{kind}");
+        }
+    }
+
     /// An iterator that panics in a lane's batch: what it yielded before is published and the
     /// parked consumer woken (no later push rings for it); the lane takes pushes again.
     /// Not under Miri: it reads the consumer thread's state from `/proc`, which under Miri
