@@ -622,7 +622,7 @@ impl<T> Drop for LaneTable<T> {
 }
 
 #[cfg(all(test, not(loom)))]
-mod tests {
+pub(super) mod tests {
     use super::super::test_bounds::{bound, join_within};
     use super::*;
     use std::sync::Arc;
@@ -728,12 +728,13 @@ mod tests {
     }
 
     /// An iterator that claims `claimed` values, yields `0..yielded`, and then panics or ends:
-    /// a broken `ExactSizeIterator` that `push_batch` must survive.
-    struct BrokenBatch {
-        next: u32,
-        yielded: u32,
-        claimed: usize,
-        panics: bool,
+    /// a broken `ExactSizeIterator` that `push_batch` (and `ShardedQueue::push_iter_from`) must
+    /// survive.
+    pub(in crate::queue) struct BrokenBatch {
+        pub(in crate::queue) next: u32,
+        pub(in crate::queue) yielded: u32,
+        pub(in crate::queue) claimed: usize,
+        pub(in crate::queue) panics: bool,
     }
 
     impl Iterator for BrokenBatch {
@@ -749,7 +750,7 @@ mod tests {
         }
 
         fn size_hint(&self) -> (usize, Option<usize>) {
-            let left = self.claimed - self.next as usize;
+            let left = self.claimed.saturating_sub(self.next as usize);
             (left, Some(left))
         }
     }

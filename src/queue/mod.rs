@@ -873,6 +873,7 @@ fn deadline_passed(deadline: Option<Instant>) -> bool {
 
 #[cfg(all(test, not(loom)))]
 mod tests {
+    use super::lane::tests::BrokenBatch;
     use super::test_bounds::{bound, join_within};
     use super::*;
     use std::sync::Arc;
@@ -924,12 +925,12 @@ mod tests {
 
     /// A thread that consumes `count` values from `queue` in small rounds and returns them;
     /// it fails if they have not all come by `deadline`.
-    fn consume_in_thread(
-        queue: &Arc<ShardedQueue<i32>>,
+    fn consume_in_thread<T: Send + Sync + 'static>(
+        queue: &Arc<ShardedQueue<T>>,
         count: usize,
         deadline: Instant,
         kind: &'static str,
-    ) -> std::thread::JoinHandle<Vec<i32>> {
+    ) -> std::thread::JoinHandle<Vec<T>> {
         let queue = Arc::clone(queue);
         std::thread::spawn(move || {
             let mut consumer = queue.consumer().unwrap();
@@ -970,37 +971,14 @@ mod tests {
         }
     }
 
-    /// An iterator that says it holds `claims` values and yields `0..yields` (an
-    /// `ExactSizeIterator` of safe code that breaks the contract when the two differ).
-    struct Claiming {
-        next: i32,
-        yields: i32,
-        claims: usize,
+    /// A broken `ExactSizeIterator` (module `lane`'s): says it holds `claimed` values and
+    /// yields `0..yielded`.
+    fn claiming(yielded: u32, claimed: usize) -> BrokenBatch {
+        BrokenBatch { next: 0, yielded, claimed, panics: false }
     }
-
-    impl Claiming {
-        fn new(yields: i32, claims: usize) -> Self {
-            Self { next: 0, yields, claims }
-        }
-    }
-
-    impl Iterator for Claiming {
-        type Item = i32;
-        fn next(&mut self) -> Option<i32> {
-            (self.next < self.yields).then(|| {
-                self.next += 1;
-                self.next - 1
-            })
-        }
-        fn size_hint(&self) -> (usize, Option<usize>) {
-            (self.claims, Some(self.claims))
-        }
-    }
-
-    impl ExactSizeIterator for Claiming {}
 
     /// Everything queued, drained by `consumer`.
-    fn drain_all(consumer: &mut Consumer<'_, i32>) -> Vec<i32> {
+    fn drain_all<T>(consumer: &mut Consumer<'_, T>) -> Vec<T> {
         let mut seen = Vec::new();
         while consumer.drain_round(usize::MAX, |value| seen.push(value)) > 0 {}
         seen
@@ -1011,30 +989,30 @@ mod tests {
     /// what a shorter one yields, and as many as a longer one said (the rest stays in it).
     #[test]
     fn push_iter_takes_what_the_iterator_yields_up_to_its_len() {
-        for (kind, queue) in each_kind::<i32>(2, 16) {
+        for (kind, queue) in each_kind::<u32>(2, 16) {
             let mut consumer = queue.consumer().unwrap();
-            queue.push_iter_from(Claiming::new(4, 10), None).unwrap();
+            queue.push_iter_from(claiming(4, 10), None).unwrap();
             assert_eq!(drain_all(&mut consumer), [0, 1, 2, 3], "{kind}: shorter than it said");
-            queue.push_iter_from(Claiming::new(0, 5), None).unwrap();
-            assert_eq!(drain_all(&mut consumer), [0i32; 0], "{kind}: yields nothing");
-            let mut longer = Claiming::new(10, 3);
+            queue.push_iter_from(claiming(0, 5), None).unwrap();
+            assert_eq!(drain_all(&mut consumer), [0u32; 0], "{kind}: yields nothing");
+            let mut longer = claiming(10, 3);
             queue.push_iter_from(&mut longer, None).unwrap();
             assert_eq!(drain_all(&mut consumer), [0, 1, 2], "{kind}: longer than it said");
             assert_eq!(longer.next(), Some(3), "{kind}: the rest stays in the iterator");
             // A length beyond memory reserves no room for it.
-            queue.push_iter_from(Claiming::new(3, usize::MAX), None).unwrap();
+            queue.push_iter_from(claiming(3, usize::MAX), None).unwrap();
             assert_eq!(drain_all(&mut consumer), [0, 1, 2], "{kind}: a len beyond memory");
             assert!(queue.close());
-            match queue.push_iter_from(Claiming::new(3, usize::MAX), None) {
+            match queue.push_iter_from(claiming(3, usize::MAX), None) {
                 Err(QueueError::Closed(rest)) => assert_eq!(rest, [0, 1, 2], "{kind}: closed"),
                 other => panic!("{kind}: expected Closed, got {other:?}"),
             }
         }
-        for (kind, queue) in each_kind::<i32>(2, 16) {
+        for (kind, queue) in each_kind::<u32>(2, 16) {
             let queue = Arc::new(queue);
             let deadline = Instant::now() + bound(30);
             let consumer = consume_in_thread(&queue, 1000, deadline, kind);
-            let pushed = queue.push_iter_from(Claiming::new(1000, 1000), Some(deadline));
+            let pushed = queue.push_iter_from(claiming(1000, 1000), Some(deadline));
             let seen = join_within(consumer, bound(40), kind);
             assert!(pushed.is_ok(), "{kind}: the batch was refused");
             assert_eq!(seen, (0..1000).collect::<Vec<_>>(), "{kind}");
