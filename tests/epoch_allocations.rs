@@ -1,7 +1,8 @@
-//! Goal (issue 4): small payloads (a few machine words) cost no allocation per message, and
-//! memory stays bounded by the backlog limits: the payloads of committed epochs are freed, so
-//! recycled buckets do not keep old writer commit messages alive, and pending epochs are laid
-//! out by partition only where the partition count is within the limit.
+//! Goal (issue 4): small payloads (a few machine words: up to three, `Payload::INLINE_BYTES`)
+//! cost no allocation per message, and memory stays bounded by the backlog limits: the
+//! payloads of committed epochs are freed, so recycled buckets do not keep old writer commit
+//! messages alive, and pending epochs are laid out by partition only where the partition count
+//! is within the limit.
 //!
 //! Method: `allocation_counter` (the global allocator of this test binary) counts the
 //! allocations and live bytes of the test's own thread while it drives the state machine with
@@ -30,6 +31,19 @@ fn run(
     ahead: i64,
     message: impl Fn(i64) -> Payload,
 ) {
+    let word_offset =
+        |epoch: i64, partition: i32| Payload::from(epoch * 1000 + i64::from(partition));
+    run_with_offsets(coordinator, epochs, ahead, message, word_offset);
+}
+
+/// As [`run`], with the offsets made by `offset(epoch, partition)`.
+fn run_with_offsets(
+    coordinator: &mut EpochCoordinator<NoopQuery, NoopSink>,
+    epochs: std::ops::RangeInclusive<i64>,
+    ahead: i64,
+    message: impl Fn(i64) -> Payload,
+    offset: impl Fn(i64, i32) -> Payload,
+) {
     let (first, last) = (*epochs.start(), *epochs.end());
     for epoch in first..=last + ahead {
         if epoch <= last {
@@ -43,7 +57,7 @@ fn run(
         let reported = epoch - ahead;
         if reported >= first {
             for partition in 0..PARTITIONS {
-                let offset = Payload::from(reported * 1000 + i64::from(partition));
+                let offset = offset(reported, partition);
                 coordinator
                     .report_partition_offset(PartitionId(partition), Epoch(reported), offset)
                     .unwrap();
@@ -67,6 +81,42 @@ fn small_payloads_cost_no_allocation_per_message_in_a_steady_run() {
     let large = |epoch: i64| Payload::from(vec![epoch as u8; 40]);
     let spilled = allocation_counter::measure(|| run(&mut coordinator, 241..=250, 8, large));
     assert!(spilled.count_total >= 10 * PARTITIONS as u64, "{spilled:?}");
+}
+
+/// A payload of `words` machine words, made of `value` (not a single word, so it is stored
+/// as bytes, not as a word).
+fn words_payload(words: usize, value: i64) -> Payload {
+    let mut bytes = [0u8; 5 * 8];
+    for (word, chunk) in bytes.chunks_exact_mut(8).take(words).enumerate() {
+        chunk.copy_from_slice(&(value + word as i64).to_le_bytes());
+    }
+    Payload::from(&bytes[..words * 8])
+}
+
+/// "A few machine words": payloads of two and three words (the inline limit,
+/// `Payload::INLINE_BYTES`), offsets and commit messages alike, take the bytes path of a
+/// side, not the word path of the 8-byte run; they cost no allocation per message either.
+#[test]
+fn two_and_three_word_payloads_cost_no_allocation_per_message() {
+    assert_eq!(Payload::INLINE_BYTES, 24, "three words are the inline limit");
+    for words in [2, 3] {
+        let message = |epoch: i64| words_payload(words, epoch);
+        let offset =
+            |epoch: i64, partition: i32| words_payload(words, epoch * 1000 + i64::from(partition));
+        let mut coordinator = coordinator();
+        run_with_offsets(&mut coordinator, 1..=40, 8, message, offset);
+        let steady = allocation_counter::measure(|| {
+            run_with_offsets(&mut coordinator, 41..=240, 8, message, offset);
+        });
+        let messages = 200 * 2 * PARTITIONS as u64;
+        assert_eq!(steady.count_total, 0, "{messages} messages of {words} words: {steady:?}");
+        // One word more spills to the heap, and the counter sees it.
+        let spilled = allocation_counter::measure(|| {
+            let message = |epoch: i64| words_payload(words + 2, epoch);
+            run_with_offsets(&mut coordinator, 241..=250, 8, message, offset);
+        });
+        assert!(spilled.count_total >= 10 * PARTITIONS as u64, "{spilled:?}");
+    }
 }
 
 #[test]

@@ -617,6 +617,41 @@ fn a_full_queue_rejection_names_the_queue_and_its_limit() {
     assert_eq!(coordinator.last_committed(), Epoch(1));
 }
 
+/// SPEC B.6: after the stop, one-way messages run no backlog check. With a queue over its
+/// limit, every accepted message before the stop fires the check again; after it, none does.
+#[test]
+fn no_backlog_check_runs_after_writes_stop_even_over_the_limit() {
+    let (query, sink, log) = recorders();
+    let config = EpochConfig::new(1).with_backlog_limit(2);
+    let mut coordinator = EpochCoordinator::new(config, query, sink).unwrap();
+    coordinator.set_reader_partitions(1).unwrap();
+    coordinator.set_writer_partitions(1).unwrap();
+    for epoch in 1..=3 {
+        coordinator.commit_partition_epoch(PartitionId(0), Epoch(epoch), 1.into()).unwrap();
+    }
+    let stops = |log: &epoch_support::CallLog| stop_messages(&log.lock().unwrap()).len();
+    assert_eq!(stops(&log), 1, "the commit queue is over its limit");
+    // Before the stop, a further (refused) commit checks again.
+    assert!(coordinator.commit_partition_epoch(PartitionId(0), Epoch(4), 1.into()).is_err());
+    assert_eq!(stops(&log), 2);
+    let overflows = coordinator.counters().backlog_overflows;
+    coordinator.stop_writes();
+    let before = coordinator.stats();
+    for epoch in 4..=6 {
+        let dropped = coordinator.commit_partition_epoch(PartitionId(0), Epoch(epoch), 1.into());
+        assert_eq!(dropped.unwrap_err().reason, DropReason::WritesStopped);
+        let dropped = coordinator.report_partition_offset(PartitionId(0), Epoch(epoch), 1.into());
+        assert_eq!(dropped.unwrap_err().reason, DropReason::WritesStopped);
+    }
+    assert_eq!(stops(&log), 2, "no check ran after the stop: {:?}", log.lock().unwrap());
+    assert_eq!(coordinator.counters().backlog_overflows, overflows);
+    assert_only_counters_changed(
+        before,
+        coordinator.stats(),
+        counters_plus(before.counters, |c| c.dropped_writes_stopped += 6),
+    );
+}
+
 /// Writers 1, readers 1; completes epochs `epochs` in order and returns the harness.
 fn run_epochs(
     query: RecordingQuery,

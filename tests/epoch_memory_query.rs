@@ -205,15 +205,23 @@ fn a_restarted_run_replaces_the_offsets_a_stopped_run_recorded_for_an_epoch_it_d
 }
 
 #[test]
-fn a_coordinator_cannot_start_below_the_first_epoch_the_memory_query_did_not_commit() {
+fn a_coordinator_starts_exactly_at_the_first_epoch_the_memory_query_did_not_commit() {
     let mut query = MemoryQuery::default();
-    assert_eq!(query.first_uncommitted_epoch(), Some(Epoch(0)));
+    assert_eq!(query.first_uncommitted_epoch(), None);
+    // Nothing committed: any start epoch is taken.
+    let (_, sink, _) = recorders();
+    EpochEndpoint::new(EpochConfig::new(3), query.clone(), sink.clone()).unwrap();
     query.add_offsets(Epoch(4), Offsets::new(&[(PartitionId(0), Payload::from(4))])).unwrap();
     query.commit(Epoch(4)).unwrap();
     assert_eq!(query.first_uncommitted_epoch(), Some(Epoch(5)));
-    let (_, sink, _) = recorders();
+    // Below it, the sink would commit epochs again.
     let error = EpochEndpoint::new(EpochConfig::new(3), query.clone(), sink.clone()).unwrap_err();
     assert!(error.to_string().contains("start_epoch"), "{error}");
     assert!(error.to_string().contains("committed up to 4"), "{error}");
+    assert!(error.to_string().contains("commit the epochs in between again"), "{error}");
+    // Above it, epochs 5 and 6 would never commit (SPEC B.10: start = E + 1).
+    let error = EpochEndpoint::new(EpochConfig::new(7), query.clone(), sink.clone()).unwrap_err();
+    assert!(error.to_string().contains("7 (the query has committed up to 4)"), "{error}");
+    assert!(error.to_string().contains("would never commit"), "{error}");
     EpochEndpoint::new(EpochConfig::new(5), query.clone(), sink).unwrap();
 }

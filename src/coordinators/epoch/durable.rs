@@ -623,10 +623,11 @@ impl<Q: Query> Query for DurableQuery<Q> {
     }
 
     /// The epoch after the last one committed: recovered, or committed through this query
-    /// since (a query handed on to a new coordinator keeps what its run committed).
+    /// since (a query handed on to a new coordinator keeps what its run committed). `None`
+    /// while no epoch was.
     fn first_uncommitted_epoch(&self) -> Option<Epoch> {
         let last = self.status.last_committed.load(Ordering::Acquire);
-        Some(epoch_or_none(last).map_or(Epoch(0), |last| Epoch(last.0.saturating_add(1))))
+        epoch_or_none(last).map(|last| Epoch(last.0.saturating_add(1)))
     }
 
     /// Keeps the first error (as text with its causes, for [`DurableQueryStatus::stop_error`])
@@ -1178,9 +1179,11 @@ mod tests {
     }
 
     /// A coordinator started below the recovered query's first uncommitted epoch would have
-    /// its sink commit those epochs again: it is refused, naming both epochs.
+    /// its sink commit those epochs again; one started above it would never commit the epochs
+    /// in between (and a later restart would resume past their offsets): both are refused,
+    /// naming both epochs. A fresh log takes any start epoch.
     #[test]
-    fn a_coordinator_starting_below_the_recovered_epoch_is_refused() {
+    fn a_coordinator_starting_off_the_recovered_epoch_is_refused() {
         use crate::coordinators::epoch::{EpochConfig, EpochCoordinator, NoopSink};
         let dir = tempfile::tempdir().unwrap();
         write_log(dir.path(), &[(full_bytes(3, &offsets(3, 0)), 3)], &[3]);
@@ -1189,6 +1192,10 @@ mod tests {
         let refused = EpochCoordinator::new(EpochConfig::new(3), query(), NoopSink).unwrap_err();
         let text = refused.to_string();
         assert!(text.starts_with("start_epoch = 3 (the query has committed up to 3)"), "{text}");
+        let refused = EpochCoordinator::new(EpochConfig::new(6), query(), NoopSink).unwrap_err();
+        let text = refused.to_string();
+        assert!(text.starts_with("start_epoch = 6 (the query has committed up to 3)"), "{text}");
+        assert!(text.contains("would never commit"), "{text}");
         // A query handed on after committing more in this run: its own commits count too.
         let mut live = query();
         live.add_offsets(Epoch(4), Offsets::new(&offsets(4, 0))).unwrap();
@@ -1197,7 +1204,11 @@ mod tests {
         assert!(refused
             .to_string()
             .starts_with("start_epoch = 4 (the query has committed up to 4)"));
+        // The log now has epoch 4 committed too.
         assert!(EpochCoordinator::new(EpochConfig::new(5), query(), NoopSink).is_ok());
+        let fresh = tempfile::tempdir().unwrap();
+        let fresh_query = DurableQuery::open(fresh.path(), config()).unwrap();
+        assert!(EpochCoordinator::new(EpochConfig::new(7), fresh_query, NoopSink).is_ok());
     }
 
     /// A query handed on from one coordinator to the next (`EpochCoordinator::into_parts`): a

@@ -791,16 +791,23 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
     /// partition counts unset).
     ///
     /// # Errors
-    /// [`ConfigError`] if `config` is invalid (see [`EpochConfig::validate`]).
+    /// [`ConfigError`] if `config` is invalid (see [`EpochConfig::validate`]), or if the query
+    /// has committed epochs and the start epoch is not the first one after them
+    /// ([`Query::first_uncommitted_epoch`]).
     pub fn new(config: EpochConfig, query: Q, sink: S) -> Result<Self, ConfigError> {
         config.validate()?;
         let start = config.start_epoch;
-        if let Some(first) = query.first_uncommitted_epoch().filter(|first| start < *first) {
+        if let Some(first) = query.first_uncommitted_epoch().filter(|first| start != *first) {
             return Err(ConfigError::Invalid {
                 setting: "start_epoch",
                 value: format!("{start} (the query has committed up to {})", first.0 - 1),
-                reason: "must not be below the first epoch the query has not committed: the \
-                         sink would commit the epochs in between again",
+                reason: if start < first {
+                    "must be the first epoch the query has not committed: below it, the sink \
+                     would commit the epochs in between again"
+                } else {
+                    "must be the first epoch the query has not committed: above it, the epochs \
+                     in between would never commit, and a restart would resume past them"
+                },
             });
         }
         let mut query = query;
@@ -1140,6 +1147,7 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
             PartitionSide::Reader => self.offset_entries -= dropped,
             PartitionSide::Writer => self.commit_entries -= dropped,
         }
+        self.release_emptied_buckets();
         self.recount_backlog_slack();
         self.counters.dropped_partition_out_of_range += dropped as u64;
         tracing::warn!(
@@ -1148,6 +1156,30 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
             dropped,
             "entries stored with partition ids not below the new partition count dropped"
         );
+    }
+
+    /// After a count change dropped entries: frees the pending buckets it left with no entry
+    /// on either side (not waiting, their offsets not added), whose epochs may never get
+    /// another message. Otherwise count changes back and forth could keep any number of empty
+    /// buckets alive while the entry counts, and so the backlog checks, stay under the limits.
+    /// A later message for such an epoch lays its bucket out afresh.
+    #[cold]
+    fn release_emptied_buckets(&mut self) {
+        let emptied: Vec<u32> = self
+            .by_epoch
+            .values()
+            .copied()
+            .filter(|&slot| {
+                let bucket = &self.buckets[slot as usize];
+                bucket.offsets.len() == 0
+                    && bucket.commits.len() == 0
+                    && !bucket.waiting
+                    && !bucket.offsets_added
+            })
+            .collect();
+        for slot in emptied {
+            self.release(slot);
+        }
     }
 
     /// After a count change: the next epoch to commit, if it waits (the commit chain passed it
@@ -2071,6 +2103,39 @@ mod tests {
         let rest =
             [report(3, 1, 1.into())].into_iter().chain((0..4).map(|p| commit(p, 1, 1.into())));
         coordinator.apply_run(&mut rest.into_iter(), |rejected| panic!("{rejected}"));
+        assert_eq!(coordinator.last_committed(), Epoch(1));
+    }
+
+    /// Count changes back and forth drop the entries stored beyond the new count; the
+    /// buckets those drops leave empty are freed, so such cycles keep no more buckets alive
+    /// than the entries allow (the entry counts, and so the backlog checks, stay low).
+    #[test]
+    fn buckets_emptied_by_a_count_change_are_freed() {
+        let mut coordinator = coordinator_of(1);
+        for cycle in 0..50 {
+            coordinator.set_reader_partitions(0).unwrap();
+            // While the count is unset, any partition id is kept, in epochs that never commit.
+            for epoch in (2 + cycle * 20)..(2 + (cycle + 1) * 20) {
+                coordinator
+                    .report_partition_offset(PartitionId(3), Epoch(epoch), 1.into())
+                    .unwrap();
+            }
+            assert_eq!(coordinator.by_epoch.len(), 20);
+            coordinator.set_reader_partitions(1).unwrap();
+            assert_eq!(coordinator.by_epoch.len(), 0, "cycle {cycle}");
+        }
+        assert_eq!(coordinator.buckets.len(), 20, "freed buckets are reused");
+        let stats = coordinator.stats();
+        assert_eq!(stats.offset_entries, 0);
+        assert_eq!(stats.counters.dropped_partition_out_of_range, 50 * 20);
+        // A bucket that keeps an entry on either side stays, and a freed epoch's next message
+        // lays it out afresh and commits it.
+        coordinator.set_reader_partitions(0).unwrap();
+        coordinator.report_partition_offset(PartitionId(3), Epoch(1), 1.into()).unwrap();
+        coordinator.commit_partition_epoch(PartitionId(0), Epoch(1), 1.into()).unwrap();
+        coordinator.set_reader_partitions(1).unwrap();
+        assert_eq!(coordinator.by_epoch.len(), 1, "epoch 1 keeps its commit");
+        coordinator.report_partition_offset(PartitionId(0), Epoch(1), 1.into()).unwrap();
         assert_eq!(coordinator.last_committed(), Epoch(1));
     }
 
