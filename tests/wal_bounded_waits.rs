@@ -3,6 +3,9 @@
 //!   (naming the last appended LSN, the durable one and the bound) instead of hanging the
 //!   caller; the log is closing anyway (appends are refused), and once the sync finishes a
 //!   later close completes and every appended record is durable;
+//! - the drop of a log not closed: it waits at most `WalConfig::drop_close_timeout` for a sync
+//!   that does not finish, then returns; the sync thread finishes in the background, and the
+//!   record becomes durable and the directory free once the disk answers;
 //! - `Wal::append_bytes_timeout`: an append that finds the staging buffer full waits at most
 //!   its timeout for room, then fails with a typed error and appends nothing.
 //!
@@ -22,9 +25,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use coordbus::wal::{Lsn, RecordHandle, Wal, WalError};
+use coordbus::wal::{is_locked, Lsn, RecordHandle, Wal, WalConfig, WalError};
 use wal_support::{
-    gated_config, hold_and_fill_staging, open_gated, AfterGate, Gate, OpenOnDrop, RUN_BOUND,
+    gated_config, hold_and_fill_staging, open_gated, open_gated_with, within, AfterGate, Gate,
+    OpenOnDrop, RUN_BOUND,
 };
 
 /// How long a read of a handle that cannot be answered may take: far below the read's 60 s
@@ -83,6 +87,35 @@ fn a_close_whose_sync_does_not_finish_times_out_refuses_appends_and_completes_la
     drop(wal);
     let reopened = Wal::open(dir.path(), gated_config()).unwrap();
     assert_eq!(payloads(&reopened), [b"first".to_vec(), b"last".to_vec()]);
+}
+
+#[test]
+fn dropping_a_log_whose_sync_does_not_finish_waits_at_most_its_drop_close_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let gate = Arc::new(Gate::default());
+    let drop_close_timeout = Duration::from_millis(100);
+    let config = WalConfig { drop_close_timeout, ..gated_config() };
+    let wal = open_gated_with(dir.path(), &gate, AfterGate::Sync, config);
+    let _open_gate_on_exit = OpenOnDrop(Arc::clone(&gate));
+    wal.append_bytes(b"held", 1).unwrap();
+    gate.wait_until_reached(1);
+
+    let started = Instant::now();
+    within(move || drop(wal));
+    let waited = started.elapsed();
+    assert!(waited >= drop_close_timeout, "returned before its bound: {waited:?}");
+    assert!(waited < RUN_BOUND, "the drop waited {waited:?}");
+    assert!(is_locked(dir.path()).unwrap(), "the sync thread still holds the log");
+
+    gate.open();
+    // The sync thread writes and syncs the record, then ends and frees the directory.
+    let deadline = Instant::now() + RUN_BOUND;
+    while is_locked(dir.path()).unwrap() {
+        assert!(Instant::now() < deadline, "the sync thread never finished");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let reopened = Wal::open(dir.path(), gated_config()).unwrap();
+    assert_eq!(payloads(&reopened), [b"held".to_vec()]);
 }
 
 #[test]

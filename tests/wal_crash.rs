@@ -45,7 +45,7 @@ fn config(durability: Durability) -> WalConfig {
         segment_size_bytes: SEGMENT_SIZE,
         durability,
         recovery: RecoveryMode::Strict,
-        rolling_interval: None,
+        ..WalConfig::default()
     }
 }
 

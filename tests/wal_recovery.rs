@@ -44,7 +44,7 @@ fn open(dir: &Path, durability: Durability, io: IoMode, segment_size_bytes: u64)
             segment_size_bytes,
             durability,
             recovery: RecoveryMode::Strict,
-            rolling_interval: None,
+            ..WalConfig::default()
         },
         WalOptions { io, uring_direct_max_bytes: 0, ..WalOptions::default() },
     )

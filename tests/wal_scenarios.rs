@@ -41,6 +41,7 @@ fn config(durability: Durability, recovery: RecoveryMode) -> WalConfig {
         durability,
         recovery,
         rolling_interval: Some(Duration::from_secs(1)),
+    ..WalConfig::default()
     }
 }
 
@@ -251,7 +252,7 @@ fn one_segment_log(
             segment_size_bytes: SEGMENT_SIZE,
             durability,
             recovery: RecoveryMode::Strict,
-            rolling_interval: None,
+            ..WalConfig::default()
         },
         WalOptions { io, uring_direct_max_bytes: 0, ..WalOptions::default() },
     )
@@ -285,7 +286,6 @@ fn wal_f6_torn_tail_and_garbage_tail() {
                 WalConfig {
                     segment_size_bytes: SEGMENT_SIZE,
                     durability,
-                    rolling_interval: None,
                     ..WalConfig::default()
                 },
             )

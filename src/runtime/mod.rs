@@ -30,7 +30,7 @@ use std::{
         mpsc, Arc, Mutex, PoisonError,
     },
     thread::JoinHandle,
-    time::Instant,
+    time::{Duration, Instant},
 };
 
 use dashmap::{mapref::entry::Entry, DashMap};
@@ -197,7 +197,7 @@ impl Bus {
         };
         if let Err(error) = self.spawn_worker(endpoint, Arc::clone(&inbox)) {
             inbox.stop();
-            drop_queued(&inbox);
+            drop_queued(&inbox, self.config.shutdown_timeout);
             return Err(error);
         }
         // A shutdown that began meanwhile may have listed the names, or taken the threads to
@@ -440,7 +440,7 @@ impl Bus {
     fn wait_for_end_signals(&self, count: usize, deadline: Option<Instant>) -> bool {
         let ended = self.thread_ended.1.lock().unwrap_or_else(PoisonError::into_inner);
         for _ in 0..count {
-            let remaining = deadline.map_or(std::time::Duration::MAX, |deadline| {
+            let remaining = deadline.map_or(Duration::MAX, |deadline| {
                 deadline.saturating_duration_since(Instant::now())
             });
             if ended.recv_timeout(remaining).is_err() {
@@ -456,7 +456,7 @@ impl Bus {
             if deadline.is_some_and(|deadline| Instant::now() >= deadline) {
                 return false;
             }
-            std::thread::sleep(std::time::Duration::from_micros(100));
+            std::thread::sleep(Duration::from_micros(100));
         }
         true
     }
@@ -467,11 +467,16 @@ impl Bus {
 /// then fail at once ([`AskError::NoReply`](crate::AskError::NoReply)) instead of waiting out
 /// their timeout, and nothing stays queued for nobody. What it drops is counted in the
 /// endpoint's statistics and logged (a one-way message's sender learns nothing else).
-/// Bounded: once the inbox is closed, only pushes already under way can still land.
-fn drop_queued<E: Endpoint>(inbox: &Inbox<E>) {
+/// Once the inbox is closed, only pushes already under way can still land; it waits for them
+/// (dozing on the inbox's doorbell, which a finished push rings) at most `timeout`, the bus's
+/// `shutdown_timeout`: a `send_iter` whose iterator blocks keeps its push under way as long as
+/// it blocks. What lands after that stays queued until the last reference to the inbox goes
+/// (its asks then fail with `NoReply` too).
+fn drop_queued<E: Endpoint>(inbox: &Inbox<E>, timeout: Duration) {
     let Some(mut consumer) = inbox.queue.consumer() else {
         return;
     };
+    let deadline = Instant::now().checked_add(timeout);
     let mut dropped = 0u64;
     while !consumer.is_drained() {
         let taken = consumer.drain_round(DROP_QUEUED_BATCH, |envelope| {
@@ -479,9 +484,22 @@ fn drop_queued<E: Endpoint>(inbox: &Inbox<E>) {
             dropped += 1;
             drop(envelope);
         });
-        if taken == 0 {
-            std::thread::yield_now();
+        if taken > 0 {
+            continue;
         }
+        let remaining = deadline.map_or(DROP_QUEUED_DOZE, |deadline| {
+            deadline.saturating_duration_since(Instant::now())
+        });
+        if remaining.is_zero() {
+            tracing::warn!(
+                endpoint = %inbox.name,
+                ?timeout,
+                "pushes into an endpoint whose thread never started were still under way after \
+                 the shutdown timeout; what they queue stays until the endpoint is dropped"
+            );
+            break;
+        }
+        consumer.doze(remaining.min(DROP_QUEUED_DOZE));
     }
     if dropped > 0 {
         tracing::warn!(
@@ -498,6 +516,10 @@ const THREAD_NEVER_STARTED: &str = "endpoint thread never started";
 
 /// Messages taken per lane and ring in one round of [`drop_queued`].
 const DROP_QUEUED_BATCH: usize = 1024;
+
+/// Longest doze of [`drop_queued`] between looks (a push that ends without ringing, one whose
+/// messages were all refused, is seen at the next look).
+const DROP_QUEUED_DOZE: Duration = Duration::from_millis(1);
 
 impl Drop for Bus {
     fn drop(&mut self) {
@@ -667,6 +689,79 @@ mod tests {
         assert!(!bus.contains("never"));
         let again = bus.register("never", Pinger).expect("the name is free again");
         again.ask(Ping).wait_timeout(std::time::Duration::from_secs(30)).unwrap();
+        bus.shutdown().unwrap();
+    }
+
+    /// An iterator of `len` unit messages whose first `next` tells `entered` and then blocks
+    /// until `release` says go (or 30 s pass).
+    struct BlockingBatch {
+        len: usize,
+        entered: std::sync::mpsc::Sender<()>,
+        release: std::sync::mpsc::Receiver<()>,
+    }
+
+    impl Iterator for BlockingBatch {
+        type Item = ();
+        fn next(&mut self) -> Option<()> {
+            if self.len == 0 {
+                return None;
+            }
+            if self.entered.send(()).is_ok() {
+                let _ = self.release.recv_timeout(std::time::Duration::from_secs(30));
+            }
+            self.len -= 1;
+            Some(())
+        }
+        fn size_hint(&self) -> (usize, Option<usize>) {
+            (self.len, Some(self.len))
+        }
+    }
+
+    impl ExactSizeIterator for BlockingBatch {}
+
+    /// An endpoint whose thread fails to start while a `send_iter` into it is under way, its
+    /// iterator blocked: dropping what was queued waits for that push at most the bus's
+    /// `shutdown_timeout`, so the registration fails in about that time instead of waiting
+    /// as long as the iterator blocks.
+    #[test]
+    fn a_failed_start_waits_for_a_push_under_way_at_most_the_shutdown_timeout() {
+        use std::sync::mpsc;
+
+        let shutdown_timeout = std::time::Duration::from_millis(200);
+        let bus = Bus::builder().shutdown_timeout(shutdown_timeout).build().unwrap();
+        let (entered_sender, entered) = mpsc::channel();
+        let (release, release_receiver) = mpsc::channel();
+        SPAWN_FAILS_AFTER.with(|hook| {
+            *hook.borrow_mut() = Some(Box::new(move || {
+                // The racer's push is under way, its iterator blocked in its first `next`.
+                entered.recv_timeout(std::time::Duration::from_secs(30)).unwrap();
+            }));
+        });
+        std::thread::scope(|scope| {
+            let racer = scope.spawn(|| {
+                let deadline = Instant::now() + std::time::Duration::from_secs(30);
+                let endpoint = loop {
+                    if let Ok(endpoint) = bus.lookup::<Pinger>("blocked") {
+                        break endpoint;
+                    }
+                    assert!(Instant::now() < deadline, "the name was never registered");
+                    std::thread::yield_now();
+                };
+                let batch =
+                    BlockingBatch { len: 4, entered: entered_sender, release: release_receiver };
+                // Its outcome depends on when the push sees the inbox closed; only its end
+                // matters here.
+                let _ = endpoint.send_iter(batch);
+            });
+            let started = Instant::now();
+            let registered = bus.register("blocked", Pinger);
+            let took = started.elapsed();
+            release.send(()).unwrap();
+            racer.join().unwrap();
+            assert!(matches!(registered, Err(BusError::Spawn { .. })), "{registered:?}");
+            assert!(took >= shutdown_timeout, "it waited for the push: {took:?}");
+            assert!(took < std::time::Duration::from_secs(10), "bounded: {took:?}");
+        });
         bus.shutdown().unwrap();
     }
 

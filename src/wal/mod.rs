@@ -475,7 +475,16 @@ pub struct WalConfig {
     /// Also roll by time with SPEC E.2's window rule (Spark's `rollingIntervalSecs`; default
     /// none: roll by size only).
     pub rolling_interval: Option<Duration>,
+    /// The longest dropping a [`Wal`] that was not closed waits for its last writes and sync
+    /// (default [`DEFAULT_DROP_CLOSE_TIMEOUT`]), as [`Wal::close_timeout`] does: on a stalled
+    /// disk, the drop then returns and warns, and the sync thread finishes in the background
+    /// (nothing it acknowledged was lost: acknowledged records were synced). Zero: the drop
+    /// does not wait.
+    pub drop_close_timeout: Duration,
 }
+
+/// Default [`WalConfig::drop_close_timeout`].
+pub const DEFAULT_DROP_CLOSE_TIMEOUT: Duration = Duration::from_secs(30);
 
 impl Default for WalConfig {
     fn default() -> Self {
@@ -484,6 +493,7 @@ impl Default for WalConfig {
             durability: Durability::default(),
             recovery: RecoveryMode::default(),
             rolling_interval: None,
+            drop_close_timeout: DEFAULT_DROP_CLOSE_TIMEOUT,
         }
     }
 }
@@ -2440,8 +2450,8 @@ impl Wal {
 
     /// Writes and syncs everything appended, stops the sync thread, and rejects later appends
     /// with [`WalError::Closed`]. Idempotent; reads keep working. Waits as long as the disk
-    /// takes, and so does the drop, which calls this (unless a [`Wal::close_timeout`] gave up
-    /// first); [`Wal::close_timeout`] bounds the wait. Called from a durability callback (on
+    /// takes; [`Wal::close_timeout`] bounds the wait, and the drop of a log not closed calls
+    /// it with [`WalConfig::drop_close_timeout`]. Called from a durability callback (on
     /// the sync thread, which cannot wait for itself), it only starts closing: the thread
     /// writes and syncs the rest once the callback returns.
     ///
@@ -2579,7 +2589,7 @@ impl Drop for Wal {
             );
             return;
         }
-        match self.close() {
+        match self.close_timeout(self.shared.config.drop_close_timeout) {
             Ok(()) => {}
             // Dropped in a durability callback: the sync thread finishes once it returns.
             Err(error @ WalError::CloseOnSyncThread { .. }) => {

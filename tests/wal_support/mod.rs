@@ -216,12 +216,22 @@ pub fn gated_config() -> coordbus::wal::WalConfig {
 /// A log in `dir` ([`gated_config`]) whose syncs wait at `gate`, then do what `after` says.
 /// The pwrite path: the gated files hide their descriptors.
 pub fn open_gated(dir: &Path, gate: &Arc<Gate>, after: AfterGate) -> Wal {
+    open_gated_with(dir, gate, after, gated_config())
+}
+
+/// As [`open_gated`], with `config`.
+pub fn open_gated_with(
+    dir: &Path,
+    gate: &Arc<Gate>,
+    after: AfterGate,
+    config: coordbus::wal::WalConfig,
+) -> Wal {
     let options = coordbus::wal::WalOptions {
         io: coordbus::wal::IoMode::Pwrite,
         storage: gated_sync_storage(gate, after),
         ..coordbus::wal::WalOptions::default()
     };
-    Wal::open_with_options(dir, gated_config(), options).unwrap()
+    Wal::open_with_options(dir, config, options).unwrap()
 }
 
 /// Holds `wal`'s sync thread at `gate` (with one record of `payload_bytes`), then fills the

@@ -55,7 +55,7 @@ fn config(durability: Durability) -> WalConfig {
         segment_size_bytes: SEGMENT_SIZE_BYTES,
         durability,
         recovery: RecoveryMode::Strict,
-        rolling_interval: None,
+        ..WalConfig::default()
     }
 }
 
