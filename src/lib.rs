@@ -91,6 +91,12 @@ pub mod wal;
 #[path = "../tests/warning_capture/mod.rs"]
 mod warning_capture;
 
+/// Skipping a test variant the machine cannot run, unless CI forbids it (see the module; the
+/// integration tests share it).
+#[cfg(test)]
+#[path = "../tests/skipped_variants/mod.rs"]
+mod skipped_variants;
+
 pub use crate::coordinators::block_tracker::{BlockTrackerEndpoint, ReceivedBlockTracker};
 pub use crate::coordinators::epoch::{EpochConfig, EpochCoordinator, EpochEndpoint};
 pub use crate::coordinators::state_store::{StateStoreCoordinator, StateStoreCoordinatorRef};

@@ -41,7 +41,7 @@ fn config(durability: Durability, recovery: RecoveryMode) -> WalConfig {
         durability,
         recovery,
         rolling_interval: Some(Duration::from_secs(1)),
-    ..WalConfig::default()
+        ..WalConfig::default()
     }
 }
 
@@ -283,11 +283,7 @@ fn wal_f6_torn_tail_and_garbage_tail() {
         let reopen = |dir: &Path| {
             Wal::open(
                 dir,
-                WalConfig {
-                    segment_size_bytes: SEGMENT_SIZE,
-                    durability,
-                    ..WalConfig::default()
-                },
+                WalConfig { segment_size_bytes: SEGMENT_SIZE, durability, ..WalConfig::default() },
             )
             .unwrap()
         };

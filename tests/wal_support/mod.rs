@@ -5,6 +5,9 @@
 
 #![allow(dead_code)]
 
+#[path = "../skipped_variants/mod.rs"]
+mod skipped_variants;
+
 use std::{
     io,
     os::fd::RawFd,
@@ -303,12 +306,13 @@ pub fn path_of(io: coordbus::wal::IoMode) -> coordbus::wal::IoPath {
     }
 }
 
-/// Whether a test's io_uring variant runs: only a kernel refusal skips it (printed).
+/// Whether a test's io_uring variant runs: only a kernel refusal skips it (printed; a failure
+/// with `COORDBUS_REQUIRE_IO_URING=1`, module `skipped_variants`).
 pub fn kernel_allows_io_uring() -> bool {
     match io_uring_refusal() {
         None => true,
         Some(reason) => {
-            eprintln!("skipping: the kernel refuses io_uring: {reason}");
+            skipped_variants::skip_io_uring_variant(&format!("the kernel refuses it: {reason}"));
             false
         }
     }

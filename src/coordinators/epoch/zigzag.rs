@@ -185,6 +185,8 @@ mod tests {
         if std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU has AVX2 (checked just above).
             versions.push(("avx2", |w, b, l| unsafe { differences_avx2(w, b, l) }));
+        } else {
+            crate::skipped_variants::skip_avx2_variant();
         }
         versions
     }
@@ -202,6 +204,8 @@ mod tests {
             versions.push(("avx2", |words, differences| unsafe {
                 zigzag_each_avx2(words, differences)
             }));
+        } else {
+            crate::skipped_variants::skip_avx2_variant();
         }
         versions
     }

@@ -1373,9 +1373,8 @@ pub(crate) mod tests {
         match UringEngine::new(0) {
             Ok(engine) => Some(engine),
             Err(error) if kernel_refuses(&error) => {
-                eprintln!(
-                    "io_uring unavailable here ({error}); the pwrite path covers this machine"
-                );
+                let reason = format!("the kernel refuses io_uring ({error})");
+                crate::skipped_variants::skip_io_uring_variant(&reason);
                 None
             }
             Err(error) => {
