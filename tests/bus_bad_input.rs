@@ -358,6 +358,9 @@ fn an_ask_that_waited_for_room_times_out_within_one_ask_timeout_in_all() {
     // Room comes halfway through the ask's wait for it: one note is let through, and the
     // knock is queued behind the others, which wait for tickets that do not come in time.
     std::thread::sleep(ask_timeout / 2);
+    // The knock is not in the inbox yet (the notes fill it): its ask is waiting for room.
+    let before_room = turnstile.stats();
+    assert_eq!(before_room.inbox_depth, queued, "{before_room:?}");
     ticket.send(()).unwrap();
     let (outcome, elapsed) = asker.join().unwrap();
     match outcome {

@@ -1,5 +1,12 @@
-//! `EndpointRef::send_iter`: messages made as the inbox takes them, through a lane or a shared
-//! shard, with iterators that keep their word and iterators that do not.
+//! Goal: `EndpointRef::send_iter` delivers messages made as the inbox takes them, through a
+//! lane or a shared shard, in order, with iterators that keep their word and iterators that do
+//! not (shorter or longer than their `len`, panicking, sending from inside themselves), and
+//! hands back what a stopped endpoint refused.
+//!
+//! Method: a `Recorder` endpoint appends every number it handles to a shared list; each test
+//! sends numbered messages, waits (bounded) until the list holds as many as it must, and
+//! compares the list with the numbers sent. Where order against another endpoint matters, that
+//! endpoint is held at a gate on its first message, so that a reorder would show.
 
 use std::{
     sync::{mpsc, Arc, Mutex},

@@ -57,6 +57,8 @@ pub struct SegmentHeader {
     /// The rolling window, if the log rolls by time.
     pub window: Option<Window>,
     /// The segment size the log was configured with when this segment was created.
+    /// Informational (for tools): a log reads a segment within its file's length, so a log
+    /// reopened with another size reads the segments made before as they are.
     pub segment_size_bytes: u64,
     /// The file held an earlier segment of the log (a spare, module `wal`, "Recycled
     /// segments"; format version [`RECYCLED_VERSION`]): past this segment's records it may

@@ -1,4 +1,5 @@
-//! The portable write path: `pwrite` (through [`StorageFile::write_at`]) and `fdatasync`.
+//! The portable write path: `pwrite` (through
+//! [`StorageFile::write_at`](crate::wal::StorageFile::write_at)) and `fdatasync`.
 //!
 //! Used when the kernel refuses io_uring (ENOSYS, EPERM: seccomp or `io_uring_disabled`), when
 //! chosen explicitly, and for files whose storage hides its descriptor (fault injection).
@@ -6,7 +7,6 @@
 use crate::{
     error::WalError,
     wal::{
-        storage::StorageFile,
         writer::{IoEngine, SyncTarget, WriteOp},
         IoPath,
     },
@@ -69,7 +69,3 @@ impl IoEngine for PwriteEngine {
         Ok(())
     }
 }
-
-// Keep the trait object type used by the writer honest about what it writes through.
-#[allow(dead_code)]
-fn _assert_object_safe(_: &dyn StorageFile) {}
