@@ -9,6 +9,10 @@
 //! (`coordbus-load-...`), not tempfile's hidden `.tmp...`, so one left by `kill -9` is easy to
 //! find.
 //!
+//! A directory given for scratch directories to be made in (`--dir`) must exist already
+//! ([`check_parent_dir`]): creating a missing one would leave it behind after the run, and a
+//! typo would write the run's gigabytes somewhere nobody looks.
+//!
 //! The handler runs on its own thread while the tool goes on, so it holds the list's lock to
 //! the end (a directory made meanwhile waits for it, and the process exits first), first kills
 //! the child processes listed with [`ChildGuard`] (a crash tester's child would otherwise go
@@ -129,6 +133,26 @@ impl ChildGuard {
 impl Drop for ChildGuard {
     fn drop(&mut self) {
         lock(&CHILDREN).retain(|&listed| listed != self.0);
+    }
+}
+
+/// Checks that `parent`, given with the flag `flag` (`--dir`), is an existing directory, to
+/// make scratch directories in.
+///
+/// # Errors
+/// `NotFound` ("FLAG PATH does not exist"), `NotADirectory` ("FLAG PATH is not a directory"),
+/// or what reading its metadata failed with.
+pub fn check_parent_dir(flag: &str, parent: &Path) -> io::Result<()> {
+    let named = |kind: io::ErrorKind, what: &str| {
+        io::Error::new(kind, format!("{flag} {} {what}", parent.display()))
+    };
+    match std::fs::metadata(parent) {
+        Ok(metadata) if metadata.is_dir() => Ok(()),
+        Ok(_) => Err(named(io::ErrorKind::NotADirectory, "is not a directory")),
+        Err(error) if error.kind() == io::ErrorKind::NotFound => {
+            Err(named(io::ErrorKind::NotFound, "does not exist"))
+        }
+        Err(error) => Err(named(error.kind(), &format!("cannot be read: {error}"))),
     }
 }
 
@@ -253,5 +277,19 @@ mod tests {
         remove_all(&dir).unwrap();
         assert!(!dir.exists());
         remove_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_parent_dir_must_exist_and_be_a_directory() {
+        let parent = tempfile::tempdir().unwrap();
+        check_parent_dir("--dir", parent.path()).unwrap();
+        let missing = parent.path().join("missing");
+        let error = check_parent_dir("--dir", &missing).unwrap_err();
+        assert_eq!(error.to_string(), format!("--dir {} does not exist", missing.display()));
+        assert!(!missing.exists(), "checked, not created");
+        let file = parent.path().join("file");
+        std::fs::write(&file, b"").unwrap();
+        let error = check_parent_dir("--dir", &file).unwrap_err();
+        assert_eq!(error.to_string(), format!("--dir {} is not a directory", file.display()));
     }
 }

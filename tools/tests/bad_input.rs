@@ -531,3 +531,138 @@ fn the_wal_tool_calls_an_unknown_segment_version_corrupt_in_dump_as_in_verify() 
         assert!(output.contains("segment 1 has format version 9"), "{command}: {output}");
     }
 }
+
+/// An `epoch` flag for a setting the run does not have (a WAL's, with `--durability none`;
+/// group commit's, without it; the varied offsets' seed, with steady offsets) is refused,
+/// naming it and its value, with the exit code of the other refusals: ignored, it would let
+/// the figure seem to have run with it.
+#[test]
+fn epoch_flags_that_would_be_ignored_are_refused_naming_them() {
+    let cases: &[(&[&str], &[&str])] = &[
+        (
+            &["epoch", "--group-delay-us", "5000", "--sync-nice", "10", "--durability", "none"],
+            &["--group-delay-us 5000", "--durability group"],
+        ),
+        (&["epoch", "--sync-nice", "10"], &["--sync-nice 10", "--durability none"]),
+        (&["epoch", "--keep", "--dir", "."], &["--keep", "--dir .", "--durability none"]),
+        (
+            &["epoch", "--durability", "every", "--group-delay-us", "50"],
+            &["--group-delay-us 50", "--durability every"],
+        ),
+        (&["epoch", "--seed", "7"], &["--seed 7", "--offsets varied"]),
+        (&["epoch", "--seed", "7", "--offsets", "steady"], &["--seed 7", "--offsets varied"]),
+    ];
+    for (args, names) in cases {
+        let (code, stderr) = load(args);
+        assert_eq!(code, Some(1), "{args:?}: {stderr}");
+        for name in *names {
+            assert!(stderr.contains(name), "{args:?}: the error does not say {name:?}: {stderr}");
+        }
+    }
+}
+
+/// A `--dir` that does not exist, or is a file, is refused by name, and nothing is created:
+/// by the load generator (the `wal`, `blocks` and durable `epoch` workloads) and by the crash
+/// tester alike.
+#[test]
+fn a_dir_that_is_missing_or_a_file_is_refused_and_not_created() {
+    let parent = tempfile::tempdir().unwrap();
+    let missing = parent.path().join("missing").join("deeper");
+    let file = parent.path().join("file");
+    std::fs::write(&file, b"not a directory").unwrap();
+    let crash = |dir: &Path| {
+        let dir = dir.to_str().unwrap();
+        run(
+            env!("CARGO_BIN_EXE_coordbus-crash"),
+            &["--target", "wal", "--iterations", "1", "--dir", dir],
+        )
+    };
+    for (dir, says) in [(&missing, "does not exist"), (&file, "is not a directory")] {
+        let text = dir.to_str().unwrap();
+        let expected = format!("--dir {text} {says}");
+        for args in [
+            &["wal", "--dir", text][..],
+            &["blocks", "--dir", text],
+            &["epoch", "--durability", "group", "--dir", text],
+        ] {
+            let (code, stderr) = load(args);
+            assert_eq!(code, Some(1), "{args:?}: {stderr}");
+            assert!(stderr.contains(&expected), "{args:?}: {stderr}");
+        }
+        let (code, output) = crash(dir);
+        assert_eq!(code, Some(2), "{output}");
+        assert!(output.contains(&expected), "{output}");
+    }
+    assert!(!parent.path().join("missing").exists(), "a missing --dir was created");
+}
+
+/// An error is one line with its causes, also with `RUST_BACKTRACE=1` (anyhow would add a
+/// backtrace to an error returned from `main`), with each tool's exit code for it.
+#[test]
+fn errors_are_one_line_without_a_backtrace() {
+    let parent = tempfile::tempdir().unwrap();
+    let missing = parent.path().join("missing");
+    let missing = missing.to_str().unwrap();
+    let cases: [(&str, &[&str], i32); 3] = [
+        (
+            env!("CARGO_BIN_EXE_coordbus-load"),
+            &["epoch", "--backlog-limit", "5", "--partitions", "10"],
+            1,
+        ),
+        (env!("CARGO_BIN_EXE_coordbus-crash"), &["--target", "wal", "--dir", missing], 2),
+        (env!("CARGO_BIN_EXE_coordbus-wal"), &["inspect", missing], 3),
+    ];
+    for (binary, args, expected) in cases {
+        let output = support::output_within(
+            Command::new(binary).args(args).env("RUST_BACKTRACE", "1"),
+            BOUND,
+        );
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(expected), "{binary} {args:?}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{binary} {args:?}: {stderr}");
+        assert!(stderr.contains("error: "), "{binary} {args:?}: {stderr}");
+        assert!(!stderr.contains("backtrace"), "{binary} {args:?}: {stderr}");
+    }
+}
+
+/// Help and flag errors in the operator's terms: no bound printed as 2^64 - 1, no default
+/// stated twice, no citation of a spec section or a source module.
+#[test]
+fn help_and_flag_errors_speak_the_operators_terms() {
+    let (code, stderr) = run(env!("CARGO_BIN_EXE_coordbus-crash"), &["--iterations", "0"]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("--iterations") && stderr.contains("must be at least 1"), "{stderr}");
+    assert!(!stderr.contains("18446744073709551615"), "{stderr}");
+
+    let (code, help) = wal_tool(&["dump", "--help"]);
+    assert_eq!(code, Some(0), "{help}");
+    let from = help.lines().find(|line| line.trim_start().starts_with("--from")).unwrap();
+    assert!(from.contains("[default: 0]") && !from.contains("(default"), "{from}");
+
+    let (code, help) = load(&["epoch", "--help"]);
+    assert_eq!(code, Some(0), "{help}");
+    for jargon in ["SPEC", "module `"] {
+        assert!(!help.contains(jargon), "epoch --help cites {jargon:?}: {help}");
+    }
+    for flag in ["--dir", "--keep", "durable_p50_ns"] {
+        assert!(help.contains(flag), "epoch --help does not explain {flag}: {help}");
+    }
+}
+
+/// `inspect`'s summary counts the segment files it skipped, as its table lists them, instead
+/// of "no records in 0 segment(s)" under a table of one segment.
+#[test]
+fn the_wal_tool_summary_counts_skipped_segments() {
+    let parent = tempfile::tempdir().unwrap();
+    let log = parent.path().join("log");
+    log_each_durable(&log, &[b"record"]);
+    let segment = log.join(coordbus::wal::segment::file_name(coordbus::wal::SegmentId(1)));
+    let mut bytes = std::fs::read(&segment).unwrap();
+    bytes[..24].fill(0x5A);
+    std::fs::write(&segment, &bytes).unwrap();
+    let (code, output) = wal_tool(&["inspect", log.to_str().unwrap()]);
+    assert_eq!(code, Some(0), "{output}");
+    assert!(output.contains("unreadable (skipped)"), "{output}");
+    assert!(output.contains("no records in 1 segment(s) (0 kept, 1 skipped)"), "{output}");
+    assert!(!output.contains("in 0 segment(s)"), "{output}");
+}

@@ -151,3 +151,74 @@ fn the_load_tool_ends_quietly_when_its_reader_goes_away() {
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert_eq!(output.status.code(), Some(0), "{stderr}");
 }
+
+/// `coordbus-load args` (no `--json`): its table, which must succeed.
+fn table(args: &[&str]) -> String {
+    let output =
+        support::output_within(Command::new(env!("CARGO_BIN_EXE_coordbus-load")).args(args), BOUND);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{args:?} failed: {stderr}");
+    String::from_utf8(output.stdout).unwrap()
+}
+
+/// A durable epoch run with `--dir` and `--keep` leaves its log in a fresh directory inside
+/// `--dir`, named in the figure, which `coordbus-wal` reads as healthy; it names the WAL's
+/// settings and what its latencies time. Without `--keep` nothing is left. An in-memory run
+/// names no WAL setting, and reports its own peak memory.
+#[test]
+fn a_durable_epoch_run_keeps_its_log_where_asked_and_names_what_applied() {
+    let parent = tempfile::tempdir().unwrap();
+    let dir = parent.path().to_str().unwrap();
+    let small = ["epoch", "--partitions", "8", "--epochs", "50", "--baseline", "none"];
+    let durable: Vec<&str> =
+        small.iter().chain(&["--durability", "group", "--dir", dir]).copied().collect();
+    let kept = figures(&[&durable[..], &["--keep", "--sync-nice", "3"]].concat());
+    let wal_dir = kept[0]["wal_dir"].as_str().unwrap_or_else(|| panic!("{kept:?}"));
+    assert!(std::path::Path::new(wal_dir).starts_with(parent.path()), "{wal_dir}");
+    let verify = support::output_within(
+        Command::new(env!("CARGO_BIN_EXE_coordbus-wal")).args(["verify", wal_dir]),
+        BOUND,
+    );
+    assert_eq!(verify.status.code(), Some(0), "{verify:?}");
+    assert_eq!((&kept[0]["sync_nice"], &kept[0]["group_delay_us"]), (&3.into(), &200.into()));
+    assert!(kept[0]["latency"].as_str().unwrap().contains("in memory"), "{kept:?}");
+    std::fs::remove_dir_all(wal_dir).unwrap();
+
+    let removed = figures(&durable);
+    assert!(removed[0].get("wal_dir").is_none(), "{removed:?}");
+    assert_eq!(std::fs::read_dir(parent.path()).unwrap().count(), 0, "left behind");
+
+    let in_memory = figures(&small);
+    for key in ["sync_nice", "group_delay_us", "wal_dir", "seed"] {
+        assert!(in_memory[0].get(key).is_none(), "{key}: {in_memory:?}");
+    }
+    let peak = in_memory[0]["peak_rss_mib"].as_f64().unwrap();
+    assert!(peak >= in_memory[0]["rss_at_start_mib"].as_f64().unwrap(), "{in_memory:?}");
+}
+
+/// The table's details are in human units: no float printed to full precision, the durable
+/// commit latency as one `durable_p50/p99/p99.9` detail, and what the latency columns time.
+#[test]
+fn the_table_prints_details_in_human_units() {
+    let table = table(&[
+        "epoch",
+        "--partitions",
+        "8",
+        "--epochs",
+        "50",
+        "--baseline",
+        "none",
+        "--durability",
+        "every",
+    ]);
+    let row = table.lines().find(|line| line.starts_with("epoch ")).unwrap();
+    for detail in row.split_whitespace() {
+        let decimals = detail
+            .rsplit_once('.')
+            .map_or(0, |(_, fraction)| fraction.chars().take_while(char::is_ascii_digit).count());
+        assert!(decimals <= 6, "{detail} in {row}");
+    }
+    assert!(row.contains("durable_p50/p99/p99.9="), "{row}");
+    assert!(row.contains("epochs_per_sec=") && row.contains("/s "), "{row}");
+    assert!(row.contains("latency=\"last batch sent -> commit, in memory"), "{row}");
+}

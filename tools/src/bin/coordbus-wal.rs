@@ -30,7 +30,7 @@ use coordbus::wal::{
     is_locked, scan_dir,
     segment::{self, is_spare_file_name, parse_file_name},
     Lsn, RecoveryMode, RecoveryReport, SegmentSummary, TornTail, UnsyncedCut, Wal, WalConfig,
-    WalOptions, UNSYNCED_MARKER, UNSYNCED_MARKER_TEMP,
+    WalError, WalOptions, UNSYNCED_MARKER, UNSYNCED_MARKER_TEMP,
 };
 use serde_json::json;
 
@@ -73,13 +73,13 @@ enum Command {
     Dump {
         /// The log directory.
         dir: PathBuf,
-        /// First LSN to print (default: from the start).
+        /// First LSN to print (0: from the start).
         #[arg(long, default_value_t = 0)]
         from: u64,
         /// Print at most this many records (default: all).
         #[arg(long)]
         limit: Option<usize>,
-        /// Payload bytes shown per record, in hex (default 32).
+        /// Payload bytes shown per record, in hex.
         #[arg(long, default_value_t = 32)]
         preview_bytes: usize,
     },
@@ -193,12 +193,41 @@ fn unsynced_cut_json(report: &RecoveryReport) -> serde_json::Value {
     })
 }
 
-/// One line on the writer lock, for text output.
-fn lock_note(locked: bool) -> &'static str {
-    if locked {
-        "writer lock: held by a live writer (the tail may be in flight; this scan cuts nothing)"
+/// One line on the writer lock, for text output. A probe that failed says so: claiming the
+/// lock free would tell the operator that a torn tail is what a crash left, when a live writer
+/// may still be writing it.
+fn lock_note(locked: &Result<bool, WalError>) -> String {
+    match locked {
+        Ok(true) => "writer lock: held by a live writer (the tail may be in flight; this scan \
+                     cuts nothing)"
+            .to_owned(),
+        Ok(false) => "writer lock: free (no writer has the log open)".to_owned(),
+        Err(error) => format!("writer lock: unknown ({error})"),
+    }
+}
+
+/// The lock probe's answer for JSON (`null`: unknown) and its error (`null`: none).
+fn lock_json(locked: &Result<bool, WalError>) -> (Option<bool>, Option<String>) {
+    (locked.as_ref().ok().copied(), locked.as_ref().err().map(ToString::to_string))
+}
+
+/// The one-line summary of a scan or an open. The library's report counts the segments it
+/// keeps ("no records in 0 segment(s)"), while the tool lists every segment file, skipped
+/// ones too: with any skipped, the summary counts those as well, so it agrees with the table
+/// above it.
+fn report_summary(report: &RecoveryReport) -> String {
+    let text = report.to_string();
+    let skipped = report.segments_skipped.len();
+    if skipped == 0 {
+        return text;
+    }
+    let kept = report.segments;
+    let counted = format!(" in {kept} segment(s)");
+    let all = format!(" in {} segment(s) ({kept} kept, {skipped} skipped)", kept + skipped);
+    if text.contains(&counted) {
+        text.replacen(&counted, &all, 1)
     } else {
-        "writer lock: free (no writer has the log open)"
+        format!("{text}; {} segment file(s), {kept} kept, {skipped} skipped", kept + skipped)
     }
 }
 
@@ -250,8 +279,8 @@ fn check_log_dir(dir: &Path) -> anyhow::Result<()> {
 
 fn inspect(dir: &PathBuf, as_json: bool) -> anyhow::Result<ExitCode> {
     check_log_dir(dir)?;
-    let locked =
-        is_locked(dir).with_context(|| format!("probing the lock of {}", dir.display()))?;
+    let locked = is_locked(dir);
+    let (locked_by_writer, lock_probe_error) = lock_json(&locked);
     let scan = scan_dir(dir, RecoveryMode::TolerateCorruption)
         .with_context(|| format!("scanning {}", dir.display()))?;
     let first_corruption = scan.segments.iter().flat_map(|segment| &segment.corruption).next();
@@ -262,7 +291,7 @@ fn inspect(dir: &PathBuf, as_json: bool) -> anyhow::Result<ExitCode> {
         outln!(
             "{}",
             json!({
-                "summary": scan.report.to_string(),
+                "summary": report_summary(&scan.report),
                 "segments": scan.report.segments,
                 "segment_files": scan.segments.len(),
                 "segments_skipped": scan.report.segments_skipped.iter().map(|id| id.0)
@@ -270,7 +299,8 @@ fn inspect(dir: &PathBuf, as_json: bool) -> anyhow::Result<ExitCode> {
                 "records": scan.report.records,
                 "first_lsn": (scan.report.records > 0).then_some(scan.report.first_lsn.0),
                 "last_lsn": (scan.report.records > 0).then_some(scan.report.last_lsn.0),
-                "locked_by_writer": locked,
+                "locked_by_writer": locked_by_writer,
+                "lock_probe_error": lock_probe_error,
                 "unsynced_cut": unsynced_cut_json(&scan.report),
                 "first_corruption": first_corruption.map(|note| json!({
                     "segment": note.segment.0, "offset": note.offset, "reason": note.reason,
@@ -329,8 +359,8 @@ fn inspect(dir: &PathBuf, as_json: bool) -> anyhow::Result<ExitCode> {
             window
         )?;
     }
-    outln!("{}", scan.report)?;
-    outln!("{}", lock_note(locked))?;
+    outln!("{}", report_summary(&scan.report))?;
+    outln!("{}", lock_note(&locked))?;
     match first_corruption {
         Some(note) => outln!(
             "first corruption: segment {} offset {}: {}",
@@ -373,9 +403,10 @@ fn dump(
         }
         opened => opened.with_context(|| format!("opening {} read-only", dir.display()))?,
     };
-    // On stderr also with --json: stdout holds only the records.
-    if is_locked(dir).unwrap_or(false) {
-        eprintln!("{}", lock_note(true));
+    // On stderr also with --json: stdout holds only the records. A free lock goes unsaid.
+    let locked = is_locked(dir);
+    if !matches!(locked, Ok(false)) {
+        eprintln!("{}", lock_note(&locked));
     }
     for record in wal.iter_from(Lsn(from))?.take(limit.unwrap_or(usize::MAX)) {
         let record = record?;
@@ -474,17 +505,18 @@ fn damage_skipped(report: &RecoveryReport) -> Vec<String> {
 /// disk, nothing follows it), which opening removes.
 fn torn_creation_detail(report: &RecoveryReport) -> String {
     format!(
-        "{report}; a torn segment creation, removed on open (its header never reached the disk, \
+        "{}; a torn segment creation, removed on open (its header never reached the disk, \
          nothing follows it): {}",
+        report_summary(report),
         skipped_segment_names(report)
     )
 }
 
 fn verify(dir: &PathBuf, as_json: bool) -> ExitCode {
     let checked = check_log_dir(dir);
-    // Probed only for a directory. A probe failure (e.g. no permission to open the directory)
-    // shows up in the scan below.
-    let locked = checked.is_ok() && is_locked(dir).unwrap_or(false);
+    // Probed only for a log directory (the note is left out for anything else).
+    let locked = if checked.is_ok() { is_locked(dir) } else { Ok(false) };
+    let (locked_by_writer, lock_probe_error) = lock_json(&locked);
     let (code, verdict, detail) = match checked {
         Err(error) => (3, "error", format!("{error:#}")),
         Ok(()) => match scan_dir(dir, RecoveryMode::Strict) {
@@ -492,7 +524,7 @@ fn verify(dir: &PathBuf, as_json: bool) -> ExitCode {
                 let finding = Finding::of(&scan.report);
                 let detail = match finding {
                     Finding::TornCreation => torn_creation_detail(&scan.report),
-                    _ => scan.report.to_string(),
+                    _ => report_summary(&scan.report),
                 };
                 (finding.exit_code(), finding.verdict(), detail)
             }
@@ -509,7 +541,8 @@ fn verify(dir: &PathBuf, as_json: bool) -> ExitCode {
         outln!(
             "{}",
             json!({
-                "verdict": verdict, "exit_code": code, "detail": detail, "locked_by_writer": locked,
+                "verdict": verdict, "exit_code": code, "detail": detail,
+                "locked_by_writer": locked_by_writer, "lock_probe_error": lock_probe_error,
             })
         )
     } else {
@@ -518,7 +551,7 @@ fn verify(dir: &PathBuf, as_json: bool) -> ExitCode {
             if code == 3 {
                 Ok(())
             } else {
-                outln!("{}", lock_note(locked))
+                outln!("{}", lock_note(&locked))
             }
         })
     };
@@ -561,4 +594,19 @@ fn is_broken_pipe(error: &anyhow::Error) -> bool {
             .downcast_ref::<std::io::Error>()
             .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A lock probe that failed reads as unknown, naming the error, never as a free lock.
+    #[test]
+    fn a_failed_lock_probe_is_unknown_not_free() {
+        let error = is_locked("/dev/null").expect_err("a file is no directory to probe");
+        let note = lock_note(&Err(error));
+        assert!(note.starts_with("writer lock: unknown ("), "{note}");
+        assert!(!note.contains("free"), "{note}");
+        assert_eq!(lock_note(&Ok(false)), "writer lock: free (no writer has the log open)");
+    }
 }

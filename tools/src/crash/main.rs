@@ -106,19 +106,19 @@ struct Cli {
     #[arg(long, value_enum, required = true)]
     target: Option<Target>,
     /// Number of kill -9 iterations (child runs), at least 1.
-    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, default_value_t = 50, value_parser = parse_iterations)]
     iterations: u64,
-    /// Parent directory for the work directory (default: the system temp directory). A fresh
-    /// `coordbus-crash-*` directory is created inside it and removed at the end unless
-    /// `--keep` is given or a failure was found.
+    /// Parent directory for the work directory (default: the system temp directory); it must
+    /// exist. A fresh `coordbus-crash-*` directory is created inside it and removed at the end
+    /// unless `--keep` is given or a failure was found.
     #[arg(long)]
     dir: Option<PathBuf>,
     /// Keep the work directory at the end (its path is printed). Default: remove it when the
     /// run passes.
     #[arg(long)]
     keep: bool,
-    /// Seed of the random kill times and of the children's workloads (default 1); the same
-    /// seed gives the same schedule.
+    /// Seed of the random kill times and of the children's workloads; the same seed gives the
+    /// same schedule.
     #[arg(long, default_value_t = 1)]
     seed: u64,
     /// Print one JSON object (target, iterations, acked, lost, duplicated, corrupt_accepted,
@@ -126,8 +126,7 @@ struct Cli {
     #[arg(long)]
     json: bool,
     /// Longest a child runs after its first acknowledgement before the kill, in milliseconds
-    /// (default 30; 0 ..= 60000, a minute); each kill comes at a uniformly random moment in
-    /// 0..=M ms.
+    /// (0 ..= 60000, a minute); each kill comes at a uniformly random moment in 0..=M ms.
     #[arg(
         long,
         default_value_t = 30,
@@ -290,13 +289,22 @@ fn main() -> ExitCode {
     }
 }
 
+/// Parses `--iterations`: a whole number, at least 1 (clap's range would name its bound as
+/// `1..18446744073709551615`).
+fn parse_iterations(text: &str) -> Result<u64, String> {
+    match text.trim().parse::<u64>() {
+        Ok(0) => Err("must be at least 1".to_owned()),
+        Ok(iterations) => Ok(iterations),
+        Err(error) => Err(format!("not a whole number of iterations: {error}")),
+    }
+}
+
 /// The kill loop. Returns whether the run passed.
 fn run(cli: &Cli) -> anyhow::Result<bool> {
     let target = cli.target.context("--target is required")?;
     let parent = match &cli.dir {
         Some(dir) => {
-            std::fs::create_dir_all(dir)
-                .with_context(|| format!("creating --dir {}", dir.display()))?;
+            coordbus_tools::scratch::check_parent_dir("--dir", dir)?;
             dir.clone()
         }
         None => std::env::temp_dir(),

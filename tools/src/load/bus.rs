@@ -27,7 +27,7 @@ use crate::{
     limits::{
         INBOX_CAPACITY, MAX_BATCH, MAX_INBOX_LANES, MAX_INBOX_SHARDS, MAX_IN_FLIGHT, MAX_THREADS,
     },
-    report::{Figure, Percentiles},
+    report::{latency_histogram, record_latency, Figure, Percentiles},
     shares::share,
 };
 
@@ -425,11 +425,11 @@ pub fn run_ask(args: &AskArgs) -> anyhow::Result<Vec<Figure>> {
         Duration::from_micros(args.spin_us),
     )?;
     let endpoint = bus.register("load-ask", NoOp::default())?;
-    let mut histogram = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?;
+    let mut histogram = latency_histogram();
     let sample_every = latency_sample_every(args.in_flight);
     let mut record = |asked_at: Option<Instant>| {
         if let Some(asked_at) = asked_at {
-            histogram.saturating_record(asked_at.elapsed().as_nanos() as u64);
+            record_latency(&mut histogram, asked_at.elapsed().as_nanos() as u64);
         }
     };
     let began = Instant::now();
@@ -496,15 +496,14 @@ fn measure_crossbeam_ask(args: &AskArgs) -> (Duration, Histogram<u64>) {
             let _ = reply.send(answered);
         }
     });
-    let mut histogram =
-        Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).expect("static bounds");
+    let mut histogram = latency_histogram();
     let sample_every = latency_sample_every(args.in_flight);
     let began = Instant::now();
     let mut outstanding = VecDeque::with_capacity(args.in_flight);
     let mut wait = |(asked_at, receiver): (Option<Instant>, crossbeam_channel::Receiver<u64>)| {
         receiver.recv().expect("server answers");
         if let Some(asked_at) = asked_at {
-            histogram.saturating_record(asked_at.elapsed().as_nanos() as u64);
+            record_latency(&mut histogram, asked_at.elapsed().as_nanos() as u64);
         }
     };
     for asked in 0..args.messages {

@@ -10,15 +10,19 @@
 //! committed one. A thread held back by the window resumes only when half of it is free, and
 //! a commit wakes parked threads only when it reaches an epoch one of them waits for: each
 //! wake-up is a futex call on the endpoint thread, which runs the commits. The query
-//! collaborator timestamps every commit; the commit latency of an epoch is from the moment its
-//! last message was handed to the bus to its commit.
+//! collaborator timestamps every commit. The commit latency of an epoch (`p50_ns`..) is from
+//! the clock read just before the `send_iter` call whose batch carries the epoch's last message
+//! (of the producer that sent its part last) to the query's commit of the epoch: it includes
+//! making that batch's messages (made inside the call, as the inbox takes them) and any wait
+//! for inbox room, not only the time in the inbox and the coordinator.
 //!
 //! `--offsets steady` (the default) reports `epoch << 20 | partition`: every partition advances
 //! by 2^20 an epoch, which a durable run's log stores in no bytes per offset (second-order
 //! deltas; only each chain's keyframe and first delta, one epoch in 64 each, hold the
 //! offsets); `--offsets varied` gives each partition a seeded rate of its own and a jitter that
 //! changes every epoch (`--seed`), about 3 bytes an offset in every delta (module `offsets`).
-//! The JSON keys `offsets` (and `seed`, for varied) say which.
+//! The JSON keys `offsets` (and `seed`, for varied) say which. `--seed` with steady offsets is
+//! refused, not ignored.
 //!
 //! `--placement isolated` (the default) pins the coordinator's endpoint thread to the last
 //! core and the producers, the driver and the WAL's sync thread and io_uring workers to the
@@ -33,23 +37,39 @@
 //! its maps on every message, so it gets a time budget (`--baseline-seconds`) and is measured
 //! on the prefix of the stream it gets through.
 //!
-//! `--durability group|every` puts a `DurableQuery` (the offset and commit logs in the WAL, on
-//! a temporary directory removed afterwards) in front of the load query: group commit
-//! (`Durability::GroupCommit`: the WAL's default 200 us delay, or `--group-delay-us`, and groups
-//! of up to 4 MiB, as in the `wal` workload; the WAL's default is 1 MiB) or
-//! `Durability::EveryRecord` (no group delay: a sync starts as soon as one is not running, and
-//! the records appended during a sync share the next one, so this is not a sync per record
-//! here, where nobody waits for each record). The coordinator never waits for a sync, but
-//! the run only ends when the last epoch's commit record is durable, and that moment ends the
-//! measured time.
+//! `--durability group|every` puts a `DurableQuery` (the offset and commit logs in the WAL, in
+//! a fresh directory made inside `--dir` or the system's temporary directory, as the `wal` and
+//! `blocks` workloads make theirs, and removed afterwards unless `--keep`) in front of the load
+//! query: group commit (`Durability::GroupCommit`: the WAL's default 200 us delay, or
+//! `--group-delay-us`, and groups of up to 4 MiB, as in the `wal` workload; the WAL's default
+//! is 1 MiB) or `Durability::EveryRecord` (no group delay: a sync starts as soon as one is not
+//! running, and the records appended during a sync share the next one, so this is not a sync
+//! per record here, where nobody waits for each record). The coordinator never waits for a
+//! sync, but the run only ends when the last epoch's commit record is durable, and that moment
+//! ends the measured time.
+//!
 //! Such runs also report the durable commit latency (`durable_p50_ns`, `durable_p99_ns`,
-//! `durable_p999_ns`): from an epoch's last message to the moment its commit record is seen
-//! durable. It is seen at the coordinator's next commit (the query collaborator asks the
-//! durable query's status there, which costs no wake-up and no extra sync) or, for the run's
-//! last epochs, when the main thread's wait for the last commit record returns; so it reads
-//! late by at most the gap between two commits, tens of microseconds under load.
+//! `durable_p999_ns`): from the same clock read as the commit latency to the moment the
+//! epoch's commit record is seen durable; `p50_ns`.. stay the in-memory commit latency (the
+//! JSON key `latency` says so, also in the table). It is seen at the coordinator's next commit
+//! (the query collaborator asks the durable query's status there, which costs no wake-up and
+//! no extra sync) or, for the run's last epochs, when the main thread's wait for the last
+//! commit record returns; so it reads late by at most the gap between two commits, tens of
+//! microseconds under load.
+//!
+//! The flags that only a WAL uses (`--group-delay-us`, which only group commit uses,
+//! `--sync-nice`, `--dir`, `--keep`) are refused with `--durability none` rather than ignored,
+//! and the WAL's keys (`sync_nice`, `group_delay_us`) are reported only by runs that have one:
+//! a figure never names a setting that did not apply. Those flags are `Option`s for that reason
+//! (clap cannot tell a default from a value given), their defaults applied by
+//! [`EpochArgs::sync_nice`] and its siblings.
+//!
+//! `peak_rss_mib` is the peak resident memory during the run (module `memory`: the process's
+//! mark is reset when the run starts, so in the no-argument run it no longer carries the peaks
+//! of the workloads run before; `rss_at_start_mib` is what the process held then).
 
 use std::{
+    path::{Path, PathBuf},
     sync::{
         atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering},
         Arc, Barrier, OnceLock,
@@ -173,19 +193,18 @@ pub struct EpochArgs {
         value_parser = clap::value_parser!(i64).range(0..=MAX_EPOCHS)
     )]
     pub window: i64,
-    /// Commit durability: none (in memory), group (WAL, group commit) or every (WAL,
-    /// `EveryRecord`: syncs back to back with no group delay; records appended during a sync
-    /// share the next).
+    /// Commit durability: none (in memory), group (WAL, group commit) or every (WAL, syncs
+    /// back to back with no group delay; records appended during a sync share the next). The
+    /// p50/p99/p99.9 columns (`p50_ns`..) are always the in-memory commit latency: from just
+    /// before the send of the batch that carries an epoch's last message (making the batch
+    /// included) to the epoch's commit. A WAL run adds the latency to the commit record being
+    /// durable as `durable_p50_ns`.. (in the table's details: `durable_p50/p99/p99.9`).
     #[arg(long, value_enum, default_value_t = Durability::None)]
     pub durability: Durability,
-    /// With `--durability group`: longest a record waits for its group (the WAL's
-    /// `GroupCommit::max_delay`), in microseconds (at most 60 s, the WAL's limit).
-    #[arg(
-        long,
-        default_value_t = 200,
-        value_parser = clap::value_parser!(u64).range(0..=MAX_GROUP_DELAY_US)
-    )]
-    pub group_delay_us: u64,
+    /// With `--durability group` only: longest a record waits for its group (the WAL's
+    /// `GroupCommit::max_delay`), in microseconds (default 200; at most 60 s, the WAL's limit).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(0..=MAX_GROUP_DELAY_US))]
+    pub group_delay_us: Option<u64>,
     /// Baseline run in the same process on the same message stream.
     #[arg(long, value_enum, default_value_t = Baseline::Reference)]
     pub baseline: Baseline,
@@ -195,9 +214,9 @@ pub struct EpochArgs {
     /// Backlog limit of the coordinator (all three limits). The default is above the
     /// coordinator's own (10 000, Spark's): the window keeps about 64 Ki messages in flight,
     /// so each queue holds up to about 32 Ki entries, which would stop the query as Spark's
-    /// limits would; and at 10 000 partitions one committed epoch (still counted, SPEC B.7)
-    /// and the next already reach 10 000 entries. At least 2 x `--partitions` (a committed
-    /// epoch's entries and the next epoch's), at most 2^26.
+    /// limits would; and at 10 000 partitions one committed epoch (whose entries stay counted
+    /// until the next epoch commits) and the next already reach 10 000 entries. At least 2 x
+    /// `--partitions` (a committed epoch's entries and the next epoch's), at most 2^26.
     #[arg(
         long,
         default_value_t = 1_000_000,
@@ -219,28 +238,69 @@ pub struct EpochArgs {
         value_parser = RangedU64ValueParser::<usize>::new().range(0..=MAX_INBOX_LANES)
     )]
     pub inbox_lanes: usize,
-    /// With a WAL: how much lower the WAL's sync thread's CPU priority is (added to its nice
-    /// value, capped at 19; 0 leaves it; at most 39). Its io_uring workers inherit it.
+    /// With `--durability group|every` only: how much lower the WAL's sync thread's CPU
+    /// priority is (added to its nice value, capped at 19; 0 leaves it; default 5; at most
+    /// 39). Its io_uring workers inherit it.
     #[arg(
         long,
-        default_value_t = wal::DEFAULT_SYNC_THREAD_NICE,
         value_parser = clap::value_parser!(u8).range(0..=i64::from(wal::MAX_SYNC_THREAD_NICE))
     )]
-    pub sync_nice: u8,
-    /// Where the threads run: `isolated` keeps the last core for the coordinator and pins the
-    /// producers, the driver and the WAL's I/O to the others (module `placement`); `shared`
-    /// pins nothing.
+    pub sync_nice: Option<u8>,
+    /// With `--durability group|every` only: the directory for the log. A fresh
+    /// `coordbus-load-*` directory is made inside it (it must exist) and removed at the end
+    /// unless `--keep` (default: inside the system temp dir), as the `wal` and `blocks`
+    /// workloads do.
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
+    /// With `--durability group|every` only: keep the log's directory at the end (also on an
+    /// error or Ctrl-C), to read it with `coordbus-wal`; its path is printed on stderr and in
+    /// the JSON key `wal_dir`.
+    #[arg(long)]
+    pub keep: bool,
+    /// Where the threads run: `isolated` keeps the last core for the coordinator alone and
+    /// runs the producers, the driver and the WAL's I/O threads on the other cores; `shared`
+    /// pins nothing and lets the scheduler place every thread.
     #[arg(long, value_enum, default_value_t = Placement::Isolated)]
     pub placement: Placement,
     /// How the reported offsets advance: `steady` (every partition by 2^20 an epoch) or
     /// `varied` (each partition by a seeded rate of its own, with a jitter that changes every
-    /// epoch; module `offsets`). With a WAL, `varied` logs about 3 bytes an offset per epoch,
-    /// `steady` none.
+    /// epoch). With a WAL, `varied` logs about 3 bytes an offset per epoch, `steady` none.
     #[arg(long, value_enum, default_value_t = OffsetPattern::Steady)]
     pub offsets: OffsetPattern,
-    /// Seed of the `varied` offsets.
-    #[arg(long, default_value_t = 42)]
-    pub seed: u64,
+    /// With `--offsets varied` only: seed of the offsets' rates and jitters (default 42).
+    #[arg(long)]
+    pub seed: Option<u64>,
+}
+
+/// Group commit delay when `--group-delay-us` is not given, in microseconds.
+const DEFAULT_GROUP_DELAY_US: u64 = 200;
+/// Seed of the varied offsets when `--seed` is not given.
+const DEFAULT_SEED: u64 = 42;
+
+impl EpochArgs {
+    /// The group commit delay: `--group-delay-us` or its default.
+    fn group_delay_us(&self) -> u64 {
+        self.group_delay_us.unwrap_or(DEFAULT_GROUP_DELAY_US)
+    }
+
+    /// The sync thread's nice increment: `--sync-nice` or the WAL's default.
+    fn sync_nice(&self) -> u8 {
+        self.sync_nice.unwrap_or(wal::DEFAULT_SYNC_THREAD_NICE)
+    }
+
+    /// The offsets' seed: `--seed` or its default.
+    fn seed(&self) -> u64 {
+        self.seed.unwrap_or(DEFAULT_SEED)
+    }
+
+    /// The flags given that only a WAL uses, as the operator wrote them.
+    fn wal_flags_given(&self) -> Vec<String> {
+        let mut given = Vec::new();
+        given.extend(self.sync_nice.map(|nice| format!("--sync-nice {nice}")));
+        given.extend(self.dir.as_ref().map(|dir| format!("--dir {}", dir.display())));
+        given.extend(self.keep.then(|| "--keep".to_owned()));
+        given
+    }
 }
 
 /// A run of a few seconds for the no-argument invocation.
@@ -252,16 +312,18 @@ pub fn quick() -> EpochArgs {
         batch: 512,
         window: 0,
         durability: Durability::None,
-        group_delay_us: 200,
+        group_delay_us: None,
         baseline: Baseline::Reference,
         baseline_seconds: 1.0,
         backlog_limit: 1_000_000,
         inbox_capacity: 1 << 16,
         inbox_lanes: coordbus::queue::DEFAULT_LANES,
-        sync_nice: wal::DEFAULT_SYNC_THREAD_NICE,
+        sync_nice: None,
+        dir: None,
+        keep: false,
         placement: Placement::Isolated,
         offsets: OffsetPattern::Steady,
-        seed: 42,
+        seed: None,
     }
 }
 
@@ -280,7 +342,8 @@ struct Shared {
     start: Instant,
     committed: AtomicI64,
     driver_epoch: AtomicI64,
-    /// Per epoch (index epoch - 1): nanoseconds since `start` when its last message was sent.
+    /// Per epoch (index epoch - 1): nanoseconds since `start` just before the `send_iter` call
+    /// whose batch carries its last message (the latest of the producers').
     last_sent_ns: Vec<AtomicU64>,
     /// Per epoch: nanoseconds since `start` when it was committed.
     committed_ns: Vec<AtomicU64>,
@@ -653,8 +716,38 @@ fn validate(args: &EpochArgs) -> anyhow::Result<()> {
             window
         );
     }
-    check_baseline_seconds(args.baseline_seconds)
-        .map_err(|reason| anyhow::anyhow!("--baseline-seconds {}: {reason}", args.baseline_seconds))
+    check_baseline_seconds(args.baseline_seconds).map_err(|reason| {
+        anyhow::anyhow!("--baseline-seconds {}: {reason}", args.baseline_seconds)
+    })?;
+    check_flags_apply(args)
+}
+
+/// Refuses a flag given for a setting the run does not have: ignored, it would let a figure
+/// seem to have run with it.
+fn check_flags_apply(args: &EpochArgs) -> anyhow::Result<()> {
+    let durability = args.durability.name();
+    if let (Some(delay), false) = (args.group_delay_us, args.durability == Durability::Group) {
+        bail!(
+            "--group-delay-us {delay} applies only to --durability group, not --durability \
+             {durability}: it would be ignored"
+        );
+    }
+    let wal_flags = args.wal_flags_given();
+    if args.durability == Durability::None && !wal_flags.is_empty() {
+        let verb = if wal_flags.len() == 1 { "applies" } else { "apply" };
+        bail!(
+            "{} {verb} only to a run with a WAL (--durability group or every), not \
+             --durability none: it would be ignored",
+            wal_flags.join(", ")
+        );
+    }
+    if let (Some(seed), OffsetPattern::Steady) = (args.seed, args.offsets) {
+        bail!(
+            "--seed {seed} applies only to --offsets varied (steady offsets use no seed): it \
+             would be ignored"
+        );
+    }
+    Ok(())
 }
 
 /// Refuses a durable run whose log does not fit in the free space under `dir`. The durable
@@ -674,8 +767,79 @@ fn check_free_disk(args: &EpochArgs, dir: &std::path::Path) -> anyhow::Result<()
             format!("{:?}", args.durability).to_lowercase()
         ),
         crate::limits::log_disk_bytes(records, record_bytes, segment) + spares,
-        " (TMPDIR)",
+        " (--dir)",
     )
+}
+
+/// The directory of a durable run's log (`--dir`, `--keep`): a fresh `coordbus-load-*`
+/// directory, as the `wal` and `blocks` workloads make.
+enum WalDir {
+    /// Removed when dropped (also on an error) or on interruption.
+    Scratch(ScratchDir),
+    /// Kept whatever happens (`--keep`), its path already printed.
+    Kept(PathBuf),
+}
+
+impl WalDir {
+    /// A fresh directory inside `--dir` (default: the system temp dir), kept with `--keep`.
+    fn new(args: &EpochArgs) -> anyhow::Result<Self> {
+        let scratch = crate::wal::temp_in(&args.dir)?;
+        if !args.keep {
+            return Ok(Self::Scratch(scratch));
+        }
+        // Kept from now on, so that a run that fails leaves its log to read too.
+        let kept = scratch.keep();
+        eprintln!("epoch workload: the WAL is kept in {} (--keep)", kept.display());
+        Ok(Self::Kept(kept))
+    }
+
+    fn path(&self) -> &Path {
+        match self {
+            Self::Scratch(scratch) => scratch.path(),
+            Self::Kept(path) => path,
+        }
+    }
+
+    /// Ends the run's use of the directory: removes it, or returns its path if it is kept.
+    fn finish(self) -> Option<PathBuf> {
+        match self {
+            Self::Scratch(_) => None,
+            Self::Kept(path) => Some(path),
+        }
+    }
+}
+
+/// What the `p50_ns`.. of an epoch figure time (the JSON key `latency`, also in the table).
+fn latency_description(durability: Durability) -> &'static str {
+    match durability {
+        Durability::None => "last batch sent -> commit",
+        Durability::Group | Durability::Every => {
+            "last batch sent -> commit, in memory (durable_p*: -> commit record durable)"
+        }
+    }
+}
+
+/// Adds the settings this run used that depend on others (the WAL's with a WAL, the seed
+/// with varied offsets), and where a kept log is: a figure names no setting that did not
+/// apply.
+fn with_settings_that_applied(
+    mut figure: Figure,
+    args: &EpochArgs,
+    kept_wal_dir: Option<PathBuf>,
+) -> Figure {
+    if args.durability != Durability::None {
+        figure = figure.with("sync_nice", args.sync_nice());
+    }
+    if args.durability == Durability::Group {
+        figure = figure.with("group_delay_us", args.group_delay_us());
+    }
+    if args.offsets == OffsetPattern::Varied {
+        figure = figure.with("seed", args.seed());
+    }
+    match kept_wal_dir {
+        Some(dir) => figure.with("wal_dir", dir.display().to_string()),
+        None => figure,
+    }
 }
 
 /// The longest a run may go without a commit before it ends as stalled.
@@ -719,6 +883,8 @@ fn window_epochs(args: &EpochArgs) -> i64 {
 }
 
 fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
+    // Before the run's own allocations: they are part of its peak.
+    let peak_rss = crate::memory::PeakRss::reset("epoch");
     let epochs = args.epochs;
     let window = window_epochs(args);
     let durable_epochs = if args.durability == Durability::None { 0 } else { epochs };
@@ -759,18 +925,17 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
     let query: Box<dyn Query + Send> = match args.durability {
         Durability::None => Box::new(load_query),
         Durability::Group | Durability::Every => {
-            let dir =
-                ScratchDir::new(crate::wal::SCRATCH_PREFIX).context("temporary WAL directory")?;
+            let dir = WalDir::new(args)?;
             check_free_disk(args, dir.path())?;
             let durability = match args.durability {
                 Durability::Every => wal::Durability::EveryRecord,
                 _ => wal::Durability::GroupCommit {
-                    max_delay: Duration::from_micros(args.group_delay_us),
+                    max_delay: Duration::from_micros(args.group_delay_us()),
                     max_bytes: 4 << 20,
                 },
             };
             let options = WalOptions {
-                sync_thread_nice: args.sync_nice,
+                sync_thread_nice: args.sync_nice(),
                 io_cores: cores.as_ref().map(|cores| cores.load.clone()).unwrap_or_default(),
                 ..WalOptions::default()
             };
@@ -793,7 +958,7 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
     let barrier = Arc::new(Barrier::new(args.producers + 2));
     let refused_pins = Arc::new(AtomicUsize::new(0));
     let mut threads = Vec::new();
-    let offsets = OffsetStream::new(args.offsets, args.partitions, args.seed);
+    let offsets = OffsetStream::new(args.offsets, args.partitions, args.seed());
     for (index, range) in ranges(args.partitions, args.producers).into_iter().enumerate() {
         let (shared, coordinator, barrier, offsets) =
             (Arc::clone(&shared), coordinator.clone(), Arc::clone(&barrier), offsets.clone());
@@ -832,6 +997,7 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
                     if messages.len() == 0 {
                         break;
                     }
+                    // Before the call, which makes the batch's messages: the latency counts it.
                     let sent_ns = shared.now_ns();
                     coordinator
                         .send_iter(&mut messages)
@@ -947,7 +1113,8 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
     }
     let wal_stats = shared.durable_status.get().and_then(DurableQueryStatus::wal_stats);
     bus.shutdown()?;
-    drop(wal_dir);
+    // Closed by the shutdown: kept for `coordbus-wal` (`--keep`), or removed.
+    let kept_wal_dir = wal_dir.and_then(WalDir::finish);
     if committed < epochs {
         let why = if stalled {
             format!("no epoch committed for {STALL_LIMIT:?}")
@@ -970,22 +1137,19 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
         let (sent, done) = (sent.load(Ordering::Relaxed), done.load(Ordering::Relaxed));
         latency.record(done.saturating_sub(sent).max(1))?;
     }
-    let mut figure = Figure::new("epoch", messages, seconds)
+    let figure = Figure::new("epoch", messages, seconds)
         .with_latency(Percentiles::from_histogram(&latency))
+        .with("latency", latency_description(args.durability))
         .with("partitions", args.partitions)
         .with("durability", args.durability.name())
         .with("offsets", args.offsets.name())
-        .with("sync_nice", args.sync_nice)
         .with("placement", placement::name(cores.as_ref(), refused_pins.load(Ordering::Relaxed)))
         .with("producers", args.producers as u64)
         .with("epochs", epochs)
         .with("window", window)
         .with("epochs_per_sec", epochs as f64 / seconds.max(1e-9))
-        .with("peak_rss_mib", peak_rss_mib())
         .with_endpoint_stats("endpoint_stats", &endpoint_stats);
-    if args.offsets == OffsetPattern::Varied {
-        figure = figure.with("seed", args.seed);
-    }
+    let mut figure = with_settings_that_applied(peak_rss.add_to(figure), args, kept_wal_dir);
     if durable_epochs > 0 {
         let mut durable = Histogram::<u64>::new(3).context("histogram")?;
         for (sent, done) in shared.last_sent_ns.iter().zip(&shared.durable_ns) {
@@ -1042,7 +1206,7 @@ fn spawn_named<T: Send + 'static>(
 #[inline(never)]
 fn run_direct(args: &EpochArgs) -> anyhow::Result<(Figure, ReferenceRun)> {
     let ranges = ranges(args.partitions, args.producers);
-    let offsets = OffsetStream::new(args.offsets, args.partitions, args.seed);
+    let offsets = OffsetStream::new(args.offsets, args.partitions, args.seed());
     let stream_epoch = |epoch: i64, out: &mut Vec<EpochMessage>| {
         // The producers' batches in round-robin order, as the endpoint would drain them.
         let mut per_producer: Vec<Vec<EpochMessage>> = ranges
@@ -1168,20 +1332,6 @@ impl Query for LoadSinkQuery {
     fn stop(&mut self, error: EpochError) {
         eprintln!("epoch workload (direct run): query stopped: {error}");
     }
-}
-
-/// Peak resident memory of this process (VmHWM), in MiB; 0 if unknown.
-fn peak_rss_mib() -> f64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|status| {
-            status
-                .lines()
-                .find(|line| line.starts_with("VmHWM:"))
-                .and_then(|line| line.split_whitespace().nth(1))
-                .and_then(|kib| kib.parse::<f64>().ok())
-        })
-        .map_or(0.0, |kib| kib / 1024.0)
 }
 
 #[cfg(test)]

@@ -9,6 +9,7 @@ mod bus;
 mod epoch;
 mod limits;
 mod machine;
+mod memory;
 mod offsets;
 mod placement;
 mod progress;
@@ -113,8 +114,20 @@ pub fn stats_enabled() -> bool {
     STATS.load(std::sync::atomic::Ordering::Relaxed)
 }
 
-fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+/// Runs the command line's workloads; an error is printed as one line with its causes
+/// (`{:#}`), never with anyhow's backtrace, which `RUST_BACKTRACE=1` would add to a returned
+/// error: a refused flag is the operator's mistake, not the tool's.
+fn main() -> std::process::ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
     coordbus_tools::logging::init();
     coordbus_tools::scratch::remove_on_interrupt();
     STATS.store(cli.stats, std::sync::atomic::Ordering::Relaxed);

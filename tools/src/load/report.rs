@@ -7,10 +7,17 @@
 //! and just after the workload (`[before, after]`, module `machine`: it tells which of the
 //! machine's modes a figure was measured in); plus workload-specific keys (`extra`).
 //!
+//! The JSON keeps every number at full precision; the human table prints the extra keys in
+//! human units (times, rates, 4 significant digits), a key's three percentiles together.
+//! Latency histograms lose no sample ([`latency_histogram`]).
+//!
 //! What the baselines and latencies are, where that is easy to misread:
-//! * `epoch`: `p50_ns`.. are from an epoch's last message handed to the bus to its commit, not
-//!   to its commit being durable (the run's end waits for that); `--durability group|every`
-//!   runs add `durable_p50_ns`.. up to the commit record being seen durable. The
+//! * `epoch`: `p50_ns`.. (the table's p50/p99/p99.9 columns) are from just before the
+//!   `send_iter` call whose batch carries an epoch's last message (the batch's messages are
+//!   made inside it) to the epoch's commit in memory, not to its commit being durable (the
+//!   run's end waits for that); `--durability group|every` runs add `durable_p50_ns`.. (in the
+//!   table, `durable_p50/p99/p99.9`) up to the commit record being seen durable, and the key
+//!   `latency` says which is which. The
 //!   `reference (direct)` baseline runs the reference model in memory on this thread, on a
 //!   prefix of the stream, also for `--durability group|every` runs: compare a durable run
 //!   with the in-memory run of the same sitting, not with that baseline.
@@ -24,6 +31,32 @@
 
 use hdrhistogram::Histogram;
 use serde_json::{json, Map, Value};
+
+/// The largest sample a [`latency_histogram`] holds without growing: 60 s, in nanoseconds.
+const PRESIZED_MAX_NS: u64 = 60_000_000_000;
+
+/// A histogram of latencies in nanoseconds (3 significant digits) that loses no sample. It is
+/// sized up front for 1 ns ..= 60 s, so recording a sample in that range never allocates on a
+/// measured path, and grows past it (auto-resize) for a longer one, which is then recorded as
+/// it is: a histogram that dropped it, or clamped it to its bound, would understate the max
+/// and the high percentiles of exactly the runs that went wrong. Growing costs nothing per
+/// sample: the bounds check that decides it is the one every record makes.
+pub fn latency_histogram() -> Histogram<u64> {
+    let mut histogram =
+        Histogram::new_with_bounds(1, PRESIZED_MAX_NS, 3).expect("constant, valid bounds");
+    histogram.auto(true);
+    histogram
+}
+
+/// Records `ns` in a [`latency_histogram`].
+///
+/// # Panics
+/// If the histogram is not auto-resizing: one that is takes any `u64` (it could only fail to
+/// grow past what a `usize` indexes, not on a 64-bit machine).
+#[inline]
+pub fn record_latency(histogram: &mut Histogram<u64>, ns: u64) {
+    histogram.record(ns).expect("an auto-resizing histogram records any value");
+}
 
 /// Latency percentiles in nanoseconds.
 #[derive(Debug, Clone, Copy, Default)]
@@ -207,6 +240,67 @@ fn human_ns(ns: Option<u64>) -> String {
     }
 }
 
+/// The details column of the table: each key with its value in human units (times as `7.37ms`,
+/// rates as `3.89M/s`, other fractions to 4 significant digits, strings unquoted unless they
+/// hold a space), and a key's p50, p99 and p99.9 (`X_p50_ns`, `X_p99_ns`, `X_p999_ns`) as one
+/// `X_p50/p99/p99.9=a/b/c`, in that order. The JSON keeps every key and full precision.
+fn human_details(extra: &Map<String, Value>) -> String {
+    const PERCENTILES: [&str; 3] = ["p50_ns", "p99_ns", "p999_ns"];
+    // The `X_` of a key `X_p50_ns`, `X_p99_ns` or `X_p999_ns` whose two others are there too.
+    let triple_of = |key: &str| {
+        let prefix = PERCENTILES.iter().find_map(|suffix| key.strip_suffix(suffix))?;
+        let whole =
+            PERCENTILES.iter().all(|suffix| extra.contains_key(&(prefix.to_owned() + suffix)));
+        whole.then(|| prefix.to_owned())
+    };
+    let mut details = Vec::new();
+    for (key, value) in extra {
+        match triple_of(key) {
+            Some(prefix) if key.ends_with(PERCENTILES[0]) => {
+                let times = PERCENTILES
+                    .map(|suffix| human_ns_compact(extra[&(prefix.clone() + suffix)].as_u64()));
+                details.push(format!("{prefix}p50/p99/p99.9={}", times.join("/")));
+            }
+            // Shown with its p50.
+            Some(_) => {}
+            None => details.push(human_detail(key, value)),
+        }
+    }
+    details.join(" ")
+}
+
+/// One `key=value` of the details column (see [`human_details`]).
+fn human_detail(key: &str, value: &Value) -> String {
+    match value {
+        Value::Number(number) => match (number.as_u64(), number.as_f64()) {
+            (Some(ns), _) if key.ends_with("_ns") => {
+                format!("{}={}", key.trim_end_matches("_ns"), human_ns_compact(Some(ns)))
+            }
+            (_, Some(rate)) if key.ends_with("_per_sec") => {
+                format!("{key}={}", human_rate(rate).replace(' ', ""))
+            }
+            (None, Some(fraction)) if number.is_f64() => format!("{key}={}", human_f64(fraction)),
+            _ => format!("{key}={number}"),
+        },
+        Value::String(text) if !text.contains(char::is_whitespace) => format!("{key}={text}"),
+        other => format!("{key}={other}"),
+    }
+}
+
+/// A time in the details column: as in the latency columns, without the space.
+fn human_ns_compact(ns: Option<u64>) -> String {
+    human_ns(ns).replace(' ', "")
+}
+
+/// A fraction to 4 significant digits (at most 6 decimals; whole above 1000).
+fn human_f64(value: f64) -> String {
+    if !value.is_finite() || value == 0.0 {
+        return value.to_string();
+    }
+    let decimals = (3 - value.abs().log10().floor() as i32).clamp(0, 6) as usize;
+    format!("{value:.decimals$}")
+}
+
 /// Prints figures: JSON lines, or one human table. Returns the write's error instead of
 /// panicking (a reader that went away: `main` ends quietly then).
 pub fn print(figures: &[Figure], as_json: bool) -> std::io::Result<()> {
@@ -228,8 +322,7 @@ pub fn print(figures: &[Figure], as_json: bool) -> std::io::Result<()> {
             format!("{} {}", baseline.name, human_rate(baseline.msgs_per_sec))
         });
         let ratio = figure.ratio().map_or("-".to_owned(), |ratio| format!("{ratio:.2}x"));
-        let details: Vec<String> =
-            figure.extra.iter().map(|(key, value)| format!("{key}={value}")).collect();
+        let details = human_details(&figure.extra);
         writeln!(
             out,
             "{:<28} {:>12} {:>10} {:>10} {:>10} {:>18} {:>8}  {}",
@@ -240,7 +333,7 @@ pub fn print(figures: &[Figure], as_json: bool) -> std::io::Result<()> {
             human_ns(figure.latency.p999_ns),
             baseline,
             ratio,
-            details.join(" ")
+            details
         )?;
     }
     Ok(())
@@ -249,6 +342,42 @@ pub fn print(figures: &[Figure], as_json: bool) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The table's details: human units, percentile triples merged, short strings bare.
+    #[test]
+    fn details_are_in_human_units_with_percentiles_together() {
+        let figure = Figure::new("epoch", 1, 1.0)
+            .with("epochs_per_sec", 3_890_513.178_140_763)
+            .with("peak_rss_mib", 38.265_625)
+            .with("durable_p50_ns", 7_372_799)
+            .with("durable_p99_ns", 7_442_431)
+            .with("durable_p999_ns", 7_852_031)
+            .with("baseline_p50_ns", 950)
+            .with("durability", "group")
+            .with("placement", "partly isolated")
+            .with("epochs", 200)
+            .with("tiny", 0.000_412_5)
+            .with("core_round_trip_ns", json!([50.4, 260.7]));
+        assert_eq!(
+            human_details(&figure.extra),
+            "baseline_p50=950ns core_round_trip_ns=[50.4,260.7] durability=group \
+             durable_p50/p99/p99.9=7.37ms/7.44ms/7.85ms epochs=200 \
+             epochs_per_sec=3.89M/s peak_rss_mib=38.27 placement=\"partly isolated\" \
+             tiny=0.000412"
+        );
+        assert_eq!(figure.to_json()["epochs_per_sec"], json!(3_890_513.178_140_763));
+    }
+
+    /// A sample past the histogram's pre-sized 60 s is neither dropped nor clamped.
+    #[test]
+    fn a_latency_past_the_presized_range_is_recorded_as_it_is() {
+        let mut histogram = latency_histogram();
+        record_latency(&mut histogram, 1_000);
+        let two_hours_ns = 7_200_000_000_000;
+        record_latency(&mut histogram, two_hours_ns);
+        assert_eq!(histogram.len(), 2);
+        assert!(histogram.equivalent(histogram.max(), two_hours_ns), "{}", histogram.max());
+    }
 
     #[test]
     fn json_has_the_contract_keys_and_the_ratio() {

@@ -426,11 +426,11 @@ impl Drop for BaselineServer {
 }
 
 fn histogram() -> Histogram<u64> {
-    Histogram::new_with_bounds(1, 60_000_000_000, 3).expect("valid histogram bounds")
+    crate::report::latency_histogram()
 }
 
 fn record(histogram: &mut Histogram<u64>, elapsed: Duration) {
-    let _ = histogram.record((elapsed.as_nanos() as u64).max(1));
+    crate::report::record_latency(histogram, (elapsed.as_nanos() as u64).max(1));
 }
 
 /// Registers every store and waits until the coordinator has them.

@@ -175,13 +175,17 @@ pub fn quick_recover() -> WalRecoverArgs {
     WalRecoverArgs { records: 1_000_000, record_bytes: 64, segment_mib: 64, repeats: 3, dir: None }
 }
 
-/// A fresh scratch directory inside `dir` (default: the system temp dir), removed on drop or
-/// interruption: runs never reuse (or replay) what an earlier run left.
+/// A fresh scratch directory inside `dir` (`--dir`, which must exist; default: the system
+/// temp dir), removed on drop or interruption: runs never reuse (or replay) what an earlier run
+/// left.
 pub fn temp_in(dir: &Option<PathBuf>) -> anyhow::Result<ScratchDir> {
     Ok(match dir {
-        Some(dir) => ScratchDir::new_in(dir, SCRATCH_PREFIX).with_context(|| {
-            format!("creating a temporary directory in --dir {}", dir.display())
-        })?,
+        Some(dir) => {
+            coordbus_tools::scratch::check_parent_dir("--dir", dir)?;
+            ScratchDir::new_in(dir, SCRATCH_PREFIX).with_context(|| {
+                format!("creating a temporary directory in --dir {}", dir.display())
+            })?
+        }
         None => ScratchDir::new(SCRATCH_PREFIX).context("creating a temporary directory")?,
     })
 }
