@@ -56,6 +56,8 @@ for i in 1 2 3 4 5 6; do
         2>/dev/null | sed "s|^{|{\"cmd\":\"epoch durability group 2ms\",\"run\":$i,|" >> "$OUT"
     failed "${PIPESTATUS[0]}" "epoch durability group 2ms (run $i)"
 done
+# Every-record durability (syncs back to back, no group delay), three runs.
+run epoch --partitions 1000 --epochs 100000 --durability every --baseline none
 run wal
 run wal-recover
 run blocks
