@@ -110,7 +110,8 @@ fn two_and_three_word_payloads_cost_no_allocation_per_message() {
         });
         let messages = 200 * 2 * PARTITIONS as u64;
         assert_eq!(steady.count_total, 0, "{messages} messages of {words} words: {steady:?}");
-        // One word more spills to the heap, and the counter sees it.
+        // Two words more are past `Payload::INLINE_BYTES`: they spill to the heap, and the
+        // counter sees it.
         let spilled = allocation_counter::measure(|| {
             let message = |epoch: i64| words_payload(words + 2, epoch);
             run_with_offsets(&mut coordinator, 241..=250, 8, message, offset);

@@ -471,7 +471,7 @@ impl Bus {
 /// (dozing on the inbox's doorbell, which a finished push rings) at most `timeout`, the bus's
 /// `shutdown_timeout`: a `send_iter` whose iterator blocks keeps its push under way as long as
 /// it blocks. What lands after that stays queued until the last reference to the inbox goes
-/// (its asks then fail with `NoReply` too).
+/// (an asker that still holds one waits out its ask's timeout).
 fn drop_queued<E: Endpoint>(inbox: &Inbox<E>, timeout: Duration) {
     let Some(mut consumer) = inbox.queue.consumer() else {
         return;

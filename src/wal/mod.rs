@@ -477,9 +477,11 @@ pub struct WalConfig {
     pub rolling_interval: Option<Duration>,
     /// The longest dropping a [`Wal`] that was not closed waits for its last writes and sync
     /// (default [`DEFAULT_DROP_CLOSE_TIMEOUT`]), as [`Wal::close_timeout`] does: on a stalled
-    /// disk, the drop then returns and warns, and the sync thread finishes in the background
-    /// (nothing it acknowledged was lost: acknowledged records were synced). Zero: the drop
-    /// does not wait.
+    /// disk, the drop then returns and warns, and the sync thread finishes in the background.
+    /// Until it does, it keeps the directory locked (opening it again fails with
+    /// [`WalError::Locked`]), and records appended but not yet durable are lost if the process
+    /// exits meanwhile (none was acknowledged durable: acknowledged records were synced). Zero:
+    /// the drop does not wait (and warns that the sync thread is still closing).
     pub drop_close_timeout: Duration,
 }
 

@@ -403,9 +403,11 @@ impl<Q: Query> DurableQuery<Q> {
         self.restart_point.as_ref()
     }
 
-    /// The epoch the new coordinator starts at: the recovered `E + 1`, or 0.
+    /// The epoch a new coordinator starts at: the one after the last committed (the
+    /// recovered `E + 1` when just opened; a query handed on after committing more moves on
+    /// with it), or 0.
     pub fn start_epoch(&self) -> Epoch {
-        Epoch(self.restart_point.as_ref().map_or(0, |(epoch, _)| epoch.0 + 1))
+        self.first_uncommitted_epoch().unwrap_or(Epoch(0))
     }
 
     /// A handle on this query's progress for other threads.
@@ -624,7 +626,7 @@ impl<Q: Query> Query for DurableQuery<Q> {
 
     /// The epoch after the last one committed: recovered, or committed through this query
     /// since (a query handed on to a new coordinator keeps what its run committed). `None`
-    /// while no epoch was.
+    /// while none is committed.
     fn first_uncommitted_epoch(&self) -> Option<Epoch> {
         let last = self.status.last_committed.load(Ordering::Acquire);
         epoch_or_none(last).map(|last| Epoch(last.0.saturating_add(1)))

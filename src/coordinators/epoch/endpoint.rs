@@ -174,7 +174,8 @@ impl<Q: Query, S: Sink> EpochEndpoint<Q, S> {
     /// An endpoint around a new [`EpochCoordinator`].
     ///
     /// # Errors
-    /// [`ConfigError`] if `config` is invalid.
+    /// [`ConfigError`] if `config` is invalid, or if its start epoch is not the query's first
+    /// uncommitted one (as [`EpochCoordinator::new`]).
     pub fn new(config: EpochConfig, query: Q, sink: S) -> Result<Self, ConfigError> {
         Ok(Self { coordinator: EpochCoordinator::new(config, query, sink)? })
     }

@@ -1430,7 +1430,7 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
         slot
     }
 
-    /// Frees the bucket in `slot` (its epoch is committed).
+    /// Frees the bucket in `slot` (its epoch committed, or a count change left it empty).
     ///
     /// Only the top [`recycle_window`] of the free list (popped first) keep their allocations,
     /// per side: the bucket that the push moves out of it gives its allocation back.
