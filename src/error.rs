@@ -85,23 +85,39 @@ pub enum AskError {
     /// No reply within the timeout (the `ask_timeout` setting, or the one given to
     /// `wait_timeout`), counted from when the ask began to wait for room if it had to wait (a
     /// full inbox), else from the wait for the reply. A late reply is discarded.
-    #[error("no reply within {timeout:?} (setting: ask_timeout or wait_timeout)")]
+    #[error(
+        "{}no reply within {timeout:?} (setting: ask_timeout or wait_timeout)",
+        asked(.endpoint)
+    )]
     Timeout {
+        /// The endpoint's name (empty for a [`Replier::pair`](crate::Replier::pair)).
+        endpoint: String,
         /// The timeout that passed.
         timeout: Duration,
     },
     /// The handler failed the request; the cause is the handler's error.
-    #[error("the handler failed the request")]
-    Handler(#[source] HandlerError),
+    #[error("{}the handler failed the request", asked(.endpoint))]
+    Handler {
+        /// The endpoint's name (empty for a [`Replier::pair`](crate::Replier::pair)).
+        endpoint: String,
+        /// The handler's error.
+        #[source]
+        source: HandlerError,
+    },
     /// The handler panicked while holding the request.
-    #[error("the handler panicked: {message}")]
+    #[error("{}the handler panicked: {message}", asked(.endpoint))]
     HandlerPanicked {
+        /// The endpoint's name (empty for a [`Replier::pair`](crate::Replier::pair)).
+        endpoint: String,
         /// The panic payload, if it was a string.
         message: String,
     },
     /// The handler dropped the reply without answering (a bug in the endpoint).
-    #[error("the handler dropped the request without replying")]
-    NoReply,
+    #[error("{}the handler dropped the request without replying", asked(.endpoint))]
+    NoReply {
+        /// The endpoint's name (empty for a [`Replier::pair`](crate::Replier::pair)).
+        endpoint: String,
+    },
     /// The inbox was full: it stayed full for the bus's `ask_timeout` (`ask`), or was full
     /// at once (`try_ask`, which does not wait: `timeout` is zero). The request was never
     /// queued: the handler never sees it, and asking again is safe. (A [`AskError::Timeout`],
@@ -119,6 +135,51 @@ pub enum AskError {
         /// The endpoint's name.
         endpoint: String,
     },
+}
+
+/// The start of an ask error's message: which endpoint was asked (nothing for a reply pair
+/// not bound to one).
+fn asked(endpoint: &str) -> String {
+    if endpoint.is_empty() {
+        String::new()
+    } else {
+        format!("endpoint {endpoint:?}: ")
+    }
+}
+
+impl AskError {
+    /// The same error, naming `name` as the endpoint asked where it names none yet: errors
+    /// made on the answering side (which does not know the endpoint's name) get it when the
+    /// asker takes them.
+    #[cold]
+    #[inline(never)]
+    pub(crate) fn named(mut self, name: &str) -> Self {
+        if let Self::Timeout { endpoint, .. }
+        | Self::Handler { endpoint, .. }
+        | Self::HandlerPanicked { endpoint, .. }
+        | Self::NoReply { endpoint } = &mut self
+        {
+            if endpoint.is_empty() {
+                name.clone_into(endpoint);
+            }
+        }
+        self
+    }
+
+    /// An error of the answering side, which names no endpoint yet ([`AskError::named`]).
+    pub(crate) fn no_reply() -> Self {
+        Self::NoReply { endpoint: String::new() }
+    }
+
+    /// The handler failed with `source` (answering side: no endpoint named yet).
+    pub(crate) fn handler(source: HandlerError) -> Self {
+        Self::Handler { endpoint: String::new(), source }
+    }
+
+    /// The handler panicked with `message` (answering side: no endpoint named yet).
+    pub(crate) fn handler_panicked(message: impl Into<String>) -> Self {
+        Self::HandlerPanicked { endpoint: String::new(), message: message.into() }
+    }
 }
 
 /// Registry errors: registering and looking up endpoints by name.

@@ -254,7 +254,7 @@ fn a_zero_byte_limit_refuses_only_answers_that_must_wait() {
     assert!(!endpoint.ask(HasUnallocatedBlocks).wait_timeout(BOUND).unwrap());
     let addition = endpoint.ask(AddBlock(info(1, 1)));
     match endpoint.ask(HasUnallocatedBlocks).wait_timeout(BOUND) {
-        Err(AskError::Handler(cause)) => assert_eq!(
+        Err(AskError::Handler { source: cause, .. }) => assert_eq!(
             cause.downcast_ref::<BlockTrackerError>(),
             Some(&BlockTrackerError::AnswerBacklog { held_bytes: 0, limit: 0 })
         ),
@@ -280,7 +280,7 @@ fn the_answers_waiting_for_a_stalled_log_are_bounded_in_bytes() {
     let additions = endpoint.ask(AddBlocks(blocks));
     let large = endpoint.ask(GetUnallocatedBlocks(StreamId(1)));
     match endpoint.ask(HasUnallocatedBlocks).wait_timeout(BOUND) {
-        Err(AskError::Handler(cause)) => assert_eq!(
+        Err(AskError::Handler { source: cause, .. }) => assert_eq!(
             cause.downcast_ref::<BlockTrackerError>(),
             Some(&BlockTrackerError::AnswerBacklog { held_bytes, limit })
         ),
@@ -358,7 +358,7 @@ fn a_stale_allocation_waiting_when_the_wal_fails_is_answered_normally() {
 /// `reply` failed with the stop's durability wait timing out on `lsn` (nothing durable).
 fn assert_failed_with_the_stops_timeout<T: std::fmt::Debug>(reply: Result<T, AskError>, lsn: u64) {
     match reply {
-        Err(AskError::Handler(cause)) => assert!(
+        Err(AskError::Handler { source: cause, .. }) => assert!(
             matches!(
                 cause.downcast_ref::<BlockTrackerError>(),
                 Some(BlockTrackerError::Wal(WalError::Timeout { lsn: waited, durable: 0, .. }))
@@ -374,7 +374,7 @@ fn assert_failed_with_the_stops_timeout<T: std::fmt::Debug>(reply: Result<T, Ask
 /// refusal that says so.
 fn assert_refused_after_an_undurable_stop<T: std::fmt::Debug>(reply: Result<T, AskError>) {
     match reply {
-        Err(AskError::Handler(cause)) => assert!(
+        Err(AskError::Handler { source: cause, .. }) => assert!(
             matches!(
                 cause.downcast_ref::<BlockTrackerError>(),
                 Some(BlockTrackerError::StateLost { reason })
@@ -469,7 +469,7 @@ fn a_rebuild_that_fails_makes_every_query_fail_with_state_lost() {
             .into(),
     };
     let expect_lost = |reply: Result<(), AskError>| match reply {
-        Err(AskError::Handler(cause)) => {
+        Err(AskError::Handler { source: cause, .. }) => {
             assert_eq!(cause.downcast_ref::<BlockTrackerError>(), Some(&lost));
         }
         other => panic!("expected the state to be lost, got {other:?}"),
@@ -494,7 +494,7 @@ fn a_rebuild_that_fails_makes_every_query_fail_with_state_lost() {
 /// `reply` is the refusal of a query past the bound, with `pending` queries waiting.
 fn assert_refused(reply: Result<bool, AskError>, pending: usize) {
     match reply {
-        Err(AskError::Handler(cause)) => {
+        Err(AskError::Handler { source: cause, .. }) => {
             assert_eq!(
                 cause.downcast_ref::<BlockTrackerError>(),
                 Some(&BlockTrackerError::DurabilityBacklog { pending, limit: MAX_PENDING_QUERIES })
@@ -526,7 +526,7 @@ fn queries_behind_a_stalled_log_are_refused_past_the_bound() {
     let mut allocation = endpoint.ask(AllocateBlocksToBatch(BatchTime(1)));
     let stale_allocation = endpoint.ask(AllocateBlocksToBatch(BatchTime(1))).wait_timeout(BOUND);
     match stale_allocation {
-        Err(AskError::Handler(cause)) => assert_eq!(
+        Err(AskError::Handler { source: cause, .. }) => assert_eq!(
             cause.downcast_ref::<BlockTrackerError>(),
             Some(&BlockTrackerError::DurabilityBacklog {
                 pending: MAX_PENDING_QUERIES,
@@ -724,7 +724,7 @@ fn endpoint_operations_are_durable_and_survive_recovery() {
         .wait()
         .unwrap_err();
     match error {
-        AskError::Handler(cause) => assert_eq!(
+        AskError::Handler { source: cause, .. } => assert_eq!(
             cause.downcast_ref::<BlockTrackerError>(),
             Some(&BlockTrackerError::ThresholdNotInPast { threshold_ms: 11_000, now_ms: 11_000 })
         ),

@@ -450,7 +450,7 @@ fn a_failed_sync_answers_false_and_rolls_handed_over_blocks_back() {
     assert!(!lost.wait(), "the sync failed");
     // The state it saw was not durable: it fails with the WAL's error, at once.
     match query.wait_timeout(GATE_BOUND) {
-        Err(AskError::Handler(cause)) => assert!(
+        Err(AskError::Handler { source: cause, .. }) => assert!(
             matches!(cause.downcast_ref::<BlockTrackerError>(), Some(BlockTrackerError::Wal(_))),
             "{cause}"
         ),

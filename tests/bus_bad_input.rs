@@ -364,7 +364,7 @@ fn an_ask_that_waited_for_room_times_out_within_one_ask_timeout_in_all() {
     ticket.send(()).unwrap();
     let (outcome, elapsed) = asker.join().unwrap();
     match outcome {
-        Err(AskError::Timeout { timeout }) => assert_eq!(timeout, ask_timeout),
+        Err(AskError::Timeout { timeout, .. }) => assert_eq!(timeout, ask_timeout),
         other => panic!("expected Timeout, got {other:?}"),
     }
     assert!(elapsed >= ask_timeout, "gave up early: {elapsed:?}");

@@ -495,20 +495,28 @@ fn bus_05_handler_errors_and_panics_fail_the_asker_and_the_endpoint_keeps_servin
     let bus = small_bus();
     let endpoint = bus.register("errors", Recorder::default()).unwrap();
     match endpoint.ask(FailingRequest).wait() {
-        Err(AskError::Handler(cause)) => assert_eq!(cause.to_string(), "handler refused: 7"),
+        Err(error @ AskError::Handler { .. }) => {
+            assert_eq!(error.to_string(), "endpoint \"errors\": the handler failed the request");
+            let AskError::Handler { endpoint, source: cause } = error else { unreachable!() };
+            assert_eq!(endpoint, "errors");
+            assert_eq!(cause.to_string(), "handler refused: 7");
+        }
         other => panic!("expected a handler error, got {other:?}"),
     }
     // A handler that raises (returns an error): the asker fails with that error as its cause,
     // and `on_error` sees it too (SPEC A.6, BUS-05).
     match endpoint.ask(RaisingRequest).wait() {
-        Err(AskError::Handler(cause)) => {
+        Err(AskError::Handler { source: cause, .. }) => {
             assert!(matches!(cause.downcast_ref::<Refused>(), Some(Refused(9))), "{cause:?}")
         }
         other => panic!("expected the raised error, got {other:?}"),
     }
     match endpoint.ask(PanickingRequest).wait() {
-        Err(AskError::HandlerPanicked { message }) => {
-            assert_eq!(message, "deliberate panic in handler")
+        Err(AskError::HandlerPanicked { endpoint, message }) => {
+            assert_eq!(
+                (endpoint.as_str(), message.as_str()),
+                ("errors", "deliberate panic in handler")
+            )
         }
         other => panic!("expected a panic error, got {other:?}"),
     }
@@ -533,7 +541,9 @@ fn bus_05_handler_errors_and_panics_fail_the_asker_and_the_endpoint_keeps_servin
         errors,
         [
             Seen::Error("handler refused: 9".into()),
-            Seen::Error("the handler panicked: deliberate panic in handler".into()),
+            Seen::Error(
+                "endpoint \"errors\": the handler panicked: deliberate panic in handler".into()
+            ),
             Seen::Error("handler refused: 3".into()),
         ]
     );
@@ -550,11 +560,12 @@ fn bus_06_ask_timeout_names_the_timeout_and_a_late_reply_is_harmless() {
     match endpoint.ask(SilentRequest).wait_timeout(timeout) {
         Err(error @ AskError::Timeout { .. }) => {
             let named =
-                matches!(error, AskError::Timeout { timeout: reported } if reported == timeout);
+                matches!(error, AskError::Timeout { timeout: reported, .. } if reported == timeout);
             assert!(named, "{error:?}");
             assert!(error.to_string().contains("200ms"), "{error}");
-            // ...and names the setting that controls it (SPEC A.6, BUS-06).
+            // ...and names the setting that controls it (SPEC A.6, BUS-06), and the endpoint.
             assert!(error.to_string().contains("ask_timeout"), "{error}");
+            assert!(error.to_string().starts_with("endpoint \"silent\": "), "{error}");
         }
         other => panic!("expected a timeout, got {other:?}"),
     }
@@ -629,7 +640,10 @@ fn a_one_way_panic_mid_batch_costs_only_its_message() {
 fn dropped_replier_gives_no_reply_error_and_self_ask_is_an_error() {
     let (replier, reply) = Replier::<u64>::pair();
     drop(replier);
-    assert!(matches!(reply.wait_timeout(WAIT), Err(AskError::NoReply)));
+    // A pair bound to no endpoint names none.
+    let error = reply.wait_timeout(WAIT).unwrap_err();
+    assert!(matches!(&error, AskError::NoReply { endpoint } if endpoint.is_empty()), "{error:?}");
+    assert_eq!(error.to_string(), "the handler dropped the request without replying");
     let bus = small_bus();
     let endpoint = bus.register("self", Recorder::default()).unwrap();
     let outcome = endpoint.ask(AskSelf).wait().unwrap();
@@ -695,7 +709,7 @@ fn an_awaited_ask_never_answered_fails_at_the_ask_timeout() {
     });
     let outcome = outcome.recv_timeout(Duration::from_secs(10)).expect("the await ended");
     assert!(
-        matches!(outcome, Err(AskError::Timeout { timeout: t }) if t == timeout),
+        matches!(outcome, Err(AskError::Timeout { timeout: t, .. }) if t == timeout),
         "{outcome:?}"
     );
     bus.shutdown().unwrap();

@@ -436,7 +436,7 @@ fn negative_partition_count_is_rejected_with_its_value() {
         harness.epoch.ask(SetReaderPartitions(-1)).wait_timeout(REPLY_TIMEOUT),
         harness.epoch.ask(SetWriterPartitions(i32::MIN)).wait_timeout(REPLY_TIMEOUT),
     ] {
-        let Err(AskError::Handler(cause)) = outcome else {
+        let Err(AskError::Handler { source: cause, .. }) = outcome else {
             panic!("expected a handler error, got {outcome:?}");
         };
         let error = cause.downcast_ref::<EpochError>().expect("an EpochError");
@@ -462,7 +462,7 @@ fn epoch_overflow_is_an_error_and_the_last_epoch_commits_once() {
     let harness = BusHarness::start(EpochConfig::new(i64::MAX), query, sink, log);
     harness.set_counts(1, 1);
     let outcome = harness.epoch.ask(IncrementAndGetEpoch).wait_timeout(REPLY_TIMEOUT);
-    let Err(AskError::Handler(cause)) = outcome else {
+    let Err(AskError::Handler { source: cause, .. }) = outcome else {
         panic!("expected a handler error, got {outcome:?}");
     };
     assert!(matches!(

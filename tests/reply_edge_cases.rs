@@ -197,7 +197,7 @@ impl Endpoint for Keeper {
             Request::PairInside(replier) => {
                 let (inner, reply) = Replier::<u32>::pair();
                 drop(inner);
-                let answered = matches!(reply.wait_timeout(WAIT), Err(AskError::NoReply));
+                let answered = matches!(reply.wait_timeout(WAIT), Err(AskError::NoReply { .. }));
                 replier.reply(u32::from(answered));
             }
             Request::ReplyAfterGiveUp(replier) => {
@@ -209,8 +209,10 @@ impl Endpoint for Keeper {
                 // The freed slot's block is this thread's next one.
                 let (inner, reply) = Replier::<u32>::pair();
                 drop(inner);
-                let at_once =
-                    matches!(reply.wait_timeout(Duration::from_secs(5)), Err(AskError::NoReply));
+                let at_once = matches!(
+                    reply.wait_timeout(Duration::from_secs(5)),
+                    Err(AskError::NoReply { .. })
+                );
                 self.late_pair.store(u32::from(at_once), std::sync::atomic::Ordering::SeqCst);
             }
             Request::DropAllThenPanic(replier) => {
@@ -309,7 +311,7 @@ fn a_replier_dropped_in_a_panic_the_handler_caught_fails_its_asker() {
     let bus = Bus::builder().build().unwrap();
     let endpoint = bus.register("keeper", Keeper::default()).unwrap();
     match endpoint.ask(DropItInACaughtPanic).wait_timeout(Duration::from_secs(30)) {
-        Err(AskError::HandlerPanicked { message }) => {
+        Err(AskError::HandlerPanicked { message, .. }) => {
             assert!(message.contains("caught inside the handler"), "{message}");
         }
         other => panic!("expected HandlerPanicked, got {other:?}"),
@@ -408,7 +410,7 @@ fn a_waker_that_panics_when_a_panicking_handler_fails_its_reply_does_not_end_the
     assert_eq!(later.wait().unwrap(), 9);
     // The failed reply carries the handler's panic.
     match reply.as_mut().poll(&mut TaskContext::from_waker(&Waker::from(Arc::new(NoopWake)))) {
-        Poll::Ready(Err(AskError::HandlerPanicked { message })) => {
+        Poll::Ready(Err(AskError::HandlerPanicked { message, .. })) => {
             assert_eq!(message, "the handler panics holding the replier")
         }
         other => panic!("expected the handler's panic, got {other:?}"),
@@ -448,10 +450,10 @@ fn a_raising_handler_fails_its_own_asker_with_its_error_and_others_with_no_reply
     wait_kept(&kept, 2);
     let raising = endpoint.ask(RaiseDroppingAll);
     for other in [first, second] {
-        assert!(matches!(other.wait_timeout(WAIT), Err(AskError::NoReply)));
+        assert!(matches!(other.wait_timeout(WAIT), Err(AskError::NoReply { .. })));
     }
     match raising.wait_timeout(WAIT) {
-        Err(AskError::Handler(cause)) => {
+        Err(AskError::Handler { source: cause, .. }) => {
             assert_eq!(cause.downcast_ref::<Raised>(), Some(&Raised(5)), "{cause:?}")
         }
         other => panic!("expected the raised error, got {other:?}"),
@@ -468,9 +470,9 @@ fn a_raising_handler_fails_its_own_asker_with_its_error_and_others_with_no_reply
     let third = endpoint.ask(KeepIt);
     wait_kept(&kept, 1);
     let panicking = endpoint.ask(DropAllThenPanic);
-    assert!(matches!(third.wait_timeout(WAIT), Err(AskError::NoReply)));
+    assert!(matches!(third.wait_timeout(WAIT), Err(AskError::NoReply { .. })));
     match panicking.wait_timeout(WAIT) {
-        Err(AskError::HandlerPanicked { message }) => {
+        Err(AskError::HandlerPanicked { message, .. }) => {
             assert_eq!(message, "the handler panics after dropping repliers")
         }
         other => panic!("expected the panic's message, got {other:?}"),

@@ -236,7 +236,7 @@ fn a_replier_kept_after_a_timeout_sees_the_asker_gone() {
         .unwrap();
     let timeout = Duration::from_millis(1);
     match endpoint.ask(Query(9)).wait_timeout(timeout) {
-        Err(AskError::Timeout { timeout: reported }) => assert_eq!(reported, timeout),
+        Err(AskError::Timeout { timeout: reported, .. }) => assert_eq!(reported, timeout),
         other => panic!("expected a timeout, got {other:?}"),
     }
     let (id, replier) = repliers.recv_timeout(WAIT).expect("the request reached the handler");

@@ -34,7 +34,7 @@ fn at(host: &str, executor: &str) -> ExecutorCacheTaskLocation {
 
 fn handler_error(error: AskError) -> StateStoreError {
     match error {
-        AskError::Handler(cause) => cause
+        AskError::Handler { source: cause, .. } => cause
             .downcast_ref::<StateStoreError>()
             .cloned()
             .expect("the cause is a StateStoreError"),

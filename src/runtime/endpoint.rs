@@ -195,7 +195,8 @@ pub struct EndpointStats {
 
 /// The shared state of one registered endpoint.
 pub(crate) struct Inbox<E: Endpoint> {
-    pub(crate) name: String,
+    /// Interned (`runtime::interned_name`): replies copy it into their errors' endpoint.
+    pub(crate) name: &'static str,
     /// Registration id; distinguishes this endpoint from a later one under the same name.
     pub(crate) id: u64,
     pub(crate) queue: ShardedQueue<Envelope<E>>,
@@ -244,7 +245,7 @@ impl<E: Endpoint> Inbox<E> {
     /// Deregisters the name at once and closes the inbox; queued messages are still handled.
     pub(crate) fn stop(&self) -> bool {
         if let Some(bus) = self.bus.upgrade() {
-            bus.deregister(&self.name, self.id);
+            bus.deregister(self.name, self.id);
         }
         let first = self.queue.close();
         if first {
@@ -288,7 +289,7 @@ impl<E: Endpoint> std::fmt::Debug for Context<E> {
 impl<E: Endpoint> Context<E> {
     /// The endpoint's registered name.
     pub fn name(&self) -> &str {
-        &self.inbox.name
+        self.inbox.name
     }
 
     /// Stops this endpoint: the name is free at once, messages already queued are still
@@ -344,7 +345,7 @@ impl<E: Endpoint> std::fmt::Debug for EndpointRef<E> {
 impl<E: Endpoint> EndpointRef<E> {
     /// The endpoint's registered name.
     pub fn name(&self) -> &str {
-        &self.inbox.name
+        self.inbox.name
     }
 
     /// Whether two references reach the same endpoint.
@@ -353,7 +354,7 @@ impl<E: Endpoint> EndpointRef<E> {
     }
 
     fn send_error<T>(&self, error: QueueError<T>, timeout: Option<Duration>) -> SendError<T> {
-        let endpoint = self.inbox.name.clone();
+        let endpoint = self.inbox.name.to_owned();
         match error {
             QueueError::Full(message) => SendError::Full { endpoint, message },
             QueueError::Closed(message) => SendError::Stopped { endpoint, message },
@@ -542,9 +543,9 @@ impl<E: Endpoint> EndpointRef<E> {
     /// queued), and then those of [`Reply::wait`](crate::Reply::wait).
     pub fn ask<A: Ask<E>>(&self, request: A) -> Reply<A::Reply> {
         if CURRENT_INBOX.with(std::cell::Cell::get) == self.inbox.address() {
-            return Reply::failed(AskError::SelfAsk { endpoint: self.inbox.name.clone() });
+            return Reply::failed(AskError::SelfAsk { endpoint: self.inbox.name.to_owned() });
         }
-        let (replier, reply) = request_pair(self.inbox.ask_timeout);
+        let (replier, reply) = request_pair(self.inbox.ask_timeout, self.inbox.name);
         let slot = replier.slot_address();
         let request = request.into_request(replier);
         // Only the tag of the push's outcome is inspected on this path: matching on the whole
@@ -564,9 +565,9 @@ impl<E: Endpoint> EndpointRef<E> {
         // Its own body, not one shared with `ask`: that is a measured path, whose code stays
         // as it was (sharing it changed how the compiler inlined it).
         if CURRENT_INBOX.with(std::cell::Cell::get) == self.inbox.address() {
-            return Reply::failed(AskError::SelfAsk { endpoint: self.inbox.name.clone() });
+            return Reply::failed(AskError::SelfAsk { endpoint: self.inbox.name.to_owned() });
         }
-        let (replier, reply) = request_pair(self.inbox.ask_timeout);
+        let (replier, reply) = request_pair(self.inbox.ask_timeout, self.inbox.name);
         let slot = replier.slot_address();
         let request = request.into_request(replier);
         match self.inbox.queue.try_push_with(|| Envelope::Request(request, slot)) {
@@ -604,11 +605,12 @@ impl<E: Endpoint> EndpointRef<E> {
     fn ask_failed<T>(&self, refused: QueueError<Envelope<E>>, waited: Duration) -> Reply<T> {
         match refused {
             QueueError::Closed(_) => {
-                Reply::failed(AskError::Stopped { endpoint: self.inbox.name.clone() })
+                Reply::failed(AskError::Stopped { endpoint: self.inbox.name.to_owned() })
             }
-            QueueError::Full(_) | QueueError::Timeout(_) => {
-                Reply::failed(AskError::Full { endpoint: self.inbox.name.clone(), timeout: waited })
-            }
+            QueueError::Full(_) | QueueError::Timeout(_) => Reply::failed(AskError::Full {
+                endpoint: self.inbox.name.to_owned(),
+                timeout: waited,
+            }),
         }
     }
 

@@ -143,7 +143,9 @@ impl Bus {
     }
 
     /// Registers `endpoint` under `name` and starts its thread. Messages sent right away are
-    /// queued and handled after `on_start`.
+    /// queued and handled after `on_start`. The name is kept once for the process's life (its
+    /// asks' errors name it: [`AskError`](crate::AskError)), so a process that registers a new
+    /// name per query run keeps a few dozen bytes per run.
     ///
     /// # Errors
     /// [`BusError::DuplicateName`] if a live endpoint has the name; [`BusError::InvalidName`]
@@ -171,7 +173,7 @@ impl Bus {
             Entry::Occupied(_) => return Err(BusError::DuplicateName { name }),
             Entry::Vacant(vacant) => {
                 let inbox = Arc::new(Inbox::<E> {
-                    name: name.clone(),
+                    name: interned_name(&name),
                     id: self.shared.next_id.fetch_add(1, Ordering::Relaxed),
                     // Within the queue's limits: `BusBuilder::build` validated the settings
                     // against them, and a bus is only made that way.
@@ -262,7 +264,7 @@ impl Bus {
     }
 
     fn spawn_worker<E: Endpoint>(&self, endpoint: E, inbox: Arc<Inbox<E>>) -> Result<(), BusError> {
-        let name = inbox.name.clone();
+        let name = inbox.name.to_owned();
         let core = self.cores.next_core();
         let idle = self.config.idle;
         let drain_batch = self.config.drain_batch;
@@ -271,7 +273,7 @@ impl Bus {
         let body = move || {
             let _ended = ended;
             if let Some(core) = core {
-                if pin::pin_current_thread(core, &inbox.name) {
+                if pin::pin_current_thread(core, inbox.name) {
                     inbox.counters.pinned_core.store(core + 1, Ordering::Relaxed);
                 }
             }
@@ -511,6 +513,23 @@ fn drop_queued<E: Endpoint>(inbox: &Inbox<E>, timeout: Duration) {
     }
 }
 
+/// `name`, kept once for the life of the process. An inbox's name is such a copy, so that each
+/// ask hands its reply the name to put in its errors as a plain reference, with no reference
+/// count to touch on the ask path. Bounded by the distinct names registered in the process's
+/// life (a new name per query run is a few dozen bytes a run).
+fn interned_name(name: &str) -> &'static str {
+    static NAMES: std::sync::OnceLock<Mutex<std::collections::HashSet<&'static str>>> =
+        std::sync::OnceLock::new();
+    let mut names =
+        NAMES.get_or_init(Default::default).lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(interned) = names.get(name) {
+        return interned;
+    }
+    let interned: &'static str = Box::leak(name.into());
+    names.insert(interned);
+    interned
+}
+
 /// The reason [`drop_queued`] records.
 const THREAD_NEVER_STARTED: &str = "endpoint thread never started";
 
@@ -678,7 +697,12 @@ mod tests {
                 other => panic!("expected a spawn failure, got {other:?}"),
             }
             let endpoint = racer.join().unwrap();
-            assert!(matches!(reply_receiver.recv().unwrap(), Err(crate::AskError::NoReply)));
+            let failed = reply_receiver.recv().unwrap();
+            let named = |endpoint: &String| endpoint == "never";
+            assert!(
+                matches!(&failed, Err(crate::AskError::NoReply { endpoint }) if named(endpoint)),
+                "{failed:?}"
+            );
             // The racer's message and its ask, dropped with their reason.
             let dropped = endpoint.stats().dropped_by_reason;
             assert_eq!(dropped.len(), 1, "{dropped:?}");

@@ -151,9 +151,9 @@ fn fail_dropped_own_replier(outcome: Result<(), HandlerError>) -> Result<(), Han
         return failed.map_err(|(error, _)| error);
     };
     let (error, returned) = match failed {
-        Ok(()) => (AskError::NoReply, Ok(())),
+        Ok(()) => (AskError::no_reply(), Ok(())),
         Err((error, text)) => {
-            (AskError::Handler(error), Err(Box::new(HandlerErrorText(text)) as HandlerError))
+            (AskError::handler(error), Err(Box::new(HandlerErrorText(text)) as HandlerError))
         }
     };
     fail(error);
@@ -190,7 +190,7 @@ pub(crate) fn fail_replies_orphaned_by_panic(panic_message: &str) {
     // The request's replier, if its handler dropped it before it panicked, did not get the
     // handler's outcome either.
     if let Some(fail) = DROPPED_OWN_REPLIER.with(|held| held.borrow_mut().take()) {
-        let error = AskError::HandlerPanicked { message: panic_message.to_owned() };
+        let error = AskError::handler_panicked(panic_message);
         fail(error);
     }
     let orphaned = ORPHANED_BY_PANIC.with(|list| std::mem::take(&mut *list.borrow_mut()));
@@ -200,14 +200,18 @@ pub(crate) fn fail_replies_orphaned_by_panic(panic_message: &str) {
 }
 
 /// A connected replier and reply handle whose [`Reply::wait`] and `.await` use
-/// `default_timeout`.
-pub(crate) fn request_pair<T: Send + 'static>(default_timeout: Duration) -> (Replier<T>, Reply<T>) {
+/// `default_timeout`, and whose errors name `endpoint` (empty: none).
+pub(crate) fn request_pair<T: Send + 'static>(
+    default_timeout: Duration,
+    endpoint: &'static str,
+) -> (Replier<T>, Reply<T>) {
     let (completer, receiver) = slot::channel();
     (
         Replier { completer: Some(completer) },
         Reply {
             state: ReplyState::Pending(receiver),
             default_timeout,
+            endpoint,
             deadline: None,
             timer: None,
         },
@@ -245,7 +249,7 @@ impl<T: Send + 'static> Replier<T> {
     /// machine directly, in tests or embeddings without the bus). [`Reply::wait`] on it waits
     /// at most 120 s.
     pub fn pair() -> (Replier<T>, Reply<T>) {
-        request_pair(PAIR_TIMEOUT)
+        request_pair(PAIR_TIMEOUT, "")
     }
 
     /// Answers with `value`.
@@ -260,7 +264,7 @@ impl<T: Send + 'static> Replier<T> {
     pub fn fail(mut self, error: impl Into<HandlerError>) {
         if let Some(completer) = self.completer.take() {
             answered(&completer);
-            completer.complete(Err(AskError::Handler(error.into())));
+            completer.complete(Err(AskError::handler(error.into())));
         }
     }
 
@@ -285,15 +289,13 @@ impl<T: Send + 'static> Drop for Replier<T> {
             // No endpoint loop here to catch the panic and pass its message on (a replier
             // moved to another thread, a panic in the asker's own code): fail it at once
             // rather than let the asker wait out its timeout.
-            completer.complete(Err(AskError::HandlerPanicked {
-                message: "the replier was dropped by a panicking thread that is not an \
-                          endpoint thread (the panic's message is not known here)"
-                    .to_owned(),
-            }));
+            completer.complete(Err(AskError::handler_panicked(
+                "the replier was dropped by a panicking thread that is not an endpoint thread \
+                 (the panic's message is not known here)",
+            )));
         } else if std::thread::panicking() {
             let fail = move |panic_message: &str| {
-                completer
-                    .complete(Err(AskError::HandlerPanicked { message: panic_message.to_owned() }));
+                completer.complete(Err(AskError::handler_panicked(panic_message)));
             };
             // try_with: during thread teardown the list may be gone; then the closure (and the
             // completer in it) is dropped here and the asker sees NoReply, which is still an
@@ -307,7 +309,7 @@ impl<T: Send + 'static> Drop for Replier<T> {
             let _ = DROPPED_OWN_REPLIER.try_with(|held| *held.borrow_mut() = Some(Box::new(fail)));
             let _ = CURRENT_REQUEST.try_with(|current| current.set(OWN_REPLIER_DROPPED));
         } else {
-            completer.complete(Err(AskError::NoReply));
+            completer.complete(Err(AskError::no_reply()));
         }
     }
 }
@@ -327,6 +329,9 @@ pub struct Reply<T> {
     state: ReplyState<T>,
     /// Timeout of [`Reply::wait`] and of awaiting: the bus's `ask_timeout`.
     default_timeout: Duration,
+    /// The endpoint asked, named by the errors the asker gets (empty for [`Replier::pair`]).
+    /// Interned when the endpoint was registered: a copy of two words per ask.
+    endpoint: &'static str,
     /// The deadline of [`Reply::wait`] and of awaiting, once fixed (`Some(None)`: no deadline,
     /// the timeout being too large for the clock): `ask_timeout` after the wait for room began,
     /// for an ask that waited for room in a full inbox (fixed when it was queued: that wait
@@ -359,9 +364,16 @@ impl<T> Reply<T> {
         Self {
             state: ReplyState::Failed(Some(error)),
             default_timeout: Duration::ZERO,
+            endpoint: "",
             deadline: None,
             timer: None,
         }
+    }
+
+    /// [`AskError::NoReply`] naming the endpoint asked.
+    #[cold]
+    fn no_reply(&self) -> Result<T, AskError> {
+        Err(AskError::no_reply().named(self.endpoint))
     }
 
     /// Fixes the deadline of waiting and awaiting (`None`: no deadline): for an ask that
@@ -397,15 +409,26 @@ impl<T> Reply<T> {
 
     /// The body of [`Reply::wait`] and [`Reply::wait_timeout`]: waits until `fixed_deadline`
     /// if there is one (`Some(None)`: no deadline), else for `timeout` from the first look
-    /// that finds no reply (so that look reads no clock); a timeout reports `timeout`.
+    /// that finds no reply (so that look reads no clock); a timeout reports `timeout`. Its
+    /// errors name the endpoint asked.
     fn wait_until(
+        self,
+        timeout: Duration,
+        fixed_deadline: Option<Option<Instant>>,
+    ) -> Result<T, AskError> {
+        let endpoint = self.endpoint;
+        self.wait_until_unnamed(timeout, fixed_deadline).map_err(|error| error.named(endpoint))
+    }
+
+    /// [`Reply::wait_until`], with the errors of the answering side as they came.
+    fn wait_until_unnamed(
         self,
         timeout: Duration,
         fixed_deadline: Option<Option<Instant>>,
     ) -> Result<T, AskError> {
         let receiver = match self.state {
             ReplyState::Pending(receiver) => receiver,
-            ReplyState::Failed(error) => return Err(error.unwrap_or(AskError::NoReply)),
+            ReplyState::Failed(error) => return Err(error.unwrap_or_else(AskError::no_reply)),
         };
         // First look without reading the clock: with many asks in flight the reply is usually
         // there already.
@@ -444,7 +467,7 @@ impl<T> Reply<T> {
                     return receiver.take_ready();
                 }
                 // Dropping the receiver hands the slot to the replier.
-                return Err(AskError::Timeout { timeout });
+                return Err(AskError::Timeout { endpoint: String::new(), timeout });
             }
             park_timeout(remaining.min(PARK_MAX));
             if receiver.is_ready() {
@@ -455,10 +478,17 @@ impl<T> Reply<T> {
 
     /// The reply if it has arrived, without waiting; `None` while it is still pending.
     pub fn try_take(&mut self) -> Option<Result<T, AskError>> {
+        let endpoint = self.endpoint;
+        let outcome = self.try_take_unnamed()?;
+        Some(outcome.map_err(|error| error.named(endpoint)))
+    }
+
+    /// [`Reply::try_take`], with the errors of the answering side as they came.
+    fn try_take_unnamed(&mut self) -> Option<Result<T, AskError>> {
         match &mut self.state {
             ReplyState::Failed(error) => {
                 self.timer = None;
-                Some(Err(error.take().unwrap_or(AskError::NoReply)))
+                Some(Err(error.take().unwrap_or_else(AskError::no_reply)))
             }
             ReplyState::Pending(receiver) if receiver.is_ready() => {
                 self.timer = None;
@@ -501,11 +531,13 @@ impl<T> Future for Reply<T> {
         if deadline.is_some_and(|deadline| Instant::now() >= deadline) {
             this.timer = None;
             if receiver.unregister() {
-                return Poll::Ready(this.try_take().unwrap_or(Err(AskError::NoReply)));
+                return Poll::Ready(this.try_take().unwrap_or_else(|| this.no_reply()));
             }
             // Dropping the receiver hands the slot to the replier.
             this.state = ReplyState::Failed(None);
-            return Poll::Ready(Err(AskError::Timeout { timeout: this.default_timeout }));
+            let timeout = this.default_timeout;
+            let timed_out = AskError::Timeout { endpoint: String::new(), timeout };
+            return Poll::Ready(Err(timed_out.named(this.endpoint)));
         }
         if receiver.register(Waiter::Task(task.waker().clone())) {
             #[cfg(not(loom))]
@@ -518,7 +550,7 @@ impl<T> Future for Reply<T> {
             Poll::Pending
         } else {
             this.timer = None;
-            Poll::Ready(this.try_take().unwrap_or(Err(AskError::NoReply)))
+            Poll::Ready(this.try_take().unwrap_or_else(|| this.no_reply()))
         }
     }
 }
@@ -839,7 +871,7 @@ mod slot {
             let (completer, receiver) = channel::<u64>();
             assert_eq!(receiver.slot, first, "the freed block was taken again");
             drop(completer);
-            assert!(matches!(receiver.take_ready(), Err(AskError::NoReply)));
+            assert!(matches!(receiver.take_ready(), Err(AskError::NoReply { .. })));
 
             // A type of another layout gets its own blocks; many in flight at once fill the
             // cache up to its bound and no further.
@@ -988,7 +1020,7 @@ mod slot {
     impl<T> Drop for Completer<T> {
         fn drop(&mut self) {
             let completer = Completer { slot: self.slot };
-            completer.complete(Err(AskError::NoReply));
+            completer.complete(Err(AskError::no_reply()));
         }
     }
 
@@ -1192,7 +1224,7 @@ mod tests {
     #[cfg_attr(miri, ignore = "no reply arms the ask timer under Miri")]
     fn an_awaited_reply_that_never_comes_times_out_at_its_deadline() {
         let timeout = Duration::from_millis(50);
-        let (replier, reply) = request_pair::<u32>(timeout);
+        let (replier, reply) = request_pair::<u32>(timeout, "asked");
         let (outcome_sender, outcome) = std::sync::mpsc::channel();
         let started = Instant::now();
         // Before the ask timer, nothing woke this task again: its thread stayed parked.
@@ -1200,7 +1232,7 @@ mod tests {
         let outcome = outcome
             .recv_timeout(Duration::from_secs(10))
             .expect("the awaited reply ended within 10 s of its 50 ms timeout");
-        assert!(matches!(outcome, Err(AskError::Timeout { timeout: t }) if t == timeout));
+        assert!(matches!(outcome, Err(AskError::Timeout { timeout: t, .. }) if t == timeout));
         assert!(started.elapsed() >= timeout);
         drop(replier);
     }
@@ -1211,11 +1243,11 @@ mod tests {
     #[test]
     fn a_fixed_deadline_ends_the_wait_and_the_error_names_the_configured_timeout() {
         let timeout = Duration::from_secs(60);
-        let (_replier, reply) = request_pair::<u32>(timeout);
+        let (_replier, reply) = request_pair::<u32>(timeout, "asked");
         let started = Instant::now();
         let reply = reply.with_deadline(started.checked_add(Duration::from_millis(50)));
         let outcome = reply.wait();
-        assert!(matches!(outcome, Err(AskError::Timeout { timeout: t }) if t == timeout));
+        assert!(matches!(outcome, Err(AskError::Timeout { timeout: t, .. }) if t == timeout));
         let waited = started.elapsed();
         assert!(waited >= Duration::from_millis(50), "gave up early: {waited:?}");
         assert!(waited < Duration::from_secs(10), "waited {waited:?} of the 60 s timeout");
@@ -1226,7 +1258,7 @@ mod tests {
     #[cfg_attr(miri, ignore = "no reply arms the ask timer under Miri")]
     fn an_awaited_reply_with_a_fixed_deadline_times_out_at_it() {
         let timeout = Duration::from_secs(60);
-        let (replier, reply) = request_pair::<u32>(timeout);
+        let (replier, reply) = request_pair::<u32>(timeout, "asked");
         let started = Instant::now();
         let reply = reply.with_deadline(started.checked_add(Duration::from_millis(50)));
         let (outcome_sender, outcome) = std::sync::mpsc::channel();
@@ -1234,7 +1266,7 @@ mod tests {
         let outcome = outcome
             .recv_timeout(Duration::from_secs(10))
             .expect("the awaited reply ended within 10 s of its 50 ms deadline");
-        assert!(matches!(outcome, Err(AskError::Timeout { timeout: t }) if t == timeout));
+        assert!(matches!(outcome, Err(AskError::Timeout { timeout: t, .. }) if t == timeout));
         assert!(started.elapsed() >= Duration::from_millis(50));
         drop(replier);
     }
@@ -1248,7 +1280,7 @@ mod tests {
             (Duration::ZERO, None),
         ];
         for (timeout, deadline) in fixed {
-            let (replier, reply) = request_pair::<u32>(timeout);
+            let (replier, reply) = request_pair::<u32>(timeout, "asked");
             let reply = reply.with_deadline(deadline);
             let answering = std::thread::spawn(move || {
                 // Only once the asker parked: the wait itself meets the reply.
@@ -1264,7 +1296,7 @@ mod tests {
     /// comes after that deadline but within the timeout is delivered.
     #[test]
     fn wait_timeout_ignores_a_fixed_deadline() {
-        let (replier, reply) = request_pair::<u32>(Duration::from_secs(60));
+        let (replier, reply) = request_pair::<u32>(Duration::from_secs(60), "asked");
         let fixed = Instant::now() + Duration::from_millis(20);
         let reply = reply.with_deadline(Some(fixed));
         let answering = std::thread::spawn(move || {
@@ -1333,7 +1365,10 @@ mod tests {
             wait_for(|| replier.asker_registered());
             drop(replier);
         });
-        assert!(matches!(reply.wait_timeout(Duration::from_secs(10)), Err(AskError::NoReply)));
+        assert!(matches!(
+            reply.wait_timeout(Duration::from_secs(10)),
+            Err(AskError::NoReply { .. })
+        ));
         dropping.join().expect("dropping thread");
     }
 
@@ -1344,7 +1379,7 @@ mod tests {
         assert!(!replier.is_abandoned());
         let timeout = Duration::from_millis(2);
         match reply.wait_timeout(timeout) {
-            Err(AskError::Timeout { timeout: reported }) => assert_eq!(reported, timeout),
+            Err(AskError::Timeout { timeout: reported, .. }) => assert_eq!(reported, timeout),
             other => panic!("expected a timeout, got {other:?}"),
         }
         assert!(replier.is_abandoned());
@@ -1366,12 +1401,14 @@ mod tests {
     fn dropped_replier_gives_no_reply_and_fail_gives_the_handler_error() {
         let (replier, reply) = Replier::<u64>::pair();
         drop(replier);
-        assert!(matches!(reply.wait(), Err(AskError::NoReply)));
+        assert!(matches!(reply.wait(), Err(AskError::NoReply { .. })));
 
         let (replier, reply) = Replier::<u64>::pair();
         replier.fail(HandlerError::from("no such epoch"));
         match reply.wait() {
-            Err(AskError::Handler(cause)) => assert_eq!(cause.to_string(), "no such epoch"),
+            Err(AskError::Handler { source: cause, .. }) => {
+                assert_eq!(cause.to_string(), "no such epoch")
+            }
             other => panic!("expected a handler error, got {other:?}"),
         }
     }
@@ -1384,7 +1421,7 @@ mod tests {
         replier.reply(3u8);
         assert!(format!("{reply:?}").contains("ready"));
         assert_eq!(reply.try_take().expect("arrived").expect("ok"), 3);
-        assert!(matches!(reply.try_take(), Some(Err(AskError::NoReply))));
+        assert!(matches!(reply.try_take(), Some(Err(AskError::NoReply { .. }))));
     }
 
     #[test]
@@ -1399,7 +1436,9 @@ mod tests {
         assert!(unwound.is_err());
         fail_replies_orphaned_by_panic("handler gave up");
         match reply.wait_timeout(Duration::from_secs(10)) {
-            Err(AskError::HandlerPanicked { message }) => assert_eq!(message, "handler gave up"),
+            Err(AskError::HandlerPanicked { message, .. }) => {
+                assert_eq!(message, "handler gave up")
+            }
             other => panic!("expected HandlerPanicked, got {other:?}"),
         }
     }
@@ -1436,9 +1475,12 @@ mod tests {
     fn polling_after_the_deadline_times_out_and_abandons() {
         let waker = std::task::Waker::from(Arc::new(CountingWaker(AtomicUsize::new(0))));
         let mut task = TaskContext::from_waker(&waker);
-        let (replier, mut reply) = request_pair::<u64>(Duration::ZERO);
+        let (replier, mut reply) = request_pair::<u64>(Duration::ZERO, "asked");
         match Pin::new(&mut reply).poll(&mut task) {
-            Poll::Ready(Err(AskError::Timeout { timeout })) => assert_eq!(timeout, Duration::ZERO),
+            Poll::Ready(Err(AskError::Timeout { endpoint, timeout })) => {
+                assert_eq!(endpoint, "asked", "the error names the endpoint asked");
+                assert_eq!(timeout, Duration::ZERO)
+            }
             other => panic!("expected a timeout, got {other:?}"),
         }
         assert!(replier.is_abandoned());
@@ -1536,7 +1578,7 @@ mod loom_tests {
             let dropping = thread::spawn(move || drop(replier));
             assert!(matches!(
                 reply.wait_timeout(Duration::from_secs(3600)),
-                Err(AskError::NoReply)
+                Err(AskError::NoReply { .. })
             ));
             dropping.join().unwrap();
         });

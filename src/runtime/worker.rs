@@ -127,7 +127,8 @@ pub(crate) fn run_endpoint<E: Endpoint>(
                 tracing::error!(endpoint = %inbox.name, panic = %message, "handler panicked");
                 fail_replies_orphaned_by_panic(&message);
                 // SPEC A.6: a panic is a handler error, and `on_error` hears of it too.
-                let error: HandlerError = Box::new(AskError::HandlerPanicked { message });
+                let error = AskError::HandlerPanicked { endpoint: inbox.name.to_owned(), message };
+                let error: HandlerError = Box::new(error);
                 if let Err(payload) = catch_unwind(AssertUnwindSafe(|| endpoint.on_error(&error))) {
                     drop_caught(payload);
                     tracing::error!(endpoint = %inbox.name, "on_error panicked on a handler panic");

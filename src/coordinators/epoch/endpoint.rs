@@ -213,7 +213,7 @@ where
     /// coordinator fail-stops (`EpochCoordinator::fail_after_panic`).
     fn on_error(&mut self, error: &HandlerError) {
         match error.downcast_ref::<AskError>() {
-            Some(AskError::HandlerPanicked { message }) => {
+            Some(AskError::HandlerPanicked { message, .. }) => {
                 self.coordinator.fail_after_panic(message.clone());
             }
             _ => tracing::warn!(%error, "epoch coordinator handler error"),
