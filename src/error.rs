@@ -147,41 +147,6 @@ fn asked(endpoint: &str) -> String {
     }
 }
 
-impl AskError {
-    /// The same error, naming `name` as the endpoint asked where it names none yet: errors
-    /// made on the answering side (which does not know the endpoint's name) get it when the
-    /// asker takes them.
-    #[cold]
-    #[inline(never)]
-    pub(crate) fn named(mut self, name: &str) -> Self {
-        if let Self::Timeout { endpoint, .. }
-        | Self::Handler { endpoint, .. }
-        | Self::HandlerPanicked { endpoint, .. }
-        | Self::NoReply { endpoint } = &mut self
-        {
-            if endpoint.is_empty() {
-                name.clone_into(endpoint);
-            }
-        }
-        self
-    }
-
-    /// An error of the answering side, which names no endpoint yet ([`AskError::named`]).
-    pub(crate) fn no_reply() -> Self {
-        Self::NoReply { endpoint: String::new() }
-    }
-
-    /// The handler failed with `source` (answering side: no endpoint named yet).
-    pub(crate) fn handler(source: HandlerError) -> Self {
-        Self::Handler { endpoint: String::new(), source }
-    }
-
-    /// The handler panicked with `message` (answering side: no endpoint named yet).
-    pub(crate) fn handler_panicked(message: impl Into<String>) -> Self {
-        Self::HandlerPanicked { endpoint: String::new(), message: message.into() }
-    }
-}
-
 /// Registry errors: registering and looking up endpoints by name.
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
 #[non_exhaustive]

@@ -133,6 +133,13 @@ fn a_name_holding_a_nul_is_refused_and_leaves_nothing_registered() {
         other => panic!("expected InvalidName, got {:?}", other.map(|_| ())),
     }
     assert!(matches!(bus.lookup::<SelfSender>("a\0b"), Err(BusError::NotFound { .. })));
+    // An empty name too: an ask's error would name no endpoint.
+    match bus.register("", SelfSender::default()) {
+        Err(error @ BusError::InvalidName { .. }) => {
+            assert!(error.to_string().contains("it is empty"), "{error}")
+        }
+        other => panic!("expected InvalidName, got {:?}", other.map(|_| ())),
+    }
     bus.register("ab", SelfSender::default()).unwrap();
     bus.shutdown().unwrap();
 }

@@ -410,7 +410,8 @@ fn a_waker_that_panics_when_a_panicking_handler_fails_its_reply_does_not_end_the
     assert_eq!(later.wait().unwrap(), 9);
     // The failed reply carries the handler's panic.
     match reply.as_mut().poll(&mut TaskContext::from_waker(&Waker::from(Arc::new(NoopWake)))) {
-        Poll::Ready(Err(AskError::HandlerPanicked { message, .. })) => {
+        Poll::Ready(Err(AskError::HandlerPanicked { endpoint, message })) => {
+            assert_eq!(endpoint, "keeper", "a polled reply's error names the endpoint asked");
             assert_eq!(message, "the handler panics holding the replier")
         }
         other => panic!("expected the handler's panic, got {other:?}"),

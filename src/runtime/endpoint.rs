@@ -543,7 +543,7 @@ impl<E: Endpoint> EndpointRef<E> {
     /// queued), and then those of [`Reply::wait`](crate::Reply::wait).
     pub fn ask<A: Ask<E>>(&self, request: A) -> Reply<A::Reply> {
         if CURRENT_INBOX.with(std::cell::Cell::get) == self.inbox.address() {
-            return Reply::failed(AskError::SelfAsk { endpoint: self.inbox.name.to_owned() });
+            return self.self_ask();
         }
         let (replier, reply) = request_pair(self.inbox.ask_timeout, self.inbox.name);
         let slot = replier.slot_address();
@@ -565,7 +565,7 @@ impl<E: Endpoint> EndpointRef<E> {
         // Its own body, not one shared with `ask`: that is a measured path, whose code stays
         // as it was (sharing it changed how the compiler inlined it).
         if CURRENT_INBOX.with(std::cell::Cell::get) == self.inbox.address() {
-            return Reply::failed(AskError::SelfAsk { endpoint: self.inbox.name.to_owned() });
+            return self.self_ask();
         }
         let (replier, reply) = request_pair(self.inbox.ask_timeout, self.inbox.name);
         let slot = replier.slot_address();
@@ -603,15 +603,20 @@ impl<E: Endpoint> EndpointRef<E> {
     /// The failed reply of an ask the queue refused, after waiting `waited` for room.
     #[cold]
     fn ask_failed<T>(&self, refused: QueueError<Envelope<E>>, waited: Duration) -> Reply<T> {
-        match refused {
-            QueueError::Closed(_) => {
-                Reply::failed(AskError::Stopped { endpoint: self.inbox.name.to_owned() })
+        let endpoint = self.inbox.name.to_owned();
+        let error = match refused {
+            QueueError::Closed(_) => AskError::Stopped { endpoint },
+            QueueError::Full(_) | QueueError::Timeout(_) => {
+                AskError::Full { endpoint, timeout: waited }
             }
-            QueueError::Full(_) | QueueError::Timeout(_) => Reply::failed(AskError::Full {
-                endpoint: self.inbox.name.to_owned(),
-                timeout: waited,
-            }),
-        }
+        };
+        Reply::failed(error, self.inbox.name)
+    }
+
+    /// The failed reply of an ask from the endpoint's own handler.
+    #[cold]
+    fn self_ask<T>(&self) -> Reply<T> {
+        Reply::failed(AskError::SelfAsk { endpoint: self.inbox.name.to_owned() }, self.inbox.name)
     }
 
     /// Stops the endpoint: its name is free at once; messages already queued are still

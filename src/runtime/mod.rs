@@ -145,22 +145,26 @@ impl Bus {
     /// Registers `endpoint` under `name` and starts its thread. Messages sent right away are
     /// queued and handled after `on_start`. The name is kept once for the process's life (its
     /// asks' errors name it: [`AskError`](crate::AskError)), so a process that registers a new
-    /// name per query run keeps a few dozen bytes per run.
+    /// name per query run keeps the name's length and a few dozen bytes more per run.
     ///
     /// # Errors
     /// [`BusError::DuplicateName`] if a live endpoint has the name; [`BusError::InvalidName`]
-    /// for a name holding a NUL character; [`BusError::ShutDown`] after [`Bus::shutdown`] (a
-    /// registration overlapping a shutdown either fails so, or returns an endpoint that the
-    /// shutdown stops and joins); [`BusError::Spawn`] if the thread cannot be started (the
-    /// endpoint is stopped, and an ask that reached its name meanwhile fails at once with
-    /// [`AskError::NoReply`](crate::AskError::NoReply)); [`BusError::InboxTooLarge`] if the
-    /// inbox's slots for `E`'s messages would take more than 8 GiB.
+    /// for an empty name or one holding a NUL character; [`BusError::ShutDown`] after
+    /// [`Bus::shutdown`] (a registration overlapping a shutdown either fails so, or returns an
+    /// endpoint that the shutdown stops and joins); [`BusError::Spawn`] if the thread cannot be
+    /// started (the endpoint is stopped, and an ask that reached its name meanwhile fails at
+    /// once with [`AskError::NoReply`](crate::AskError::NoReply)); [`BusError::InboxTooLarge`]
+    /// if the inbox's slots for `E`'s messages would take more than 8 GiB.
     pub fn register<E: Endpoint>(
         &self,
         name: impl Into<String>,
         endpoint: E,
     ) -> Result<EndpointRef<E>, BusError> {
         let name = name.into();
+        if name.is_empty() {
+            // An ask's errors name the endpoint asked; an empty name there means none.
+            return Err(BusError::InvalidName { name, reason: "it is empty" });
+        }
         if name.contains('\0') {
             // The thread's name is made from it, and a thread name cannot hold a NUL.
             return Err(BusError::InvalidName { name, reason: "it contains a NUL character" });
@@ -169,11 +173,13 @@ impl Bus {
             return Err(BusError::ShutDown { name });
         }
         self.check_inbox_bytes::<E>(&name)?;
+        // Before the registry's entry: interning takes a process-wide lock.
+        let interned = interned_name(&name);
         let inbox = match self.shared.registry.entry(name.clone()) {
             Entry::Occupied(_) => return Err(BusError::DuplicateName { name }),
             Entry::Vacant(vacant) => {
                 let inbox = Arc::new(Inbox::<E> {
-                    name: interned_name(&name),
+                    name: interned,
                     id: self.shared.next_id.fetch_add(1, Ordering::Relaxed),
                     // Within the queue's limits: `BusBuilder::build` validated the settings
                     // against them, and a bus is only made that way.

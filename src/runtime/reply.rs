@@ -67,7 +67,7 @@ const PAIR_TIMEOUT: Duration = Duration::from_secs(120);
 type FailWithPanic = Box<dyn FnOnce(&str)>;
 
 /// Fails the reply its request handler dropped without replying.
-type FailDropped = Box<dyn FnOnce(AskError)>;
+type FailDropped = Box<dyn FnOnce(Unanswered)>;
 
 thread_local! {
     /// Repliers dropped while their handler was panicking, waiting for the panic message.
@@ -151,9 +151,9 @@ fn fail_dropped_own_replier(outcome: Result<(), HandlerError>) -> Result<(), Han
         return failed.map_err(|(error, _)| error);
     };
     let (error, returned) = match failed {
-        Ok(()) => (AskError::no_reply(), Ok(())),
+        Ok(()) => (Unanswered::NoReply, Ok(())),
         Err((error, text)) => {
-            (AskError::handler(error), Err(Box::new(HandlerErrorText(text)) as HandlerError))
+            (Unanswered::Handler(error), Err(Box::new(HandlerErrorText(text)) as HandlerError))
         }
     };
     fail(error);
@@ -190,8 +190,7 @@ pub(crate) fn fail_replies_orphaned_by_panic(panic_message: &str) {
     // The request's replier, if its handler dropped it before it panicked, did not get the
     // handler's outcome either.
     if let Some(fail) = DROPPED_OWN_REPLIER.with(|held| held.borrow_mut().take()) {
-        let error = AskError::handler_panicked(panic_message);
-        fail(error);
+        fail(Unanswered::Panicked(panic_message.to_owned()));
     }
     let orphaned = ORPHANED_BY_PANIC.with(|list| std::mem::take(&mut *list.borrow_mut()));
     for fail in orphaned {
@@ -264,7 +263,7 @@ impl<T: Send + 'static> Replier<T> {
     pub fn fail(mut self, error: impl Into<HandlerError>) {
         if let Some(completer) = self.completer.take() {
             answered(&completer);
-            completer.complete(Err(AskError::handler(error.into())));
+            completer.complete(Err(Unanswered::Handler(error.into())));
         }
     }
 
@@ -289,13 +288,14 @@ impl<T: Send + 'static> Drop for Replier<T> {
             // No endpoint loop here to catch the panic and pass its message on (a replier
             // moved to another thread, a panic in the asker's own code): fail it at once
             // rather than let the asker wait out its timeout.
-            completer.complete(Err(AskError::handler_panicked(
+            completer.complete(Err(Unanswered::Panicked(
                 "the replier was dropped by a panicking thread that is not an endpoint thread \
-                 (the panic's message is not known here)",
+                 (the panic's message is not known here)"
+                    .to_owned(),
             )));
         } else if std::thread::panicking() {
             let fail = move |panic_message: &str| {
-                completer.complete(Err(AskError::handler_panicked(panic_message)));
+                completer.complete(Err(Unanswered::Panicked(panic_message.to_owned())));
             };
             // try_with: during thread teardown the list may be gone; then the closure (and the
             // completer in it) is dropped here and the asker sees NoReply, which is still an
@@ -305,19 +305,54 @@ impl<T: Send + 'static> Drop for Replier<T> {
             // The running handler's own request: failed when the handler returns, with its
             // error if it returns one. (try_with: during thread teardown the closure is
             // dropped here, and the asker sees NoReply.)
-            let fail = move |error: AskError| completer.complete(Err(error));
+            let fail = move |error: Unanswered| completer.complete(Err(error));
             let _ = DROPPED_OWN_REPLIER.try_with(|held| *held.borrow_mut() = Some(Box::new(fail)));
             let _ = CURRENT_REQUEST.try_with(|current| current.set(OWN_REPLIER_DROPPED));
         } else {
-            completer.complete(Err(AskError::no_reply()));
+            completer.complete(Err(Unanswered::NoReply));
         }
     }
+}
+
+/// How the answering side failed a request: what a reply slot carries in place of an
+/// [`AskError`]. The answering side does not know the endpoint's name, which the asker's
+/// [`Reply`] adds ([`Unanswered::asked`]); and the slot stays as small as the smallest of
+/// these (a slot is a heap block per ask).
+#[derive(Debug)]
+pub(crate) enum Unanswered {
+    /// The replier was dropped without an answer.
+    NoReply,
+    /// The handler failed the request with this error.
+    Handler(HandlerError),
+    /// The handler panicked with this message.
+    Panicked(String),
+}
+
+impl Unanswered {
+    /// The asker's error, naming `endpoint`.
+    #[cold]
+    #[inline(never)]
+    fn asked(self, endpoint: &str) -> AskError {
+        let endpoint = endpoint.to_owned();
+        match self {
+            Self::NoReply => AskError::NoReply { endpoint },
+            Self::Handler(source) => AskError::Handler { endpoint, source },
+            Self::Panicked(message) => AskError::HandlerPanicked { endpoint, message },
+        }
+    }
+}
+
+/// A slot's outcome as the asker gets it: its error, if any, naming `endpoint`.
+#[inline(always)]
+fn answered_to<T>(outcome: Result<T, Unanswered>, endpoint: &str) -> Result<T, AskError> {
+    outcome.map_err(|unanswered| unanswered.asked(endpoint))
 }
 
 enum ReplyState<T> {
     Pending(Receiver<T>),
     /// Failed before it was queued, or already taken (`None`: later takes see `NoReply`).
-    Failed(Option<AskError>),
+    /// Boxed: an error is the rare case, and an [`AskError`] would double the reply's size.
+    Failed(Option<Box<AskError>>),
 }
 
 /// The asking side of one request: wait for it blocking ([`wait`](Reply::wait),
@@ -360,11 +395,11 @@ impl<T> std::fmt::Debug for Reply<T> {
 }
 
 impl<T> Reply<T> {
-    pub(crate) fn failed(error: AskError) -> Self {
+    pub(crate) fn failed(error: AskError, endpoint: &'static str) -> Self {
         Self {
-            state: ReplyState::Failed(Some(error)),
+            state: ReplyState::Failed(Some(Box::new(error))),
             default_timeout: Duration::ZERO,
-            endpoint: "",
+            endpoint,
             deadline: None,
             timer: None,
         }
@@ -373,7 +408,7 @@ impl<T> Reply<T> {
     /// [`AskError::NoReply`] naming the endpoint asked.
     #[cold]
     fn no_reply(&self) -> Result<T, AskError> {
-        Err(AskError::no_reply().named(self.endpoint))
+        Err(Unanswered::NoReply.asked(self.endpoint))
     }
 
     /// Fixes the deadline of waiting and awaiting (`None`: no deadline): for an ask that
@@ -409,31 +444,22 @@ impl<T> Reply<T> {
 
     /// The body of [`Reply::wait`] and [`Reply::wait_timeout`]: waits until `fixed_deadline`
     /// if there is one (`Some(None)`: no deadline), else for `timeout` from the first look
-    /// that finds no reply (so that look reads no clock); a timeout reports `timeout`. Its
-    /// errors name the endpoint asked.
+    /// that finds no reply (so that look reads no clock); a timeout reports `timeout`.
     fn wait_until(
         self,
         timeout: Duration,
         fixed_deadline: Option<Option<Instant>>,
     ) -> Result<T, AskError> {
         let endpoint = self.endpoint;
-        self.wait_until_unnamed(timeout, fixed_deadline).map_err(|error| error.named(endpoint))
-    }
-
-    /// [`Reply::wait_until`], with the errors of the answering side as they came.
-    fn wait_until_unnamed(
-        self,
-        timeout: Duration,
-        fixed_deadline: Option<Option<Instant>>,
-    ) -> Result<T, AskError> {
         let receiver = match self.state {
             ReplyState::Pending(receiver) => receiver,
-            ReplyState::Failed(error) => return Err(error.unwrap_or_else(AskError::no_reply)),
+            ReplyState::Failed(Some(error)) => return Err(*error),
+            ReplyState::Failed(None) => return Err(Unanswered::NoReply.asked(endpoint)),
         };
         // First look without reading the clock: with many asks in flight the reply is usually
         // there already.
         let mut receiver = match receiver.try_take() {
-            Ok(outcome) => return outcome,
+            Ok(outcome) => return answered_to(outcome, endpoint),
             Err(receiver) => receiver,
         };
         let start = Instant::now();
@@ -445,7 +471,7 @@ impl<T> Reply<T> {
         let mut spins = 0u32;
         loop {
             if receiver.is_ready() {
-                return receiver.take_ready();
+                return answered_to(receiver.take_ready(), endpoint);
             }
             spins = spins.wrapping_add(1);
             if spins.is_multiple_of(SPINS_PER_CLOCK_READ) && start.elapsed() >= spin_for {
@@ -454,7 +480,7 @@ impl<T> Reply<T> {
             spin_loop();
         }
         if !receiver.register(Waiter::Thread(current_thread())) {
-            return receiver.take_ready();
+            return answered_to(receiver.take_ready(), endpoint);
         }
         loop {
             let remaining = match deadline {
@@ -464,31 +490,27 @@ impl<T> Reply<T> {
             if remaining.is_zero() {
                 // A reply that won the race with the deadline is still delivered.
                 if receiver.unregister() {
-                    return receiver.take_ready();
+                    return answered_to(receiver.take_ready(), endpoint);
                 }
                 // Dropping the receiver hands the slot to the replier.
-                return Err(AskError::Timeout { endpoint: String::new(), timeout });
+                return Err(AskError::Timeout { endpoint: endpoint.to_owned(), timeout });
             }
             park_timeout(remaining.min(PARK_MAX));
             if receiver.is_ready() {
-                return receiver.take_ready();
+                return answered_to(receiver.take_ready(), endpoint);
             }
         }
     }
 
     /// The reply if it has arrived, without waiting; `None` while it is still pending.
     pub fn try_take(&mut self) -> Option<Result<T, AskError>> {
-        let endpoint = self.endpoint;
-        let outcome = self.try_take_unnamed()?;
-        Some(outcome.map_err(|error| error.named(endpoint)))
-    }
-
-    /// [`Reply::try_take`], with the errors of the answering side as they came.
-    fn try_take_unnamed(&mut self) -> Option<Result<T, AskError>> {
         match &mut self.state {
             ReplyState::Failed(error) => {
                 self.timer = None;
-                Some(Err(error.take().unwrap_or_else(AskError::no_reply)))
+                Some(match error.take() {
+                    Some(error) => Err(*error),
+                    None => self.no_reply(),
+                })
             }
             ReplyState::Pending(receiver) if receiver.is_ready() => {
                 self.timer = None;
@@ -497,7 +519,7 @@ impl<T> Reply<T> {
                 else {
                     unreachable!("matched Pending just above");
                 };
-                Some(receiver.take_ready())
+                Some(answered_to(receiver.take_ready(), self.endpoint))
             }
             ReplyState::Pending(_) => None,
         }
@@ -536,8 +558,10 @@ impl<T> Future for Reply<T> {
             // Dropping the receiver hands the slot to the replier.
             this.state = ReplyState::Failed(None);
             let timeout = this.default_timeout;
-            let timed_out = AskError::Timeout { endpoint: String::new(), timeout };
-            return Poll::Ready(Err(timed_out.named(this.endpoint)));
+            return Poll::Ready(Err(AskError::Timeout {
+                endpoint: this.endpoint.to_owned(),
+                timeout,
+            }));
         }
         if receiver.register(Waiter::Task(task.waker().clone())) {
             #[cfg(not(loom))]
@@ -592,7 +616,7 @@ mod slot {
     use std::{mem::MaybeUninit, ptr::NonNull, task::Waker};
 
     use crate::{
-        error::AskError,
+        runtime::reply::Unanswered,
         sync::{spin_loop, yield_now, AtomicU8, Ordering, Thread, UnsafeCell},
     };
 
@@ -642,7 +666,7 @@ mod slot {
         waiter: UnsafeCell<Option<Waiter>>,
         /// Initialized once the completer wrote it (always before `READY`; possibly before it
         /// found `ABANDONED`, then it drops it itself).
-        outcome: UnsafeCell<MaybeUninit<Result<T, AskError>>>,
+        outcome: UnsafeCell<MaybeUninit<Result<T, Unanswered>>>,
     }
 
     /// A new slot: its completer and its receiver.
@@ -871,7 +895,7 @@ mod slot {
             let (completer, receiver) = channel::<u64>();
             assert_eq!(receiver.slot, first, "the freed block was taken again");
             drop(completer);
-            assert!(matches!(receiver.take_ready(), Err(AskError::NoReply { .. })));
+            assert!(matches!(receiver.take_ready(), Err(Unanswered::NoReply)));
 
             // A type of another layout gets its own blocks; many in flight at once fill the
             // cache up to its bound and no further.
@@ -897,7 +921,7 @@ mod slot {
         }
     }
 
-    /// The replier's half. Dropping it unanswered completes with [`AskError::NoReply`].
+    /// The replier's half. Dropping it unanswered completes with `Unanswered::NoReply`.
     pub(crate) struct Completer<T> {
         slot: NonNull<Slot<T>>,
     }
@@ -935,7 +959,7 @@ mod slot {
         }
 
         /// Delivers `outcome` (or drops it if the asker gave up) and wakes a parked asker.
-        pub(crate) fn complete(self, outcome: Result<T, AskError>) {
+        pub(crate) fn complete(self, outcome: Result<T, Unanswered>) {
             let slot_ptr = self.slot;
             std::mem::forget(self);
             // SAFETY: as in `Completer::slot`: alive until this function publishes `READY`,
@@ -988,7 +1012,9 @@ mod slot {
                         slot.outcome.with_mut(|cell| {
                             // SAFETY: written just above; `ABANDONED` is final and gives this
                             // completer the whole block, so nobody else reads the cell.
-                            unsafe { std::ptr::drop_in_place(cell.cast::<Result<T, AskError>>()) };
+                            unsafe {
+                                std::ptr::drop_in_place(cell.cast::<Result<T, Unanswered>>())
+                            };
                         });
                         return;
                     }
@@ -1020,7 +1046,7 @@ mod slot {
     impl<T> Drop for Completer<T> {
         fn drop(&mut self) {
             let completer = Completer { slot: self.slot };
-            completer.complete(Err(AskError::no_reply()));
+            completer.complete(Err(Unanswered::NoReply));
         }
     }
 
@@ -1051,7 +1077,7 @@ mod slot {
 
         /// The outcome if it is there, else the receiver back.
         #[inline]
-        pub(crate) fn try_take(self) -> Result<Result<T, AskError>, Self> {
+        pub(crate) fn try_take(self) -> Result<Result<T, Unanswered>, Self> {
             if self.is_ready() {
                 Ok(self.take_ready())
             } else {
@@ -1061,7 +1087,7 @@ mod slot {
 
         /// Takes the outcome and frees the block. Call only once [`Receiver::is_ready`] (or
         /// [`Receiver::unregister`]) said so; should that not hold, it waits for the outcome.
-        pub(crate) fn take_ready(self) -> Result<T, AskError> {
+        pub(crate) fn take_ready(self) -> Result<T, Unanswered> {
             debug_assert!(self.is_ready(), "take_ready before the outcome was published");
             self.wait_until_ready();
             let slot_ptr = self.slot;
@@ -1072,7 +1098,7 @@ mod slot {
             let outcome = slot.outcome.with(|cell| {
                 // SAFETY: `READY` means the completer initialized the outcome and released
                 // it; the receiver reads it exactly once (this consumes the receiver).
-                unsafe { cell.cast::<Result<T, AskError>>().read() }
+                unsafe { cell.cast::<Result<T, Unanswered>>().read() }
             });
             // SAFETY: `READY` gives the receiver the block, the outcome was moved out above,
             // and `slot` is not used after this call.
@@ -1422,6 +1448,45 @@ mod tests {
         assert!(format!("{reply:?}").contains("ready"));
         assert_eq!(reply.try_take().expect("arrived").expect("ok"), 3);
         assert!(matches!(reply.try_take(), Some(Err(AskError::NoReply { .. }))));
+    }
+
+    /// Every error the asker takes names the endpoint asked, however it takes it: a dropped
+    /// replier's and a failed one's, by `try_take` and by a wait, and a failed reply's on a
+    /// second take. A reply and its slot stay small (a reply is made per ask, and a slot is a
+    /// heap block per ask): an `AskError` is kept out of both on the answering path.
+    #[test]
+    fn the_asker_s_errors_name_the_endpoint_asked() {
+        let named = |error: &AskError| match error {
+            AskError::NoReply { endpoint }
+            | AskError::Handler { endpoint, .. }
+            | AskError::HandlerPanicked { endpoint, .. }
+            | AskError::Timeout { endpoint, .. }
+            | AskError::Stopped { endpoint } => endpoint == "asked",
+            _ => false,
+        };
+        let (replier, mut reply) = request_pair::<u64>(Duration::from_secs(10), "asked");
+        drop(replier);
+        let error = reply.try_take().expect("failed at once").unwrap_err();
+        assert!(matches!(error, AskError::NoReply { .. }) && named(&error), "{error:?}");
+        assert!(error.to_string().starts_with("endpoint \"asked\": "), "{error}");
+        let second = reply.try_take().expect("taken").unwrap_err();
+        assert!(matches!(second, AskError::NoReply { .. }) && named(&second), "{second:?}");
+
+        let (replier, reply) = request_pair::<u64>(Duration::from_secs(10), "asked");
+        replier.fail("refused");
+        let error = reply.wait().unwrap_err();
+        assert!(matches!(error, AskError::Handler { .. }) && named(&error), "{error:?}");
+
+        let stopped = AskError::Stopped { endpoint: "asked".to_owned() };
+        let mut reply = Reply::<u64>::failed(stopped, "asked");
+        let error = reply.try_take().expect("failed").unwrap_err();
+        assert!(matches!(error, AskError::Stopped { .. }) && named(&error), "{error:?}");
+        let second = reply.try_take().expect("taken").unwrap_err();
+        assert!(matches!(second, AskError::NoReply { .. }) && named(&second), "{second:?}");
+
+        assert!(std::mem::size_of::<Reply<u64>>() <= 80, "{}", std::mem::size_of::<Reply<u64>>());
+        let slot_outcome = std::mem::size_of::<Result<u64, Unanswered>>();
+        assert!(slot_outcome <= 32, "a slot's outcome takes {slot_outcome} bytes");
     }
 
     #[test]

@@ -210,7 +210,9 @@ where
     type Request = EpochRequest;
 
     /// Only a panic reaches this hook (the handlers answer every error themselves): the
-    /// coordinator fail-stops (`EpochCoordinator::fail_after_panic`).
+    /// coordinator fail-stops (`EpochCoordinator::fail_after_panic`). A `HandlerPanicked` here
+    /// is this endpoint's own (the worker names it): its handlers ask no other endpoint, so
+    /// none returns another endpoint's.
     fn on_error(&mut self, error: &HandlerError) {
         match error.downcast_ref::<AskError>() {
             Some(AskError::HandlerPanicked { message, .. }) => {
