@@ -594,9 +594,12 @@ fn a_queue_over_its_limit_takes_only_the_next_epoch_until_commits_free_it() {
     assert!(calls.contains(&sink_commit(3, 1)), "{calls:?}");
 }
 
-#[test]
-fn a_full_queue_rejection_names_the_queue_and_its_limit() {
-    let (query, sink, _) = recorders();
+/// A coordinator of one reader and one writer with backlog limits of 2, whose commit queue is
+/// over its limit: epochs 1 to 3 committed by the writer, no offset reported.
+fn over_the_commit_limit(
+    query: RecordingQuery,
+    sink: RecordingSink,
+) -> EpochCoordinator<RecordingQuery, RecordingSink> {
     let config = EpochConfig::new(1).with_backlog_limit(2);
     let mut coordinator = EpochCoordinator::new(config, query, sink).unwrap();
     coordinator.set_reader_partitions(1).unwrap();
@@ -604,6 +607,13 @@ fn a_full_queue_rejection_names_the_queue_and_its_limit() {
     for epoch in 1..=3 {
         coordinator.commit_partition_epoch(PartitionId(0), Epoch(epoch), 1.into()).unwrap();
     }
+    coordinator
+}
+
+#[test]
+fn a_full_queue_rejection_names_the_queue_and_its_limit() {
+    let (query, sink, _) = recorders();
+    let mut coordinator = over_the_commit_limit(query, sink);
     let rejected =
         coordinator.commit_partition_epoch(PartitionId(0), Epoch(4), 1.into()).unwrap_err();
     assert_eq!(
@@ -622,13 +632,7 @@ fn a_full_queue_rejection_names_the_queue_and_its_limit() {
 #[test]
 fn no_backlog_check_runs_after_writes_stop_even_over_the_limit() {
     let (query, sink, log) = recorders();
-    let config = EpochConfig::new(1).with_backlog_limit(2);
-    let mut coordinator = EpochCoordinator::new(config, query, sink).unwrap();
-    coordinator.set_reader_partitions(1).unwrap();
-    coordinator.set_writer_partitions(1).unwrap();
-    for epoch in 1..=3 {
-        coordinator.commit_partition_epoch(PartitionId(0), Epoch(epoch), 1.into()).unwrap();
-    }
+    let mut coordinator = over_the_commit_limit(query, sink);
     let stops = |log: &epoch_support::CallLog| stop_messages(&log.lock().unwrap()).len();
     assert_eq!(stops(&log), 1, "the commit queue is over its limit");
     // Before the stop, a further (refused) commit checks again.

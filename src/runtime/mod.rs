@@ -679,14 +679,7 @@ mod tests {
         let (reply_sender, reply_receiver) = mpsc::channel();
         std::thread::scope(|scope| {
             let racer = scope.spawn(|| {
-                let deadline = Instant::now() + std::time::Duration::from_secs(30);
-                let endpoint = loop {
-                    if let Ok(endpoint) = bus.lookup::<Pinger>("never") {
-                        break endpoint;
-                    }
-                    assert!(Instant::now() < deadline, "the name was never registered");
-                    std::thread::yield_now();
-                };
+                let endpoint = lookup_once_registered(&bus, "never");
                 endpoint.send(()).unwrap();
                 let reply = endpoint.ask(Ping);
                 asked.wait();
@@ -720,6 +713,19 @@ mod tests {
         let again = bus.register("never", Pinger).expect("the name is free again");
         again.ask(Ping).wait_timeout(std::time::Duration::from_secs(30)).unwrap();
         bus.shutdown().unwrap();
+    }
+
+    /// The endpoint `name` of `bus`, as soon as it is registered (from a thread racing the
+    /// registration); fails the test after 30 s.
+    fn lookup_once_registered(bus: &Bus, name: &str) -> crate::EndpointRef<Pinger> {
+        let deadline = Instant::now() + std::time::Duration::from_secs(30);
+        loop {
+            if let Ok(endpoint) = bus.lookup::<Pinger>(name) {
+                return endpoint;
+            }
+            assert!(Instant::now() < deadline, "the name was never registered");
+            std::thread::yield_now();
+        }
     }
 
     /// An iterator of `len` unit messages whose first `next` tells `entered` and then blocks
@@ -769,14 +775,7 @@ mod tests {
         });
         std::thread::scope(|scope| {
             let racer = scope.spawn(|| {
-                let deadline = Instant::now() + std::time::Duration::from_secs(30);
-                let endpoint = loop {
-                    if let Ok(endpoint) = bus.lookup::<Pinger>("blocked") {
-                        break endpoint;
-                    }
-                    assert!(Instant::now() < deadline, "the name was never registered");
-                    std::thread::yield_now();
-                };
+                let endpoint = lookup_once_registered(&bus, "blocked");
                 let batch =
                     BlockingBatch { len: 4, entered: entered_sender, release: release_receiver };
                 // Its outcome depends on when the push sees the inbox closed; only its end
