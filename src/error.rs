@@ -206,7 +206,8 @@ pub enum BusError {
         /// detached: stopped, they finish on their own); empty if none.
         unfinished: Vec<String>,
     },
-    /// An endpoint name the bus cannot take (it names the endpoint's thread).
+    /// An endpoint name the bus cannot take: an empty one (an ask's errors name the endpoint),
+    /// or one holding a NUL character (it names the endpoint's thread).
     #[error("invalid endpoint name {name:?}: {reason}")]
     InvalidName {
         /// The name asked for.

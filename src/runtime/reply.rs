@@ -316,8 +316,8 @@ impl<T: Send + 'static> Drop for Replier<T> {
 
 /// How the answering side failed a request: what a reply slot carries in place of an
 /// [`AskError`]. The answering side does not know the endpoint's name, which the asker's
-/// [`Reply`] adds ([`Unanswered::asked`]); and the slot stays as small as the smallest of
-/// these (a slot is a heap block per ask).
+/// [`Reply`] adds ([`Unanswered::asked`]); and this type is smaller than an `AskError`, which
+/// keeps the slot (a heap block per ask) small.
 #[derive(Debug)]
 pub(crate) enum Unanswered {
     /// The replier was dropped without an answer.
@@ -926,9 +926,10 @@ mod slot {
         slot: NonNull<Slot<T>>,
     }
 
-    // SAFETY: the completer moves a `T` into the slot (hence `T: Send`) and may run on any
-    // thread; every access to the shared block is ordered by the state protocol of the module
-    // doc, never by the thread it runs on.
+    // SAFETY: the completer moves a `T` or an `Unanswered` into the slot (hence `T: Send`;
+    // `Unanswered` is `Send`: a `String` or a `HandlerError`, which is `Send + Sync`) and may
+    // run on any thread; every access to the shared block is ordered by the state protocol of
+    // the module doc, never by the thread it runs on.
     unsafe impl<T: Send> Send for Completer<T> {}
     // SAFETY: through `&Completer` only `is_abandoned` runs, an atomic load.
     unsafe impl<T: Send> Sync for Completer<T> {}
@@ -1056,8 +1057,9 @@ mod slot {
         slot: NonNull<Slot<T>>,
     }
 
-    // SAFETY: the receiver moves a `T` out of the slot (hence `T: Send`), on whichever thread
-    // holds it; every access to the shared block is ordered by the state protocol.
+    // SAFETY: the receiver moves a `T` or an `Unanswered` (which is `Send`, see `Completer`)
+    // out of the slot (hence `T: Send`), on whichever thread holds it; every access to the
+    // shared block is ordered by the state protocol.
     unsafe impl<T: Send> Send for Receiver<T> {}
     // SAFETY: through `&Receiver` only `is_ready` runs, an atomic load.
     unsafe impl<T: Send> Sync for Receiver<T> {}
@@ -1484,9 +1486,10 @@ mod tests {
         let second = reply.try_take().expect("taken").unwrap_err();
         assert!(matches!(second, AskError::NoReply { .. }) && named(&second), "{second:?}");
 
-        assert!(std::mem::size_of::<Reply<u64>>() <= 80, "{}", std::mem::size_of::<Reply<u64>>());
+        // 80 and 40 bytes before the endpoint's name (with a `Result<u64, AskError>` outcome).
+        assert!(std::mem::size_of::<Reply<u64>>() <= 72, "{}", std::mem::size_of::<Reply<u64>>());
         let slot_outcome = std::mem::size_of::<Result<u64, Unanswered>>();
-        assert!(slot_outcome <= 32, "a slot's outcome takes {slot_outcome} bytes");
+        assert!(slot_outcome <= 24, "a slot's outcome takes {slot_outcome} bytes");
     }
 
     #[test]
