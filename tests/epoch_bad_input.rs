@@ -594,6 +594,36 @@ fn a_queue_over_its_limit_takes_only_the_next_epoch_until_commits_free_it() {
     assert!(calls.contains(&sink_commit(3, 1)), "{calls:?}");
 }
 
+/// A partition count above the limit: its epochs cannot commit without overflowing, so the
+/// next epoch to commit gets no exception from the refusal over the limit, and the side holds
+/// at most the limit and one entry, not the count.
+#[test]
+fn a_count_above_the_limit_gets_no_exception_for_the_next_epoch() {
+    let (query, sink, calls) = recorders();
+    let config = EpochConfig::new(1).with_backlog_limit(2);
+    let mut coordinator = EpochCoordinator::new(config, query, sink).unwrap();
+    coordinator.set_reader_partitions(1000).unwrap();
+    coordinator.set_writer_partitions(1).unwrap();
+    for partition in 0..3 {
+        coordinator.report_partition_offset(PartitionId(partition), Epoch(1), 1.into()).unwrap();
+    }
+    for partition in 3..1000 {
+        let rejected = coordinator
+            .report_partition_offset(PartitionId(partition), Epoch(1), 1.into())
+            .unwrap_err();
+        assert_eq!(
+            rejected.reason,
+            DropReason::BacklogFull { queue: BacklogQueue::PartitionOffsets, limit: 2 }
+        );
+    }
+    let stats = coordinator.stats();
+    assert_eq!(stats.offset_entries, 3, "the limit and one");
+    assert_eq!(stats.counters.dropped_backlog_full, 997);
+    assert_eq!(stats.counters.backlog_overflows, 998, "the third report and each refused one");
+    let calls = calls.lock().unwrap();
+    assert!(!calls.iter().any(|call| matches!(call, Call::AddOffsets(..))), "{calls:?}");
+}
+
 /// A coordinator of one reader and one writer with backlog limits of 2, whose commit queue is
 /// over its limit: epochs 1 to 3 committed by the writer, no offset reported.
 fn over_the_commit_limit(

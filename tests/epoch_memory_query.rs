@@ -207,13 +207,13 @@ fn a_restarted_run_replaces_the_offsets_a_stopped_run_recorded_for_an_epoch_it_d
 #[test]
 fn a_coordinator_starts_exactly_at_the_first_epoch_the_memory_query_did_not_commit() {
     let mut query = MemoryQuery::default();
-    assert_eq!(query.first_uncommitted_epoch(), None);
+    assert_eq!(query.last_committed_epoch(), None);
     // Nothing committed: any start epoch is taken.
     let (_, sink, _) = recorders();
     EpochEndpoint::new(EpochConfig::new(3), query.clone(), sink.clone()).unwrap();
     query.add_offsets(Epoch(4), Offsets::new(&[(PartitionId(0), Payload::from(4))])).unwrap();
     query.commit(Epoch(4)).unwrap();
-    assert_eq!(query.first_uncommitted_epoch(), Some(Epoch(5)));
+    assert_eq!(query.last_committed_epoch(), Some(Epoch(4)));
     // Below it, the sink would commit epochs again.
     let error = EpochEndpoint::new(EpochConfig::new(3), query.clone(), sink.clone()).unwrap_err();
     assert!(error.to_string().contains("start_epoch"), "{error}");
@@ -224,4 +224,25 @@ fn a_coordinator_starts_exactly_at_the_first_epoch_the_memory_query_did_not_comm
     assert!(error.to_string().contains("7 (the query has committed up to 4)"), "{error}");
     assert!(error.to_string().contains("would never commit"), "{error}");
     EpochEndpoint::new(EpochConfig::new(5), query.clone(), sink).unwrap();
+}
+
+/// A query that committed `i64::MAX` has no epoch left: a coordinator it is handed on to would
+/// start at `i64::MAX` again (the epoch after it does not exist) and commit it a second time.
+#[test]
+fn a_query_that_committed_the_last_epoch_takes_no_new_coordinator() {
+    let mut query = MemoryQuery::default();
+    let last = Epoch(i64::MAX);
+    query.add_offsets(last, Offsets::new(&[(PartitionId(0), Payload::from(1))])).unwrap();
+    query.commit(last).unwrap();
+    let (_, sink, _) = recorders();
+    for start in [i64::MAX - 1, i64::MAX] {
+        let error =
+            EpochEndpoint::new(EpochConfig::new(start), query.clone(), sink.clone()).unwrap_err();
+        let text = error.to_string();
+        assert!(
+            text.contains(&format!("{start} (the query has committed up to {last})")),
+            "{text}"
+        );
+        assert!(text.contains("no epoch is left to start at"), "{text}");
+    }
 }

@@ -2084,6 +2084,14 @@ impl Wal {
         Lsn(self.shared.durable_lsn.load(Ordering::Acquire))
     }
 
+    /// The last LSN whose sync completed, so that a power loss keeps it. The same as
+    /// [`Wal::durable_lsn`] with [`Durability::GroupCommit`] and [`Durability::EveryRecord`];
+    /// with [`Durability::None`] (which counts a written LSN durable), the last record of the
+    /// last segment sealed. After opening, the last recovered LSN.
+    pub fn synced_lsn(&self) -> Lsn {
+        Lsn(self.shared.synced_lsn.load(Ordering::Acquire))
+    }
+
     /// The last LSN appended.
     pub fn appended_lsn(&self) -> Lsn {
         Lsn(self.shared.appended_lsn.load(Ordering::Acquire))

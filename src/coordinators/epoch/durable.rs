@@ -75,8 +75,16 @@
 //! `D`, never below the threshold, so a crash always finds at least `D`. The threshold follows
 //! the durable commit, not the last appended one: the segment of an appended commit may not be
 //! written yet, and cleaning by it once deleted the only segments a crash could recover from
-//! (found by the kill -9 test). (If the WAL is configured with a rolling interval, that
-//! interval is counted in epochs.)
+//! (found by the kill -9 test). With `Durability::None`, which counts a written record
+//! durable and syncs only sealed segments, `D` is the last commit known synced instead: by
+//! a written one, cleaning deleted every synced segment, and a power loss left no commit at
+//! all (found by review, now tested in `epoch_power_loss`). (If the WAL is configured with a
+//! rolling interval, that
+//! interval is counted in epochs.) Cleaning deletes only a prefix of the segments, so a record
+//! of an epoch far after the last commit would keep its segment and all later ones until the
+//! commits pass it, for good if they never do (one report for a distant epoch): offsets more
+//! than `max(retained_epochs, 64)` epochs ahead wait in memory and are logged just before
+//! their epoch's commit (`DurableQuery::log_ahead_epochs`).
 
 use std::{
     cell::RefCell,
@@ -100,7 +108,7 @@ use super::{
     },
     worth_a_warning, CollaboratorError, Epoch, EpochError, Offsets, PartitionId, Payload, Query,
 };
-use crate::wal::{Lsn, RecordHandle, Wal, WalConfig, WalError};
+use crate::wal::{Durability, Lsn, RecordHandle, Wal, WalConfig, WalError};
 
 /// The default number of committed epochs whose records are retained (Spark's
 /// `spark.sql.streaming.minBatchesToRetain`).
@@ -148,6 +156,46 @@ struct Status {
     pending: Mutex<VecDeque<(u64, i64)>>,
     /// The log (not kept open by status handles).
     wal: Weak<Wal>,
+}
+
+/// How many commits [`SyncedCommits`] tracks at most.
+const SYNCED_COMMITS_TRACKED: usize = 1024;
+
+/// With [`Durability::None`], the last commit that a power loss keeps: the WAL counts a written
+/// record durable there, but syncs only when a segment is sealed. Cleaning follows this commit
+/// instead of the durable one, so that it never deletes synced segments on the strength of a
+/// commit that only the page cache holds (a power loss would then leave no commit at all, and
+/// the query would restart from epoch 0).
+#[derive(Debug)]
+struct SyncedCommits {
+    /// Commit records not yet known synced, `(lsn, epoch)` in order. At most
+    /// [`SYNCED_COMMITS_TRACKED`]: when full, the newest entry is replaced, so the answer can
+    /// only lag behind, never run ahead.
+    unsynced: VecDeque<(u64, i64)>,
+    /// The last commit known synced (-1: none).
+    last: i64,
+}
+
+impl SyncedCommits {
+    fn new(recovered: i64) -> Self {
+        Self { unsynced: VecDeque::new(), last: recovered }
+    }
+
+    fn appended(&mut self, lsn: Lsn, epoch: Epoch) {
+        if self.unsynced.len() == SYNCED_COMMITS_TRACKED {
+            self.unsynced.pop_back();
+        }
+        self.unsynced.push_back((lsn.0, epoch.0));
+    }
+
+    /// The last commit whose record is at most `synced` (-1: none).
+    fn last_synced(&mut self, synced: Lsn) -> i64 {
+        while let Some(&(_, epoch)) = self.unsynced.front().filter(|(lsn, _)| *lsn <= synced.0) {
+            self.last = epoch;
+            self.unsynced.pop_front();
+        }
+        self.last
+    }
 }
 
 impl Status {
@@ -267,11 +315,12 @@ pub type RestartPoint = (Epoch, Vec<(PartitionId, Payload)>);
 /// B.9, B.10), in front of an inner engine query `Q` that still gets every call (after the
 /// append).
 ///
-/// * Records: one rkyv record per epoch's offsets (appended once per epoch and run, compact
-///   flat arrays) and one per committed epoch, each with the **epoch as its WAL time** and
-///   tagged with the run (the opening of the log) that wrote it. On replay the first offsets
-///   record of a run wins and a newer run's replaces an older run's, so offsets that a stopped
-///   run logged after its last commit never shadow what the next run logs for that epoch.
+/// * Records: one rkyv record per epoch's offsets (appended once per epoch and run, compact flat
+///   arrays; for an epoch more than `max(retained_epochs, 64)` after the last commit, just before
+///   its commit instead of when complete) and one per committed epoch, each with the **epoch as its
+///   WAL time** and tagged with the run (the opening of the log) that wrote it. On replay the first
+///   offsets record of a run wins and a newer run's replaces an older run's, so offsets that a
+///   stopped run logged after its last commit never shadow what the next run logs for that epoch.
 /// * Recovery ([`DurableQuery::open`], [`DurableQuery::from_wal`]): the last committed epoch
 ///   and its offsets ([`DurableQuery::restart_point`]); offsets of later epochs are ignored.
 /// * No waiting for syncs: appends return at once (unless the WAL's staging buffer is full,
@@ -281,10 +330,11 @@ pub type RestartPoint = (Epoch, Vec<(PartitionId, Payload)>);
 ///   makes them durable (group commit). [`DurableQueryStatus`] says which commits are durable.
 ///   A crash before a commit record is durable makes the next run commit that epoch again
 ///   (at-least-once, SPEC B.5).
-/// * Bounded: with `D` the last commit known durable, WAL segments holding only epochs below
-///   `D + 1 - retained_epochs` are deleted (time-based `clean`, at most every
-///   `retained_epochs / 4` epochs); `D`'s records are never below that threshold, and every
-///   later commit is in a later segment. A WAL rolling interval, if configured, counts epochs.
+/// * Bounded: with `D` the last commit known durable (with [`Durability::None`], which syncs only
+///   sealed segments: known synced), WAL segments holding only epochs below `D + 1 -
+///   retained_epochs` are deleted (time-based `clean`, at most every `retained_epochs / 4` epochs);
+///   `D`'s records are never below that threshold, and every later commit is in a later segment. A
+///   WAL rolling interval, if configured, counts epochs.
 /// * Dropping the query closes the log (writing and syncing everything appended), waiting at
 ///   most [`CLOSE_TIMEOUT`].
 ///
@@ -299,11 +349,16 @@ pub struct DurableQuery<Q: Query = NoopQuery> {
     restart_point: Option<RestartPoint>,
     /// Epochs after the last commit whose offsets this run logged.
     logged: BTreeSet<i64>,
+    /// Offsets of epochs too far after the last commit to log yet ([`Self::log_ahead_epochs`]),
+    /// as first added in this run: logged just before their commit, if it comes.
+    deferred: BTreeMap<i64, Vec<(PartitionId, Payload)>>,
     retained_epochs: usize,
     /// The longest an append waits for room ([`DEFAULT_WRITE_TIMEOUT`]).
     write_timeout: Duration,
     /// The next cleaning threshold that triggers a `clean`.
     next_clean: i64,
+    /// With [`Durability::None`] only: the commits a power loss keeps, which cleaning follows.
+    synced_commits: Option<SyncedCommits>,
     /// Reused serialization buffer.
     buf: AlignedVec,
     /// Whether the last offsets record had the compact layout (see `append_offsets`).
@@ -354,6 +409,8 @@ impl<Q: Query> DurableQuery<Q> {
             run = recovered.max_run + 1,
             "epoch log recovered"
         );
+        let synced_commits =
+            matches!(wal.config().durability, Durability::None).then(|| SyncedCommits::new(last));
         let wal = Arc::new(wal);
         let status = Arc::new(Status {
             last_committed: AtomicI64::new(last),
@@ -372,10 +429,12 @@ impl<Q: Query> DurableQuery<Q> {
             run: recovered.max_run + 1,
             restart_point: recovered.restart_point,
             logged: BTreeSet::new(),
+            deferred: BTreeMap::new(),
             append_failure: None,
             retained_epochs: DEFAULT_RETAINED_EPOCHS,
             write_timeout: DEFAULT_WRITE_TIMEOUT,
             next_clean: i64::MIN,
+            synced_commits,
             buf: AlignedVec::new(),
             assume_compact: true,
             deltas: DeltaEncoder::default(),
@@ -403,11 +462,12 @@ impl<Q: Query> DurableQuery<Q> {
         self.restart_point.as_ref()
     }
 
-    /// The epoch a new coordinator starts at: the one after the last committed (the
-    /// recovered `E + 1` when just opened; a query handed on after committing more moves on
-    /// with it), or 0.
+    /// The epoch a new coordinator starts at: the one after the last committed (the recovered `E +
+    /// 1` when just opened; a query handed on after committing more moves on with it), or 0. After
+    /// a commit of `i64::MAX` (which [`DurableQuery::from_wal`] refuses to reopen) it stays
+    /// `i64::MAX`, which [`EpochCoordinator::new`](super::EpochCoordinator::new) refuses.
     pub fn start_epoch(&self) -> Epoch {
-        self.first_uncommitted_epoch().unwrap_or(Epoch(0))
+        self.last_committed_epoch().map_or(Epoch(0), |last| Epoch(last.0.saturating_add(1)))
     }
 
     /// A handle on this query's progress for other threads.
@@ -522,11 +582,15 @@ impl<Q: Query> DurableQuery<Q> {
         Ok(())
     }
 
-    /// Cleans below the newest `retained_epochs` **durable** commits. Counting from the last
+    /// Cleans below the newest `retained_epochs` **durable** commits (with
+    /// [`Durability::None`], **synced** commits: [`SyncedCommits`]). Counting from the last
     /// appended commit instead would be wrong: its segment may not be written yet, and a crash
     /// would then find neither it nor the (deleted) segments of the durable commits before it.
     fn maybe_clean(&mut self) {
-        let durable = self.status.durable_committed.load(Ordering::Acquire);
+        let durable = match self.synced_commits.as_mut() {
+            Some(synced_commits) => synced_commits.last_synced(self.wal.synced_lsn()),
+            None => self.status.durable_committed.load(Ordering::Acquire),
+        };
         if durable < 0 {
             return;
         }
@@ -555,6 +619,21 @@ impl<Q: Query> DurableQuery<Q> {
     }
 }
 
+impl<Q: Query> DurableQuery<Q> {
+    /// How far after the last commit an epoch's offsets are logged as soon as they are
+    /// complete: `max(retained_epochs, KEYFRAME_INTERVAL)` epochs. A record's time is its
+    /// epoch, and cleaning deletes only a prefix of the segments, so a record of an epoch far
+    /// ahead would keep its segment and every later one until the commits pass it: a single
+    /// report for a distant epoch (a task gone astray) would stop the cleaning for good.
+    /// Offsets further ahead wait in memory ([`Self::deferred`], bounded as the coordinator's
+    /// own backlog: an epoch's offsets are complete only while it holds them) and are logged
+    /// just before their epoch's commit, which needs them first; a restart ignores the offsets
+    /// of uncommitted epochs anyway (SPEC B.10), so nothing it reads is missing.
+    fn log_ahead_epochs(&self) -> i64 {
+        i64::try_from(self.retained_epochs).unwrap_or(i64::MAX).max(KEYFRAME_INTERVAL)
+    }
+}
+
 impl<Q: Query> Query for DurableQuery<Q> {
     /// Appends the epoch's offsets (once per epoch and run), then calls the inner query.
     /// Offsets of an epoch at or below the last committed one are ignored (counted).
@@ -568,8 +647,14 @@ impl<Q: Query> Query for DurableQuery<Q> {
             return Ok(());
         }
         if !self.logged.contains(&epoch.0) {
-            self.append_offsets(epoch, offsets)?;
-            self.logged.insert(epoch.0);
+            let last = self.status.last_committed.load(Ordering::Relaxed);
+            if epoch.0 - last > self.log_ahead_epochs() {
+                // The first offsets of the run win, deferred or not.
+                self.deferred.entry(epoch.0).or_insert_with(|| offsets.to_vec());
+            } else {
+                self.append_offsets(epoch, offsets)?;
+                self.logged.insert(epoch.0);
+            }
         }
         self.inner.add_offsets(epoch, offsets)
     }
@@ -586,7 +671,11 @@ impl<Q: Query> Query for DurableQuery<Q> {
             return Ok(());
         }
         if !self.logged.contains(&epoch.0) {
-            return Err(Box::new(EpochError::CommittedWithoutOffsets { epoch }));
+            let Some(offsets) = self.deferred.remove(&epoch.0) else {
+                return Err(Box::new(EpochError::CommittedWithoutOffsets { epoch }));
+            };
+            self.append_offsets(epoch, Offsets::new(&offsets))?;
+            self.logged.insert(epoch.0);
         }
         Self::serialize(
             &mut self.buf,
@@ -599,11 +688,17 @@ impl<Q: Query> Query for DurableQuery<Q> {
         // Queued before the epoch shows as committed, so that a reader who sees it committed
         // finds its record to wait for (`wait_durable_committed`).
         self.status.pending().push_back((lsn.0, epoch.0));
+        if let Some(synced_commits) = self.synced_commits.as_mut() {
+            synced_commits.appended(lsn, epoch);
+        }
         self.status.last_committed.store(epoch.0, Ordering::Release);
         // Drop the epochs up to this one in place (`split_off` would build a new set: an
         // allocation per commit).
         while self.logged.first().is_some_and(|&logged| logged <= epoch.0) {
             self.logged.pop_first();
+        }
+        while self.deferred.first_key_value().is_some_and(|(&deferred, _)| deferred <= epoch.0) {
+            self.deferred.pop_first();
         }
         self.status.advance(self.wal.durable_lsn());
         self.maybe_clean();
@@ -620,16 +715,15 @@ impl<Q: Query> Query for DurableQuery<Q> {
         // reaches the cap; it only keeps the number below u64::MAX.
         self.run = self.run.saturating_add(1).min(u64::MAX - 1);
         self.logged.clear();
+        self.deferred.clear();
         self.deltas.forget_base();
         self.inner.begin_run();
     }
 
-    /// The epoch after the last one committed: recovered, or committed through this query
-    /// since (a query handed on to a new coordinator keeps what its run committed). `None`
-    /// while none is committed.
-    fn first_uncommitted_epoch(&self) -> Option<Epoch> {
-        let last = self.status.last_committed.load(Ordering::Acquire);
-        epoch_or_none(last).map(|last| Epoch(last.0.saturating_add(1)))
+    /// The last epoch committed: recovered, or committed through this query since (a query
+    /// handed on to a new coordinator keeps what its run committed). `None` while none is.
+    fn last_committed_epoch(&self) -> Option<Epoch> {
+        epoch_or_none(self.status.last_committed.load(Ordering::Acquire))
     }
 
     /// Keeps the first error (as text with its causes, for [`DurableQueryStatus::stop_error`])
@@ -1313,6 +1407,64 @@ mod tests {
         }
         let query = DurableQuery::open(dir.path(), config()).unwrap();
         assert_eq!(query.restart_point(), Some(&(Epoch(199), many(199))));
+    }
+
+    /// A record's time is its epoch and cleaning deletes only a prefix of the segments: the
+    /// offsets of one epoch far ahead, logged when they completed, kept their segment and every
+    /// later one for good. They wait in memory instead, and the log is cleaned as usual.
+    #[test]
+    fn offsets_far_ahead_do_not_stop_the_cleaning() {
+        let dir = tempfile::tempdir().unwrap();
+        let offsets = |epoch: i64| -> Vec<(PartitionId, Payload)> { advancing(200, 5000, epoch) };
+        let config =
+            WalConfig { durability: Durability::None, segment_size_bytes: 4096, ..config() };
+        {
+            let mut query =
+                DurableQuery::open(dir.path(), config.clone()).unwrap().with_retained_epochs(4);
+            let astray = Epoch(i64::MAX - 1);
+            query.add_offsets(astray, Offsets::new(&offsets(7))).unwrap();
+            commit_each_durably(&mut query, 0..300, offsets);
+            wait_for_cleaned_segments(&query, 10);
+            let stats = query.wal().stats();
+            assert!(stats.segments <= 80, "the newest 64 + 4 epochs at most: {stats:?}");
+        }
+        let query = DurableQuery::open(dir.path(), config).unwrap();
+        assert_eq!(query.restart_point(), Some(&(Epoch(299), offsets(299))));
+        let logged: Vec<i64> =
+            logged_offsets(query.wal()).iter().map(|(epoch, _, _)| *epoch).collect();
+        assert!(!logged.contains(&(i64::MAX - 1)), "{logged:?}");
+    }
+
+    /// Offsets too far ahead to log when they complete are logged just before their epoch's
+    /// commit, as first added (the first record of a run wins, deferred or not).
+    #[test]
+    fn offsets_deferred_far_ahead_are_logged_before_their_commit() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let mut query =
+                DurableQuery::open(dir.path(), config()).unwrap().with_retained_epochs(4);
+            // 100 epochs ahead of the last commit (none: -1), beyond the 64 logged at once.
+            query.add_offsets(Epoch(99), Offsets::new(&offsets(99, 1))).unwrap();
+            query.add_offsets(Epoch(99), Offsets::new(&offsets(99, 2))).unwrap();
+            assert_eq!(query.wal().stats().appends, 0, "nothing logged yet");
+            commit_each_durably(&mut query, 0..99, |epoch| offsets(epoch, 0));
+            query.commit(Epoch(99)).unwrap();
+            assert!(query.status().wait_durable_committed(Epoch(99), Duration::from_secs(10)));
+        }
+        let query = DurableQuery::open(dir.path(), config()).unwrap();
+        assert_eq!(query.restart_point(), Some(&(Epoch(99), offsets(99, 1))));
+    }
+
+    /// A query handed on to a new coordinator forgets the offsets it deferred: the new
+    /// coordinator's own offsets are the run's first (a commit without them fails).
+    #[test]
+    fn a_new_run_forgets_the_deferred_offsets() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut query = DurableQuery::open(dir.path(), config()).unwrap();
+        query.add_offsets(Epoch(500), Offsets::new(&offsets(500, 1))).unwrap();
+        query.begin_run();
+        let error = query.commit(Epoch(500)).unwrap_err();
+        assert!(error.to_string().contains("committed without end epoch offsets"), "{error}");
     }
 
     #[test]

@@ -63,26 +63,27 @@
 //! committed one, plus as many recycled ones (only the free buckets released last keep their
 //! allocations, and every free bucket gives them back when the count changes), so they take at most
 //! `2 x max(16 x count, limit)` slots of 40 bytes per side, counts below 16 counting as 16.
-//! Recycled sparse sides keep room for up to `count` entries too (a count above the limit, which no
-//! epoch can fill without overflowing, makes that 16 x count). After a count is lowered, buckets
-//! laid out for the old count stay until their epochs commit; those it left with no entry are
-//! freed. The backlog checks stop the query once the entries exceed the limits (default 10 000
-//! each), with Spark's errors (SPEC B.7). Spark then keeps storing until the query sends
-//! `StopContinuousExecutionWrites`, so tasks that keep sending grow its maps without bound.
+//! Recycled sparse sides keep room for up to `count` entries too, at most the limit and one (which
+//! no side exceeds), so a count above the limit makes that 16 x the limit. After a count is
+//! lowered, buckets laid out for the old count stay until their epochs commit; those it left with
+//! no entry are freed. The backlog checks stop the query once the entries exceed the limits
+//! (default 10 000 each), with Spark's errors (SPEC B.7). Spark then keeps storing until the query
+//! sends `StopContinuousExecutionWrites`, so tasks that keep sending grow its maps without bound.
 //! Here a side (offsets or commits) whose entries are over its limit takes no new `(epoch,
-//! partition)` entry, except for the next epoch to commit while that side's partition count is
-//! set: only those messages can commit epochs and so free the queue. A message it refuses is
-//! dropped and counted ([`DropReason::BacklogFull`]), and the checks run for it as for a stored
-//! one (they fire again, as in Spark); a repeat report or a duplicate commit adds no entry and
-//! is handled as usual. Each side therefore holds at most its limit plus one entry, plus the
-//! next epoch's (at most its partition count), whatever arrives after the stop; ready epochs
-//! waiting to commit hold commit entries, so they are bounded by the commit limit too. A
-//! refused message is lost (tasks do not resend), so its epoch never commits: by then the run
-//! is failing anyway (the query has the overflow error). This departs from SPEC B.7 ("it does
-//! not drop or truncate anything on overflow") on purpose: issue 4 asks for memory bounded by
-//! the backlog limits, and where the spec and an issue disagree, the issue wins. The reference
-//! model of the property test ([`reference::ReferenceEpochCoordinator`]) carries the same rule,
-//! so the two are compared on it too.
+//! partition)` entry, except for the next epoch to commit while that side's partition count is set
+//! and within the limit: only those messages can commit epochs and so free the queue (an epoch with
+//! more partitions than the limit cannot commit without overflowing anyway). A message it refuses
+//! is dropped and counted ([`DropReason::BacklogFull`]), and the checks run for it as for a stored
+//! one (they fire again, as in Spark); a repeat report or a duplicate commit adds no entry and is
+//! handled as usual. Each side therefore holds at most its limit plus one entry, plus the next
+//! epoch's (at most its partition count, itself within the limit), whatever arrives after the stop;
+//! ready epochs waiting to commit hold commit entries, so they are bounded by the commit limit too.
+//! A refused message is lost (tasks do not resend), so its epoch never commits: by then the run is
+//! failing anyway (the query has the overflow error). This departs from SPEC B.7 ("it does not drop
+//! or truncate anything on overflow") on purpose: issue 4 asks for memory bounded by the backlog
+//! limits, and where the spec and an issue disagree, the issue wins. The reference model of the
+//! property test ([`reference::ReferenceEpochCoordinator`]) carries the same rule, so the two are
+//! compared on it too.
 //!
 //! # Behaviour decisions (SPEC 0.3 over B, and where the spec is silent)
 //! * A message for an epoch at or below the last committed epoch (which covers epochs below
@@ -110,7 +111,11 @@
 //!   committed it; [`DurableQuery`] would likewise refuse the commit. An epoch whose offsets
 //!   were added once is not added again at its commit, even if a count change let its
 //!   offsets change without a completing report (the offset log keeps a run's first record of
-//!   an epoch anyway).
+//!   an epoch anyway). So a reader count raised after an epoch's offsets were added leaves the
+//!   new partitions out of that epoch's record: their reports complete it again and call
+//!   `add_offsets` again, which the offset log ignores, and a restart from that epoch finds no
+//!   offset for them (Spark's offset log keeps the first entry too, SPEC B.9). Set the counts
+//!   before the tasks start (SPEC B.4).
 //! * A duplicate `CommitPartitionEpoch` is dropped and counted (first commit wins, no backlog
 //!   check). A repeated `ReportPartitionOffset` overwrites the offset (Spark) and, if the epoch's
 //!   offsets are complete, calls `add_offsets` again.
@@ -216,13 +221,13 @@ pub trait Query {
     /// error is the query's job. Must not block on the coordinator.
     fn stop(&mut self, error: EpochError);
 
-    /// The first epoch this query has not committed, if it has committed any (a restarted
-    /// query: the epoch after the last one it recorded committed). A coordinator must start
-    /// exactly there ([`EpochCoordinator::new`], SPEC B.10's `startEpoch = E + 1`): below it
-    /// the sink would commit those epochs again; above it the epochs in between would never
-    /// commit, and a later restart would resume past their offsets. `None` (the default): no
-    /// epoch committed, or no history to check against; any start epoch is taken.
-    fn first_uncommitted_epoch(&self) -> Option<Epoch> {
+    /// The last epoch this query has recorded committed, if any (a restarted query: the `E`
+    /// of SPEC B.10). A coordinator must start exactly at `E + 1` ([`EpochCoordinator::new`],
+    /// `startEpoch = E + 1`): below it the sink would commit those epochs again; above it the
+    /// epochs in between would never commit, and a later restart would resume past their
+    /// offsets; after `i64::MAX` no epoch is left to start at. `None` (the default): no epoch
+    /// committed, or no history to check against; any start epoch is taken.
+    fn last_committed_epoch(&self) -> Option<Epoch> {
         None
     }
 
@@ -270,8 +275,8 @@ impl<T: Query + ?Sized> Query for Box<T> {
     fn stop(&mut self, error: EpochError) {
         (**self).stop(error);
     }
-    fn first_uncommitted_epoch(&self) -> Option<Epoch> {
-        (**self).first_uncommitted_epoch()
+    fn last_committed_epoch(&self) -> Option<Epoch> {
+        (**self).last_committed_epoch()
     }
     fn begin_run(&mut self) {
         (**self).begin_run();
@@ -438,9 +443,9 @@ impl Query for MemoryQuery {
         Ok(())
     }
 
-    /// The epoch after the last one committed (`None` while none was).
-    fn first_uncommitted_epoch(&self) -> Option<Epoch> {
-        self.state().last_committed.map(|last| Epoch(last.0.saturating_add(1)))
+    /// The last epoch committed (`None` while none was).
+    fn last_committed_epoch(&self) -> Option<Epoch> {
+        self.state().last_committed
     }
 
     /// Takes a new run number, as a clone does (type doc).

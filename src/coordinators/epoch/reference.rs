@@ -299,8 +299,8 @@ impl<Q: Query, S: Sink> ReferenceEpochCoordinator<Q, S> {
     }
 
     /// A map over its limit takes no new `(epoch, partition)` entry, except for the next epoch
-    /// to commit while the side's partition count is set (the memory bound of the module doc
-    /// of [`super`]).
+    /// to commit while the side's partition count is set and at most the limit (the memory
+    /// bound of the module doc of [`super`]).
     fn backlog_full(
         &self,
         kind: MessageKind,
@@ -320,8 +320,9 @@ impl<Q: Query, S: Sink> ReferenceEpochCoordinator<Q, S> {
                 self.config.partition_offset_limit,
             ),
         };
-        let next_to_commit =
-            self.last_committed_epoch.checked_add(1) == Some(epoch.0) && partition_count > 0;
+        let next_to_commit = self.last_committed_epoch.checked_add(1) == Some(epoch.0)
+            && partition_count > 0
+            && partition_count as usize <= limit;
         let new_entry = !map.contains_key(&(epoch.0, partition.0));
         (map.len() > limit && new_entry && !next_to_commit).then_some((queue, limit))
     }

@@ -83,10 +83,12 @@ fn fits_limit(count: i32, limit: usize) -> bool {
     usize::try_from(count).is_ok_and(|count| count <= limit)
 }
 
-/// The capacity a free bucket's side for `count` partitions may keep: its count, or
-/// [`SMALL_SIDE_CAPACITY`] if that is more.
-fn reusable_capacity(count: i32) -> usize {
-    usize::try_from(count).unwrap_or(0).max(SMALL_SIDE_CAPACITY)
+/// The capacity a free bucket's side for `count` partitions under `limit` may keep: its
+/// count, at most one more than the limit (no side holds more: a queue over its limit takes
+/// no new entry, see [`EpochCoordinator::full_queue_refuses`]), or [`SMALL_SIDE_CAPACITY`] if
+/// that is more.
+fn reusable_capacity(count: i32, limit: usize) -> usize {
+    usize::try_from(count).unwrap_or(0).min(limit.saturating_add(1)).max(SMALL_SIDE_CAPACITY)
 }
 
 /// How many free buckets (the last released, popped first) keep their allocations for a side
@@ -94,7 +96,7 @@ fn reusable_capacity(count: i32) -> usize {
 /// each, and at least [`DENSE_WINDOW_EPOCHS_MIN`]. The recycled sides then take at most
 /// `max(16 x reusable_capacity, limit)` slots, as the live dense sides may.
 fn recycle_window(count: i32, limit: usize) -> usize {
-    (limit / reusable_capacity(count)).max(DENSE_WINDOW_EPOCHS_MIN as usize)
+    (limit / reusable_capacity(count, limit)).max(DENSE_WINDOW_EPOCHS_MIN as usize)
 }
 
 /// How many epochs ahead of the last committed one a side for `count` partitions is laid out
@@ -457,9 +459,10 @@ impl Slots {
     }
 
     /// Empties the side of a released bucket, keeping its allocation for a later epoch if it
-    /// is sized for the current `count` ([`reusable_capacity`]), else giving it back.
-    fn clear_for_reuse(&mut self, count: i32) {
-        let bound = reusable_capacity(count);
+    /// is sized for the current `count` under `limit` ([`reusable_capacity`]), else giving it
+    /// back.
+    fn clear_for_reuse(&mut self, count: i32, limit: usize) {
+        let bound = reusable_capacity(count, limit);
         if self.entries.capacity() <= bound && self.index.capacity() <= bound {
             self.clear();
         } else {
@@ -786,29 +789,46 @@ impl<Q, S> EpochCoordinator<Q, S> {
     }
 }
 
+/// Checks that a run of a query whose last committed epoch is `last` starts at `start`: the
+/// epoch after it (SPEC B.10), which exists.
+fn check_start_after(start: Epoch, last: Epoch) -> Result<(), ConfigError> {
+    let refused = |reason| {
+        Err(ConfigError::Invalid {
+            setting: "start_epoch",
+            value: format!("{start} (the query has committed up to {last})"),
+            reason,
+        })
+    };
+    match last.0.checked_add(1) {
+        None => refused(
+            "no epoch is left to start at: the query has committed the last one, and a \
+             coordinator starting at it would commit it again",
+        ),
+        Some(first) if start.0 < first => refused(
+            "must be the first epoch the query has not committed: below it, the sink would \
+             commit the epochs in between again",
+        ),
+        Some(first) if start.0 > first => refused(
+            "must be the first epoch the query has not committed: above it, the epochs in \
+             between would never commit, and a restart would resume past them",
+        ),
+        Some(_) => Ok(()),
+    }
+}
+
 impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
     /// A coordinator at `config.start_epoch` (driver epoch = start, last committed = start - 1,
     /// partition counts unset).
     ///
     /// # Errors
     /// [`ConfigError`] if `config` is invalid (see [`EpochConfig::validate`]), or if the query
-    /// has committed epochs and the start epoch is not the first one after them
-    /// ([`Query::first_uncommitted_epoch`]).
+    /// has committed epochs and the start epoch is not the one after the last of them
+    /// ([`Query::last_committed_epoch`]), or there is none (it committed `i64::MAX`).
     pub fn new(config: EpochConfig, query: Q, sink: S) -> Result<Self, ConfigError> {
         config.validate()?;
         let start = config.start_epoch;
-        if let Some(first) = query.first_uncommitted_epoch().filter(|first| start != *first) {
-            return Err(ConfigError::Invalid {
-                setting: "start_epoch",
-                value: format!("{start} (the query has committed up to {})", first.0 - 1),
-                reason: if start < first {
-                    "must be the first epoch the query has not committed: below it, the sink \
-                     would commit the epochs in between again"
-                } else {
-                    "must be the first epoch the query has not committed: above it, the epochs \
-                     in between would never commit, and a restart would resume past them"
-                },
-            });
+        if let Some(last) = query.last_committed_epoch() {
+            check_start_after(start, last)?;
         }
         let mut query = query;
         query.begin_run();
@@ -1342,17 +1362,19 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
                 self.config.partition_offset_limit,
             ),
         };
-        (entries > limit && self.full_queue_refuses(kind, partition, epoch, partition_count))
+        (entries > limit && self.full_queue_refuses(kind, partition, epoch, partition_count, limit))
             .then_some((queue, limit))
     }
 
-    /// Whether a queue that is over its limit refuses this message: one that would add an
+    /// Whether a queue that is over its `limit` refuses this message: one that would add an
     /// entry, unless it is for the next epoch to commit while the side's partition count is
-    /// set. (The backlog check stopped the query when the queue got there; storing every new
-    /// entry would let a flood of messages grow memory without bound until writes stop.) The
-    /// next epoch's messages are still taken, at most `partition_count` of them, because only
-    /// they can commit epochs and so free the queue; a repeat report or a duplicate commit
-    /// adds nothing and is handled as usual.
+    /// set and within the limit. (The backlog check stopped the query when the queue got
+    /// there; storing every new entry would let a flood of messages grow memory without bound
+    /// until writes stop.) The next epoch's messages are still taken, at most
+    /// `partition_count` (at most `limit`) of them, because only they can commit epochs and so
+    /// free the queue; an epoch with more partitions than the limit cannot commit without
+    /// overflowing anyway, so it gets no exception. A repeat report or a duplicate commit adds
+    /// nothing and is handled as usual.
     #[cold]
     fn full_queue_refuses(
         &self,
@@ -1360,9 +1382,10 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
         partition: PartitionId,
         epoch: Epoch,
         partition_count: i32,
+        limit: usize,
     ) -> bool {
         let next_to_commit = self.last_committed.0.checked_add(1) == Some(epoch.0);
-        if next_to_commit && partition_count > 0 {
+        if next_to_commit && partition_count > 0 && fits_limit(partition_count, limit) {
             return false;
         }
         let stored = self.live_slot(epoch).is_some_and(|slot| {
@@ -1447,8 +1470,8 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
         }
         let bucket = &mut self.buckets[slot as usize];
         let epoch = bucket.epoch;
-        bucket.offsets.clear_for_reuse(self.reader_partitions);
-        bucket.commits.clear_for_reuse(self.writer_partitions);
+        bucket.offsets.clear_for_reuse(self.reader_partitions, offset_limit);
+        bucket.commits.clear_for_reuse(self.writer_partitions, commit_limit);
         bucket.waiting = false;
         bucket.offsets_added = false;
         self.by_epoch.remove(&epoch.0);
@@ -1803,6 +1826,7 @@ mod tests {
 
     #[test]
     fn a_released_side_keeps_only_an_allocation_sized_for_the_count() {
+        const LIMIT: usize = 10_000;
         let dense_side = || {
             let mut slots = Slots::new();
             slots.prepare(100, true);
@@ -1810,28 +1834,37 @@ mod tests {
             slots
         };
         let mut slots = dense_side();
-        slots.clear_for_reuse(100);
+        slots.clear_for_reuse(100, LIMIT);
         assert!(slots.dense && slots.entries.capacity() == 100, "the same count keeps it");
         let mut slots = dense_side();
-        slots.clear_for_reuse(200);
+        slots.clear_for_reuse(200, LIMIT);
         assert_eq!(slots.entries.capacity(), 100, "room for a larger count is kept");
         let mut slots = dense_side();
-        slots.clear_for_reuse(50);
+        slots.clear_for_reuse(50, LIMIT);
         assert!(!slots.dense && slots.entries.capacity() == 0, "room beyond a smaller count goes");
         let mut sparse = Slots::new();
         for partition in [5, 3, 1] {
             sparse.insert(PartitionId(partition), 1.into(), false);
         }
         assert!(sparse.index.capacity() > 0);
-        sparse.clear_for_reuse(0);
+        sparse.clear_for_reuse(0, LIMIT);
         assert!(sparse.index.capacity() > 0, "an index within the small capacity is kept");
         for partition in 0..30 {
             sparse.insert(PartitionId(2 * partition + 1), 1.into(), false);
         }
         assert!(sparse.entries.capacity() <= 40 && sparse.index.capacity() > 40);
-        sparse.clear_for_reuse(40);
+        sparse.clear_for_reuse(40, LIMIT);
         assert_eq!(sparse.index.capacity(), 0, "an index beyond the count goes");
         assert_eq!(sparse.entries.capacity(), 0, "and the side with it");
+        // A count above the limit: no side holds more than the limit and one, so no more room
+        // than that is kept.
+        let mut sparse = Slots::new();
+        for partition in 0..60 {
+            sparse.insert(PartitionId(partition), 1.into(), false);
+        }
+        assert!(sparse.entries.capacity() >= 60);
+        sparse.clear_for_reuse(1_000_000, 40);
+        assert_eq!(sparse.entries.capacity(), 0, "room beyond the limit goes");
     }
 
     #[test]
