@@ -551,6 +551,15 @@ fn epoch_flags_that_would_be_ignored_are_refused_naming_them() {
         ),
         (&["epoch", "--seed", "7"], &["--seed 7", "--offsets varied"]),
         (&["epoch", "--seed", "7", "--offsets", "steady"], &["--seed 7", "--offsets varied"]),
+        (
+            &["epoch", "--baseline", "none", "--baseline-seconds", "3"],
+            &["--baseline-seconds 3", "--baseline reference", "--baseline none"],
+        ),
+        (
+            &["epoch", "--durability", "group", "--baseline", "memory", "--baseline-seconds", "1"],
+            &["--baseline-seconds 1", "--baseline memory"],
+        ),
+        (&["epoch", "--baseline", "memory"], &["--baseline memory", "--durability none"]),
     ];
     for (args, names) in cases {
         let (code, stderr) = load(args);
@@ -625,6 +634,45 @@ fn errors_are_one_line_without_a_backtrace() {
     }
 }
 
+/// A value or flag clap refuses (out of range, not one of the choices, unknown, missing) is
+/// one line on stderr, naming the flag and the value, as every other error is; with each
+/// tool's usage exit code (2, and 3 for `coordbus-wal`, whose 2 is a torn tail). `--help` and
+/// `--version` still print in full, with exit code 0.
+#[test]
+fn flags_clap_refuses_are_one_line_naming_the_flag_and_value() {
+    let load = env!("CARGO_BIN_EXE_coordbus-load");
+    let crash = env!("CARGO_BIN_EXE_coordbus-crash");
+    let wal = env!("CARGO_BIN_EXE_coordbus-wal");
+    let cases: &[(&str, &[&str], i32, &[&str])] = &[
+        (load, &["epoch", "--partitions", "0"], 2, &["--partitions", "'0'"]),
+        (load, &["epoch", "--durability", "sometimes"], 2, &["--durability", "'sometimes'"]),
+        (load, &["epoch", "--no-such-flag"], 2, &["'--no-such-flag'"]),
+        (load, &["--json", "bus", "--producers", "x"], 2, &["--producers", "'x'"]),
+        (crash, &["--iterations", "0"], 2, &["--iterations", "'0'"]),
+        (wal, &["verify"], 3, &["<DIR>", "Usage"]),
+    ];
+    for (binary, args, expected, names) in cases {
+        let output = support::output_within(Command::new(binary).args(*args), BOUND);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(*expected), "{binary} {args:?}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{binary} {args:?}: {stderr}");
+        assert!(stderr.starts_with("error: "), "{binary} {args:?}: {stderr}");
+        for name in *names {
+            assert!(stderr.contains(name), "{binary} {args:?}: no {name:?} in {stderr}");
+        }
+    }
+    for (binary, args) in
+        [(load, &["epoch", "--help"][..]), (wal, &["--version"]), (crash, &["-h"])]
+    {
+        let output = support::output_within(Command::new(binary).args(args), BOUND);
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        assert_eq!(output.status.code(), Some(0), "{binary} {args:?}: {stdout}");
+        assert!(!stdout.trim().is_empty() && output.stderr.is_empty(), "{binary} {args:?}");
+    }
+    let (_, help) = run(load, &["epoch", "--help"]);
+    assert!(help.lines().count() > 20 && help.contains("Usage: coordbus-load epoch"), "{help}");
+}
+
 /// Help and flag errors in the operator's terms: no bound printed as 2^64 - 1, no default
 /// stated twice, no citation of a spec section or a source module.
 #[test]
@@ -644,7 +692,7 @@ fn help_and_flag_errors_speak_the_operators_terms() {
     for jargon in ["SPEC", "module `"] {
         assert!(!help.contains(jargon), "epoch --help cites {jargon:?}: {help}");
     }
-    for flag in ["--dir", "--keep", "durable_p50_ns"] {
+    for flag in ["--dir", "--keep", "durable_p50_ns", "ratio_to_memory"] {
         assert!(help.contains(flag), "epoch --help does not explain {flag}: {help}");
     }
 }

@@ -88,6 +88,45 @@ fn the_epoch_reference_baseline_says_how_far_it_got() {
     assert_eq!(epoch[1]["epochs"], 50, "{epoch:?}");
 }
 
+/// `--baseline memory` brackets the durable run with two in-memory runs of the same stream in
+/// the same process: the figure is the durable run's, its baseline the mean of the two
+/// in-memory rates, and its ratio the durable rate over that mean, under both the common keys
+/// and the memory ones; the core probes bracket the runs.
+#[test]
+fn the_epoch_memory_baseline_is_the_mean_of_two_in_memory_runs_around_the_durable_one() {
+    let epoch = figures(&[
+        "epoch",
+        "--partitions",
+        "8",
+        "--epochs",
+        "50",
+        "--durability",
+        "every",
+        "--baseline",
+        "memory",
+    ]);
+    assert_eq!(epoch.len(), 1, "{epoch:?}");
+    let figure = &epoch[0];
+    assert_eq!((&figure["workload"], &figure["durability"]), (&"epoch".into(), &"every".into()));
+    assert_eq!(figure["baseline"], "in-memory bus", "{figure}");
+    assert_eq!(figure["epochs"], 50, "{figure}");
+    let rate = |key: &str| figure[key].as_f64().unwrap_or_else(|| panic!("{key}: {figure}"));
+    let mean = (rate("memory_before_msgs_per_sec") + rate("memory_after_msgs_per_sec")) / 2.0;
+    assert!(mean > 0.0, "{figure}");
+    for key in ["memory_msgs_per_sec", "baseline_msgs_per_sec"] {
+        assert!((rate(key) - mean).abs() <= mean * 1e-9, "{key}: {figure}");
+    }
+    let ratio = rate("msgs_per_sec") / mean;
+    for key in ["ratio_to_memory", "ratio"] {
+        assert!((rate(key) - ratio).abs() <= ratio * 1e-9, "{key}: {figure}");
+    }
+    for key in ["memory_before_p50_ns", "memory_after_p50_ns", "durable_p50_ns"] {
+        assert!(figure[key].is_u64(), "{key}: {figure}");
+    }
+    assert!(figure["core_round_trip_ns"].is_array(), "{figure}");
+    assert!(figure.get("baseline_messages").is_none(), "no reference ran: {figure}");
+}
+
 /// A window wider than the run is no more than the run: with several producers it is not
 /// held against the backlog limit past the run's epochs (2001 x 1000 entries would exceed the
 /// default limit of 1 000 000; 21 x 1000 do not).

@@ -559,15 +559,11 @@ fn verify(dir: &PathBuf, as_json: bool) -> ExitCode {
 }
 
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
+    let cli = match coordbus_tools::cli::parse::<Cli>() {
         Ok(cli) => cli,
-        Err(error) => {
-            // `--help` and `--version` are not errors; a usage error is 3, as documented (clap
-            // would exit with 2, which `verify` uses for a torn tail).
-            let code = if error.use_stderr() { 3 } else { 0 };
-            let _ = error.print();
-            return ExitCode::from(code);
-        }
+        // `--help` and `--version` are not errors; a usage error is 3, as documented (clap
+        // would exit with 2, which `verify` uses for a torn tail), in one line.
+        Err(exit) => return exit.print(3),
     };
     coordbus_tools::logging::init();
     let result = match &cli.command {

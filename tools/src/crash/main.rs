@@ -261,7 +261,11 @@ pub trait Checker {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match coordbus_tools::cli::parse::<Cli>() {
+        Ok(cli) => cli,
+        // A usage error is a tool error: exit code 2, in one line.
+        Err(exit) => return exit.print(2),
+    };
     coordbus_tools::logging::init();
     if let Some(ChildCommand::Child(args)) = &cli.child {
         let result = match args.target {

@@ -307,7 +307,9 @@ pub fn run(args: &BlocksArgs) -> anyhow::Result<Vec<Figure>> {
     }
     check_free_disk(args, runs.len(), root)?;
     for (index, (receivers, batch)) in runs.into_iter().enumerate() {
-        figures.push(run_add(args, receivers, batch, &root.join(format!("add-{index}")))?);
+        let dir = root.join(format!("add-{index}"));
+        // The probes bracket each figure's own run.
+        figures.push(crate::machine::with_round_trips(|| run_add(args, receivers, batch, &dir))?);
     }
     figures.extend(run_recover_and_allocate(args, &root.join("recover"))?);
     Ok(figures)
@@ -649,6 +651,8 @@ fn run_recover_and_allocate(
     let mut recover_config = config.recover(true);
     recover_config.wal.segment_size_bytes =
         recover_config.wal.segment_size_bytes.max(recover_segment_bytes(args));
+    // The probes bracket the timed recovery and allocation, not the logging before them.
+    let round_trips_before = crate::machine::core_round_trip_ns();
     let started = Instant::now();
     let mut tracker = ReceivedBlockTracker::open(recover_config, clock)?;
     let recover_seconds = started.elapsed().as_secs_f64();
@@ -671,6 +675,8 @@ fn run_recover_and_allocate(
     }
     let allocation_bytes = tracker.wal().map_or(0, |wal| wal.stats().bytes);
     tracker.stop()?;
+    let round_trips =
+        crate::machine::round_trips_json(round_trips_before, crate::machine::core_round_trip_ns());
 
     Ok(vec![
         Figure::new("blocks/recover", recovered, recover_seconds)
@@ -684,13 +690,15 @@ fn run_recover_and_allocate(
             .with(
                 "speedup_vs_spark",
                 SPARK_RECOVER_1M_SECONDS * recovered as f64 / 1e6 / recover_seconds,
-            ),
+            )
+            .with(crate::machine::ROUND_TRIPS_KEY, round_trips.clone()),
         Figure::new("blocks/allocate", allocated, allocate_seconds)
             .with("streams", streams.len())
             .with("sync_nice", args.sync_nice)
             .with("durable", "synced")
             .with("allocation_event_bytes", allocation_bytes)
-            .with("bytes_per_event", allocation_bytes as f64 / allocated.max(1) as f64),
+            .with("bytes_per_event", allocation_bytes as f64 / allocated.max(1) as f64)
+            .with(crate::machine::ROUND_TRIPS_KEY, round_trips),
     ])
 }
 

@@ -192,6 +192,12 @@ pub fn run_bus(args: &BusArgs) -> anyhow::Result<Vec<Figure>> {
             args.producers as u128 * args.capacity as u128 * slot,
         )?;
     }
+    // The probes bracket ours and the baseline's run, nothing before them.
+    crate::machine::with_round_trips(|| run_bus_and_baseline(args)).map(|figure| vec![figure])
+}
+
+/// The measured runs of the `bus` workload: ours, then the baseline's.
+fn run_bus_and_baseline(args: &BusArgs) -> anyhow::Result<Figure> {
     let total = args.messages;
     let (ours, stats) = measure_bus(args)?;
     let mut figure = Figure::new("bus", total, ours.as_secs_f64())
@@ -207,7 +213,7 @@ pub fn run_bus(args: &BusArgs) -> anyhow::Result<Vec<Figure>> {
     if let Some((name, elapsed)) = baseline {
         figure = figure.with_baseline(name, total as f64 / elapsed.as_secs_f64());
     }
-    Ok(vec![figure])
+    Ok(figure)
 }
 
 fn measure_bus(args: &BusArgs) -> anyhow::Result<(Duration, coordbus::EndpointStats)> {
@@ -417,6 +423,12 @@ pub fn run_ask(args: &AskArgs) -> anyhow::Result<Vec<Figure>> {
     if args.in_flight == 0 || args.messages == 0 {
         bail!("--in-flight and --messages must be at least 1");
     }
+    // The probes bracket ours and the baseline's run, nothing before them.
+    crate::machine::with_round_trips(|| run_ask_and_baseline(args)).map(|figure| vec![figure])
+}
+
+/// The measured runs of the `ask` workload: ours, then the baseline's.
+fn run_ask_and_baseline(args: &AskArgs) -> anyhow::Result<Figure> {
     let bus = bus_for(
         coordbus::queue::DEFAULT_LANES,
         1,
@@ -463,7 +475,7 @@ pub fn run_ask(args: &AskArgs) -> anyhow::Result<Vec<Figure>> {
             .with("baseline_p50_ns", baseline_histogram.value_at_quantile(0.5))
             .with("baseline_p99_ns", baseline_histogram.value_at_quantile(0.99));
     }
-    Ok(vec![figure])
+    Ok(figure)
 }
 
 /// Asks timed per asks sent: every ask with one in flight (the round trip is the figure),

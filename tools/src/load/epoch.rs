@@ -14,7 +14,13 @@
 //! the clock read just before the `send_iter` call whose batch carries the epoch's last message
 //! (of the producer that sent its part last) to the query's commit of the epoch: it includes
 //! making that batch's messages (made inside the call, as the inbox takes them) and any wait
-//! for inbox room, not only the time in the inbox and the coordinator.
+//! for inbox room, not only the time in the inbox and the coordinator. In a backlogged run it
+//! is mostly set by this tool's flow control, not by the coordinator: the producers keep between
+//! half the window and the whole window (`--window`; by default about 64 Ki messages, which is
+//! 32768 epochs at 1 partition and 32 at 1000) queued ahead of the coordinator, and an epoch's
+//! last batch waits behind what is queued before it: about the queued messages over the rate,
+//! milliseconds at 1 partition. A smaller `--window` lowers the latency (and, once the
+//! coordinator runs out of queued work, the rate).
 //!
 //! `--offsets steady` (the default) reports `epoch << 20 | partition`: every partition advances
 //! by 2^20 an epoch, which a durable run's log stores in no bytes per offset (second-order
@@ -34,8 +40,23 @@
 //! `--baseline reference` then applies the same message stream (the producers' batches in
 //! round-robin order) to the reference model and, for comparison, to the fast state machine,
 //! directly on this thread (no bus, which favours the reference). The reference model rescans
-//! its maps on every message, so it gets a time budget (`--baseline-seconds`) and is measured
-//! on the prefix of the stream it gets through.
+//! its maps on every message, so it gets a time budget (`--baseline-seconds`, refused with the
+//! other baselines) and is measured on the prefix of the stream it gets through.
+//!
+//! `--baseline memory` (with `--durability group|every` only; refused with `none`, where it
+//! would compare the run with itself) measures a durable run against the in-memory bus run in
+//! the same process: an in-memory run, the durable run, then another in-memory run, each on a
+//! fresh bus and coordinator with the same flags and message stream (`--durability none`, no
+//! WAL). The in-memory runs bracket the durable one, so that a drift of the machine during
+//! the sitting (a slow stretch, the host moving the vCPUs) weighs on both sides of the ratio.
+//! The figure is the durable run's; its baseline (`in-memory bus`) is the arithmetic mean of
+//! the two in-memory rates (`memory_msgs_per_sec`, also `baseline_msgs_per_sec`), its `ratio`
+//! (also `ratio_to_memory`) the durable rate over that mean, and the two runs' own rates and
+//! commit p50s (`memory_before_msgs_per_sec`, `memory_after_msgs_per_sec`,
+//! `memory_before_p50_ns`, `memory_after_p50_ns`) say how far apart they were and whether the
+//! coordinator set their pace (a commit p50 of hundreds of microseconds) or a producer did
+//! (microseconds). It takes three runs' time. One baseline a run: the reference model's rate
+//! says nothing about durability, so `--baseline reference` stays a run of its own.
 //!
 //! `--durability group|every` puts a `DurableQuery` (the offset and commit logs in the WAL, in
 //! a fresh directory made inside `--dir` or the system's temporary directory, as the `wal` and
@@ -66,7 +87,15 @@
 //!
 //! `peak_rss_mib` is the peak resident memory during the run (module `memory`: the process's
 //! mark is reset when the run starts, so in the no-argument run it no longer carries the peaks
-//! of the workloads run before; `rss_at_start_mib` is what the process held then).
+//! of the workloads run before; `rss_at_start_mib` is what the process held then). It counts
+//! the run's per-epoch timestamps, allocated and written before the run starts: 16 bytes an
+//! epoch, 24 with a WAL (1.5 MiB at 100 000 epochs, 384 MiB at the most `--epochs`, 2^24),
+//! which grow it with `--epochs` at any partition count. With `--baseline memory` it is the
+//! durable run's own peak.
+//!
+//! `core_round_trip_ns` (module `machine`) brackets the bus run only (with `--baseline memory`
+//! its three bus runs); the `epoch/state-machine` figure of `--baseline reference` carries
+//! probes of its own around the direct runs, which follow the bus run and take seconds.
 
 use std::{
     path::{Path, PathBuf},
@@ -96,6 +125,7 @@ use hdrhistogram::Histogram;
 
 use crate::{
     limits::{INBOX_CAPACITY, MAX_BATCH, MAX_GROUP_DELAY_US, MAX_INBOX_LANES, MAX_INBOX_SHARDS},
+    machine,
     offsets::{OffsetPattern, OffsetStream},
     placement::{self, Placement},
     report::{Figure, Percentiles},
@@ -146,6 +176,18 @@ pub enum Baseline {
     None,
     /// The reference model (Spark's algorithm) on the same stream.
     Reference,
+    /// With `--durability group|every`: in-memory bus runs before and after the durable one.
+    Memory,
+}
+
+impl Baseline {
+    fn name(self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::Reference => "reference",
+            Self::Memory => "memory",
+        }
+    }
 }
 
 /// Flags of the `epoch` workload.
@@ -159,8 +201,9 @@ pub struct EpochArgs {
         value_parser = clap::value_parser!(i32).range(1..=MAX_PARTITIONS)
     )]
     pub partitions: i32,
-    /// Epochs to run (each is 2 x partitions messages; 1 ..= 16777216, the run keeps two
-    /// timestamps per epoch).
+    /// Epochs to run (each is 2 x partitions messages; 1 ..= 16777216). The run keeps 16
+    /// bytes of timestamps per epoch (24 with --durability group|every), allocated before it
+    /// starts and counted in peak_rss_mib: 1.5 MiB at 100000 epochs, 384 MiB at the most.
     #[arg(
         long,
         default_value_t = 5000,
@@ -183,10 +226,13 @@ pub struct EpochArgs {
     )]
     pub batch: usize,
     /// How many epochs the producers may run ahead of the last committed epoch; 0 = auto
-    /// (about 64 Ki messages in flight, at least 4 epochs); at most 16777216 (the most
-    /// `--epochs`: a window of every epoch). A producer held back resumes when half of the
-    /// window is free. The inbox's capacity is the other bound: a full inbox makes
-    /// `send_iter` wait.
+    /// (about 64 Ki messages in flight, at least 4 epochs: 32768 epochs at 1 partition, 32 at
+    /// 1000); at most 16777216 (the most `--epochs`: a window of every epoch). A producer held
+    /// back resumes when half of the window is free. The inbox's capacity is the other bound: a
+    /// full inbox makes `send_iter` wait. The window mostly sets the commit latency of a
+    /// backlogged run: an epoch's last batch waits behind the half to whole window queued
+    /// ahead of it (about that many messages over the rate), so a smaller window lowers the
+    /// p50/p99 (and, once the coordinator runs out of queued work, the rate).
     #[arg(
         long,
         default_value_t = 0,
@@ -197,20 +243,28 @@ pub struct EpochArgs {
     /// back to back with no group delay; records appended during a sync share the next). The
     /// p50/p99/p99.9 columns (`p50_ns`..) are always the in-memory commit latency: from just
     /// before the send of the batch that carries an epoch's last message (making the batch
-    /// included) to the epoch's commit. A WAL run adds the latency to the commit record being
-    /// durable as `durable_p50_ns`.. (in the table's details: `durable_p50/p99/p99.9`).
+    /// included) to the epoch's commit; in a backlogged run mostly the wait behind the
+    /// messages the window lets queue (see --window). A WAL run adds the latency to the commit
+    /// record being durable as `durable_p50_ns`.. (in the table's details:
+    /// `durable_p50/p99/p99.9`).
     #[arg(long, value_enum, default_value_t = Durability::None)]
     pub durability: Durability,
     /// With `--durability group` only: longest a record waits for its group (the WAL's
     /// `GroupCommit::max_delay`), in microseconds (default 200; at most 60 s, the WAL's limit).
     #[arg(long, value_parser = clap::value_parser!(u64).range(0..=MAX_GROUP_DELAY_US))]
     pub group_delay_us: Option<u64>,
-    /// Baseline run in the same process on the same message stream.
+    /// Baseline run in the same process on the same message stream: `reference`, the
+    /// reference model (Spark's algorithm) directly on this thread, on the prefix of the stream
+    /// it gets through in --baseline-seconds; `memory`, with --durability group|every only,
+    /// the in-memory bus run: in memory, then durable, then in memory again, each on a fresh
+    /// coordinator, the ratio against the mean of the two in-memory rates
+    /// (`ratio_to_memory`, `memory_msgs_per_sec`, and each run's rate and commit p50); `none`.
     #[arg(long, value_enum, default_value_t = Baseline::Reference)]
     pub baseline: Baseline,
-    /// Time budget of the reference model run, in seconds (finite, more than 0, at most 3600).
-    #[arg(long, default_value_t = 2.0, value_parser = parse_baseline_seconds)]
-    pub baseline_seconds: f64,
+    /// With `--baseline reference` only: time budget of the reference model run, in seconds
+    /// (default 2; finite, more than 0, at most 3600).
+    #[arg(long, value_parser = parse_baseline_seconds)]
+    pub baseline_seconds: Option<f64>,
     /// Backlog limit of the coordinator (all three limits). The default is above the
     /// coordinator's own (10 000, Spark's): the window keeps about 64 Ki messages in flight,
     /// so each queue holds up to about 32 Ki entries, which would stop the query as Spark's
@@ -276,6 +330,8 @@ pub struct EpochArgs {
 const DEFAULT_GROUP_DELAY_US: u64 = 200;
 /// Seed of the varied offsets when `--seed` is not given.
 const DEFAULT_SEED: u64 = 42;
+/// Time budget of the reference model run when `--baseline-seconds` is not given, in seconds.
+const DEFAULT_BASELINE_SECONDS: f64 = 2.0;
 
 impl EpochArgs {
     /// The group commit delay: `--group-delay-us` or its default.
@@ -291,6 +347,11 @@ impl EpochArgs {
     /// The offsets' seed: `--seed` or its default.
     fn seed(&self) -> u64 {
         self.seed.unwrap_or(DEFAULT_SEED)
+    }
+
+    /// The reference model's time budget: `--baseline-seconds` or its default.
+    fn baseline_seconds(&self) -> f64 {
+        self.baseline_seconds.unwrap_or(DEFAULT_BASELINE_SECONDS)
     }
 
     /// The flags given that only a WAL uses, as the operator wrote them.
@@ -314,7 +375,7 @@ pub fn quick() -> EpochArgs {
         durability: Durability::None,
         group_delay_us: None,
         baseline: Baseline::Reference,
-        baseline_seconds: 1.0,
+        baseline_seconds: Some(1.0),
         backlog_limit: 1_000_000,
         inbox_capacity: 1 << 16,
         inbox_lanes: coordbus::queue::DEFAULT_LANES,
@@ -668,11 +729,7 @@ fn validate(args: &EpochArgs) -> anyhow::Result<()> {
             args.batch
         );
     }
-    crate::limits::check_producer_batches(
-        args.producers,
-        args.batch,
-        std::mem::size_of::<EpochMessage>(),
-    )?;
+    check_collected_batches(args)?;
     let least_backlog = 2 * args.partitions as usize;
     if args.backlog_limit < least_backlog || args.backlog_limit as u64 > MAX_BACKLOG_LIMIT {
         bail!(
@@ -716,10 +773,35 @@ fn validate(args: &EpochArgs) -> anyhow::Result<()> {
             window
         );
     }
-    check_baseline_seconds(args.baseline_seconds).map_err(|reason| {
-        anyhow::anyhow!("--baseline-seconds {}: {reason}", args.baseline_seconds)
-    })?;
+    if let Some(seconds) = args.baseline_seconds {
+        check_baseline_seconds(seconds)
+            .map_err(|reason| anyhow::anyhow!("--baseline-seconds {seconds}: {reason}"))?;
+    }
     check_flags_apply(args)
+}
+
+/// Threads that send into the coordinator's inbox besides the producers, each of which may hold
+/// one of its lanes: the driver and the main thread (its set-up asks). A thread's lane is the
+/// one of its process-wide producer index, claimed at its first send or ask, so which threads
+/// get the lanes is a race; counted as if both others won theirs.
+const LANE_HOLDERS_BESIDE_PRODUCERS: usize = 2;
+
+/// Refuses `--producers` x `--batch` past the memory a run may plan up front, counting only
+/// the batches that are allocated: a producer with an inbox lane of its own makes each message
+/// straight into its slot (`send_iter` allocates nothing), and only a producer without one
+/// (more producers than `--inbox-lanes`, less the lanes other threads may hold) collects each
+/// batch into a vector first.
+fn check_collected_batches(args: &EpochArgs) -> anyhow::Result<()> {
+    let lanes_for_producers = args.inbox_lanes.saturating_sub(LANE_HOLDERS_BESIDE_PRODUCERS);
+    let collecting = args.producers.saturating_sub(lanes_for_producers);
+    crate::limits::check_planned_bytes(
+        &format!(
+            "--producers {} x --batch {} ({collecting} of the producers without a lane of \
+             --inbox-lanes {} collect each batch into a vector)",
+            args.producers, args.batch, args.inbox_lanes
+        ),
+        collecting as u128 * args.batch as u128 * std::mem::size_of::<EpochMessage>() as u128,
+    )
 }
 
 /// Refuses a flag given for a setting the run does not have: ignored, it would let a figure
@@ -745,6 +827,19 @@ fn check_flags_apply(args: &EpochArgs) -> anyhow::Result<()> {
         bail!(
             "--seed {seed} applies only to --offsets varied (steady offsets use no seed): it \
              would be ignored"
+        );
+    }
+    if let (Some(seconds), false) = (args.baseline_seconds, args.baseline == Baseline::Reference) {
+        bail!(
+            "--baseline-seconds {seconds} applies only to --baseline reference, not --baseline \
+             {}: it would be ignored",
+            args.baseline.name()
+        );
+    }
+    if args.baseline == Baseline::Memory && args.durability == Durability::None {
+        bail!(
+            "--baseline memory applies only to --durability group or every, not --durability \
+             none: it compares a durable run with in-memory runs of the same stream"
         );
     }
     Ok(())
@@ -848,20 +943,55 @@ const STALL_LIMIT: Duration = Duration::from_secs(60);
 /// Runs the workload.
 pub fn run(args: &EpochArgs) -> anyhow::Result<Vec<Figure>> {
     validate(args)?;
-    let mut figures = vec![run_bus(args)?];
-    if args.baseline == Baseline::Reference {
-        let (ours, reference) = run_direct(args)?;
-        let with_reference = |figure: Figure| {
-            figure
-                .with_baseline("reference (direct)", reference.figure.msgs_per_sec())
-                .with("baseline_messages", reference.figure.messages)
-                .with("baseline_epochs", reference.epochs)
-        };
-        let bus = figures.remove(0);
-        figures.push(with_reference(bus));
-        figures.push(with_reference(ours));
+    // The probes bracket the bus run(s) only; the direct runs get their own (module doc).
+    let bus = machine::with_round_trips(|| match args.baseline {
+        Baseline::Memory => run_bus_against_memory(args),
+        Baseline::None | Baseline::Reference => run_bus(args),
+    })?;
+    if args.baseline != Baseline::Reference {
+        return Ok(vec![bus]);
     }
-    Ok(figures)
+    let ((ours, reference), round_trips) = machine::bracket(|| run_direct(args))?;
+    let with_reference = |figure: Figure| {
+        figure
+            .with_baseline("reference (direct)", reference.figure.msgs_per_sec())
+            .with("baseline_messages", reference.figure.messages)
+            .with("baseline_epochs", reference.epochs)
+    };
+    let ours = with_reference(ours).with(machine::ROUND_TRIPS_KEY, round_trips);
+    Ok(vec![with_reference(bus), ours])
+}
+
+/// The name of the `--baseline memory` baseline.
+const MEMORY_BASELINE: &str = "in-memory bus";
+
+/// `--baseline memory`: the durable bus run between two in-memory bus runs of the same flags
+/// and stream, each on a fresh bus and coordinator; the durable run's figure with the mean of
+/// the in-memory rates as its baseline (module doc: the keys).
+fn run_bus_against_memory(args: &EpochArgs) -> anyhow::Result<Figure> {
+    debug_assert_ne!(args.durability, Durability::None, "refused by `check_flags_apply`");
+    let in_memory = EpochArgs {
+        durability: Durability::None,
+        group_delay_us: None,
+        sync_nice: None,
+        dir: None,
+        keep: false,
+        baseline: Baseline::None,
+        ..args.clone()
+    };
+    let before = run_bus(&in_memory)?;
+    let durable = run_bus(args)?;
+    let after = run_bus(&in_memory)?;
+    let memory_msgs_per_sec = (before.msgs_per_sec() + after.msgs_per_sec()) / 2.0;
+    let figure = durable
+        .with_baseline(MEMORY_BASELINE, memory_msgs_per_sec)
+        .with("memory_msgs_per_sec", memory_msgs_per_sec)
+        .with("memory_before_msgs_per_sec", before.msgs_per_sec())
+        .with("memory_after_msgs_per_sec", after.msgs_per_sec())
+        .with("memory_before_p50_ns", before.latency.p50_ns)
+        .with("memory_after_p50_ns", after.latency.p50_ns);
+    let ratio = figure.ratio();
+    Ok(figure.with("ratio_to_memory", ratio))
 }
 
 /// The reference model's run of [`run_direct`]: its figure, and how many epochs it committed
@@ -1240,7 +1370,7 @@ fn run_direct(args: &EpochArgs) -> anyhow::Result<(Figure, ReferenceRun)> {
         .expect("valid configuration");
     let _ = reference.set_reader_partitions(args.partitions);
     let _ = reference.set_writer_partitions(args.partitions);
-    let budget = Duration::from_secs_f64(args.baseline_seconds);
+    let budget = Duration::from_secs_f64(args.baseline_seconds());
     let mut buffer = Vec::new();
     let mut rejected = Rejected::default();
     let (mut reference_messages, mut reference_time) = (0u64, Duration::ZERO);
@@ -1408,6 +1538,29 @@ mod tests {
             ..quick()
         };
         run_bus(&args).unwrap().to_json()
+    }
+
+    /// The producers' batches count in the memory check only where they are allocated: a
+    /// producer with an inbox lane sends straight into it, one without collects a vector.
+    #[test]
+    fn the_batch_memory_check_counts_only_producers_without_a_lane() {
+        // 1000 vectors of 2^20 messages are past the 8 GiB bound for any message of more
+        // than 8 bytes.
+        let args = |inbox_lanes| EpochArgs {
+            producers: 1000,
+            batch: 1 << 20,
+            inbox_lanes,
+            baseline: Baseline::None,
+            baseline_seconds: None,
+            ..quick()
+        };
+        validate(&args(1024)).unwrap();
+        let refused = validate(&args(0)).unwrap_err().to_string();
+        assert!(refused.contains("--producers 1000 x --batch 1048576"), "{refused}");
+        assert!(refused.contains("1000 of the producers without a lane"), "{refused}");
+        // Two of 16 lanes may go to the driver and the main thread: 986 collect.
+        let refused = validate(&args(16)).unwrap_err().to_string();
+        assert!(refused.contains("986 of the producers"), "{refused}");
     }
 
     /// A run in the default placement names it: `isolated` when every pin took (the

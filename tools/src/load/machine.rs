@@ -13,6 +13,14 @@
 //!
 //! The probe: two threads pinned to the first two cores pass one counter back and forth
 //! ([`ROUND_TRIPS`] times after a warm-up, at most [`PROBE_TIME_LIMIT`] in all).
+//!
+//! Where: each workload brackets exactly the runs a figure's rate and ratio come from
+//! ([`with_round_trips`]): its own run and its baseline's, which most workloads time back to
+//! back. Not the set-up before them (a log written only to be scanned), nor the runs of the
+//! workload's other figures, nor runs that make no figure of its own: the `epoch` workload's
+//! bus figure carries the probes around its bus run (with `--baseline memory`, its three bus
+//! runs), and its `epoch/state-machine` figure its own probes around the direct runs, which
+//! come after and take seconds.
 
 use std::{
     sync::atomic::{AtomicU64, Ordering},
@@ -20,6 +28,8 @@ use std::{
 };
 
 use crossbeam_utils::CachePadded;
+
+use crate::report::Figure;
 
 /// Round trips timed per probe (after [`WARM_UP_ROUND_TRIPS`]).
 pub const ROUND_TRIPS: u64 = 20_000;
@@ -122,6 +132,29 @@ fn reply(counter: &AtomicU64, value: u64) -> bool {
 pub fn round_trips_json(before: Option<f64>, after: Option<f64>) -> serde_json::Value {
     let rounded = |ns: Option<f64>| ns.map(|ns| (ns * 10.0).round() / 10.0);
     serde_json::json!([rounded(before), rounded(after)])
+}
+
+/// The key under which a figure carries the probes.
+pub const ROUND_TRIPS_KEY: &str = "core_round_trip_ns";
+
+/// Runs `measured` between two probes; returns what it returned and the probes as the JSON
+/// value a figure carries ([`round_trips_json`]).
+pub fn bracket<T>(
+    measured: impl FnOnce() -> anyhow::Result<T>,
+) -> anyhow::Result<(T, serde_json::Value)> {
+    let before = core_round_trip_ns();
+    let value = measured()?;
+    let after = core_round_trip_ns();
+    Ok((value, round_trips_json(before, after)))
+}
+
+/// Runs `measured`, the runs of one figure (its own and its baseline's), between two probes
+/// and adds them to the figure as [`ROUND_TRIPS_KEY`] (module doc: what to bracket).
+pub fn with_round_trips(
+    measured: impl FnOnce() -> anyhow::Result<Figure>,
+) -> anyhow::Result<Figure> {
+    let (figure, round_trips) = bracket(measured)?;
+    Ok(figure.with(ROUND_TRIPS_KEY, round_trips))
 }
 
 #[cfg(test)]

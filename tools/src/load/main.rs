@@ -2,7 +2,10 @@
 //!
 //! Each workload lives in its own module with an argument struct (clap) and a `run` function
 //! returning the measured [`report::Figure`]s. With no subcommand, every workload runs briefly on
-//! an embedded default and one table (or JSON lines with `--json`) is printed.
+//! an embedded default and one table (or JSON lines with `--json`) is printed. Each workload
+//! probes the cores' round trip around the runs of each of its figures itself
+//! ([`machine::with_round_trips`]), so that the probes bracket what the figure measured and
+//! nothing else.
 
 mod blocks;
 mod bus;
@@ -85,26 +88,11 @@ fn run_all() -> anyhow::Result<Vec<report::Figure>> {
     let mut figures = Vec::new();
     for (name, step) in steps {
         progress.start(name);
-        figures.extend(with_core_round_trips(step)?);
+        figures.extend(step()?);
         progress.finish_step();
     }
     progress.finish();
     Ok(figures)
-}
-
-/// Runs one workload between two probes of the cores' round trip ([`machine`]) and adds
-/// both to each of its figures as `core_round_trip_ns`.
-fn with_core_round_trips(
-    workload: impl FnOnce() -> anyhow::Result<Vec<report::Figure>>,
-) -> anyhow::Result<Vec<report::Figure>> {
-    let before = machine::core_round_trip_ns();
-    let figures = workload()?;
-    let after = machine::core_round_trip_ns();
-    let round_trips = machine::round_trips_json(before, after);
-    Ok(figures
-        .into_iter()
-        .map(|figure| figure.with("core_round_trip_ns", round_trips.clone()))
-        .collect())
 }
 
 static STATS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -114,11 +102,19 @@ pub fn stats_enabled() -> bool {
     STATS.load(std::sync::atomic::Ordering::Relaxed)
 }
 
+/// Exit code of a usage error (a flag clap refuses), as clap's own.
+const USAGE_EXIT_CODE: u8 = 2;
+
 /// Runs the command line's workloads; an error is printed as one line with its causes
 /// (`{:#}`), never with anyhow's backtrace, which `RUST_BACKTRACE=1` would add to a returned
-/// error: a refused flag is the operator's mistake, not the tool's.
+/// error: a refused flag is the operator's mistake, not the tool's. A flag clap refuses is one
+/// line too ([`coordbus_tools::cli`]).
 fn main() -> std::process::ExitCode {
-    match run(Cli::parse()) {
+    let cli = match coordbus_tools::cli::parse::<Cli>() {
+        Ok(cli) => cli,
+        Err(exit) => return exit.print(USAGE_EXIT_CODE),
+    };
+    match run(cli) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("error: {error:#}");
@@ -133,15 +129,15 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     STATS.store(cli.stats, std::sync::atomic::Ordering::Relaxed);
     let figures = match cli.workload {
         None => run_all()?,
-        Some(workload) => with_core_round_trips(|| match &workload {
-            Workload::Bus(args) => bus::run_bus(args),
-            Workload::Ask(args) => bus::run_ask(args),
-            Workload::Wal(args) => wal::run(args),
-            Workload::WalRecover(args) => wal::run_recover(args),
-            Workload::Epoch(args) => epoch::run(args),
-            Workload::StateStore(args) => state_store::run(args),
-            Workload::Blocks(args) => blocks::run(args),
-        })?,
+        Some(workload) => match &workload {
+            Workload::Bus(args) => bus::run_bus(args)?,
+            Workload::Ask(args) => bus::run_ask(args)?,
+            Workload::Wal(args) => wal::run(args)?,
+            Workload::WalRecover(args) => wal::run_recover(args)?,
+            Workload::Epoch(args) => epoch::run(args)?,
+            Workload::StateStore(args) => state_store::run(args)?,
+            Workload::Blocks(args) => blocks::run(args)?,
+        },
     };
     match report::print(&figures, cli.json) {
         // The reader went away (`| head`): it has what it wanted.

@@ -10,7 +10,9 @@
 //! says. Memory that earlier workloads freed is given back to the system first (mimalloc's
 //! `mi_collect`): without that, mimalloc kept about 90 MiB of it resident for reuse in the
 //! no-argument run, and the epoch workload's peak read 100 MiB there against 34 MiB alone.
-//! Now both read about the same (`rss_at_start_mib` 11-13 MiB).
+//! Now both read about the same (`rss_at_start_mib` 11-13 MiB). The peak is everything the
+//! run holds, the tool's own bookkeeping included: the epoch workload's per-epoch timestamps
+//! (16 or 24 bytes an epoch) grow it with `--epochs` (its module doc).
 //!
 //! Where the reset is refused (not Linux, a `/proc` without `clear_refs`), the mark stays the
 //! process's: the figure then carries it as `process_peak_rss_mib`, never as `peak_rss_mib`, and

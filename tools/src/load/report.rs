@@ -4,8 +4,9 @@
 //! `workload`, `messages`, `seconds`, `msgs_per_sec`, `p50_ns`, `p99_ns`, `p999_ns` always (null
 //! where not measured); `baseline`, `baseline_msgs_per_sec`, `ratio` (ours / baseline) where a
 //! baseline ran; `core_round_trip_ns`, the machine's core-to-core round trip probed just before
-//! and just after the workload (`[before, after]`, module `machine`: it tells which of the
-//! machine's modes a figure was measured in); plus workload-specific keys (`extra`).
+//! and just after the runs the figure comes from, its own and its baseline's (`[before, after]`,
+//! module `machine`: it tells which of the machine's modes a figure was measured in); plus
+//! workload-specific keys (`extra`).
 //!
 //! The JSON keeps every number at full precision; the human table prints the extra keys in
 //! human units (times, rates, 4 significant digits), a key's three percentiles together.
@@ -17,10 +18,13 @@
 //!   made inside it) to the epoch's commit in memory, not to its commit being durable (the
 //!   run's end waits for that); `--durability group|every` runs add `durable_p50_ns`.. (in the
 //!   table, `durable_p50/p99/p99.9`) up to the commit record being seen durable, and the key
-//!   `latency` says which is which. The
+//!   `latency` says which is which. In a backlogged run that latency is mostly the tool's own
+//!   flow-control window (`--window`): the wait behind the messages it lets queue. The
 //!   `reference (direct)` baseline runs the reference model in memory on this thread, on a
 //!   prefix of the stream, also for `--durability group|every` runs: compare a durable run
-//!   with the in-memory run of the same sitting, not with that baseline.
+//!   with in-memory runs instead, `--baseline memory` (`in-memory bus`: the mean of the
+//!   in-memory bus runs just before and just after the durable one, same stream, same
+//!   process; also `ratio_to_memory`, `memory_msgs_per_sec`).
 //! * `wal`: the every-record baseline runs as many threads as the figure, each writing and
 //!   fdatasyncing its own records; the group-commit baseline syncs 4 MiB batches, larger than
 //!   the log's own groups.

@@ -39,6 +39,7 @@ use uuid::Uuid;
 
 use crate::{
     limits::{INBOX_CAPACITY, MAX_BATCH, MAX_INBOX_SHARDS, MAX_IN_FLIGHT, MAX_THREADS},
+    machine::with_round_trips,
     report::{Figure, Percentiles},
 };
 
@@ -209,11 +210,12 @@ pub fn run(args: &StateStoreArgs) -> anyhow::Result<Vec<Figure>> {
     let run_id = Uuid::from_u128(0x5747_e000);
     let stores = store_set(args.stores, args.executors, run_id, "/checkpoint/load");
 
-    let mut figures = vec![report(args, &coordinator, &stores)?];
-    figures.push(verify(args, &coordinator, &stores)?);
-    figures.push(verify_pipelined(args, &coordinator, &stores)?);
-    figures.push(location(args, &coordinator, &stores)?);
-    figures.push(deactivate(args, &coordinator, &stores)?);
+    // Each figure's probes bracket its own runs (ours and its baseline's).
+    let mut figures = vec![with_round_trips(|| report(args, &coordinator, &stores))?];
+    figures.push(with_round_trips(|| verify(args, &coordinator, &stores))?);
+    figures.push(with_round_trips(|| verify_pipelined(args, &coordinator, &stores))?);
+    figures.push(with_round_trips(|| location(args, &coordinator, &stores))?);
+    figures.push(with_round_trips(|| deactivate(args, &coordinator, &stores))?);
     let endpoint_stats = coordinator.endpoint().stats();
     if let Some(first) = figures.first_mut() {
         *first = first.clone().with_endpoint_stats("endpoint_stats", &endpoint_stats);

@@ -569,54 +569,68 @@ pub fn run(args: &WalArgs) -> anyhow::Result<Vec<Figure>> {
     check_free_disk(args, root.path())?;
     check_baseline_syncs(args)?;
     let with_baseline = baseline_enabled(&args.baseline)?;
-    let frame_bytes = frame::frame_len(args.record_bytes);
     let mut figures = Vec::new();
     for name in &args.durability {
         for &threads in &args.threads {
-            let figure = match name.as_str() {
-                "group" | "none" => {
-                    let durability = if name == "group" {
-                        Durability::GroupCommit {
-                            max_delay: Duration::from_micros(args.max_delay_us),
-                            max_bytes: args.max_bytes,
-                        }
-                    } else {
-                        Durability::None
-                    };
-                    let (figure, bytes) =
-                        throughput_figure(args, root.path(), name, durability, threads)?;
-                    if with_baseline && name == "group" {
-                        let seconds = pwrite_baseline(root.path(), bytes, args.max_bytes)
-                            .context("pwrite baseline")?;
-                        let records = bytes / frame_bytes as u64;
-                        figure
-                            .with_baseline(
-                                format!("pwrite+fdatasync/{}", byte_size_label(args.max_bytes)),
-                                records as f64 / seconds,
-                            )
-                            .with("baseline_bytes_per_sec", bytes as f64 / seconds)
-                    } else {
-                        figure
-                    }
-                }
-                "every" => {
-                    let baselines = if with_baseline {
-                        let count = args.every_records;
-                        Some((
-                            fdatasync_baseline(root.path(), frame_bytes, count, threads, true)?,
-                            fdatasync_baseline(root.path(), frame_bytes, count, threads, false)?,
-                        ))
-                    } else {
-                        None
-                    };
-                    every_record_figure(args, root.path(), threads, baselines.as_ref())?
-                }
-                other => anyhow::bail!("unknown durability {other:?} (group, every, none)"),
-            };
+            // The probes bracket this figure's runs (ours and its baseline's).
+            let figure = crate::machine::with_round_trips(|| {
+                measure_figure(args, root.path(), name, threads, with_baseline)
+            })?;
             figures.push(figure);
         }
     }
     Ok(figures)
+}
+
+/// One figure of `coordbus-load wal`: durability `name` at `threads` threads, with its
+/// baseline when `with_baseline`.
+fn measure_figure(
+    args: &WalArgs,
+    root: &Path,
+    name: &str,
+    threads: usize,
+    with_baseline: bool,
+) -> anyhow::Result<Figure> {
+    let frame_bytes = frame::frame_len(args.record_bytes);
+    Ok(match name {
+        "group" | "none" => {
+            let durability = if name == "group" {
+                Durability::GroupCommit {
+                    max_delay: Duration::from_micros(args.max_delay_us),
+                    max_bytes: args.max_bytes,
+                }
+            } else {
+                Durability::None
+            };
+            let (figure, bytes) = throughput_figure(args, root, name, durability, threads)?;
+            if with_baseline && name == "group" {
+                let seconds =
+                    pwrite_baseline(root, bytes, args.max_bytes).context("pwrite baseline")?;
+                let records = bytes / frame_bytes as u64;
+                figure
+                    .with_baseline(
+                        format!("pwrite+fdatasync/{}", byte_size_label(args.max_bytes)),
+                        records as f64 / seconds,
+                    )
+                    .with("baseline_bytes_per_sec", bytes as f64 / seconds)
+            } else {
+                figure
+            }
+        }
+        "every" => {
+            let baselines = if with_baseline {
+                let count = args.every_records;
+                Some((
+                    fdatasync_baseline(root, frame_bytes, count, threads, true)?,
+                    fdatasync_baseline(root, frame_bytes, count, threads, false)?,
+                ))
+            } else {
+                None
+            };
+            every_record_figure(args, root, threads, baselines.as_ref())?
+        }
+        other => anyhow::bail!("unknown durability {other:?} (group, every, none)"),
+    })
 }
 
 /// Refuses a `wal` run whose largest log does not fit in the free space under `root`. The
@@ -679,12 +693,45 @@ pub fn run_recover(args: &WalRecoverArgs) -> anyhow::Result<Vec<Figure>> {
         }
         wal.close()?;
     }
+    // The probes bracket the timed opens and scans, not the writing of the log before them.
+    let ((mut open_seconds, mut iter_seconds, bytes), round_trips) =
+        crate::machine::bracket(|| time_recoveries(args, &dir, &config))?;
+    open_seconds.sort_by(f64::total_cmp);
+    iter_seconds.sort_by(f64::total_cmp);
+    let median = |values: &[f64]| values[values.len() / 2];
+    let open_median = median(&open_seconds);
+    let iter_median = median(&iter_seconds);
+    Ok(vec![
+        Figure::new("wal-recover", args.records, open_median)
+            .with("phase", "open (scan + CRC)")
+            .with("bytes_per_sec", bytes as f64 / open_median)
+            .with("best_seconds", open_seconds[0])
+            .with("record_bytes", args.record_bytes)
+            .with("bytes", bytes)
+            .with(crate::machine::ROUND_TRIPS_KEY, round_trips.clone()),
+        Figure::new("wal-recover", args.records, iter_median)
+            .with("phase", "iterate all (CRC again)")
+            .with("bytes_per_sec", bytes as f64 / iter_median)
+            .with("best_seconds", iter_seconds[0])
+            .with("record_bytes", args.record_bytes)
+            .with("bytes", bytes)
+            .with(crate::machine::ROUND_TRIPS_KEY, round_trips),
+    ])
+}
+
+/// The timed part of `wal-recover`: `--repeats` opens of the log in `dir`, each followed by a
+/// full iteration; their times in seconds (opens, iterations) and the bytes scanned.
+fn time_recoveries(
+    args: &WalRecoverArgs,
+    dir: &Path,
+    config: &WalConfig,
+) -> anyhow::Result<(Vec<f64>, Vec<f64>, u64)> {
     let mut open_seconds = Vec::new();
     let mut iter_seconds = Vec::new();
     let mut bytes = 0;
     for _ in 0..args.repeats.max(1) {
         let started = Instant::now();
-        let wal = Wal::open(&dir, config.clone())?;
+        let wal = Wal::open(dir, config.clone())?;
         open_seconds.push(started.elapsed().as_secs_f64());
         anyhow::ensure!(wal.recovery_report().records == args.records, "lost records");
         bytes = wal.recovery_report().bytes;
@@ -705,23 +752,5 @@ pub fn run_recover(args: &WalRecoverArgs) -> anyhow::Result<Vec<Figure>> {
         // Keep the segments: a reopen must not find anything new to write.
         drop(wal);
     }
-    open_seconds.sort_by(f64::total_cmp);
-    iter_seconds.sort_by(f64::total_cmp);
-    let median = |values: &[f64]| values[values.len() / 2];
-    let open_median = median(&open_seconds);
-    let iter_median = median(&iter_seconds);
-    Ok(vec![
-        Figure::new("wal-recover", args.records, open_median)
-            .with("phase", "open (scan + CRC)")
-            .with("bytes_per_sec", bytes as f64 / open_median)
-            .with("best_seconds", open_seconds[0])
-            .with("record_bytes", args.record_bytes)
-            .with("bytes", bytes),
-        Figure::new("wal-recover", args.records, iter_median)
-            .with("phase", "iterate all (CRC again)")
-            .with("bytes_per_sec", bytes as f64 / iter_median)
-            .with("best_seconds", iter_seconds[0])
-            .with("record_bytes", args.record_bytes)
-            .with("bytes", bytes),
-    ])
+    Ok((open_seconds, iter_seconds, bytes))
 }
