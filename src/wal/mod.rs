@@ -2087,7 +2087,9 @@ impl Wal {
     /// The last LSN whose sync completed, so that a power loss keeps it. The same as
     /// [`Wal::durable_lsn`] with [`Durability::GroupCommit`] and [`Durability::EveryRecord`];
     /// with [`Durability::None`] (which counts a written LSN durable), the last record of the
-    /// last segment sealed. After opening, the last recovered LSN.
+    /// last segment sealed. After opening for writing (which syncs the recovered last
+    /// segment), the last recovered LSN; a read-only log syncs nothing, so there it is only
+    /// the last LSN found.
     pub fn synced_lsn(&self) -> Lsn {
         Lsn(self.shared.synced_lsn.load(Ordering::Acquire))
     }

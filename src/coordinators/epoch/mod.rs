@@ -144,7 +144,8 @@
 //! * [`DurableQuery`] (`durable`) keeps them in coordbus's WAL, in front of an inner engine
 //!   query (default [`NoopQuery`]) that still gets every `add_offsets`, `commit` and `stop`
 //!   after the append. `add_offsets` appends one rkyv record of the epoch's offsets (once per
-//!   epoch and run; the first record of a run wins, a newer run's replaces an older run's);
+//!   epoch and run; the first record of a run wins, a newer run's replaces an older run's; for
+//!   an epoch far after the last commit, at its commit instead, which a restart cannot tell);
 //!   `commit` appends a committed-epoch record after the sink committed the epoch (and fails
 //!   with [`EpochError::CommittedWithoutOffsets`] if the epoch has no offsets), and ignores
 //!   (counts) a commit of an already committed epoch. Appends never wait for an fsync (group
@@ -177,7 +178,7 @@ mod zigzag;
 pub use self::{
     durable::{
         DurableQuery, DurableQueryStatus, NoopQuery, RestartPoint, CLOSE_TIMEOUT,
-        DEFAULT_RETAINED_EPOCHS, DEFAULT_WRITE_TIMEOUT,
+        DEFAULT_RETAINED_EPOCHS, DEFAULT_WRITE_TIMEOUT, DEFERRED_ENTRIES_MAX,
     },
     endpoint::{
         coordinator_name, CommitPartitionEpoch, EpochEndpoint, EpochMessage, EpochRequest,
