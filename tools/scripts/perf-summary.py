@@ -5,13 +5,14 @@ the machine's fast mode.
 
 Usage: tools/scripts/perf-summary.py SERIES.jsonl
 
-Each figure's lines (those its runs carry; see FIGURES below): msgs/s and epochs/s, the ratio to
-its baseline (`ratio`: the reference model, the in-memory bus runs of `--baseline memory`, or
-the workload's own) with the baseline's rate, how far the reference model got
+Each figure's lines (those its runs carry; see FIGURES below): msgs/s, epochs/s and bytes/s, the
+ratio to its baseline (`ratio`: the reference model, the in-memory bus runs of `--baseline
+memory`, or the workload's own) with the baseline's rate, how far the reference model got
 (`baseline_epochs`), the in-memory runs of `--baseline memory` (their mean, each one's rate and
 commit p50: hundreds of microseconds when the coordinator set the pace, microseconds when a
 producer did), the commit latency percentiles (`p50_ns`..), the durable commit latency
-(`durable_p50_ns`..) and the peak resident memory (`peak_rss_mib`, with `rss_at_start_mib`).
+(`durable_p50_ns`..), the ratio of latencies where a workload reports one (`latency_ratio`), and
+the peak resident memory (`peak_rss_mib`, `process_peak_rss_mib`, with `rss_at_start_mib`).
 
 The mode of a run comes from `core_round_trip_ns` (`[before, after]`, see
 tools/src/load/machine.rs). Each probe falls in one of three placements of the two vCPUs:
@@ -39,6 +40,16 @@ def rate(value):
     return f"{value:.1f} /s"
 
 
+def byte_rate(value):
+    if value >= 1e9:
+        return f"{value / 1e9:.2f} GB/s"
+    if value >= 1e6:
+        return f"{value / 1e6:.1f} MB/s"
+    if value >= 1e3:
+        return f"{value / 1e3:.1f} kB/s"
+    return f"{value:.1f} B/s"
+
+
 def duration(ns):
     if ns >= 1e6:
         return f"{ns / 1e6:.2f} ms"
@@ -64,7 +75,7 @@ def count(value):
 FIGURES = (
     ("msgs/s", "msgs_per_sec", rate),
     ("epochs/s", "epochs_per_sec", rate),
-    ("bytes/s", "bytes_per_sec", rate),
+    ("bytes/s", "bytes_per_sec", byte_rate),
     ("ratio", "ratio", times),
     ("baseline msgs/s", "baseline_msgs_per_sec", rate),
     ("baseline epochs", "baseline_epochs", count),
@@ -117,13 +128,13 @@ def main():
         identity = tuple((key, figure[key]) for key in IDENTITY_KEYS if key in figure)
         groups.setdefault((figure.get("cmd", "?"), figure["workload"], identity), []).append(figure)
     for (cmd, workload, identity), figures in groups.items():
-        modes = "".join(sorted(mode(figure) for figure in figures))
         fast = [figure for figure in figures if mode(figure) == "F"]
         label = f"{cmd} | {workload} " + " ".join(f"{key}={value}" for key, value in identity)
         print(label)
         for name, chosen in (("all", figures), ("fast", fast)):
             if not chosen:
                 continue
+            modes = "".join(sorted(mode(figure) for figure in chosen))
             print(f"    {name}: {len(chosen)} runs, modes {modes}")
             for title, key, show in FIGURES:
                 values = [figure[key] for figure in chosen if figure.get(key) is not None]

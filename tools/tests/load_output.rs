@@ -91,7 +91,7 @@ fn the_epoch_reference_baseline_says_how_far_it_got() {
 /// `--baseline memory` brackets the durable run with two in-memory runs of the same stream in
 /// the same process: the figure is the durable run's, its baseline the mean of the two
 /// in-memory rates, and its ratio the durable rate over that mean, under both the common keys
-/// and the memory ones; the core probes bracket the runs.
+/// and the memory ones; the figure carries its core probes.
 #[test]
 fn the_epoch_memory_baseline_is_the_mean_of_two_in_memory_runs_around_the_durable_one() {
     let epoch = figures(&[

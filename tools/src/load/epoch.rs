@@ -93,9 +93,11 @@
 //! which grow it with `--epochs` at any partition count. With `--baseline memory` it is the
 //! durable run's own peak.
 //!
-//! `core_round_trip_ns` (module `machine`) brackets the bus run only (with `--baseline memory`
-//! its three bus runs); the `epoch/state-machine` figure of `--baseline reference` carries
-//! probes of its own around the direct runs, which follow the bus run and take seconds.
+//! `core_round_trip_ns` (module `machine`) brackets the runs each figure's rate and ratio come
+//! from: the bus figure's bus run (with `--baseline memory` its three bus runs; with
+//! `--baseline reference` also the reference model's direct run after it, its ratio's
+//! baseline), the `epoch/state-machine` figure's the direct runs only (its own and the
+//! reference model's, which follow the bus run and take seconds).
 
 use std::{
     path::{Path, PathBuf},
@@ -943,23 +945,28 @@ const STALL_LIMIT: Duration = Duration::from_secs(60);
 /// Runs the workload.
 pub fn run(args: &EpochArgs) -> anyhow::Result<Vec<Figure>> {
     validate(args)?;
-    // The probes bracket the bus run(s) only; the direct runs get their own (module doc).
-    let bus = machine::with_round_trips(|| match args.baseline {
-        Baseline::Memory => run_bus_against_memory(args),
-        Baseline::None | Baseline::Reference => run_bus(args),
-    })?;
+    // Each figure's probes bracket the runs its rate and ratio come from (module doc).
+    let before_bus = machine::core_round_trip_ns();
+    let bus = match args.baseline {
+        Baseline::Memory => run_bus_against_memory(args)?,
+        Baseline::None | Baseline::Reference => run_bus(args)?,
+    };
+    let after_bus = machine::core_round_trip_ns();
     if args.baseline != Baseline::Reference {
-        return Ok(vec![bus]);
+        return Ok(vec![
+            bus.with(machine::ROUND_TRIPS_KEY, machine::round_trips_json(before_bus, after_bus))
+        ]);
     }
-    let ((ours, reference), round_trips) = machine::bracket(|| run_direct(args))?;
-    let with_reference = |figure: Figure| {
+    let (ours, reference) = run_direct(args)?;
+    let after_direct = machine::core_round_trip_ns();
+    let with_reference = |figure: Figure, before| {
         figure
             .with_baseline("reference (direct)", reference.figure.msgs_per_sec())
             .with("baseline_messages", reference.figure.messages)
             .with("baseline_epochs", reference.epochs)
+            .with(machine::ROUND_TRIPS_KEY, machine::round_trips_json(before, after_direct))
     };
-    let ours = with_reference(ours).with(machine::ROUND_TRIPS_KEY, round_trips);
-    Ok(vec![with_reference(bus), ours])
+    Ok(vec![with_reference(bus, before_bus), with_reference(ours, after_bus)])
 }
 
 /// The name of the `--baseline memory` baseline.

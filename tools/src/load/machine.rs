@@ -17,10 +17,14 @@
 //! Where: each workload brackets exactly the runs a figure's rate and ratio come from
 //! ([`with_round_trips`]): its own run and its baseline's, which most workloads time back to
 //! back. Not the set-up before them (a log written only to be scanned), nor the runs of the
-//! workload's other figures, nor runs that make no figure of its own: the `epoch` workload's
-//! bus figure carries the probes around its bus run (with `--baseline memory`, its three bus
-//! runs), and its `epoch/state-machine` figure its own probes around the direct runs, which
-//! come after and take seconds.
+//! workload's other figures where they can be told apart. The `epoch` workload's bus figure
+//! carries the probes around its bus run (with `--baseline memory`, its three bus runs; with
+//! `--baseline reference`, up to the end of the reference model's direct run, its ratio's
+//! baseline), and its `epoch/state-machine` figure its own probes around the direct runs,
+//! which come after and take seconds. Two pairs of figures share one bracket, their runs
+//! being one: `wal-recover`'s open and iterate phases (which alternate per repeat), and the
+//! block tracker's `blocks/recover` and `blocks/allocate` (allocation follows the recovery it
+//! measures on the same tracker).
 
 use std::{
     sync::atomic::{AtomicU64, Ordering},
