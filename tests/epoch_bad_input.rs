@@ -424,8 +424,11 @@ fn after_stop_writes_one_way_messages_are_dropped_requests_still_work() {
     assert_eq!(harness.calls(), [add_offsets(1, 1)], "epoch 1 never commits");
     assert_eq!(harness.epoch.ask(IncrementAndGetEpoch).wait_timeout(REPLY_TIMEOUT).unwrap(), 2);
     assert_eq!(harness.barrier(), 2);
+    // A second stop changes nothing: one-way messages are still dropped.
     harness.epoch.ask(StopContinuousExecutionWrites).wait_timeout(REPLY_TIMEOUT).unwrap();
-    assert!(harness.stats().writes_stopped, "there is no way back");
+    harness.report(0, 2);
+    harness.barrier();
+    assert_eq!(harness.stats().counters.dropped_writes_stopped, 4);
 }
 
 #[test]
@@ -638,6 +641,49 @@ fn over_the_commit_limit(
         coordinator.commit_partition_epoch(PartitionId(0), Epoch(epoch), 1.into()).unwrap();
     }
     coordinator
+}
+
+/// SPEC B.4 step 2: an ignored duplicate commit runs no backlog check, also with the commit
+/// queue over its limit (where every other message's check fires again).
+#[test]
+fn a_duplicate_commit_over_the_limit_runs_no_backlog_check() {
+    let (query, sink, calls) = recorders();
+    let mut coordinator = over_the_commit_limit(query, sink);
+    let before = coordinator.stats();
+    let stops_before = stop_messages(&calls.lock().unwrap()).len();
+    assert!(stops_before > 0, "the queue overflowed");
+    let rejected =
+        coordinator.commit_partition_epoch(PartitionId(0), Epoch(2), 9.into()).unwrap_err();
+    assert_eq!(rejected.reason, DropReason::DuplicateCommit);
+    let after = coordinator.stats();
+    assert_eq!(after.counters.backlog_overflows, before.counters.backlog_overflows);
+    assert_eq!(after.counters.dropped_duplicate_commit, 1);
+    assert_eq!(stop_messages(&calls.lock().unwrap()).len(), stops_before, "no check, no stop");
+    // A new commit over the limit does run the check (and is refused).
+    coordinator.commit_partition_epoch(PartitionId(0), Epoch(4), 1.into()).unwrap_err();
+    assert_eq!(
+        coordinator.stats().counters.backlog_overflows,
+        after.counters.backlog_overflows + 1
+    );
+}
+
+/// Setting a count drops, counted, the entries kept with ids not below it: with a warning
+/// that says how many, on which side.
+#[test]
+fn a_count_that_drops_kept_entries_logs_a_warning() {
+    let (query, sink, _) = recorders();
+    let mut coordinator = EpochCoordinator::new(EpochConfig::new(1), query, sink).unwrap();
+    for partition in [0, 5, 6] {
+        coordinator.report_partition_offset(PartitionId(partition), Epoch(1), 1.into()).unwrap();
+    }
+    let warnings = WarningLog::default();
+    warnings.around(|| coordinator.set_reader_partitions(2).unwrap());
+    let lines = warnings.lines();
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    for part in ["partition ids not below the new partition count", "count=2", "dropped=2"] {
+        assert!(lines[0].contains(part), "{part:?} missing from {lines:?}");
+    }
+    assert_eq!(coordinator.counters().dropped_partition_out_of_range, 2);
 }
 
 #[test]

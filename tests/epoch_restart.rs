@@ -77,10 +77,14 @@ fn start_run(
     let wal = Wal::open(dir, wal_config(Durability::default())).unwrap();
     let durable = DurableQuery::from_wal(wal, query).unwrap().with_retained_epochs(5);
     let start = durable.start_epoch().0;
-    if let Some((last, offsets)) = durable.restart_point() {
-        assert_eq!(last.0, start - 1);
-        let expected: Vec<_> = (0..READERS).map(|p| (PartitionId(p), offset(p, last.0))).collect();
-        assert_eq!(offsets, &expected, "the restart offsets are the last committed epoch's");
+    match durable.restart_point() {
+        None => assert_eq!(start, 0, "no restart point, yet a start after epoch 0"),
+        Some((last, offsets)) => {
+            assert_eq!(last.0, start - 1);
+            let expected: Vec<_> =
+                (0..READERS).map(|p| (PartitionId(p), offset(p, last.0))).collect();
+            assert_eq!(offsets, &expected, "the restart offsets are the last committed epoch's");
+        }
     }
     let endpoint = EpochEndpoint::new(EpochConfig::new(start), durable, sink).unwrap();
     let epoch = bus.register(coordinator_name("restart"), endpoint).unwrap();

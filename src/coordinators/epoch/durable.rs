@@ -1235,11 +1235,20 @@ mod tests {
         query.add_offsets(Epoch(0), Offsets::new(&offsets(0, 0))).unwrap();
         query.commit(Epoch(0)).unwrap();
         let appends = query.wal().stats().appends;
-        query.commit(Epoch(0)).unwrap();
-        query.add_offsets(Epoch(0), Offsets::new(&offsets(0, 1))).unwrap();
+        let warnings = crate::warning_capture::WarningLog::default();
+        warnings.around(|| {
+            query.commit(Epoch(0)).unwrap();
+            query.add_offsets(Epoch(0), Offsets::new(&offsets(0, 1))).unwrap();
+        });
         assert_eq!(query.wal().stats().appends, appends, "nothing appended for a committed epoch");
         assert_eq!(query.status().ignored_commits(), 1);
         assert_eq!(query.status().ignored_offsets(), 1);
+        // Counted and logged (issue 4: "a counted, logged warning"), naming the epoch.
+        let lines = warnings.lines();
+        assert_eq!(lines.len(), 2, "{lines:?}");
+        assert!(lines[0].contains("commit of an already committed epoch ignored"), "{lines:?}");
+        assert!(lines[1].contains("offsets of an already committed epoch ignored"), "{lines:?}");
+        assert!(lines.iter().all(|line| line.contains("epoch=0")), "{lines:?}");
     }
 
     /// Offsets reported before the partition counts were set, then a writer commit completing
