@@ -1002,7 +1002,7 @@ mod loom_tests {
                 let (lane, closed) = (Arc::clone(&lane), Arc::clone(&closed));
                 thread::spawn(move || {
                     let mut values = 1..4u32;
-                    while values.len() > 0 {
+                    while !values.is_empty() {
                         if lane.push_batch(&mut values, &closed, BarrierMode::Fenced) == Ok(0) {
                             thread::yield_now();
                         }

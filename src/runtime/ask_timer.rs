@@ -24,7 +24,8 @@
 //! looks at the maps again, each with a full fence between; so either the thread finds the
 //! new entry before it sleeps, or the armer finds the plan later than its deadline and
 //! notifies (under the thread's mutex, with a flag the thread checks before it waits, so a
-//! notification is never lost).
+//! notification is never lost). The pairing is module `timer_handshake`, checked by a loom
+//! model there.
 //!
 //! If the thread cannot be started (the system refuses a thread), awaiting falls back to
 //! checking the deadline only when the task is polled, and a warning says so once. Under Miri
@@ -32,13 +33,13 @@
 
 use std::{
     collections::BTreeMap,
-    sync::{
-        atomic::{fence, AtomicU64, Ordering},
-        Condvar, Mutex, MutexGuard, OnceLock, PoisonError,
-    },
+    sync::{Condvar, Mutex, MutexGuard, OnceLock, PoisonError},
     task::Waker,
     time::Instant,
 };
+
+use super::timer_handshake::{plan_holds, plan_misses};
+use crate::sync::{AtomicU64, Ordering};
 
 /// Maps of armed deadlines, each behind its own lock; a thread arms in one of them.
 const SHARDS: usize = 8;
@@ -178,8 +179,7 @@ impl Timer {
 
     /// After arming `deadline`: wakes the thread if it plans to sleep past it (module doc).
     fn wake_if_earlier(&self, deadline: Instant) {
-        fence(Ordering::SeqCst);
-        if self.nanos(deadline) < self.planned.load(Ordering::SeqCst) {
+        if plan_misses(&self.planned, self.nanos(deadline)) {
             *self.notified.lock().unwrap_or_else(PoisonError::into_inner) = true;
             self.wake.notify_one();
         }
@@ -233,10 +233,9 @@ fn run(timer: &'static Timer) {
         if std::mem::take(&mut *notified) {
             continue;
         }
-        timer.planned.store(earliest.map_or(u64::MAX, |at| timer.nanos(at)), Ordering::SeqCst);
-        fence(Ordering::SeqCst);
-        // An entry armed after `take_due` whose armer read the plan before the store above.
-        if timer.earliest().is_some_and(|armed| earliest.is_none_or(|planned| armed < planned)) {
+        let plan = earliest.map_or(u64::MAX, |at| timer.nanos(at));
+        // An entry armed after `take_due` whose armer read the plan before this one.
+        if !plan_holds(&timer.planned, plan, || timer.earliest().map(|at| timer.nanos(at))) {
             continue;
         }
         let notified = match earliest {

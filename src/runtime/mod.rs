@@ -19,6 +19,7 @@ mod endpoint;
 mod pin;
 mod reply;
 mod stats;
+mod timer_handshake;
 mod worker;
 
 pub(crate) use worker::panic_message;
