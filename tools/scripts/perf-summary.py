@@ -32,22 +32,21 @@ FAST_BELOW_NS = 150
 IDENTITY_KEYS = ("durability", "threads", "receivers", "blocks_per_ask", "baseline", "phase")
 
 
+def scaled(value, unit, prefixes):
+    """`value` in `unit` with the first of `prefixes` ((factor, prefix, decimals), largest
+    first) that it reaches."""
+    for factor, prefix, decimals in prefixes:
+        if value >= factor:
+            return f"{value / factor:.{decimals}f} {prefix}{unit}"
+    return f"{value:.1f} {unit}"
+
+
 def rate(value):
-    if value >= 1e6:
-        return f"{value / 1e6:.1f} M/s"
-    if value >= 1e3:
-        return f"{value / 1e3:.1f} k/s"
-    return f"{value:.1f} /s"
+    return scaled(value, "/s", ((1e6, "M", 1), (1e3, "k", 1)))
 
 
 def byte_rate(value):
-    if value >= 1e9:
-        return f"{value / 1e9:.2f} GB/s"
-    if value >= 1e6:
-        return f"{value / 1e6:.1f} MB/s"
-    if value >= 1e3:
-        return f"{value / 1e3:.1f} kB/s"
-    return f"{value:.1f} B/s"
+    return scaled(value, "B/s", ((1e9, "G", 2), (1e6, "M", 1), (1e3, "k", 1)))
 
 
 def duration(ns):
