@@ -1064,6 +1064,18 @@ mod tests {
         XorShiftRng::seed_from_u64(u64::from(p as u32) << 40 ^ epoch as u64).random()
     }
 
+    /// 200 offsets advancing by about 5000 an epoch: most records are deltas, a 4 KiB segment
+    /// holds one chain of a few epochs.
+    fn chained_offsets(epoch: i64) -> Vec<(PartitionId, Payload)> {
+        advancing(200, 5000, epoch)
+    }
+
+    /// Page-cache durability (segments written, so cleanable, without fsyncs) in 4 KiB
+    /// segments, so that a few epochs roll a segment.
+    fn unsynced_small_segments() -> WalConfig {
+        WalConfig { durability: Durability::None, segment_size_bytes: 4096, ..config() }
+    }
+
     fn offsets(epoch: i64, value: i64) -> Vec<(PartitionId, Payload)> {
         (0..3)
             .map(|p| (PartitionId(p), Payload::from(epoch * 100 + value + i64::from(p))))
@@ -1454,9 +1466,8 @@ mod tests {
     #[test]
     fn offsets_far_ahead_do_not_stop_the_cleaning() {
         let dir = tempfile::tempdir().unwrap();
-        let offsets = |epoch: i64| -> Vec<(PartitionId, Payload)> { advancing(200, 5000, epoch) };
-        let config =
-            WalConfig { durability: Durability::None, segment_size_bytes: 4096, ..config() };
+        let offsets = chained_offsets;
+        let config = unsynced_small_segments();
         {
             let mut query =
                 DurableQuery::open(dir.path(), config.clone()).unwrap().with_retained_epochs(4);
@@ -1531,11 +1542,10 @@ mod tests {
         // `usize::MAX` used to wrap to -1 as an epoch count: the cleaning threshold was then
         // above the durable commit, and a commit after a restart deleted the recovered
         // segments holding the restart point.
-        let offsets = |epoch: i64| -> Vec<(PartitionId, Payload)> { advancing(200, 5000, epoch) };
+        let offsets = chained_offsets;
         for retained in [usize::MAX, 1 << 63] {
             let dir = tempfile::tempdir().unwrap();
-            let config =
-                WalConfig { durability: Durability::None, segment_size_bytes: 4096, ..config() };
+            let config = unsynced_small_segments();
             for run in 0..2 {
                 let mut query = DurableQuery::open(dir.path(), config.clone())
                     .unwrap()
@@ -1560,9 +1570,8 @@ mod tests {
     #[test]
     fn a_smaller_retention_after_a_restart_keeps_the_recovered_restart_points_chain() {
         let dir = tempfile::tempdir().unwrap();
-        let offsets = |epoch: i64| -> Vec<(PartitionId, Payload)> { advancing(200, 5000, epoch) };
-        let config =
-            WalConfig { durability: Durability::None, segment_size_bytes: 4096, ..config() };
+        let offsets = chained_offsets;
+        let config = unsynced_small_segments();
         let first_run_end = {
             let mut query = DurableQuery::open(dir.path(), config.clone()).unwrap();
             commit_each_durably(&mut query, 0..150, offsets);
@@ -1595,13 +1604,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         // 200 offsets of 8 bytes that advance by 5000 an epoch: 1.6 KiB as a full record, 400
         // bytes as a delta from the epoch before (differences below 2^15).
-        let offsets = |epoch: i64| -> Vec<(PartitionId, Payload)> { advancing(200, 5000, epoch) };
+        let offsets = chained_offsets;
         let epochs = 600;
         {
             // Segments of 4 KiB, a few epochs each, so that cleaning runs close behind the
             // restart point: keyframes more epochs back than retained would be deleted.
-            let config =
-                WalConfig { durability: Durability::None, segment_size_bytes: 4096, ..config() };
+            let config = unsynced_small_segments();
             let mut query = DurableQuery::open(dir.path(), config).unwrap().with_retained_epochs(3);
             commit_each_durably(&mut query, 0..epochs, offsets);
             wait_for_cleaned_segments(&query, 100);
