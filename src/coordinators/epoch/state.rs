@@ -1099,16 +1099,7 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
     /// # Errors
     /// [`EpochError::InvalidPartitionCount`] for a negative count (nothing changes).
     pub fn set_reader_partitions(&mut self, count: i32) -> Result<(), EpochError> {
-        self.check_count(PartitionSide::Reader, count)?;
-        if self.reader_partitions != count {
-            self.shrink_free_sides(PartitionSide::Reader);
-        }
-        self.reader_partitions = count;
-        self.set_admission_gate();
-        tracing::debug!(count, "reader partitions set");
-        self.drop_out_of_range(PartitionSide::Reader, count);
-        self.resume_passed_epoch();
-        Ok(())
+        self.set_partition_count(PartitionSide::Reader, count)
     }
 
     /// `SetWriterPartitions(count)`: overwrites the writer partition count.
@@ -1116,19 +1107,31 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
     /// # Errors
     /// [`EpochError::InvalidPartitionCount`] for a negative count (nothing changes).
     pub fn set_writer_partitions(&mut self, count: i32) -> Result<(), EpochError> {
-        self.check_count(PartitionSide::Writer, count)?;
-        if self.writer_partitions != count {
-            self.shrink_free_sides(PartitionSide::Writer);
+        self.set_partition_count(PartitionSide::Writer, count)
+    }
+
+    /// Both `Set*Partitions` messages: refuses a negative count, then overwrites `side`'s count,
+    /// drops the pending entries it leaves out of range and resumes a waiting epoch the chain
+    /// passed.
+    fn set_partition_count(&mut self, side: PartitionSide, count: i32) -> Result<(), EpochError> {
+        self.check_count(side, count)?;
+        let current = match side {
+            PartitionSide::Reader => &mut self.reader_partitions,
+            PartitionSide::Writer => &mut self.writer_partitions,
+        };
+        let changed = *current != count;
+        *current = count;
+        if changed {
+            self.shrink_free_sides(side);
         }
-        self.writer_partitions = count;
         self.set_admission_gate();
-        tracing::debug!(count, "writer partitions set");
-        self.drop_out_of_range(PartitionSide::Writer, count);
+        tracing::debug!(%side, count, "partition count set");
+        self.drop_out_of_range(side, count);
         self.resume_passed_epoch();
         Ok(())
     }
 
-    /// Before `side`'s partition count changes: the free buckets give back that side's
+    /// When `side`'s partition count changes: the free buckets give back that side's
     /// allocations, which were sized for the old count ([`Slots::clear_for_reuse`]).
     /// O(free buckets) per count change.
     fn shrink_free_sides(&mut self, side: PartitionSide) {
