@@ -194,8 +194,8 @@ fn ec09_backlog_overflow_through_partition_commits() {
 #[test]
 fn waiting_epoch_backlog_overflows_with_its_verbatim_message() {
     // Not an EC scenario, but B.7 check 3: eleven complete epochs waiting behind epoch 1 (limit
-    // 10; entry limits raised by using 1 partition and counting: 11 offsets + 11 commits would
-    // overflow first, so give the entry queues room).
+    // 10). With one partition each of epochs 2..=12 stores an offset and a commit, so the entry
+    // limits are raised to 100 to let the epoch queue overflow alone.
     let (query, sink, log) = epoch_support::recorders();
     let mut config = coordbus::EpochConfig::new(1).with_backlog_limit(10);
     config.partition_offset_limit = 100;
@@ -207,19 +207,26 @@ fn waiting_epoch_backlog_overflows_with_its_verbatim_message() {
         harness.report(0, epoch);
     }
     harness.barrier();
-    let stops: Vec<Call> =
-        harness.calls().into_iter().filter(|call| matches!(call, Call::Stop { .. })).collect();
-    assert_eq!(
-        stops,
-        [Call::Stop {
-            message: "Size of the epoch queue has exceeded its maximum".into(),
-            backlog: Some((BacklogQueue::WaitingEpochs, 11, 10)),
-        }]
-    );
-    // Completing epoch 1 commits all twelve in one pass.
+    let overflow = Call::Stop {
+        message: "Size of the epoch queue has exceeded its maximum".into(),
+        backlog: Some((BacklogQueue::WaitingEpochs, 11, 10)),
+    };
+    let mut expected: Vec<Call> = (2..=12).map(|epoch| add_offsets(epoch, 1)).collect();
+    expected.push(overflow.clone());
+    assert_eq!(harness.calls(), expected);
+    // The commit of epoch 1 does not complete it: the check after it still finds 11 waiting
+    // (B.7: it fires on every message while the condition holds). The report completes epoch
+    // 1, and the chain commits all twelve in order in the same pass, each sink commit before
+    // its query commit; the check after it finds none waiting.
     harness.commit(0, 1);
     harness.report(0, 1);
     harness.barrier();
+    expected.push(overflow);
+    expected.push(add_offsets(1, 1));
+    for epoch in 1..=12 {
+        expected.extend(commit_calls(epoch, 1));
+    }
+    assert_eq!(harness.calls(), expected);
     assert_eq!(harness.stats().last_committed.0, 12);
     assert_eq!(harness.stats().waiting_epochs, 0);
 }
