@@ -240,19 +240,23 @@ impl<'a> Offsets<'a> {
         Self { entries, words: are_words(entries) }
     }
 
-    /// The offsets of a complete dense side: ids `0..len` by construction. `only_words_stored`:
-    /// the side noted no payload other than an 8-byte word while storing them (checked in debug
-    /// builds). Otherwise they are read: a payload noted as no word may since have been
-    /// replaced by a word, and the read stops at the first entry that is no word.
-    pub(super) fn of_dense_side(
+    /// The offsets of `entries`, sorted by partition id with no id twice, of which
+    /// `only_words_stored` says whether every payload is an 8-byte word (checked in debug
+    /// builds). Without a read: sorted distinct ids are exactly `0..len` when the first is 0
+    /// and the last `len - 1`.
+    pub(super) fn of_sorted_distinct(
         entries: &'a [(PartitionId, Payload)],
         only_words_stored: bool,
     ) -> Self {
-        if only_words_stored {
-            debug_assert!(are_words(entries), "a dense side noted only words, wrongly");
-            return Self { entries, words: true };
-        }
-        Self::new(entries)
+        let ids_are_positions = match (entries.first(), entries.last()) {
+            (Some((first, _)), Some((last, _))) => {
+                first.0 == 0 && i64::from(last.0) + 1 == entries.len() as i64
+            }
+            _ => true,
+        };
+        let words = only_words_stored && ids_are_positions;
+        debug_assert_eq!(words, are_words(entries), "the side's note of its words is wrong");
+        Self { entries, words }
     }
 
     /// The entries, sorted by partition id.

@@ -140,8 +140,8 @@ struct Slots {
     present: Vec<u64>,
     /// Number of stored entries (dense: set bits; sparse: `entries.len()`).
     len: usize,
-    /// Dense layout: what the side noted of the payloads stored since its last clear (heap
-    /// payloads to free, payloads that are no 8-byte word).
+    /// What the side noted of the payloads it holds (heap payloads to free, the dense layout's
+    /// since its last clear; how many are no 8-byte word).
     stored: StoredPayloads,
     /// Sparse layout: partition id -> position in `entries`, maintained only when `positional`
     /// is false.
@@ -268,7 +268,7 @@ impl Slots {
                 if !overwrite {
                     return Inserted::Duplicate;
                 }
-                self.stored.note(&payload);
+                self.stored.note_replacing(&self.entries[position].1, &payload);
                 self.entries[position].1 = payload;
                 return Inserted::Replaced;
             }
@@ -281,10 +281,12 @@ impl Slots {
                 if !overwrite {
                     return Inserted::Duplicate;
                 }
+                self.stored.note_replacing(&self.entries[position].1, &payload);
                 self.entries[position].1 = payload;
                 return Inserted::Replaced;
             }
             if position == len {
+                self.stored.note(&payload);
                 self.entries.push((partition, payload));
                 self.max_partition = partition.0;
                 self.len += 1;
@@ -298,12 +300,15 @@ impl Slots {
                 if !overwrite {
                     return Inserted::Duplicate;
                 }
-                self.entries[*occupied.get() as usize].1 = payload;
+                let replaced = &mut self.entries[*occupied.get() as usize].1;
+                self.stored.note_replacing(replaced, &payload);
+                *replaced = payload;
                 Inserted::Replaced
             }
             Entry::Vacant(vacant) => {
                 // Entries per bucket are bounded by the partition ids, which are i32.
                 vacant.insert(self.entries.len() as u32);
+                self.stored.note(&payload);
                 self.entries.push((partition, payload));
                 self.max_partition = self.max_partition.max(partition.0);
                 self.len += 1;
@@ -325,9 +330,9 @@ impl Slots {
             keep
         });
         self.dense = false;
-        // A sparse side drops its payloads when cleared, and its offsets are checked for words
-        // when handed on (`Slots::offsets`).
-        self.stored = StoredPayloads::default();
+        // The entries kept are those noted (the empty slots were never stored); a sparse side
+        // drops its payloads when cleared, so it has no heap payloads to free.
+        self.stored.heap = false;
         self.max_partition = self.entries.last().map_or(-1, |(partition, _)| partition.0);
         // Kept in partition order: positional exactly when the ids are 0..len.
         self.positional = self.max_partition + 1 == self.entries.len() as i32;
@@ -378,14 +383,13 @@ impl Slots {
         &self.entries
     }
 
-    /// The stored entries as the query's [`Offsets`], sorted as by [`Slots::sorted`]. A complete
-    /// dense side that noted only words while storing them says they are words without a read;
-    /// any other side is read to find out ([`Offsets::new`]).
+    /// The stored entries as the query's [`Offsets`], sorted as by [`Slots::sorted`]. Whether
+    /// they are words comes from the side's count of payloads that are no word and its first
+    /// and last ids, without a read of the entries: a repeated report of a complete epoch, which
+    /// hands the query all its offsets again, costs O(1) here too.
     fn offsets(&mut self) -> Offsets<'_> {
-        if self.dense && self.len == self.entries.len() {
-            return Offsets::of_dense_side(&self.entries, !self.stored.non_word);
-        }
-        Offsets::new(self.sorted())
+        let only_words_stored = self.stored.non_words == 0;
+        Offsets::of_sorted_distinct(self.sorted(), only_words_stored)
     }
 
     /// Removes the entries of partitions `first_out` and above and returns how many went (rare:
@@ -407,6 +411,8 @@ impl Slots {
         let before = self.entries.len();
         self.entries.retain(|(partition, _)| partition.0 < first_out);
         self.len = self.entries.len();
+        self.stored.non_words =
+            self.entries.iter().filter(|(_, payload)| !payload.is_word()).count() as u32;
         self.max_partition =
             self.entries.iter().map(|(partition, _)| partition.0).max().unwrap_or(-1);
         self.positional = self
@@ -436,6 +442,7 @@ impl Slots {
             self.index.clear();
             self.positional = true;
             self.max_partition = -1;
+            self.stored = StoredPayloads::default();
         }
         self.len = 0;
     }
@@ -499,21 +506,31 @@ struct StoredPayloads {
     /// of keeping them until the slot is overwritten (recycled buckets would otherwise hold a
     /// whole epoch of large commit messages each, beyond what the backlog limits bound).
     heap: bool,
-    /// One was not an 8-byte word ([`Payload::is_word`]). A complete side without one is handed
-    /// to the query as words ([`Offsets::are_words`]) without a read ([`Slots::offsets`]), and
-    /// the durable log then reads the words without checking each entry's id.
-    non_word: bool,
+    /// How many of the side's payloads are no 8-byte word ([`Payload::is_word`]). A complete
+    /// side with none is handed to the query as words ([`Offsets::are_words`]) without a read
+    /// ([`Slots::offsets`]), and the durable log then reads the words without checking each
+    /// entry's id. At most the partition ids' range, so a `u32`.
+    non_words: u32,
 }
 
 impl StoredPayloads {
-    /// Notes a payload being stored: one comparison for a word, the common payload (a heap
-    /// payload is no word).
+    /// Notes a payload being stored in a slot that held none: one comparison for a word, the
+    /// common payload (a heap payload is no word).
     #[inline(always)]
     fn note(&mut self, payload: &Payload) {
         if !payload.is_word() {
-            self.non_word = true;
+            self.non_words += 1;
             self.heap |= !payload.is_inline();
         }
+    }
+
+    /// Notes `payload` replacing `replaced` in its slot.
+    #[inline]
+    fn note_replacing(&mut self, replaced: &Payload, payload: &Payload) {
+        if !replaced.is_word() {
+            self.non_words -= 1;
+        }
+        self.note(payload);
     }
 }
 
@@ -2079,7 +2096,8 @@ mod tests {
         for message in words(6).chain([commit(0, 6, 1.into())]) {
             coordinator.apply(message).unwrap();
         }
-        // Epoch 7: a 12-byte offset replaced by a word: words after all (found by a read).
+        // Epoch 7: a 12-byte offset replaced by a word: words after all (the side's count of
+        // payloads that are no word went back to zero).
         for message in [report(1, 7, twelve())].into_iter().chain(words(7)) {
             coordinator.apply(message).unwrap();
         }
@@ -2091,10 +2109,10 @@ mod tests {
         );
     }
 
-    /// A side that is not dense is read for the word layout: ids `0..len` arriving in order,
+    /// A side that is not dense says whether it is words too: ids `0..len` arriving in order,
     /// and out of order (sorted on completion), are words; a gap is not.
     #[test]
-    fn a_sparse_side_is_read_for_the_word_layout() {
+    fn a_sparse_side_says_whether_it_is_words() {
         let mut in_order = Slots::new();
         in_order.prepare(3, false);
         for partition in 0..3 {
@@ -2117,6 +2135,40 @@ mod tests {
         partial.insert(PartitionId(0), 1.into(), true);
         partial.insert(PartitionId(1), 1.into(), true);
         assert!(partial.offsets().are_words() && !partial.dense);
+    }
+
+    /// A sparse side counts the payloads it holds that are no word, so that a complete side
+    /// says whether its offsets are words without reading them (a repeated report of a
+    /// complete epoch costs O(1)), and exactly: a replacement through the index and in the
+    /// positional layout moves the count both ways, a duplicate kept out moves nothing, and
+    /// entries a lowered count removes take their payloads out of it.
+    #[test]
+    fn a_sparse_side_counts_the_payloads_that_are_no_word() {
+        let twelve = || Payload::from(&[3u8; 12][..]);
+        let mut side = Slots::new();
+        for partition in [2, 0, 1] {
+            side.insert(PartitionId(partition), 1.into(), true);
+        }
+        assert!(!side.positional, "partition 2 first: the side is indexed");
+        assert_eq!(side.insert(PartitionId(1), twelve(), true), Inserted::Replaced);
+        assert!(!side.offsets().are_words());
+        assert!(side.positional, "sorted on the hand-over");
+        assert_eq!(side.insert(PartitionId(1), 5.into(), true), Inserted::Replaced);
+        assert!(side.offsets().are_words());
+        assert_eq!(side.insert(PartitionId(0), twelve(), false), Inserted::Duplicate);
+        assert!(side.offsets().are_words());
+        assert_eq!(side.insert(PartitionId(0), twelve(), true), Inserted::Replaced);
+        assert_eq!(side.stored.non_words, 1);
+        assert!(!side.offsets().are_words());
+        side.clear();
+        assert_eq!(side.stored.non_words, 0);
+
+        let mut lowered = Slots::new();
+        for (partition, payload) in [(0, 1.into()), (1, 1.into()), (5, twelve())] {
+            lowered.insert(PartitionId(partition), payload, true);
+        }
+        assert_eq!(lowered.remove_from(2), 1);
+        assert!(lowered.offsets().are_words());
     }
 
     /// A caller's iterator that panics in the middle of a stretch leaves the coordinator as
