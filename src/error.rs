@@ -137,6 +137,19 @@ pub enum AskError {
     },
 }
 
+impl AskError {
+    /// The handler's own error, if the handler failed the request ([`AskError::Handler`]) with
+    /// an error of type `E`: how an asker gets a coordinator's typed error back, e.g.
+    /// `error.handler_error::<EpochError>()` for a negative partition count. `None` for every
+    /// other variant, and for a handler error of another type.
+    pub fn handler_error<E: std::error::Error + 'static>(&self) -> Option<&E> {
+        match self {
+            Self::Handler { source, .. } => source.downcast_ref::<E>(),
+            _ => None,
+        }
+    }
+}
+
 /// The start of an ask error's message: which endpoint was asked (nothing for a reply pair
 /// not bound to one).
 fn asked(endpoint: &str) -> String {

@@ -10,14 +10,11 @@
 mod epoch_support;
 mod warning_capture;
 
-use coordbus::{
-    coordinators::epoch::{
-        coordinator_name, BacklogQueue, DropReason, Epoch, EpochConfig, EpochCoordinator,
-        EpochCounters, EpochError, EpochStats, IncrementAndGetEpoch, MessageKind, PartitionId,
-        PartitionSide, Payload, Rejected, SetReaderPartitions, SetWriterPartitions,
-        StopContinuousExecutionWrites,
-    },
-    AskError,
+use coordbus::coordinators::epoch::{
+    coordinator_name, BacklogQueue, DropReason, Epoch, EpochConfig, EpochCoordinator,
+    EpochCounters, EpochError, EpochStats, IncrementAndGetEpoch, MessageKind, PartitionId,
+    PartitionSide, Payload, Rejected, SetReaderPartitions, SetWriterPartitions,
+    StopContinuousExecutionWrites,
 };
 use epoch_support::{
     add_offsets, recorders, sink_commit, BusHarness, Call, RecordingQuery, RecordingSink,
@@ -435,15 +432,27 @@ fn after_stop_writes_one_way_messages_are_dropped_requests_still_work() {
 fn negative_partition_count_is_rejected_with_its_value() {
     let harness = BusHarness::scenario(2, 2);
     let before = harness.stats();
-    for outcome in [
-        harness.epoch.ask(SetReaderPartitions(-1)).wait_timeout(REPLY_TIMEOUT),
-        harness.epoch.ask(SetWriterPartitions(i32::MIN)).wait_timeout(REPLY_TIMEOUT),
+    for (outcome, expected_side, expected_count) in [
+        (
+            harness.epoch.ask(SetReaderPartitions(-1)).wait_timeout(REPLY_TIMEOUT),
+            PartitionSide::Reader,
+            -1,
+        ),
+        (
+            harness.epoch.ask(SetWriterPartitions(i32::MIN)).wait_timeout(REPLY_TIMEOUT),
+            PartitionSide::Writer,
+            i32::MIN,
+        ),
     ] {
-        let Err(AskError::Handler { source: cause, .. }) = outcome else {
-            panic!("expected a handler error, got {outcome:?}");
-        };
-        let error = cause.downcast_ref::<EpochError>().expect("an EpochError");
-        assert!(matches!(error, EpochError::InvalidPartitionCount { .. }));
+        let error = outcome.expect_err("a negative count is refused");
+        // The asker gets the typed error, naming the side and the value.
+        match error.handler_error::<EpochError>() {
+            Some(&EpochError::InvalidPartitionCount { side, count }) => {
+                assert_eq!((side, count), (expected_side, expected_count));
+            }
+            other => panic!("expected InvalidPartitionCount, got {other:?} from {error:?}"),
+        }
+        assert!(error.handler_error::<std::io::Error>().is_none(), "another type is None");
     }
     assert_only_counters_changed(
         before,
@@ -465,11 +474,9 @@ fn epoch_overflow_is_an_error_and_the_last_epoch_commits_once() {
     let harness = BusHarness::start(EpochConfig::new(i64::MAX), query, sink, log);
     harness.set_counts(1, 1);
     let outcome = harness.epoch.ask(IncrementAndGetEpoch).wait_timeout(REPLY_TIMEOUT);
-    let Err(AskError::Handler { source: cause, .. }) = outcome else {
-        panic!("expected a handler error, got {outcome:?}");
-    };
+    let error = outcome.expect_err("incrementing past i64::MAX is refused");
     assert!(matches!(
-        cause.downcast_ref::<EpochError>(),
+        error.handler_error::<EpochError>(),
         Some(EpochError::EpochOverflow { epoch: Epoch(i64::MAX) })
     ));
     assert_eq!(harness.barrier(), i64::MAX);

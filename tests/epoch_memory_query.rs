@@ -125,9 +125,11 @@ fn memory_query_keeps_the_first_offsets_and_the_first_stop_error() {
 
     query.stop(EpochError::QueryCommit { epoch: Epoch(5), source: "the disk is gone".into() });
     query.stop(EpochError::EpochOverflow { epoch: Epoch(6) });
+    let first = query.stop_error().expect("the query was stopped");
+    assert!(matches!(*first, EpochError::QueryCommit { epoch: Epoch(5), .. }), "{first:?}");
     assert_eq!(
-        query.stop_error().as_deref(),
-        Some("recording the commit of epoch 5 failed: the disk is gone"),
+        first.stop_text(),
+        "recording the commit of epoch 5 failed: the disk is gone",
         "the first stop error, with its cause"
     );
 }
@@ -142,9 +144,14 @@ fn an_overflow_stop_error_names_the_queue_size_and_limit() {
         size: 11,
         limit: 10,
     });
+    let first = query.stop_error().expect("the query was stopped");
+    assert!(matches!(
+        *first,
+        EpochError::BacklogExceeded { queue: BacklogQueue::PartitionOffsets, size: 11, limit: 10 }
+    ));
     assert_eq!(
-        query.stop_error().as_deref(),
-        Some("Size of the partition offset queue has exceeded its maximum (size 11, limit 10)")
+        first.stop_text(),
+        "Size of the partition offset queue has exceeded its maximum (size 11, limit 10)"
     );
 }
 

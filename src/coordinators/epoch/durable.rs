@@ -151,8 +151,8 @@ struct Status {
     durable_committed: AtomicI64,
     /// The WAL's failure, once seen.
     wal_failure: OnceLock<WalError>,
-    /// The first stop error, as text.
-    stop_error: Mutex<Option<String>>,
+    /// The first stop error.
+    stop_error: Mutex<Option<Arc<EpochError>>>,
     /// Commits ignored because the epoch was already committed.
     ignored_commits: AtomicU64,
     /// Offsets ignored because the epoch was already committed.
@@ -291,9 +291,9 @@ impl DurableQueryStatus {
         self.0.wal_failure.get().cloned()
     }
 
-    /// The first error the query was stopped with, as text, with its causes (an overflow's
-    /// also with the queue's size and limit).
-    pub fn stop_error(&self) -> Option<String> {
+    /// The first error the query was stopped with, typed (shared: the status keeps it too);
+    /// [`EpochError::stop_text`] gives it as text with its causes and an overflow's values.
+    pub fn stop_error(&self) -> Option<Arc<EpochError>> {
         self.0.stop_error.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
     }
 
@@ -337,7 +337,7 @@ pub type RestartPoint = (Epoch, Vec<(PartitionId, Payload)>);
 ///   (at-least-once, SPEC B.5).
 /// * Bounded: with `D` the last commit known durable (with [`Durability::None`], which syncs only
 ///   sealed segments: known synced), WAL segments holding only epochs below `D + 1 -
-///   retained_epochs` are deleted (time-based `clean`, at most every `retained_epochs / 4` epochs);
+///   retained_epochs` are deleted (time-based `clean`, every `max(1, retained_epochs / 4)` epochs);
 ///   `D`'s records are never below that threshold, and every later commit is in a later segment. A
 ///   WAL rolling interval, if configured, counts epochs.
 /// * Dropping the query closes the log (writing and syncing everything appended), waiting at
@@ -756,16 +756,16 @@ impl<Q: Query> Query for DurableQuery<Q> {
         epoch_or_none(self.status.last_committed.load(Ordering::Acquire))
     }
 
-    /// Keeps the first error (as text with its causes, for [`DurableQueryStatus::stop_error`])
-    /// and passes the error to the inner query.
+    /// Passes the error to the inner query, and keeps the first (for
+    /// [`DurableQueryStatus::stop_error`]): a copy of it, as the inner query owns the error, in
+    /// which a collaborator's error is its text with its causes.
     fn stop(&mut self, error: EpochError) {
         {
             let mut first =
                 self.status.stop_error.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             if first.is_none() {
-                let error_text = error.stop_text();
-                tracing::warn!(error = %error_text, "query stopped by the epoch coordinator");
-                *first = Some(error_text);
+                tracing::warn!(error = %error.stop_text(), "query stopped by the epoch coordinator");
+                *first = Some(Arc::new(error.copy_with_text_sources()));
             }
         }
         self.inner.stop(error);
@@ -1284,7 +1284,7 @@ mod tests {
             coordinator.set_writer_partitions(1).unwrap();
             coordinator.commit_partition_epoch(PartitionId(0), Epoch(0), Payload::new()).unwrap();
             assert_eq!(coordinator.last_committed(), Epoch(0));
-            assert_eq!(status.stop_error(), None);
+            assert!(status.stop_error().is_none());
             assert_eq!(status.last_committed(), Some(Epoch(0)));
         }
         let query = DurableQuery::open(dir.path(), config()).unwrap();
@@ -1967,6 +1967,31 @@ mod tests {
         }
     }
 
+    /// The inner query gets the stop error itself, its collaborator's error typed; the status
+    /// keeps the first as a copy, the same variant with that error as text.
+    #[test]
+    fn the_inner_query_gets_the_stop_error_itself() {
+        let dir = tempfile::tempdir().unwrap();
+        let wal = Wal::open(dir.path(), config()).unwrap();
+        let inner = super::super::MemoryQuery::default();
+        let mut query = DurableQuery::from_wal(wal, inner.clone()).unwrap();
+        let status = query.status();
+        let refused = std::io::Error::new(std::io::ErrorKind::PermissionDenied, "sink refused");
+        query.stop(EpochError::SinkCommit { epoch: Epoch(4), source: Box::new(refused) });
+        let EpochError::SinkCommit { epoch, source } = &*inner.stop_error().unwrap() else {
+            panic!("the inner query's error is a SinkCommit");
+        };
+        assert_eq!(*epoch, Epoch(4));
+        let io = source.downcast_ref::<std::io::Error>().expect("the sink's own error type");
+        assert_eq!(io.kind(), std::io::ErrorKind::PermissionDenied);
+        let kept = status.stop_error().unwrap();
+        let EpochError::SinkCommit { epoch: Epoch(4), source } = &*kept else {
+            panic!("the status keeps a SinkCommit: {kept:?}");
+        };
+        assert!(!source.is::<std::io::Error>());
+        assert_eq!(kept.stop_text(), "the sink commit of epoch 4 failed: sink refused");
+    }
+
     #[test]
     fn durable_commits_are_reported_and_a_closed_log_fails_the_query() {
         let dir = tempfile::tempdir().unwrap();
@@ -1981,7 +2006,10 @@ mod tests {
         assert!(error.to_string().contains("epoch log"), "{error}");
         query.stop(EpochError::QueryCommit { epoch: Epoch(1), source: error });
         query.stop(EpochError::EpochOverflow { epoch: Epoch(2) });
-        let stop_error = status.stop_error().unwrap();
+        let first = status.stop_error().unwrap();
+        // Typed: the variant and epoch, with the WAL's error as its source text.
+        assert!(matches!(*first, EpochError::QueryCommit { epoch: Epoch(1), .. }), "{first:?}");
+        let stop_error = first.stop_text();
         assert!(
             stop_error.starts_with("recording the commit of epoch 1 failed: ")
                 && stop_error.contains("epoch log")

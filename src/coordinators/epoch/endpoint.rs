@@ -8,7 +8,9 @@
 //!
 //! Dropped one-way messages are not handler errors (the sender of a one-way message learns
 //! nothing, SPEC A.2): the state machine counts and logs them. Requests that fail (a negative
-//! partition count, an epoch overflow) fail the asker with the [`EpochError`].
+//! partition count, an epoch overflow) fail the asker with the [`EpochError`], as the source of
+//! [`AskError::Handler`]: `error.handler_error::<EpochError>()` gives it back typed
+//! ([`AskError::handler_error`]).
 
 use super::{
     Epoch, EpochConfig, EpochCoordinator, EpochError, EpochStats, PartitionId, Payload, Query,
@@ -174,8 +176,8 @@ impl<Q: Query, S: Sink> EpochEndpoint<Q, S> {
     /// An endpoint around a new [`EpochCoordinator`].
     ///
     /// # Errors
-    /// [`ConfigError`] if `config` is invalid, or if its start epoch is not the query's first
-    /// uncommitted one (as [`EpochCoordinator::new`]).
+    /// [`ConfigError`] as [`EpochCoordinator::new`]: `config` is invalid, or the query has
+    /// committed epochs and the start epoch is not the one after the last of them.
     pub fn new(config: EpochConfig, query: Q, sink: S) -> Result<Self, ConfigError> {
         Ok(Self { coordinator: EpochCoordinator::new(config, query, sink)? })
     }

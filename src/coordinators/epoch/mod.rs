@@ -122,13 +122,18 @@
 //! * Dropped messages (writes stopped, stale epoch, bad partition, backlog full, duplicate
 //!   commit) change no state and, except for backlog full (see the paragraph on memory above),
 //!   run no backlog check. Precedence of reasons: writes stopped, negative partition, partition
-//!   out of range, stale epoch, backlog full, duplicate commit.
+//!   out of range, stale epoch, backlog full, duplicate commit. Every drop is counted by its
+//!   reason ([`EpochCounters`]) and logged, as a warning for the 1st, 2nd, 4th, 8th, ... drop
+//!   of each reason (with the count so far) and at debug level for the others, so that a flood
+//!   of bad input (a misconfigured task sending every offset to partition -1) cannot flood the
+//!   log; drops after the stop of writes are expected (lame-duck tasks, SPEC B.6) and only
+//!   logged at debug level.
 //! * A negative partition count in `SetReaderPartitions` / `SetWriterPartitions` is rejected
 //!   with [`EpochError::InvalidPartitionCount`] (the asker gets the error) and changes nothing.
 //!   `IncrementAndGetEpoch` at `i64::MAX` fails with [`EpochError::EpochOverflow`].
 //! * Fail-stop: if `add_offsets`, the sink commit or the query commit fails, the query is
-//!   stopped with that error (the same path as the backlog errors) and nothing is committed
-//!   after it, ever. The epochs committed earlier in the same pass stay committed and are
+//!   stopped with that error (the same path as the backlog errors) and no epoch is committed
+//!   from then on, ever. The epochs committed earlier in the same pass stay committed and are
 //!   cleaned up as usual; the failing epoch (and every epoch that becomes ready later) is kept
 //!   in the waiting set, where it counts towards the epoch backlog.
 //! * The backlog counts include the retained entries of the last committed epoch, exactly as
@@ -200,26 +205,40 @@ pub type CollaboratorError = HandlerError;
 pub trait Query {
     /// Records the end offsets of `epoch` (Spark's `addOffset`: the offset log). `offsets` holds
     /// one entry per reader partition, sorted by partition id, and says whether they are words
-    /// ([`Offsets::are_words`]). Called each time the epoch's
-    /// offsets are complete after a report, so possibly more than once for the same epoch (a
-    /// repeated report); the first record of an epoch should win.
+    /// ([`Offsets::are_words`]).
+    ///
+    /// Called each time a report leaves the epoch's offsets complete, so possibly more than once
+    /// for the same epoch (a repeated report; the first record of an epoch in a run should win,
+    /// [`Query::begin_run`]), and in the order the epochs complete, which may run ahead of the
+    /// commits (epoch 3's offsets before epoch 2 commits). An epoch that became ready without
+    /// such a report gets its call just before its sink commit (module docs). Either way an
+    /// epoch's offsets are recorded before its [`Sink::commit`]. The calls go on after
+    /// [`Query::stop`] and after a fail-stop: the coordinator keeps handling messages (SPEC
+    /// B.7) until the engine stops the writes.
     ///
     /// # Errors
     /// A failure to record; the coordinator then stops the query with
-    /// [`EpochError::AddOffsets`] and commits nothing from then on.
+    /// [`EpochError::AddOffsets`] and commits no epoch from then on, ever (it is not retried).
     fn add_offsets(&mut self, epoch: Epoch, offsets: Offsets<'_>) -> Result<(), CollaboratorError>;
 
-    /// Records `epoch` as committed (the commit log). Called after the sink committed it, in
-    /// strictly increasing, gap-free epoch order.
+    /// Records `epoch` as committed (the commit log). Called once per epoch, right after the
+    /// sink committed it, in strictly increasing, gap-free epoch order from the start epoch.
     ///
     /// # Errors
     /// A failure to record; the coordinator then stops the query with
-    /// [`EpochError::QueryCommit`] and commits nothing from then on.
+    /// [`EpochError::QueryCommit`] and commits no epoch from then on, ever (it is not retried).
+    /// The sink has committed `epoch` already; a restarted run commits it again ([`Sink`]).
     fn commit(&mut self, epoch: Epoch) -> Result<(), CollaboratorError>;
 
     /// Asks the query to stop with `error` as its cause (Spark's `stopInNewThread`). May be
     /// called many times (every failing backlog check calls it); keeping only the **first**
     /// error is the query's job. Must not block on the coordinator.
+    ///
+    /// A request, not an end: the coordinator keeps handling messages after it (SPEC B.7), so
+    /// after a backlog overflow epochs that complete still commit, and [`Query::add_offsets`]
+    /// and [`Query::commit`] are still called, until the engine sends
+    /// `StopContinuousExecutionWrites` and stops the endpoint (SPEC B.6). After a collaborator
+    /// failed (any error but [`EpochError::BacklogExceeded`]) nothing commits any more.
     fn stop(&mut self, error: EpochError);
 
     /// The last epoch this query has recorded committed, if any (a restarted query: the `E`
@@ -241,13 +260,24 @@ pub trait Query {
 }
 
 /// The data sink's global commit, implemented by the engine.
+///
+/// **At least once:** the same epoch can reach a sink again in a later run. If the process
+/// dies (or [`Query::commit`] fails) after the sink committed an epoch and before the query's
+/// commit record is durable, the restarted run starts at that epoch and commits it again (SPEC
+/// B.5), so a sink must take a repeated commit of an epoch as done (idempotent per epoch).
 pub trait Sink {
     /// Commits `epoch` with one writer commit message per writer partition, sorted by
-    /// partition id. Called before [`Query::commit`] of the same epoch.
+    /// partition id.
+    ///
+    /// Called once per epoch in a run, in strictly increasing, gap-free epoch order from the
+    /// start epoch, after the epoch's offsets were recorded ([`Query::add_offsets`]) and before
+    /// [`Query::commit`] of the same epoch.
     ///
     /// # Errors
     /// A failed commit; the coordinator then stops the query with [`EpochError::SinkCommit`]
-    /// and commits nothing from then on.
+    /// and commits no epoch from then on, ever (it is not retried). On the bus a panic here is
+    /// caught by the endpoint and fail-stops the coordinator the same way
+    /// ([`EpochError::HandlerPanicked`]).
     fn commit(
         &mut self,
         epoch: Epoch,
@@ -321,7 +351,7 @@ struct MemoryQueryState {
     /// Each epoch's offsets, with the run that recorded them.
     offsets: std::collections::BTreeMap<Epoch, (u64, Vec<(PartitionId, Payload)>)>,
     last_committed: Option<Epoch>,
-    stop_error: Option<EpochError>,
+    stop_error: Option<std::sync::Arc<EpochError>>,
     retained_epochs: usize,
     /// The run number of the next clone.
     next_run: u64,
@@ -381,10 +411,10 @@ impl MemoryQuery {
         self.state().offsets.get(&epoch).map(|(_, offsets)| offsets.clone())
     }
 
-    /// The first error the query was stopped with, as text, with its causes (an overflow's
-    /// also with the queue's size and limit).
-    pub fn stop_error(&self) -> Option<String> {
-        self.state().stop_error.as_ref().map(EpochError::stop_text)
+    /// The first error the query was stopped with, typed (shared: the query keeps it too);
+    /// [`EpochError::stop_text`] gives it as text with its causes and an overflow's values.
+    pub fn stop_error(&self) -> Option<std::sync::Arc<EpochError>> {
+        self.state().stop_error.clone()
     }
 
     /// Whether the query was asked to stop.
@@ -462,7 +492,7 @@ impl Query for MemoryQuery {
         let mut state = self.state();
         if state.stop_error.is_none() {
             tracing::warn!(error = %error.stop_text(), "query stopped by the epoch coordinator");
-            state.stop_error = Some(error);
+            state.stop_error = Some(std::sync::Arc::new(error));
         }
     }
 }
@@ -500,16 +530,67 @@ impl BacklogQueue {
 }
 
 impl EpochError {
-    /// This error as a stopped query keeps and logs it: its message with its causes, and for
-    /// an overflow the queue's size and limit too (the message itself is Spark's, verbatim,
-    /// and names neither).
-    pub(crate) fn stop_text(&self) -> String {
+    /// This error as the queries log it when they are stopped with it: its message with its
+    /// causes, and for an overflow the queue's size and limit too (its `Display` is Spark's
+    /// message, verbatim, which names neither).
+    ///
+    /// ```
+    /// use coordbus::coordinators::epoch::{BacklogQueue, EpochError};
+    /// let error = EpochError::BacklogExceeded {
+    ///     queue: BacklogQueue::WaitingEpochs,
+    ///     size: 11,
+    ///     limit: 10,
+    /// };
+    /// assert_eq!(error.to_string(), "Size of the epoch queue has exceeded its maximum");
+    /// assert_eq!(
+    ///     error.stop_text(),
+    ///     "Size of the epoch queue has exceeded its maximum (size 11, limit 10)"
+    /// );
+    /// ```
+    pub fn stop_text(&self) -> String {
         let text = crate::error::message_with_causes(self);
         match self {
             Self::BacklogExceeded { size, limit, .. } => {
                 format!("{text} (size {size}, limit {limit})")
             }
             _ => text,
+        }
+    }
+
+    /// A copy of this error for a second owner (a query that keeps the first stop error and
+    /// also hands it on to an inner query): the same variant and values, with a collaborator's
+    /// error (which cannot be cloned) kept as its text with its causes.
+    pub(crate) fn copy_with_text_sources(&self) -> Self {
+        let text = |source: &CollaboratorError| -> CollaboratorError {
+            crate::error::message_with_causes(source.as_ref()).into()
+        };
+        match self {
+            Self::BacklogExceeded { queue, size, limit } => {
+                Self::BacklogExceeded { queue: *queue, size: *size, limit: *limit }
+            }
+            Self::AddOffsets { epoch, source } => {
+                Self::AddOffsets { epoch: *epoch, source: text(source) }
+            }
+            Self::SinkCommit { epoch, source } => {
+                Self::SinkCommit { epoch: *epoch, source: text(source) }
+            }
+            Self::QueryCommit { epoch, source } => {
+                Self::QueryCommit { epoch: *epoch, source: text(source) }
+            }
+            Self::HandlerPanicked { epoch, message } => {
+                Self::HandlerPanicked { epoch: *epoch, message: message.clone() }
+            }
+            Self::InvalidPartitionCount { side, count } => {
+                Self::InvalidPartitionCount { side: *side, count: *count }
+            }
+            Self::CommittedWithoutOffsets { epoch } => {
+                Self::CommittedWithoutOffsets { epoch: *epoch }
+            }
+            Self::Wal { op, source } => Self::Wal { op, source: source.clone() },
+            Self::BadLogRecord { lsn, reason } => {
+                Self::BadLogRecord { lsn: *lsn, reason: reason.clone() }
+            }
+            Self::EpochOverflow { epoch } => Self::EpochOverflow { epoch: *epoch },
         }
     }
 }
@@ -847,7 +928,8 @@ pub struct EpochStats {
     pub writer_partitions: i32,
     /// Whether `StopContinuousExecutionWrites` was processed.
     pub writes_stopped: bool,
-    /// The epoch whose commit (or offsets record) failed, if any: nothing commits any more.
+    /// The epoch whose commit (or offsets record) failed, or the epoch that was to commit next
+    /// when a handler panicked, if any: no epoch commits any more.
     pub failed_epoch: Option<Epoch>,
     /// Offset entries counted by the backlog check.
     pub offset_entries: usize,
@@ -864,4 +946,61 @@ pub struct EpochStats {
 #[inline]
 pub(crate) fn worth_a_warning(count: u64) -> bool {
     count.is_power_of_two()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A collaborator's error with a cause, as an engine's might be.
+    #[derive(Debug, thiserror::Error)]
+    #[error("the metadata store refused the write")]
+    struct StoreError(#[source] std::io::Error);
+
+    fn store_error() -> CollaboratorError {
+        Box::new(StoreError(std::io::Error::other("connection reset")))
+    }
+
+    #[test]
+    fn a_copy_keeps_every_variant_and_value_and_the_sources_text() {
+        let wal_error = crate::wal::WalError::Closed;
+        let errors = [
+            EpochError::BacklogExceeded { queue: BacklogQueue::WaitingEpochs, size: 11, limit: 10 },
+            EpochError::AddOffsets { epoch: Epoch(3), source: store_error() },
+            EpochError::SinkCommit { epoch: Epoch(4), source: store_error() },
+            EpochError::QueryCommit { epoch: Epoch(5), source: store_error() },
+            EpochError::HandlerPanicked { epoch: Epoch(6), message: "boom".into() },
+            EpochError::InvalidPartitionCount { side: PartitionSide::Writer, count: -2 },
+            EpochError::CommittedWithoutOffsets { epoch: Epoch(7) },
+            EpochError::Wal { op: "append", source: wal_error.clone() },
+            EpochError::BadLogRecord { lsn: 9, reason: "short".into() },
+            EpochError::EpochOverflow { epoch: Epoch(i64::MAX) },
+        ];
+        for error in &errors {
+            let copy = error.copy_with_text_sources();
+            assert_eq!(copy.stop_text(), error.stop_text(), "{error:?}");
+            assert_eq!(std::mem::discriminant(&copy), std::mem::discriminant(error));
+        }
+        // The collaborator's error survives as text with its cause; the original keeps its type.
+        let original = &errors[1];
+        let copy = original.copy_with_text_sources();
+        assert_eq!(
+            copy.stop_text(),
+            "recording the offsets of epoch 3 failed: the metadata store refused the write: \
+             connection reset"
+        );
+        let source = |error: &EpochError| match error {
+            EpochError::AddOffsets { source, .. } => source.is::<StoreError>(),
+            _ => unreachable!("an AddOffsets error"),
+        };
+        assert!(source(original) && !source(&copy));
+        assert!(matches!(
+            errors[0].copy_with_text_sources(),
+            EpochError::BacklogExceeded { queue: BacklogQueue::WaitingEpochs, size: 11, limit: 10 }
+        ));
+        assert!(matches!(
+            errors[7].copy_with_text_sources(),
+            EpochError::Wal { op: "append", source } if source == wal_error
+        ));
+    }
 }

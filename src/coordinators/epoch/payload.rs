@@ -65,8 +65,12 @@ impl From<i32> for PartitionId {
 /// let offset: Payload = 42.into();
 /// assert_eq!(offset.as_i64(), Some(42));
 /// assert!(offset.is_inline());
-/// let message = Payload::from(&b"writer-commit"[..]);
+/// let message = Payload::from(b"writer-commit");
 /// assert_eq!(message.as_bytes(), b"writer-commit");
+/// let offset_json: Payload = r#"{"topic":{"0":42}}"#.into();
+/// assert!(offset_json.is_inline()); // 18 bytes
+/// let large: Payload = "x".repeat(100).into();
+/// assert!(!large.is_inline() && large.len() == 100);
 /// ```
 #[derive(PartialEq, Eq, Hash, Default)]
 pub struct Payload(SmallVec<[u8; Payload::INLINE_BYTES]>);
@@ -187,6 +191,29 @@ impl From<&[u8]> for Payload {
     #[inline]
     fn from(bytes: &[u8]) -> Self {
         Self(SmallVec::from_slice(bytes))
+    }
+}
+
+impl<const N: usize> From<&[u8; N]> for Payload {
+    #[inline]
+    fn from(bytes: &[u8; N]) -> Self {
+        Self::from(&bytes[..])
+    }
+}
+
+impl From<&str> for Payload {
+    /// The string's UTF-8 bytes (an engine's offsets are often JSON, as Spark's are).
+    #[inline]
+    fn from(text: &str) -> Self {
+        Self::from(text.as_bytes())
+    }
+}
+
+impl From<String> for Payload {
+    /// The string's UTF-8 bytes, keeping its allocation as `From<Vec<u8>>` does.
+    #[inline]
+    fn from(text: String) -> Self {
+        Self::from(text.into_bytes())
     }
 }
 
@@ -337,6 +364,11 @@ mod tests {
         assert_eq!(Payload::from(u64::MAX).as_i64(), Some(-1));
         assert_eq!(Payload::from(&b"abc"[..]).as_i64(), None);
         assert_eq!(Payload::from(vec![1u8; 40]).into_vec(), vec![1u8; 40]);
+        assert_eq!(Payload::from(b"abc"), Payload::from(&b"abc"[..]));
+        assert_eq!(Payload::from("abc"), Payload::from(&b"abc"[..]));
+        assert_eq!(Payload::from(String::from("abc")), Payload::from(&b"abc"[..]));
+        assert!(Payload::from("a".repeat(24)).is_inline());
+        assert!(!Payload::from("a".repeat(25)).is_inline());
         assert!(Payload::new().is_empty());
     }
 

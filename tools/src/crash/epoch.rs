@@ -118,7 +118,7 @@ pub fn child(work: &Path, _seed: u64, iteration: u64) -> anyhow::Result<()> {
         // The epoch thread's ask: a barrier for the sends above (per-sender FIFO).
         epoch.ask(IncrementAndGetEpoch).wait_timeout(REPLY_TIMEOUT)?;
         if let Some(error) = status.stop_error() {
-            bail!("the coordinator stopped the query: {error}");
+            bail!("the coordinator stopped the query: {}", error.stop_text());
         }
         let durable = status.durable_committed().map_or(-1, |epoch| epoch.0);
         if durable > printed {
