@@ -612,3 +612,29 @@ fn still_running(unfinished: &[String]) -> String {
         format!("; endpoints still running at the shutdown's deadline: {unfinished:?}")
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn handler_error_is_the_handlers_own_error_of_that_type_only() {
+        let failed = AskError::Handler {
+            endpoint: "e".into(),
+            source: Box::new(std::io::Error::other("refused")),
+        };
+        assert_eq!(
+            failed.handler_error::<std::io::Error>().map(ToString::to_string).as_deref(),
+            Some("refused")
+        );
+        assert!(failed.handler_error::<std::fmt::Error>().is_none(), "another type");
+        let others = [
+            AskError::HandlerPanicked { endpoint: "e".into(), message: "boom".into() },
+            AskError::Stopped { endpoint: "e".into() },
+            AskError::NoReply { endpoint: "e".into() },
+        ];
+        for other in others {
+            assert!(other.handler_error::<std::io::Error>().is_none(), "{other:?}");
+        }
+    }
+}

@@ -33,12 +33,9 @@ fn at(host: &str, executor: &str) -> ExecutorCacheTaskLocation {
 }
 
 fn handler_error(error: AskError) -> StateStoreError {
-    match error {
-        AskError::Handler { source: cause, .. } => cause
-            .downcast_ref::<StateStoreError>()
-            .cloned()
-            .expect("the cause is a StateStoreError"),
-        other => panic!("expected a handler error, got {other:?}"),
+    match error.handler_error::<StateStoreError>() {
+        Some(cause) => cause.clone(),
+        None => panic!("expected a StateStoreError from the handler, got {error:?}"),
     }
 }
 

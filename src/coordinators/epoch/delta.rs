@@ -247,12 +247,12 @@ fn bytes_to_hold(bits: u64) -> usize {
 /// Sets `out` to the payloads read as 8-byte words, and returns whether the offsets are words
 /// ([`Offsets::are_words`]: the compact layout for a width of 8).
 ///
-/// The ids are not checked here: the offsets say they are `0..len` (a dense side has them by
-/// construction). Each payload's length is, as it is read (one comparison the read makes
-/// anyway), so that a flag wrong about a payload's width costs a full record rather than a
-/// wrong offset in the log: the first payload that is no word ends the gather (`out` then
-/// holds anything). This is the first read of an epoch's entries since they were stored,
-/// usually from beyond the cache (PERF.md, "Fortieth session").
+/// The ids are not checked here: the offsets say they are `0..len` (the coordinator's side derives
+/// it from its first and last ids, `Slots::offsets`). Each payload's length is, as it is read (one
+/// comparison the read makes anyway), so that a flag wrong about a payload's width costs a full
+/// record rather than a wrong offset in the log: the first payload that is no word ends the gather
+/// (`out` then holds anything). This is the first read of an epoch's entries since they were
+/// stored, usually from beyond the cache (PERF.md, "Fortieth session").
 ///
 /// Written as a loop that leaves at the first payload that is no word, into slots sized
 /// before it: a comparison and a branch per payload, where collecting every word with the

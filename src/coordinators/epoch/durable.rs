@@ -764,7 +764,8 @@ impl<Q: Query> Query for DurableQuery<Q> {
             let mut first =
                 self.status.stop_error.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             if first.is_none() {
-                tracing::warn!(error = %error.stop_text(), "query stopped by the epoch coordinator");
+                let text = error.stop_text();
+                tracing::warn!(error = %text, "query stopped by the epoch coordinator");
                 *first = Some(Arc::new(error.copy_with_text_sources()));
             }
         }

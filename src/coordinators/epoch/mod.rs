@@ -221,8 +221,9 @@ pub trait Query {
     /// [`EpochError::AddOffsets`] and commits no epoch from then on, ever (it is not retried).
     fn add_offsets(&mut self, epoch: Epoch, offsets: Offsets<'_>) -> Result<(), CollaboratorError>;
 
-    /// Records `epoch` as committed (the commit log). Called once per epoch, right after the
-    /// sink committed it, in strictly increasing, gap-free epoch order from the start epoch.
+    /// Records `epoch` as committed (the commit log). Called at most once per epoch in a run,
+    /// right after the sink committed it, in strictly increasing, gap-free epoch order from the
+    /// start epoch.
     ///
     /// # Errors
     /// A failure to record; the coordinator then stops the query with
@@ -237,8 +238,12 @@ pub trait Query {
     /// A request, not an end: the coordinator keeps handling messages after it (SPEC B.7), so
     /// after a backlog overflow epochs that complete still commit, and [`Query::add_offsets`]
     /// and [`Query::commit`] are still called, until the engine sends
-    /// `StopContinuousExecutionWrites` and stops the endpoint (SPEC B.6). After a collaborator
-    /// failed (any error but [`EpochError::BacklogExceeded`]) nothing commits any more.
+    /// `StopContinuousExecutionWrites` and stops the endpoint (SPEC B.6). The errors it gets:
+    /// [`EpochError::BacklogExceeded`], after which epochs still commit; and the fail-stops
+    /// [`EpochError::AddOffsets`], [`EpochError::SinkCommit`], [`EpochError::QueryCommit`] and
+    /// [`EpochError::HandlerPanicked`], after which no epoch commits any more. A request's
+    /// errors ([`EpochError::InvalidPartitionCount`], [`EpochError::EpochOverflow`]) go to its
+    /// asker, never here.
     fn stop(&mut self, error: EpochError);
 
     /// The last epoch this query has recorded committed, if any (a restarted query: the `E`
@@ -269,9 +274,12 @@ pub trait Sink {
     /// Commits `epoch` with one writer commit message per writer partition, sorted by
     /// partition id.
     ///
-    /// Called once per epoch in a run, in strictly increasing, gap-free epoch order from the
-    /// start epoch, after the epoch's offsets were recorded ([`Query::add_offsets`]) and before
-    /// [`Query::commit`] of the same epoch.
+    /// Called at most once per epoch in a run (none after a fail-stop), in strictly increasing,
+    /// gap-free epoch order from the start epoch, after the epoch's offsets were recorded
+    /// ([`Query::add_offsets`]) and before [`Query::commit`] of the same epoch. An embedder
+    /// driving the state machine that catches a panic of its sink must call
+    /// [`EpochCoordinator::fail_after_panic`] before applying anything more, as the endpoint
+    /// does.
     ///
     /// # Errors
     /// A failed commit; the coordinator then stops the query with [`EpochError::SinkCommit`]

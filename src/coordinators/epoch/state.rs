@@ -330,8 +330,9 @@ impl Slots {
             keep
         });
         self.dense = false;
-        // The entries kept are those noted (the empty slots were never stored); a sparse side
-        // drops its payloads when cleared, so it has no heap payloads to free.
+        // The entries kept are those counted (the slots not present, which may still hold an
+        // earlier epoch's payloads, never were); a sparse side drops its payloads when
+        // cleared, so it has no heap payloads to free.
         self.stored.heap = false;
         self.max_partition = self.entries.last().map_or(-1, |(partition, _)| partition.0);
         // Kept in partition order: positional exactly when the ids are 0..len.
@@ -497,9 +498,9 @@ impl Slots {
     }
 }
 
-/// What a dense side knows of the payloads stored since it was last cleared. One struct, so
-/// that a [`SideStretch`] borrows it with one pointer (the stretch loop holds two sides in
-/// registers).
+/// What a side knows of the payloads it holds (whether one is on the heap: the dense layout's,
+/// since its last clear). One struct, so that a [`SideStretch`] borrows it with one pointer
+/// (the stretch loop holds two sides in registers).
 #[derive(Debug, Default, Clone, Copy)]
 struct StoredPayloads {
     /// One may hold its payload on the heap, so [`Slots::clear`] frees those payloads instead
@@ -1129,18 +1130,20 @@ impl<Q: Query, S: Sink> EpochCoordinator<Q, S> {
 
     /// Both `Set*Partitions` messages: refuses a negative count, then overwrites `side`'s count,
     /// drops the pending entries it leaves out of range and resumes a waiting epoch the chain
-    /// passed.
+    /// passed. The same count again changes nothing, and costs nothing: every id stored since
+    /// it was set is below it, and no epoch's readiness changed.
     fn set_partition_count(&mut self, side: PartitionSide, count: i32) -> Result<(), EpochError> {
         self.check_count(side, count)?;
         let current = match side {
             PartitionSide::Reader => &mut self.reader_partitions,
             PartitionSide::Writer => &mut self.writer_partitions,
         };
-        let changed = *current != count;
-        *current = count;
-        if changed {
-            self.shrink_free_sides(side);
+        if *current == count {
+            tracing::debug!(%side, count, "partition count set again, unchanged");
+            return Ok(());
         }
+        *current = count;
+        self.shrink_free_sides(side);
         self.set_admission_gate();
         tracing::debug!(%side, count, "partition count set");
         self.drop_out_of_range(side, count);
@@ -2021,6 +2024,25 @@ mod tests {
         coordinator
     }
 
+    /// The same partition count set again (a retried stage) changes nothing: the pending
+    /// entries, the counters and the epochs' progress stay as they were, and the epoch still
+    /// commits.
+    #[test]
+    fn the_same_partition_count_again_changes_nothing() {
+        let mut coordinator = coordinator_of(4);
+        for partition in 0..3 {
+            coordinator.apply(report(partition, 1, 1.into())).unwrap();
+            coordinator.apply(commit(partition, 1, 1.into())).unwrap();
+        }
+        let before = coordinator.stats();
+        coordinator.set_reader_partitions(4).unwrap();
+        coordinator.set_writer_partitions(4).unwrap();
+        assert_eq!(coordinator.stats(), before);
+        coordinator.apply(report(3, 1, 1.into())).unwrap();
+        coordinator.apply(commit(3, 1, 1.into())).unwrap();
+        assert_eq!(coordinator.last_committed(), Epoch(1));
+    }
+
     /// A payload on the heap stored by a stretch marks its side, so that the side's clear frees
     /// it (a recycled bucket would otherwise keep it).
     #[test]
@@ -2129,12 +2151,15 @@ mod tests {
             gap.insert(PartitionId(partition), 1.into(), true);
         }
         assert!(!gap.offsets().are_words());
-        // A dense side made sparse by a partial hand-over is read too.
+        // A dense side made sparse by a partial hand-over keeps its count: words, then not
+        // once a 12-byte offset joins it.
         let mut partial = Slots::new();
         partial.prepare(3, true);
         partial.insert(PartitionId(0), 1.into(), true);
         partial.insert(PartitionId(1), 1.into(), true);
         assert!(partial.offsets().are_words() && !partial.dense);
+        partial.insert(PartitionId(2), Payload::from(&[3u8; 12][..]), true);
+        assert!(!partial.offsets().are_words());
     }
 
     /// A sparse side counts the payloads it holds that are no word, so that a complete side
