@@ -46,6 +46,17 @@
 //! with two `write` calls per epoch (the page cache too), the least a log without framing,
 //! checksums or recovery could do.
 //!
+//! Group `epoch/repeat_report/<P>`: a retried stage's reports of an epoch whose offsets are
+//! complete already (SPEC B.4: each one replaces its offset and, the epoch's offsets being
+//! complete, hands the query all of them again with `add_offsets`), one message at a time,
+//! `P` of them (every partition once more). `coordbus_near`: the epoch is the next to commit
+//! (a dense side); `coordbus_far`: it is 20 epochs ahead, beyond the dense window (a sparse
+//! side, as also for counts over 16 Ki or offsets stored while a count was unset); both with
+//! the default backlog limits (10 000). `reference`: the reference model on the far stream
+//! (its layout does not depend on the epoch), which counts the epoch's entries by a scan of
+//! all stored entries per report; at 10 000 partitions on the first 1 000 repeats only. Only
+//! the repeats are timed; each iteration checks that every one reached the query.
+//!
 //! Timing settings: a warm-up of 1 s and 3 s of measurement per function (PERF.md's method),
 //! so that the whole file runs in about two minutes; `--warm-up-time` and
 //! `--measurement-time` on the command line still override them.
@@ -379,12 +390,135 @@ fn varied_cycle(partitions: i32) -> Vec<Vec<(PartitionId, Payload)>> {
 /// as many: `DEFAULT_RETAINED_EPOCHS`).
 const PLAIN_FILE_EPOCHS: i64 = 100;
 
+/// The far epoch of `repeat_report`: 20 epochs after the last committed one (0), beyond the
+/// dense window of 16 epochs that the default limits give from 625 partitions up.
+const FAR_EPOCH: i64 = 20;
+
+/// A report of every partition of `epoch`, each with offset `round << 32 | partition`.
+fn reports(partitions: i32, epoch: i64, round: i64) -> Vec<EpochMessage> {
+    (0..partitions)
+        .map(|partition| {
+            let offset = (round << 32 | i64::from(partition)).into();
+            ReportPartitionOffset { partition, epoch, offset }.into()
+        })
+        .collect()
+}
+
+/// What `repeat_report` needs of a coordinator: a fresh one at `partitions` with the default
+/// limits, its `apply`, and how many offsets its query was handed and how often it was stopped.
+trait RepeatContender: Sized {
+    fn fresh_default(partitions: i32) -> Self;
+    fn apply_one(&mut self, message: EpochMessage) -> bool;
+    fn offsets_and_stops(&self) -> (u64, u64);
+}
+
+impl RepeatContender for EpochCoordinator<Counting, Counting> {
+    fn fresh_default(partitions: i32) -> Self {
+        let mut coordinator =
+            EpochCoordinator::new(EpochConfig::new(1), Counting::default(), Counting::default())
+                .expect("valid config");
+        coordinator.set_reader_partitions(partitions).expect("count");
+        coordinator.set_writer_partitions(partitions).expect("count");
+        coordinator
+    }
+    fn apply_one(&mut self, message: EpochMessage) -> bool {
+        self.apply(message).is_ok()
+    }
+    fn offsets_and_stops(&self) -> (u64, u64) {
+        (self.query().offsets, self.query().stops)
+    }
+}
+
+impl RepeatContender for ReferenceEpochCoordinator<Counting, Counting> {
+    fn fresh_default(partitions: i32) -> Self {
+        let mut coordinator = ReferenceEpochCoordinator::new(
+            EpochConfig::new(1),
+            Counting::default(),
+            Counting::default(),
+        )
+        .expect("valid config");
+        coordinator.set_reader_partitions(partitions).expect("count");
+        coordinator.set_writer_partitions(partitions).expect("count");
+        coordinator
+    }
+    fn apply_one(&mut self, message: EpochMessage) -> bool {
+        self.apply(message).is_ok()
+    }
+    fn offsets_and_stops(&self) -> (u64, u64) {
+        (self.query().offsets, self.query().stops)
+    }
+}
+
+/// A fresh `C` given `first` (an epoch's complete offsets), then `repeats`, of which only the
+/// repeats are timed; panics, naming `name`, unless every message was taken and each repeat
+/// handed the query the epoch's `partitions` offsets again.
+fn time_repeats<C: RepeatContender>(
+    name: &str,
+    partitions: i32,
+    first: &[EpochMessage],
+    repeats: &[EpochMessage],
+) -> Duration {
+    let mut coordinator = C::fresh_default(partitions);
+    let mut taken =
+        first.iter().filter(|message| coordinator.apply_one((*message).clone())).count();
+    let mut buffer = repeats.to_vec();
+    let started = Instant::now();
+    for message in buffer.drain(..) {
+        taken += usize::from(coordinator.apply_one(message));
+    }
+    let elapsed = started.elapsed();
+    let (offsets, stops) = coordinator.offsets_and_stops();
+    let expected = (1 + repeats.len() as u64) * partitions as u64;
+    assert!(
+        taken == first.len() + repeats.len() && offsets == expected && stops == 0,
+        "{name} at {partitions} partitions: {taken} messages taken, {offsets} of {expected} \
+         offsets handed on, {stops} stops: the figure would time other work than it claims"
+    );
+    drop(coordinator);
+    elapsed
+}
+
+fn repeat_report(criterion: &mut Criterion) {
+    for (partitions, reference_repeats) in [(1_000, 1_000), (10_000, 1_000)] {
+        let mut group = criterion.benchmark_group(format!("epoch/repeat_report/{partitions}"));
+        group.sample_size(10);
+        let cases = [
+            ("coordbus_near", 1, partitions as usize),
+            ("coordbus_far", FAR_EPOCH, partitions as usize),
+            ("reference", FAR_EPOCH, reference_repeats),
+        ];
+        for (name, epoch, repeat_count) in cases {
+            let first = reports(partitions, epoch, 0);
+            let repeats = &reports(partitions, epoch, 1)[..repeat_count];
+            group.throughput(Throughput::Elements(repeats.len() as u64));
+            let time = |first: &[EpochMessage]| {
+                if name == "reference" {
+                    time_repeats::<ReferenceEpochCoordinator<_, _>>(
+                        name, partitions, first, repeats,
+                    )
+                } else {
+                    time_repeats::<EpochCoordinator<_, _>>(name, partitions, first, repeats)
+                }
+            };
+            // Sanity, before anything is timed.
+            time(&first);
+            if name == "reference" {
+                group.sampling_mode(SamplingMode::Flat);
+            }
+            group.bench_function(BenchmarkId::new(name, partitions), |bencher| {
+                bencher.iter_custom(|iterations| (0..iterations).map(|_| time(&first)).sum());
+            });
+        }
+        group.finish();
+    }
+}
+
 criterion_group! {
     name = benches;
     // Module doc, "Timing settings".
     config = Criterion::default()
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(3));
-    targets = per_message, durable_query
+    targets = per_message, durable_query, repeat_report
 }
 criterion_main!(benches);
