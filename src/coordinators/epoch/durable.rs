@@ -91,10 +91,10 @@ use std::{
     path::Path,
     rc::Rc,
     sync::{
-        atomic::{AtomicI64, AtomicU64, Ordering},
-        Arc, Mutex, MutexGuard, OnceLock, Weak,
+        atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering},
+        Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak,
     },
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use rkyv::{rancor, util::AlignedVec};
@@ -157,8 +157,13 @@ struct Status {
     ignored_commits: AtomicU64,
     /// Offsets ignored because the epoch was already committed.
     ignored_offsets: AtomicU64,
-    /// Commit records not yet known durable: `(lsn, epoch)`, in order.
-    pending: Mutex<VecDeque<(u64, i64)>>,
+    /// Commit records not yet known durable, and who waits for a commit.
+    pending: Mutex<PendingCommits>,
+    /// Signalled when a commit is appended while someone waits for one, and when commits end.
+    committed: Condvar,
+    /// No more commits will come: the query was dropped, its WAL failed, or the coordinator
+    /// fail-stopped. Set under `pending`'s lock, so a waiter cannot miss it.
+    commits_ended: AtomicBool,
     /// The log (not kept open by status handles).
     wal: Weak<Wal>,
 }
@@ -203,27 +208,85 @@ impl SyncedCommits {
     }
 }
 
+/// Commit records not yet known durable, and the readers waiting for a commit to be appended
+/// ([`DurableQueryStatus::wait_durable_committed`]).
+#[derive(Debug, Default)]
+struct PendingCommits {
+    /// `(lsn, epoch)`, in order.
+    records: VecDeque<(u64, i64)>,
+    /// Readers waiting on [`Status::committed`]: a commit signals only if there are any (a
+    /// signal is a system call, and commits come by the hundred thousand a second).
+    waiters: usize,
+}
+
 impl Status {
     fn fail(&self, error: &WalError) {
         if self.wal_failure.set(error.clone()).is_ok() {
             tracing::error!(%error, "the epoch log's WAL failed; the query stops committing");
         }
+        self.end_commits();
     }
 
-    fn pending(&self) -> MutexGuard<'_, VecDeque<(u64, i64)>> {
+    fn pending(&self) -> MutexGuard<'_, PendingCommits> {
         self.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Queues the commit record of `epoch` at `lsn` and wakes the readers waiting for a commit.
+    fn committed(&self, lsn: Lsn, epoch: Epoch) {
+        let mut pending = self.pending();
+        pending.records.push_back((lsn.0, epoch.0));
+        if pending.waiters > 0 {
+            self.committed.notify_all();
+        }
+    }
+
+    /// No commit will come any more: wakes every reader waiting for one.
+    fn end_commits(&self) {
+        let pending = self.pending();
+        self.commits_ended.store(true, Ordering::Release);
+        if pending.waiters > 0 {
+            self.committed.notify_all();
+        }
+    }
+
+    /// The LSN of the commit record of `epoch` or a later one, once one is queued, waiting for
+    /// it until `deadline` (`None`: no deadline). `None` if the deadline passed, commits ended,
+    /// or `epoch` is durable already (its record left the queue).
+    fn wait_committed(&self, epoch: Epoch, deadline: Option<Instant>) -> Option<Lsn> {
+        let mut pending = self.pending();
+        loop {
+            let queued = pending.records.iter().find(|(_, committed)| *committed >= epoch.0);
+            if let Some(&(lsn, _)) = queued {
+                return Some(Lsn(lsn));
+            }
+            if self.durable_committed.load(Ordering::Acquire) >= epoch.0
+                || self.commits_ended.load(Ordering::Acquire)
+            {
+                return None;
+            }
+            let left = match deadline {
+                Some(deadline) => deadline.checked_duration_since(Instant::now())?,
+                None => Duration::MAX,
+            };
+            pending.waiters += 1;
+            pending = match self.committed.wait_timeout(pending, left) {
+                Ok((guard, _)) => guard,
+                Err(poisoned) => poisoned.into_inner().0,
+            };
+            pending.waiters -= 1;
+        }
     }
 
     /// Moves the commits whose records are durable (LSN at most `durable`) out of `pending`.
     fn advance(&self, durable: Lsn) {
         let mut pending = self.pending();
         let mut last = None;
-        while let Some(&(lsn, epoch)) = pending.front() {
+        while let Some(&(lsn, epoch)) = pending.records.front() {
             if lsn > durable.0 {
                 break;
             }
             last = Some(epoch);
-            pending.pop_front();
+            pending.records.pop_front();
         }
         if let Some(epoch) = last {
             self.durable_committed.fetch_max(epoch, Ordering::AcqRel);
@@ -255,12 +318,15 @@ impl DurableQueryStatus {
         epoch_or_none(self.0.durable_committed.load(Ordering::Acquire))
     }
 
-    /// Waits at most `timeout` until the commit record of `epoch` (or a later one) is durable,
-    /// and returns whether it is. Returns `false` at once if `epoch` is not committed yet, and
-    /// `false` if the WAL fails first.
+    /// Waits at most `timeout` until `epoch` (or a later one) is committed and its commit
+    /// record durable, and returns whether it is. Returns `false` once no commit can come any
+    /// more (the query was dropped, its WAL failed, or the coordinator fail-stopped) without
+    /// `epoch` committed and durable, or when the timeout passes.
     pub fn wait_durable_committed(&self, epoch: Epoch, timeout: Duration) -> bool {
         let status = &*self.0;
         let durable = |status: &Status| status.durable_committed.load(Ordering::Acquire) >= epoch.0;
+        // A timeout too large for the clock (`Duration::MAX`) means no deadline.
+        let deadline = Instant::now().checked_add(timeout);
         let Some(wal) = status.wal.upgrade() else {
             // The query is gone and its log closed (which synced or failed everything).
             return durable(status);
@@ -269,12 +335,13 @@ impl DurableQueryStatus {
         if durable(status) {
             return true;
         }
-        let target = status.pending().iter().find(|(_, committed)| *committed >= epoch.0).copied();
-        // None: not committed yet, or made durable (and taken off the queue) by another
-        // reader's `advance` since the check above.
-        let Some((lsn, _)) = target else { return durable(status) };
-        match wal.wait_durable_timeout(Lsn(lsn), timeout) {
-            Ok(()) => status.advance(Lsn(lsn)),
+        // None: no commit came in time, or the commit was made durable (and taken off the
+        // queue) by another reader's `advance`.
+        let Some(lsn) = status.wait_committed(epoch, deadline) else { return durable(status) };
+        let left = deadline
+            .map_or(Duration::MAX, |deadline| deadline.saturating_duration_since(Instant::now()));
+        match wal.wait_durable_timeout(lsn, left) {
+            Ok(()) => status.advance(lsn),
             Err(error @ WalError::Failed { .. }) => status.fail(&error),
             Err(_) => {}
         }
@@ -345,6 +412,37 @@ pub type RestartPoint = (Epoch, Vec<(PartitionId, Payload)>);
 ///
 /// Two queries cannot use one directory at once: the WAL locks it, and the second open fails
 /// with [`EpochError::Wal`] holding [`WalError::Locked`].
+///
+/// A run, then its restart: the restarted coordinator starts after the last committed epoch,
+/// and the engine resumes reading from that epoch's offsets.
+///
+/// ```
+/// use std::time::Duration;
+/// use coordbus::{coordinators::epoch::*, wal::WalConfig, Bus};
+/// let dir = tempfile::tempdir()?;
+/// {
+///     let query = DurableQuery::open(dir.path(), WalConfig::default())?;
+///     assert!(query.restart_point().is_none()); // a new query: start at epoch 0
+///     let status = query.status(); // readable from any thread
+///     let config = EpochConfig::new(query.start_epoch());
+///     let bus = Bus::builder().inbox_shards(2).build()?;
+///     let endpoint = EpochEndpoint::new(config, query, NoopSink)?;
+///     let epoch = bus.register(coordinator_name("run1"), endpoint)?;
+///     epoch.ask(SetReaderPartitions(1)).wait()?;
+///     epoch.ask(SetWriterPartitions(1)).wait()?;
+///     for e in 0..2 {
+///         epoch.send(ReportPartitionOffset { partition: 0, epoch: e, offset: (100 + e).into() })?;
+///         epoch.send(CommitPartitionEpoch { partition: 0, epoch: e, message: e.into() })?;
+///     }
+///     assert!(status.wait_durable_committed(Epoch(1), Duration::from_secs(10)));
+///     bus.shutdown()?; // drops the query, which closes the log
+/// }
+/// let query = DurableQuery::open(dir.path(), WalConfig::default())?;
+/// let (last, offsets) = query.restart_point().expect("epochs 0 and 1 were committed");
+/// assert_eq!((*last, offsets[0].1.as_i64()), (Epoch(1), Some(101)));
+/// assert_eq!(query.start_epoch(), Epoch(2)); // EpochConfig::new(query.start_epoch())
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug)]
 pub struct DurableQuery<Q: Query = NoopQuery> {
     wal: Arc<Wal>,
@@ -426,7 +524,9 @@ impl<Q: Query> DurableQuery<Q> {
             stop_error: Mutex::new(None),
             ignored_commits: AtomicU64::new(0),
             ignored_offsets: AtomicU64::new(0),
-            pending: Mutex::new(VecDeque::new()),
+            pending: Mutex::new(PendingCommits::default()),
+            committed: Condvar::new(),
+            commits_ended: AtomicBool::new(false),
             wal: Arc::downgrade(&wal),
         });
         Ok(Self {
@@ -714,7 +814,7 @@ impl<Q: Query> Query for DurableQuery<Q> {
         // lock and this thread a wake-up): the queue is drained here and by status readers.
         // Queued before the epoch shows as committed, so that a reader who sees it committed
         // finds its record to wait for (`wait_durable_committed`).
-        self.status.pending().push_back((lsn.0, epoch.0));
+        self.status.committed(lsn, epoch);
         if let Some(synced_commits) = self.synced_commits.as_mut() {
             synced_commits.appended(lsn, epoch);
         }
@@ -769,6 +869,10 @@ impl<Q: Query> Query for DurableQuery<Q> {
                 *first = Some(Arc::new(error.copy_with_text_sources()));
             }
         }
+        if !matches!(error, EpochError::BacklogExceeded { .. }) {
+            // A fail-stop: the coordinator commits nothing more (`Query::stop`).
+            self.status.end_commits();
+        }
         self.inner.stop(error);
     }
 }
@@ -787,6 +891,7 @@ impl<Q: Query> Drop for DurableQuery<Q> {
                 self.status.fail(&error);
             }
         }
+        self.status.end_commits();
     }
 }
 
@@ -1966,6 +2071,68 @@ mod tests {
             let EpochError::BadLogRecord { lsn, reason } = &error else { panic!("{error}") };
             assert_eq!((*lsn, reason.as_str()), (1, "epoch -5 is negative"));
         }
+    }
+
+    /// Waits in another thread until it waits on the status for a commit (bounded), then
+    /// returns the thread, whose result is `wait_durable_committed(epoch, timeout)`.
+    fn waiting_for_commit(
+        status: &DurableQueryStatus,
+        epoch: Epoch,
+        timeout: Duration,
+    ) -> std::thread::JoinHandle<(bool, Duration)> {
+        let waiter = status.clone();
+        let thread = std::thread::spawn(move || {
+            let started = Instant::now();
+            (waiter.wait_durable_committed(epoch, timeout), started.elapsed())
+        });
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while status.0.pending().waiters == 0 {
+            assert!(Instant::now() < deadline, "the waiter never waited for a commit");
+            std::thread::yield_now();
+        }
+        thread
+    }
+
+    /// A reader waiting for an epoch not committed yet gets it once it is committed and
+    /// durable, also across an overflow's stop (the coordinator still commits after one).
+    #[test]
+    fn a_wait_for_a_durable_commit_waits_for_the_commit_too() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut query = DurableQuery::open(dir.path(), config()).unwrap();
+        let status = query.status();
+        let waiter = waiting_for_commit(&status, Epoch(1), Duration::from_secs(30));
+        query.add_offsets(Epoch(0), Offsets::new(&offsets(0, 0))).unwrap();
+        query.commit(Epoch(0)).unwrap();
+        query.stop(EpochError::BacklogExceeded {
+            queue: super::super::BacklogQueue::PartitionOffsets,
+            size: 11,
+            limit: 10,
+        });
+        query.add_offsets(Epoch(1), Offsets::new(&offsets(1, 0))).unwrap();
+        query.commit(Epoch(1)).unwrap();
+        let (durable, _) = waiter.join().unwrap();
+        assert!(durable, "epoch 1 committed and durable");
+        assert_eq!(status.durable_committed(), Some(Epoch(1)));
+    }
+
+    /// A reader waiting for a commit that can no longer come returns `false` at once when
+    /// commits end: the coordinator fail-stopped, or the query was dropped.
+    #[test]
+    fn a_wait_for_a_commit_ends_when_commits_end() {
+        let long = Duration::from_secs(60);
+        let dir = tempfile::tempdir().unwrap();
+        let mut query = DurableQuery::open(dir.path(), config()).unwrap();
+        let waiter = waiting_for_commit(&query.status(), Epoch(3), long);
+        query.stop(EpochError::SinkCommit { epoch: Epoch(0), source: "refused".into() });
+        let (durable, waited) = waiter.join().unwrap();
+        assert!(!durable && waited < long / 2, "the fail-stop ended the wait after {waited:?}");
+
+        let dir = tempfile::tempdir().unwrap();
+        let query = DurableQuery::open(dir.path(), config()).unwrap();
+        let waiter = waiting_for_commit(&query.status(), Epoch(3), long);
+        drop(query);
+        let (durable, waited) = waiter.join().unwrap();
+        assert!(!durable && waited < long / 2, "the drop ended the wait after {waited:?}");
     }
 
     /// The inner query gets the stop error itself, its collaborator's error typed; the status
