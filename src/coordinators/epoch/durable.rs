@@ -321,7 +321,8 @@ impl DurableQueryStatus {
     /// Waits at most `timeout` until `epoch` (or a later one) is committed and its commit
     /// record durable, and returns whether it is. Returns `false` once no commit can come any
     /// more (the query was dropped, its WAL failed, or the coordinator fail-stopped) without
-    /// `epoch` committed and durable, or when the timeout passes.
+    /// `epoch` committed and durable, or when the timeout passes: [`Self::wal_failure`] and
+    /// [`Self::stop_error`] then say which (neither: the timeout, or the query was dropped).
     pub fn wait_durable_committed(&self, epoch: Epoch, timeout: Duration) -> bool {
         let status = &*self.0;
         let durable = |status: &Status| status.durable_committed.load(Ordering::Acquire) >= epoch.0;
@@ -430,7 +431,8 @@ pub type RestartPoint = (Epoch, Vec<(PartitionId, Payload)>);
 ///     let epoch = bus.register(coordinator_name("run1"), endpoint)?;
 ///     epoch.ask(SetReaderPartitions(1)).wait()?;
 ///     epoch.ask(SetWriterPartitions(1)).wait()?;
-///     for e in 0..2 {
+///     for _ in 0..2 {
+///         let e = epoch.ask(IncrementAndGetEpoch).wait()? - 1; // the driver ends epoch e
 ///         epoch.send(ReportPartitionOffset { partition: 0, epoch: e, offset: (100 + e).into() })?;
 ///         epoch.send(CommitPartitionEpoch { partition: 0, epoch: e, message: e.into() })?;
 ///     }
@@ -565,7 +567,9 @@ impl<Q: Query> DurableQuery<Q> {
     }
 
     /// Where the run starts (SPEC B.10), as recovered when opening: `None` for a new query
-    /// (start epoch 0), else the last committed epoch `E` with its offsets (start at `E + 1`).
+    /// (start epoch 0), else the last committed epoch `E` with its offsets (start at `E + 1`),
+    /// from which the engine resumes reading. Read it before the query moves into its
+    /// endpoint (the endpoint's thread owns it from then on).
     pub fn restart_point(&self) -> Option<&RestartPoint> {
         self.restart_point.as_ref()
     }

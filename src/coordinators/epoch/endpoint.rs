@@ -160,9 +160,13 @@ pub enum EpochRequest {
 /// let epoch = bus.register(coordinator_name("run42"), endpoint)?;
 /// epoch.ask(SetReaderPartitions(1)).wait()?;
 /// epoch.ask(SetWriterPartitions(1)).wait()?;
-/// let e: i64 = epoch.ask(GetCurrentEpoch).wait()?;
-/// epoch.send(ReportPartitionOffset { partition: 0, epoch: e, offset: 42.into() })?;
-/// epoch.send(CommitPartitionEpoch { partition: 0, epoch: e, message: 7.into() })?;
+/// // The driver ends epoch 1 (the start epoch); the tasks send what they have of it.
+/// let ended: i64 = epoch.ask(IncrementAndGetEpoch).wait()? - 1;
+/// epoch.send(ReportPartitionOffset { partition: 0, epoch: ended, offset: 42.into() })?;
+/// // Batches are of `EpochMessage`, which both one-way messages convert into.
+/// let batch: Vec<EpochMessage> =
+///     vec![CommitPartitionEpoch { partition: 0, epoch: ended, message: 7.into() }.into()];
+/// epoch.send_batch(batch)?;
 /// assert_eq!(epoch.ask(GetEpochStats).wait()?.last_committed, Epoch(1));
 /// bus.shutdown()?;
 /// # Ok::<(), Box<dyn std::error::Error>>(())

@@ -7,6 +7,15 @@
 //! offset and every earlier epoch is committed. Epochs that complete early wait and are committed
 //! in order, in the same pass, by the message that completes the epoch before them.
 //!
+//! # The epoch protocol (SPEC B.8)
+//! The driver's epoch thread asks [`IncrementAndGetEpoch`] every trigger interval: a reply of
+//! `n + 1` ends epoch `n`. Tasks poll [`GetCurrentEpoch`] and, for each epoch they are behind
+//! the driver's, send that epoch's [`ReportPartitionOffset`] (the reading side) and
+//! [`CommitPartitionEpoch`] (the writing side), then move on to the next; they start at the
+//! start epoch. As in Spark, one-way messages are not checked against the driver epoch: an
+//! epoch the driver has not ended yet is stored and commits like any other (the tasks' epochs
+//! are trusted; only epochs at or below the last committed one are refused as stale).
+//!
 //! # Parts
 //! * `payload`: [`Payload`] (opaque engine bytes, inline up to 24 bytes), [`Epoch`],
 //!   [`PartitionId`].

@@ -109,6 +109,11 @@ impl Payload {
         !self.0.spilled()
     }
 
+    /// The bytes as text, if they are valid UTF-8 (a payload made from a `&str` or `String`).
+    pub fn as_str(&self) -> Option<&str> {
+        std::str::from_utf8(self.as_bytes()).ok()
+    }
+
     /// The bytes as a vector.
     pub fn into_vec(self) -> Vec<u8> {
         self.0.into_vec()
@@ -147,7 +152,13 @@ impl Clone for Payload {
 }
 
 impl fmt::Debug for Payload {
+    /// Text (printable UTF-8, as JSON offsets are) as a string; else an 8-byte payload as the
+    /// integer it encodes; else hex. An integer offset below 2^56 has a zero byte, so it never
+    /// reads as text.
     fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(text) = self.as_str().filter(|text| !text.chars().any(char::is_control)) {
+            return write!(formatter, "Payload({text:?})");
+        }
         if let Some(value) = self.as_i64() {
             return write!(formatter, "Payload({value})");
         }
@@ -368,6 +379,8 @@ mod tests {
         assert_eq!(Payload::from("abc"), Payload::from(&b"abc"[..]));
         assert_eq!(Payload::from(String::from("abc")), Payload::from(&b"abc"[..]));
         assert!(Payload::from("a".repeat(24)).is_inline());
+        assert_eq!(Payload::from("w1-e201").as_str(), Some("w1-e201"));
+        assert_eq!(Payload::from(&[0xffu8, 0][..]).as_str(), None);
         assert!(!Payload::from("a".repeat(25)).is_inline());
         assert!(Payload::new().is_empty());
     }
@@ -398,6 +411,19 @@ mod tests {
         );
         assert!(Payload::from(1u32).is_word());
         assert!(!Payload::from(vec![1u8; 8 + 24]).is_word());
+    }
+
+    /// Text shows as text (8 bytes of it too), integers as integers, other bytes as hex.
+    #[test]
+    fn debug_shows_text_integers_and_bytes() {
+        let debug = |payload: Payload| format!("{payload:?}");
+        assert_eq!(debug(Payload::from("w10-e201")), r#"Payload("w10-e201")"#);
+        assert_eq!(debug(Payload::from(r#"{"t":{"0":5}}"#)), r#"Payload("{\"t\":{\"0\":5}}")"#);
+        assert_eq!(debug(Payload::from(1234)), "Payload(1234)");
+        assert_eq!(debug(Payload::from(-1)), "Payload(-1)");
+        assert_eq!(debug(Payload::from(&[1u8, 0xff][..])), "Payload(0x01ff)");
+        assert_eq!(debug(Payload::from("a\nb")), "Payload(0x610a62)");
+        assert_eq!(debug(Payload::new()), r#"Payload("")"#);
     }
 
     #[test]
