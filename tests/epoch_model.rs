@@ -517,6 +517,10 @@ fn generated_cases_cover_commits_waits_overflows_and_failures() {
     let mut backlog_full_runs = 0u64;
     let mut added_at_commit_runs = 0u64;
     let mut purge_runs = 0u64;
+    // Runs with stale drops, duplicate commits and repeated reports, and messages stored for an
+    // epoch beyond the dense window (a sparse side).
+    let (mut stale_runs, mut duplicate_runs, mut repeat_runs) = (0u64, 0u64, 0u64);
+    let mut far_ahead_stored = 0u64;
     // Runs stopped by an overflow of each queue (offsets, commits, waiting epochs): the model
     // comparison covers "stop on the same overflow" only if each kind happens.
     let mut overflow_runs = [0u64; 3];
@@ -549,6 +553,30 @@ fn generated_cases_cover_commits_waits_overflows_and_failures() {
                 }
             };
             max_waiting = max_waiting.max(fast.stats().waiting_epochs);
+            let stored = |stats: &EpochStats| {
+                stats.counters.offsets_accepted + stats.counters.commits_accepted
+            };
+            // The coordinator's dense window: max(16, limit / count) epochs after the last
+            // commit, for a side whose count is set (an unset count's side is sparse anyway).
+            let window = |count: i32, limit: usize| {
+                if count > 0 {
+                    16.max(limit as i64 / i64::from(count))
+                } else {
+                    0
+                }
+            };
+            let beyond_window = match *op {
+                Op::Report(_, e) => {
+                    e - before.last_committed.0
+                        > window(before.reader_partitions, case.offset_limit)
+                }
+                Op::Commit(_, e) => {
+                    e - before.last_committed.0
+                        > window(before.writer_partitions, case.commit_limit)
+                }
+                _ => false,
+            };
+            far_ahead_stored += u64::from(beyond_window && stored(&fast.stats()) > stored(&before));
             // A count set dropped entries kept with ids it leaves out.
             purged |= matches!(op, Op::SetReaders(_) | Op::SetWriters(_))
                 && fast.stats().counters.dropped_partition_out_of_range
@@ -578,6 +606,9 @@ fn generated_cases_cover_commits_waits_overflows_and_failures() {
             }));
         }
         failures += u64::from(stats.failed_epoch.is_some());
+        stale_runs += u64::from(stats.counters.dropped_stale_epoch > 0);
+        duplicate_runs += u64::from(stats.counters.dropped_duplicate_commit > 0);
+        repeat_runs += u64::from(stats.counters.offsets_overwritten > 0);
         backlog_full_runs += u64::from(stats.counters.dropped_backlog_full > 0);
         added_at_commit_runs += u64::from(stats.counters.offsets_added_at_commit > 0);
     }
@@ -585,8 +616,14 @@ fn generated_cases_cover_commits_waits_overflows_and_failures() {
         "coverage: commits {commits} chained {chained} stops {stops} failures {failures} \
          backlog_full_runs {backlog_full_runs} overflow runs (offsets, commits, waiting) \
          {overflow_runs:?} runs adding offsets at a commit {added_at_commit_runs} runs where a \
-         count dropped kept entries {purge_runs}"
+         count dropped kept entries {purge_runs} runs with stale drops {stale_runs}, duplicate \
+         commits {duplicate_runs}, repeated reports {repeat_runs}; far-ahead entries stored \
+         {far_ahead_stored}"
     );
+    assert!(stale_runs > 10, "runs that dropped stale messages: {stale_runs}");
+    assert!(duplicate_runs > 10, "runs that dropped duplicate commits: {duplicate_runs}");
+    assert!(repeat_runs > 10, "runs with repeated reports: {repeat_runs}");
+    assert!(far_ahead_stored > 10, "entries stored beyond the dense window: {far_ahead_stored}");
     assert!(purge_runs > 0, "runs where setting a count dropped kept entries: {purge_runs}");
     assert!(
         overflow_runs.iter().all(|&runs| runs > 0),

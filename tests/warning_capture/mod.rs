@@ -26,6 +26,10 @@ thread_local! {
     static CAPTURE: RefCell<Option<Arc<Mutex<Vec<String>>>>> = const { RefCell::new(None) };
 }
 
+/// Where the warnings of every thread without a capture of its own go while
+/// [`WarningLog::around_every_thread`] runs.
+static EVERY_THREAD: Mutex<Option<Arc<Mutex<Vec<String>>>>> = Mutex::new(None);
+
 /// The warnings captured on a thread, each as its fields' text (`name=value ` for each field,
 /// the message first).
 #[derive(Clone, Default)]
@@ -59,6 +63,25 @@ impl WarningLog {
     }
 }
 
+impl WarningLog {
+    /// Runs `body`, capturing the warnings that every thread logs meanwhile (a bus endpoint's
+    /// thread too), except threads with a capture of their own. Only for a test binary of one
+    /// test: another test's warnings would be captured as well.
+    pub fn around_every_thread<T>(&self, body: impl FnOnce() -> T) -> T {
+        install_once();
+        *EVERY_THREAD.lock().unwrap() = Some(Arc::clone(&self.0));
+        // Ended also when `body` panics.
+        struct End;
+        impl Drop for End {
+            fn drop(&mut self) {
+                *EVERY_THREAD.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+            }
+        }
+        let _end = End;
+        body()
+    }
+}
+
 /// Installs the global subscriber (warnings and errors only, so the per-message debug events
 /// of the code under test stay as cheap as without a subscriber).
 fn install_once() {
@@ -82,14 +105,18 @@ impl<S: tracing::Subscriber> Layer<S> for ToThreadCapture {
         if *event.metadata().level() != tracing::Level::WARN {
             return;
         }
+        let record = |lines: &Mutex<Vec<String>>| {
+            let mut fields = Fields(String::new());
+            event.record(&mut fields);
+            lines.lock().unwrap().push(fields.0);
+        };
         // `try_with`: a warning from a thread's last destructors, after its capture is gone.
-        let _ = CAPTURE.try_with(|capture| {
-            if let Some(lines) = capture.borrow().as_ref() {
-                let mut fields = Fields(String::new());
-                event.record(&mut fields);
-                lines.lock().unwrap().push(fields.0);
-            }
-        });
+        let own = CAPTURE.try_with(|capture| capture.borrow().clone()).ok().flatten();
+        if let Some(lines) = own {
+            record(&lines);
+        } else if let Some(lines) = EVERY_THREAD.lock().unwrap().clone() {
+            record(&lines);
+        }
     }
 }
 

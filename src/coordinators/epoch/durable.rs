@@ -240,6 +240,15 @@ impl Status {
         }
     }
 
+    /// A new coordinator took the query (after an earlier one fail-stopped, maybe): commits
+    /// may come again, unless the WAL failed.
+    fn begin_commits(&self) {
+        let _pending = self.pending();
+        if self.wal_failure.get().is_none() {
+            self.commits_ended.store(false, Ordering::Release);
+        }
+    }
+
     /// No commit will come any more: wakes every reader waiting for one.
     fn end_commits(&self) {
         let pending = self.pending();
@@ -321,8 +330,10 @@ impl DurableQueryStatus {
     /// Waits at most `timeout` until `epoch` (or a later one) is committed and its commit
     /// record durable, and returns whether it is. Returns `false` once no commit can come any
     /// more (the query was dropped, its WAL failed, or the coordinator fail-stopped) without
-    /// `epoch` committed and durable, or when the timeout passes: [`Self::wal_failure`] and
-    /// [`Self::stop_error`] then say which (neither: the timeout, or the query was dropped).
+    /// `epoch` committed and durable, or when the timeout passes: [`Self::wal_failure`], or a
+    /// fail-stop error in [`Self::stop_error`] ([`EpochError::is_fail_stop`]), then says which
+    /// (neither: the timeout, or the query was dropped). An engine's own calls of
+    /// [`Query::stop`] with a fail-stop error end the wait too.
     pub fn wait_durable_committed(&self, epoch: Epoch, timeout: Duration) -> bool {
         let status = &*self.0;
         let durable = |status: &Status| status.durable_committed.load(Ordering::Acquire) >= epoch.0;
@@ -851,6 +862,7 @@ impl<Q: Query> Query for DurableQuery<Q> {
         self.deferred.clear();
         self.deferred_entries = 0;
         self.deltas.forget_base();
+        self.status.begin_commits();
         self.inner.begin_run();
     }
 
@@ -873,8 +885,7 @@ impl<Q: Query> Query for DurableQuery<Q> {
                 *first = Some(Arc::new(error.copy_with_text_sources()));
             }
         }
-        if !matches!(error, EpochError::BacklogExceeded { .. }) {
-            // A fail-stop: the coordinator commits nothing more (`Query::stop`).
+        if error.is_fail_stop() {
             self.status.end_commits();
         }
         self.inner.stop(error);
@@ -885,6 +896,9 @@ impl<Q: Query> Drop for DurableQuery<Q> {
     /// Closes the log: everything appended is written and synced (or the failure recorded),
     /// so a clean stop leaves every commit durable.
     fn drop(&mut self) {
+        // First: readers waiting for an epoch never committed return at once, and those whose
+        // commit is queued wait for the close to make it durable.
+        self.status.end_commits();
         match self.wal.close_timeout(CLOSE_TIMEOUT) {
             Ok(()) => self.status.advance(Lsn(u64::MAX)),
             // Dropped in one of the log's durability callbacks: the sync thread writes the
@@ -895,7 +909,6 @@ impl<Q: Query> Drop for DurableQuery<Q> {
                 self.status.fail(&error);
             }
         }
-        self.status.end_commits();
     }
 }
 
@@ -2098,25 +2111,48 @@ mod tests {
     }
 
     /// A reader waiting for an epoch not committed yet gets it once it is committed and
-    /// durable, also across an overflow's stop (the coordinator still commits after one).
+    /// durable; an overflow's stop, before or during the wait, does not end it (the coordinator
+    /// still commits after one), and neither does a new run after a fail-stop.
     #[test]
     fn a_wait_for_a_durable_commit_waits_for_the_commit_too() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut query = DurableQuery::open(dir.path(), config()).unwrap();
-        let status = query.status();
-        let waiter = waiting_for_commit(&status, Epoch(1), Duration::from_secs(30));
-        query.add_offsets(Epoch(0), Offsets::new(&offsets(0, 0))).unwrap();
-        query.commit(Epoch(0)).unwrap();
-        query.stop(EpochError::BacklogExceeded {
+        let overflow = || EpochError::BacklogExceeded {
             queue: super::super::BacklogQueue::PartitionOffsets,
             size: 11,
             limit: 10,
-        });
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let mut query = DurableQuery::open(dir.path(), config()).unwrap();
+        let status = query.status();
+        query.stop(overflow());
+        let waiter = waiting_for_commit(&status, Epoch(1), Duration::from_secs(30));
+        query.stop(overflow());
+        query.add_offsets(Epoch(0), Offsets::new(&offsets(0, 0))).unwrap();
+        query.commit(Epoch(0)).unwrap();
         query.add_offsets(Epoch(1), Offsets::new(&offsets(1, 0))).unwrap();
         query.commit(Epoch(1)).unwrap();
         let (durable, _) = waiter.join().unwrap();
         assert!(durable, "epoch 1 committed and durable");
         assert_eq!(status.durable_committed(), Some(Epoch(1)));
+
+        // A fail-stop ends the waits; a new coordinator taking the query begins them again.
+        query.stop(EpochError::SinkCommit { epoch: Epoch(2), source: "refused".into() });
+        assert!(!status.wait_durable_committed(Epoch(2), Duration::from_secs(30)));
+        query.begin_run();
+        let waiter = waiting_for_commit(&status, Epoch(2), Duration::from_secs(30));
+        query.add_offsets(Epoch(2), Offsets::new(&offsets(2, 0))).unwrap();
+        query.commit(Epoch(2)).unwrap();
+        assert!(waiter.join().unwrap().0, "the new run's commit of epoch 2");
+    }
+
+    /// A wait for an epoch that is never committed ends with its timeout.
+    #[test]
+    fn a_wait_for_a_commit_that_never_comes_ends_with_its_timeout() {
+        let dir = tempfile::tempdir().unwrap();
+        let query = DurableQuery::open(dir.path(), config()).unwrap();
+        let timeout = Duration::from_millis(50);
+        let started = Instant::now();
+        assert!(!query.status().wait_durable_committed(Epoch(0), timeout));
+        assert!(started.elapsed() >= timeout, "returned after {:?}", started.elapsed());
     }
 
     /// A reader waiting for a commit that can no longer come returns `false` at once when

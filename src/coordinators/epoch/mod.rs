@@ -14,7 +14,8 @@
 //! [`CommitPartitionEpoch`] (the writing side), then move on to the next; they start at the
 //! start epoch. As in Spark, one-way messages are not checked against the driver epoch: an
 //! epoch the driver has not ended yet is stored and commits like any other (the tasks' epochs
-//! are trusted; only epochs at or below the last committed one are refused as stale).
+//! are trusted). Only epochs at or below the last committed one are refused as stale (SPEC
+//! 0.3; Spark stores those and never commits them).
 //!
 //! # Parts
 //! * `payload`: [`Payload`] (opaque engine bytes, inline up to 24 bytes), [`Epoch`],
@@ -574,6 +575,21 @@ impl EpochError {
         }
     }
 
+    /// Whether the coordinator commits nothing more after stopping the query with this error:
+    /// a collaborator failed ([`EpochError::AddOffsets`], [`EpochError::SinkCommit`],
+    /// [`EpochError::QueryCommit`]) or a handler panicked ([`EpochError::HandlerPanicked`]).
+    /// After [`EpochError::BacklogExceeded`], the other error it stops a query with, epochs
+    /// still commit ([`Query::stop`]).
+    pub fn is_fail_stop(&self) -> bool {
+        matches!(
+            self,
+            Self::AddOffsets { .. }
+                | Self::SinkCommit { .. }
+                | Self::QueryCommit { .. }
+                | Self::HandlerPanicked { .. }
+        )
+    }
+
     /// A copy of this error for a second owner (a query that keeps the first stop error and
     /// also hands it on to an inner query): the same variant and values, with a collaborator's
     /// error (which cannot be cloned) kept as its text with its causes.
@@ -993,6 +1009,12 @@ mod tests {
             EpochError::BadLogRecord { lsn: 9, reason: "short".into() },
             EpochError::EpochOverflow { epoch: Epoch(i64::MAX) },
         ];
+        let fail_stops: Vec<bool> = errors.iter().map(EpochError::is_fail_stop).collect();
+        assert_eq!(
+            fail_stops,
+            [false, true, true, true, true, false, false, false, false, false],
+            "the collaborators' failures and a panic are fail-stops; nothing else is"
+        );
         for error in &errors {
             let copy = error.copy_with_text_sources();
             assert_eq!(copy.stop_text(), error.stop_text(), "{error:?}");

@@ -152,15 +152,17 @@ impl Clone for Payload {
 }
 
 impl fmt::Debug for Payload {
-    /// Text (printable UTF-8, as JSON offsets are) as a string; else an 8-byte payload as the
-    /// integer it encodes; else hex. An integer offset below 2^56 has a zero byte, so it never
-    /// reads as text.
+    /// Text (printable UTF-8, as JSON offsets are) as a string; an 8-byte payload as the
+    /// integer it encodes; 8 bytes of printable text both ways (`Payload("w1-e0001" |
+    /// 3544...)`); anything else in hex. A non-negative integer below 2^56 has a zero byte,
+    /// so it never reads as text.
     fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if let Some(text) = self.as_str().filter(|text| !text.chars().any(char::is_control)) {
-            return write!(formatter, "Payload({text:?})");
-        }
-        if let Some(value) = self.as_i64() {
-            return write!(formatter, "Payload({value})");
+        let text = self.as_str().filter(|text| !text.chars().any(char::is_control));
+        match (text, self.as_i64()) {
+            (Some(text), Some(value)) => return write!(formatter, "Payload({text:?} | {value})"),
+            (Some(text), None) => return write!(formatter, "Payload({text:?})"),
+            (None, Some(value)) => return write!(formatter, "Payload({value})"),
+            (None, None) => {}
         }
         write!(formatter, "Payload(0x")?;
         for byte in self.as_bytes() {
@@ -417,7 +419,12 @@ mod tests {
     #[test]
     fn debug_shows_text_integers_and_bytes() {
         let debug = |payload: Payload| format!("{payload:?}");
-        assert_eq!(debug(Payload::from("w10-e201")), r#"Payload("w10-e201")"#);
+        assert_eq!(debug(Payload::from("w10-e2011")), r#"Payload("w10-e2011")"#);
+        // Eight printable bytes: text or an integer, both shown.
+        assert_eq!(
+            debug(Payload::from(0x3030_3030_3030_3030i64)),
+            r#"Payload("00000000" | 3472328296227680304)"#
+        );
         assert_eq!(debug(Payload::from(r#"{"t":{"0":5}}"#)), r#"Payload("{\"t\":{\"0\":5}}")"#);
         assert_eq!(debug(Payload::from(1234)), "Payload(1234)");
         assert_eq!(debug(Payload::from(-1)), "Payload(-1)");

@@ -1228,7 +1228,8 @@ fn run_bus(args: &EpochArgs) -> anyhow::Result<Figure> {
         .get((committed.max(1) - 1) as usize)
         .map_or(0, |ns| ns.load(Ordering::Relaxed));
     let mut not_durable = None;
-    if let Some(status) = shared.durable_status.get() {
+    // With nothing committed (a run that stalled or failed at once) there is nothing to wait for.
+    if let Some(status) = shared.durable_status.get().filter(|_| committed > 0) {
         // The run ends when the last commit record is durable.
         if status.wait_durable_committed(Epoch(committed), Duration::from_secs(60)) {
             finished_ns = shared.now_ns();
