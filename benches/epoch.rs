@@ -159,9 +159,9 @@ fn config() -> EpochConfig {
     EpochConfig::new(1).with_backlog_limit(1 << 24)
 }
 
-/// A coordinator with both partition counts set to `partitions`.
-fn coordinator_of(partitions: i32) -> EpochCoordinator<Counting, Counting> {
-    let mut coordinator = EpochCoordinator::new(config(), Counting::default(), Counting::default())
+/// A coordinator with `config` and both partition counts set to `partitions`.
+fn coordinator_of(config: EpochConfig, partitions: i32) -> EpochCoordinator<Counting, Counting> {
+    let mut coordinator = EpochCoordinator::new(config, Counting::default(), Counting::default())
         .expect("valid config");
     coordinator.set_reader_partitions(partitions).expect("count");
     coordinator.set_writer_partitions(partitions).expect("count");
@@ -173,13 +173,20 @@ fn coordinator_of(partitions: i32) -> EpochCoordinator<Counting, Counting> {
 const PER_MESSAGE_CASES: [(i32, i64, i64); 4] =
     [(1, 50_000, 50_000), (100, 500, 50), (1_000, 50, 10), (10_000, 5, 0)];
 
-/// A contender of `per_message`: a fresh coordinator at `partitions`, the messages it takes,
-/// and what it counted (commits, rejected messages, query stops) once they are applied.
-trait Contender {
-    fn fresh(partitions: i32) -> Self;
+/// A contender of `per_message` and `repeat_report`: a fresh coordinator with `config` at
+/// `partitions`, the messages it takes, and what its query counted once they are applied.
+trait Contender: Sized {
+    fn with_config(config: EpochConfig, partitions: i32) -> Self;
+    /// A fresh coordinator with the bench's config ([`config`]).
+    fn fresh(partitions: i32) -> Self {
+        Self::with_config(config(), partitions)
+    }
     /// Applies `messages` (timed by the caller); counts rejected messages.
     fn apply_all(&mut self, messages: &mut Vec<EpochMessage>, rejected: &mut u64);
-    fn commits_and_stops(&self) -> (u64, u64);
+    fn query(&self) -> &Counting;
+    fn commits_and_stops(&self) -> (u64, u64) {
+        (self.query().commits, self.query().stops)
+    }
 }
 
 /// `coordbus`: one `apply` call a message.
@@ -190,8 +197,8 @@ struct AsRun(EpochCoordinator<Counting, Counting>);
 struct Reference(ReferenceEpochCoordinator<Counting, Counting>);
 
 impl Contender for OneByOne {
-    fn fresh(partitions: i32) -> Self {
-        Self(coordinator_of(partitions))
+    fn with_config(config: EpochConfig, partitions: i32) -> Self {
+        Self(coordinator_of(config, partitions))
     }
     #[inline(always)]
     fn apply_all(&mut self, messages: &mut Vec<EpochMessage>, rejected: &mut u64) {
@@ -199,28 +206,28 @@ impl Contender for OneByOne {
             *rejected += u64::from(self.0.apply(message).is_err());
         }
     }
-    fn commits_and_stops(&self) -> (u64, u64) {
-        (self.0.query().commits, self.0.query().stops)
+    fn query(&self) -> &Counting {
+        self.0.query()
     }
 }
 
 impl Contender for AsRun {
-    fn fresh(partitions: i32) -> Self {
-        Self(coordinator_of(partitions))
+    fn with_config(config: EpochConfig, partitions: i32) -> Self {
+        Self(coordinator_of(config, partitions))
     }
     #[inline(always)]
     fn apply_all(&mut self, messages: &mut Vec<EpochMessage>, rejected: &mut u64) {
         self.0.apply_run(&mut messages.drain(..), |_| *rejected += 1);
     }
-    fn commits_and_stops(&self) -> (u64, u64) {
-        (self.0.query().commits, self.0.query().stops)
+    fn query(&self) -> &Counting {
+        self.0.query()
     }
 }
 
 impl Contender for Reference {
-    fn fresh(partitions: i32) -> Self {
+    fn with_config(config: EpochConfig, partitions: i32) -> Self {
         let mut coordinator =
-            ReferenceEpochCoordinator::new(config(), Counting::default(), Counting::default())
+            ReferenceEpochCoordinator::new(config, Counting::default(), Counting::default())
                 .expect("valid config");
         coordinator.set_reader_partitions(partitions).expect("count");
         coordinator.set_writer_partitions(partitions).expect("count");
@@ -232,8 +239,8 @@ impl Contender for Reference {
             *rejected += u64::from(self.0.apply(message).is_err());
         }
     }
-    fn commits_and_stops(&self) -> (u64, u64) {
-        (self.0.query().commits, self.0.query().stops)
+    fn query(&self) -> &Counting {
+        self.0.query()
     }
 }
 
@@ -404,111 +411,69 @@ fn reports(partitions: i32, epoch: i64, round: i64) -> Vec<EpochMessage> {
         .collect()
 }
 
-/// What `repeat_report` needs of a coordinator: a fresh one at `partitions` with the default
-/// limits, its `apply`, and how many offsets its query was handed and how often it was stopped.
-trait RepeatContender: Sized {
-    fn fresh_default(partitions: i32) -> Self;
-    fn apply_one(&mut self, message: EpochMessage) -> bool;
-    fn offsets_and_stops(&self) -> (u64, u64);
-}
-
-impl RepeatContender for EpochCoordinator<Counting, Counting> {
-    fn fresh_default(partitions: i32) -> Self {
-        let mut coordinator =
-            EpochCoordinator::new(EpochConfig::new(1), Counting::default(), Counting::default())
-                .expect("valid config");
-        coordinator.set_reader_partitions(partitions).expect("count");
-        coordinator.set_writer_partitions(partitions).expect("count");
-        coordinator
-    }
-    fn apply_one(&mut self, message: EpochMessage) -> bool {
-        self.apply(message).is_ok()
-    }
-    fn offsets_and_stops(&self) -> (u64, u64) {
-        (self.query().offsets, self.query().stops)
-    }
-}
-
-impl RepeatContender for ReferenceEpochCoordinator<Counting, Counting> {
-    fn fresh_default(partitions: i32) -> Self {
-        let mut coordinator = ReferenceEpochCoordinator::new(
-            EpochConfig::new(1),
-            Counting::default(),
-            Counting::default(),
-        )
-        .expect("valid config");
-        coordinator.set_reader_partitions(partitions).expect("count");
-        coordinator.set_writer_partitions(partitions).expect("count");
-        coordinator
-    }
-    fn apply_one(&mut self, message: EpochMessage) -> bool {
-        self.apply(message).is_ok()
-    }
-    fn offsets_and_stops(&self) -> (u64, u64) {
-        (self.query().offsets, self.query().stops)
-    }
-}
-
-/// A fresh `C` given `first` (an epoch's complete offsets), then `repeats`, of which only the
-/// repeats are timed; panics, naming `name`, unless every message was taken and each repeat
-/// handed the query the epoch's `partitions` offsets again.
-fn time_repeats<C: RepeatContender>(
+/// A fresh `C` with the default limits given `first` (an epoch's complete offsets), then
+/// `repeats`, of which only the repeats are timed; panics, naming `name`, unless every message
+/// was taken and each repeat handed the query the epoch's `partitions` offsets again.
+fn time_repeats<C: Contender>(
     name: &str,
     partitions: i32,
     first: &[EpochMessage],
     repeats: &[EpochMessage],
 ) -> Duration {
-    let mut coordinator = C::fresh_default(partitions);
-    let mut taken =
-        first.iter().filter(|message| coordinator.apply_one((*message).clone())).count();
+    let mut coordinator = C::with_config(EpochConfig::new(1), partitions);
+    let mut rejected = 0;
+    coordinator.apply_all(&mut first.to_vec(), &mut rejected);
     let mut buffer = repeats.to_vec();
     let started = Instant::now();
-    for message in buffer.drain(..) {
-        taken += usize::from(coordinator.apply_one(message));
-    }
+    coordinator.apply_all(black_box(&mut buffer), &mut rejected);
     let elapsed = started.elapsed();
-    let (offsets, stops) = coordinator.offsets_and_stops();
+    let (offsets, stops) = (coordinator.query().offsets, coordinator.query().stops);
     let expected = (1 + repeats.len() as u64) * partitions as u64;
     assert!(
-        taken == first.len() + repeats.len() && offsets == expected && stops == 0,
-        "{name} at {partitions} partitions: {taken} messages taken, {offsets} of {expected} \
-         offsets handed on, {stops} stops: the figure would time other work than it claims"
+        rejected == 0 && offsets == expected && stops == 0,
+        "{name} at {partitions} partitions: {rejected} messages rejected, {offsets} of \
+         {expected} offsets handed on, {stops} stops: the figure would time other work than it \
+         claims"
     );
-    drop(coordinator);
     elapsed
+}
+
+/// Times contender `C` as `name` in `group` on `repeat_count` repeated reports of every
+/// partition of `epoch` (after one checked application).
+fn bench_repeats<C: Contender>(
+    group: &mut BenchmarkGroup<'_, WallTime>,
+    name: &str,
+    partitions: i32,
+    epoch: i64,
+    repeat_count: usize,
+) {
+    let first = reports(partitions, epoch, 0);
+    let repeats = &reports(partitions, epoch, 1)[..repeat_count];
+    // Sanity, before anything is timed.
+    time_repeats::<C>(name, partitions, &first, repeats);
+    group.throughput(Throughput::Elements(repeats.len() as u64));
+    group.bench_function(BenchmarkId::new(name, partitions), |bencher| {
+        bencher.iter_custom(|iterations| {
+            (0..iterations).map(|_| time_repeats::<C>(name, partitions, &first, repeats)).sum()
+        });
+    });
 }
 
 fn repeat_report(criterion: &mut Criterion) {
     for (partitions, reference_repeats) in [(1_000, 1_000), (10_000, 1_000)] {
         let mut group = criterion.benchmark_group(format!("epoch/repeat_report/{partitions}"));
         group.sample_size(10);
-        let cases = [
-            ("coordbus_near", 1, partitions as usize),
-            ("coordbus_far", FAR_EPOCH, partitions as usize),
-            ("reference", FAR_EPOCH, reference_repeats),
-        ];
-        for (name, epoch, repeat_count) in cases {
-            let first = reports(partitions, epoch, 0);
-            let repeats = &reports(partitions, epoch, 1)[..repeat_count];
-            group.throughput(Throughput::Elements(repeats.len() as u64));
-            let time = |first: &[EpochMessage]| {
-                if name == "reference" {
-                    time_repeats::<ReferenceEpochCoordinator<_, _>>(
-                        name, partitions, first, repeats,
-                    )
-                } else {
-                    time_repeats::<EpochCoordinator<_, _>>(name, partitions, first, repeats)
-                }
-            };
-            // Sanity, before anything is timed.
-            time(&first);
-            if name == "reference" {
-                group.sampling_mode(SamplingMode::Flat);
-            }
-            group.bench_function(BenchmarkId::new(name, partitions), |bencher| {
-                bencher.iter_custom(|iterations| (0..iterations).map(|_| time(&first)).sum());
-            });
-        }
+        let all = partitions as usize;
+        bench_repeats::<OneByOne>(&mut group, "coordbus_near", partitions, 1, all);
+        bench_repeats::<OneByOne>(&mut group, "coordbus_far", partitions, FAR_EPOCH, all);
+        group.sampling_mode(SamplingMode::Flat);
+        bench_repeats::<Reference>(
+            &mut group,
+            "reference",
+            partitions,
+            FAR_EPOCH,
+            reference_repeats,
+        );
         group.finish();
     }
 }

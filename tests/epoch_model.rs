@@ -503,6 +503,10 @@ fn windowed_wide_case() -> impl Strategy<Value = Case> {
         })
 }
 
+/// The least dense window of the coordinator, in epochs after the last commit (its module
+/// docs: "as many epochs ahead as the side's backlog limit holds full epochs, and at least 16").
+const DENSE_WINDOW_EPOCHS_MIN: i64 = 16;
+
 /// The generated cases do reach the interesting states (guards against a strategy that never
 /// commits, overflows, drops for a full queue or fails, which would make the equivalence check
 /// vacuous).
@@ -556,24 +560,17 @@ fn generated_cases_cover_commits_waits_overflows_and_failures() {
             let stored = |stats: &EpochStats| {
                 stats.counters.offsets_accepted + stats.counters.commits_accepted
             };
-            // The coordinator's dense window: max(16, limit / count) epochs after the last
-            // commit, for a side whose count is set (an unset count's side is sparse anyway).
-            let window = |count: i32, limit: usize| {
-                if count > 0 {
-                    16.max(limit as i64 / i64::from(count))
-                } else {
-                    0
-                }
+            // The coordinator's dense window for a side whose count is set: max(16, limit /
+            // count) epochs after the last commit (module docs of the coordinator). Sides of an
+            // unset count are sparse too, but not what this counts.
+            let beyond_window = |e: i64, count: i32, limit: usize| {
+                count > 0
+                    && e - before.last_committed.0
+                        > DENSE_WINDOW_EPOCHS_MIN.max(limit as i64 / i64::from(count))
             };
             let beyond_window = match *op {
-                Op::Report(_, e) => {
-                    e - before.last_committed.0
-                        > window(before.reader_partitions, case.offset_limit)
-                }
-                Op::Commit(_, e) => {
-                    e - before.last_committed.0
-                        > window(before.writer_partitions, case.commit_limit)
-                }
+                Op::Report(_, e) => beyond_window(e, before.reader_partitions, case.offset_limit),
+                Op::Commit(_, e) => beyond_window(e, before.writer_partitions, case.commit_limit),
                 _ => false,
             };
             far_ahead_stored += u64::from(beyond_window && stored(&fast.stats()) > stored(&before));

@@ -213,3 +213,21 @@ impl Drop for BusHarness {
         let _ = self.bus.shutdown();
     }
 }
+
+/// Checks the warnings of the four bad messages the bad-input tests send, in order (counts of
+/// 2 partitions, last committed epoch 0): a report for partition 2 of epoch 1 (out of range),
+/// a commit of partition -4 (negative), a commit of epoch 0 (stale), a second commit of
+/// partition 1 of epoch 1 (duplicate); each warning names the message and why it was dropped.
+pub fn assert_warnings_name_the_four_bad_messages(lines: &[String]) {
+    assert_eq!(lines.len(), 4, "one warning per dropped message: {lines:?}");
+    for (line, expected) in lines.iter().zip([
+        ["partition 2 ", "epoch 1 ", "partition count 2"],
+        ["partition -4 ", "epoch 1 ", "negative"],
+        ["partition 0 ", "epoch 0 ", "last committed epoch 0"],
+        ["partition 1 ", "epoch 1 ", "already committed this epoch"],
+    ]) {
+        for part in expected {
+            assert!(line.contains(part), "{part:?} missing from the warning {line:?}");
+        }
+    }
+}

@@ -91,7 +91,7 @@ use std::{
     path::Path,
     rc::Rc,
     sync::{
-        atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering},
+        atomic::{AtomicI64, AtomicU64, Ordering},
         Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak,
     },
     time::{Duration, Instant},
@@ -159,11 +159,8 @@ struct Status {
     ignored_offsets: AtomicU64,
     /// Commit records not yet known durable, and who waits for a commit.
     pending: Mutex<PendingCommits>,
-    /// Signalled when a commit is appended while someone waits for one, and when commits end.
-    committed: Condvar,
-    /// No more commits will come: the query was dropped, its WAL failed, or the coordinator
-    /// fail-stopped. Set under `pending`'s lock, so a waiter cannot miss it.
-    commits_ended: AtomicBool,
+    /// Signalled when a commit is queued while someone waits for one, and when commits end.
+    commit_queued: Condvar,
     /// The log (not kept open by status handles).
     wal: Weak<Wal>,
 }
@@ -214,9 +211,12 @@ impl SyncedCommits {
 struct PendingCommits {
     /// `(lsn, epoch)`, in order.
     records: VecDeque<(u64, i64)>,
-    /// Readers waiting on [`Status::committed`]: a commit signals only if there are any (a
+    /// Readers waiting on [`Status::commit_queued`]: a commit signals only if there are any (a
     /// signal is a system call, and commits come by the hundred thousand a second).
     waiters: usize,
+    /// No more commits will come: the query was dropped, its WAL failed, or the coordinator
+    /// fail-stopped (until a new run begins).
+    ended: bool,
 }
 
 impl Status {
@@ -232,29 +232,27 @@ impl Status {
     }
 
     /// Queues the commit record of `epoch` at `lsn` and wakes the readers waiting for a commit.
-    fn committed(&self, lsn: Lsn, epoch: Epoch) {
+    fn queue_commit(&self, lsn: Lsn, epoch: Epoch) {
         let mut pending = self.pending();
         pending.records.push_back((lsn.0, epoch.0));
         if pending.waiters > 0 {
-            self.committed.notify_all();
+            self.commit_queued.notify_all();
         }
     }
 
     /// A new coordinator took the query (after an earlier one fail-stopped, maybe): commits
     /// may come again, unless the WAL failed.
     fn begin_commits(&self) {
-        let _pending = self.pending();
-        if self.wal_failure.get().is_none() {
-            self.commits_ended.store(false, Ordering::Release);
-        }
+        let mut pending = self.pending();
+        pending.ended = self.wal_failure.get().is_some();
     }
 
     /// No commit will come any more: wakes every reader waiting for one.
     fn end_commits(&self) {
-        let pending = self.pending();
-        self.commits_ended.store(true, Ordering::Release);
+        let mut pending = self.pending();
+        pending.ended = true;
         if pending.waiters > 0 {
-            self.committed.notify_all();
+            self.commit_queued.notify_all();
         }
     }
 
@@ -268,9 +266,7 @@ impl Status {
             if let Some(&(lsn, _)) = queued {
                 return Some(Lsn(lsn));
             }
-            if self.durable_committed.load(Ordering::Acquire) >= epoch.0
-                || self.commits_ended.load(Ordering::Acquire)
-            {
+            if self.durable_committed.load(Ordering::Acquire) >= epoch.0 || pending.ended {
                 return None;
             }
             let left = match deadline {
@@ -278,7 +274,7 @@ impl Status {
                 None => Duration::MAX,
             };
             pending.waiters += 1;
-            pending = match self.committed.wait_timeout(pending, left) {
+            pending = match self.commit_queued.wait_timeout(pending, left) {
                 Ok((guard, _)) => guard,
                 Err(poisoned) => poisoned.into_inner().0,
             };
@@ -333,7 +329,10 @@ impl DurableQueryStatus {
     /// `epoch` committed and durable, or when the timeout passes: [`Self::wal_failure`], or a
     /// fail-stop error in [`Self::stop_error`] ([`EpochError::is_fail_stop`]), then says which
     /// (neither: the timeout, or the query was dropped). An engine's own calls of
-    /// [`Query::stop`] with a fail-stop error end the wait too.
+    /// [`Query::stop`] with a fail-stop error end the wait too. Two limits: the query is not
+    /// told of `StopContinuousExecutionWrites`, so after it a wait for an epoch that will not
+    /// commit runs to its timeout; and `stop_error` keeps the first error of the query's life,
+    /// so in a run begun after a fail-stop ([`Query::begin_run`]) it names the old one.
     pub fn wait_durable_committed(&self, epoch: Epoch, timeout: Duration) -> bool {
         let status = &*self.0;
         let durable = |status: &Status| status.durable_committed.load(Ordering::Acquire) >= epoch.0;
@@ -538,8 +537,7 @@ impl<Q: Query> DurableQuery<Q> {
             ignored_commits: AtomicU64::new(0),
             ignored_offsets: AtomicU64::new(0),
             pending: Mutex::new(PendingCommits::default()),
-            committed: Condvar::new(),
-            commits_ended: AtomicBool::new(false),
+            commit_queued: Condvar::new(),
             wal: Arc::downgrade(&wal),
         });
         Ok(Self {
@@ -829,7 +827,7 @@ impl<Q: Query> Query for DurableQuery<Q> {
         // lock and this thread a wake-up): the queue is drained here and by status readers.
         // Queued before the epoch shows as committed, so that a reader who sees it committed
         // finds its record to wait for (`wait_durable_committed`).
-        self.status.committed(lsn, epoch);
+        self.status.queue_commit(lsn, epoch);
         if let Some(synced_commits) = self.synced_commits.as_mut() {
             synced_commits.appended(lsn, epoch);
         }
@@ -2112,7 +2110,7 @@ mod tests {
 
     /// A reader waiting for an epoch not committed yet gets it once it is committed and
     /// durable; an overflow's stop, before or during the wait, does not end it (the coordinator
-    /// still commits after one), and neither does a new run after a fail-stop.
+    /// still commits after one).
     #[test]
     fn a_wait_for_a_durable_commit_waits_for_the_commit_too() {
         let overflow = || EpochError::BacklogExceeded {
@@ -2133,15 +2131,25 @@ mod tests {
         let (durable, _) = waiter.join().unwrap();
         assert!(durable, "epoch 1 committed and durable");
         assert_eq!(status.durable_committed(), Some(Epoch(1)));
+    }
 
-        // A fail-stop ends the waits; a new coordinator taking the query begins them again.
-        query.stop(EpochError::SinkCommit { epoch: Epoch(2), source: "refused".into() });
-        assert!(!status.wait_durable_committed(Epoch(2), Duration::from_secs(30)));
+    /// After a fail-stop a wait ends at once; a new coordinator taking the query
+    /// ([`Query::begin_run`]) begins commits again, and a wait gets its commit.
+    #[test]
+    fn a_new_run_begins_commits_again() {
+        let long = Duration::from_secs(60);
+        let dir = tempfile::tempdir().unwrap();
+        let mut query = DurableQuery::open(dir.path(), config()).unwrap();
+        let status = query.status();
+        query.stop(EpochError::SinkCommit { epoch: Epoch(0), source: "refused".into() });
+        let started = Instant::now();
+        assert!(!status.wait_durable_committed(Epoch(0), long));
+        assert!(started.elapsed() < long / 2, "the fail-stop ended the wait");
         query.begin_run();
-        let waiter = waiting_for_commit(&status, Epoch(2), Duration::from_secs(30));
-        query.add_offsets(Epoch(2), Offsets::new(&offsets(2, 0))).unwrap();
-        query.commit(Epoch(2)).unwrap();
-        assert!(waiter.join().unwrap().0, "the new run's commit of epoch 2");
+        let waiter = waiting_for_commit(&status, Epoch(0), long);
+        query.add_offsets(Epoch(0), Offsets::new(&offsets(0, 0))).unwrap();
+        query.commit(Epoch(0)).unwrap();
+        assert!(waiter.join().unwrap().0, "the new run's commit of epoch 0");
     }
 
     /// A wait for an epoch that is never committed ends with its timeout.

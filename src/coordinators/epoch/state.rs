@@ -410,10 +410,15 @@ impl Slots {
             return 0;
         }
         let before = self.entries.len();
-        self.entries.retain(|(partition, _)| partition.0 < first_out);
+        let non_words = &mut self.stored.non_words;
+        self.entries.retain(|(partition, payload)| {
+            let keep = partition.0 < first_out;
+            if !keep && !payload.is_word() {
+                *non_words -= 1;
+            }
+            keep
+        });
         self.len = self.entries.len();
-        self.stored.non_words =
-            self.entries.iter().filter(|(_, payload)| !payload.is_word()).count() as u32;
         self.max_partition =
             self.entries.iter().map(|(partition, _)| partition.0).max().unwrap_or(-1);
         self.positional = self
@@ -436,15 +441,14 @@ impl Slots {
             if self.stored.heap {
                 self.free_heap_payloads();
             }
-            self.stored = StoredPayloads::default();
             self.present.fill(0);
         } else {
             self.entries.clear();
             self.index.clear();
             self.positional = true;
             self.max_partition = -1;
-            self.stored = StoredPayloads::default();
         }
+        self.stored = StoredPayloads::default();
         self.len = 0;
     }
 
@@ -529,6 +533,7 @@ impl StoredPayloads {
     #[inline]
     fn note_replacing(&mut self, replaced: &Payload, payload: &Payload) {
         if !replaced.is_word() {
+            debug_assert!(self.non_words > 0, "a payload that is no word was stored uncounted");
             self.non_words -= 1;
         }
         self.note(payload);
