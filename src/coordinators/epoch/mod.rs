@@ -44,13 +44,12 @@
 //!   and otherwise an epoch-keyed hash map; buckets live in a slab and are recycled with their
 //!   allocations, so a steady run allocates nothing per epoch (payloads that spilled to the
 //!   heap are freed when their epoch commits, not kept until their slot is reused);
-//! * near the commit frontier (as many epochs ahead as the side's backlog limit holds full
-//!   epochs, and at least 16) a bucket is laid out densely: slot `p` holds partition `p`'s
-//!   entry and a bitmap says which slots are filled, so a message costs a bit test and a
-//!   store, and a complete epoch already is the slice, sorted by partition id, that the query
-//!   and the sink get (SPEC 0.3). Every epoch that a backlog of full epochs within the
-//!   limits can reach is near, so producers that run ahead of one another still fill dense
-//!   buckets;
+//! * near the commit frontier (as many epochs ahead as the side's backlog limit holds full epochs,
+//!   and at least 16 for counts up to 16 Ki) a bucket is laid out densely: slot `p` holds partition
+//!   `p`'s entry and a bitmap says which slots are filled, so a message costs a bit test and a
+//!   store, and a complete epoch already is the slice, sorted by partition id, that the query and
+//!   the sink get (SPEC 0.3). Every epoch that a backlog of full epochs within the limits can reach
+//!   is near, so producers that run ahead of one another still fill dense buckets;
 //! * further ahead, or while a partition count is unset, a bucket is sparse: entries in arrival
 //!   order (the vector is its own index while partitions arrive as 0, 1, 2, ...; otherwise a
 //!   small per-bucket hash map finds them), sorted on completion, by placing each entry at its
@@ -68,11 +67,13 @@
 //! one of `tracing`'s `release_max_level_*` features.
 //!
 //! Memory is bounded by the limits: sparse buckets grow with their entries; dense buckets (40 bytes
-//! per partition and side, only for partition counts up to 16 Ki and up to the side's backlog
-//! limit) exist only for the epochs of that window, `max(16, limit / count)` after the last
-//! committed one, plus as many recycled ones (only the free buckets released last keep their
-//! allocations, and every free bucket gives them back when the count changes), so they take at most
-//! `2 x max(16 x count, limit)` slots of 40 bytes per side, counts below 16 counting as 16.
+//! per partition and side, only for partition counts up to the side's backlog limit) exist only
+//! for the epochs of that window, `max(16, limit / count)` after the last committed one (for
+//! counts above 16 Ki `limit / count`, no minimum, so their live dense sides stay within the
+//! limit), plus recycled ones, at most `max(16, limit / count)` (only the free buckets released
+//! last keep their allocations, and every free bucket gives them back when the count changes), so
+//! they take at most `2 x max(16 x count, limit)` slots of 40 bytes per side, counts below 16
+//! counting as 16.
 //! Recycled sparse sides keep room for up to `count` entries too, at most the limit and one (which
 //! no side exceeds), so a count above the limit makes that 16 x the limit. After a count is
 //! lowered, buckets laid out for the old count stay until their epochs commit; those it left with

@@ -103,8 +103,10 @@ fn recycle_window(count: i32, limit: usize) -> usize {
 /// densely (and may reuse a recycled allocation); further ahead it is sparse and starts small.
 ///
 /// As many epochs as `limit` holds full epochs of `count` entries, and at least
-/// [`DENSE_WINDOW_EPOCHS_MIN`]: the live dense sides then take at most
-/// `max(16 x count, limit)` slots of 40 bytes, within what the limit's entries take anyway.
+/// [`DENSE_WINDOW_EPOCHS_MIN`] for counts up to [`LEAST_WINDOW_PARTITIONS_MAX`] (above it,
+/// no minimum: the limit's full epochs, at least the next one for a count within the limit):
+/// the live dense sides then take at most `max(16 x min(count, 16 Ki), limit)` slots of 40
+/// bytes, within what the limit's entries take anyway.
 /// A window sized by the limit covers every epoch a backlog of full epochs within it reaches, so
 /// producers that run ahead of one another (each epoch's partitions arriving from several
 /// threads, some epochs ahead) fill dense sides: a sparse side of such an epoch hashes its
@@ -113,7 +115,12 @@ fn recycle_window(count: i32, limit: usize) -> usize {
 fn dense_window(count: i32, limit: usize) -> i64 {
     let full_epochs =
         usize::try_from(count).ok().filter(|&count| count > 0).map_or(0, |count| limit / count);
-    i64::try_from(full_epochs).unwrap_or(i64::MAX).max(DENSE_WINDOW_EPOCHS_MIN)
+    let full_epochs = i64::try_from(full_epochs).unwrap_or(i64::MAX);
+    if count > LEAST_WINDOW_PARTITIONS_MAX {
+        full_epochs
+    } else {
+        full_epochs.max(DENSE_WINDOW_EPOCHS_MIN)
+    }
 }
 
 /// What an insert into [`Slots`] did.
@@ -155,8 +162,11 @@ struct Slots {
 /// Entries a side keeps room for whatever the partition count: what [`Slots::shrink`] leaves.
 const SMALL_SIDE_CAPACITY: usize = 16;
 
-/// Largest partition count laid out densely (a dense side costs 40 bytes per partition).
-const DENSE_PARTITIONS_MAX: i32 = 1 << 14;
+/// Largest partition count whose dense window is at least [`DENSE_WINDOW_EPOCHS_MIN`] epochs
+/// whatever the limit (a dense side costs 40 bytes per partition: 16 epochs of 16 Ki
+/// partitions are 10 MiB a side). Larger counts are laid out densely only as far ahead as the
+/// limit holds full epochs ([`dense_window`]), so their dense sides stay within the limit.
+const LEAST_WINDOW_PARTITIONS_MAX: i32 = 1 << 14;
 
 impl Slots {
     fn new() -> Self {
@@ -186,7 +196,7 @@ impl Slots {
     /// Chooses the layout of an empty side for `count` partitions.
     fn prepare(&mut self, count: i32, allow_dense: bool) {
         debug_assert_eq!(self.len, 0);
-        if allow_dense && count > 0 && count <= DENSE_PARTITIONS_MAX {
+        if allow_dense && count > 0 {
             let count = count as usize;
             if !(self.dense && self.entries.len() == count) {
                 self.entries.clear();
@@ -1843,13 +1853,19 @@ mod tests {
     }
 
     #[test]
-    fn the_dense_window_is_the_full_epochs_the_limit_holds_and_at_least_16() {
+    fn the_dense_window_is_the_full_epochs_the_limit_holds_at_least_16_up_to_16_ki() {
         assert_eq!(dense_window(1000, 10_000), 16, "10 full epochs: the least window");
         assert_eq!(dense_window(1000, 1 << 20), 1048);
         assert_eq!(dense_window(1000, 1999), 16);
         assert_eq!(dense_window(1, usize::MAX), i64::MAX, "saturates");
         assert_eq!(dense_window(0, 1 << 20), 16, "count unset");
         assert_eq!(dense_window(-3, 1 << 20), 16, "a negative count (refused before)");
+        // Above 16 Ki partitions no least window: only the full epochs the limit holds.
+        assert_eq!(dense_window(1 << 14, 1 << 20), 64);
+        assert_eq!(dense_window((1 << 14) + 1, 1 << 20), 63);
+        assert_eq!(dense_window(20_000, 1_000_000), 50);
+        assert_eq!(dense_window(100_000, 150_000), 1, "the next epoch");
+        assert_eq!(dense_window(100_000, 10_000), 0, "over the limit: never dense");
     }
 
     #[test]
@@ -1967,6 +1983,39 @@ mod tests {
         assert_eq!(capacities(&coordinator), [(0, 100); 3]);
         coordinator.set_writer_partitions(1000).unwrap();
         assert_eq!(capacities(&coordinator), [(0, 0); 3]);
+    }
+
+    /// Above 16 Ki partitions a side is dense only as far ahead as the limit holds full epochs
+    /// (no least window), and a complete dense side commits as any other; over the limit none.
+    #[test]
+    fn counts_above_16_ki_are_dense_within_the_epochs_the_limit_holds() {
+        const COUNT: i32 = 20_000;
+        let config = EpochConfig::new(1).with_backlog_limit(1_000_000);
+        let mut coordinator = EpochCoordinator::new(config, Nothing, Nothing).unwrap();
+        coordinator.set_reader_partitions(COUNT).unwrap();
+        coordinator.set_writer_partitions(1).unwrap();
+        let dense_at = |coordinator: &EpochCoordinator<Nothing, Nothing>, epoch: i64| {
+            coordinator.buckets[coordinator.by_epoch[&epoch] as usize].offsets.dense
+        };
+        // 1_000_000 / 20_000 = 50 full epochs.
+        for epoch in [1, 50, 51] {
+            coordinator.report_partition_offset(PartitionId(7), Epoch(epoch), 1.into()).unwrap();
+        }
+        assert!(dense_at(&coordinator, 1) && dense_at(&coordinator, 50));
+        assert!(!dense_at(&coordinator, 51), "beyond the limit's full epochs: sparse");
+        for partition in 0..COUNT {
+            coordinator
+                .report_partition_offset(PartitionId(partition), Epoch(1), 2.into())
+                .unwrap();
+        }
+        coordinator.commit_partition_epoch(PartitionId(0), Epoch(1), 1.into()).unwrap();
+        assert_eq!(coordinator.last_committed(), Epoch(1));
+
+        let config = EpochConfig::new(1).with_backlog_limit(COUNT as usize - 1);
+        let mut over = EpochCoordinator::new(config, Nothing, Nothing).unwrap();
+        over.set_reader_partitions(COUNT).unwrap();
+        over.report_partition_offset(PartitionId(7), Epoch(1), 1.into()).unwrap();
+        assert!(!dense_at(&over, 1), "a count over the limit is never dense");
     }
 
     #[test]
