@@ -48,14 +48,14 @@
 //!
 //! Group `epoch/repeat_report/<P>`: a retried stage's reports of an epoch whose offsets are
 //! complete already (SPEC B.4: each one replaces its offset and, the epoch's offsets being
-//! complete, hands the query all of them again with `add_offsets`), one message at a time,
-//! `P` of them (every partition once more). `coordbus_near`: the epoch is the next to commit
-//! (a dense side); `coordbus_far`: it is 20 epochs ahead, beyond the dense window (a sparse
-//! side, as also for counts over 16 Ki or offsets stored while a count was unset); both with
-//! the default backlog limits (10 000). `reference`: the reference model on the far stream
-//! (its layout does not depend on the epoch), which counts the epoch's entries by a scan of
-//! all stored entries per report; at 10 000 partitions on the first 1 000 repeats only. Only
-//! the repeats are timed; each iteration checks that every one reached the query.
+//! complete, hands the query all of them again with `add_offsets`), one message at a time, `P` of
+//! them (every partition once more). `coordbus_near`: the epoch is the next to commit (a dense
+//! side); `coordbus_far`: it is 20 epochs ahead, beyond the dense window (a sparse side, as also
+//! for counts over the limit or 1 Mi, or offsets stored while a count was unset); both with the
+//! default backlog limits (10 000). `reference`: the reference model on the far stream (its layout
+//! does not depend on the epoch), which counts the epoch's entries by a scan of all stored entries
+//! per report; at 10 000 partitions on the first 1 000 repeats only. Only the repeats are timed;
+//! each iteration checks that every one reached the query.
 //!
 //! Timing settings: a warm-up of 1 s and 3 s of measurement per function (PERF.md's method),
 //! so that the whole file runs in about two minutes; `--warm-up-time` and

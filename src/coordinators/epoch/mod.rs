@@ -67,25 +67,25 @@
 //! one of `tracing`'s `release_max_level_*` features.
 //!
 //! Memory is bounded by the limits: sparse buckets grow with their entries; dense buckets (40 bytes
-//! per partition and side, only for partition counts up to the side's backlog limit) exist only
-//! for the epochs of that window, `max(16, limit / count)` after the last committed one (for
-//! counts above 16 Ki `limit / count`, no minimum, so their live dense sides stay within the
-//! limit), plus recycled ones, at most `max(16, limit / count)` (only the free buckets released
-//! last keep their allocations, and every free bucket gives them back when the count changes), so
-//! they take at most `2 x max(16 x count, limit)` slots of 40 bytes per side, counts below 16
-//! counting as 16.
-//! Recycled sparse sides keep room for up to `count` entries too, at most the limit and one (which
-//! no side exceeds), so a count above the limit makes that 16 x the limit. After a count is
-//! lowered, buckets laid out for the old count stay until their epochs commit; those it left with
-//! no entry are freed. The backlog checks stop the query once the entries exceed the limits
-//! (default 10 000 each), with Spark's errors (SPEC B.7). Spark then keeps storing until the query
-//! sends `StopContinuousExecutionWrites`, so tasks that keep sending grow its maps without bound.
-//! Here a side (offsets or commits) whose entries are over its limit takes no new `(epoch,
-//! partition)` entry, except for the next epoch to commit while that side's partition count is set
-//! and within the limit: only those messages can commit epochs and so free the queue (an epoch with
-//! more partitions than the limit cannot commit without overflowing anyway). A message it refuses
-//! is dropped and counted ([`DropReason::BacklogFull`]), and the checks run for it as for a stored
-//! one (they fire again, as in Spark); a repeat report or a duplicate commit adds no entry and is
+//! per partition and side, only for partition counts up to the side's backlog limit and 1 Mi, which
+//! bounds what one message can allocate at 40 MiB a side) exist only for the epochs of that window,
+//! `max(16, limit / count)` after the last committed one (for counts above 16 Ki `limit / count`,
+//! no minimum, so their live dense sides stay within the limit), plus recycled ones, at most
+//! `max(16, limit / count)` (only the free buckets released last keep their allocations, and every
+//! free bucket gives them back when the count changes), so they take at most `2 x max(16 x count,
+//! limit)` slots of 40 bytes per side, counts below 16 counting as 16. Recycled sparse sides keep
+//! room for up to `count` entries too, at most the limit and one (which no side exceeds), so a
+//! count above the limit makes that 16 x the limit. After a count is lowered, buckets laid out for
+//! the old count stay until their epochs commit; those it left with no entry are freed. The backlog
+//! checks stop the query once the entries exceed the limits (default 10 000 each), with Spark's
+//! errors (SPEC B.7). Spark then keeps storing until the query sends
+//! `StopContinuousExecutionWrites`, so tasks that keep sending grow its maps without bound. Here a
+//! side (offsets or commits) whose entries are over its limit takes no new `(epoch, partition)`
+//! entry, except for the next epoch to commit while that side's partition count is set and within
+//! the limit: only those messages can commit epochs and so free the queue (an epoch with more
+//! partitions than the limit cannot commit without overflowing anyway). A message it refuses is
+//! dropped and counted ([`DropReason::BacklogFull`]), and the checks run for it as for a stored one
+//! (they fire again, as in Spark); a repeat report or a duplicate commit adds no entry and is
 //! handled as usual. Each side therefore holds at most its limit plus one entry, plus the next
 //! epoch's (at most its partition count, itself within the limit), whatever arrives after the stop;
 //! ready epochs waiting to commit hold commit entries, so they are bounded by the commit limit too.

@@ -94,7 +94,8 @@ fn reusable_capacity(count: i32, limit: usize) -> usize {
 /// How many free buckets (the last released, popped first) keep their allocations for a side
 /// of `count` partitions under `limit`: as many as `limit` fills at [`reusable_capacity`]
 /// each, and at least [`DENSE_WINDOW_EPOCHS_MIN`]. The recycled sides then take at most
-/// `max(16 x reusable_capacity, limit)` slots, as the live dense sides may.
+/// `max(16 x reusable_capacity, limit)` slots (the live dense sides at most `max(16 x count,
+/// limit)` up to 16 Ki partitions, `limit` above).
 fn recycle_window(count: i32, limit: usize) -> usize {
     (limit / reusable_capacity(count, limit)).max(DENSE_WINDOW_EPOCHS_MIN as usize)
 }
@@ -133,13 +134,14 @@ enum Inserted {
 
 /// The entries of one epoch for one side (offsets or commits), in one of two layouts:
 ///
-/// * **dense** (the usual case: the partition count is set and moderate, and the epoch is near
-///   the commit frontier): `entries[p] == (p, payload)` for every `p` below the partition count
-///   the bucket was prepared for, a bitmap says which slots hold a value. An insert is a bit test
-///   and a store; a complete side is already the sorted slice the query and sink want.
-/// * **sparse** (count unset, very large, or epoch far ahead): entries in arrival order, found
-///   through a small hash map, sorted on completion. While partitions arrive as 0, 1, 2, ... the
-///   vector is its own index ("positional", no hashing).
+/// * **dense** (the usual case: the partition count is set, within the backlog limit and at
+///   most [`DENSE_PARTITIONS_MAX`], and the epoch is near the commit frontier): `entries[p] ==
+///   (p, payload)` for every `p` below the partition count the bucket was prepared for, a bitmap
+///   says which slots hold a value. An insert is a bit test and a store; a complete side is
+///   already the sorted slice the query and sink want.
+/// * **sparse** (count unset, over the limit or [`DENSE_PARTITIONS_MAX`], or epoch far ahead):
+///   entries in arrival order, found through a small hash map, sorted on completion. While
+///   partitions arrive as 0, 1, 2, ... the vector is its own index ("positional", no hashing).
 struct Slots {
     entries: Vec<(PartitionId, Payload)>,
     /// Dense layout: `entries.len()` is the prepared partition count and `present` its bitmap.
@@ -167,6 +169,11 @@ const SMALL_SIDE_CAPACITY: usize = 16;
 /// partitions are 10 MiB a side). Larger counts are laid out densely only as far ahead as the
 /// limit holds full epochs ([`dense_window`]), so their dense sides stay within the limit.
 const LEAST_WINDOW_PARTITIONS_MAX: i32 = 1 << 14;
+
+/// Largest partition count laid out densely at all: a dense side is allocated whole for its
+/// count by the epoch's first message, 40 bytes a partition, so this bounds what one message
+/// can allocate at 40 MiB a side, whatever the limit.
+const DENSE_PARTITIONS_MAX: i32 = 1 << 20;
 
 impl Slots {
     fn new() -> Self {
@@ -196,7 +203,7 @@ impl Slots {
     /// Chooses the layout of an empty side for `count` partitions.
     fn prepare(&mut self, count: i32, allow_dense: bool) {
         debug_assert_eq!(self.len, 0);
-        if allow_dense && count > 0 {
+        if allow_dense && count > 0 && count <= DENSE_PARTITIONS_MAX {
             let count = count as usize;
             if !(self.dense && self.entries.len() == count) {
                 self.entries.clear();
@@ -1861,8 +1868,8 @@ mod tests {
         assert_eq!(dense_window(0, 1 << 20), 16, "count unset");
         assert_eq!(dense_window(-3, 1 << 20), 16, "a negative count (refused before)");
         // Above 16 Ki partitions no least window: only the full epochs the limit holds.
-        assert_eq!(dense_window(1 << 14, 1 << 20), 64);
-        assert_eq!(dense_window((1 << 14) + 1, 1 << 20), 63);
+        assert_eq!(dense_window(1 << 14, 1 << 17), 16, "16 Ki: the least window still");
+        assert_eq!(dense_window((1 << 14) + 1, 1 << 17), 7);
         assert_eq!(dense_window(20_000, 1_000_000), 50);
         assert_eq!(dense_window(100_000, 150_000), 1, "the next epoch");
         assert_eq!(dense_window(100_000, 10_000), 0, "over the limit: never dense");
@@ -1986,23 +1993,24 @@ mod tests {
     }
 
     /// Above 16 Ki partitions a side is dense only as far ahead as the limit holds full epochs
-    /// (no least window), and a complete dense side commits as any other; over the limit none.
+    /// (no least window of 16), and a complete dense side commits as any other; over the limit,
+    /// or over [`DENSE_PARTITIONS_MAX`], none is.
     #[test]
     fn counts_above_16_ki_are_dense_within_the_epochs_the_limit_holds() {
         const COUNT: i32 = 20_000;
-        let config = EpochConfig::new(1).with_backlog_limit(1_000_000);
+        let config = EpochConfig::new(1).with_backlog_limit(100_000);
         let mut coordinator = EpochCoordinator::new(config, Nothing, Nothing).unwrap();
         coordinator.set_reader_partitions(COUNT).unwrap();
         coordinator.set_writer_partitions(1).unwrap();
         let dense_at = |coordinator: &EpochCoordinator<Nothing, Nothing>, epoch: i64| {
             coordinator.buckets[coordinator.by_epoch[&epoch] as usize].offsets.dense
         };
-        // 1_000_000 / 20_000 = 50 full epochs.
-        for epoch in [1, 50, 51] {
+        // 100_000 / 20_000 = 5 full epochs (fewer than 16).
+        for epoch in [1, 5, 6] {
             coordinator.report_partition_offset(PartitionId(7), Epoch(epoch), 1.into()).unwrap();
         }
-        assert!(dense_at(&coordinator, 1) && dense_at(&coordinator, 50));
-        assert!(!dense_at(&coordinator, 51), "beyond the limit's full epochs: sparse");
+        assert!(dense_at(&coordinator, 1) && dense_at(&coordinator, 5));
+        assert!(!dense_at(&coordinator, 6), "beyond the limit's full epochs: sparse");
         for partition in 0..COUNT {
             coordinator
                 .report_partition_offset(PartitionId(partition), Epoch(1), 2.into())
@@ -2016,6 +2024,15 @@ mod tests {
         over.set_reader_partitions(COUNT).unwrap();
         over.report_partition_offset(PartitionId(7), Epoch(1), 1.into()).unwrap();
         assert!(!dense_at(&over, 1), "a count over the limit is never dense");
+
+        let huge = DENSE_PARTITIONS_MAX + 1;
+        let config = EpochConfig::new(1).with_backlog_limit(usize::MAX);
+        let mut huge_count = EpochCoordinator::new(config, Nothing, Nothing).unwrap();
+        huge_count.set_reader_partitions(huge).unwrap();
+        huge_count.report_partition_offset(PartitionId(7), Epoch(1), 1.into()).unwrap();
+        assert!(!dense_at(&huge_count, 1), "over 1 Mi partitions: never dense");
+        let side = &huge_count.buckets[huge_count.by_epoch[&1] as usize].offsets;
+        assert!(side.entries.capacity() <= 16, "one message allocates a small sparse side");
     }
 
     #[test]
